@@ -1,0 +1,203 @@
+"""HTTP overhead of skylift's inference server: the same batch in-process vs through HTTP.
+
+Both sides run the same engine settings (model, dtype, max_model_len, seed, max_num_seqs) and the
+same batch (`--prompts` prompts x `--max-tokens` sampled tokens, ignore_eos so every request makes
+exactly that many tokens). In-process is `LocalVLLMEngine` (vLLM's AsyncLLM in this process);
+HTTP is `python -m skylift.inference.server` driven by `RemoteInferenceClient`. Rounds alternate
+between the two (after one warm-up each) so that machine noise hits both alike; the median
+throughput of each side is compared.
+
+Last line: JSON `{"ratio": http_tok_s / inproc_tok_s, ...}` (goal >= 0.95).
+
+Run (CPU machine: inside a loopback-only namespace):
+    unshare -n sh -c 'ip link set lo up; .venv/bin/python benchmarks/inference_http_overhead.py'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(model: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "skylift.inference.server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--seed",
+        "0",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+    ]
+    log = open(log_path, "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(
+                f"server exited ({proc.returncode}); log {log_path}:\n{log_path.read_text()[-4000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(1.0)
+    stop_server(proc)
+    raise SystemExit(f"server not healthy after {args.startup_timeout_s} s; log {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    # Distinct prompts (no prefix sharing between them), deterministic.
+    return [[(17 * i + 31 * j + 5) % (vocab - 10) + 5 for j in range(length)] for i in range(n)]
+
+
+async def timed(engine, prompts, params) -> tuple[float, int]:
+    start = time.perf_counter()
+    outputs = await engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.completions)
+    return seconds, tokens
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    from skylift.inference.local import LocalVLLMEngine
+    from skylift.inference.remote import RemoteInferenceClient
+    from skylift.inference.types import SamplingParams
+
+    model = args.model
+    try:
+        from skylift.models import resolve_model_path
+
+        model = str(resolve_model_path(model))
+    except ImportError:
+        pass
+
+    params = SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=None, ignore_eos=True
+    )
+    prompts = make_prompts(args.prompts, args.prompt_len, vocab=args.vocab)
+
+    log_path = Path(tempfile.mkdtemp(prefix="skylift_bench_")) / "server.log"
+    proc, url = start_server(model, args, log_path)
+    local = None
+    client = None
+    try:
+        local = await LocalVLLMEngine.create(
+            model,
+            max_model_len=args.max_model_len,
+            seed=0,
+            dtype=args.dtype,
+            enable_prefix_caching=True,
+            max_num_seqs=args.max_num_seqs,
+        )
+        client = RemoteInferenceClient([url])
+        sides = {"inproc": local, "http": client}
+        for engine in sides.values():  # warm-up
+            await timed(engine, prompts, params)
+        results: dict[str, list[float]] = {"inproc": [], "http": []}
+        for r in range(args.rounds):
+            order = ["inproc", "http"] if r % 2 == 0 else ["http", "inproc"]
+            for side in order:
+                await sides[side].reset_prefix_cache()
+                seconds, tokens = await timed(sides[side], prompts, params)
+                if tokens != args.prompts * args.max_tokens:
+                    raise SystemExit(
+                        f"{side}: expected {args.prompts * args.max_tokens} tokens, got {tokens}"
+                    )
+                results[side].append(tokens / seconds)
+                print(f"round {r} {side:6s} {seconds:7.3f} s {tokens / seconds:9.1f} tok/s", flush=True)
+    finally:
+        if client is not None:
+            await client.close()
+        if local is not None:
+            await local.close()
+        stop_server(proc)
+
+    inproc = statistics.median(results["inproc"])
+    http = statistics.median(results["http"])
+    return {
+        "ratio": round(http / inproc, 4),
+        "http_tok_s": round(http, 1),
+        "inproc_tok_s": round(inproc, 1),
+        "http_rounds": [round(x, 1) for x in results["http"]],
+        "inproc_rounds": [round(x, 1) for x in results["inproc"]],
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "prompt_len": args.prompt_len,
+        "model": args.model,
+        "dtype": args.dtype,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="tiny-qwen2")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=1024, help="prompt token ids are drawn below this")
+    parser.add_argument("--startup-timeout-s", type=float, default=420.0)
+    args = parser.parse_args()
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+    }.items():
+        os.environ.setdefault(key, value)
+    result = asyncio.run(main_async(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

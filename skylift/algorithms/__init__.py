@@ -1,0 +1,62 @@
+"""RL algorithm math for the trainer: advantage estimators, policy losses, KL terms, loss reductions.
+
+Pure PyTorch, batch-first `[batch, response_len]` tensors with a float mask (1 = token counts).
+"""
+
+from skylift.algorithms._registry import UnknownNameError
+from skylift.algorithms.advantages import (
+    AdvantageEstimator,
+    advantage_estimator_names,
+    compute_advantages,
+    get_advantage_estimator,
+    masked_whiten,
+    register_advantage_estimator,
+    sequence_rewards_to_token_level,
+    unregister_advantage_estimator,
+)
+from skylift.algorithms.kl import KL_ESTIMATORS, apply_kl_penalty, compute_kl
+from skylift.algorithms.policy_loss import (
+    PolicyLoss,
+    PolicyLossConfig,
+    compute_policy_loss,
+    get_policy_loss,
+    policy_loss_names,
+    register_policy_loss,
+    unregister_policy_loss,
+)
+from skylift.algorithms.reductions import (
+    LOSS_REDUCTIONS,
+    MiniBatchTotals,
+    masked_mean,
+    masked_sum,
+    mini_batch_totals,
+    reduce_loss,
+)
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_REDUCTIONS",
+    "AdvantageEstimator",
+    "MiniBatchTotals",
+    "PolicyLoss",
+    "PolicyLossConfig",
+    "UnknownNameError",
+    "advantage_estimator_names",
+    "apply_kl_penalty",
+    "compute_advantages",
+    "compute_kl",
+    "compute_policy_loss",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "mini_batch_totals",
+    "policy_loss_names",
+    "reduce_loss",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "sequence_rewards_to_token_level",
+    "unregister_advantage_estimator",
+    "unregister_policy_loss",
+]

@@ -1,0 +1,308 @@
+"""Advantage estimators (`grpo`, `rloo`, `reinforce++`, `gae`) behind a registry users can extend.
+
+Conventions (all tensors batch-first):
+
+- ``token_level_rewards``: ``[batch, response_len]``. An outcome (sequence) reward sits on the **last
+  valid token** of its response (the last position where ``response_mask`` is 1) and 0 elsewhere;
+  `sequence_rewards_to_token_level` builds that tensor. KL-in-reward then subtracts a per-token
+  penalty (`skylift.algorithms.kl.apply_kl_penalty`) before the advantages are computed.
+- ``response_mask``: ``[batch, response_len]`` float, 1 for tokens the policy produced and that count.
+  Masked positions (padding, or environment tokens inside a multi-turn response) get advantage and
+  return 0, and their rewards are ignored.
+- Outcome estimators (``grpo``, ``rloo``) score a sequence by the sum of its valid token rewards and
+  broadcast the sequence advantage to all its valid tokens. Token-level estimators (``reinforce++``,
+  ``gae``) walk the valid tokens backwards; masked positions are skipped (the discount only counts
+  valid tokens).
+- Every estimator returns ``(advantages, returns)``, both ``[batch, response_len]`` and 0 on masked
+  positions. For ``grpo``/``rloo``/``reinforce++`` returns are the quantities the advantages came from
+  (sequence advantages, resp. discounted returns); for ``gae`` they are the critic's value targets.
+
+Add an estimator with::
+
+    @register_advantage_estimator("my_estimator")
+    def my_estimator(*, token_level_rewards, response_mask, group_ids, values, gamma, lambd,
+                     norm_by_std, eps): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
+
+import torch
+
+from skylift.algorithms._registry import Registry
+from skylift.algorithms.reductions import masked_mean, masked_sum
+
+GroupIds = Sequence[Hashable] | torch.Tensor
+
+
+class AdvantageEstimator(Protocol):
+    """An advantage estimator: keyword arguments as in `compute_advantages`, returns (advantages, returns)."""
+
+    def __call__(
+        self,
+        *,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        group_ids: GroupIds | None,
+        values: torch.Tensor | None,
+        gamma: float,
+        lambd: float,
+        norm_by_std: bool,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def register_advantage_estimator(
+    name: str, *, override: bool = False
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator registering an advantage estimator under `name` (`override=True` to replace one)."""
+    return _ESTIMATORS.register(name, override=override)
+
+
+def unregister_advantage_estimator(name: str) -> None:
+    """Remove the estimator registered as `name`."""
+    _ESTIMATORS.unregister(name)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as `name`; an unknown name raises an error listing the known ones."""
+    return _ESTIMATORS.get(name)
+
+
+def advantage_estimator_names() -> list[str]:
+    """Names of all registered advantage estimators."""
+    return _ESTIMATORS.names()
+
+
+def compute_advantages(
+    name: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns, both `[batch, response_len]`, from the estimator registered as `name`.
+
+    `group_ids` (one hashable per sequence, e.g. the prompt uid) is required by `grpo` and `rloo`;
+    `values` (critic values per response token) by `gae`. `norm_by_std`: `grpo` divides by the group
+    std, `gae` whitens the advantages over the batch; `rloo` ignores it and `reinforce++` always whitens.
+    """
+    if token_level_rewards.dim() != 2:
+        raise ValueError(
+            f"token_level_rewards must be [batch, response_len], got shape {tuple(token_level_rewards.shape)}"
+        )
+    if response_mask.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} != token_level_rewards shape "
+            f"{tuple(token_level_rewards.shape)}"
+        )
+    estimator = get_advantage_estimator(name)
+    with torch.no_grad():
+        return estimator(
+            token_level_rewards=token_level_rewards.detach(),
+            response_mask=response_mask.detach().to(token_level_rewards.dtype),
+            group_ids=group_ids,
+            values=None if values is None else values.detach(),
+            gamma=gamma,
+            lambd=lambd,
+            norm_by_std=norm_by_std,
+            eps=eps,
+        )
+
+
+def sequence_rewards_to_token_level(
+    rewards: torch.Tensor | Sequence[float], response_mask: torch.Tensor
+) -> torch.Tensor:
+    """`[batch, response_len]` tensor holding each sequence reward on its last valid token, 0 elsewhere.
+
+    A row with no valid token gets no reward at all.
+    """
+    if response_mask.dim() != 2:
+        raise ValueError(
+            f"response_mask must be [batch, response_len], got shape {tuple(response_mask.shape)}"
+        )
+    rewards_t = torch.as_tensor(rewards, dtype=torch.float32 if not torch.is_tensor(rewards) else None)
+    if not rewards_t.is_floating_point():
+        rewards_t = rewards_t.float()
+    if rewards_t.shape != (response_mask.shape[0],):
+        raise ValueError(f"rewards must have shape ({response_mask.shape[0]},), got {tuple(rewards_t.shape)}")
+    valid = response_mask != 0
+    length = response_mask.shape[1]
+    positions = torch.arange(length, device=response_mask.device).expand_as(response_mask)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(response_mask.shape, dtype=rewards_t.dtype, device=response_mask.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = rewards_t.to(out.device)[rows]
+    return out
+
+
+def _group_index(group_ids: GroupIds | None, batch: int, estimator: str) -> tuple[torch.Tensor, int]:
+    """Dense group index per sequence (0..n_groups-1) and the number of groups."""
+    if group_ids is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs group_ids (one id per sequence)")
+    ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if len(ids) != batch:
+        raise ValueError(f"group_ids has {len(ids)} entries but the batch has {batch} sequences")
+    dense: dict[Hashable, int] = {}
+    index = [dense.setdefault(gid, len(dense)) for gid in ids]
+    return torch.tensor(index, dtype=torch.long), len(dense)
+
+
+def _group_stats(scores: torch.Tensor, index: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, ...]:
+    """Per-sequence group size, group sum and unbiased group std (std 0 for groups of size 1)."""
+    index = index.to(scores.device)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, index, torch.ones_like(scores)
+    )
+    sums = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, scores)
+    means = sums / counts
+    sq_dev = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, index, (scores - means[index]).square()
+    )
+    stds = torch.sqrt(sq_dev / (counts - 1).clamp(min=1))
+    return counts[index], sums[index], stds[index]
+
+
+def _discounted_backward(
+    mask: torch.Tensor,
+    step: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Backward recursion over valid tokens: ``carry = step(t, carry)`` where valid, unchanged elsewhere.
+
+    Returns the carry at every valid position (0 on masked positions).
+    """
+    batch, length = mask.shape
+    out = torch.zeros_like(mask)
+    carry = torch.zeros(batch, dtype=mask.dtype, device=mask.device)
+    for t in reversed(range(length)):
+        valid = mask[:, t] != 0
+        carry = torch.where(valid, step(t, carry), carry)
+        out[:, t] = torch.where(valid, carry, torch.zeros_like(carry))
+    return out
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` over the valid positions (unbiased std; 0 with fewer than 2)."""
+    mean = masked_mean(values, mask)
+    count = mask.sum()
+    var = masked_sum((values - mean).square(), mask) / (count - 1).clamp(min=1)
+    whitened = (values - mean) / (var.sqrt() + eps)
+    return torch.where(mask != 0, whitened, torch.zeros_like(whitened))
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantages(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantage ``(score - group_mean) / (group_std + eps)`` (no division without
+    `norm_by_std`), with the unbiased group std. A group of one sequence, or of equal scores, gives 0."""
+    scores = masked_sum(token_level_rewards, response_mask, dim=-1)
+    index, n_groups = _group_index(group_ids, scores.shape[0], "grpo")
+    counts, sums, stds = _group_stats(scores, index, n_groups)
+    adv = scores - sums / counts
+    if norm_by_std:
+        adv = adv / (stds + eps)
+    adv_tokens = adv.unsqueeze(-1) * response_mask
+    return adv_tokens, adv_tokens.clone()
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantages(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out baseline: ``score_i - mean(scores of the other members of i's group)``.
+
+    A group of one sequence has no other member and gets advantage 0.
+    """
+    scores = masked_sum(token_level_rewards, response_mask, dim=-1)
+    index, n_groups = _group_index(group_ids, scores.shape[0], "rloo")
+    counts, sums, _ = _group_stats(scores, index, n_groups)
+    baseline = (sums - scores) / (counts - 1).clamp(min=1)
+    adv = torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
+    adv_tokens = adv.unsqueeze(-1) * response_mask
+    return adv_tokens, adv_tokens.clone()
+
+
+@register_advantage_estimator("reinforce++")
+def reinforce_plus_plus_advantages(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return ``G_t = r_t + gamma * G_{t+1}`` over valid tokens, then the
+    advantages are the returns whitened over all valid tokens of the batch."""
+    returns = _discounted_backward(response_mask, lambda t, carry: token_level_rewards[:, t] + gamma * carry)
+    return masked_whiten(returns, response_mask, eps), returns
+
+
+@register_advantage_estimator("gae")
+def gae_advantages(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation with critic `values` (``V_t`` per response token).
+
+    ``delta_t = r_t + gamma * V_next - V_t`` (``V_next`` the value at the next valid token, 0 after the
+    last), ``A_t = delta_t + gamma * lambd * A_next``; returns (value targets) ``A_t + V_t`` before any
+    whitening; advantages are whitened over the batch when `norm_by_std`.
+    """
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs values (critic values per response token)")
+    if values.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"values shape {tuple(values.shape)} != token_level_rewards shape {tuple(token_level_rewards.shape)}"
+        )
+    values = values.to(token_level_rewards.dtype)
+    batch, length = response_mask.shape
+    advantages = torch.zeros_like(token_level_rewards)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    next_adv = torch.zeros_like(next_value)
+    for t in reversed(range(length)):
+        valid = response_mask[:, t] != 0
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lambd * next_adv
+        next_adv = torch.where(valid, adv_t, next_adv)
+        next_value = torch.where(valid, values[:, t], next_value)
+        advantages[:, t] = torch.where(valid, adv_t, torch.zeros_like(adv_t))
+    returns = torch.where(response_mask != 0, advantages + values, torch.zeros_like(values))
+    if norm_by_std:
+        advantages = masked_whiten(advantages, response_mask, eps)
+    return advantages, returns

@@ -1,0 +1,263 @@
+"""Policy losses (`regular`, `dual_clip`, `gspo`, `cispo`) behind a registry users can extend.
+
+Every loss takes `[batch, response_len]` tensors: ``logprobs`` (current policy, with gradient),
+``old_logprobs`` (the policy that is being optimised away from, usually the trainer's logprobs before
+this step's updates), ``advantages`` and ``response_mask``, plus a `PolicyLossConfig`. It returns the
+**per-token** loss (0 on masked positions) and a dict of float metrics computed over the valid tokens;
+`skylift.algorithms.reductions.reduce_loss` turns the per-token loss into the scalar to backpropagate.
+
+With ``r_t = exp(logp_t - old_logp_t)`` and advantage ``A_t``:
+
+- ``regular`` (PPO clip): ``max(-A r, -A clip(r, 1 - eps_clip_low, 1 + eps_clip_high))``;
+- ``dual_clip``: as ``regular``, and for ``A < 0`` the loss is also capped at ``-A * clip_ratio_c``
+  (``clip_ratio_c > 1``), so a huge ratio on a bad token cannot blow the update up;
+- ``gspo`` (Group Sequence Policy Optimization): the sequence ratio
+  ``s_i = exp(mean over valid t of (logp_t - old_logp_t))`` (geometric mean of the token ratios)
+  replaces ``r_t`` in the PPO clip. Per token it is written ``sg(s_i) * exp(logp_t - sg(logp_t))``,
+  equal to ``s_i`` in value, whose gradient averaged over a sequence's tokens is the gradient of
+  ``s_i`` (GSPO-token form). Reduce it with ``sequence_mean`` to get the paper's objective;
+- ``cispo``: ``-sg(clip(r, 1 - eps_clip_low, 1 + eps_clip_high)) * A * logp``: every token keeps a
+  gradient, with its importance weight clipped and not differentiated.
+
+Truncated importance sampling (``tis_imp_ratio_cap``): when the rollouts were sampled by an engine
+whose logprobs (``rollout_logprobs``) differ from ``old_logprobs``, every per-token loss is multiplied
+by ``sg(min(exp(old_logp - rollout_logp), cap))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from skylift.algorithms._registry import Registry
+from skylift.algorithms.reductions import masked_mean, masked_sum
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to +-this before `exp`, so the ratio stays finite (exp(20) ~ 4.9e8)."""
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Hyper-parameters of the policy losses (each loss reads the fields it needs)."""
+
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    """Dual-clip cap on ``-A * r`` for negative advantages; must be > 1."""
+    tis_imp_ratio_cap: float | None = None
+    """Truncated importance sampling cap (None: off)."""
+
+    def __post_init__(self) -> None:
+        if self.eps_clip_low < 0 or self.eps_clip_high < 0:
+            raise ValueError(
+                f"eps_clip_low and eps_clip_high must be >= 0, got {self.eps_clip_low} and {self.eps_clip_high}"
+            )
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.tis_imp_ratio_cap is not None and self.tis_imp_ratio_cap <= 0:
+            raise ValueError(f"tis_imp_ratio_cap must be > 0 or None, got {self.tis_imp_ratio_cap}")
+
+
+class PolicyLoss(Protocol):
+    """A policy loss: returns (per-token loss, metrics)."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        config: PolicyLossConfig,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator registering a policy loss under `name` (`override=True` to replace one)."""
+    return _LOSSES.register(name, override=override)
+
+
+def unregister_policy_loss(name: str) -> None:
+    """Remove the policy loss registered as `name`."""
+    _LOSSES.unregister(name)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered as `name`; an unknown name raises an error listing the known ones."""
+    return _LOSSES.get(name)
+
+
+def policy_loss_names() -> list[str]:
+    """Names of all registered policy losses."""
+    return _LOSSES.names()
+
+
+def compute_policy_loss(
+    name: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token loss and metrics of the loss registered as `name`, with the optional TIS correction.
+
+    The per-token loss is 0 on masked positions. Metrics (over valid tokens): ``clip_frac``,
+    ``ppo_kl`` (mean of ``old_logp - logp``), ``ratio_mean``/``ratio_min``/``ratio_max``, loss-specific
+    ones, and ``tis_weight_mean``/``tis_clip_frac`` when TIS is on.
+    """
+    config = config or PolicyLossConfig()
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [batch, response_len], got shape {tuple(shape)}")
+    for arg, tensor in (
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("response_mask", response_mask),
+    ):
+        if tensor.shape != shape:
+            raise ValueError(f"{arg} shape {tuple(tensor.shape)} != logprobs shape {tuple(shape)}")
+    loss_fn = get_policy_loss(name)
+    mask = response_mask.to(logprobs.dtype)
+    # Masked positions may hold anything (padding, -inf): zero them first so that neither the loss
+    # nor its gradient can pick up NaN/inf from them.
+    valid = mask != 0
+    logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+    old_logprobs = torch.where(valid, old_logprobs.detach(), torch.zeros_like(logprobs))
+    advantages = torch.where(valid, advantages.detach(), torch.zeros_like(logprobs))
+    if rollout_logprobs is not None and rollout_logprobs.shape == shape:
+        rollout_logprobs = torch.where(valid, rollout_logprobs.detach(), torch.zeros_like(logprobs))
+    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, mask, config)
+
+    if config.tis_imp_ratio_cap is not None:
+        if rollout_logprobs is None:
+            raise ValueError("tis_imp_ratio_cap is set but rollout_logprobs were not given")
+        if rollout_logprobs.shape != shape:
+            raise ValueError(
+                f"rollout_logprobs shape {tuple(rollout_logprobs.shape)} != logprobs shape {tuple(shape)}"
+            )
+        with torch.no_grad():
+            raw = torch.exp((old_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            weight = raw.clamp(max=config.tis_imp_ratio_cap).to(loss.dtype)
+        loss = loss * weight
+        metrics["tis_weight_mean"] = _mean(weight, mask)
+        metrics["tis_clip_frac"] = _mean((raw > config.tis_imp_ratio_cap).to(mask.dtype), mask)
+    loss = torch.where(mask != 0, loss * mask, torch.zeros_like(loss))
+    return loss, metrics
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(masked_mean(values.detach(), mask).item())
+
+
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    valid = mask != 0
+    r = ratio.detach()
+    has_valid = bool(valid.any())
+    return {
+        "ppo_kl": _mean(-log_ratio, mask),
+        "ratio_mean": _mean(r, mask),
+        "ratio_min": float(r[valid].min().item()) if has_valid else 1.0,
+        "ratio_max": float(r[valid].max().item()) if has_valid else 1.0,
+    }
+
+
+def _ppo_clip(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped per-token loss and the indicator of tokens where the clipped term is active."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - config.eps_clip_low, 1.0 + config.eps_clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped)
+
+
+@register_policy_loss("regular")
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate, per token."""
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    ratio = torch.exp(log_ratio)
+    loss, clipped = _ppo_clip(ratio, advantages, config)
+    metrics = {"clip_frac": _mean(clipped.to(response_mask.dtype), response_mask)}
+    metrics.update(_ratio_metrics(ratio, log_ratio.detach(), response_mask))
+    return loss, metrics
+
+
+@register_policy_loss("dual_clip")
+def dual_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dual-clip PPO: PPO clip, then ``min(., -A * clip_ratio_c)`` where ``A < 0``."""
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    ratio = torch.exp(log_ratio)
+    ppo_loss, clipped = _ppo_clip(ratio, advantages, config)
+    cap = -advantages * config.clip_ratio_c
+    negative = advantages < 0
+    dual_clipped = negative & (cap < ppo_loss)
+    loss = torch.where(negative, torch.minimum(ppo_loss, cap), ppo_loss)
+    metrics = {
+        "clip_frac": _mean(clipped.to(response_mask.dtype), response_mask),
+        "dual_clip_frac": _mean(dual_clipped.to(response_mask.dtype), response_mask),
+    }
+    metrics.update(_ratio_metrics(ratio, log_ratio.detach(), response_mask))
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: PPO clip on the sequence-level ratio (geometric mean of token ratios), GSPO-token form."""
+    token_log_ratio = logprobs - old_logprobs
+    lengths = response_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = masked_sum(token_log_ratio, response_mask, dim=-1) / lengths  # [batch]
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    loss, clipped = _ppo_clip(ratio, advantages, config)
+    metrics = {"clip_frac": _mean(clipped.to(response_mask.dtype), response_mask)}
+    metrics.update(_ratio_metrics(ratio, token_log_ratio.detach(), response_mask))
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp``."""
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    ratio = torch.exp(log_ratio)
+    low, high = 1.0 - config.eps_clip_low, 1.0 + config.eps_clip_high
+    weight = ratio.detach().clamp(low, high)
+    loss = -weight * advantages * logprobs
+    outside = (ratio.detach() < low) | (ratio.detach() > high)
+    metrics = {"clip_frac": _mean(outside.to(response_mask.dtype), response_mask)}
+    metrics.update(_ratio_metrics(ratio, log_ratio.detach(), response_mask))
+    return loss, metrics

@@ -1,0 +1,386 @@
+"""The configuration schema: a tree of dataclasses with SkyRL-compatible key names.
+
+Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``); it is
+what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. Fields whose default
+is ``None`` and whose help says "null = ..." get a derived value from ``load_config`` (see
+``skylift.config.validation.finalize``). Build a validated tree with ``skylift.config.load_config``;
+constructing the dataclasses directly gives defaults without derived values or validation.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++", "gae")
+POLICY_LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo")
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATOR_TYPES = ("k1", "k2", "k3")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+RESUME_MODES = ("none", "latest", "from_path")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+STRATEGIES = ("fsdp2",)
+INFERENCE_BACKENDS = ("vllm",)
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+def _f(default: Any, help: str) -> Any:
+    """A leaf field with a default value and a help line; mutable defaults are copied per instance."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _group(cls: type, help: str, **kwargs: Any) -> Any:
+    """A nested group field built by ``cls(**kwargs)`` with a help line."""
+    return field(default_factory=lambda: cls(**kwargs), metadata={"help": help})
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    """Where the prompts come from and how their rows are read."""
+
+    train_data: list[str] = _f(
+        ["~/data/gsm8k/train.parquet"], "training prompt files (parquet); a single path is accepted too"
+    )
+    val_data: list[str] = _f(
+        ["~/data/gsm8k/validation.parquet"], "evaluation prompt files (parquet); [] disables evaluation data"
+    )
+    prompt_key: str = _f("prompt", "column holding the prompt as a list of chat messages")
+    env_class_key: str = _f(
+        "env_class", "column naming each row's environment (falls back to environment.env_class)"
+    )
+    shuffle: bool = _f(True, "shuffle training prompts every epoch (seeded by trainer.seed)")
+    max_train_samples: int | None = _f(None, "use at most this many training prompts; null = all")
+    max_val_samples: int | None = _f(None, "use at most this many evaluation prompts; null = all")
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (rank 0 trains all weights)."""
+
+    rank: int = _f(0, "LoRA rank; 0 disables LoRA and trains the full model")
+    alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / rank)")
+    dropout: float = _f(0.0, "dropout on the LoRA input")
+    target_modules: str | list[str] = _f(
+        "all-linear", "modules that get adapters: 'all-linear' or a list of names"
+    )
+
+
+@dataclass
+class ModelConfig:
+    """Which weights a worker loads."""
+
+    path: str | None = _f(
+        None, "model: registry name (tiny-qwen2, smollm2-135m-instruct), local directory or Hub id"
+    )
+
+
+@dataclass
+class PolicyModelConfig(ModelConfig):
+    """The policy's weights, optionally trained through LoRA adapters."""
+
+    path: str | None = _f(
+        DEFAULT_POLICY_MODEL,
+        "model: registry name (tiny-qwen2, smollm2-135m-instruct), local directory or Hub id",
+    )
+    lora: LoraConfig = _group(LoraConfig, "LoRA settings")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and learning-rate schedule of one trained model."""
+
+    lr: float = _f(1.0e-6, "AdamW learning rate")
+    adam_betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2]")
+    weight_decay: float = _f(1.0e-2, "AdamW decoupled weight decay")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this value; <= 0 disables clipping")
+    num_warmup_steps: int = _f(0, "linear warm-up steps of the learning rate")
+    scheduler: str = _f("constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}")
+    offload_after_step: bool = _f(True, "move optimizer state to CPU after each step (colocate_all only)")
+
+
+@dataclass
+class FSDPConfig:
+    """PyTorch FSDP2 (fully_shard) settings of one model."""
+
+    cpu_offload: bool = _f(False, "keep parameters and optimizer state on CPU (GPU runs)")
+    reshard_after_forward: bool = _f(
+        True, "free gathered parameters after forward (saves memory, costs time)"
+    )
+
+
+@dataclass
+class PolicyConfig:
+    """The trained policy."""
+
+    model: PolicyModelConfig = _group(PolicyModelConfig, "policy weights")
+    optimizer_config: OptimizerConfig = _group(OptimizerConfig, "policy optimizer")
+    fsdp_config: FSDPConfig = _group(FSDPConfig, "policy FSDP2 settings")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference model used for the KL term."""
+
+    model: ModelConfig = _group(ModelConfig, "reference weights; path null = same as the policy's")
+    fsdp_config: FSDPConfig = _group(FSDPConfig, "reference FSDP2 settings", cpu_offload=True)
+
+
+@dataclass
+class CriticConfig:
+    """The value model (used by the gae advantage estimator)."""
+
+    model: ModelConfig = _group(
+        ModelConfig,
+        "critic weights; path null = no critic, or the policy's weights when advantage_estimator=gae",
+    )
+    optimizer_config: OptimizerConfig = _group(OptimizerConfig, "critic optimizer", lr=5.0e-6)
+    fsdp_config: FSDPConfig = _group(FSDPConfig, "critic FSDP2 settings")
+
+
+@dataclass
+class PlacementConfig:
+    """Where the workers run (on a CPU-only machine, 'gpus' count CPU worker processes)."""
+
+    colocate_all: bool = _f(
+        False,
+        "share the same devices between training workers and inference engines (engines sleep while training)",
+    )
+    colocate_policy_ref: bool = _f(True, "put policy and reference workers on the same devices")
+    policy_num_nodes: int = _f(1, "nodes for policy workers")
+    policy_num_gpus_per_node: int = _f(1, "policy workers (GPUs, or CPU processes) per node")
+    ref_num_nodes: int = _f(1, "nodes for reference workers")
+    ref_num_gpus_per_node: int = _f(1, "reference workers (GPUs, or CPU processes) per node")
+    critic_num_nodes: int = _f(1, "nodes for critic workers")
+    critic_num_gpus_per_node: int = _f(1, "critic workers (GPUs, or CPU processes) per node")
+
+
+@dataclass
+class KLCtrlConfig:
+    """KL coefficient controller for use_kl_in_reward."""
+
+    type: str = _f("fixed", f"controller: {' | '.join(KL_CTRL_TYPES)} (initial coefficient = kl_loss_coef)")
+    kl_target: float = _f(0.1, "target KL of the adaptive controller")
+    horizon: int = _f(10000, "update horizon of the adaptive controller")
+
+
+@dataclass
+class CISPOConfig:
+    """Clipping of the importance weights in the cispo policy loss."""
+
+    cispo_eps_clip_low: float = _f(0.0, "lower clip: weights below 1 - this are clipped")
+    cispo_eps_clip_high: float = _f(5.0, "upper clip: weights above 1 + this are clipped")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, policy loss and KL."""
+
+    advantage_estimator: str = _f("grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}")
+    grpo_norm_by_std: bool = _f(True, "grpo: divide group-centred rewards by the group's std")
+    advantage_batch_normalize: bool = _f(False, "normalise advantages over the whole training batch")
+    policy_loss_type: str = _f(
+        "regular", f"policy loss: {' | '.join(POLICY_LOSS_TYPES)} (regular = PPO clip)"
+    )
+    loss_reduction: str = _f("token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}")
+    eps_clip_low: float = _f(0.2, "PPO clip: ratio lower bound is 1 - eps_clip_low")
+    eps_clip_high: float = _f(0.2, "PPO clip: ratio upper bound is 1 + eps_clip_high")
+    clip_ratio_c: float = _f(3.0, "dual_clip: bound c (> 1) on the loss for negative advantages")
+    cispo: CISPOConfig = _group(CISPOConfig, "cispo settings")
+    use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")
+    kl_loss_coef: float = _f(0.001, "weight of the KL term (loss or reward)")
+    kl_estimator_type: str = _f(
+        "k3", f"KL estimator: {' | '.join(KL_ESTIMATOR_TYPES)} (see joschu.net/blog/kl-approx)"
+    )
+    use_kl_in_reward: bool = _f(
+        False, "subtract the KL penalty from rewards instead (exclusive with use_kl_loss)"
+    )
+    kl_ctrl: KLCtrlConfig = _group(KLCtrlConfig, "KL controller for use_kl_in_reward")
+    gamma: float = _f(1.0, "gae / reinforce++: discount factor")
+    lambd: float = _f(1.0, "gae: lambda of generalised advantage estimation")
+    value_clip: float = _f(0.2, "critic: value clip range")
+    use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
+    tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop: models, placement, batch sizes, evaluation, checkpoints and logging."""
+
+    placement: PlacementConfig = _group(PlacementConfig, "worker placement")
+    strategy: str = _f("fsdp2", f"distributed training strategy: {' | '.join(STRATEGIES)}")
+    policy: PolicyConfig = _group(PolicyConfig, "trained policy")
+    ref: RefConfig = _group(RefConfig, "reference model")
+    critic: CriticConfig = _group(CriticConfig, "value model")
+    algorithm: AlgorithmConfig = _group(AlgorithmConfig, "RL algorithm")
+    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
+    bf16: bool = _f(False, "train in bfloat16 mixed precision (false = float32)")
+    seed: int = _f(42, "random seed for data order, sampling and initialisation")
+    epochs: int = _f(1, "passes over the training data")
+    max_steps: int | None = _f(None, "stop after this many training steps; null = run all epochs")
+    update_epochs_per_batch: int = _f(1, "gradient passes over each training batch")
+    train_batch_size: int = _f(8, "prompts per training step (each sampled n_samples_per_prompt times)")
+    policy_mini_batch_size: int = _f(8, "prompts per policy optimizer step; divides train_batch_size")
+    critic_mini_batch_size: int = _f(8, "prompts per critic optimizer step; divides train_batch_size")
+    micro_train_batch_size_per_gpu: int = _f(4, "sequences per forward/backward pass on one worker")
+    micro_forward_batch_size_per_gpu: int = _f(
+        8, "sequences per forward-only pass (logprobs, values) on one worker"
+    )
+    max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are dropped from the data")
+    eval_batch_size: int = _f(64, "prompts per evaluation generation batch")
+    eval_before_train: bool = _f(True, "evaluate once before the first training step")
+    eval_interval: int = _f(5, "evaluate every N steps; -1 disables")
+    ckpt_path: str | None = _f(
+        None, "resumable checkpoints directory; null = ~/skylift/runs/<run_name>/ckpts"
+    )
+    ckpt_interval: int = _f(10, "save a resumable checkpoint every N steps; -1 disables")
+    max_ckpts_to_keep: int = _f(-1, "keep only the newest N checkpoints; -1 keeps all")
+    hf_save_interval: int = _f(-1, "export Hugging Face weights every N steps; -1 = only at the end")
+    export_path: str | None = _f(
+        None, "Hugging Face exports directory; null = ~/skylift/runs/<run_name>/exports"
+    )
+    resume_mode: str | None = _f("latest", f"resume: {' | '.join(RESUME_MODES)} (null = none)")
+    resume_path: str | None = _f(None, "checkpoint directory to resume from when resume_mode=from_path")
+    logger: str | list[str] = _f(
+        "console", f"metric trackers: one of {' | '.join(LOGGERS)} or a list of them"
+    )
+    log_dir: str | None = _f(
+        None, "metrics (jsonl, tensorboard) and plots; null = ~/skylift/runs/<run_name>/logs"
+    )
+    project_name: str = _f("skylift", "project name for trackers")
+    run_name: str = _f("skylift_run", "run name for trackers and default output directories")
+    async_training: bool = _f(False, "overlap generation of step t+1 with training of step t")
+    max_staleness_steps: int = _f(1, "async_training: how many policy versions rollouts may lag behind")
+    dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
+
+    def loggers(self) -> list[str]:
+        """The configured trackers as a list (``logger`` may be one name or a list)."""
+        return [self.logger] if isinstance(self.logger, str) else list(self.logger)
+
+    def policy_world_size(self) -> int:
+        """Number of policy workers."""
+        return self.placement.policy_num_nodes * self.placement.policy_num_gpus_per_node
+
+
+# ---------------------------------------------------------------------------------------- generator
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters passed to the inference engines."""
+
+    max_generate_length: int = _f(
+        256, "most new tokens per response (generator.max_generate_length wins if set)"
+    )
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy")
+    top_p: float = _f(1.0, "nucleus sampling probability mass")
+    top_k: int = _f(-1, "sample among the k most likely tokens; -1 = all")
+    min_p: float = _f(0.0, "drop tokens below min_p times the top token's probability")
+    repetition_penalty: float = _f(1.0, "penalty on repeated tokens; 1 = none")
+    logprobs: int | None = _f(
+        0, "top logprobs returned beside the sampled token's (0 = only the sampled token)"
+    )
+    stop: list[str] | None = _f(None, "extra stop strings; null = only the tokenizer's EOS")
+
+
+@dataclass
+class EvalSamplingParams(SamplingParams):
+    """Sampling parameters for evaluation: greedy by default, length defaults to training's."""
+
+    max_generate_length: int | None = _f(None, "most new tokens per response; null = the training value")
+    temperature: float = _f(0.0, "sampling temperature; 0 = greedy")
+
+
+@dataclass
+class GeneratorConfig:
+    """Rollouts: inference engines (local or remote) and sampling."""
+
+    backend: str = _f("vllm", f"inference backend: {' | '.join(INFERENCE_BACKENDS)}")
+    run_engines_locally: bool = _f(
+        True, "start engines as Ray actors (true) or use remote_inference_engine_urls"
+    )
+    remote_inference_engine_urls: list[str] = _f(
+        ["127.0.0.1:8001"], "host:port of running skylift/vLLM servers (when run_engines_locally=false)"
+    )
+    override_existing_update_group: str = _f(
+        "auto",
+        "replace an existing weight-update group on the servers: auto | enable | disable (true/false ok)",
+    )
+    num_inference_engines: int = _f(1, "number of local engines")
+    inference_engine_tensor_parallel_size: int = _f(1, "tensor-parallel size of each local engine")
+    model_dtype: str = _f(
+        "float32", f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training"
+    )
+    weight_sync_backend: str = _f(
+        "auto",
+        f"weight broadcast backend: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto = nccl on GPU, gloo on CPU)",
+    )
+    gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use")
+    max_num_seqs: int = _f(256, "most sequences a local engine batches at once")
+    max_num_batched_tokens: int = _f(8192, "most tokens a local engine processes per scheduler step")
+    enable_prefix_caching: bool = _f(True, "reuse KV cache of shared prompt prefixes")
+    enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")
+    enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
+    async_engine: bool = _f(True, "use the async engine API")
+    batched: bool = _f(True, "single-turn: send the whole batch at once (false = agent loop per trajectory)")
+    max_turns: int = _f(1, "most assistant turns per trajectory (> 1 = multi-turn agent loop)")
+    max_input_length: int | None = _f(
+        None, "multi-turn: most tokens of context; null = trainer.max_prompt_length"
+    )
+    use_conversation_multi_turn: bool = _f(True, "multi-turn: keep observations as separate chat messages")
+    n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)")
+    max_generate_length: int | None = _f(
+        None, "shorthand for sampling_params.max_generate_length; when set it wins over it"
+    )
+    sampling_params: SamplingParams = _group(SamplingParams, "sampling for training rollouts")
+    eval_sampling_params: EvalSamplingParams = _group(EvalSamplingParams, "sampling for evaluation")
+    eval_n_samples_per_prompt: int = _f(1, "responses sampled per evaluation prompt")
+    zero_reward_on_non_stop: bool = _f(
+        False, "reward 0 for responses that did not end with a stop (truncated)"
+    )
+    apply_overlong_filtering: bool = _f(
+        False, "mask the loss of truncated responses (DAPO overlong filtering)"
+    )
+    http_timeout_s: float = _f(300.0, "timeout in seconds of one HTTP request to a remote engine")
+
+
+# -------------------------------------------------------------------------------------- environment
+
+
+@dataclass
+class EnvironmentConfig:
+    """Reward environments."""
+
+    env_class: str = _f(
+        "gsm8k", "default environment for rows without an env_class column (gsm8k, arithmetic, ...)"
+    )
+    max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline")
+    env_kwargs: dict[str, Any] = _f(
+        {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- root
+
+
+@dataclass
+class SkyliftConfig:
+    """Root of the configuration tree."""
+
+    data: DataConfig = _group(DataConfig, "prompt data")
+    trainer: TrainerConfig = _group(TrainerConfig, "RL trainer")
+    generator: GeneratorConfig = _group(GeneratorConfig, "rollout generation")
+    environment: EnvironmentConfig = _group(EnvironmentConfig, "reward environments")

@@ -1,0 +1,66 @@
+"""Prompt datasets: the parquet schema, GSM8K preparation, synthetic tasks and `PromptDataset`."""
+
+from skylift.data.dataset import DataFileError, PromptDataset, PromptSample, load_prompt_file
+from skylift.data.gsm8k import (
+    GSM8K_DATA_SOURCE,
+    GSM8K_INSTRUCTION,
+    BadRowsError,
+    GSM8KSourceError,
+    gsm8k_prompt,
+    parse_gsm8k_answer,
+    prepare_gsm8k,
+)
+from skylift.data.schema import (
+    REQUIRED_COLUMNS,
+    BadRow,
+    PreparedDataset,
+    make_row,
+    prompt_schema,
+    write_prompt_parquet,
+)
+from skylift.data.synthetic import (
+    DEMO_EXAMPLE_PAIR,
+    DEMO_NUM_HELDOUT,
+    ArithmeticConfig,
+    ArithmeticProblem,
+    addition_demo_pairs,
+    addition_demo_prompt,
+    addition_demo_row,
+    make_addition_demo_splits,
+    make_arithmetic_problem,
+    make_arithmetic_splits,
+    write_addition_demo,
+    write_arithmetic_dataset,
+)
+
+__all__ = [
+    "DEMO_EXAMPLE_PAIR",
+    "DEMO_NUM_HELDOUT",
+    "GSM8K_DATA_SOURCE",
+    "GSM8K_INSTRUCTION",
+    "REQUIRED_COLUMNS",
+    "ArithmeticConfig",
+    "ArithmeticProblem",
+    "BadRow",
+    "BadRowsError",
+    "DataFileError",
+    "GSM8KSourceError",
+    "PreparedDataset",
+    "PromptDataset",
+    "PromptSample",
+    "addition_demo_pairs",
+    "addition_demo_prompt",
+    "addition_demo_row",
+    "gsm8k_prompt",
+    "load_prompt_file",
+    "make_addition_demo_splits",
+    "make_arithmetic_problem",
+    "make_arithmetic_splits",
+    "make_row",
+    "parse_gsm8k_answer",
+    "prepare_gsm8k",
+    "prompt_schema",
+    "write_addition_demo",
+    "write_arithmetic_dataset",
+    "write_prompt_parquet",
+]

@@ -1,0 +1,158 @@
+"""`skylift demo`: GRPO on SmolLM2-135M-Instruct learning two-digit addition, on CPU, in minutes.
+
+The prompt is a chat with one worked example (23 + 45 = 68, then `#### 68`) followed by the
+question; the reward is 1 when the last `#### n` is the right sum. The demo evaluates greedy
+accuracy on 100 held-out problems before and after training, prints a before/after table and
+writes a plot of reward and accuracy per step. Any `key=value` override of `skylift train`
+applies on top of the demo's settings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+DEMO_OVERRIDES = [
+    "trainer.policy.model.path=smollm2-135m-instruct",
+    "trainer.run_name=demo",
+    "trainer.algorithm.advantage_estimator=grpo",
+    "trainer.train_batch_size=8",
+    "trainer.policy_mini_batch_size=8",
+    "generator.n_samples_per_prompt=8",
+    "generator.max_generate_length=64",
+    "generator.sampling_params.temperature=1.0",
+    "trainer.policy.optimizer_config.lr=1e-5",
+    "trainer.policy.optimizer_config.weight_decay=0.0",
+    "trainer.max_steps=10",
+    "trainer.micro_train_batch_size_per_gpu=16",
+    "trainer.micro_forward_batch_size_per_gpu=32",
+    "trainer.gradient_checkpointing=false",
+    "trainer.eval_before_train=true",
+    "trainer.eval_interval=5",
+    "trainer.eval_batch_size=100",
+    "trainer.ckpt_interval=-1",
+    "trainer.resume_mode=none",
+    "trainer.max_prompt_length=128",
+    "generator.max_num_seqs=128",
+]
+
+
+class PeakMemory:
+    """Samples the summed RSS of this process and all its descendants (Ray, vLLM) every 0.5 s."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        import psutil
+
+        total = 0
+        for p in [self._proc, *self._proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self._sample())
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _ray_rss_note() -> str:
+    return "summed RSS of the driver, Ray and vLLM processes (shared pages counted once per process)"
+
+
+def run_demo(overrides: Sequence[str] = ()) -> int:
+    from skylift.config import ConfigError, load_config
+    from skylift.data import write_addition_demo
+    from skylift.trainer.rl_trainer import RLTrainer, RunPaths
+
+    data_cfg = load_config([*DEMO_OVERRIDES, *overrides])
+    paths = RunPaths.from_config(data_cfg)
+    data_dir = paths.root / "data"
+    write_addition_demo(data_dir, num_train=2000, num_val=100, seed=0)
+    try:
+        cfg = load_config(
+            [
+                *DEMO_OVERRIDES,
+                f"data.train_data=['{data_dir / 'train.parquet'}']",
+                f"data.val_data=['{data_dir / 'validation.parquet'}']",
+                *overrides,
+            ]
+        )
+    except ConfigError as exc:
+        print(f"skylift demo: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if paths.logs.exists():  # a fresh curve for every demo run
+        for old in paths.logs.glob("metrics.jsonl"):
+            old.unlink()
+    started = time.perf_counter()
+    trainer = RLTrainer(cfg)
+    with PeakMemory() as memory:
+        try:
+            trainer.setup()
+            setup_s = time.perf_counter() - started
+            train_started = time.perf_counter()
+            history = trainer.fit()
+            train_s = time.perf_counter() - train_started
+        finally:
+            trainer.shutdown()
+    total_s = time.perf_counter() - started
+
+    evals = [h for h in history if "eval/accuracy" in h]
+    rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
+    before = evals[0] if evals and evals[0]["step"] == 0 else None
+    after = evals[-1] if evals and evals[-1]["step"] > 0 else None
+    first_rewards = rewards[: max(1, len(rewards) // 5)]
+    last_rewards = rewards[-max(1, len(rewards) // 5) :]
+
+    from skylift.tracking.plot import plot_run
+
+    plot = plot_run(paths.logs)
+    print()
+    print("                                   before    after")
+    if before and after:
+        print(
+            f"held-out greedy accuracy (100)     {before['eval/accuracy']:6.0%}   {after['eval/accuracy']:6.0%}"
+        )
+    if rewards:
+        print(
+            f"mean sampled reward (first/last)   {statistics.fmean(first_rewards):6.3f}   "
+            f"{statistics.fmean(last_rewards):6.3f}"
+        )
+    print()
+    print(
+        f"training steps: {len(rewards)}; training wall time {train_s:.0f} s (eval included), "
+        f"set-up {setup_s:.0f} s, total {total_s:.0f} s"
+    )
+    print(f"peak memory: {memory.peak_bytes / 2**30:.2f} GiB ({_ray_rss_note()})")
+    print(f"plot: {plot}")
+    print(f"metrics: {paths.logs / 'metrics.jsonl'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runnable entry points (`python -m skylift.entrypoints.main_base key=value ...`)."""

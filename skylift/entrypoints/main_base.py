@@ -1,0 +1,69 @@
+"""Train with the RL loop: `python -m skylift.entrypoints.main_base key=value ...` (= `skylift train`).
+
+Every `key.sub=value` override is checked against the typed configuration (unknown keys get a
+suggestion). `--config FILE` reads a YAML file first; `--cfg job` prints the resolved tree and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+TRAIN_EPILOG = """\
+examples:
+  skylift train data.train_data="['~/data/gsm8k/train.parquet']" trainer.policy.model.path=tiny-qwen2
+  skylift train generator.run_engines_locally=False \\
+      generator.remote_inference_engine_urls="['127.0.0.1:8001']"
+  skylift train --cfg job            # print every key with its value and meaning
+"""
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
+    parser.add_argument(
+        "--config", dest="config_file", default=None, help="YAML file of configuration values"
+    )
+    parser.add_argument(
+        "--cfg", choices=["job"], default=None, help="print the resolved configuration (with help) and exit"
+    )
+
+
+def run_train(overrides: Sequence[str], config_file: str | None = None, print_cfg: bool = False) -> int:
+    from skylift.config import ConfigError, format_config, load_config
+
+    try:
+        cfg = load_config(list(overrides), config_file)
+    except ConfigError as exc:
+        print(f"skylift: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if print_cfg:
+        print(format_config(cfg, with_help=True))
+        return 0
+    from skylift.trainer.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.setup()
+        trainer.fit()
+        path = trainer.export()
+        print(f"[skylift] exported Hugging Face weights to {path}")
+    finally:
+        trainer.shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="skylift train",
+        description=__doc__,
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_train(args.overrides, args.config_file, args.cfg == "job")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The environment interface: what the generator talks to while it rolls out a trajectory.
+
+One `Environment` instance scores one trajectory. The generator calls, in order:
+
+1. ``init(prompt, extras)`` with the dataset row's chat prompt and its extras (``reward_spec``,
+   ``extra_info``, ``data_source``); it returns the prompt to send to the policy (possibly changed);
+2. ``step(action)`` with the policy's response text, which returns a `StepResult`; while
+   ``done`` is False, ``observations`` are the new messages (e.g. a user turn) to append after the
+   assistant's response before generating again (multi-turn);
+3. ``close()`` once the trajectory is finished.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, str]
+
+
+@dataclass
+class StepResult:
+    """The outcome of one `Environment.step`.
+
+    observations: messages to append to the conversation before the next turn (empty when done).
+    reward: the reward for this step (single-turn envs: the trajectory's reward).
+    done: whether the trajectory is finished.
+    metadata: free-form details for logging (e.g. what answer was parsed).
+    """
+
+    observations: list[Message]
+    reward: float
+    done: bool
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class EnvUsageError(RuntimeError):
+    """An environment was used wrongly (stepped after done, or initialised without what it needs)."""
+
+
+class Environment(ABC):
+    """Base class of every environment; subclasses implement `step` and may override `init`/`close`.
+
+    Constructor keyword arguments are the environment's configuration (``make_env(name, **config)``);
+    the base class keeps them in ``self.config``.
+    """
+
+    def __init__(self, **config: Any) -> None:
+        self.config: dict[str, Any] = dict(config)
+        self.prompt: list[Message] = []
+        self.extras: dict[str, Any] = {}
+        self.turns = 0
+        self.done = False
+
+    def init(self, prompt: list[Message], extras: dict[str, Any]) -> list[Message]:
+        """Start a trajectory; return the prompt to send to the policy (a copy of `prompt` here)."""
+        self.prompt = [dict(m) for m in prompt]
+        self.extras = dict(extras or {})
+        self.turns = 0
+        self.done = False
+        return [dict(m) for m in self.prompt]
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Consume the policy's response `action` and return the reward and what comes next."""
+
+    def close(self) -> None:
+        """Release whatever the environment holds (nothing here); ends the trajectory."""
+        self.done = True
+
+    def _begin_step(self) -> int:
+        """Count a step and refuse one after the trajectory ended; returns the 1-based turn."""
+        if self.done:
+            raise EnvUsageError(f"{type(self).__name__}.step() called after the trajectory was done")
+        self.turns += 1
+        return self.turns
+
+    def __enter__(self) -> Environment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,211 @@
+"""Turns prompt rows into scored trajectories through any `InferenceEngine`.
+
+Single-turn (the default): one batched `generate` call for all prompts with `n` samples each,
+then one environment step per sample. Multi-turn (`max_turns > 1`): an async agent loop per
+trajectory; environment observations are appended as chat messages, tokenised with the chat
+template, and masked out of the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from skylift.envs import make_env
+from skylift.generator.trajectory import Trajectory
+from skylift.inference.types import Completion, InferenceEngine, SamplingParams
+
+
+class PromptRow(Protocol):
+    """What the generator needs of a dataset row (see `skylift.data.PromptSample`)."""
+
+    prompt: list[dict[str, str]]
+    env_class: str
+    reward_spec: dict[str, Any]
+    extra_info: dict[str, Any]
+    data_source: str
+    uid: str
+
+
+@dataclass
+class GeneratorSettings:
+    max_prompt_length: int = 512
+    max_generate_length: int = 256
+    max_turns: int = 1
+    max_input_length: int | None = None  # multi-turn context cap; None = prompt + generate length
+    zero_reward_on_non_stop: bool = False
+    apply_overlong_filtering: bool = False
+    env_kwargs: dict[str, Any] | None = None
+    default_env_class: str = "gsm8k"
+
+
+class Generator:
+    """Rolls out prompts on an engine (or a router over several) and scores them."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer: Any, settings: GeneratorSettings) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+
+    # ------------------------------------------------------------------ public
+    async def generate(
+        self, rows: Sequence[PromptRow], n: int, params: SamplingParams, policy_version: int = 0
+    ) -> list[Trajectory]:
+        """`n` trajectories per row, grouped by row in order (row 0's n first)."""
+        params = replace(params, n=1) if self.settings.max_turns > 1 else replace(params, n=n)
+        if self.settings.max_turns > 1:
+            tasks = [self._multi_turn(row, params, policy_version) for row in rows for _ in range(n)]
+            return list(await asyncio.gather(*tasks))
+        return await self._single_turn(rows, n, params, policy_version)
+
+    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return _chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
+
+    # ------------------------------------------------------------------ single turn
+    async def _single_turn(
+        self, rows: Sequence[PromptRow], n: int, params: SamplingParams, policy_version: int
+    ) -> list[Trajectory]:
+        envs_per_row = []
+        prompts: list[list[int]] = []
+        for row in rows:
+            envs = [self._make_env(row) for _ in range(n)]
+            messages = [env.init(row.prompt, self._extras(row)) for env in envs][0]
+            ids = self.encode_prompt(messages)
+            if len(ids) > self.settings.max_prompt_length:
+                raise ValueError(
+                    f"prompt {row.uid} has {len(ids)} tokens, more than max_prompt_length="
+                    f"{self.settings.max_prompt_length}"
+                )
+            prompts.append(ids)
+            envs_per_row.append(envs)
+        params = replace(params, max_tokens=min(params.max_tokens, self.settings.max_generate_length))
+        outputs = await self.engine.generate(prompts, params)
+        trajectories: list[Trajectory] = []
+        for row, envs, prompt_ids, output in zip(rows, envs_per_row, prompts, outputs, strict=True):
+            if len(output.completions) != n:
+                raise RuntimeError(
+                    f"engine returned {len(output.completions)} samples for {row.uid}, asked {n}"
+                )
+            for env, completion in zip(envs, output.completions, strict=True):
+                trajectories.append(self._score(row, env, prompt_ids, completion, policy_version))
+        return trajectories
+
+    def _score(
+        self, row: PromptRow, env: Any, prompt_ids: list[int], completion: Completion, policy_version: int
+    ) -> Trajectory:
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        result = env.step(text)
+        env.close()
+        reward = float(result.reward)
+        loss_mask = [1] * len(completion.token_ids)
+        if completion.stop_reason != "stop":
+            if self.settings.zero_reward_on_non_stop:
+                reward = 0.0
+            if self.settings.apply_overlong_filtering:
+                loss_mask = [0] * len(loss_mask)
+        logprobs = completion.logprobs or [0.0] * len(completion.token_ids)
+        return Trajectory(
+            uid=row.uid,
+            prompt_ids=prompt_ids,
+            response_ids=list(completion.token_ids),
+            loss_mask=loss_mask,
+            rollout_logprobs=list(logprobs),
+            reward=reward,
+            stop_reason=completion.stop_reason,
+            data_source=row.data_source,
+            policy_version=policy_version,
+            env_metadata=dict(result.metadata),
+            response_text=text,
+        )
+
+    # ------------------------------------------------------------------ multi turn
+    async def _multi_turn(self, row: PromptRow, params: SamplingParams, policy_version: int) -> Trajectory:
+        env = self._make_env(row)
+        messages = env.init(row.prompt, self._extras(row))
+        prompt_ids = self.encode_prompt(messages)
+        session_id = uuid.uuid4().hex
+        max_total = self.settings.max_input_length or (
+            self.settings.max_prompt_length + self.settings.max_generate_length * self.settings.max_turns
+        )
+        response_ids: list[int] = []
+        loss_mask: list[int] = []
+        logprobs: list[float] = []
+        texts: list[str] = []
+        reward, stop_reason, turns, metadata = 0.0, "length", 0, {}
+        while turns < self.settings.max_turns:
+            budget = min(
+                params.max_tokens,
+                self.settings.max_generate_length,
+                max_total - len(prompt_ids) - len(response_ids),
+            )
+            if budget <= 0:
+                stop_reason = "length"
+                break
+            out = await self.engine.generate(
+                [prompt_ids + response_ids], replace(params, max_tokens=budget), session_id
+            )
+            completion = out[0].completions[0]
+            turns += 1
+            response_ids += completion.token_ids
+            loss_mask += [1] * len(completion.token_ids)
+            logprobs += completion.logprobs or [0.0] * len(completion.token_ids)
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            texts.append(text)
+            stop_reason = completion.stop_reason
+            result = env.step(text)
+            reward += float(result.reward)
+            metadata = dict(result.metadata)
+            if result.done or not result.observations:
+                break
+            obs_ids = self._observation_ids(result.observations)
+            response_ids += obs_ids
+            loss_mask += [0] * len(obs_ids)
+            logprobs += [0.0] * len(obs_ids)
+        env.close()
+        if stop_reason != "stop" and self.settings.zero_reward_on_non_stop:
+            reward = 0.0
+        return Trajectory(
+            uid=row.uid,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            loss_mask=loss_mask,
+            rollout_logprobs=logprobs,
+            reward=reward,
+            stop_reason=stop_reason,
+            data_source=row.data_source,
+            num_turns=turns,
+            policy_version=policy_version,
+            env_metadata=metadata,
+            response_text="\n".join(texts),
+        )
+
+    def _observation_ids(self, observations: list[dict[str, str]]) -> list[int]:
+        """Tokens of observation messages as they continue a conversation, plus the next
+        assistant header: the chat template of (base + obs) minus that of (base)."""
+        base = [{"role": "system", "content": "x"}]
+        with_obs = self.encode_prompt(base + list(observations))
+        without = _chat_token_ids(self.tokenizer, base, add_generation_prompt=False)
+        return with_obs[len(without) :]
+
+    # ------------------------------------------------------------------ helpers
+    def _make_env(self, row: PromptRow) -> Any:
+        return make_env(row.env_class or self.settings.default_env_class, **(self.settings.env_kwargs or {}))
+
+    @staticmethod
+    def _extras(row: PromptRow) -> dict[str, Any]:
+        return {"reward_spec": row.reward_spec, "extra_info": row.extra_info, "data_source": row.data_source}
+
+
+def _chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's template (a plain list of ints)."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    if hasattr(ids, "keys"):  # some versions return a BatchEncoding regardless
+        ids = ids["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]

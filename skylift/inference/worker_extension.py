@@ -1,0 +1,152 @@
+"""The weight-update receiver that vLLM mixes into every one of its workers.
+
+Pass ``worker_extension_cls="skylift.inference.worker_extension.WeightSyncWorkerExtension"`` to
+vLLM (engine args or ``--worker-extension-cls``); the methods below are then callable on every
+worker through ``collective_rpc``. Their names carry a ``skylift_`` prefix because vLLM refuses an
+extension whose method names clash with its Worker's (``update_weights``, ``reload_weights``...).
+
+Each worker joins the trainer's weight-update group as rank ``rank_offset + worker rank``,
+receives a bucket's flat buffers by broadcast from rank 0 (wire format: `WeightBucket`) and loads
+them in place with vLLM's ``reload_weights`` using Hugging Face parameter names.
+
+A bucket must hold every Hugging Face tensor that vLLM fuses into one module (``q_proj``,
+``k_proj``, ``v_proj`` weights and biases -> ``qkv_proj``; ``gate_proj`` + ``up_proj`` ->
+``gate_up_proj``): vLLM rebuilds a module from the tensors of one reload and leaves the parts it
+did not receive uninitialised. A bucket that covers such a module partially is received (so the
+sender's broadcast completes) and then refused with an error naming the missing parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from skylift.inference.types import WeightBucket
+from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
+from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncWorkerExtension:
+    """Receiver side of skylift's weight sync; a mixin for vLLM's Worker (uses its attributes
+    ``rank``, ``device``, ``vllm_config`` and ``model_runner``)."""
+
+    _skylift_group: WeightSyncGroup | None = None
+    _skylift_units: tuple[dict[str, list[str]], dict[str, int]] | None = None
+
+    def _skylift_worker_rank(self) -> int:
+        rank: Any = getattr(self, "rank", 0)
+        return int(rank)
+
+    def _skylift_load_units(self) -> tuple[dict[str, list[str]], dict[str, int]]:
+        """vLLM's packed-module mapping and, per vLLM module, how many HF tensors load into it."""
+        if self._skylift_units is None:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
+            sizes: dict[str, int] = {}
+            for name, _ in model.named_parameters():
+                module = name.rpartition(".")[0]
+                sizes[module] = sizes.get(module, 0) + len(packed.get(module.rpartition(".")[2], [None]))
+            self._skylift_units = (packed, sizes)
+        return self._skylift_units
+
+    def _skylift_check_whole_units(self, names: list[str]) -> None:
+        """Raise when `names` cover a vLLM module only in part (see the module docstring)."""
+        packed, sizes = self._skylift_load_units()
+        part_of = {part: fused for fused, parts in packed.items() for part in parts}
+
+        def unit(name: str) -> str:
+            module = name.rpartition(".")[0]
+            prefix, _, leaf = module.rpartition(".")
+            fused = part_of.get(leaf)
+            return module if fused is None else (f"{prefix}.{fused}" if prefix else fused)
+
+        counts = Counter(unit(n) for n in names)
+        for module, got in counts.items():
+            want = sizes.get(module)
+            if want is not None and got < want:
+                sent = sorted(n for n in names if unit(n) == module)
+                raise WeightSyncError(
+                    f"bucket holds {got} of the {want} tensors that vLLM loads together into {module} "
+                    f"(got {sent}); a partial load would leave the rest uninitialised, so nothing was "
+                    "loaded: send all parts of a fused module (e.g. q/k/v weights and biases) in one bucket"
+                )
+
+    def skylift_init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        override_existing: bool,
+        timeout_s: float,
+    ) -> None:
+        """Join the trainer's group as rank ``rank_offset + worker rank`` (blocks until all joined).
+
+        An existing group is an error unless `override_existing`, which destroys it first.
+        """
+        rank = rank_offset + self._skylift_worker_rank()
+        if self._skylift_group is not None:
+            if not override_existing:
+                old = self._skylift_group
+                raise WeightSyncError(
+                    f"a weight-update group already exists on this worker ({old.group_name!r}, rank "
+                    f"{old.rank}/{old.world_size}); destroy it first or pass override_existing=True"
+                )
+            self.skylift_destroy_weight_update_group()
+        device = torch.device(getattr(self, "device", None) or "cpu") if backend == "nccl" else None
+        self._skylift_group = create_weight_sync_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,  # type: ignore[arg-type]
+            timeout_s=timeout_s,
+            device=device,
+        )
+        logger.info("joined weight-update group %r as rank %d/%d", group_name, rank, world_size)
+
+    def skylift_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Receive one bucket from rank 0 (one flat broadcast per dtype) and load it in place."""
+        group = self._skylift_group
+        if group is None:
+            raise WeightSyncError(
+                "no weight-update group on this worker: call init_weight_update_communicator first"
+            )
+        bucket = WeightBucket(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
+        validate_bucket(bucket)
+        start = time.perf_counter()
+        buffers = allocate_buffers(bucket, group.device)
+        for buffer in buffers:
+            group.broadcast(buffer, src=0)
+        received = time.perf_counter()
+        self._skylift_check_whole_units(bucket.names)
+        weights = unpack_bucket(bucket, buffers)
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+            self.model_runner.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+        logger.debug(
+            "received %d tensors in %.1f ms, loaded in %.1f ms",
+            len(names),
+            1e3 * (received - start),
+            1e3 * (time.perf_counter() - received),
+        )
+
+    def skylift_destroy_weight_update_group(self) -> None:
+        """Leave and destroy the weight-update group (a no-op when there is none)."""
+        group, self._skylift_group = self._skylift_group, None
+        if group is not None:
+            group.destroy()
+
+    def skylift_has_weight_update_group(self) -> bool:
+        """True while this worker is in a weight-update group."""
+        return self._skylift_group is not None

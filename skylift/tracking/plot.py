@@ -1,0 +1,60 @@
+"""`skylift plot RUN_DIR`: a PNG of training reward and evaluation accuracy per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(jsonl: Path) -> list[dict]:
+    rows = []
+    for line in jsonl.read_text().splitlines():
+        line = line.strip()
+        if line:
+            rows.append(json.loads(line))
+    return rows
+
+
+def find_metrics_file(run_dir: str | Path) -> Path:
+    run = Path(run_dir)
+    for candidate in (run / "metrics.jsonl", run / "logs" / "metrics.jsonl"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"no metrics.jsonl in {run} or {run / 'logs'}")
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Plot `reward/mean` (train) and every `eval/*accuracy*` series against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jsonl = find_metrics_file(run_dir)
+    rows = read_metrics(jsonl)
+    out_path = Path(out) if out else jsonl.parent / "training_curves.png"
+    fig, (ax_reward, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+    train = [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None]
+    if train:
+        ax_reward.plot(*zip(*train, strict=True), marker="o", label="train reward (mean)")
+    ax_reward.set_xlabel("step")
+    ax_reward.set_ylabel("reward")
+    ax_reward.set_title("training reward")
+    ax_reward.grid(alpha=0.3)
+    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "accuracy" in k})
+    for key in eval_keys:
+        series = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        ax_eval.plot(*zip(*series, strict=True), marker="s", label=key.removeprefix("eval/"))
+    ax_eval.set_xlabel("step")
+    ax_eval.set_ylabel("accuracy")
+    ax_eval.set_ylim(0, 1)
+    ax_eval.set_title("evaluation accuracy")
+    ax_eval.grid(alpha=0.3)
+    for ax in (ax_reward, ax_eval):
+        if ax.lines:
+            ax.legend(loc="lower right")
+    fig.suptitle(str(Path(run_dir).name))
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

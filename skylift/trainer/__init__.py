@@ -1,0 +1,1 @@
+"""The RL loop: generate -> score -> advantages -> policy update -> weight sync -> eval/checkpoint."""

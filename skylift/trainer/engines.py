@@ -1,0 +1,149 @@
+"""Inference engines for a training run: local (vLLM in Ray actors) or remote (HTTP servers).
+
+`EngineRef`s are small picklable descriptions that any process (the driver, a policy worker
+doing weight sync) turns into an `InferenceEngine` client with `connect()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from skylift.inference.types import GenerateOutput, SamplingParams, WeightBucket, WeightUpdateGroupSpec
+
+
+class EngineActor:
+    """A `LocalVLLMEngine` living in a Ray actor (made remote by `start_local_engines`)."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+
+    async def start(self, model: str, engine_kwargs: dict[str, Any]) -> str:
+        from skylift.inference.local import LocalVLLMEngine
+
+        self.engine = await LocalVLLMEngine.create(model, **engine_kwargs)
+        return repr(self.engine)
+
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
+    ) -> list[GenerateOutput]:
+        return await self.engine.generate(prompts, params, session_id)
+
+    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return await self.engine.prompt_logprobs(sequences)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine.sleep(level)
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
+        await self.engine.init_weight_update_communicator(spec)
+
+    async def update_weights(self, bucket: WeightBucket) -> None:
+        await self.engine.update_weights(bucket)
+
+    async def destroy_weights_update_group(self) -> None:
+        await self.engine.destroy_weights_update_group()
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+    async def tensor_parallel_size(self) -> int:
+        return await self.engine.tensor_parallel_size()
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+            self.engine = None
+
+
+class RayEngineClient:
+    """`InferenceEngine` calls forwarded to an `EngineActor` (awaiting Ray object refs)."""
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor = actor
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
+    ) -> list[GenerateOutput]:
+        return await self.actor.generate.remote(prompts, params, session_id)
+
+    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return await self.actor.prompt_logprobs.remote(sequences)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.actor.sleep.remote(level)
+
+    async def wake_up(self) -> None:
+        await self.actor.wake_up.remote()
+
+    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
+        await self.actor.init_weight_update_communicator.remote(spec)
+
+    async def update_weights(self, bucket: WeightBucket) -> None:
+        await self.actor.update_weights.remote(bucket)
+
+    async def destroy_weights_update_group(self) -> None:
+        await self.actor.destroy_weights_update_group.remote()
+
+    async def reset_prefix_cache(self) -> None:
+        await self.actor.reset_prefix_cache.remote()
+
+    async def health(self) -> bool:
+        return await self.actor.health.remote()
+
+    async def tensor_parallel_size(self) -> int:
+        return await self.actor.tensor_parallel_size.remote()
+
+    async def close(self) -> None:
+        await self.actor.close.remote()
+
+
+@dataclass
+class EngineRef:
+    """How to reach one engine from any process: a Ray actor or an HTTP server URL."""
+
+    name: str
+    actor: Any = None
+    url: str | None = None
+    api_key: str | None = None
+    timeout_s: float = 600.0
+
+    def connect(self) -> Any:
+        if self.actor is not None:
+            return RayEngineClient(self.actor, self.name)
+        from skylift.inference.remote import RemoteInferenceEngine
+
+        assert self.url is not None
+        return RemoteInferenceEngine(self.url, api_key=self.api_key, timeout_s=self.timeout_s)
+
+
+def start_local_engines(
+    count: int, model: str, engine_kwargs: dict[str, Any], num_cpus: float = 0
+) -> list[EngineRef]:
+    """Start `count` vLLM engines as Ray actors; blocks until all are up (they start in parallel)."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=num_cpus)(EngineActor)
+    actors = [actor_cls.options(name=None).remote() for _ in range(count)]
+    names = []
+    starts = []
+    for i, actor in enumerate(actors):
+        kwargs = dict(engine_kwargs)
+        kwargs.setdefault("name", f"engine-{i}")
+        starts.append(actor.start.remote(model, kwargs))
+    names = ray.get(starts)
+    return [EngineRef(name=str(name), actor=actor) for name, actor in zip(names, actors, strict=True)]
+
+
+def remote_engine_refs(urls: list[str], api_key: str | None, timeout_s: float) -> list[EngineRef]:
+    return [EngineRef(name=url, url=url, api_key=api_key, timeout_s=timeout_s) for url in urls]

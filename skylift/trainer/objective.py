@@ -1,0 +1,70 @@
+"""The policy objective handed to training workers: policy loss + optional KL loss, reduced.
+
+A `PolicyObjective` is a small picklable callable (it travels to Ray actors); the worker calls it
+on each micro-batch with the new logprobs. It reads the per-token tensors the trainer attached to
+the batch (`advantages`, `rollout_logprobs`, and optionally `old_logprobs`, `ref_logprobs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from skylift.algorithms import PolicyLossConfig, compute_kl, compute_policy_loss, masked_mean, reduce_loss
+from skylift.training.batch import SequenceBatch
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    loss_type: str = "regular"
+    loss_reduction: str = "token_mean"
+    loss_config: PolicyLossConfig = PolicyLossConfig()
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    max_len: int = 256  # L of seq_mean_token_sum_norm
+    # totals of the whole mini-batch (over all ranks): set per mini-batch by the trainer
+    token_count: float = 1.0
+    seq_count: float = 1.0
+
+    def __call__(
+        self, logprobs: Tensor, micro: SequenceBatch, entropy: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        mask = micro.response_mask.to(logprobs.dtype)
+        extras = micro.extras
+        old = extras.get("old_logprobs")
+        if old is None:  # exactly on-policy: one update on freshly sampled data
+            old = logprobs.detach()
+        rollout = extras.get("rollout_logprobs")
+        per_token, metrics = compute_policy_loss(
+            self.loss_type,
+            logprobs,
+            old,
+            extras["advantages"],
+            mask,
+            self.loss_config,
+            rollout_logprobs=rollout,
+        )
+        if self.use_kl_loss:
+            kl = compute_kl(logprobs, extras["ref_logprobs"], self.kl_estimator)
+            per_token = per_token + self.kl_loss_coef * kl * mask
+            metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
+        loss = reduce_loss(
+            per_token,
+            mask,
+            self.loss_reduction,
+            global_token_count=self.token_count,
+            global_seq_count=self.seq_count,
+            max_len=self.max_len,
+        )
+        with torch.no_grad():
+            metrics["policy_loss"] = float(masked_mean(per_token.detach(), mask))
+            if rollout is not None:
+                metrics["logprob_diff_vs_rollout"] = float(
+                    masked_mean((logprobs.detach() - rollout).abs(), mask)
+                )
+            if entropy is not None:
+                metrics["entropy"] = float(masked_mean(entropy, mask))
+        return loss, metrics

@@ -1,0 +1,541 @@
+"""The synchronous RL loop (GRPO and friends).
+
+One step: sample `n_samples_per_prompt` responses per prompt -> environment rewards -> reference
+logprobs (when a KL term is used) -> advantages -> policy mini-batch updates -> weight sync to
+the engines -> evaluation / checkpoint. The loop does not know the algorithm: advantages, losses
+and reductions are looked up by name in `skylift.algorithms`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from skylift.algorithms import (
+    PolicyLossConfig,
+    apply_kl_penalty,
+    compute_advantages,
+    masked_whiten,
+    mini_batch_totals,
+    sequence_rewards_to_token_level,
+)
+from skylift.config.schema import SkyliftConfig
+from skylift.data import PromptDataset, PromptSample
+from skylift.generator import Generator, GeneratorSettings, Trajectory
+from skylift.inference.pool import EnginePool
+from skylift.inference.types import SamplingParams
+from skylift.trainer import checkpoint as ckpt
+from skylift.trainer.engines import EngineRef, remote_engine_refs, start_local_engines
+from skylift.trainer.objective import PolicyObjective
+from skylift.trainer.workers import WorkerGroup
+from skylift.training.batch import SequenceBatch, build_sequence_batch
+from skylift.training.worker import OptimizerSettings, WorkerSettings
+
+
+@dataclasses.dataclass
+class RunPaths:
+    root: Path
+    ckpt: Path
+    export: Path
+    logs: Path
+
+    @classmethod
+    def from_config(cls, cfg: SkyliftConfig) -> RunPaths:
+        from skylift.config.validation import default_run_root
+
+        t = cfg.trainer
+        root = default_run_root(t.run_name)
+        return cls(
+            root=root,
+            ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
+            export=Path(t.export_path).expanduser() if t.export_path else root / "exports",
+            logs=Path(t.log_dir).expanduser() if t.log_dir else root / "logs",
+        )
+
+
+def _override_flag(value: str | bool) -> bool:
+    return str(value).lower() in ("true", "enable", "1", "yes", "auto")
+
+
+class RLTrainer:
+    """Builds everything a run needs from a `SkyliftConfig`, then `fit()` trains."""
+
+    def __init__(self, cfg: SkyliftConfig, *, console: bool = True) -> None:
+        self.cfg = cfg
+        self.console = console
+        self.paths = RunPaths.from_config(cfg)
+        self.state = ckpt.TrainerState()
+        self.loop = asyncio.new_event_loop()
+        self.engine_refs: list[EngineRef] = []
+        self.engines: EnginePool | None = None
+        self.policy: WorkerGroup | None = None
+        self.ref: WorkerGroup | None = None
+        self.history: list[dict[str, float]] = []
+        self._ray_started = False
+
+    # ================================================================== set-up
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from skylift.models import resolve_model_path
+        from skylift.tracking import Tracking
+
+        cfg, t, g = self.cfg, self.cfg.trainer, self.cfg.generator
+        if t.algorithm.advantage_estimator == "gae":
+            raise NotImplementedError(
+                "advantage_estimator=gae needs a critic worker, which skylift does not have yet"
+            )
+        started = time.perf_counter()
+        self.model_path = resolve_model_path(t.policy.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        env_class = cfg.environment.env_class
+        self.train_data = PromptDataset(
+            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples
+        )
+        self.val_data = (
+            PromptDataset(cfg.data.val_data, default_env_class=env_class, max_rows=cfg.data.max_val_samples)
+            if cfg.data.val_data
+            else None
+        )
+        self.tracking = Tracking(t.loggers(), self.paths.logs, t.project_name, t.run_name)
+        self._say(
+            f"run '{t.run_name}': model {t.policy.model.path}, {len(self.train_data)} train prompts, "
+            f"{len(self.val_data) if self.val_data else 0} eval prompts; outputs in {self.paths.root}"
+        )
+
+        world = t.policy_world_size()
+        use_ray = g.run_engines_locally or world > 1
+        if use_ray:
+            self._init_ray()
+        self._start_engines()
+        self.policy = WorkerGroup(
+            "policy",
+            self._worker_settings(trainable=True),
+            world,
+            use_ray=use_ray,
+            num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
+            num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
+        )
+        self.policy.setup()
+        if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
+            ref_world = t.placement.ref_num_nodes * t.placement.ref_num_gpus_per_node
+            self.ref = WorkerGroup(
+                "ref",
+                self._worker_settings(trainable=False),
+                ref_world,
+                use_ray=use_ray,
+                num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
+                num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
+            )
+            self.ref.setup()
+        self.policy.call_all(
+            "init_weight_sync",
+            self.engine_refs,
+            _override_flag(g.override_existing_update_group),
+            None if g.weight_sync_backend == "auto" else g.weight_sync_backend,
+        )
+        self._maybe_resume()
+        self.generator = Generator(
+            self.engines,
+            self.tokenizer,
+            GeneratorSettings(
+                max_prompt_length=t.max_prompt_length,
+                max_generate_length=self._max_gen_len(),
+                max_turns=g.max_turns,
+                max_input_length=g.max_input_length,
+                zero_reward_on_non_stop=g.zero_reward_on_non_stop,
+                apply_overlong_filtering=g.apply_overlong_filtering,
+                env_kwargs=dict(cfg.environment.env_kwargs),
+                default_env_class=env_class,
+            ),
+        )
+        self._say(f"set-up done in {time.perf_counter() - started:.1f} s")
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        env = {
+            k: os.environ[k]
+            for k in (
+                "HF_HUB_OFFLINE",
+                "TRANSFORMERS_OFFLINE",
+                "VLLM_CPU_KVCACHE_SPACE",
+                "VLLM_HOST_IP",
+                "GLOO_SOCKET_IFNAME",
+                "SKYLIFT_CACHE_DIR",
+                "TOKENIZERS_PARALLELISM",
+                "OMP_NUM_THREADS",
+            )
+            if k in os.environ
+        }
+        ray.init(
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=True,
+            object_store_memory=int(os.environ.get("SKYLIFT_RAY_OBJECT_STORE_BYTES", 512 << 20)),
+            runtime_env={"env_vars": env},
+            _node_ip_address="127.0.0.1",
+        )
+        self._ray_started = True
+
+    def _start_engines(self) -> None:
+        g, t = self.cfg.generator, self.cfg.trainer
+        if g.run_engines_locally:
+            kwargs: dict[str, Any] = {
+                "max_model_len": t.max_prompt_length + self._max_gen_len() * max(1, g.max_turns),
+                "seed": t.seed,
+                "dtype": g.model_dtype,
+                "enable_prefix_caching": g.enable_prefix_caching,
+                "max_num_seqs": g.max_num_seqs,
+                "tensor_parallel_size": g.inference_engine_tensor_parallel_size,
+            }
+            started = time.perf_counter()
+            self._say(f"starting {g.num_inference_engines} local vLLM engine(s)...")
+            self.engine_refs = start_local_engines(g.num_inference_engines, self.model_path, kwargs)
+            self._say(f"engines up in {time.perf_counter() - started:.1f} s")
+        else:
+            self.engine_refs = remote_engine_refs(
+                list(g.remote_inference_engine_urls), os.environ.get("SKYLIFT_API_KEY"), g.http_timeout_s
+            )
+        self.engines = EnginePool([ref.connect() for ref in self.engine_refs])
+
+    def _worker_settings(self, trainable: bool) -> WorkerSettings:
+        t = self.cfg.trainer
+        model_cfg = t.policy.model if trainable else t.ref.model
+        o = t.policy.optimizer_config
+        return WorkerSettings(
+            model_path=model_cfg.path or t.policy.model.path,
+            trainable=trainable,
+            dtype="bfloat16" if t.bf16 else "float32",
+            gradient_checkpointing=t.gradient_checkpointing,
+            optimizer=OptimizerSettings(
+                lr=o.lr,
+                betas=(o.adam_betas[0], o.adam_betas[1]),
+                weight_decay=o.weight_decay,
+                max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
+                num_warmup_steps=o.num_warmup_steps,
+            ),
+            lora_rank=model_cfg.lora.rank if trainable else 0,
+            lora_alpha=model_cfg.lora.alpha,
+            lora_target_modules=model_cfg.lora.target_modules,
+            seed=t.seed,
+        )
+
+    def _max_gen_len(self) -> int:
+        g = self.cfg.generator
+        return int(g.max_generate_length or g.sampling_params.max_generate_length)
+
+    def _maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        mode = (t.resume_mode or "none").lower()
+        if mode == "none":
+            return
+        path = (
+            Path(t.resume_path).expanduser()
+            if mode == "from_path" and t.resume_path
+            else (ckpt.latest_checkpoint(self.paths.ckpt))
+        )
+        if path is None:
+            return
+        assert self.policy is not None
+        self.state = ckpt.load_trainer_state(path)
+        self.policy.call_all("load_checkpoint", str(path / "policy"))
+        self._sync_weights()
+        self._say(f"resumed from {path} (step {self.state.global_step})")
+
+    # ================================================================== one step
+    def _sampling_params(self, evaluation: bool) -> SamplingParams:
+        g = self.cfg.generator
+        sp = g.eval_sampling_params if evaluation else g.sampling_params
+        max_tokens = sp.max_generate_length if evaluation and sp.max_generate_length else self._max_gen_len()
+        return SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            max_tokens=int(max_tokens),
+            stop=list(sp.stop) if sp.stop else None,
+            logprobs=not evaluation,
+        )
+
+    @property
+    def train_temperature(self) -> float:
+        temp = self.cfg.generator.sampling_params.temperature
+        return temp if temp > 0 else 1.0
+
+    def generate(self, rows: list[PromptSample], evaluation: bool = False) -> list[Trajectory]:
+        g = self.cfg.generator
+        n = g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt
+        return self.loop.run_until_complete(
+            self.generator.generate(rows, n, self._sampling_params(evaluation), self.state.policy_version)
+        )
+
+    def make_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
+        return build_sequence_batch(
+            [tr.prompt_ids for tr in trajectories],
+            [tr.response_ids for tr in trajectories],
+            [tr.loss_mask for tr in trajectories],
+            pad_token_id=self.pad_id,
+            per_token={"rollout_logprobs": [tr.rollout_logprobs for tr in trajectories]},
+        )
+
+    def train_step(self, rows: list[PromptSample]) -> dict[str, float]:
+        assert self.policy is not None
+        t, alg = self.cfg.trainer, self.cfg.trainer.algorithm
+        timings: dict[str, float] = {}
+        tick = time.perf_counter()
+        trajectories = self.generate(rows)
+        timings["timing/generate_s"] = time.perf_counter() - tick
+        batch = self.make_batch(trajectories)
+        rewards = torch.tensor([tr.reward for tr in trajectories], dtype=torch.float32)
+        metrics: dict[str, float] = {}
+
+        tick = time.perf_counter()
+        n_mini = t.train_batch_size // t.policy_mini_batch_size
+        need_old = t.update_epochs_per_batch > 1 or n_mini > 1 or alg.use_kl_in_reward
+        if need_old:
+            batch = batch.with_extras(
+                old_logprobs=self.policy.compute_logprobs(
+                    batch, t.micro_forward_batch_size_per_gpu, self.train_temperature
+                )
+            )
+        if self.ref is not None:
+            batch = batch.with_extras(
+                ref_logprobs=self.ref.compute_logprobs(
+                    batch, t.micro_forward_batch_size_per_gpu, self.train_temperature
+                )
+            )
+        timings["timing/logprobs_s"] = time.perf_counter() - tick
+
+        token_rewards = sequence_rewards_to_token_level(rewards, batch.response_mask)
+        if alg.use_kl_in_reward:
+            token_rewards, kl_metrics = apply_kl_penalty(
+                token_rewards,
+                batch.extras["old_logprobs"],
+                batch.extras["ref_logprobs"],
+                batch.response_mask,
+                alg.kl_loss_coef,
+                alg.kl_estimator_type,
+            )
+            metrics.update({f"kl_in_reward/{k}": v for k, v in kl_metrics.items()})
+        advantages, _returns = compute_advantages(
+            alg.advantage_estimator,
+            token_rewards,
+            batch.response_mask,
+            group_ids=[tr.uid for tr in trajectories],
+            gamma=alg.gamma,
+            lambd=alg.lambd,
+            norm_by_std=alg.grpo_norm_by_std,
+        )
+        if alg.advantage_batch_normalize:
+            advantages = masked_whiten(advantages, batch.response_mask, 1e-6)
+        batch = batch.with_extras(advantages=advantages)
+
+        tick = time.perf_counter()
+        objective = PolicyObjective(
+            loss_type=alg.policy_loss_type,
+            loss_reduction=alg.loss_reduction,
+            loss_config=PolicyLossConfig(
+                eps_clip_low=alg.eps_clip_low,
+                eps_clip_high=alg.eps_clip_high,
+                clip_ratio_c=alg.clip_ratio_c,
+                tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
+            ),
+            use_kl_loss=alg.use_kl_loss,
+            kl_loss_coef=alg.kl_loss_coef,
+            kl_estimator=alg.kl_estimator_type,
+            max_len=self._max_gen_len(),
+        )
+        rows_per_mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+        train_metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(t.update_epochs_per_batch):
+            for start in range(0, batch.batch_size, rows_per_mini):
+                mini = batch.select(list(range(start, min(start + rows_per_mini, batch.batch_size))))
+                totals = mini_batch_totals(mini.response_mask)
+                step_obj = dataclasses.replace(
+                    objective, token_count=max(1, totals.token_count), seq_count=max(1, totals.seq_count)
+                )
+                out = self.policy.train_mini_batch(
+                    mini, step_obj, t.micro_train_batch_size_per_gpu, self.train_temperature
+                )
+                for k, v in out.items():
+                    train_metrics[k].append(v)
+        timings["timing/train_s"] = time.perf_counter() - tick
+        self.state.policy_version += 1
+
+        tick = time.perf_counter()
+        self._sync_weights()
+        timings["timing/weight_sync_s"] = time.perf_counter() - tick
+
+        lengths = [tr.num_generated_tokens for tr in trajectories]
+        metrics.update(
+            {
+                "reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                "response_length/mean": statistics.fmean(lengths),
+                "response_length/max": float(max(lengths)),
+                "response/truncated_frac": sum(tr.stop_reason != "stop" for tr in trajectories)
+                / len(trajectories),
+                "advantages/abs_mean": float(advantages.abs().sum() / batch.response_mask.sum().clamp(min=1)),
+            }
+        )
+        metrics.update({f"policy/{k}": statistics.fmean(v) for k, v in train_metrics.items()})
+        metrics.update(timings)
+        return metrics
+
+    def _sync_weights(self) -> None:
+        assert self.policy is not None
+        self.policy.call_all("sync_weights")
+
+    # ================================================================== evaluation
+    def evaluate(self) -> dict[str, float]:
+        if self.val_data is None or len(self.val_data) == 0:
+            return {}
+        tick = time.perf_counter()
+        rows = list(self.val_data)
+        trajectories: list[Trajectory] = []
+        for start in range(0, len(rows), self.cfg.trainer.eval_batch_size):
+            trajectories += self.generate(
+                rows[start : start + self.cfg.trainer.eval_batch_size], evaluation=True
+            )
+        by_source: dict[str, list[float]] = defaultdict(list)
+        for tr in trajectories:
+            by_source[tr.data_source or "all"].append(tr.reward)
+        metrics = {f"eval/{src}/accuracy": statistics.fmean(v) for src, v in by_source.items()}
+        metrics["eval/accuracy"] = statistics.fmean(tr.reward for tr in trajectories)
+        metrics["eval/response_length"] = statistics.fmean(tr.num_generated_tokens for tr in trajectories)
+        metrics["timing/eval_s"] = time.perf_counter() - tick
+        if self.cfg.trainer.dump_eval_results:
+            self._dump_eval(trajectories)
+        return metrics
+
+    def _dump_eval(self, trajectories: list[Trajectory]) -> None:
+        import json
+
+        path = self.paths.logs / "eval" / f"step_{self.state.global_step}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for tr in trajectories:
+                f.write(
+                    json.dumps(
+                        {
+                            "uid": tr.uid,
+                            "response": tr.response_text,
+                            "reward": tr.reward,
+                            "stop_reason": tr.stop_reason,
+                        }
+                    )
+                    + "\n"
+                )
+
+    # ================================================================== checkpoints
+    def save_checkpoint(self) -> Path:
+        assert self.policy is not None
+        step = self.state.global_step
+        tmp = ckpt.begin_checkpoint(self.paths.ckpt, step)
+        self.policy.call_all("save_checkpoint", str(tmp / "policy"))
+        return ckpt.commit_checkpoint(self.paths.ckpt, step, self.state, self.cfg.trainer.max_ckpts_to_keep)
+
+    def export(self) -> str:
+        assert self.policy is not None
+        target = self.paths.export / f"global_step_{self.state.global_step}"
+        return str(self.policy.call_all("export_hf", str(target))[0])
+
+    # ================================================================== the loop
+    def fit(self) -> list[dict[str, float]]:
+        from tqdm import tqdm
+
+        t = self.cfg.trainer
+        per_epoch = self.train_data.num_batches(t.train_batch_size)
+        total_steps = per_epoch * t.epochs
+        if t.max_steps is not None:
+            total_steps = min(total_steps, t.max_steps)
+        if t.eval_before_train and self.state.global_step == 0:
+            metrics = self.evaluate()
+            if metrics:
+                self._log(metrics)
+                self._say(f"step 0 | eval accuracy {metrics['eval/accuracy']:.3f}")
+        start_epoch, start_step = self.train_data.locate(self.state.global_step, t.train_batch_size)
+        bar = tqdm(
+            total=total_steps,
+            initial=self.state.global_step,
+            desc="training",
+            unit="step",
+            disable=not self.console,
+            dynamic_ncols=True,
+        )
+        for epoch, step_in_epoch, rows in self.train_data.iter_training(
+            t.train_batch_size, t.seed, t.epochs, start_epoch=start_epoch, start_step=start_step
+        ):
+            if self.state.global_step >= total_steps:
+                break
+            tick = time.perf_counter()
+            metrics = self.train_step(rows)
+            self.state.global_step += 1
+            self.state.epoch, self.state.step_in_epoch = epoch, step_in_epoch + 1
+            step = self.state.global_step
+            if t.eval_interval > 0 and (step % t.eval_interval == 0 or step == total_steps):
+                metrics.update(self.evaluate())
+            if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == total_steps):
+                metrics["checkpoint"] = 1.0
+                self.save_checkpoint()
+            if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
+                self.export()
+            metrics["timing/step_s"] = time.perf_counter() - tick
+            self._log(metrics)
+            bar.update(1)
+            if self.console:
+                bar.write(self._summary(step, total_steps, metrics))
+        bar.close()
+        return self.history
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        self.tracking.log(metrics, self.state.global_step)
+        self.history.append({"step": self.state.global_step, **metrics})
+
+    @staticmethod
+    def _summary(step: int, total: int, m: dict[str, float]) -> str:
+        parts = [f"step {step}/{total}", f"reward {m['reward/mean']:.3f}"]
+        if "eval/accuracy" in m:
+            parts.append(f"eval acc {m['eval/accuracy']:.3f}")
+        parts.append(f"resp len {m['response_length/mean']:.1f}")
+        if "policy/kl_loss" in m:
+            parts.append(f"kl {m['policy/kl_loss']:.4f}")
+        if "policy/logprob_diff_vs_rollout" in m:
+            parts.append(f"|lp diff| {m['policy/logprob_diff_vs_rollout']:.1e}")
+        parts.append(
+            f"gen {m['timing/generate_s']:.1f}s train {m['timing/train_s']:.1f}s sync {m['timing/weight_sync_s']:.1f}s"
+        )
+        return " | ".join(parts)
+
+    def _say(self, text: str) -> None:
+        if self.console:
+            print(f"[skylift] {text}", flush=True)
+
+    def shutdown(self) -> None:
+        try:
+            if self.policy is not None:
+                self.policy.shutdown()
+            if self.ref is not None:
+                self.ref.shutdown()
+            if self.engines is not None:
+                self.loop.run_until_complete(self.engines.close())
+        finally:
+            if hasattr(self, "tracking"):
+                self.tracking.close()
+            if self._ray_started:
+                import ray
+
+                ray.shutdown()
+            self.loop.close()

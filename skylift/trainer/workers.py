@@ -1,0 +1,168 @@
+"""Training workers of a run: FSDP2 ranks as Ray actors (or one in-process rank), plus weight sync.
+
+`RLWorker` adds to `TrainingWorker` the one RL-specific duty of the policy: pushing its weights
+to the inference engines. `WorkerGroup` starts the ranks, shards batches over them and calls
+them in lockstep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from skylift.trainer.engines import EngineRef
+from skylift.training.batch import SequenceBatch
+from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
+
+
+class RLWorker(TrainingWorker):
+    """A training rank that can also broadcast its weights to inference engines (rank 0 sends)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sender: Any = None
+        self._engines: list[Any] = []
+
+    def _run(self, coro: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    def init_weight_sync(
+        self,
+        engine_refs: Sequence[EngineRef],
+        override_existing: bool,
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if self.rank != 0:
+            return
+        from skylift.weight_sync import WeightSender
+
+        self._engines = [ref.connect() for ref in engine_refs]
+        self._sender = WeightSender(timeout_s=timeout_s)
+        self._run(
+            self._sender.init_group(self._engines, backend=backend, override_existing=override_existing)
+        )
+
+    def sync_weights(self, bucket_mb: int = 256) -> dict[str, float]:
+        """Broadcast the full weights to every engine (all ranks call: gathering is collective)."""
+        started = time.perf_counter()
+        weights = self.iter_full_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return {}
+        if self._sender is None:
+            raise RuntimeError("init_weight_sync() was not called before sync_weights()")
+        self._run(self._sender.send_state_dict(weights, bucket_bytes=bucket_mb << 20))
+        return {"timing/weight_sync_s": time.perf_counter() - started}
+
+    def close_weight_sync(self) -> None:
+        if self._sender is not None:
+            try:
+                self._run(self._sender.close())
+            finally:
+                self._sender = None
+
+
+class WorkerGroup:
+    """`world_size` ranks of one model; Ray actors when `use_ray`, else one in-process rank."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: WorkerSettings,
+        world_size: int = 1,
+        use_ray: bool = True,
+        num_cpus_per_worker: float = 1,
+        num_gpus_per_worker: float = 0,
+    ) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.use_ray = use_ray
+        rdzv = os.path.join(tempfile.mkdtemp(prefix=f"skylift-{name}-"), "rendezvous")
+        init_method = f"file://{rdzv}"
+        if use_ray:
+            import ray
+
+            cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(RLWorker)
+            self.workers: list[Any] = [
+                cls.remote(settings, rank, world_size, init_method) for rank in range(world_size)
+            ]
+        else:
+            if world_size != 1:
+                raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
+            self.workers = [RLWorker(settings, 0, 1, init_method)]
+
+    def _call(
+        self, method: str, per_rank_args: Sequence[tuple] | None = None, *args: Any, **kwargs: Any
+    ) -> list[Any]:
+        if self.use_ray:
+            import ray
+
+            refs = [
+                getattr(w, method).remote(*(per_rank_args[r] if per_rank_args else args), **kwargs)
+                for r, w in enumerate(self.workers)
+            ]
+            return ray.get(refs)
+        return [getattr(self.workers[0], method)(*(per_rank_args[0] if per_rank_args else args), **kwargs)]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._call(method, None, *args, **kwargs)
+
+    def shards(self, batch: SequenceBatch) -> list[SequenceBatch]:
+        """Rows of `batch` split into `world_size` contiguous, near-equal shards."""
+        n = batch.batch_size
+        bounds = [round(r * n / self.world_size) for r in range(self.world_size + 1)]
+        return [batch.select(list(range(bounds[r], bounds[r + 1]))) for r in range(self.world_size)]
+
+    def setup(self) -> list[dict[str, Any]]:
+        return self.call_all("setup")
+
+    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Any:
+        import torch
+
+        if self.world_size == 1:
+            return self.call_all("compute_logprobs", batch, micro_batch_size, temperature)[0]
+        shards = self.shards(batch)
+        outs = self._call("compute_logprobs", [(s, micro_batch_size, temperature) for s in shards])
+        full = torch.zeros(batch.batch_size, batch.response_len)
+        start = 0
+        for shard, out in zip(shards, outs, strict=True):
+            full[start : start + shard.batch_size, : out.shape[1]] = out
+            start += shard.batch_size
+        return full
+
+    def train_mini_batch(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        temperature: float,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        shards = self.shards(batch) if self.world_size > 1 else [batch]
+        results = self._call(
+            "train_mini_batch", [(s, loss_fn, micro_batch_size, temperature, with_entropy) for s in shards]
+        )
+        merged: dict[str, float] = {}
+        for key in results[0]:
+            merged[key] = sum(r[key] for r in results) / len(results)
+        return merged
+
+    def shutdown(self) -> None:
+        try:
+            self.call_all("close_weight_sync")
+            self.call_all("shutdown")
+        finally:
+            if self.use_ray:
+                import ray
+
+                for worker in self.workers:
+                    ray.kill(worker)

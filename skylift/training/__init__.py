@@ -1,0 +1,1 @@
+"""Training: the policy/reference/critic workers and the tensors they consume."""

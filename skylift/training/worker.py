@@ -1,0 +1,348 @@
+"""A training worker: one rank of an FSDP2-sharded transformers model.
+
+The same class serves as policy (trainable), reference (frozen) and, with a value head, critic.
+It knows nothing about RL algorithms: it runs forward passes, backpropagates whatever loss
+function it is given over micro-batches, and steps its optimizer. The trainer places one worker
+per rank (as Ray actors) and drives them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from skylift.training.batch import SequenceBatch, split_rows
+from skylift.training.distributed import device_for_rank, init_training_group
+from skylift.training.logprobs import response_logprobs
+
+# loss_fn(new_logprobs [b, R], micro_batch, entropy or None) -> (loss to backpropagate, metrics)
+LossFn = Callable[[Tensor, SequenceBatch, Tensor | None], tuple[Tensor, dict[str, float]]]
+
+
+@dataclass
+class OptimizerSettings:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    num_warmup_steps: int = 0
+
+
+@dataclass
+class WorkerSettings:
+    model_path: str
+    trainable: bool = True
+    dtype: str = "float32"  # parameters; bf16 halves memory on GPU
+    gradient_checkpointing: bool = False
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    lora_target_modules: list[str] | str = "all-linear"
+    fsdp: bool = True
+    seed: int = 42
+    num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16") from None
+
+
+class TrainingWorker:
+    """One rank of a (possibly sharded) model. Create, then call `setup()` on every rank."""
+
+    def __init__(
+        self, settings: WorkerSettings, rank: int = 0, world_size: int = 1, init_method: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.world_size = world_size
+        self.init_method = init_method
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.device = torch.device("cpu")
+        self.global_step = 0
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self) -> dict[str, Any]:
+        from transformers import AutoModelForCausalLM
+
+        from skylift.models import resolve_model_path
+
+        started = time.perf_counter()
+        s = self.settings
+        if s.num_threads:
+            torch.set_num_threads(s.num_threads)
+        if self.world_size > 1 or s.fsdp:
+            init_method = self.init_method or f"file://{_default_rendezvous_file()}"
+            init_training_group(self.rank, self.world_size, init_method)
+        self.device = device_for_rank(self.rank)
+        torch.manual_seed(s.seed)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(s.model_path), dtype=_dtype(s.dtype))
+        model.config.use_cache = False
+        if s.gradient_checkpointing and s.trainable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if s.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=s.lora_rank,
+                    lora_alpha=s.lora_alpha,
+                    target_modules=s.lora_target_modules,
+                    lora_dropout=0.0,
+                ),
+            )
+        if not s.trainable:
+            model.requires_grad_(False)
+            model.eval()
+        model.to(self.device)
+        if s.fsdp and dist.is_initialized():
+            self._shard(model)
+        self.model = model
+        if s.trainable:
+            params = [p for p in model.parameters() if p.requires_grad]
+            o = s.optimizer
+            self.optimizer = torch.optim.AdamW(
+                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+            )
+            warmup = max(0, o.num_warmup_steps)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+            )
+        n_params = sum(p.numel() for p in model.parameters())
+        return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = _decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    # ---------------------------------------------------------------- forward
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: SequenceBatch, micro_batch_size: int, temperature: float = 1.0
+    ) -> Tensor:
+        """Response-token logprobs `[B, R]` (zeros at padding)."""
+        model = self._model()
+        was_training = model.training
+        model.eval()
+        out = torch.zeros(batch.batch_size, batch.response_len)
+        for rows in _length_sorted_chunks(batch, micro_batch_size):
+            micro = batch.select(rows).to(self.device)
+            logp, _ = response_logprobs(model, micro, temperature)
+            out[rows, : micro.response_len] = logp.float().cpu() * micro.response_mask.cpu()
+        model.train(was_training)
+        return out
+
+    # ---------------------------------------------------------------- training
+    def train_mini_batch(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` over micro-batches, clip, and take one optimizer step.
+
+        `loss_fn` must already be normalised for the whole mini-batch (across all ranks), so the
+        accumulated gradient equals the gradient of one pass over the whole mini-batch.
+        """
+        model = self._model()
+        if self.optimizer is None:
+            raise RuntimeError("this worker is not trainable (reference model)")
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for rows in _length_sorted_chunks(batch, micro_batch_size):
+            micro = batch.select(rows).to(self.device)
+            logp, entropy = response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+            loss, metrics = loss_fn(logp, micro, entropy)
+            if self.world_size > 1:
+                loss = loss * self.world_size  # FSDP averages gradients over ranks
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+                counts[k] = counts.get(k, 0) + 1
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], self.settings.optimizer.max_grad_norm
+        )
+        grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if math.isfinite(grad_norm_value):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        assert self.scheduler is not None
+        self.scheduler.step()
+        self.global_step += 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out.update(grad_norm=grad_norm_value, lr=self.scheduler.get_last_lr()[0])
+        return out
+
+    # ---------------------------------------------------------------- weights
+    def iter_full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full (unsharded) Hugging Face-named tensors; a collective: every rank must iterate.
+
+        LoRA adapters are merged into the base weights on the fly. Non-zero ranks get the
+        same tensors (they may ignore them).
+        """
+        model = self._model()
+        if self.settings.lora_rank > 0:
+            yield from _merged_lora_weights(model)
+            return
+        for name, tensor in model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full.detach()
+
+    def set_lr(self, lr: float) -> None:
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str) -> None:
+        """Sharded model + optimizer state (torch.distributed.checkpoint); every rank calls."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model = self._model()
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        state: dict[str, Any] = {"model": model_sd}
+        if optimizers:
+            state["optimizer"] = optim_sd
+        dcp.save(state, checkpoint_id=directory)
+        if self.rank == 0 and self.scheduler is not None:
+            torch.save(
+                {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
+                os.path.join(directory, "worker_extra.pt"),
+            )
+
+    def load_checkpoint(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model = self._model()
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        state: dict[str, Any] = {"model": model_sd}
+        if optimizers:
+            state["optimizer"] = optim_sd
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(
+            model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
+        )
+        extra = os.path.join(directory, "worker_extra.pt")
+        if self.scheduler is not None and os.path.exists(extra):
+            data = torch.load(extra, weights_only=False)
+            self.scheduler.load_state_dict(data["scheduler"])
+            self.global_step = int(data["global_step"])
+
+    def export_hf(self, directory: str) -> str | None:
+        """Write a Hugging Face model directory (rank 0) loadable by transformers and vLLM."""
+        from transformers import AutoTokenizer
+
+        from skylift.models import resolve_model_path
+
+        weights = dict(self.iter_full_weights())  # collective
+        if self.rank != 0:
+            return None
+        model = self._model()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        base.save_pretrained(
+            directory, state_dict={k: v.contiguous() for k, v in weights.items()}, safe_serialization=True
+        )
+        src = resolve_model_path(self.settings.model_path)
+        AutoTokenizer.from_pretrained(src).save_pretrained(directory)
+        return directory
+
+    # ---------------------------------------------------------------- misc
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("worker not set up: call setup() first")
+        return self.model
+
+    def peak_memory_mb(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _default_rendezvous_file() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"skylift-rdzv-{os.getpid()}")
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (the unit FSDP shards on)."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+            return list(layers)
+    return []
+
+
+def _length_sorted_chunks(batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
+    """Row indices grouped into micro-batches of similar total length (less padding)."""
+    lengths = batch.attention_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    return [[order[i] for i in chunk] for chunk in split_rows(len(order), micro_batch_size)]
+
+
+def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Base-model names with LoRA deltas merged in (what an inference engine needs)."""
+    state = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        for k, v in model.state_dict().items()
+    }
+    scaling: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "scaling") and isinstance(module.scaling, dict):
+            scaling[name] = float(next(iter(module.scaling.values())))
+    for key, value in state.items():
+        if "lora_" in key:
+            continue
+        clean = key.replace("base_model.model.", "", 1).replace(".base_layer", "")
+        if key.endswith(".base_layer.weight"):
+            prefix = key[: -len(".base_layer.weight")]
+            a = next(
+                (state[k] for k in state if k.startswith(prefix + ".lora_A.") and k.endswith("weight")), None
+            )
+            b = next(
+                (state[k] for k in state if k.startswith(prefix + ".lora_B.") and k.endswith("weight")), None
+            )
+            if a is not None and b is not None:
+                module_name = prefix.replace("base_model.model.", "base_model.model.", 1)
+                value = value + scaling.get(module_name, 1.0) * (b.float() @ a.float()).to(value.dtype)
+        yield clean, value

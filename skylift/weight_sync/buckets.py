@@ -1,0 +1,200 @@
+"""Buckets of named tensors: how a state dict is cut, packed for the wire, and unpacked.
+
+Wire format (see `skylift.inference.types.WeightBucket`): for each distinct dtype in order of
+first appearance, ONE contiguous 1-D tensor holding that dtype's tensors flattened and
+concatenated in list order. Sender and receiver derive the buffer sizes from the metadata alone.
+
+Bucketing never splits a *load unit*: all tensors of one transformer block (names up to their
+first numeric component, e.g. ``model.layers.3``) travel in the same bucket. vLLM reloads a bucket
+layer by layer and fuses Hugging Face tensors into one kernel (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, all experts -> one MoE weight); a fused layer that receives only some of its parts
+in one reload is rebuilt with uninitialised memory for the others. A unit larger than the bucket
+bound gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from skylift.inference.types import WeightBucket
+
+NamedTensor = tuple[str, torch.Tensor]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be sent (supported: {', '.join(_DTYPES)})")
+    return name
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name (``"bfloat16"`` or ``"torch.bfloat16"``)."""
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (supported: {', '.join(_DTYPES)})")
+    return _DTYPES[key]
+
+
+def load_unit(name: str) -> str:
+    """The group of tensors that must be loaded together: the prefix up to the first numeric
+    component (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``), else the parent
+    module (``model.norm.weight`` -> ``model.norm``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes the tensor occupies on the wire."""
+    return tensor.numel() * tensor.element_size()
+
+
+def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
+    """Cut a stream of named tensors into buckets of at most `bucket_bytes` bytes each.
+
+    Consecutive tensors of one load unit stay together; a unit bigger than `bucket_bytes` forms
+    a bucket of its own. Streams: at most one bucket plus one unit are held at a time.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[NamedTensor] = []
+    bucket_size = 0
+    unit: list[NamedTensor] = []
+    unit_size = 0
+    unit_key: str | None = None
+
+    def add_unit() -> Iterator[list[NamedTensor]]:
+        nonlocal bucket, bucket_size
+        if bucket and bucket_size + unit_size > bucket_bytes:
+            yield bucket
+            bucket, bucket_size = [], 0
+        bucket.extend(unit)
+        bucket_size += unit_size
+        if bucket_size >= bucket_bytes:
+            yield bucket
+            bucket, bucket_size = [], 0
+
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in the state dict")
+        seen.add(name)
+        key = load_unit(name)
+        if key != unit_key and unit:
+            yield from add_unit()
+            unit, unit_size = [], 0
+        unit_key = key
+        unit.append((name, tensor))
+        unit_size += tensor_nbytes(tensor)
+    if unit:
+        yield from add_unit()
+    if bucket:
+        yield bucket
+
+
+def dtype_order(dtypes: Sequence[str]) -> list[str]:
+    """Distinct dtypes in order of first appearance: the order of the flat buffers on the wire."""
+    return list(dict.fromkeys(dtypes))
+
+
+def validate_bucket(bucket: WeightBucket) -> None:
+    """Raise ValueError when the metadata is inconsistent (lengths, dtypes, shapes)."""
+    n = len(bucket.names)
+    if len(bucket.dtypes) != n or len(bucket.shapes) != n:
+        raise ValueError(
+            f"bucket metadata lengths differ: {n} names, {len(bucket.dtypes)} dtypes, "
+            f"{len(bucket.shapes)} shapes"
+        )
+    if n == 0:
+        raise ValueError("bucket is empty")
+    if len(set(bucket.names)) != n:
+        raise ValueError("bucket names are not unique")
+    for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+        str_to_dtype(dtype)
+        if any((not isinstance(d, int)) or d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r} has an invalid shape {shape!r}")
+
+
+def buffer_numels(bucket: WeightBucket) -> dict[str, int]:
+    """Number of elements of each flat buffer, keyed by dtype name, in wire order."""
+    sizes = {dtype: 0 for dtype in dtype_order(bucket.dtypes)}
+    for dtype, shape in zip(bucket.dtypes, bucket.shapes, strict=True):
+        sizes[dtype] += math.prod(shape)
+    return sizes
+
+
+def pack_bucket(
+    named_tensors: Sequence[NamedTensor], device: torch.device | None = None
+) -> tuple[WeightBucket, list[torch.Tensor]]:
+    """Metadata and flat wire buffers (one per dtype, in wire order) for a bucket of tensors.
+
+    Buffers are created on `device` (default: the device of the bucket's first tensor).
+    """
+    if not named_tensors:
+        raise ValueError("cannot pack an empty bucket")
+    device = device or named_tensors[0][1].device
+    bucket = WeightBucket(
+        names=[name for name, _ in named_tensors],
+        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
+        shapes=[list(t.shape) for _, t in named_tensors],
+    )
+    buffers = []
+    for dtype in dtype_order(bucket.dtypes):
+        parts = [t.detach().reshape(-1) for _, t in named_tensors if dtype_to_str(t.dtype) == dtype]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        buffers.append(flat.to(device))
+    return bucket, buffers
+
+
+def allocate_buffers(bucket: WeightBucket, device: torch.device) -> list[torch.Tensor]:
+    """Empty receive buffers for a bucket, one per dtype, in wire order."""
+    return [
+        torch.empty(numel, dtype=str_to_dtype(dtype), device=device)
+        for dtype, numel in buffer_numels(bucket).items()
+    ]
+
+
+def unpack_bucket(bucket: WeightBucket, buffers: Sequence[torch.Tensor]) -> list[NamedTensor]:
+    """Split wire buffers back into named tensors (views into the buffers, in list order)."""
+    order = dtype_order(bucket.dtypes)
+    if len(buffers) != len(order):
+        raise ValueError(f"bucket has {len(order)} dtypes ({order}) but {len(buffers)} buffers came")
+    expected = buffer_numels(bucket)
+    offsets: dict[str, int] = {}
+    by_dtype: dict[str, torch.Tensor] = {}
+    for dtype, buf in zip(order, buffers, strict=True):
+        if buf.dtype != str_to_dtype(dtype) or buf.dim() != 1 or buf.numel() != expected[dtype]:
+            raise ValueError(
+                f"buffer for {dtype} is {buf.dtype} with shape {tuple(buf.shape)}, "
+                f"expected 1-D {dtype} of {expected[dtype]} elements"
+            )
+        by_dtype[dtype] = buf
+        offsets[dtype] = 0
+    out: list[NamedTensor] = []
+    for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+        numel = math.prod(shape)
+        start = offsets[dtype]
+        out.append((name, by_dtype[dtype][start : start + numel].view(shape)))
+        offsets[dtype] = start + numel
+    return out

@@ -1,0 +1,181 @@
+"""The weight-update process group: one small torch.distributed group shared by both sides.
+
+The trainer's rank 0 (the sender) and every inference-engine worker (the receivers) build the
+same kind of group with `create_weight_sync_group`: a `TCPStore` hosted by rank 0, a
+`PrefixStore` named after the group (so several groups can share a port safely), and a bare
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) on it. The group is never registered as
+torch's default group, so it coexists with the trainer's own FSDP groups and vLLM's groups.
+
+Creation is a rendezvous: every rank blocks until all `world_size` ranks have joined, then a
+one-element handshake broadcast checks that the group works. Run it concurrently on both sides
+(in a thread when called from asyncio), or it deadlocks until `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Backend = Literal["gloo", "nccl"]
+
+_HANDSHAKE_VALUE = 12345.0
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-update group could not be created, used or destroyed."""
+
+
+def default_backend() -> Backend:
+    """`nccl` when CUDA is available in this process, else `gloo`."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _gloo_device(master_address: str) -> dist.ProcessGroupGloo.Device:
+    """The gloo transport device: `GLOO_SOCKET_IFNAME` if set, loopback for a local group."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+    if _is_loopback(master_address):
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+@dataclass
+class WeightSyncGroup:
+    """A live weight-update group as seen by one rank."""
+
+    group_name: str
+    backend: Backend
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout_s: float
+    process_group: dist.ProcessGroup
+    store: dist.Store = field(repr=False)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast `tensor` in place from rank `src`; blocks until done or `timeout_s`."""
+        if tensor.device != self.device:
+            raise WeightSyncError(
+                f"group {self.group_name!r}: tensor is on {tensor.device}, the {self.backend} "
+                f"group expects {self.device}"
+            )
+        work = self.process_group.broadcast([tensor], _broadcast_options(src))
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # torch raises RuntimeError/DistBackendError
+            raise WeightSyncError(
+                f"group {self.group_name!r} rank {self.rank}/{self.world_size}: broadcast of "
+                f"{tensor.numel()} x {tensor.dtype} failed or timed out after {self.timeout_s}s: {exc}"
+            ) from exc
+
+    def destroy(self) -> None:
+        """Shut the group down and release its sockets (idempotent)."""
+        pg = self.process_group
+        try:
+            pg.shutdown()
+        except Exception:  # shutdown is best effort; a dead peer must not block cleanup
+            pass
+        self.process_group = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+
+
+def _broadcast_options(src: int) -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return opts
+
+
+def create_weight_sync_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: Backend,
+    timeout_s: float,
+    device: torch.device | None = None,
+    store: dist.Store | None = None,
+) -> WeightSyncGroup:
+    """Join (rank > 0) or host (rank 0) the weight-update group and run the handshake.
+
+    Blocks until all ranks joined. `store` lets rank 0 pass a `TCPStore` it already created (e.g.
+    on port 0, to learn a free port before telling the engines); otherwise rank 0 hosts one on
+    `master_port`. `device` defaults to `cuda:<current>` for nccl and `cpu` for gloo.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise WeightSyncError(f"unknown weight-sync backend {backend!r} (expected 'gloo' or 'nccl')")
+    if not 0 <= rank < world_size:
+        raise WeightSyncError(f"rank {rank} is outside the group's world size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    where = f"group {group_name!r} at {master_address}:{master_port} as rank {rank}/{world_size}"
+    try:
+        if store is None:
+            store = dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                is_master=(rank == 0),
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+        prefixed = dist.PrefixStore(group_name, store)
+        if backend == "gloo":
+            device = device or torch.device("cpu")
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [_gloo_device(master_address)]
+            pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        else:
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(device)
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options)
+    except Exception as exc:
+        raise WeightSyncError(f"could not join weight-sync {where}: {exc}") from exc
+
+    group = WeightSyncGroup(
+        group_name=group_name,
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        timeout_s=timeout_s,
+        process_group=pg,
+        store=store,
+    )
+    probe = torch.full((1,), _HANDSHAKE_VALUE if rank == 0 else 0.0, device=device)
+    try:
+        group.broadcast(probe)
+    except WeightSyncError as exc:
+        group.destroy()
+        raise WeightSyncError(f"handshake failed in weight-sync {where}: {exc}") from exc
+    if probe.item() != _HANDSHAKE_VALUE:
+        group.destroy()
+        raise WeightSyncError(f"handshake in weight-sync {where} received {probe.item()}")
+    return group

@@ -1,0 +1,267 @@
+"""`WeightSender`: pushes a trainer's weights to any number of inference engines.
+
+It runs in one torch process (the policy's rank 0), which is rank 0 of the weight-update group;
+each engine's workers take the ranks after it. Per bucket, every engine is told the metadata
+(`InferenceEngine.update_weights`, over HTTP or RPC) while this process broadcasts the flat
+buffers; both happen concurrently because each side blocks until the other arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from skylift.inference.types import InferenceEngine, WeightBucket, WeightUpdateGroupSpec
+from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
+from skylift.weight_sync.process_group import (
+    Backend,
+    WeightSyncError,
+    WeightSyncGroup,
+    create_weight_sync_group,
+    default_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class SyncStats:
+    """What one `send_state_dict` moved and how long it took."""
+
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    bucket_seconds: list[float] = field(default_factory=list)
+
+
+def _describe(index: int, engine: InferenceEngine) -> str:
+    return f"engine {index} ({engine!r})"
+
+
+class WeightSender:
+    """Rank 0 of the weight-update group: creates it, streams state dicts, destroys it.
+
+    `timeout_s` bounds the group's rendezvous and each collective; `update_timeout_s` bounds one
+    bucket end to end (metadata call, broadcast and the engines' reload).
+    """
+
+    def __init__(self, *, timeout_s: float = 120.0, update_timeout_s: float = 600.0) -> None:
+        self.timeout_s = timeout_s
+        self.update_timeout_s = update_timeout_s
+        self._engines: list[InferenceEngine] = []
+        self._group: WeightSyncGroup | None = None
+
+    @property
+    def group(self) -> WeightSyncGroup | None:
+        """This side's live group, or None before `init_group` / after `close`."""
+        return self._group
+
+    async def _engine_call(
+        self, index: int, engine: InferenceEngine, operation: str, aw: Awaitable[Any], timeout_s: float
+    ) -> Any:
+        try:
+            return await asyncio.wait_for(aw, timeout_s)
+        except TimeoutError as exc:
+            raise WeightSyncError(
+                f"{_describe(index, engine)}: {operation} timed out after {timeout_s:.0f}s"
+            ) from exc
+        except Exception as exc:
+            raise WeightSyncError(f"{_describe(index, engine)}: {operation} failed: {exc}") from exc
+
+    async def _local(self, operation: str, fn: Any, *args: Any, timeout_s: float) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
+        except TimeoutError as exc:
+            raise WeightSyncError(f"sender (rank 0): {operation} timed out after {timeout_s:.0f}s") from exc
+
+    @staticmethod
+    async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
+        """Run concurrently; on the first failure cancel the rest and raise it."""
+        futures = [asyncio.ensure_future(t) for t in tasks]
+        try:
+            done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    raise fut.exception()  # type: ignore[misc]
+            return [f.result() for f in futures]
+        finally:
+            for fut in futures:
+                if not fut.done():
+                    fut.cancel()
+            await asyncio.gather(*futures, return_exceptions=True)
+
+    async def init_group(
+        self,
+        engines: Sequence[InferenceEngine],
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: Backend | None = None,
+        group_name: str = "skylift_weight_sync",
+        override_existing: bool = False,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Create the group with every engine (rank 0 here, engine workers after it).
+
+        `master_port=None` lets the OS choose a free port for the store this process hosts.
+        `backend=None` means nccl with CUDA, else gloo. All rendezvous run concurrently.
+        """
+        if self._group is not None:
+            raise WeightSyncError("this sender already has a group: call close() first")
+        if not engines:
+            raise WeightSyncError("init_group needs at least one engine")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        backend = backend or default_backend()
+        tp_sizes = await self._all(
+            [
+                self._engine_call(i, e, "tensor_parallel_size", e.tensor_parallel_size(), timeout_s)
+                for i, e in enumerate(engines)
+            ]
+        )
+        world_size = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+        try:
+            store = dist.TCPStore(
+                master_address,
+                master_port or 0,
+                world_size,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except Exception as exc:
+            raise WeightSyncError(
+                f"sender: cannot host the group's store on {master_address}:{master_port}: {exc}"
+            ) from exc
+        port = int(store.port)
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        logger.info(
+            "weight-sync group %r: world size %d at %s:%d (%s)",
+            group_name,
+            world_size,
+            master_address,
+            port,
+            backend,
+        )
+
+        own = self._local(
+            "group rendezvous",
+            lambda: create_weight_sync_group(
+                master_address=master_address,
+                master_port=port,
+                rank=0,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=timeout_s,
+                device=device,
+                store=store,
+            ),
+            timeout_s=timeout_s + 10.0,
+        )
+        joins = [
+            self._engine_call(
+                i,
+                engine,
+                "init_weight_update_communicator",
+                engine.init_weight_update_communicator(
+                    WeightUpdateGroupSpec(
+                        master_address=master_address,
+                        master_port=port,
+                        rank_offset=offsets[i],
+                        world_size=world_size,
+                        group_name=group_name,
+                        backend=backend,
+                        override_existing=override_existing,
+                        timeout_s=timeout_s,
+                    )
+                ),
+                timeout_s + 30.0,
+            )
+            for i, engine in enumerate(engines)
+        ]
+        results = await self._all([own, *joins])
+        self._group = results[0]
+        self._engines = list(engines)
+
+    async def send_state_dict(
+        self, named_tensors: Iterable[NamedTensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> SyncStats:
+        """Stream `named_tensors` (Hugging Face names) to every engine in size-bounded buckets.
+
+        Returns when every engine has loaded every bucket (and reset its prefix cache).
+        """
+        group = self._require_group()
+        stats = SyncStats()
+        start = time.perf_counter()
+        for items in iter_buckets(named_tensors, bucket_bytes):
+            t0 = time.perf_counter()
+            bucket, buffers = await self._local(
+                "packing a bucket", pack_bucket, items, group.device, timeout_s=self.update_timeout_s
+            )
+            await self._send_bucket(group, bucket, buffers)
+            stats.buckets += 1
+            stats.tensors += len(items)
+            stats.bytes += sum(b.numel() * b.element_size() for b in buffers)
+            stats.bucket_seconds.append(time.perf_counter() - t0)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    async def _send_bucket(
+        self, group: WeightSyncGroup, bucket: WeightBucket, buffers: list[torch.Tensor]
+    ) -> None:
+        def broadcast_all() -> None:
+            for buf in buffers:
+                group.broadcast(buf, src=0)
+
+        tasks: list[Awaitable[Any]] = [
+            self._local("broadcast", broadcast_all, timeout_s=self.update_timeout_s)
+        ]
+        tasks += [
+            self._engine_call(
+                i,
+                e,
+                f"update_weights ({len(bucket.names)} tensors)",
+                e.update_weights(bucket),
+                self.update_timeout_s,
+            )
+            for i, e in enumerate(self._engines)
+        ]
+        await self._all(tasks)
+
+    async def close(self) -> None:
+        """Destroy the group on every engine and here (engines first; errors are collected)."""
+        group, self._group = self._group, None
+        engines, self._engines = self._engines, []
+        if group is None:
+            return
+        results = await asyncio.gather(
+            *(
+                self._engine_call(
+                    i, e, "destroy_weights_update_group", e.destroy_weights_update_group(), self.timeout_s
+                )
+                for i, e in enumerate(engines)
+            ),
+            return_exceptions=True,
+        )
+        group.destroy()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise WeightSyncError("; ".join(str(e) for e in errors))
+
+    def _require_group(self) -> WeightSyncGroup:
+        if self._group is None:
+            raise WeightSyncError("no weight-update group: call init_group(engines) first")
+        return self._group

@@ -1,0 +1,236 @@
+"""Weight sync from a transformers model into a running in-process vLLM engine (gloo on CPU).
+
+Run inside a loopback-only namespace:
+    unshare -n sh -c 'ip link set lo up; .venv/bin/pytest tests/integration/test_weight_sync_local.py'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from skylift.inference.local import LocalVLLMEngine
+from skylift.inference.types import EngineError, WeightBucket
+from skylift.weight_sync import WeightSender, WeightSyncError
+
+pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
+
+SEQUENCES = [[5, 17, 230, 999, 42, 8, 77, 301], [900, 3, 3, 64, 512, 1000, 12]]
+TOLERANCE = 1e-4
+GROUP_TIMEOUT_S = 20.0
+
+
+class EngineLoop:
+    """One event loop for the module: AsyncLLM's output handler is bound to the loop it starts in."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 300.0) -> T:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+
+def _require_loopback_namespace() -> None:
+    if os.environ.get("SKYLIFT_TESTS_ALLOW_NETWORK") == "1":
+        return
+    if {name for _, name in socket.if_nameindex()} <= {"lo"}:
+        return
+    pytest.skip(
+        "run inside a loopback-only namespace: unshare -n sh -c 'ip link set lo up; .venv/bin/pytest ...'"
+    )
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[EngineLoop]:
+    runner = EngineLoop()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, loop: EngineLoop) -> Iterator[LocalVLLMEngine]:
+    """One engine for the module (start-up is 20-70 s on CPU)."""
+    _require_loopback_namespace()
+    eng = loop.run(
+        LocalVLLMEngine.create(
+            str(tiny_model_dir),
+            max_model_len=512,
+            seed=0,
+            dtype="float32",
+            max_num_seqs=16,
+            enable_prefix_caching=True,
+        ),
+        timeout_s=600.0,
+    )
+    yield eng
+    loop.run(eng.close())
+
+
+@pytest.fixture
+def hf_model(tiny_model_dir: Path) -> Any:
+    """A fresh transformers copy of the tiny model (tests perturb it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def original_weights(engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any) -> Iterator[None]:
+    """Put the checkpoint's weights back into the shared engine after the test."""
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    yield
+    if loop.run(engine.has_weight_update_group()):
+        loop.run(engine.destroy_weights_update_group())
+
+    async def restore() -> None:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+        await sender.init_group([engine])
+        try:
+            await sender.send_state_dict(original.items())
+        finally:
+            await sender.close()
+
+    loop.run(restore())
+
+
+def hf_token_logprobs(model: Any, tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[i - 1, tok].item() for i, tok in enumerate(tokens) if i > 0]
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def perturb(model: Any, scale: float = 0.05, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale)
+
+
+def test_update_makes_engine_match_new_weights(
+    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+) -> None:
+    before = loop.run(engine.prompt_logprobs(SEQUENCES))
+    assert max_abs_diff(before, [hf_token_logprobs(hf_model, s) for s in SEQUENCES]) <= TOLERANCE
+
+    perturb(hf_model)
+    expected = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
+    assert max_abs_diff(before, expected) > 1e-2  # the perturbation is visible
+
+    async def sync() -> Any:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+        await sender.init_group([engine])
+        assert await engine.has_weight_update_group()
+        try:
+            # small buckets: several round trips, each whole transformer blocks
+            return await sender.send_state_dict(hf_model.state_dict().items(), bucket_bytes=256 * 1024)
+        finally:
+            await sender.close()
+
+    stats = loop.run(sync())
+    n_tensors = len(hf_model.state_dict())
+    assert stats.buckets > 1 and stats.tensors == n_tensors
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in hf_model.state_dict().values())
+    assert loop.run(engine.has_weight_update_group()) is False  # close() destroyed both sides
+
+    after = loop.run(engine.prompt_logprobs(SEQUENCES))
+    assert max_abs_diff(after, expected) <= TOLERANCE
+    assert max_abs_diff(after, before) > 1e-2
+
+
+def test_bfloat16_sender_tensors_are_loaded(
+    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+) -> None:
+    """Mixed dtypes on the wire: the engine casts to its own dtype when loading."""
+    perturb(hf_model, seed=2)
+    mixed = [(k, v.to(torch.bfloat16) if "mlp" in k else v) for k, v in hf_model.state_dict().items()]
+    with torch.no_grad():  # the reference carries the same rounding
+        for name, param in hf_model.named_parameters():
+            if "mlp" in name:
+                param.copy_(param.to(torch.bfloat16).float())
+    expected = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
+
+    async def sync() -> None:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+        await sender.init_group([engine])
+        try:
+            await sender.send_state_dict(mixed)
+        finally:
+            await sender.close()
+
+    loop.run(sync())
+    assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), expected) <= TOLERANCE
+
+
+def test_second_group_needs_override(
+    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+) -> None:
+    """A server that outlives a trainer run accepts a new group only with override_existing."""
+    first = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+    loop.run(first.init_group([engine]))  # then the "trainer" goes away without closing
+
+    refused = WeightSender(timeout_s=5.0)
+    with pytest.raises(WeightSyncError, match="engine 0 .*already exists.*override_existing=True"):
+        loop.run(refused.init_group([engine], override_existing=False))
+
+    perturb(hf_model, seed=3)
+    expected = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
+
+    async def second_run() -> None:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+        await sender.init_group([engine], override_existing=True)
+        try:
+            await sender.send_state_dict(hf_model.state_dict().items())
+        finally:
+            await sender.close()
+
+    loop.run(second_run())
+    assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), expected) <= TOLERANCE
+    first.group.destroy()  # type: ignore[union-attr]
+
+
+def test_update_without_group_is_a_clear_error(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+    if loop.run(engine.has_weight_update_group()):
+        loop.run(engine.destroy_weights_update_group())
+    bucket = WeightBucket(names=["model.norm.weight"], dtypes=["float32"], shapes=[[128]])
+    with pytest.raises(EngineError, match="no weight-update group"):
+        loop.run(engine.update_weights(bucket))
+    with pytest.raises(WeightSyncError, match="init_group"):
+        loop.run(WeightSender().send_state_dict([("model.norm.weight", torch.zeros(128))]))
+
+
+def test_partial_fused_module_is_refused(
+    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+) -> None:
+    """q_proj alone would leave k/v of vLLM's fused qkv_proj uninitialised: refused, nothing loaded."""
+    before = loop.run(engine.prompt_logprobs(SEQUENCES))
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    async def send_part() -> None:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+        await sender.init_group([engine])
+        try:
+            await sender.send_state_dict([(name, hf_model.state_dict()[name] + 1.0)])
+        finally:
+            await sender.close()
+
+    with pytest.raises(WeightSyncError, match="engine 0 .*qkv_proj"):
+        loop.run(send_part())
+    assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), before) == 0.0
