@@ -124,3 +124,11 @@ def default_pool() -> SessionPool:
         if _default_pool is None:
             _default_pool = SessionPool()
         return _default_pool
+
+
+async def close_default_pool() -> None:
+    """Close the process-wide session (call once at shutdown, from the loop that used it)."""
+    with _default_lock:
+        pool = _default_pool
+    if pool is not None:
+        await pool.close()

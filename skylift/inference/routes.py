@@ -27,7 +27,7 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 logger = logging.getLogger("skylift.inference.routes")
 
@@ -36,6 +36,7 @@ RPC_INIT_GROUP = "skylift_init_weight_update_group"
 RPC_RECEIVE = "skylift_receive_weights"
 RPC_DESTROY = "skylift_destroy_weight_update_group"
 RPC_HAS_GROUP = "skylift_has_weight_update_group"
+
 
 def _env_number(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
@@ -91,7 +92,7 @@ class GenerateBody(_Body):
 class InitGroupBody(_Body):
     """POST /init_weight_update_communicator (fields of `WeightUpdateGroupSpec`)."""
 
-    master_address: str = Field(min_length=1)
+    master_address: str = Field(min_length=1, validation_alias=AliasChoices("master_address", "master_addr"))
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)

@@ -1,4 +1,11 @@
-"""Per-token log-probabilities of response tokens under a causal LM."""
+"""Per-token log-probabilities of response tokens under a causal LM.
+
+GRPO samples several responses per prompt, so a micro-batch usually holds a few distinct prompts,
+each repeated. `response_logprobs` runs each distinct prompt once, expands its key/value cache to
+the rows that share it, and runs only the response tokens per row. The result and its gradient
+are those of the plain full-sequence forward (the cache expansion is an index: gradients of the
+repeated rows add up), at a fraction of the compute when prompts are long.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ from skylift.training.batch import SequenceBatch
 
 
 def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] without materialising the full log-softmax twice."""
+    """log softmax(logits)[target] without materialising the full log-softmax."""
     logits = logits.float()
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
@@ -21,26 +28,36 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
+    """(index of one row per distinct prompt, for every row the position of its prompt in that index)."""
+    prompt = torch.cat(
+        [batch.input_ids[:, : batch.prompt_len], batch.attention_mask[:, : batch.prompt_len]], dim=1
+    )
+    _, inverse = torch.unique(prompt, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long)
+    for row in range(batch.batch_size - 1, -1, -1):
+        first[inverse[row]] = row
+    return first, inverse
+
+
 def response_logprobs(
     model: torch.nn.Module,
     batch: SequenceBatch,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs `[B, R]` of `batch.response_ids` given everything before them.
 
     Logits are divided by the sampling temperature so they match what the engine sampled from.
-    Only the last R + 1 positions' logits are computed (`logits_to_keep`).
+    Only response positions get logits (`logits_to_keep`). With `share_prompts`, rows that share a
+    prompt share one prompt forward pass (see the module docstring).
     """
-    resp_len = batch.response_len
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        logits_to_keep=resp_len + 1,
-    )
-    logits = out.logits[:, :-1, :]
+    first, inverse = unique_prompts(batch) if share_prompts and batch.response_len > 1 else (None, None)
+    if first is None or len(first) == batch.batch_size:
+        logits = _full_forward(model, batch)
+    else:
+        logits = _shared_prompt_forward(model, batch, first, inverse)
     if temperature != 1.0:
         logits = logits / temperature
     logp = gather_logprobs(logits, batch.response_ids)
@@ -49,3 +66,43 @@ def response_logprobs(
         with torch.no_grad():
             entropy = entropy_from_logits(logits)
     return logp, entropy
+
+
+def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=batch.response_len + 1,
+    )
+    return out.logits[:, :-1, :]
+
+
+def _shared_prompt_forward(
+    model: torch.nn.Module, batch: SequenceBatch, first: Tensor, inverse: Tensor
+) -> Tensor:
+    from transformers import DynamicCache
+
+    p = batch.prompt_len
+    positions = batch.position_ids
+    prompt_out = model(
+        input_ids=batch.input_ids[first, :p],
+        attention_mask=batch.attention_mask[first, :p],
+        position_ids=positions[first, :p],
+        use_cache=True,
+        past_key_values=DynamicCache(config=getattr(model, "config", None)),
+        logits_to_keep=1,
+    )
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(inverse)  # differentiable: prompt rows repeated per response
+    last_prompt_logits = prompt_out.logits[inverse]  # [B, 1, V]: predicts the first response token
+    end = batch.input_ids.shape[1] - 1  # the last response token predicts nothing we score
+    resp_out = model(
+        input_ids=batch.input_ids[:, p:end],
+        attention_mask=batch.attention_mask[:, :end],
+        position_ids=positions[:, p:end],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return torch.cat([last_prompt_logits, resp_out.logits], dim=1)

@@ -314,9 +314,17 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _length_sorted_chunks(batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
-    """Row indices grouped into micro-batches of similar total length (less padding)."""
+    """Row indices grouped into micro-batches: rows sharing a prompt stay together (one prompt
+    forward serves them all), and groups are ordered by length (less padding)."""
+    from skylift.training.logprobs import unique_prompts
+
+    _, inverse = unique_prompts(batch)
     lengths = batch.attention_mask.sum(-1)
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    groups: dict[int, list[int]] = {}
+    for row, group in enumerate(inverse.tolist()):
+        groups.setdefault(group, []).append(row)
+    ordered = sorted(groups.values(), key=lambda rows: -int(lengths[rows].max()))
+    order = [row for rows in ordered for row in sorted(rows, key=lambda r: -int(lengths[r]))]
     return [[order[i] for i in chunk] for chunk in split_rows(len(order), micro_batch_size)]
 
 

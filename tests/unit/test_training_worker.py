@@ -70,7 +70,9 @@ def test_micro_batches_give_the_same_update(tiny_model_dir: Path, tmp_path: Path
     for i, micro in enumerate((8, 2)):
         # eps=1 makes the Adam step ~ lr * grad, so updated weights compare gradients (a plain Adam
         # step is ~ lr * sign(grad): round-off on near-zero gradients would flip it)
-        settings = WorkerSettings(model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1.0, eps=1.0))
+        settings = WorkerSettings(
+            model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1.0, eps=1.0)
+        )
         w = TrainingWorker(settings, init_method=f"file://{tmp_path / f'rdzv{i}'}")
         w.setup()
         metrics = w.train_mini_batch(batch, objective, micro_batch_size=micro)
@@ -126,3 +128,40 @@ def test_batch_select_trims_padding() -> None:
 def test_batch_rejects_mismatched_masks() -> None:
     with pytest.raises(ValueError, match="loss mask has 1 entries for 2 tokens"):
         build_sequence_batch([[1]], [[2, 3]], loss_masks=[[1]])
+
+
+def test_shared_prompt_forward_equals_full_forward(tiny_model_dir: Path) -> None:
+    """Rows sharing a prompt reuse one prompt pass: same logprobs and same gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from skylift.training.logprobs import response_logprobs, unique_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for _ in range(3):
+        prompt = torch.randint(
+            5, 500, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(4):
+            prompts.append(prompt)
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            responses.append(torch.randint(5, 500, (n,), generator=gen).tolist())
+    batch = build_sequence_batch(prompts, responses)
+    first, inverse = unique_prompts(batch)
+    assert (
+        len(first) == 3 and inverse.tolist() == [0] * 4 + [1] * 4 + [2] * 4 or len(set(inverse.tolist())) == 3
+    )
+
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp, _ = response_logprobs(model, batch, temperature=0.7, share_prompts=share)
+        (logp * batch.response_mask).sum().backward()
+        results.append(
+            (logp.detach() * batch.response_mask, {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
+    (full, full_grads), (shared, shared_grads) = results
+    assert torch.allclose(full, shared, atol=1e-5)
+    for name, grad in full_grads.items():
+        assert torch.allclose(grad, shared_grads[name], atol=1e-4, rtol=1e-4), name

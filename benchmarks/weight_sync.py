@@ -1,0 +1,233 @@
+"""Weight-sync benchmark: trainer state dict -> running in-process vLLM engine, against baselines.
+
+For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in one run:
+
+- sync: `WeightSender.send_state_dict` of the whole (perturbed) state dict into a running
+  `LocalVLLMEngine`, until every bucket is loaded and the prefix cache reset (the engine then
+  serves the new weights; checked afterwards against transformers);
+- raw_broadcast: ONE flat buffer of the same number of bytes broadcast over a gloo group between
+  two plain processes (plus a one-element acknowledgement back, so the receiver has it all);
+- reload: the engine's own in-place `reload_weights` of the same tensors, already in the worker's
+  memory (no transfer at all).
+
+Prints one line per model and, last, a JSON line for the last model (SmolLM2-135M by default):
+    {"ratio": sync_s / (raw_broadcast_s + reload_s), "vs_raw_broadcast": sync_s / raw_broadcast_s, ...}
+
+Run inside a loopback-only network namespace (gloo's store listens on all interfaces):
+    unshare -n sh -c 'ip link set lo up; .venv/bin/python benchmarks/weight_sync.py'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "TOKENIZERS_PARALLELISM": "false",
+    # lets the reload baseline send a function to the worker through collective_rpc
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+
+from skylift.weight_sync.process_group import create_weight_sync_group  # noqa: E402
+
+SEQUENCE = [5, 17, 230, 99, 42, 8, 77, 301, 12, 64]
+
+
+# ---- baseline 1: raw single-buffer gloo broadcast between two plain processes ------------------
+
+
+def _raw_receiver(port: int, numel: int, repeats: int, timeout_s: float) -> None:
+    group = create_weight_sync_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=1,
+        world_size=2,
+        group_name="raw_broadcast",
+        backend="gloo",
+        timeout_s=timeout_s,
+    )
+    buf = torch.empty(numel, dtype=torch.uint8)
+    ack = torch.zeros(1)
+    for _ in range(repeats + 1):
+        group.broadcast(buf, src=0)
+        group.broadcast(ack, src=1)
+    group.destroy()
+
+
+def raw_broadcast_seconds(nbytes: int, repeats: int, timeout_s: float = 120.0) -> list[float]:
+    """Seconds per broadcast of one `nbytes` buffer from this process to a fresh child process."""
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    child = mp.get_context("spawn").Process(
+        target=_raw_receiver, args=(store.port, nbytes, repeats, timeout_s)
+    )
+    child.start()
+    try:
+        group = create_weight_sync_group(
+            master_address="127.0.0.1",
+            master_port=store.port,
+            rank=0,
+            world_size=2,
+            group_name="raw_broadcast",
+            backend="gloo",
+            timeout_s=timeout_s,
+            store=store,
+        )
+        buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        ack = torch.zeros(1)
+        times = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            group.broadcast(buf, src=0)
+            group.broadcast(ack, src=1)
+            if i > 0:  # the first one warms the connection up
+                times.append(time.perf_counter() - start)
+        group.destroy()
+    finally:
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+    return times
+
+
+# ---- baseline 2: the engine's own in-place reload of tensors already in its memory -------------
+
+
+def _reload_in_worker(worker: Any, model_dir: str, repeats: int) -> list[float]:
+    """Runs inside the vLLM worker: load the checkpoint into memory, time `reload_weights`."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+
+    weights: list[tuple[str, torch.Tensor]] = []
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.extend(load_file(str(shard)).items())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# ---- the measured path -------------------------------------------------------------------------
+
+
+def _engine_vs_hf(engine_lp: list[float], model: Any) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([SEQUENCE])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    ref = [logp[i - 1, t].item() for i, t in enumerate(SEQUENCE) if i > 0]
+    return max(abs(a - b) for a, b in zip(engine_lp, ref, strict=True))
+
+
+async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from skylift.inference.local import LocalVLLMEngine
+    from skylift.models import prepare_model
+    from skylift.weight_sync import WeightSender
+
+    model_dir = prepare_model(name)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.02)
+    state = list(model.state_dict().items())
+    nbytes = sum(t.numel() * t.element_size() for _, t in state)
+    params = sum(t.numel() for _, t in state)
+
+    raw = raw_broadcast_seconds(nbytes, repeats)
+
+    start = time.perf_counter()
+    engine = await LocalVLLMEngine.create(str(model_dir), max_model_len=512, dtype="float32", seed=0)
+    startup_s = time.perf_counter() - start
+    try:
+        before = (await engine.prompt_logprobs([SEQUENCE]))[0]
+        reload_times = (
+            await engine.vllm_engine.collective_rpc(_reload_in_worker, args=(str(model_dir), repeats))
+        )[0]
+        sender = WeightSender(timeout_s=120.0)
+        start = time.perf_counter()
+        await sender.init_group([engine])
+        init_s = time.perf_counter() - start
+        sync_times, buckets = [], 0
+        for _ in range(repeats):
+            stats = await sender.send_state_dict(state, bucket_bytes=bucket_bytes)
+            sync_times.append(stats.seconds)
+            buckets = stats.buckets
+        await sender.close()
+        after = (await engine.prompt_logprobs([SEQUENCE]))[0]
+    finally:
+        await engine.close()
+
+    err_before, err_after = _engine_vs_hf(before, model), _engine_vs_hf(after, model)
+    if not (err_after < err_before and err_after < 1e-2):
+        raise SystemExit(f"{name}: the engine does not serve the synced weights ({err_before=} {err_after=})")
+    sync_s = statistics.median(sync_times)
+    raw_s = statistics.median(raw)
+    reload_s = statistics.median(reload_times)
+    return {
+        "model": name,
+        "params": params,
+        "bytes": nbytes,
+        "buckets": buckets,
+        "bucket_bytes": bucket_bytes,
+        "sync_s": round(sync_s, 4),
+        "raw_broadcast_s": round(raw_s, 4),
+        "reload_s": round(reload_s, 4),
+        "init_group_s": round(init_s, 4),
+        "engine_startup_s": round(startup_s, 1),
+        "sync_gb_per_s": round(nbytes / sync_s / 1e9, 3),
+        "raw_gb_per_s": round(nbytes / raw_s / 1e9, 3),
+        "logprob_err_after_sync": err_after,
+        "ratio": round(sync_s / (raw_s + reload_s), 3),
+        "vs_raw_broadcast": round(sync_s / raw_s, 3),
+        "repeats": repeats,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny-qwen2,smollm2-135m-instruct")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    args = parser.parse_args()
+    results = []
+    for name in args.models.split(","):
+        result = asyncio.run(bench_model(name.strip(), args.repeats, int(args.bucket_mb * 1024 * 1024)))
+        results.append(result)
+        print(
+            f"{result['model']}: {result['bytes'] / 1e6:.1f} MB in {result['buckets']} bucket(s): "
+            f"sync {1e3 * result['sync_s']:.1f} ms | raw broadcast {1e3 * result['raw_broadcast_s']:.1f} ms "
+            f"+ reload {1e3 * result['reload_s']:.1f} ms | ratio {result['ratio']:.2f} "
+            f"(vs raw broadcast {result['vs_raw_broadcast']:.2f}) | group init {1e3 * result['init_group_s']:.0f} ms",
+            flush=True,
+        )
+    last = dict(results[-1])
+    last["all"] = {
+        r["model"]: {k: r[k] for k in ("sync_s", "raw_broadcast_s", "reload_s", "ratio")} for r in results
+    }
+    print(json.dumps(last))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
