@@ -52,7 +52,7 @@ SEQUENCE = [5, 17, 230, 99, 42, 8, 77, 301, 12, 64]
 # ---- baseline 1: raw single-buffer gloo broadcast between two plain processes ------------------
 
 
-def _raw_receiver(port: int, numel: int, repeats: int, timeout_s: float) -> None:
+def _raw_receiver(port: int, numel: int, rounds: int, timeout_s: float) -> None:
     group = create_weight_sync_group(
         master_address="127.0.0.1",
         master_port=port,
@@ -64,23 +64,24 @@ def _raw_receiver(port: int, numel: int, repeats: int, timeout_s: float) -> None
     )
     buf = torch.empty(numel, dtype=torch.uint8)
     ack = torch.zeros(1)
-    for _ in range(repeats + 1):
+    for _ in range(rounds):
         group.broadcast(buf, src=0)
         group.broadcast(ack, src=1)
     group.destroy()
 
 
-def raw_broadcast_seconds(nbytes: int, repeats: int, timeout_s: float = 120.0) -> list[float]:
-    """Seconds per broadcast of one `nbytes` buffer from this process to a fresh child process."""
-    store = torch.distributed.TCPStore(
-        "127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    child = mp.get_context("spawn").Process(
-        target=_raw_receiver, args=(store.port, nbytes, repeats, timeout_s)
-    )
-    child.start()
-    try:
-        group = create_weight_sync_group(
+class RawBroadcast:
+    """Rank 0 of a two-process gloo group with a child process that receives `rounds` buffers."""
+
+    def __init__(self, nbytes: int, rounds: int, timeout_s: float = 900.0) -> None:
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.child = mp.get_context("spawn").Process(
+            target=_raw_receiver, args=(store.port, nbytes, rounds, timeout_s)
+        )
+        self.child.start()
+        self.group = create_weight_sync_group(
             master_address="127.0.0.1",
             master_port=store.port,
             rank=0,
@@ -90,41 +91,45 @@ def raw_broadcast_seconds(nbytes: int, repeats: int, timeout_s: float = 120.0) -
             timeout_s=timeout_s,
             store=store,
         )
-        buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        ack = torch.zeros(1)
-        times = []
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            group.broadcast(buf, src=0)
-            group.broadcast(ack, src=1)
-            if i > 0:  # the first one warms the connection up
-                times.append(time.perf_counter() - start)
-        group.destroy()
-    finally:
-        child.join(timeout_s)
-        if child.is_alive():
-            child.kill()
-    return times
+        self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.ack = torch.zeros(1)
+
+    def round(self) -> float:
+        """Seconds to broadcast the buffer and get the receiver's acknowledgement back."""
+        start = time.perf_counter()
+        self.group.broadcast(self.buf, src=0)
+        self.group.broadcast(self.ack, src=1)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.group.destroy()
+        self.child.join(60)
+        if self.child.is_alive():
+            self.child.kill()
 
 
 # ---- baseline 2: the engine's own in-place reload of tensors already in its memory -------------
 
 
-def _reload_in_worker(worker: Any, model_dir: str, repeats: int) -> list[float]:
-    """Runs inside the vLLM worker: load the checkpoint into memory, time `reload_weights`."""
+def _reload_in_worker(worker: Any, model_dir: str) -> float:
+    """Runs inside the vLLM worker: time `reload_weights` of the checkpoint, held in memory."""
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
 
-    weights: list[tuple[str, torch.Tensor]] = []
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        weights.extend(load_file(str(shard)).items())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-            worker.model_runner.reload_weights(weights_iterator=iter(weights))
-        times.append(time.perf_counter() - start)
-    return times
+    weights = getattr(worker, "_bench_weights", None)
+    if weights is None:
+        weights = []
+        for shard in sorted(Path(model_dir).glob("*.safetensors")):
+            weights.extend(load_file(str(shard)).items())
+        worker._bench_weights = weights
+    start = time.perf_counter()
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return time.perf_counter() - start
+
+
+def _drop_reload_weights(worker: Any) -> None:
+    worker._bench_weights = None
 
 
 # ---- the measured path -------------------------------------------------------------------------
@@ -155,35 +160,41 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, A
     nbytes = sum(t.numel() * t.element_size() for _, t in state)
     params = sum(t.numel() for _, t in state)
 
-    raw = raw_broadcast_seconds(nbytes, repeats)
-
     start = time.perf_counter()
     engine = await LocalVLLMEngine.create(str(model_dir), max_model_len=512, dtype="float32", seed=0)
     startup_s = time.perf_counter() - start
+    raw = RawBroadcast(nbytes, rounds=repeats + 1)
     try:
         before = (await engine.prompt_logprobs([SEQUENCE]))[0]
-        reload_times = (
-            await engine.vllm_engine.collective_rpc(_reload_in_worker, args=(str(model_dir), repeats))
-        )[0]
         sender = WeightSender(timeout_s=120.0)
         start = time.perf_counter()
         await sender.init_group([engine])
         init_s = time.perf_counter() - start
-        sync_times, buckets = [], 0
+        rpc = engine.vllm_engine.collective_rpc
+        # warm-up round of each path, then interleaved rounds so that load on the machine
+        # affects the three measurements alike
+        raw.round()
+        await rpc(_reload_in_worker, args=(str(model_dir),))
+        await sender.send_state_dict(state, bucket_bytes=bucket_bytes)
+        raw_times, reload_times, sync_times, buckets = [], [], [], 0
         for _ in range(repeats):
+            raw_times.append(raw.round())
+            reload_times.append((await rpc(_reload_in_worker, args=(str(model_dir),)))[0])
             stats = await sender.send_state_dict(state, bucket_bytes=bucket_bytes)
             sync_times.append(stats.seconds)
             buckets = stats.buckets
+        await rpc(_drop_reload_weights)
         await sender.close()
         after = (await engine.prompt_logprobs([SEQUENCE]))[0]
     finally:
+        raw.close()
         await engine.close()
 
     err_before, err_after = _engine_vs_hf(before, model), _engine_vs_hf(after, model)
     if not (err_after < err_before and err_after < 1e-2):
         raise SystemExit(f"{name}: the engine does not serve the synced weights ({err_before=} {err_after=})")
     sync_s = statistics.median(sync_times)
-    raw_s = statistics.median(raw)
+    raw_s = statistics.median(raw_times)
     reload_s = statistics.median(reload_times)
     return {
         "model": name,

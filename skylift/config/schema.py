@@ -27,6 +27,7 @@ INFERENCE_BACKENDS = ("vllm",)
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
+PLACEMENT_BACKENDS = ("auto", "ray", "local")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
@@ -160,6 +161,12 @@ class PlacementConfig:
         "share the same devices between training workers and inference engines (engines sleep while training)",
     )
     colocate_policy_ref: bool = _f(True, "put policy and reference workers on the same devices")
+    backend: str = _f(
+        "auto",
+        f"{' | '.join(PLACEMENT_BACKENDS)}: ray = workers and local engines are Ray actors; local = all in this "
+        "process (one policy, one reference worker); auto = ray when Ray is needed (several workers or "
+        "local engines), else local",
+    )
     policy_num_nodes: int = _f(1, "nodes for policy workers")
     policy_num_gpus_per_node: int = _f(1, "policy workers (GPUs, or CPU processes) per node")
     ref_num_nodes: int = _f(1, "nodes for reference workers")

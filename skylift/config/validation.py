@@ -18,6 +18,7 @@ from skylift.config.schema import (
     LOSS_REDUCTIONS,
     LR_SCHEDULERS,
     MODEL_DTYPES,
+    PLACEMENT_BACKENDS,
     POLICY_LOSS_TYPES,
     RESUME_MODES,
     STRATEGIES,
@@ -240,6 +241,14 @@ def _check_schedule(cfg: SkyliftConfig, problems: list[str]) -> None:
     if not t.run_name.strip():
         problems.append("trainer.run_name must not be empty")
     _at_least(problems, "trainer.max_staleness_steps", t.max_staleness_steps, 1)
+    _one_of(problems, "trainer.placement.backend", t.placement.backend, PLACEMENT_BACKENDS)
+    if t.placement.backend == "local" and (
+        t.policy_world_size() > 1 or t.placement.ref_num_nodes * t.placement.ref_num_gpus_per_node > 1
+    ):
+        problems.append(
+            "trainer.placement.backend=local runs one policy and one reference worker in this process; "
+            "use backend=ray for several workers"
+        )
     if t.async_training and t.placement.colocate_all:
         problems.append(
             "trainer.async_training=true overlaps generation and training and cannot run with "

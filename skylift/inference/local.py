@@ -223,9 +223,7 @@ class LocalVLLMEngine:
         """Log-probability of every token of each sequence given the tokens before it (teacher
         forcing); one value per token after the first. A local-engine extra, not in the interface.
         """
-        from skylift.inference.types import SamplingParams as Params
-
-        base = Params(max_tokens=1, temperature=1.0, logprobs=False, n=1)
+        base = SamplingParams(max_tokens=1, temperature=1.0, logprobs=False, n=1)
 
         async def one(seq: list[int]) -> list[float]:
             if len(seq) < 2:
@@ -335,6 +333,10 @@ class LocalVLLMEngine:
             return
         self._closed = True
         engine, self._engine = self._engine, None
+        # Stop reading outputs first: otherwise the reader reports the engine core's exit as an error.
+        handler = getattr(engine, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown

@@ -113,12 +113,15 @@ class EngineRef:
     """How to reach one engine from any process: a Ray actor or an HTTP server URL."""
 
     name: str
+    engine: Any = None  # an in-process engine (placement backend "local")
     actor: Any = None
     url: str | None = None
     api_key: str | None = None
     timeout_s: float = 600.0
 
     def connect(self) -> Any:
+        if self.engine is not None:
+            return self.engine
         if self.actor is not None:
             return RayEngineClient(self.actor, self.name)
         from skylift.inference.remote import RemoteInferenceEngine
@@ -143,6 +146,17 @@ def start_local_engines(
         starts.append(actor.start.remote(model, kwargs))
     names = ray.get(starts)
     return [EngineRef(name=str(name), actor=actor) for name, actor in zip(names, actors, strict=True)]
+
+
+async def start_inprocess_engines(count: int, model: str, engine_kwargs: dict[str, Any]) -> list[EngineRef]:
+    """Start `count` vLLM engines in this process (their engine cores are child processes)."""
+    from skylift.inference.local import LocalVLLMEngine
+
+    refs = []
+    for i in range(count):
+        engine = await LocalVLLMEngine.create(model, **{"name": f"engine-{i}", **engine_kwargs})
+        refs.append(EngineRef(name=repr(engine), engine=engine))
+    return refs
 
 
 def remote_engine_refs(urls: list[str], api_key: str | None, timeout_s: float) -> list[EngineRef]:

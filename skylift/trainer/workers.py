@@ -82,6 +82,7 @@ class WorkerGroup:
         use_ray: bool = True,
         num_cpus_per_worker: float = 1,
         num_gpus_per_worker: float = 0,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.name = name
         self.world_size = world_size
@@ -98,7 +99,9 @@ class WorkerGroup:
         else:
             if world_size != 1:
                 raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
-            self.workers = [RLWorker(settings, 0, 1, init_method)]
+            worker = RLWorker(settings, 0, 1, init_method)
+            worker._loop = loop  # in-process engines live on the trainer's event loop
+            self.workers = [worker]
 
     def _call(
         self, method: str, per_rank_args: Sequence[tuple] | None = None, *args: Any, **kwargs: Any

@@ -53,7 +53,10 @@ def response_logprobs(
     Only response positions get logits (`logits_to_keep`). With `share_prompts`, rows that share a
     prompt share one prompt forward pass (see the module docstring).
     """
-    first, inverse = unique_prompts(batch) if share_prompts and batch.response_len > 1 else (None, None)
+    # transformers turns the KV cache off under gradient checkpointing while training
+    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False)) and model.training
+    share = share_prompts and batch.response_len > 1 and not checkpointing
+    first, inverse = unique_prompts(batch) if share else (None, None)
     if first is None or len(first) == batch.batch_size:
         logits = _full_forward(model, batch)
     else:

@@ -173,11 +173,30 @@ class TrainingWorker:
         `loss_fn` must already be normalised for the whole mini-batch (across all ranks), so the
         accumulated gradient equals the gradient of one pass over the whole mini-batch.
         """
+        self.zero_grad()
+        metrics = self.accumulate_gradients(batch, loss_fn, micro_batch_size, temperature, with_entropy)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    def zero_grad(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("this worker is not trainable (reference model)")
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulate_gradients(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """Backpropagate `loss_fn` over micro-batches of `batch`, adding to the current gradients
+        (no optimizer step). Returns the loss function's metrics averaged over micro-batches."""
         model = self._model()
         if self.optimizer is None:
             raise RuntimeError("this worker is not trainable (reference model)")
         model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         for rows in _length_sorted_chunks(batch, micro_batch_size):
@@ -190,19 +209,42 @@ class TrainingWorker:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0) + 1
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], self.settings.optimizer.max_grad_norm
-        )
+        return {k: sums[k] / counts[k] for k in sums}
+
+    def optimizer_step(self, adam: dict[str, float] | None = None) -> dict[str, float]:
+        """Clip the accumulated gradients and step AdamW, then clear them.
+
+        `adam` may override this step's hyper-parameters (keys: lr, beta1, beta2, eps,
+        weight_decay, max_grad_norm), as the Tinker API sends them with every step; without it the
+        worker's own settings and learning-rate schedule apply.
+        """
+        model = self._model()
+        if self.optimizer is None or self.scheduler is None:
+            raise RuntimeError("this worker is not trainable (reference model)")
+        max_norm = self.settings.optimizer.max_grad_norm
+        if adam:
+            for group in self.optimizer.param_groups:
+                if "lr" in adam:
+                    group["lr"] = adam["lr"]
+                if "beta1" in adam or "beta2" in adam:
+                    b1, b2 = group["betas"]
+                    group["betas"] = (adam.get("beta1", b1), adam.get("beta2", b2))
+                if "eps" in adam:
+                    group["eps"] = adam["eps"]
+                if "weight_decay" in adam:
+                    group["weight_decay"] = adam["weight_decay"]
+            if adam.get("max_grad_norm") is not None:
+                max_norm = adam["max_grad_norm"] if adam["max_grad_norm"] > 0 else math.inf
+        params = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if math.isfinite(grad_norm_value):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        assert self.scheduler is not None
-        self.scheduler.step()
+        if not adam:
+            self.scheduler.step()
         self.global_step += 1
-        out = {k: sums[k] / counts[k] for k in sums}
-        out.update(grad_norm=grad_norm_value, lr=self.scheduler.get_last_lr()[0])
-        return out
+        return {"grad_norm": grad_norm_value, "lr": self.optimizer.param_groups[0]["lr"]}
 
     # ---------------------------------------------------------------- weights
     def iter_full_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -206,16 +206,34 @@ class WeightSender:
         group = self._require_group()
         stats = SyncStats()
         start = time.perf_counter()
-        for items in iter_buckets(named_tensors, bucket_bytes):
-            t0 = time.perf_counter()
-            bucket, buffers = await self._local(
-                "packing a bucket", pack_bucket, items, group.device, timeout_s=self.update_timeout_s
+        buckets = iter_buckets(named_tensors, bucket_bytes)
+
+        def pack_next() -> asyncio.Future[Any] | None:
+            items = next(buckets, None)
+            if items is None:
+                return None
+            return asyncio.ensure_future(
+                self._local(
+                    "packing a bucket", pack_bucket, items, group.device, timeout_s=self.update_timeout_s
+                )
             )
-            await self._send_bucket(group, bucket, buffers)
-            stats.buckets += 1
-            stats.tensors += len(items)
-            stats.bytes += sum(b.numel() * b.element_size() for b in buffers)
-            stats.bucket_seconds.append(time.perf_counter() - t0)
+
+        # Pipelined: the next bucket is packed while the current one is broadcast and loaded.
+        pending = pack_next()
+        try:
+            while pending is not None:
+                t0 = time.perf_counter()
+                bucket, buffers = await pending
+                pending = pack_next()
+                await self._send_bucket(group, bucket, buffers)
+                stats.buckets += 1
+                stats.tensors += len(bucket.names)
+                stats.bytes += sum(b.numel() * b.element_size() for b in buffers)
+                stats.bucket_seconds.append(time.perf_counter() - t0)
+                del buffers
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
         stats.seconds = time.perf_counter() - start
         return stats
 

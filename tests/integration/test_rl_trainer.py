@@ -6,20 +6,41 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
+from skylift.envs import Environment, StepResult, register_env
 from skylift.trainer import checkpoint as ckpt
 from skylift.trainer.rl_trainer import RLTrainer
 
 pytestmark = pytest.mark.integration
 
 
+@register_env("test_even_length", override=True)
+class EvenLengthEnv(Environment):
+    """Reward 1 for a response of even character length: random for the untrained tiny model, so
+    GRPO groups get non-zero advantages (arithmetic rewards would all be 0)."""
+
+    def step(self, action: str) -> StepResult:
+        self._begin_step()
+        self.done = True
+        return StepResult(observations=[], reward=float(len(action) % 2 == 0), done=True)
+
+
 @pytest.fixture(scope="module")
 def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("arith")
     write_arithmetic_dataset(out, num_train=32, num_val=8, seed=0)
+    for split in ("train", "validation"):  # score with the user-registered environment above
+        table = pq.read_table(out / f"{split}.parquet")
+        column = pa.array(["test_even_length"] * table.num_rows)
+        pq.write_table(
+            table.set_column(table.schema.get_field_index("env_class"), "env_class", column),
+            out / f"{split}.parquet",
+        )
     return out
 
 
@@ -31,7 +52,7 @@ def _overrides(data: Path, run_dir: Path, tiny_model_dir: Path, **extra: object)
         "trainer.train_batch_size": 4,
         "trainer.policy_mini_batch_size": 2,  # two optimizer steps per training step
         "trainer.micro_train_batch_size_per_gpu": 3,
-        "generator.n_samples_per_prompt": 2,
+        "generator.n_samples_per_prompt": 4,
         "generator.max_generate_length": 16,
         "trainer.max_prompt_length": 128,
         "trainer.eval_batch_size": 8,
@@ -65,7 +86,7 @@ def _check_steps(history: list[dict], steps: list[int]) -> None:
         assert row["response_length/mean"] > 0
         # the trainer's logprobs of the sampled tokens match the engine's (fp32)
         assert row["policy/logprob_diff_vs_rollout"] < 1e-3
-        assert row["policy/grad_norm"] > 0
+        assert row["policy/grad_norm"] > 0  # even-length rewards differ within groups
 
 
 def test_two_steps_with_local_engines(arithmetic_data: Path, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -234,3 +234,55 @@ def test_partial_fused_module_is_refused(
     with pytest.raises(WeightSyncError, match="engine 0 .*qkv_proj"):
         loop.run(send_part())
     assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), before) == 0.0
+
+
+def test_process_group_broadcasts_between_two_ranks() -> None:
+    """The group primitive alone: two ranks in threads, gloo over loopback, both dtypes."""
+    _require_loopback_namespace()
+    from concurrent.futures import ThreadPoolExecutor
+
+    from skylift.weight_sync.process_group import create_weight_sync_group, find_free_port
+
+    port = find_free_port()
+
+    def member(rank: int) -> list[torch.Tensor]:
+        group = create_weight_sync_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=rank,
+            world_size=2,
+            group_name="two_ranks",
+            backend="gloo",
+            timeout_s=GROUP_TIMEOUT_S,
+        )
+        try:
+            tensors = [torch.arange(6, dtype=torch.float32), torch.arange(3).to(torch.bfloat16)]
+            if rank == 1:
+                tensors = [torch.zeros_like(t) for t in tensors]
+            for t in tensors:
+                group.broadcast(t, src=0)
+            return tensors
+        finally:
+            group.destroy()
+
+    with ThreadPoolExecutor(2) as pool:
+        sent, received = pool.map(member, [0, 1])
+    for a, b in zip(sent, received, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_process_group_rendezvous_times_out_clearly() -> None:
+    _require_loopback_namespace()
+    from skylift.weight_sync.process_group import create_weight_sync_group, find_free_port
+
+    port = find_free_port()
+    with pytest.raises(WeightSyncError, match=f"group 'lonely' at 127.0.0.1:{port} as rank 0/2"):
+        create_weight_sync_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name="lonely",
+            backend="gloo",
+            timeout_s=2.0,
+        )

@@ -1,0 +1,90 @@
+"""`skylift tinker serve`: run the Tinker-compatible training service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+
+def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register `tinker serve` on the `skylift` command's subparsers."""
+    tinker = subparsers.add_parser("tinker", help="Tinker-compatible training service")
+    sub = tinker.add_subparsers(dest="tinker_command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve the Tinker API (the official `tinker` SDK connects to it)")
+    serve.add_argument(
+        "--base-model",
+        action="append",
+        required=True,
+        dest="base_models",
+        metavar="NAME",
+        help="model that clients may train and sample (registry name or local HF directory); repeatable",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--db", default=None, metavar="URL", help="SQLAlchemy URL (default: sqlite in --data-dir)"
+    )
+    serve.add_argument(
+        "--data-dir", default="skylift-tinker-data", metavar="DIR", help="checkpoints live here"
+    )
+    serve.add_argument("--api-key", default=None, help="require this X-API-Key (default: accept any)")
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: model's, <= 4096)"
+    )
+    serve.add_argument(
+        "--session-timeout",
+        type=float,
+        default=300.0,
+        help="seconds without heartbeat before a session is finished",
+    )
+    serve.add_argument(
+        "--cleanup-interval", type=float, default=30.0, help="seconds between stale-session sweeps"
+    )
+    serve.add_argument(
+        "--long-poll", type=float, default=20.0, help="seconds a retrieve_future waits before 408"
+    )
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+    tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from skylift.tinker.app import create_app
+    from skylift.tinker.service import ServerConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    db = args.db or f"sqlite:///{data_dir / 'tinker.db'}"
+    config = ServerConfig(
+        base_models=list(args.base_models),
+        db_url=db,
+        data_dir=data_dir,
+        api_key=args.api_key,
+        max_model_len=args.max_model_len,
+        session_timeout_s=args.session_timeout,
+        cleanup_interval_s=args.cleanup_interval,
+        long_poll_s=args.long_poll,
+    )
+    app = create_app(config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m skylift.tinker.commands serve ...` (used by tests; same flags as `skylift tinker`)."""
+    parser = argparse.ArgumentParser(prog="skylift")
+    add_tinker_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tinker", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""Errors of the Tinker service and how they reach the client.
+
+A failed future is answered as ``{"error": message, "category": "user" | "server" | "unknown"}``;
+`UserError` marks mistakes in the request (unknown model id, bad shapes, unknown loss), every
+other exception is a server error.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """The request is wrong; the message says what and how to fix it (category "user")."""
+
+
+class NotFoundError(UserError):
+    """A referenced id or path does not exist."""
+
+
+def error_category(exc: BaseException) -> str:
+    """The Tinker error category of an exception."""
+    return "user" if isinstance(exc, UserError) else "server"
+
+
+def error_message(exc: BaseException) -> str:
+    """A one-line message naming the exception type when it is not ours."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,57 @@
+"""REST views of training runs and checkpoints (what `tinker.RestClient` lists and deletes)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from skylift.tinker.errors import NotFoundError
+from skylift.tinker.store import ModelRow
+from skylift.tinker.views import checkpoint_json, tinker_path, training_run_json
+
+if TYPE_CHECKING:
+    from skylift.tinker.service import TinkerService
+
+
+def _model(svc: TinkerService, run_id: str) -> ModelRow:
+    row = svc.store.get(ModelRow, run_id)
+    if row is None:
+        raise NotFoundError(f"unknown training run {run_id!r}")
+    return row
+
+
+def training_run(svc: TinkerService, run_id: str) -> dict[str, Any]:
+    return training_run_json(_model(svc, run_id), svc.store.checkpoints(run_id))
+
+
+def list_training_runs(svc: TinkerService, limit: int, offset: int) -> dict[str, Any]:
+    rows, total = svc.store.list_models(limit, offset)
+    runs = [training_run_json(r, svc.store.checkpoints(r.model_id)) for r in rows]
+    return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+def list_checkpoints(svc: TinkerService, run_id: str) -> dict[str, Any]:
+    _model(svc, run_id)
+    rows = svc.store.checkpoints(run_id)
+    return {"checkpoints": [checkpoint_json(r) for r in rows]}
+
+
+def list_user_checkpoints(svc: TinkerService, limit: int, offset: int) -> dict[str, Any]:
+    rows = svc.store.checkpoints()
+    page = rows[offset : offset + limit]
+    return {
+        "checkpoints": [checkpoint_json(r) for r in page],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},
+    }
+
+
+def delete_checkpoint(svc: TinkerService, run_id: str, checkpoint_id: str) -> None:
+    """Delete `weights/<name>` or `sampler_weights/<name>` of a run (record and files)."""
+    kind_segment, _, name = checkpoint_id.partition("/")
+    kind = {"weights": "training", "sampler_weights": "sampler"}.get(kind_segment)
+    if kind is None or not name:
+        raise NotFoundError(
+            f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>"
+        )
+    path = tinker_path(run_id, kind, name)
+    if svc._delete_checkpoint_files(path) is None:
+        raise NotFoundError(f"checkpoint {path} does not exist")

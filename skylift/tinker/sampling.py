@@ -1,0 +1,266 @@
+"""Lazily started inference engines for sampling, one per base model, reused by every sampler.
+
+Nothing here starts at import or at server start. The first `sample` (or a `prefetch`, which
+`save_weights_for_sampler` requests) starts the vLLM engine on a dedicated event-loop thread (its
+start-up blocks only that thread), joins a weight-update group with it, and from then on the engine
+holds one set of weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
+ephemeral sampling session). A request for other weights waits until running generations finish,
+pushes the new weights over the group (`WeightSender`) and proceeds.
+
+Set ``SKYLIFT_TINKER_FAIL_ENGINE_START=1`` to make every start-up attempt raise (tests use it to
+show that training never needs an engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from skylift.inference.types import EngineError, SamplingParams
+from skylift.tinker.wire import SampledSequenceData
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FAIL_START_ENV = "SKYLIFT_TINKER_FAIL_ENGINE_START"
+WeightLoader = Callable[[], dict[str, torch.Tensor]]
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequenceData]
+    prompt_logprobs: list[float] | None
+
+
+@dataclass
+class EngineSettings:
+    """How engines are built."""
+
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    seed: int = 0
+    start_timeout_s: float = 900.0
+
+
+class EngineHost:
+    """One base model's engine, started on first use, living on its own event-loop thread."""
+
+    def __init__(self, base_model: str, model_path: str, settings: EngineSettings) -> None:
+        self.base_model = base_model
+        self.model_path = model_path
+        self.settings = settings
+        self.start_attempts = 0
+        self.last_error: str | None = None
+        self._engine: Any = None
+        self._sender: Any = None
+        self._tag: str | None = None
+        self._active = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._start_lock: asyncio.Lock | None = None
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    # ---------------------------------------------------------------- thread plumbing
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._thread_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=loop.run_forever, name=f"tinker-engine-{self.base_model}", daemon=True
+                )
+                self._thread.start()
+                self._loop = loop
+            return self._loop
+
+    async def _on_engine_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self._ensure_loop()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    # ---------------------------------------------------------------- engine loop side
+    async def _ensure_started(self) -> None:
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+            self._cond = asyncio.Condition()
+        async with self._start_lock:
+            if self._engine is not None:
+                return
+            self.start_attempts += 1
+            try:
+                if os.environ.get(FAIL_START_ENV) == "1":
+                    raise EngineError(f"engine start-up refused: {FAIL_START_ENV}=1 is set (test hook)")
+                from skylift.inference.local import LocalVLLMEngine
+                from skylift.weight_sync import WeightSender
+
+                s = self.settings
+                engine = await LocalVLLMEngine.create(
+                    self.model_path,
+                    max_model_len=s.max_model_len,
+                    seed=s.seed,
+                    dtype=s.dtype,
+                    max_num_seqs=s.max_num_seqs,
+                    enable_prefix_caching=True,
+                    name=f"tinker-sampler({self.base_model})",
+                )
+                sender = WeightSender()
+                try:
+                    await sender.init_group([engine])
+                except Exception:
+                    await engine.close()
+                    raise
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.error("inference engine for %s failed to start: %s", self.base_model, exc)
+                raise EngineError(f"inference engine for {self.base_model!r} failed to start: {exc}") from exc
+            self._engine, self._sender, self._tag = engine, sender, "base"
+            self.last_error = None
+            logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
+
+    async def _acquire(self, tag: str, loader: WeightLoader) -> None:
+        """Make `tag`'s weights current and count one active user of them."""
+        await self._ensure_started()
+        cond = self._cond
+        assert cond is not None
+        async with cond:
+            while self._tag != tag and self._active > 0:
+                await cond.wait()
+            if self._tag != tag:
+                weights = await asyncio.to_thread(loader)
+                await self._sender.send_state_dict(list(weights.items()))
+                self._tag = tag
+            self._active += 1
+
+    async def _release(self) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    async def _sample(
+        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, prompt_logprobs: bool
+    ) -> SampleResult:
+        await self._acquire(tag, loader)
+        try:
+            jobs: list[Any] = [self._engine.generate([prompt], params)]
+            if prompt_logprobs and len(prompt) > 1:
+                jobs.append(self._engine.prompt_logprobs([prompt]))
+            results = await asyncio.gather(*jobs)
+        finally:
+            await self._release()
+        sequences = []
+        for completion in results[0][0].completions:
+            if completion.stop_reason not in ("stop", "length"):
+                raise EngineError(f"generation ended with {completion.stop_reason!r}")
+            sequences.append(
+                SampledSequenceData(
+                    tokens=list(completion.token_ids),
+                    logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+        plp: list[float] | None = None
+        if prompt_logprobs:
+            plp = [math.nan] + (list(results[1][0]) if len(results) > 1 else [])
+        return SampleResult(sequences=sequences, prompt_logprobs=plp)
+
+    async def _prefetch(self, tag: str, loader: WeightLoader) -> None:
+        await self._acquire(tag, loader)
+        await self._release()
+
+    async def _close(self) -> None:
+        # At shutdown the weight-sync group is not torn down politely: the engine's workers exit
+        # with it, and a collective with an engine that is already gone would only wait out its timeout.
+        engine, self._engine, self._sender = self._engine, None, None
+        if engine is not None:
+            await asyncio.wait_for(engine.close(), 60.0)
+
+    # ---------------------------------------------------------------- public (any loop)
+    async def sample(
+        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, prompt_logprobs: bool
+    ) -> SampleResult:
+        """Sample `params.n` continuations of `prompt` with the weights named `tag`."""
+        return await self._on_engine_loop(self._sample(tag, loader, prompt, params, prompt_logprobs))
+
+    async def prefetch(self, tag: str, loader: WeightLoader) -> None:
+        """Start the engine if needed and load `tag`'s weights (no generation)."""
+        await self._on_engine_loop(self._prefetch(tag, loader))
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Shut the engine down and stop its thread (blocking; call from outside its loop)."""
+        loop = self._loop
+        if loop is None:
+            return
+        if self._engine is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout_s)
+            except Exception as exc:
+                logger.warning("engine shutdown failed: %s", exc)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._loop = None
+
+
+def to_engine_params(
+    raw: dict[str, Any], prompt_len: int, max_model_len: int, num_samples: int
+) -> SamplingParams:
+    """Tinker `sampling_params` JSON as engine `SamplingParams` (stop: None = EOS, [] = never)."""
+    from skylift.tinker.errors import UserError
+
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise UserError(f"prompt of {prompt_len} tokens leaves no room in the context of {max_model_len}")
+    max_tokens = raw.get("max_tokens")
+    max_tokens = room if max_tokens is None else int(max_tokens)
+    if max_tokens < 1:
+        raise UserError(f"sampling_params.max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+        raise UserError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {max_model_len}"
+        )
+    stop = raw.get("stop")
+    stop_strs: list[str] | None = None
+    stop_ids: list[int] | None = None
+    ignore_eos = False
+    if isinstance(stop, str):
+        stop_strs = [stop]
+    elif isinstance(stop, list):
+        if not stop:
+            ignore_eos = True
+        elif all(isinstance(s, str) for s in stop):
+            stop_strs = list(stop)
+        elif all(isinstance(s, int) for s in stop):
+            stop_ids = list(stop)
+        else:
+            raise UserError(f"sampling_params.stop must be strings or token ids, not a mix: {stop!r}")
+    elif stop is not None:
+        raise UserError(f"sampling_params.stop must be a string, a list or null, got {stop!r}")
+    temperature = float(raw.get("temperature", 1.0))
+    if temperature < 0:
+        raise UserError(f"sampling_params.temperature must be >= 0, got {temperature}")
+    seed = raw.get("seed")
+    return SamplingParams(
+        temperature=temperature,
+        top_p=float(raw.get("top_p", 1.0)),
+        top_k=int(raw.get("top_k", -1)),
+        max_tokens=max_tokens,
+        stop=stop_strs,
+        stop_token_ids=stop_ids,
+        seed=None if seed is None else int(seed) % (2**63 - 1),
+        n=num_samples,
+        logprobs=True,
+        ignore_eos=ignore_eos,
+    )

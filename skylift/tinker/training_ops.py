@@ -1,0 +1,186 @@
+"""Training operations of the Tinker API (each queued on the model's ordered queue).
+
+forward / forward_backward, optim_step, save_weights (save_state), load_weights (both shapes:
+create-from-state and the legacy load into an existing model) and save_weights_for_sampler
+(named: a Hugging Face export on disk; ephemeral: an in-memory snapshot bound to a new sampling
+session). None of them needs an inference engine; a sampler save only *asks* the sampling side
+to warm up in the background.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from skylift.tinker.backend import TrainedModel, read_checkpoint_config
+from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
+from skylift.tinker.views import check_name, parse_tinker_path, tinker_path
+from skylift.tinker.wire import ForwardBackwardCall
+
+if TYPE_CHECKING:
+    from skylift.tinker.service import TinkerService
+
+
+def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | None) -> str:
+    kind = "forward" if call.forward_only else "forward_backward"
+
+    async def fn(model: TrainedModel) -> bytes:
+        if call.error is not None:
+            raise call.error
+        return await svc.run_training(model.forward_backward, call)
+
+    return svc.submit_model_op(kind, call.model_id, call.seq_id or None, fn, idem)
+
+
+def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+    params = body.get("adam_params")
+    if params is None and body.get("optimizer_params") is not None:
+        params = body["optimizer_params"]
+    params = dict(params or {})
+
+    async def fn(model: TrainedModel) -> dict[str, Any]:
+        if params.get("type", "adamw") not in ("adamw", "adam"):
+            raise UserError(f"optimizer {params.get('type')!r} is not supported; send adam_params")
+        metrics = await svc.run_training(model.optim_step, params)
+        return {"metrics": metrics, "type": "optim_step"}
+
+    return svc.submit_model_op("optim_step", str(body.get("model_id")), body.get("seq_id"), fn, idem)
+
+
+def _expiry(body: dict[str, Any]) -> dt.datetime | None:
+    ttl = body.get("ttl_seconds")
+    return None if ttl is None else utcnow() + dt.timedelta(seconds=int(ttl))
+
+
+def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+    model_id = str(body.get("model_id"))
+
+    async def fn(model: TrainedModel) -> dict[str, Any]:
+        name = check_name(body.get("path"), "save_weights")
+        path = tinker_path(model_id, "training", name)
+        if svc.store.checkpoint(path) is not None and not body.get("overwrite"):
+            raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
+        directory = svc.run_dir(model_id, "training", name)
+        if directory.exists():
+            shutil.rmtree(directory)
+        size = await svc.run_training(model.save_state, directory)
+        svc.store.put_checkpoint(
+            CheckpointRow(
+                tinker_path=path,
+                model_id=model_id,
+                checkpoint_id=f"weights/{name}",
+                kind="training",
+                directory=str(directory),
+                size_bytes=size,
+                expires_at=_expiry(body),
+                user_metadata=body.get("user_metadata"),
+            )
+        )
+        return {"path": path, "type": "save_weights"}
+
+    return svc.submit_model_op("save_weights", model_id, body.get("seq_id"), fn, idem)
+
+
+def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+    model_id = str(body.get("model_id"))
+    name = body.get("path")
+
+    async def named(model: TrainedModel) -> dict[str, Any]:
+        check_name(name, "save_weights_for_sampler")
+        path = tinker_path(model_id, "sampler", name)
+        directory = svc.run_dir(model_id, "sampler", name)
+        if directory.exists():
+            shutil.rmtree(directory)
+        size = await svc.run_training(model.export_sampler, directory)
+        svc.store.put_checkpoint(
+            CheckpointRow(
+                tinker_path=path,
+                model_id=model_id,
+                checkpoint_id=f"sampler_weights/{name}",
+                kind="sampler",
+                directory=str(directory),
+                size_bytes=size,
+                expires_at=_expiry(body),
+                user_metadata=body.get("user_metadata"),
+            )
+        )
+        svc.sampling.warm_up(model.config.model_path, path)
+        return {"path": path, "type": "save_weights_for_sampler"}
+
+    async def ephemeral(model: TrainedModel) -> dict[str, Any]:
+        seq = body.get("sampling_session_seq_id")
+        row = svc.store.get(ModelRow, model_id)
+        sampling_id = f"{row.session_id}:sample:{int(seq)}"
+        weights = await svc.run_training(model.snapshot_weights)
+        svc.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
+        return {"sampling_session_id": sampling_id, "type": "save_weights_for_sampler"}
+
+    fn = named if name is not None else ephemeral
+    if name is None and body.get("sampling_session_seq_id") is None:
+
+        async def fn(model: TrainedModel) -> dict[str, Any]:
+            raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+
+    return svc.submit_model_op("save_weights_for_sampler", model_id, body.get("seq_id"), fn, idem)
+
+
+def _training_checkpoint(svc: TinkerService, path: str) -> CheckpointRow:
+    _, kind, _ = parse_tinker_path(path)
+    if kind != "training":
+        raise UserError(
+            f"{path} is a sampler checkpoint; load_weights needs a training checkpoint (…/weights/…)"
+        )
+    row = svc.store.checkpoint(path)
+    if row is None:
+        raise NotFoundError(f"checkpoint {path} does not exist")
+    return row
+
+
+def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> tuple[str, str | None]:
+    """(request id, model id). With `session_id` a new model is created from the checkpoint."""
+    path, optimizer = str(body.get("path")), bool(body.get("optimizer"))
+    if body.get("session_id") is None:
+        model_id = str(body.get("model_id"))
+
+        async def fn(model: TrainedModel) -> dict[str, Any]:
+            row = _training_checkpoint(svc, path)
+            saved = read_checkpoint_config(svc.store_path(row))
+            mine = model.config
+            if (saved.model_path, saved.lora_rank) != (mine.model_path, mine.lora_rank):
+                raise UserError(
+                    f"checkpoint {path} is for {saved.base_model} with LoRA rank {saved.lora_rank}; "
+                    f"model {model_id} is {mine.base_model} with rank {mine.lora_rank}"
+                )
+            await svc.run_training(model.load_state, svc.store_path(row), optimizer)
+            return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+        return svc.submit_model_op("load_weights", model_id, body.get("seq_id"), fn, idem), model_id
+
+    hub = svc._hub()
+    session_id, seq = str(body["session_id"]), int(body.get("model_seq_id", 0))
+    model_id = f"{session_id}:train:{seq}"
+    request_id, new = hub.submit("load_weights", model_id, [f"create:{model_id}"])
+    if not new:
+        return request_id, model_id
+    try:
+        row = _training_checkpoint(svc, path)
+        config = read_checkpoint_config(svc.store_path(row))
+        if body.get("base_model"):
+            info = svc.base_model(body["base_model"])
+            if info.path != config.model_path:
+                raise UserError(
+                    f"base_model {body['base_model']!r} does not match the checkpoint's {config.base_model!r}"
+                )
+            config.base_model = str(body["base_model"])
+        else:
+            svc.base_model(config.base_model)
+        _, model = svc._new_model(session_id, seq, config, body.get("user_metadata"))
+    except Exception as exc:
+        hub.fail(request_id, exc)
+        return request_id, model_id
+    assert model is not None
+    result = {"path": path, "model_id": model_id, "type": "load_weights"}
+    svc._enqueue_setup(request_id, model, (svc.store_path(row), optimizer), result)
+    return request_id, model_id

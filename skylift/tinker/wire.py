@@ -1,0 +1,164 @@
+"""Protobuf conversion for the routes whose payloads the SDK sends or expects as protobuf.
+
+Requests: `ForwardBackwardRequest` (forward and forward_backward). Results: `ForwardBackwardOutput`
+and `SampleResponse`. The schema is the SDK's own (`tinker.proto.tinker_public_pb2`). Token ids are
+int32 little-endian bytes, tensors dense bytes or sparse CSR, per-datum outputs a `BatchedTensor`
+(concatenated bytes plus n+1 int64 byte offsets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from skylift.tinker.errors import UserError
+from skylift.tinker.rendering import render_token_chunks
+
+_NUMPY_OF_DTYPE = {
+    pb.DTYPE_FLOAT32: np.dtype(np.float32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_INT32: np.dtype(np.int32),
+}
+
+
+@dataclass
+class WireDatum:
+    """One training example: input tokens and named per-position loss inputs."""
+
+    tokens: list[int]
+    inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class ForwardBackwardCall:
+    """A decoded `ForwardBackwardRequest`."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    forward_only: bool
+    data: list[WireDatum]
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    error: UserError | None = None  # a datum could not be rendered: the future fails with it
+
+
+def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+    """A proto `Tensor` as a dense numpy array (sparse CSR entries not listed are 0)."""
+    dtype = _NUMPY_OF_DTYPE.get(msg.dtype)
+    if dtype is None:
+        raise UserError(f"{where}: unsupported tensor dtype {msg.dtype}")
+    shape = list(msg.shape)
+    if msg.HasField("sparse_csr"):
+        csr = msg.sparse_csr
+        if len(shape) != 2:
+            raise UserError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+        values = np.frombuffer(csr.values, dtype=dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(csr.col_indices, dtype=np.int64)
+        if len(crow) != shape[0] + 1 or len(col) != len(values):
+            raise UserError(f"{where}: inconsistent sparse CSR indices for shape {shape}")
+        dense = np.zeros(shape, dtype=dtype)
+        for row in range(shape[0]):
+            lo, hi = int(crow[row]), int(crow[row + 1])
+            dense[row, col[lo:hi]] = values[lo:hi]
+        return dense
+    flat = np.frombuffer(msg.dense, dtype=dtype).copy()
+    if shape:
+        if int(np.prod(shape)) != flat.size:
+            raise UserError(f"{where}: {flat.size} values do not fill shape {shape}")
+        return flat.reshape(shape)
+    return flat
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
+    """Parse the protobuf body of `/forward_backward`."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:
+        raise UserError(
+            f"forward_backward: the body is not a ForwardBackwardRequest protobuf: {exc}"
+        ) from exc
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        config[key] = value.text if value.WhichOneof("value") == "text" else float(value.number)
+    data: list[WireDatum] = []
+    error: UserError | None = None
+    for i, datum in enumerate(msg.data):
+        chunks: list[list[int] | None] = []
+        for chunk in datum.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind == "encoded_text":
+                chunks.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").astype(int).tolist())
+            else:
+                chunks.append(None)
+        try:
+            tokens = render_token_chunks(chunks, where=f"datum {i}")
+        except UserError as exc:
+            error = error or exc
+            tokens = []
+        inputs = {
+            name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
+            for name, tensor in datum.loss_fn_inputs.items()
+        }
+        data.append(WireDatum(tokens=tokens, inputs=inputs))
+    return ForwardBackwardCall(
+        model_id=msg.model_id,
+        seq_id=int(msg.seq_id),
+        loss_fn=msg.loss_fn,
+        forward_only=bool(msg.forward_only),
+        data=data,
+        loss_fn_config=config,
+        error=error,
+    )
+
+
+def _batched(arrays: Sequence[np.ndarray], dtype: np.dtype, proto_dtype: int) -> pb.BatchedTensor:
+    parts = [np.ascontiguousarray(a, dtype=dtype).reshape(-1) for a in arrays]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([p.nbytes for p in parts])
+    data = b"".join(p.tobytes() for p in parts)
+    return pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=proto_dtype, trailing_shape=[])
+
+
+def encode_forward_backward_output(
+    outputs: Sequence[Mapping[str, np.ndarray]], metrics: Mapping[str, float]
+) -> bytes:
+    """`ForwardBackwardOutput` bytes: one float32 field per output name, per datum 1-D arrays."""
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
+    names = list(outputs[0].keys()) if outputs else []
+    for name in names:
+        record.fields[name].CopyFrom(
+            _batched([out[name] for out in outputs], np.dtype(np.float32), pb.DTYPE_FLOAT32)
+        )
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=dict(metrics))
+    msg.loss_fn_outputs.append(record)
+    return msg.SerializeToString()
+
+
+@dataclass
+class SampledSequenceData:
+    """One sampled continuation."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    stop_reason: str  # "stop" | "length"
+
+
+def encode_sample_response(
+    sequences: Sequence[SampledSequenceData], prompt_logprobs: Sequence[float] | None
+) -> bytes:
+    """`SampleResponse` bytes (prompt logprobs float32 with NaN where unscored)."""
+    msg = pb.SampleResponse()
+    for seq in sequences:
+        out = msg.sequences.add()
+        out.stop_reason = pb.STOP_REASON_LENGTH if seq.stop_reason == "length" else pb.STOP_REASON_STOP
+        out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
+        if seq.logprobs is not None:
+            out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
+    return msg.SerializeToString()
