@@ -27,6 +27,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_data_command(sub)
 
+    from skylift.tinker.commands import add_tinker_command
+
+    add_tinker_command(sub)
+
     from skylift.entrypoints.commands import add_trainer_commands
 
     add_trainer_commands(sub)

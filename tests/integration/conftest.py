@@ -12,6 +12,7 @@ SKYLIFT_TESTS_ALLOW_NETWORK=1.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -20,9 +21,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -30,6 +32,8 @@ STARTUP_TIMEOUT_S = float(os.environ.get("SKYLIFT_TEST_SERVER_STARTUP_S", "420")
 TEST_API_KEY = "skylift-test-key"
 TINY_SERVED_NAME = "tiny-qwen2"
 TINY_MAX_MODEL_LEN = 512
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -161,6 +165,7 @@ def tiny_server_args() -> list[str]:
         "--enable-prefix-caching",
         "--max-num-seqs",
         "64",
+        "--enforce-eager",  # no torch.compile warm-up: start-up in seconds, not minutes
     ]
 
 
@@ -194,3 +199,55 @@ def tiny_server_with_key(
     """A second tiny-model server that requires `TEST_API_KEY`."""
     log = tmp_path_factory.mktemp("tiny_server_key") / "server.log"
     yield from _serve(tiny_model_dir, log, api_key=TEST_API_KEY)
+
+
+# --------------------------------------------------------------------------- in-process engine
+
+
+class EngineLoop:
+    """One event loop for the session: AsyncLLM's output handler is bound to the loop it starts in."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 300.0) -> T:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+
+@pytest.fixture()
+def loopback_only() -> None:
+    """Skip unless running in a loopback-only network namespace (see the module docstring)."""
+    require_loopback_namespace()
+
+
+@pytest.fixture(scope="session")
+def loop() -> Iterator[EngineLoop]:
+    runner = EngineLoop()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir: Path, loop: EngineLoop) -> Iterator[Any]:
+    """One in-process `LocalVLLMEngine` on the tiny model (fp32) for the whole session."""
+    from skylift.inference.local import LocalVLLMEngine
+
+    require_loopback_namespace()
+    eng = loop.run(
+        LocalVLLMEngine.create(
+            str(tiny_model_dir),
+            max_model_len=512,
+            seed=0,
+            dtype="float32",
+            max_num_seqs=16,
+            enable_prefix_caching=True,
+            enforce_eager=True,  # no torch.compile warm-up: start-up in seconds, not minutes
+        ),
+        timeout_s=600.0,
+    )
+    yield eng
+    loop.run(eng.close())

@@ -6,10 +6,6 @@ Run inside a loopback-only namespace:
 
 from __future__ import annotations
 
-import asyncio
-import os
-import socket
-from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,56 +21,6 @@ T = TypeVar("T")
 
 PROMPTS = [[5, 17, 230, 999, 42, 8], [900, 3, 3, 64]]
 TOLERANCE = 1e-4
-
-
-class EngineLoop:
-    """One event loop for the module: AsyncLLM's output handler is bound to the loop it starts in."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 300.0) -> T:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
-        self.loop.close()
-
-
-def _require_loopback_namespace() -> None:
-    if os.environ.get("SKYLIFT_TESTS_ALLOW_NETWORK") == "1":
-        return
-    if {name for _, name in socket.if_nameindex()} <= {"lo"}:
-        return
-    pytest.skip(
-        "run inside a loopback-only namespace: unshare -n sh -c 'ip link set lo up; .venv/bin/pytest ...'"
-    )
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[EngineLoop]:
-    runner = EngineLoop()
-    yield runner
-    runner.close()
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, loop: EngineLoop) -> Iterator[LocalVLLMEngine]:
-    """One engine for the module (start-up is 20-70 s on CPU)."""
-    _require_loopback_namespace()
-    eng = loop.run(
-        LocalVLLMEngine.create(
-            str(tiny_model_dir),
-            max_model_len=512,
-            seed=0,
-            dtype="float32",
-            max_num_seqs=16,
-            enable_prefix_caching=True,
-        ),
-        timeout_s=600.0,
-    )
-    yield eng
-    loop.run(eng.close())
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +43,14 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def test_satisfies_the_engine_interface(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_satisfies_the_engine_interface(engine: LocalVLLMEngine, loop: Any) -> None:
     assert isinstance(engine, InferenceEngine)
     assert loop.run(engine.health()) is True
     assert loop.run(engine.tensor_parallel_size()) == 1
     assert "LocalVLLMEngine" in repr(engine)
 
 
-def test_generate_n2_logprobs_match_transformers(
-    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any
-) -> None:
+def test_generate_n2_logprobs_match_transformers(engine: LocalVLLMEngine, loop: Any, hf_model: Any) -> None:
     params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=7, logprobs=True)
     outputs = loop.run(engine.generate(PROMPTS, params))
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
@@ -123,12 +67,12 @@ def test_generate_n2_logprobs_match_transformers(
         assert out.completions[0].token_ids != out.completions[1].token_ids
 
 
-def test_logprobs_can_be_turned_off(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_logprobs_can_be_turned_off(engine: LocalVLLMEngine, loop: Any) -> None:
     (out,) = loop.run(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4, logprobs=False, seed=1)))
     assert out.completions[0].logprobs is None and len(out.completions[0].token_ids) >= 1
 
 
-def test_stop_reason_length_and_stop(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_stop_reason_length_and_stop(engine: LocalVLLMEngine, loop: Any) -> None:
     base = SamplingParams(max_tokens=10, seed=11, ignore_eos=True)
     (full,) = loop.run(engine.generate(PROMPTS[:1], base))
     tokens = full.completions[0].token_ids
@@ -143,7 +87,7 @@ def test_stop_reason_length_and_stop(engine: LocalVLLMEngine, loop: EngineLoop) 
     assert comp.token_ids == tokens[: first + 1]  # the stop token is returned, nothing after it
 
 
-def test_stop_string(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_stop_string(engine: LocalVLLMEngine, loop: Any) -> None:
     base = SamplingParams(max_tokens=16, seed=5, ignore_eos=True)
     (full,) = loop.run(engine.generate(PROMPTS[:1], base))
     text = full.completions[0].text or ""
@@ -160,7 +104,7 @@ def test_stop_string(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
     assert comp.token_ids == full.completions[0].token_ids[: len(comp.token_ids)]
 
 
-def test_seed_reproducibility(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_seed_reproducibility(engine: LocalVLLMEngine, loop: Any) -> None:
     def sample(seed: int) -> list[list[int]]:
         outs = loop.run(engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8, seed=seed)))
         return [c.token_ids for o in outs for c in o.completions]
@@ -170,14 +114,14 @@ def test_seed_reproducibility(engine: LocalVLLMEngine, loop: EngineLoop) -> None
     assert sample(124) != first
 
 
-def test_many_prompts_run_concurrently(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_many_prompts_run_concurrently(engine: LocalVLLMEngine, loop: Any) -> None:
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(12)]
     outputs = loop.run(engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, seed=3)))
     assert [o.prompt_token_ids for o in outputs] == prompts
     assert all(len(o.completions[0].token_ids) == 6 for o in outputs)
 
 
-def test_prompt_logprobs_match_transformers(engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any) -> None:
+def test_prompt_logprobs_match_transformers(engine: LocalVLLMEngine, loop: Any, hf_model: Any) -> None:
     sequences = [[5, 17, 230, 999, 42, 8, 77, 301], [900, 3, 3, 64, 512, 1000, 12]]
     got = loop.run(engine.prompt_logprobs(sequences))
     for seq, values in zip(sequences, got, strict=True):
@@ -185,7 +129,7 @@ def test_prompt_logprobs_match_transformers(engine: LocalVLLMEngine, loop: Engin
         assert max_abs_diff(values, hf_token_logprobs(hf_model, seq)) <= TOLERANCE
 
 
-def test_bad_requests_raise_engine_errors(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_bad_requests_raise_engine_errors(engine: LocalVLLMEngine, loop: Any) -> None:
     with pytest.raises(EngineError, match="generate: invalid sampling params"):
         loop.run(engine.generate(PROMPTS, SamplingParams(temperature=-1.0)))
     with pytest.raises(EngineError, match="prompt 1 is empty"):
@@ -195,7 +139,7 @@ def test_bad_requests_raise_engine_errors(engine: LocalVLLMEngine, loop: EngineL
     assert loop.run(engine.health()) is True  # the engine survived
 
 
-def test_sleep_on_cpu_is_refused_clearly(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_sleep_on_cpu_is_refused_clearly(engine: LocalVLLMEngine, loop: Any) -> None:
     with pytest.raises(EngineCapabilityError, match="cannot release") as info:
         loop.run(engine.sleep())
     assert "CPU" in str(info.value) and engine.name in str(info.value)
@@ -206,7 +150,7 @@ def test_sleep_on_cpu_is_refused_clearly(engine: LocalVLLMEngine, loop: EngineLo
     assert out.completions[0].token_ids
 
 
-def test_reset_prefix_cache(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_reset_prefix_cache(engine: LocalVLLMEngine, loop: Any) -> None:
     params = SamplingParams(max_tokens=4, seed=9, ignore_eos=True)
     before = loop.run(engine.generate(PROMPTS, params))
     loop.run(engine.reset_prefix_cache())

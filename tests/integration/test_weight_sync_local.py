@@ -6,10 +6,7 @@ Run inside a loopback-only namespace:
 
 from __future__ import annotations
 
-import asyncio
-import os
-import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,56 +26,6 @@ TOLERANCE = 1e-4
 GROUP_TIMEOUT_S = 20.0
 
 
-class EngineLoop:
-    """One event loop for the module: AsyncLLM's output handler is bound to the loop it starts in."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 300.0) -> T:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
-        self.loop.close()
-
-
-def _require_loopback_namespace() -> None:
-    if os.environ.get("SKYLIFT_TESTS_ALLOW_NETWORK") == "1":
-        return
-    if {name for _, name in socket.if_nameindex()} <= {"lo"}:
-        return
-    pytest.skip(
-        "run inside a loopback-only namespace: unshare -n sh -c 'ip link set lo up; .venv/bin/pytest ...'"
-    )
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[EngineLoop]:
-    runner = EngineLoop()
-    yield runner
-    runner.close()
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, loop: EngineLoop) -> Iterator[LocalVLLMEngine]:
-    """One engine for the module (start-up is 20-70 s on CPU)."""
-    _require_loopback_namespace()
-    eng = loop.run(
-        LocalVLLMEngine.create(
-            str(tiny_model_dir),
-            max_model_len=512,
-            seed=0,
-            dtype="float32",
-            max_num_seqs=16,
-            enable_prefix_caching=True,
-        ),
-        timeout_s=600.0,
-    )
-    yield eng
-    loop.run(eng.close())
-
-
 @pytest.fixture
 def hf_model(tiny_model_dir: Path) -> Any:
     """A fresh transformers copy of the tiny model (tests perturb it)."""
@@ -88,7 +35,7 @@ def hf_model(tiny_model_dir: Path) -> Any:
 
 
 @pytest.fixture
-def original_weights(engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any) -> Iterator[None]:
+def original_weights(engine: LocalVLLMEngine, loop: Any, hf_model: Any) -> Iterator[None]:
     """Put the checkpoint's weights back into the shared engine after the test."""
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     yield
@@ -125,7 +72,7 @@ def perturb(model: Any, scale: float = 0.05, seed: int = 1) -> None:
 
 
 def test_update_makes_engine_match_new_weights(
-    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
     before = loop.run(engine.prompt_logprobs(SEQUENCES))
     assert max_abs_diff(before, [hf_token_logprobs(hf_model, s) for s in SEQUENCES]) <= TOLERANCE
@@ -156,7 +103,7 @@ def test_update_makes_engine_match_new_weights(
 
 
 def test_bfloat16_sender_tensors_are_loaded(
-    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
     """Mixed dtypes on the wire: the engine casts to its own dtype when loading."""
     perturb(hf_model, seed=2)
@@ -180,7 +127,7 @@ def test_bfloat16_sender_tensors_are_loaded(
 
 
 def test_second_group_needs_override(
-    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
     """A server that outlives a trainer run accepts a new group only with override_existing."""
     first = WeightSender(timeout_s=GROUP_TIMEOUT_S)
@@ -206,7 +153,7 @@ def test_second_group_needs_override(
     first.group.destroy()  # type: ignore[union-attr]
 
 
-def test_update_without_group_is_a_clear_error(engine: LocalVLLMEngine, loop: EngineLoop) -> None:
+def test_update_without_group_is_a_clear_error(engine: LocalVLLMEngine, loop: Any) -> None:
     if loop.run(engine.has_weight_update_group()):
         loop.run(engine.destroy_weights_update_group())
     bucket = WeightBucket(names=["model.norm.weight"], dtypes=["float32"], shapes=[[128]])
@@ -217,7 +164,7 @@ def test_update_without_group_is_a_clear_error(engine: LocalVLLMEngine, loop: En
 
 
 def test_partial_fused_module_is_refused(
-    engine: LocalVLLMEngine, loop: EngineLoop, hf_model: Any, original_weights: None
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
     """q_proj alone would leave k/v of vLLM's fused qkv_proj uninitialised: refused, nothing loaded."""
     before = loop.run(engine.prompt_logprobs(SEQUENCES))
@@ -236,9 +183,8 @@ def test_partial_fused_module_is_refused(
     assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), before) == 0.0
 
 
-def test_process_group_broadcasts_between_two_ranks() -> None:
+def test_process_group_broadcasts_between_two_ranks(loopback_only: None) -> None:
     """The group primitive alone: two ranks in threads, gloo over loopback, both dtypes."""
-    _require_loopback_namespace()
     from concurrent.futures import ThreadPoolExecutor
 
     from skylift.weight_sync.process_group import create_weight_sync_group, find_free_port
@@ -271,8 +217,7 @@ def test_process_group_broadcasts_between_two_ranks() -> None:
         assert torch.equal(a, b)
 
 
-def test_process_group_rendezvous_times_out_clearly() -> None:
-    _require_loopback_namespace()
+def test_process_group_rendezvous_times_out_clearly(loopback_only: None) -> None:
     from skylift.weight_sync.process_group import create_weight_sync_group, find_free_port
 
     port = find_free_port()
