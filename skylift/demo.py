@@ -41,30 +41,40 @@ DEMO_OVERRIDES = [
 
 
 class PeakMemory:
-    """Samples the summed RSS of this process and all its descendants (Ray, vLLM) every 0.5 s."""
+    """Peak memory of this process and all its descendants (vLLM engine core and worker, Ray).
+
+    Samples every 0.5 s: the sum of PSS (proportional set size: a page shared by k processes
+    counts 1/k in each, so shared libraries are not counted several times) and, for comparison,
+    the sum of RSS.
+    """
 
     def __init__(self) -> None:
         import psutil
 
         self._proc = psutil.Process()
-        self.peak_bytes = 0
+        self.peak_pss = 0
+        self.peak_rss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> int:
+    def _sample(self) -> tuple[int, int]:
         import psutil
 
-        total = 0
+        pss = rss = 0
         for p in [self._proc, *self._proc.children(recursive=True)]:
             try:
-                total += p.memory_info().rss
+                info = p.memory_full_info()
             except psutil.Error:
-                pass
-        return total
+                continue
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
+        return pss, rss
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak_bytes = max(self.peak_bytes, self._sample())
+            pss, rss = self._sample()
+            self.peak_pss = max(self.peak_pss, pss)
+            self.peak_rss = max(self.peak_rss, rss)
             self._stop.wait(0.5)
 
     def __enter__(self) -> PeakMemory:
@@ -74,10 +84,6 @@ class PeakMemory:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def _ray_rss_note() -> str:
-    return "summed RSS of the driver, Ray and vLLM processes (shared pages counted once per process)"
 
 
 def run_demo(overrides: Sequence[str] = ()) -> int:
@@ -143,7 +149,10 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
         f"training steps: {len(rewards)}; training wall time {train_s:.0f} s (eval included), "
         f"set-up {setup_s:.0f} s, total {total_s:.0f} s"
     )
-    print(f"peak memory: {memory.peak_bytes / 2**30:.2f} GiB ({_ray_rss_note()})")
+    print(
+        f"peak memory of all processes: {memory.peak_pss / 2**30:.2f} GiB PSS "
+        f"({memory.peak_rss / 2**30:.2f} GiB summed RSS, shared pages counted once per process)"
+    )
     print(f"plot: {plot}")
     print(f"metrics: {paths.logs / 'metrics.jsonl'}")
     return 0

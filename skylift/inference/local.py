@@ -92,6 +92,7 @@ class LocalVLLMEngine:
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        _quiet_teardown(AsyncLLM)
         apply_cpu_env_defaults()
         args = build_engine_args(
             model,
@@ -340,3 +341,20 @@ class LocalVLLMEngine:
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
+
+
+def _quiet_teardown(cls: type) -> None:
+    """Make `cls.__del__` ignore errors: after `close()`, AsyncLLM's finaliser may still run during
+    interpreter teardown, when module globals are already None, and print a spurious TypeError."""
+    original = cls.__dict__.get("__del__")
+    if original is None or getattr(original, "_skylift_quiet", False):
+        return
+
+    def __del__(self: Any) -> None:
+        try:
+            original(self)
+        except Exception:  # noqa: BLE001 - nothing useful can happen in a finaliser at exit
+            pass
+
+    __del__._skylift_quiet = True  # type: ignore[attr-defined]
+    cls.__del__ = __del__  # type: ignore[attr-defined]

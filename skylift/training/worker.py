@@ -124,8 +124,10 @@ class TrainingWorker:
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]
             o = s.optimizer
+            # foreach=False: the multi-tensor step allocates temporaries the size of all parameters at
+            # once; the per-tensor loop costs little time and avoids that memory peak
             self.optimizer = torch.optim.AdamW(
-                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
             )
             warmup = max(0, o.num_warmup_steps)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
