@@ -1,2 +1,3 @@
 """skylift: RL post-training for language models."""
+
 __version__ = "0.1.0"

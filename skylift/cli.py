@@ -11,6 +11,12 @@ import sys
 from collections.abc import Sequence
 
 
+def _run_demo(args: argparse.Namespace) -> int:
+    from skylift.demo import run_demo
+
+    return run_demo(args.overrides)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="skylift",
@@ -36,8 +42,10 @@ def _build_parser() -> argparse.ArgumentParser:
     add_trainer_commands(sub)
 
     demo = sub.add_parser("demo", help="GRPO demo: SmolLM2-135M learns two-digit addition on CPU (minutes)")
-    demo.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides of the demo's settings")
-    demo.set_defaults(func=lambda args: __import__("skylift.demo", fromlist=["run_demo"]).run_demo(args.overrides))
+    demo.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="overrides of the demo's settings"
+    )
+    demo.set_defaults(func=_run_demo)
 
     sub.add_parser(
         "serve",

@@ -423,8 +423,12 @@ class RLTrainer:
         # how far the trainer's logprobs of the sampled tokens are from the engine's: measured before
         # any update of this step (later mini-batches see already-updated weights)
         if "old_logprobs" in batch.extras:
-            diff = (batch.extras["old_logprobs"] - batch.extras["rollout_logprobs"]).abs() * batch.response_mask
-            metrics["policy/logprob_diff_vs_rollout"] = float(diff.sum() / batch.response_mask.sum().clamp(min=1))
+            diff = (
+                batch.extras["old_logprobs"] - batch.extras["rollout_logprobs"]
+            ).abs() * batch.response_mask
+            metrics["policy/logprob_diff_vs_rollout"] = float(
+                diff.sum() / batch.response_mask.sum().clamp(min=1)
+            )
         elif train_metrics.get("logprob_diff_vs_rollout"):
             metrics["policy/logprob_diff_vs_rollout"] = train_metrics["logprob_diff_vs_rollout"][0]
         metrics.update(timings)
