@@ -181,9 +181,13 @@ class TrainingWorker:
         return metrics
 
     def zero_grad(self) -> None:
+        self._require_trainable()
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _require_trainable(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("this worker is not trainable (reference model)")
-        self.optimizer.zero_grad(set_to_none=True)
 
     def accumulate_gradients(
         self,
@@ -196,8 +200,7 @@ class TrainingWorker:
         """Backpropagate `loss_fn` over micro-batches of `batch`, adding to the current gradients
         (no optimizer step). Returns the loss function's metrics averaged over micro-batches."""
         model = self._model()
-        if self.optimizer is None:
-            raise RuntimeError("this worker is not trainable (reference model)")
+        self._require_trainable()
         model.train()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -269,18 +272,22 @@ class TrainingWorker:
             group["lr"] = lr
 
     # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, directory: str) -> None:
-        """Sharded model + optimizer state (torch.distributed.checkpoint); every rank calls."""
-        import torch.distributed.checkpoint as dcp
+    def _dcp_state(self) -> dict[str, Any]:
+        """{"model": ..., "optimizer": ...} state dicts in the form torch.distributed.checkpoint uses."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model = self._model()
         optimizers = [self.optimizer] if self.optimizer is not None else []
-        model_sd, optim_sd = get_state_dict(model, optimizers)
+        model_sd, optim_sd = get_state_dict(self._model(), optimizers)
         state: dict[str, Any] = {"model": model_sd}
         if optimizers:
             state["optimizer"] = optim_sd
-        dcp.save(state, checkpoint_id=directory)
+        return state
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Sharded model + optimizer state (torch.distributed.checkpoint); every rank calls."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dcp_state(), checkpoint_id=directory)
         if self.rank == 0 and self.scheduler is not None:
             torch.save(
                 {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
@@ -289,17 +296,16 @@ class TrainingWorker:
 
     def load_checkpoint(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        model = self._model()
-        optimizers = [self.optimizer] if self.optimizer is not None else []
-        model_sd, optim_sd = get_state_dict(model, optimizers)
-        state: dict[str, Any] = {"model": model_sd}
-        if optimizers:
-            state["optimizer"] = optim_sd
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=directory)
+        optimizers = [self.optimizer] if self.optimizer is not None else []
         set_state_dict(
-            model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
+            self._model(),
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optimizer", {}),
         )
         extra = os.path.join(directory, "worker_extra.pt")
         if self.scheduler is not None and os.path.exists(extra):
