@@ -27,7 +27,7 @@ DEMO_OVERRIDES = [
     "trainer.policy.optimizer_config.lr=2e-5",
     "trainer.policy.optimizer_config.weight_decay=0.0",
     "trainer.max_steps=10",
-    "trainer.micro_train_batch_size_per_gpu=4",
+    "trainer.micro_train_batch_size_per_gpu=8",  # two GRPO groups: 8.5 s vs 13 s at 4, less memory than 16
     "trainer.micro_forward_batch_size_per_gpu=16",
     # one process: no Ray daemons, the engine's client and the policy share memory (-1.5 GB)
     "trainer.placement.backend=local",

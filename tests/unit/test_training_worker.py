@@ -31,7 +31,7 @@ def _batch(vocab: int, rows: int = 8, seed: int = 0) -> SequenceBatch:
 
 @pytest.fixture()
 def worker(tiny_model_dir: Path, tmp_path: Path):
-    settings = WorkerSettings(model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1e-2))
+    settings = WorkerSettings(model_path=str(tiny_model_dir), fsdp=True, optimizer=OptimizerSettings(lr=1e-2))
     w = TrainingWorker(settings, init_method=f"file://{tmp_path / 'rdzv'}")
     w.setup()
     yield w
