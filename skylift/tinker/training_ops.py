@@ -54,6 +54,35 @@ def _expiry(body: dict[str, Any]) -> dt.datetime | None:
     return None if ttl is None else utcnow() + dt.timedelta(seconds=int(ttl))
 
 
+async def _write_checkpoint(
+    svc: TinkerService,
+    writer: Any,
+    model_id: str,
+    path: str,
+    kind: str,
+    id_prefix: str,
+    name: str,
+    body: dict[str, Any],
+) -> None:
+    """Write a checkpoint directory afresh with `writer(directory) -> size` and record it."""
+    directory = svc.run_dir(model_id, kind, name)
+    if directory.exists():
+        shutil.rmtree(directory)
+    size = await svc.run_training(writer, directory)
+    svc.store.put_checkpoint(
+        CheckpointRow(
+            tinker_path=path,
+            model_id=model_id,
+            checkpoint_id=f"{id_prefix}/{name}",
+            kind=kind,
+            directory=str(directory),
+            size_bytes=size,
+            expires_at=_expiry(body),
+            user_metadata=body.get("user_metadata"),
+        )
+    )
+
+
 def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
     model_id = str(body.get("model_id"))
 
@@ -62,22 +91,7 @@ def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> 
         path = tinker_path(model_id, "training", name)
         if svc.store.checkpoint(path) is not None and not body.get("overwrite"):
             raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-        directory = svc.run_dir(model_id, "training", name)
-        if directory.exists():
-            shutil.rmtree(directory)
-        size = await svc.run_training(model.save_state, directory)
-        svc.store.put_checkpoint(
-            CheckpointRow(
-                tinker_path=path,
-                model_id=model_id,
-                checkpoint_id=f"weights/{name}",
-                kind="training",
-                directory=str(directory),
-                size_bytes=size,
-                expires_at=_expiry(body),
-                user_metadata=body.get("user_metadata"),
-            )
-        )
+        await _write_checkpoint(svc, model.save_state, model_id, path, "training", "weights", name, body)
         return {"path": path, "type": "save_weights"}
 
     return svc.submit_model_op("save_weights", model_id, body.get("seq_id"), fn, idem)
@@ -90,21 +104,8 @@ def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str
     async def named(model: TrainedModel) -> dict[str, Any]:
         check_name(name, "save_weights_for_sampler")
         path = tinker_path(model_id, "sampler", name)
-        directory = svc.run_dir(model_id, "sampler", name)
-        if directory.exists():
-            shutil.rmtree(directory)
-        size = await svc.run_training(model.export_sampler, directory)
-        svc.store.put_checkpoint(
-            CheckpointRow(
-                tinker_path=path,
-                model_id=model_id,
-                checkpoint_id=f"sampler_weights/{name}",
-                kind="sampler",
-                directory=str(directory),
-                size_bytes=size,
-                expires_at=_expiry(body),
-                user_metadata=body.get("user_metadata"),
-            )
+        await _write_checkpoint(
+            svc, model.export_sampler, model_id, path, "sampler", "sampler_weights", name, body
         )
         svc.sampling.warm_up(model.config.model_path, path)
         return {"path": path, "type": "save_weights_for_sampler"}

@@ -138,7 +138,6 @@ def start_local_engines(
 
     actor_cls = ray.remote(num_cpus=num_cpus)(EngineActor)
     actors = [actor_cls.options(name=None).remote() for _ in range(count)]
-    names = []
     starts = []
     for i, actor in enumerate(actors):
         kwargs = dict(engine_kwargs)

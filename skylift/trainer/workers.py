@@ -22,9 +22,10 @@ from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
 class RLWorker(TrainingWorker):
     """A training rank that can also broadcast its weights to inference engines (rank 0 sends)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
+        """`loop`: the event loop in-process engines live on (placement backend "local")."""
         super().__init__(*args, **kwargs)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = loop
         self._sender: Any = None
         self._engines: list[Any] = []
 
@@ -99,9 +100,7 @@ class WorkerGroup:
         else:
             if world_size != 1:
                 raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
-            worker = RLWorker(settings, 0, 1, init_method)
-            worker._loop = loop  # in-process engines live on the trainer's event loop
-            self.workers = [worker]
+            self.workers = [RLWorker(settings, 0, 1, init_method, loop=loop)]
 
     def _call(
         self, method: str, per_rank_args: Sequence[tuple] | None = None, *args: Any, **kwargs: Any
