@@ -2,8 +2,8 @@
 
 A sampling session names the weights it samples from: the base model, a sampler checkpoint
 (`tinker://…/sampler_weights/<name>`, read from disk) or an ephemeral in-memory snapshot made by
-`save_weights_for_sampler` without a name. Engines start on the first sample (or the warm-up a
-sampler save asks for), never for training.
+`save_weights_for_sampler` without a name. Engines start on the first sample (or the warm-up an
+ephemeral sampler save asks for), never for training nor for a named sampler save.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lazily started inference engines for sampling, one per base model, reused by every sampler.
 
-Nothing here starts at import or at server start. The first `sample` (or a `prefetch`, which
-`save_weights_for_sampler` requests) starts the vLLM engine on a dedicated event-loop thread (its
+Nothing here starts at import or at server start. The first `sample` (or a `prefetch`, which an
+ephemeral `save_weights_for_sampler` requests) starts the vLLM engine on a dedicated event-loop thread (its
 start-up blocks only that thread), joins a weight-update group with it, and from then on the engine
 holds one set of weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
 ephemeral sampling session). A request for other weights waits until running generations finish,

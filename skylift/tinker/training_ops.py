@@ -3,8 +3,10 @@
 forward / forward_backward, optim_step, save_weights (save_state), load_weights (both shapes:
 create-from-state and the legacy load into an existing model) and save_weights_for_sampler
 (named: a Hugging Face export on disk; ephemeral: an in-memory snapshot bound to a new sampling
-session). None of them needs an inference engine; a sampler save only *asks* the sampling side
-to warm up in the background.
+session). None of them needs an inference engine. A named sampler save does not start one either:
+recipes save sampler weights with every checkpoint of a pure SFT run (the cookbook's
+`supervised.train` does), and only a sampling session is a sign that sampling will follow; the
+ephemeral save creates one, so it asks the sampling side to warm up in the background.
 """
 
 from __future__ import annotations
@@ -107,7 +109,6 @@ def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str
         await _write_checkpoint(
             svc, model.export_sampler, model_id, path, "sampler", "sampler_weights", name, body
         )
-        svc.sampling.warm_up(model.config.model_path, path)
         return {"path": path, "type": "save_weights_for_sampler"}
 
     async def ephemeral(model: TrainedModel) -> dict[str, Any]:
