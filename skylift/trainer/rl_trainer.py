@@ -255,12 +255,23 @@ class RLTrainer:
                 weight_decay=o.weight_decay,
                 max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
                 num_warmup_steps=o.num_warmup_steps,
+                scheduler=o.scheduler,
+                total_steps=self._total_steps() * self._optimizer_steps_per_step(),
             ),
             lora_rank=model_cfg.lora.rank if trainable else 0,
             lora_alpha=model_cfg.lora.alpha,
             lora_target_modules=model_cfg.lora.target_modules,
             seed=t.seed,
         )
+
+    def _total_steps(self) -> int:
+        t = self.cfg.trainer
+        total = self.train_data.num_batches(t.train_batch_size) * t.epochs
+        return min(total, t.max_steps) if t.max_steps is not None else total
+
+    def _optimizer_steps_per_step(self) -> int:
+        t = self.cfg.trainer
+        return max(1, t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
 
     def _max_gen_len(self) -> int:
         g = self.cfg.generator
@@ -497,10 +508,7 @@ class RLTrainer:
         from tqdm import tqdm
 
         t = self.cfg.trainer
-        per_epoch = self.train_data.num_batches(t.train_batch_size)
-        total_steps = per_epoch * t.epochs
-        if t.max_steps is not None:
-            total_steps = min(total_steps, t.max_steps)
+        total_steps = self._total_steps()
         if t.eval_before_train and self.state.global_step == 0:
             metrics = self.evaluate()
             if metrics:

@@ -36,6 +36,10 @@ class OptimizerSettings:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     num_warmup_steps: int = 0
+    # learning-rate schedule (transformers' names): constant | constant_with_warmup | linear | cosine;
+    # linear and cosine decay to 0 at `total_steps` optimizer steps
+    scheduler: str = "constant_with_warmup"
+    total_steps: int | None = None
 
 
 @dataclass
@@ -53,6 +57,28 @@ class WorkerSettings:
     fsdp: bool | None = None
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
+
+
+def make_lr_scheduler(
+    optimizer: torch.optim.Optimizer, o: OptimizerSettings
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule of `o` (transformers' implementations of the named schedules)."""
+    from transformers import get_scheduler
+
+    warmup = max(0, o.num_warmup_steps)
+    if o.scheduler in ("linear", "cosine"):
+        if not o.total_steps or o.total_steps < 1:
+            raise ValueError(f"scheduler {o.scheduler!r} decays over total_steps, which is not set")
+        return get_scheduler(
+            o.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=o.total_steps
+        )
+    if o.scheduler == "constant":
+        return get_scheduler("constant", optimizer)
+    if o.scheduler == "constant_with_warmup":
+        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+    raise ValueError(
+        f"unknown scheduler {o.scheduler!r}; use constant, constant_with_warmup, linear or cosine"
+    )
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -132,10 +158,7 @@ class TrainingWorker:
             self.optimizer = torch.optim.AdamW(
                 params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
             )
-            warmup = max(0, o.num_warmup_steps)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-            )
+            self.scheduler = make_lr_scheduler(self.optimizer, o)
         n_params = sum(p.numel() for p in model.parameters())
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
 

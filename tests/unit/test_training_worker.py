@@ -165,3 +165,38 @@ def test_shared_prompt_forward_equals_full_forward(tiny_model_dir: Path) -> None
     assert torch.allclose(full, shared, atol=1e-5)
     for name, grad in full_grads.items():
         assert torch.allclose(grad, shared_grads[name], atol=1e-4, rtol=1e-4), name
+
+
+@pytest.mark.parametrize(
+    ("name", "warmup", "expected"),
+    [
+        ("constant", 0, [1.0, 1.0, 1.0, 1.0]),
+        ("constant_with_warmup", 2, [0.0, 0.5, 1.0, 1.0]),
+        ("linear", 0, [1.0, 0.75, 0.5, 0.25]),
+        ("linear", 1, [0.0, 1.0, 2 / 3, 1 / 3]),
+        ("cosine", 0, [1.0, 0.8535534, 0.5, 0.1464466]),
+    ],
+)
+def test_lr_schedules_by_hand(name: str, warmup: int, expected: list[float]) -> None:
+    from skylift.training.worker import OptimizerSettings, make_lr_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make_lr_scheduler(
+        opt, OptimizerSettings(lr=1.0, scheduler=name, num_warmup_steps=warmup, total_steps=4)
+    )
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx(expected, abs=1e-6)
+
+
+def test_lr_schedule_errors_are_clear() -> None:
+    from skylift.training.worker import OptimizerSettings, make_lr_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match="decays over total_steps"):
+        make_lr_scheduler(opt, OptimizerSettings(scheduler="linear"))
+    with pytest.raises(ValueError, match="unknown scheduler 'step'"):
+        make_lr_scheduler(opt, OptimizerSettings(scheduler="step"))
