@@ -336,6 +336,9 @@ class GeneratorConfig:
         f"weight broadcast backend: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto = nccl on GPU, gloo on CPU)",
     )
     gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use")
+    kv_cache_gb: float | None = _f(
+        None, "KV cache of each local engine in GiB (default: 1 on CPU, from gpu_memory_utilization on GPU)"
+    )
     max_num_seqs: int = _f(256, "most sequences a local engine batches at once")
     max_num_batched_tokens: int = _f(8192, "most tokens a local engine processes per scheduler step")
     enable_prefix_caching: bool = _f(True, "reuse KV cache of shared prompt prefixes")

@@ -279,6 +279,8 @@ def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
     _at_least(problems, "generator.max_turns", g.max_turns, 1)
     _at_least(problems, "generator.max_input_length", g.max_input_length, 1)
     _at_least(problems, "generator.max_generate_length", g.max_generate_length, 1)
+    if g.kv_cache_gb is not None and g.kv_cache_gb <= 0:
+        problems.append(f"generator.kv_cache_gb={g.kv_cache_gb} must be > 0 (GiB of KV cache per engine)")
     if not 0.0 < g.gpu_memory_utilization <= 1.0:
         problems.append(f"generator.gpu_memory_utilization={g.gpu_memory_utilization} must be in (0, 1]")
     if g.http_timeout_s <= 0:

