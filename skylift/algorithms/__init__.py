@@ -32,6 +32,7 @@ from skylift.algorithms.reductions import (
     mini_batch_totals,
     reduce_loss,
 )
+from skylift.algorithms.value_loss import compute_value_loss
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -46,6 +47,7 @@ __all__ = [
     "compute_advantages",
     "compute_kl",
     "compute_policy_loss",
+    "compute_value_loss",
     "get_advantage_estimator",
     "get_policy_loss",
     "masked_mean",

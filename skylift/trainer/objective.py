@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skylift.algorithms import PolicyLossConfig, compute_kl, compute_policy_loss, masked_mean, reduce_loss
+from skylift.algorithms import (
+    PolicyLossConfig,
+    compute_kl,
+    compute_policy_loss,
+    compute_value_loss,
+    masked_mean,
+    reduce_loss,
+)
 from skylift.training.batch import SequenceBatch
 
 
@@ -67,4 +74,23 @@ class PolicyObjective:
                 )
             if entropy is not None:
                 metrics["entropy"] = float(masked_mean(entropy, mask))
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """The critic's objective (advantage_estimator=gae): clipped squared error to the GAE returns,
+    averaged over the mini-batch's tokens. Reads `values` (old) and `returns` from the batch."""
+
+    value_clip: float = 0.2
+    token_count: float = 1.0  # tokens of the whole mini-batch (over all ranks)
+
+    def __call__(
+        self, values: Tensor, micro: SequenceBatch, entropy: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        mask = micro.response_mask.to(values.dtype)
+        per_token, metrics = compute_value_loss(
+            values, micro.extras["values"], micro.extras["returns"], mask, self.value_clip
+        )
+        loss = reduce_loss(per_token, mask, "token_mean", global_token_count=self.token_count)
         return loss, metrics

@@ -40,7 +40,7 @@ from skylift.trainer.engines import (
     start_inprocess_engines,
     start_local_engines,
 )
-from skylift.trainer.objective import PolicyObjective
+from skylift.trainer.objective import PolicyObjective, ValueObjective
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.batch import SequenceBatch, build_sequence_batch
 from skylift.training.worker import OptimizerSettings, WorkerSettings
@@ -84,6 +84,7 @@ class RLTrainer:
         self.engines: EnginePool | None = None
         self.policy: WorkerGroup | None = None
         self.ref: WorkerGroup | None = None
+        self.critic: WorkerGroup | None = None
         self.history: list[dict[str, float]] = []
         self._ray_started = False
 
@@ -95,10 +96,6 @@ class RLTrainer:
         from skylift.tracking import Tracking
 
         cfg, t, g = self.cfg, self.cfg.trainer, self.cfg.generator
-        if t.algorithm.advantage_estimator == "gae":
-            raise NotImplementedError(
-                "advantage_estimator=gae needs a critic worker, which skylift does not have yet"
-            )
         started = time.perf_counter()
         self.model_path = resolve_model_path(t.policy.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -153,6 +150,18 @@ class RLTrainer:
                 loop=self.loop,
             )
             self.ref.setup()
+        if t.algorithm.advantage_estimator == "gae":
+            critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
+            self.critic = WorkerGroup(
+                "critic",
+                self._critic_settings(),
+                critic_world,
+                use_ray=use_ray,
+                num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
+                num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
+                loop=self.loop,
+            )
+            self.critic.setup()
         self.policy.call_all(
             "init_weight_sync",
             self.engine_refs,
@@ -266,6 +275,27 @@ class RLTrainer:
             seed=t.seed,
         )
 
+    def _critic_settings(self) -> WorkerSettings:
+        t = self.cfg.trainer
+        o = t.critic.optimizer_config
+        critic_steps = max(1, t.train_batch_size // t.critic_mini_batch_size) * t.update_epochs_per_batch
+        return WorkerSettings(
+            model_path=t.critic.model.path or t.policy.model.path,
+            head="value",
+            dtype="bfloat16" if t.bf16 else "float32",
+            gradient_checkpointing=t.gradient_checkpointing,
+            optimizer=OptimizerSettings(
+                lr=o.lr,
+                betas=(o.adam_betas[0], o.adam_betas[1]),
+                weight_decay=o.weight_decay,
+                max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
+                num_warmup_steps=o.num_warmup_steps,
+                scheduler=o.scheduler,
+                total_steps=self._total_steps() * critic_steps,
+            ),
+            seed=t.seed,
+        )
+
     def _total_steps(self) -> int:
         t = self.cfg.trainer
         total = self.train_data.num_batches(t.train_batch_size) * t.epochs
@@ -294,10 +324,30 @@ class RLTrainer:
         assert self.policy is not None
         self.state = ckpt.load_trainer_state(path)
         self.policy.call_all("load_checkpoint", str(path / "policy"))
+        if self.critic is not None:
+            self.critic.call_all("load_checkpoint", str(path / "critic"))
         self._sync_weights()
         self._say(f"resumed from {path} (step {self.state.global_step})")
 
     # ================================================================== one step
+    def _train_critic(self, batch: SequenceBatch) -> dict[str, float]:
+        """Fit the critic to this batch's GAE returns, one optimizer step per critic mini-batch."""
+        assert self.critic is not None
+        t = self.cfg.trainer
+        rows_per_mini = t.critic_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+        sums: dict[str, list[float]] = defaultdict(list)
+        for _ in range(t.update_epochs_per_batch):
+            for start in range(0, batch.batch_size, rows_per_mini):
+                mini = batch.select(list(range(start, min(start + rows_per_mini, batch.batch_size))))
+                objective = ValueObjective(
+                    value_clip=t.algorithm.value_clip,
+                    token_count=max(1, mini_batch_totals(mini.response_mask).token_count),
+                )
+                out = self.critic.train_mini_batch(mini, objective, t.micro_train_batch_size_per_gpu, 1.0)
+                for k, v in out.items():
+                    sums[k].append(v)
+        return {f"critic/{k}": statistics.fmean(v) for k, v in sums.items()}
+
     def _sampling_params(self, evaluation: bool) -> SamplingParams:
         g = self.cfg.generator
         sp = g.eval_sampling_params if evaluation else g.sampling_params
@@ -358,6 +408,10 @@ class RLTrainer:
                     batch, t.micro_forward_batch_size_per_gpu, self.train_temperature
                 )
             )
+        values = None
+        if self.critic is not None:
+            values = self.critic.compute_logprobs(batch, t.micro_forward_batch_size_per_gpu, 1.0)
+            batch = batch.with_extras(values=values)
         timings["timing/logprobs_s"] = time.perf_counter() - tick
 
         token_rewards = sequence_rewards_to_token_level(rewards, batch.response_mask)
@@ -371,11 +425,12 @@ class RLTrainer:
                 alg.kl_estimator_type,
             )
             metrics.update({f"kl_in_reward/{k}": v for k, v in kl_metrics.items()})
-        advantages, _returns = compute_advantages(
+        advantages, returns = compute_advantages(
             alg.advantage_estimator,
             token_rewards,
             batch.response_mask,
             group_ids=[tr.uid for tr in trajectories],
+            values=values,
             gamma=alg.gamma,
             lambd=alg.lambd,
             norm_by_std=alg.grpo_norm_by_std,
@@ -383,6 +438,11 @@ class RLTrainer:
         if alg.advantage_batch_normalize:
             advantages = masked_whiten(advantages, batch.response_mask, 1e-6)
         batch = batch.with_extras(advantages=advantages)
+        if self.critic is not None:
+            tick = time.perf_counter()
+            batch = batch.with_extras(returns=returns)
+            metrics.update(self._train_critic(batch))
+            timings["timing/critic_train_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
         objective = PolicyObjective(
@@ -498,6 +558,8 @@ class RLTrainer:
         step = self.state.global_step
         tmp = ckpt.begin_checkpoint(self.paths.ckpt, step)
         self.policy.call_all("save_checkpoint", str(tmp / "policy"))
+        if self.critic is not None:
+            self.critic.call_all("save_checkpoint", str(tmp / "critic"))
         return ckpt.commit_checkpoint(self.paths.ckpt, step, self.state, self.cfg.trainer.max_ckpts_to_keep)
 
     def export(self) -> str:
@@ -579,6 +641,8 @@ class RLTrainer:
                 self.policy.shutdown()
             if self.ref is not None:
                 self.ref.shutdown()
+            if self.critic is not None:
+                self.critic.shutdown()
             if self.engines is not None:
                 self.loop.run_until_complete(self.engines.close())
         finally:

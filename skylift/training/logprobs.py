@@ -109,3 +109,17 @@ def _shared_prompt_forward(
         use_cache=True,
     )
     return torch.cat([last_prompt_logits, resp_out.logits], dim=1)
+
+
+def response_values(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
+    """A value model's estimate `[B, R]` for each response token: V(state before the token), read
+    at the position whose logits would predict it (the same positions `response_logprobs` scores).
+    `model` is a transformers *ForTokenClassification model with one label."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    start = batch.prompt_len - 1
+    return out.logits[:, start : start + batch.response_len, 0].float()

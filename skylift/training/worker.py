@@ -22,7 +22,7 @@ from torch import Tensor
 
 from skylift.training.batch import SequenceBatch, split_rows
 from skylift.training.distributed import device_for_rank, init_training_group
-from skylift.training.logprobs import response_logprobs
+from skylift.training.logprobs import response_logprobs, response_values
 
 # loss_fn(new_logprobs [b, R], micro_batch, entropy or None) -> (loss to backpropagate, metrics)
 LossFn = Callable[[Tensor, SequenceBatch, Tensor | None], tuple[Tensor, dict[str, float]]]
@@ -57,6 +57,9 @@ class WorkerSettings:
     fsdp: bool | None = None
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
+    # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
+    # backbone with a scalar head per token (transformers' *ForTokenClassification), a PPO critic
+    head: str = "lm"
 
 
 def make_lr_scheduler(
@@ -113,12 +116,16 @@ class TrainingWorker:
 
     # ---------------------------------------------------------------- set-up
     def setup(self) -> dict[str, Any]:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         from skylift.models import resolve_model_path
 
         started = time.perf_counter()
         s = self.settings
+        if s.head not in ("lm", "value"):
+            raise ValueError(f"unknown head {s.head!r}; use 'lm' (policy, reference) or 'value' (critic)")
+        if s.head == "value" and s.lora_rank > 0:
+            raise ValueError("a value model (critic) trains all its weights; LoRA is not supported for it")
         if s.num_threads:
             torch.set_num_threads(s.num_threads)
         shard = bool(s.fsdp) if s.fsdp is not None else self.world_size > 1
@@ -127,7 +134,12 @@ class TrainingWorker:
             init_training_group(self.rank, self.world_size, init_method)
         self.device = device_for_rank(self.rank)
         torch.manual_seed(s.seed)
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(s.model_path), dtype=_dtype(s.dtype))
+        path = resolve_model_path(s.model_path)
+        if s.head == "value":
+            # the backbone's weights with a new scalar head (transformers initialises it; seeded above)
+            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=_dtype(s.dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(s.dtype))
         model.config.use_cache = False
         if s.gradient_checkpointing and s.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -171,18 +183,26 @@ class TrainingWorker:
         fully_shard(model)
 
     # ---------------------------------------------------------------- forward
+    def _response_outputs(
+        self, model: torch.nn.Module, micro: SequenceBatch, temperature: float, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
+        if self.settings.head == "value":
+            return response_values(model, micro), None
+        return response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+
     @torch.no_grad()
     def compute_logprobs(
         self, batch: SequenceBatch, micro_batch_size: int, temperature: float = 1.0
     ) -> Tensor:
-        """Response-token logprobs `[B, R]` (zeros at padding)."""
+        """Response-token logprobs `[B, R]` (zeros at padding); values for a value model."""
         model = self._model()
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.batch_size, batch.response_len)
         for rows in _length_sorted_chunks(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp, _ = response_logprobs(model, micro, temperature)
+            logp, _ = self._response_outputs(model, micro, temperature)
             out[rows, : micro.response_len] = logp.float().cpu() * micro.response_mask.cpu()
         model.train(was_training)
         return out
@@ -232,7 +252,7 @@ class TrainingWorker:
         counts: dict[str, int] = {}
         for rows in _length_sorted_chunks(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp, entropy = response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+            logp, entropy = self._response_outputs(model, micro, temperature, with_entropy)
             loss, metrics = loss_fn(logp, micro, entropy)
             if self.world_size > 1:
                 loss = loss * self.world_size  # FSDP averages gradients over ranks

@@ -108,9 +108,10 @@ def test_two_steps_with_local_engines(arithmetic_data: Path, tiny_model_dir: Pat
     assert model.config.tie_word_embeddings is False
 
 
-def test_remote_server_steps_then_resume(
+def test_remote_server_ppo_with_critic_then_resume(
     arithmetic_data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
 ) -> None:
+    """PPO (gae advantages from a critic) against a remote server; policy and critic resume."""
     url = tiny_server_url.removeprefix("http://")
     remote = {
         "generator.run_engines_locally": False,
@@ -118,11 +119,17 @@ def test_remote_server_steps_then_resume(
         "generator.override_existing_update_group": True,
         "trainer.ckpt_interval": 1,
         "trainer.resume_mode": "latest",
+        "trainer.algorithm.advantage_estimator": "gae",
+        "trainer.critic_mini_batch_size": 2,
+        "trainer.critic.optimizer_config.lr": 1e-3,
     }
     _, first, _ = _run(
         _overrides(arithmetic_data, tmp_path, tiny_model_dir, **remote, **{"trainer.max_steps": 2})
     )
     _check_steps(first, [1, 2])
+    for row in (h for h in first if "reward/mean" in h):
+        assert row["critic/value_loss"] > 0 and row["critic/grad_norm"] > 0
+    assert (tmp_path / "ckpts" / "global_step_2" / "critic").is_dir()
     # a half-written checkpoint must never be picked by resume
     (tmp_path / "ckpts" / "global_step_9.partial").mkdir()
     (tmp_path / "ckpts" / "global_step_7").mkdir()  # no COMPLETE marker

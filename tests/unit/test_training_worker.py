@@ -200,3 +200,42 @@ def test_lr_schedule_errors_are_clear() -> None:
         make_lr_scheduler(opt, OptimizerSettings(scheduler="linear"))
     with pytest.raises(ValueError, match="unknown scheduler 'step'"):
         make_lr_scheduler(opt, OptimizerSettings(scheduler="step"))
+
+
+def test_value_head_worker_reads_values_where_logits_would_predict(tiny_model_dir: Path) -> None:
+    """A critic (head="value") scores V(state before each response token) and learns toward targets."""
+    from transformers import AutoModelForTokenClassification
+
+    from skylift.trainer.objective import ValueObjective
+
+    critic = TrainingWorker(
+        WorkerSettings(model_path=str(tiny_model_dir), head="value", optimizer=OptimizerSettings(lr=1e-3))
+    )
+    critic.setup()
+    batch = _batch(vocab=500, rows=4)
+    values = critic.compute_logprobs(batch, micro_batch_size=2)
+    assert values.shape == (4, batch.response_len)
+    state = {k: v.clone() for k, v in critic.model.state_dict().items()}
+    plain = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    plain.load_state_dict(state)
+    plain.eval()
+    for row in range(4):
+        ids = batch.input_ids[row][batch.attention_mask[row].bool()]
+        n_prompt = int(batch.attention_mask[row, : batch.prompt_len].sum())
+        n_resp = int(batch.response_mask[row].sum())
+        with torch.no_grad():
+            scores = plain(ids[None]).logits[0, :, 0]
+        expected = scores[n_prompt - 1 : n_prompt - 1 + n_resp]
+        assert torch.allclose(values[row, :n_resp], expected, atol=1e-4)
+
+    targets = torch.full_like(values, 1.0) * batch.response_mask
+    fitted = batch.with_extras(values=values, returns=targets)
+    objective = ValueObjective(value_clip=0.0, token_count=float(batch.response_mask.sum()))
+    losses = [critic.train_mini_batch(fitted, objective, 2)["value_loss"] for _ in range(5)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_value_head_refuses_lora(tiny_model_dir: Path) -> None:
+    worker = TrainingWorker(WorkerSettings(model_path=str(tiny_model_dir), head="value", lora_rank=4))
+    with pytest.raises(ValueError, match="LoRA is not supported"):
+        worker.setup()
