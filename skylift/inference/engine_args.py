@@ -16,6 +16,11 @@ CPU_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
 }
 
+# Logprobs an engine returns for sampled tokens: those of the distribution it sampled from (after
+# temperature), which is what RL's importance ratios and the trainer's logprobs (logits divided by
+# the sampling temperature) refer to. vLLM's default, raw_logprobs, ignores the temperature.
+LOGPROBS_MODE = "processed_logprobs"
+
 # KV cache of a CPU engine when neither `kv_cache_memory_bytes` nor VLLM_CPU_KVCACHE_SPACE says
 # (vLLM's own default is 4 GiB). Pages are only touched as the cache fills, so what a run really
 # holds is at most this.
@@ -51,6 +56,25 @@ def apply_cpu_env_defaults() -> None:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def kv_cache_bytes(requested: int | None) -> int | None:
+    """The `kv_cache_memory_bytes` to give vLLM: `requested`, or on CPU 1 GiB when nothing says.
+
+    vLLM's CPU backend lets the legacy VLLM_CPU_KVCACHE_SPACE variable silently override the
+    engine argument, so asking for both is refused.
+    """
+    if not is_cpu_platform():
+        return requested
+    legacy = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if legacy and requested is not None:
+        raise ValueError(
+            f"VLLM_CPU_KVCACHE_SPACE={legacy} and kv_cache_memory_bytes={requested} both size the KV "
+            "cache (vLLM would silently use the environment variable); unset one of them"
+        )
+    if not legacy and requested is None:
+        return CPU_DEFAULT_KV_CACHE_BYTES
+    return requested
+
+
 def build_engine_args(
     model: str,
     *,
@@ -81,16 +105,8 @@ def build_engine_args(
             "start the engine without it"
         )
     extra.setdefault("disable_log_stats", True)
-    if is_cpu_platform():
-        legacy = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-        if legacy and extra.get("kv_cache_memory_bytes") is not None:
-            raise ValueError(
-                f"VLLM_CPU_KVCACHE_SPACE={legacy} and kv_cache_memory_bytes="
-                f"{extra['kv_cache_memory_bytes']} both size the KV cache (vLLM would silently use the "
-                "environment variable); unset one of them"
-            )
-        if not legacy and extra.get("kv_cache_memory_bytes") is None:
-            extra["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
+    extra.setdefault("logprobs_mode", LOGPROBS_MODE)
+    extra["kv_cache_memory_bytes"] = kv_cache_bytes(extra.get("kv_cache_memory_bytes"))
     return AsyncEngineArgs(
         model=model,
         max_model_len=max_model_len,

@@ -30,10 +30,10 @@ def hf_model(tiny_model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def hf_token_logprobs(model: Any, tokens: list[int]) -> list[float]:
-    """transformers' log p(token_i | tokens_<i) for i >= 1."""
+def hf_token_logprobs(model: Any, tokens: list[int], temperature: float = 1.0) -> list[float]:
+    """transformers' log p(token_i | tokens_<i) for i >= 1, logits divided by `temperature`."""
     with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].float()
+        logits = model(torch.tensor([tokens])).logits[0].float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return [logp[i - 1, tok].item() for i, tok in enumerate(tokens) if i > 0]
 
@@ -65,6 +65,22 @@ def test_generate_n2_logprobs_match_transformers(engine: LocalVLLMEngine, loop: 
             assert max_abs_diff(comp.logprobs, response_part) <= TOLERANCE
         # two samples of the same prompt are different draws
         assert out.completions[0].token_ids != out.completions[1].token_ids
+
+
+def test_logprobs_are_those_of_the_tempered_distribution(
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any
+) -> None:
+    """At temperature 0.6 the engine reports log softmax(logits / 0.6), the distribution it sampled
+    from and the one the trainer scores (vLLM's default would report the untempered logprobs)."""
+    params = SamplingParams(max_tokens=10, temperature=0.6, seed=3, logprobs=True)
+    outputs = loop.run(engine.generate(PROMPTS, params))
+    for out in outputs:
+        comp = out.completions[0]
+        tokens = out.prompt_token_ids + comp.token_ids
+        tempered = hf_token_logprobs(hf_model, tokens, temperature=0.6)[len(out.prompt_token_ids) - 1 :]
+        raw = hf_token_logprobs(hf_model, tokens)[len(out.prompt_token_ids) - 1 :]
+        assert max_abs_diff(comp.logprobs, tempered) <= TOLERANCE
+        assert max_abs_diff(comp.logprobs, raw) > 10 * TOLERANCE
 
 
 def test_logprobs_can_be_turned_off(engine: LocalVLLMEngine, loop: Any) -> None:
