@@ -165,10 +165,12 @@ class TrainingWorker:
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]
             o = s.optimizer
-            # foreach=False: the multi-tensor step allocates temporaries the size of all parameters at
-            # once; the per-tensor loop costs little time and avoids that memory peak
+            # The fused kernel (CPU and CUDA) steps 135M fp32 parameters in 0.17 s where the per-tensor
+            # loop takes 0.96 s and the multi-tensor (foreach) step 1.2 s plus temporaries the size of
+            # all parameters. Sharded (DTensor) parameters keep the per-tensor loop.
+            fused = {"fused": True} if not shard else {"foreach": False}
             self.optimizer = torch.optim.AdamW(
-                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
+                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **fused
             )
             self.scheduler = make_lr_scheduler(self.optimizer, o)
         n_params = sum(p.numel() for p in model.parameters())
