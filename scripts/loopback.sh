@@ -8,7 +8,9 @@ if [[ $# -eq 0 ]]; then
   echo "usage: scripts/loopback.sh COMMAND [ARGS...]" >&2
   exit 2
 fi
-if [[ "${SKYLIFT_IN_NETNS:-0}" == 1 ]] || ! ip -o link show 2>/dev/null | grep -qv ': lo:'; then
+# `grep -v ... >/dev/null`, not `grep -qv`: grep -q exits at the first match, ip may then die of
+# SIGPIPE, and with pipefail the test would randomly say "only lo" and skip the namespace.
+if [[ "${SKYLIFT_IN_NETNS:-0}" == 1 ]] || ! ip -o link show 2>/dev/null | grep -v ': lo:' >/dev/null; then
   exec "$@"
 fi
 if [[ $(id -u) -eq 0 ]]; then NS=(unshare -n); else NS=(unshare -rn); fi

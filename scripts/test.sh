@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ "${SKYLIFT_IN_NETNS:-0}" != 1 ]]; then
   bash scripts/setup.sh  # a no-op when .venv is up to date
-  if ip -o link show 2>/dev/null | grep -qv ': lo:'; then
+  if ip -o link show 2>/dev/null | grep -v ': lo:' >/dev/null; then  # not grep -q: see loopback.sh
     exec bash scripts/loopback.sh bash scripts/test.sh "$@"
   fi
 fi

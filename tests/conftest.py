@@ -1,11 +1,28 @@
-"""Fixtures shared by every test suite."""
+"""Fixtures shared by every test suite.
+
+`tiny_server` / `tiny_server_url` is ONE `skylift serve` subprocess on the tiny model (fp32,
+max_model_len 512) for the whole session, `tiny_server_with_key` a second one that requires
+`TEST_API_KEY` and binds the server's default host (tests/reliability/test_auth.py checks that the
+default is loopback). Both start on first use and stop at the end of the session; see
+tests/server_helpers.py for launching them and the loopback-only namespace they need.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_helpers import (
+    TEST_API_KEY,
+    ServerHandle,
+    require_loopback_namespace,
+    start_server,
+    stop_server,
+    tiny_server_args,
+    wait_healthy,
+)
 
 # Everything runs offline and on loopback; vLLM on CPU gets a small KV cache.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,3 +53,35 @@ def gsm8k_dir() -> Path:
         if (path / "train.jsonl").is_file():
             return path
     pytest.skip("GSM8K jsonl not found (set SKYLIFT_GSM8K_DIR)")
+
+
+def _serve(model_dir: Path, log_path: Path, api_key: str | None, host: str | None) -> Iterator[ServerHandle]:
+    require_loopback_namespace()
+    handle = start_server(model_dir, log_path, tiny_server_args(), api_key=api_key, host=host)
+    try:
+        wait_healthy(handle)
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """One skylift server on the tiny model for the whole session (no API key, --host 127.0.0.1)."""
+    log = tmp_path_factory.mktemp("tiny_server") / "server.log"
+    yield from _serve(tiny_model_dir, log, api_key=None, host="127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def tiny_server_url(tiny_server: ServerHandle) -> str:
+    """Base URL (http://127.0.0.1:PORT) of the session's tiny-model server."""
+    return tiny_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_server_with_key(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerHandle]:
+    """A second tiny-model server that requires `TEST_API_KEY`; started without --host (default bind)."""
+    log = tmp_path_factory.mktemp("tiny_server_key") / "server.log"
+    yield from _serve(tiny_model_dir, log, api_key=TEST_API_KEY, host=None)

@@ -10,7 +10,9 @@ Routes (all POST unless noted; JSON bodies; errors are `{"error": {"message", "t
 - `/skylift/generate`: token ids in, exact sampled token ids + logprobs + stop reasons out;
 - GET `/skylift/info`: model, tensor-parallel size, max_model_len, weight-group state, versions.
 
-When the server has API keys, every route here requires `Authorization: Bearer <key>` (401).
+When the server has API keys, every route requires `Authorization: Bearer <key>` (401), vLLM's
+included (vLLM itself guards only /v1, /v2, ... and would leave /invocations, /tokenize,
+/scale_elastic_ep open), except the probes in `PUBLIC_PATHS`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger("skylift.inference.routes")
 
@@ -54,6 +60,9 @@ MAX_PROMPTS = int(_env_number("SKYLIFT_MAX_PROMPTS", 4096))
 WEIGHT_RPC_TIMEOUT_S = _env_number("SKYLIFT_WEIGHT_RPC_TIMEOUT_S", 600.0)
 #: Timeout of small control RPCs (destroy, has-group).
 CONTROL_RPC_TIMEOUT_S = 60.0
+#: Paths that stay open when the server has API keys: liveness and load probes, the version and
+#: Prometheus metrics (open in vLLM too).
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,21 +170,44 @@ def _error(status: HTTPStatus, message: str) -> HTTPException:
     return HTTPException(status_code=int(status), detail=message)
 
 
-async def require_api_key(request: Request) -> None:
-    """401 unless the request carries one of the server's API keys (when it has any)."""
-    state = _state(request)
+def api_key_problem(state: SkyliftState, authorization: str) -> str | None:
+    """Why a request with this Authorization header is refused; None when it may pass."""
     if not state.api_key_hashes:
-        return
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+        return None
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise _error(HTTPStatus.UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'")
+        return "missing API key: send 'Authorization: Bearer <key>'"
     digest = _hash_key(token.strip())
     ok = False
     for known in state.api_key_hashes:
         ok |= secrets.compare_digest(digest, known)
-    if not ok:
-        raise _error(HTTPStatus.UNAUTHORIZED, "invalid API key")
+    return None if ok else "invalid API key"
+
+
+async def require_api_key(request: Request) -> None:
+    """401 unless the request carries one of the server's API keys (when it has any)."""
+    problem = api_key_problem(_state(request), request.headers.get("Authorization", ""))
+    if problem is not None:
+        raise _error(HTTPStatus.UNAUTHORIZED, problem)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware: every HTTP path but `PUBLIC_PATHS` (and CORS preflights) needs a key."""
+
+    def __init__(self, app: ASGIApp, state: SkyliftState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS":
+            path = scope["path"].removeprefix(scope.get("root_path", ""))
+            if path not in PUBLIC_PATHS:
+                problem = api_key_problem(self.state, Headers(scope=scope).get("authorization", ""))
+                if problem is not None:
+                    body = {"error": {"message": problem, "type": "Unauthorized", "param": None, "code": 401}}
+                    await JSONResponse(body, status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -558,8 +590,13 @@ async def _optional_body(request: Request, model: type[_Body]) -> _Body | None:
 
 
 def install_routes(app: FastAPI, state: SkyliftState) -> None:
-    """Attach our routes to vLLM's app, ahead of any route vLLM registered on the same path."""
+    """Attach our routes to vLLM's app, ahead of any route vLLM registered on the same path, and
+    (with API keys) the key check to every route but `PUBLIC_PATHS`."""
     app.state.skylift = state
+    if state.api_key_hashes:
+        # Outermost. Not app.add_middleware: vLLM's SageMaker bootstrap has already built the stack.
+        app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, state=state))
+        app.middleware_stack = app.build_middleware_stack()
     before = len(app.router.routes)
     app.include_router(router)
     ours = app.router.routes[before:]

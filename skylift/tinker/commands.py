@@ -50,6 +50,20 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
 
 
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning (and return True) when the server would listen beyond loopback without a key."""
+    from skylift.inference.server import is_loopback_host
+
+    if api_key or is_loopback_host(host):
+        return False
+    logging.getLogger("skylift.tinker").warning(
+        "binding to %r without --api-key: anyone who can reach this host can train, sample, "
+        "and read or delete checkpoints",
+        host or "0.0.0.0",
+    )
+    return True
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -60,6 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warn_if_exposed(args.host, args.api_key)
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or f"sqlite:///{data_dir / 'tinker.db'}"

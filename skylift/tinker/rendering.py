@@ -24,14 +24,21 @@ def _image_error(where: str) -> UserError:
 
 def render_json_chunks(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> list[int]:
     """Token ids of a JSON `ModelInput.chunks` list (`{"type": "encoded_text", "tokens": [...]}`)."""
+    if not isinstance(chunks, list):
+        raise UserError(f"{where}: chunks must be a list of chunk objects, got {type(chunks).__name__}")
     tokens: list[int] = []
     for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict):
+            raise UserError(f"{where} chunk {i}: expected an object, got {type(chunk).__name__}")
         kind = chunk.get("type", "encoded_text")
         if kind in IMAGE_CHUNK_TYPES:
             raise _image_error(f"{where} chunk {i}")
         if kind != "encoded_text":
             raise UserError(f"{where} chunk {i}: unsupported chunk type {kind!r}")
-        tokens.extend(int(t) for t in chunk.get("tokens", []))
+        ids = chunk.get("tokens", [])
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError(f"{where} chunk {i}: tokens must be a list of integer token ids")
+        tokens.extend(ids)
     return tokens
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from skylift.inference.routes import MAX_N
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.rendering import check_token_range, render_json_chunks
 from skylift.tinker.sampling import EngineHost, to_engine_params
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from skylift.tinker.service import BaseModelInfo, TinkerService
 
 logger = logging.getLogger(__name__)
+
+#: Most samples one `asample` may ask for (the inference server's limit, `SKYLIFT_MAX_N`).
+MAX_NUM_SAMPLES = MAX_N
 
 
 def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -160,6 +164,9 @@ class SamplingService:
 
     # ---------------------------------------------------------------- sampling
     def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
+        num = body.get("num_samples", 1)
+        if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= MAX_NUM_SAMPLES:
+            raise UserError(f"num_samples must be an integer in [1, {MAX_NUM_SAMPLES}], got {num!r}")
         hub = self.svc._hub()
         sampling_id = body.get("sampling_session_id")
         seq = body.get("seq_id")
@@ -168,8 +175,7 @@ class SamplingService:
             f"idem:{idem}" if idem else None,
         ]
         request_id, new = hub.submit("sample", None, keys)
-        num = int(body.get("num_samples", 1))
-        sequence_ids = [f"{request_id}:{i}" for i in range(max(num, 0))]
+        sequence_ids = [f"{request_id}:{i}" for i in range(num)]
         if new:
             hub.start(request_id, lambda: self._sample(body))
         return request_id, sequence_ids

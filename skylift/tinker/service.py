@@ -185,12 +185,15 @@ class TinkerService:
 
     # ---------------------------------------------------------------- sessions
     def create_session(self, body: dict[str, Any]) -> str:
+        tags, metadata = body.get("tags") or [], body.get("user_metadata") or {}
+        if not isinstance(tags, list) or not isinstance(metadata, dict):
+            raise UserError("create_session: tags must be a list and user_metadata an object")
         session_id = f"s{uuid.uuid4().hex[:16]}"
         self.store.add(
             SessionRow(
                 id=session_id,
-                tags=list(body.get("tags") or []),
-                user_metadata=dict(body.get("user_metadata") or {}),
+                tags=tags,
+                user_metadata=metadata,
                 sdk_version=body.get("sdk_version"),
             )
         )
@@ -268,8 +271,10 @@ class TinkerService:
             return request_id, model_id
         try:
             info = self.base_model(body.get("base_model"))
-            lora = body.get("lora_config") or {}
-            optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+            lora, optimizer_config = body.get("lora_config") or {}, body.get("optimizer_config") or {}
+            if not isinstance(lora, dict) or not isinstance(optimizer_config, dict):
+                raise UserError("create_model: lora_config and optimizer_config must be objects")
+            optimizer = optimizer_config.get("type", "adamw")
             if optimizer != "adamw":
                 raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with adamw")
             config = ModelConfig(
@@ -284,6 +289,11 @@ class TinkerService:
             if config.is_lora:
                 config.target_modules()  # validates the choice early
             _, model = self._new_model(session_id, seq, config, body.get("user_metadata"))
+        except (TypeError, ValueError, AttributeError) as exc:  # e.g. a lora_config of the wrong shape
+            if not isinstance(exc, UserError):
+                exc = UserError(f"create_model: malformed request ({type(exc).__name__}: {exc})")
+            hub.fail(request_id, exc)
+            return request_id, model_id
         except Exception as exc:
             hub.fail(request_id, exc)
             return request_id, model_id
@@ -331,6 +341,8 @@ class TinkerService:
 
     def submit_model_op(self, kind: str, model_id: str, seq_id: int | None, fn: Any, idem: str | None) -> str:
         """Queue `fn(model) -> awaitable result` on the model's ordered queue; returns the request id."""
+        if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
+            raise UserError(f"{kind}: seq_id must be an integer, got {seq_id!r}")
         hub = self._hub()
         keys = [f"op:{model_id}:{seq_id}" if seq_id is not None else None, f"idem:{idem}" if idem else None]
         request_id, new = hub.submit(kind, model_id, keys)

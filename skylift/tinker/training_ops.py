@@ -40,6 +40,8 @@ def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> st
     params = body.get("adam_params")
     if params is None and body.get("optimizer_params") is not None:
         params = body["optimizer_params"]
+    if not isinstance(params or {}, dict):
+        raise UserError(f"optim_step: adam_params must be an object, got {type(params).__name__}")
     params = dict(params or {})
 
     async def fn(model: TrainedModel) -> dict[str, Any]:
@@ -53,7 +55,11 @@ def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> st
 
 def _expiry(body: dict[str, Any]) -> dt.datetime | None:
     ttl = body.get("ttl_seconds")
-    return None if ttl is None else utcnow() + dt.timedelta(seconds=int(ttl))
+    if ttl is None:
+        return None
+    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 0 < ttl <= 10 * 365 * 86400:
+        raise UserError(f"ttl_seconds must be a number of seconds in (0, 10 years], got {ttl!r}")
+    return utcnow() + dt.timedelta(seconds=int(ttl))
 
 
 async def _write_checkpoint(
@@ -67,6 +73,7 @@ async def _write_checkpoint(
     body: dict[str, Any],
 ) -> None:
     """Write a checkpoint directory afresh with `writer(directory) -> size` and record it."""
+    expires_at = _expiry(body)
     directory = svc.run_dir(model_id, kind, name)
     if directory.exists():
         shutil.rmtree(directory)
@@ -79,7 +86,7 @@ async def _write_checkpoint(
             kind=kind,
             directory=str(directory),
             size_bytes=size,
-            expires_at=_expiry(body),
+            expires_at=expires_at,
             user_metadata=body.get("user_metadata"),
         )
     )

@@ -15,9 +15,13 @@ SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
 _NAME = re.compile(r"^[A-Za-z0-9._\-:=+@]+$")
 
 
+def _is_name(name: object) -> bool:
+    return isinstance(name, str) and bool(_NAME.match(name)) and name not in (".", "..")
+
+
 def check_name(name: str | None, what: str) -> str:
     """A checkpoint name: non-empty, no `/`, not `.`/`..`."""
-    if not name or not _NAME.match(name) or name in (".", ".."):
+    if not _is_name(name):
         raise UserError(
             f"{what}: invalid checkpoint name {name!r} (use letters, digits and . _ - : = + @; no '/')"
         )
@@ -29,11 +33,13 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """(training run id, kind "training"|"sampler", name) of `tinker://<run>/<segment>/<name>`."""
+    """(training run id, kind "training"|"sampler", name) of `tinker://<run>/<segment>/<name>`.
+
+    The run id and the name must both pass as `check_name` names (no `/`, never `.` or `..`)."""
     if not isinstance(path, str) or not path.startswith(SCHEME):
         raise UserError(f"invalid checkpoint path {path!r}: expected tinker://<run id>/weights/<name>")
     parts = path[len(SCHEME) :].split("/")
-    if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not parts[0] or not parts[2]:
+    if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not _is_name(parts[0]) or not _is_name(parts[2]):
         raise UserError(
             f"invalid checkpoint path {path!r}: expected tinker://<run id>/{{weights|sampler_weights}}/<name>"
         )

@@ -45,26 +45,44 @@ class ForwardBackwardCall:
     error: UserError | None = None  # a datum could not be rendered: the future fails with it
 
 
+def _check_bytes(data: bytes, dtype: np.dtype, where: str) -> None:
+    if len(data) % dtype.itemsize:
+        raise UserError(f"{where}: {len(data)} bytes are not a whole number of {dtype.name} values")
+
+
 def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     """A proto `Tensor` as a dense numpy array (sparse CSR entries not listed are 0)."""
     dtype = _NUMPY_OF_DTYPE.get(msg.dtype)
     if dtype is None:
         raise UserError(f"{where}: unsupported tensor dtype {msg.dtype}")
     shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise UserError(f"{where}: negative dimension in shape {shape}")
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
+        _check_bytes(csr.values, dtype, f"{where} (sparse values)")
+        _check_bytes(csr.crow_indices, np.dtype(np.int64), f"{where} (sparse crow_indices)")
+        _check_bytes(csr.col_indices, np.dtype(np.int64), f"{where} (sparse col_indices)")
         if len(shape) != 2:
             raise UserError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
         values = np.frombuffer(csr.values, dtype=dtype)
         crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
         col = np.frombuffer(csr.col_indices, dtype=np.int64)
-        if len(crow) != shape[0] + 1 or len(col) != len(values):
+        if (
+            len(crow) != shape[0] + 1
+            or len(col) != len(values)
+            or crow[0] != 0
+            or crow[-1] != len(values)
+            or np.any(np.diff(crow) < 0)
+            or (len(col) and (col.min() < 0 or col.max() >= shape[1]))
+        ):
             raise UserError(f"{where}: inconsistent sparse CSR indices for shape {shape}")
         dense = np.zeros(shape, dtype=dtype)
         for row in range(shape[0]):
             lo, hi = int(crow[row]), int(crow[row + 1])
             dense[row, col[lo:hi]] = values[lo:hi]
         return dense
+    _check_bytes(msg.dense, dtype, where)
     flat = np.frombuffer(msg.dense, dtype=dtype).copy()
     if shape:
         if int(np.prod(shape)) != flat.size:
