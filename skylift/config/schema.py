@@ -242,6 +242,11 @@ class TrainerConfig:
     train_batch_size: int = _f(8, "prompts per training step (each sampled n_samples_per_prompt times)")
     policy_mini_batch_size: int = _f(8, "prompts per policy optimizer step; divides train_batch_size")
     critic_mini_batch_size: int = _f(8, "prompts per critic optimizer step; divides train_batch_size")
+    skip_zero_advantage_rows: bool = _f(
+        True,
+        "train the policy only on rows with a non-zero advantage (their update is exactly the same: "
+        "the others have zero gradient); ignored with a KL loss",
+    )
     micro_train_batch_size_per_gpu: int = _f(4, "sequences per forward/backward pass on one worker")
     micro_forward_batch_size_per_gpu: int = _f(
         8, "sequences per forward-only pass (logprobs, values) on one worker"
@@ -269,8 +274,16 @@ class TrainerConfig:
     )
     project_name: str = _f("skylift", "project name for trackers")
     run_name: str = _f("skylift_run", "run name for trackers and default output directories")
-    async_training: bool = _f(False, "overlap generation of step t+1 with training of step t")
-    max_staleness_steps: int = _f(1, "async_training: how many policy versions rollouts may lag behind")
+    async_training: bool = _f(
+        False,
+        "one-step-off: generate step t+1's rollouts while step t trains (rollout logprobs become the PPO "
+        "ratio's old logprobs; with algorithm.use_tis the trainer's are, and TIS corrects the gap)",
+    )
+    max_staleness_steps: int = _f(
+        1,
+        "async_training: most policy updates between sampling a rollout and training on it; above 1, "
+        "weight syncs are skipped while this bound allows",
+    )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
 
     def loggers(self) -> list[str]:

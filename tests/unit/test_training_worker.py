@@ -239,3 +239,50 @@ def test_value_head_refuses_lora(tiny_model_dir: Path) -> None:
     worker = TrainingWorker(WorkerSettings(model_path=str(tiny_model_dir), head="value", lora_rank=4))
     with pytest.raises(ValueError, match="LoRA is not supported"):
         worker.setup()
+
+
+@pytest.mark.parametrize("loss_type", ["regular", "dual_clip", "gspo", "cispo"])
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"])
+def test_skipping_zero_advantage_rows_gives_the_same_gradient(
+    tiny_model_dir: Path, loss_type: str, reduction: str
+) -> None:
+    """Rows whose advantages are all zero add nothing: training without them (normalised by the
+    whole mini-batch's counts) gives the gradient of the whole mini-batch."""
+    from skylift.trainer.objective import rows_with_policy_gradient
+
+    batch = _batch(vocab=500, seed=3)
+    advantages = batch.extras["advantages"].clone()
+    advantages[[1, 2, 5]] = 0.0  # three rows without signal (e.g. a group with equal rewards)
+    batch = batch.with_extras(advantages=advantages, old_logprobs=batch.extras["advantages"] * 0.01 - 1.0)
+    totals = mini_batch_totals(batch.response_mask)
+    objective = PolicyObjective(
+        loss_type=loss_type,
+        loss_reduction=reduction,
+        token_count=totals.token_count,
+        seq_count=totals.seq_count,
+        max_len=batch.response_len,
+    )
+    keep = rows_with_policy_gradient(batch.extras["advantages"], batch.response_mask)
+    assert keep == [0, 3, 4, 6, 7]
+    grads = []
+    for rows in (list(range(batch.batch_size)), keep):
+        w = TrainingWorker(WorkerSettings(model_path=str(tiny_model_dir)))
+        w.setup()
+        w.accumulate_gradients(batch.select(rows), objective, micro_batch_size=3)
+        grads.append({n: p.grad.clone() for n, p in w.model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-6), name
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+def test_rows_with_policy_gradient_keeps_enough_rows() -> None:
+    from skylift.trainer.objective import rows_with_policy_gradient
+
+    adv = torch.zeros(4, 3)
+    mask = torch.ones(4, 3)
+    assert rows_with_policy_gradient(adv, mask, min_rows=2) == [0, 1]
+    adv[3, 1] = 0.5
+    assert rows_with_policy_gradient(adv, mask) == [3]
+    assert rows_with_policy_gradient(adv, mask, min_rows=2) == [0, 3]
+    mask[3, 1] = 0.0  # an advantage under the mask does not count
+    assert rows_with_policy_gradient(adv, mask) == [0]
