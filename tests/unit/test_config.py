@@ -303,6 +303,10 @@ def test_yaml_file_errors_name_file_and_key(tmp_path: Path) -> None:
         (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p=0.0 must be in (0, 1]"),
         (["trainer.eval_interval=0"], "trainer.eval_interval=0 must be >= 1, or -1 to disable"),
         (["trainer.async_training=true", "trainer.placement.colocate_all=true"], "cannot run with"),
+        (
+            ["trainer.async_training=true", "trainer.max_staleness_steps=0"],
+            "max_staleness_steps=0 must be >= 1",
+        ),
         (["generator.max_turns=3"], "generator.batched=true supports only max_turns=1"),
         (
             ["trainer.placement.policy_num_gpus_per_node=3"],
