@@ -14,6 +14,8 @@ A bucket must hold every Hugging Face tensor that vLLM fuses into one module (``
 ``gate_up_proj``): vLLM rebuilds a module from the tensors of one reload and leaves the parts it
 did not receive uninitialised. A bucket that covers such a module partially is received (so the
 sender's broadcast completes) and then refused with an error naming the missing parts.
+
+Importing this module (vLLM does, in every worker) also installs `skylift.inference.vllm_fixes`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from typing import Any
 
 import torch
 
+from skylift.inference import vllm_fixes
 from skylift.inference.types import WeightBucket
 from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 
 logger = logging.getLogger(__name__)
+
+if not vllm_fixes.install():
+    logger.warning("vLLM's model runner changed: skylift's fix for seeded requests on CPU is not installed")
 
 
 class WeightSyncWorkerExtension:
