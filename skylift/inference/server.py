@@ -41,7 +41,11 @@ def make_parser() -> Any:
         "token-level generation routes. Accepts every `vllm serve` flag.",
     )
     parser = make_arg_parser(parser)
-    parser.set_defaults(host=DEFAULT_HOST, worker_extension_cls=DEFAULT_WORKER_EXTENSION)
+    from skylift.inference.engine_args import LOGPROBS_MODE
+
+    parser.set_defaults(
+        host=DEFAULT_HOST, worker_extension_cls=DEFAULT_WORKER_EXTENSION, logprobs_mode=LOGPROBS_MODE
+    )
     return parser
 
 
@@ -190,9 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "grpc", False):
         parser.error("skylift serve is an HTTP server; --grpc is not supported")
     configure_logging_from_args(args)
-    from skylift.inference.engine_args import apply_cpu_env_defaults
+    from skylift.inference.engine_args import apply_cpu_env_defaults, kv_cache_bytes
 
     apply_cpu_env_defaults()  # before the engine's processes are spawned (they inherit it)
+    try:
+        args.kv_cache_memory_bytes = kv_cache_bytes(args.kv_cache_memory_bytes)
+    except ValueError as exc:
+        parser.error(str(exc))
     from skylift.inference.routes import MAX_N
 
     # One limit on samples per prompt for every route (vLLM's /v1 routes would allow n <= 16384).
