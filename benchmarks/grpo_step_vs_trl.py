@@ -220,13 +220,13 @@ class TreeMemorySampler:
 def run_skylift(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Set up skylift's trainer, run one GRPO step, return its timings and completions."""
     from skylift.config import load_config
-    from skylift.demo import DEMO_OVERRIDES
+    from skylift.demo import demo_overrides
     from skylift.generator import Trajectory
     from skylift.trainer.rl_trainer import RLTrainer
 
     train_file = _write_data(work / "data", args.num_prompts)
     overrides = [
-        *DEMO_OVERRIDES,
+        *demo_overrides(),
         f"trainer.policy.model.path={MODEL}",
         "trainer.run_name=bench_grpo_step_vs_trl",
         f"trainer.log_dir={work / 'skylift_logs'}",
@@ -298,6 +298,7 @@ def run_skylift(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         **probe.summary(),
         "phases": {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")},
         "reward_mean": metrics["reward/mean"],
+        "rows_trained_frac": metrics.get("train/rows_trained_frac", 1.0),
         "response_length_mean": metrics["response_length/mean"],
         "response_length_max": metrics["response_length/max"],
         "gradient_checkpointing": args.skylift_gradient_checkpointing,
@@ -653,7 +654,8 @@ def report(
         f"{'on' if sky['gradient_checkpointing'] else 'off'}"
     )
     print(
-        f"    reward {sky['reward_mean']:.3f}, response length mean {sky['response_length_mean']:.1f} "
+        f"    reward {sky['reward_mean']:.3f}, rows trained {sky['rows_trained_frac']:.0%} (the others have "
+        f"zero advantage: exactly zero gradient), response length mean {sky['response_length_mean']:.1f} "
         f"max {sky['response_length_max']:.0f}; peak summed RSS {peak['skylift']:.2f} GiB "
         f"(during the step {peak_step['skylift']:.2f}), peak summed PSS {peak_pss['skylift']:.2f} GiB"
     )
@@ -699,6 +701,7 @@ def report(
         "skylift_loadavg": [round(x, 2) for x in sky["loadavg_1min"]],
         "trl_loadavg": [round(x, 2) for x in trl_res["loadavg_1min"]],
         "skylift_reward_mean": round(sky["reward_mean"], 4),
+        "skylift_rows_trained_frac": round(sky["rows_trained_frac"], 4),
         "trl_reward_mean": round(trl_res["reward_mean"], 4),
         "reward_agreement_trl_by_skylift": agreement["trl_completions_scored_by_skylift"],
         "reward_agreement_skylift_by_trl_style": agreement["skylift_completions_scored_by_trl_style"],
