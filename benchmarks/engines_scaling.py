@@ -27,14 +27,9 @@ import sys
 import time
 from typing import Any
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+from _servers import set_benchmark_env
+
+set_benchmark_env()
 
 CONFIGS = {"1 engine": (1, False), "2 engines": (2, False), "2 engines, 1 core each": (2, True)}
 

@@ -18,22 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from _servers import free_port, set_benchmark_env, stop_server
+from _servers import start_server as start_server_process
 
 
 def start_server(model: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -57,38 +50,7 @@ def start_server(model: str, args: argparse.Namespace, log_path: Path) -> tuple[
         "--enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]
-    log = open(log_path, "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"server exited ({proc.returncode}); log {log_path}:\n{log_path.read_text()[-4000:]}"
-            )
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise SystemExit(f"server not healthy after {args.startup_timeout_s} s; log {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return start_server_process(cmd, port, log_path, args.startup_timeout_s)
 
 
 def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -196,12 +158,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="prompt token ids are drawn below this")
     parser.add_argument("--startup-timeout-s", type=float, default=420.0)
     args = parser.parse_args()
-    for key, value in {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-    }.items():
-        os.environ.setdefault(key, value)
+    set_benchmark_env()
     result = asyncio.run(main_async(args))
     print(json.dumps(result))
 

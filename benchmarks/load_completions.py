@@ -31,8 +31,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,14 +44,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 import psutil
+from _servers import free_port, stop_server
+from _servers import start_server as start_server_process
 
 SERVED_NAME = "tiny-qwen2"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -66,39 +60,7 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    log = open(log_path, "wb")  # noqa: SIM115 - the child keeps it
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"server exited ({proc.returncode}); log {log_path}:\n{log_path.read_text()[-4000:]}"
-            )
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise SystemExit(f"server not healthy after {args.startup_timeout_s} s; log {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM our child, then SIGKILL its process group (the engine's processes) if anything is left."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return start_server_process(cmd, port, log_path, args.startup_timeout_s, env=env)
 
 
 @dataclass

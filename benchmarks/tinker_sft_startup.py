@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,15 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _servers import free_port, set_benchmark_env
+from _servers import start_server as start_server_process
+from _servers import stop_server as stop_server_process
 
 API_KEY = "tml-dummy"
 GIB = 1024**3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(model: str, work: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
@@ -58,36 +52,11 @@ def start_server(model: str, work: Path, timeout_s: float) -> tuple[subprocess.P
         "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(work / "data"),
         "--log-level", "warning",
     ]  # fmt: skip
-    log_path = work / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"server exited ({proc.returncode}); log {log_path}:\n{log_path.read_text()[-4000:]}"
-            )
-        try:
-            with urllib.request.urlopen(url + "/api/v1/healthz", timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(0.25)
-    stop_server(proc)
-    raise SystemExit(f"server not healthy after {timeout_s} s; log {log_path}")
+    return start_server_process(cmd, port, work / "server.log", timeout_s, health_path="/api/v1/healthz")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    stop_server_process(proc, timeout_s=90)
 
 
 def server_status(url: str) -> dict[str, Any]:
@@ -234,15 +203,7 @@ def main() -> None:
     parser.add_argument("--poll-s", type=float, default=0.2, help="memory sampling interval")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     args = parser.parse_args()
-    for key, value in {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TINKER_TELEMETRY": "0",
-    }.items():
-        os.environ.setdefault(key, value)
+    set_benchmark_env(TINKER_TELEMETRY="0")
     from skylift.models import prepare_model
 
     prepare_model(args.model)  # built before any timing

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -31,16 +30,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "TOKENIZERS_PARALLELISM": "false",
-    # lets the reload baseline send a function to the worker through collective_rpc
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+from _servers import set_benchmark_env
+
+# VLLM_ALLOW_INSECURE_SERIALIZATION lets the reload baseline send a function to the worker through
+# collective_rpc
+set_benchmark_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")
 
 import torch  # noqa: E402
 

@@ -31,7 +31,7 @@ from skylift.algorithms import (
     mini_batch_totals,
     sequence_rewards_to_token_level,
 )
-from skylift.config.schema import SkyliftConfig
+from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.data import PromptDataset, PromptSample
 from skylift.generator import Generator, GeneratorSettings, Trajectory
 from skylift.inference.pool import EnginePool
@@ -279,15 +279,7 @@ class RLTrainer:
             trainable=trainable,
             dtype="bfloat16" if t.bf16 else "float32",
             gradient_checkpointing=t.gradient_checkpointing,
-            optimizer=OptimizerSettings(
-                lr=o.lr,
-                betas=(o.adam_betas[0], o.adam_betas[1]),
-                weight_decay=o.weight_decay,
-                max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
-                num_warmup_steps=o.num_warmup_steps,
-                scheduler=o.scheduler,
-                total_steps=self._total_steps() * self._optimizer_steps_per_step(),
-            ),
+            optimizer=_optimizer_settings(o, self._total_steps() * self._optimizer_steps_per_step()),
             lora_rank=model_cfg.lora.rank if trainable else 0,
             lora_alpha=model_cfg.lora.alpha,
             lora_target_modules=model_cfg.lora.target_modules,
@@ -303,15 +295,7 @@ class RLTrainer:
             head="value",
             dtype="bfloat16" if t.bf16 else "float32",
             gradient_checkpointing=t.gradient_checkpointing,
-            optimizer=OptimizerSettings(
-                lr=o.lr,
-                betas=(o.adam_betas[0], o.adam_betas[1]),
-                weight_decay=o.weight_decay,
-                max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
-                num_warmup_steps=o.num_warmup_steps,
-                scheduler=o.scheduler,
-                total_steps=self._total_steps() * critic_steps,
-            ),
+            optimizer=_optimizer_settings(o, self._total_steps() * critic_steps),
             seed=t.seed,
         )
 
@@ -756,3 +740,16 @@ class RLTrainer:
 
                 ray.shutdown()
             self.loop.close()
+
+
+def _optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSettings:
+    """A training worker's optimizer from the config (`total_steps`: its optimizer steps in the run)."""
+    return OptimizerSettings(
+        lr=o.lr,
+        betas=(o.adam_betas[0], o.adam_betas[1]),
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
+        num_warmup_steps=o.num_warmup_steps,
+        scheduler=o.scheduler,
+        total_steps=total_steps,
+    )
