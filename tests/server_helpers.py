@@ -230,6 +230,13 @@ class TinkerServer:
         kill_group(self.process, grace_s=90)
         self.process = None
 
+    def __enter__(self) -> TinkerServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def status(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
         req = urllib.request.Request(f"{self.url}/skylift/status", headers=headers or {})
         with urllib.request.urlopen(req, timeout=10) as resp:

@@ -34,11 +34,8 @@ def reliability_tinker(
         # sessions outlive slow runs: the tests send no heartbeats
         extra_args=["--api-key", TINKER_API_KEY, "--long-poll", "2", "--session-timeout", "3600"],
     )
-    server.start()
-    try:
+    with server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

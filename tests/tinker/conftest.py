@@ -23,12 +23,8 @@ API_KEY = "tml-dummy"
 def _server(tmp: Path, tiny_model_dir: Path, name: str, **kwargs) -> Iterator[TinkerServer]:
     require_loopback_namespace()
     assert tiny_model_dir.is_dir()
-    server = TinkerServer(data_dir=tmp / name, log_path=tmp / f"{name}.log", **kwargs)
-    server.start()
-    try:
+    with TinkerServer(data_dir=tmp / name, log_path=tmp / f"{name}.log", **kwargs) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
