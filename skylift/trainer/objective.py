@@ -107,11 +107,7 @@ def rows_with_policy_gradient(advantages: Tensor, mask: Tensor, min_rows: int = 
     has work and the optimizer sees zero gradients rather than none (AdamW skips parameters without
     a gradient, but steps its moments on a zero one).
     """
-    has_signal = ((advantages != 0) & (mask > 0)).any(dim=-1)
-    keep = [i for i in range(advantages.shape[0]) if bool(has_signal[i])]
-    for i in range(advantages.shape[0]):
-        if len(keep) >= min_rows:
-            break
-        if i not in keep:
-            keep.append(i)
-    return sorted(keep)
+    has_signal = ((advantages != 0) & (mask > 0)).any(dim=-1).tolist()
+    keep = [i for i, signal in enumerate(has_signal) if signal]
+    fill = [i for i, signal in enumerate(has_signal) if not signal][: max(0, min_rows - len(keep))]
+    return sorted(keep + fill)

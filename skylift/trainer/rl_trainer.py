@@ -450,7 +450,7 @@ class RLTrainer:
             )
         values = None
         if self.critic is not None:
-            values = self.critic.compute_logprobs(batch, t.micro_forward_batch_size_per_gpu, 1.0)
+            values = self.critic.compute_values(batch, t.micro_forward_batch_size_per_gpu)
             batch = batch.with_extras(values=values)
         timings["timing/logprobs_s"] = time.perf_counter() - tick
 

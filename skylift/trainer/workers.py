@@ -128,12 +128,19 @@ class WorkerGroup:
         return self.call_all("setup")
 
     def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Any:
+        return self._per_token("compute_logprobs", batch, micro_batch_size, temperature)
+
+    def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> Any:
+        return self._per_token("compute_values", batch, micro_batch_size)
+
+    def _per_token(self, method: str, batch: SequenceBatch, *args: Any) -> Any:
+        """`[B, R]` results of a per-token worker method, the batch sharded over the ranks."""
         import torch
 
         if self.world_size == 1:
-            return self.call_all("compute_logprobs", batch, micro_batch_size, temperature)[0]
+            return self.call_all(method, batch, *args)[0]
         shards = self.shards(batch)
-        outs = self._call("compute_logprobs", [(s, micro_batch_size, temperature) for s in shards])
+        outs = self._call(method, [(s, *args) for s in shards])
         full = torch.zeros(batch.batch_size, batch.response_len)
         start = 0
         for shard, out in zip(shards, outs, strict=True):

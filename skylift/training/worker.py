@@ -193,11 +193,26 @@ class TrainingWorker:
             return response_values(model, micro), None
         return response_logprobs(model, micro, temperature, with_entropy=with_entropy)
 
-    @torch.no_grad()
     def compute_logprobs(
         self, batch: SequenceBatch, micro_batch_size: int, temperature: float = 1.0
     ) -> Tensor:
-        """Response-token logprobs `[B, R]` (zeros at padding); values for a value model."""
+        """Response-token logprobs `[B, R]` (zeros at padding) of a causal LM (head "lm")."""
+        self._require_head("lm", "compute_logprobs")
+        return self._per_token_outputs(batch, micro_batch_size, temperature)
+
+    def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> Tensor:
+        """A value model's (head "value") estimate per response token `[B, R]` (zeros at padding)."""
+        self._require_head("value", "compute_values")
+        return self._per_token_outputs(batch, micro_batch_size, 1.0)
+
+    def _require_head(self, head: str, operation: str) -> None:
+        if self.settings.head != head:
+            raise RuntimeError(
+                f"{operation} needs a worker with head {head!r}, this one has {self.settings.head!r}"
+            )
+
+    @torch.no_grad()
+    def _per_token_outputs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Tensor:
         model = self._model()
         was_training = model.training
         model.eval()

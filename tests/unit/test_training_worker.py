@@ -213,7 +213,7 @@ def test_value_head_worker_reads_values_where_logits_would_predict(tiny_model_di
     )
     critic.setup()
     batch = _batch(vocab=500, rows=4)
-    values = critic.compute_logprobs(batch, micro_batch_size=2)
+    values = critic.compute_values(batch, micro_batch_size=2)
     assert values.shape == (4, batch.response_len)
     state = {k: v.clone() for k, v in critic.model.state_dict().items()}
     plain = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1)
