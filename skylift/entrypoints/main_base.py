@@ -40,7 +40,7 @@ def run_train(overrides: Sequence[str], config_file: str | None = None, print_cf
     if print_cfg:
         print(format_config(cfg, with_help=True))
         return 0
-    from skylift.trainer.rl_trainer import RLTrainer
+    from skylift.trainer.rl_trainer import RLTrainer, TrainingStoppedError
 
     trainer = RLTrainer(cfg)
     try:
@@ -48,6 +48,9 @@ def run_train(overrides: Sequence[str], config_file: str | None = None, print_cf
         trainer.fit()
         path = trainer.export()
         print(f"[skylift] exported Hugging Face weights to {path}")
+    except TrainingStoppedError as exc:
+        print(f"skylift: {exc}", file=sys.stderr)
+        return 3
     finally:
         trainer.shutdown()
     return 0

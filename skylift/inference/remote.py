@@ -24,6 +24,7 @@ from skylift.inference.types import (
     Completion,
     EngineCapabilityError,
     EngineError,
+    EngineUnavailableError,
     GenerateOutput,
     SamplingParams,
     WeightBucket,
@@ -46,6 +47,10 @@ class RemoteEngineError(EngineError):
         super().__init__(
             f"{where} failed (HTTP {status}): {message}" if status else f"{where} failed: {message}"
         )
+
+
+class RemoteEngineUnavailableError(RemoteEngineError, EngineUnavailableError):
+    """The server could not be reached (connection refused or dropped) or gave no answer in time."""
 
 
 class RemoteEngineCapabilityError(RemoteEngineError, EngineCapabilityError):
@@ -157,9 +162,11 @@ class RemoteInferenceEngine:
                     last = err
             except TimeoutError as e:
                 # A timed-out request may still be running on the server: do not pile on.
-                raise RemoteEngineError(self.url, operation, f"no answer within {timeout.total:.0f} s") from e
+                raise RemoteEngineUnavailableError(
+                    self.url, operation, f"no answer within {timeout.total:.0f} s"
+                ) from e
             except aiohttp.ClientConnectionError as e:
-                last = RemoteEngineError(self.url, operation, f"connection error: {e!r}")
+                last = RemoteEngineUnavailableError(self.url, operation, f"connection error: {e!r}")
             if attempt + 1 < attempts:
                 logger.warning("%s (attempt %d/%d), retrying", last, attempt + 1, attempts)
         assert last is not None

@@ -12,6 +12,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+class NoServerLeftError(RuntimeError):
+    """Every server of the router has been disabled."""
+
+
 class LoadRouter:
     """Picks servers by in-flight load, keeping sessions sticky.
 
@@ -29,6 +33,7 @@ class LoadRouter:
         self._in_flight = [0] * num_servers
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._next_tie = 0
+        self._disabled: set[int] = set()
         self._lock = threading.Lock()
 
     @property
@@ -46,14 +51,18 @@ class LoadRouter:
         start = self._next_tie
         self._next_tie = (self._next_tie + 1) % self.num_servers
         order = [(start + k) % self.num_servers for k in range(self.num_servers)]
-        return min(order, key=lambda i: loads[i])
+        usable = [i for i in order if i not in self._disabled]
+        if not usable:
+            raise NoServerLeftError(f"all {self.num_servers} servers are disabled")
+        return min(usable, key=lambda i: loads[i])
 
     def pick(self, session_id: str | None = None) -> int:
         """The server for one request: the session's server if known, else the least loaded."""
         with self._lock:
-            if session_id is not None and session_id in self._sessions:
-                self._sessions.move_to_end(session_id)
-                return self._sessions[session_id]
+            known = self._sessions.get(session_id) if session_id is not None else None
+            if known is not None and known not in self._disabled:
+                self._sessions.move_to_end(session_id)  # type: ignore[arg-type]
+                return known
             index = self._least_loaded()
             if session_id is not None:
                 self._remember(session_id, index)
@@ -86,6 +95,18 @@ class LoadRouter:
         self._check_index(index)
         with self._lock:
             self._in_flight[index] = max(0, self._in_flight[index] - weight)
+
+    def disable(self, index: int) -> None:
+        """Stop routing to server `index` (it failed); its sessions move on their next request."""
+        self._check_index(index)
+        with self._lock:
+            self._disabled.add(index)
+
+    @property
+    def enabled(self) -> list[int]:
+        """Indices of the servers still routed to."""
+        with self._lock:
+            return [i for i in range(self.num_servers) if i not in self._disabled]
 
     def forget(self, session_id: str) -> None:
         """Drop a session's stickiness (e.g. when the conversation ended)."""

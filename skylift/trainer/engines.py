@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.inference.types import GenerateOutput, SamplingParams, WeightBucket, WeightUpdateGroupSpec
+from skylift.inference.types import (
+    EngineUnavailableError,
+    GenerateOutput,
+    SamplingParams,
+    WeightBucket,
+    WeightUpdateGroupSpec,
+)
 
 
 class EngineActor:
@@ -63,7 +69,11 @@ class EngineActor:
 
 
 class RayEngineClient:
-    """`InferenceEngine` calls forwarded to an `EngineActor` (awaiting Ray object refs)."""
+    """`InferenceEngine` calls forwarded to an `EngineActor` (awaiting Ray object refs).
+
+    A dead actor (its process killed or crashed) raises `EngineUnavailableError`, so an
+    `EnginePool` moves the work to another engine.
+    """
 
     def __init__(self, actor: Any, name: str) -> None:
         self.actor = actor
@@ -72,40 +82,50 @@ class RayEngineClient:
     def __repr__(self) -> str:
         return self.name
 
+    async def _call(self, operation: str, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.actor, operation).remote(*args)
+        except RayActorError as exc:
+            raise EngineUnavailableError(
+                f"{self.name}: {operation} failed: the engine actor died ({exc})"
+            ) from exc
+
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
     ) -> list[GenerateOutput]:
-        return await self.actor.generate.remote(prompts, params, session_id)
+        return await self._call("generate", prompts, params, session_id)
 
     async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self.actor.prompt_logprobs.remote(sequences)
+        return await self._call("prompt_logprobs", sequences)
 
     async def sleep(self, level: int = 1) -> None:
-        await self.actor.sleep.remote(level)
+        await self._call("sleep", level)
 
     async def wake_up(self) -> None:
-        await self.actor.wake_up.remote()
+        await self._call("wake_up")
 
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self.actor.init_weight_update_communicator.remote(spec)
+        await self._call("init_weight_update_communicator", spec)
 
     async def update_weights(self, bucket: WeightBucket) -> None:
-        await self.actor.update_weights.remote(bucket)
+        await self._call("update_weights", bucket)
 
     async def destroy_weights_update_group(self) -> None:
-        await self.actor.destroy_weights_update_group.remote()
+        await self._call("destroy_weights_update_group")
 
     async def reset_prefix_cache(self) -> None:
-        await self.actor.reset_prefix_cache.remote()
+        await self._call("reset_prefix_cache")
 
     async def health(self) -> bool:
-        return await self.actor.health.remote()
+        return await self._call("health")
 
     async def tensor_parallel_size(self) -> int:
-        return await self.actor.tensor_parallel_size.remote()
+        return await self._call("tensor_parallel_size")
 
     async def close(self) -> None:
-        await self.actor.close.remote()
+        await self._call("close")
 
 
 @dataclass

@@ -34,8 +34,8 @@ from skylift.algorithms import (
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.data import PromptDataset, PromptSample
 from skylift.generator import Generator, GeneratorSettings, Trajectory
-from skylift.inference.pool import EnginePool
-from skylift.inference.types import SamplingParams
+from skylift.inference.pool import EnginePool, NoHealthyEngineError
+from skylift.inference.types import EngineUnavailableError, SamplingParams
 from skylift.trainer import checkpoint as ckpt
 from skylift.trainer.async_rollouts import (
     BackgroundRollouts,
@@ -80,6 +80,11 @@ class RunPaths:
         )
 
 
+class TrainingStoppedError(RuntimeError):
+    """Training cannot go on (e.g. every inference engine failed); what could be saved was saved
+    and the message says how to continue."""
+
+
 def _override_flag(value: str | bool) -> bool:
     return str(value).lower() in ("true", "enable", "1", "yes", "auto")
 
@@ -103,6 +108,7 @@ class RLTrainer:
         self.engine_version = 0  # the policy version of the weights the engines hold
         self.colocation = ColocationPlan(sleep_engines=False)
         self._engines_asleep = False
+        self._sync_members: list[int] = []  # pool indices of the engines in the weight-update group
         self.rollouts: BackgroundRollouts[list[Trajectory]] | None = None  # async_training only
 
     # ================================================================== set-up
@@ -183,8 +189,9 @@ class RLTrainer:
             "init_weight_sync",
             self.engine_refs,
             _override_flag(g.override_existing_update_group),
-            None if g.weight_sync_backend == "auto" else g.weight_sync_backend,
+            self._weight_sync_backend,
         )
+        self._sync_members = list(range(len(self.engine_refs)))
         self._maybe_resume()
         self.generator = Generator(
             self.engines,
@@ -563,13 +570,55 @@ class RLTrainer:
             self._sync_weights()
         return {"timing/weight_sync_s": time.perf_counter() - tick}
 
+    @property
+    def _weight_sync_backend(self) -> str | None:
+        backend = self.cfg.generator.weight_sync_backend
+        return None if backend == "auto" else backend
+
     def _sync_weights(self) -> None:
-        assert self.policy is not None
+        """Push the policy's weights to every live engine.
+
+        Engines that failed since the weight-update group was built are left out of a new group
+        first. A failed broadcast probes the engines, rebuilds the group with those that answer
+        and retries once. With no engine left nothing is sent: the step still completes (its
+        update is applied) and the next generation stops training with a checkpoint.
+        """
+        assert self.policy is not None and self.engines is not None
+        from skylift.weight_sync import WeightSyncError
+
         if self._engines_asleep:  # colocated on GPU: weights must be resident to be overwritten
-            self.loop.run_until_complete(self.engines.wake_up())  # type: ignore[union-attr]
+            self.loop.run_until_complete(self.engines.wake_up())
             self._engines_asleep = False
-        self.policy.call_all("sync_weights")
+        for attempt in (1, 2):
+            if self.engines.live_indices != self._sync_members and not self._rebuild_weight_sync():
+                return
+            try:
+                self.policy.call_all("sync_weights")
+                break
+            except WeightSyncError as exc:
+                if attempt == 2:
+                    raise
+                self._say(f"weight sync failed ({exc}); checking the engines and retrying once")
+                self.loop.run_until_complete(self.engines.probe())
+                self._sync_members = []  # force a new group
         self.engine_version = self.state.policy_version
+
+    def _rebuild_weight_sync(self) -> bool:
+        """A weight-update group of the live engines only; False when none is left."""
+        assert self.policy is not None and self.engines is not None
+        live = self.engines.live_indices
+        if not live:
+            self.policy.call_all("close_weight_sync")
+            self._sync_members = []
+            return False
+        self._say(
+            f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engine_refs)}"
+        )
+        self.policy.call_all(
+            "rebuild_weight_sync", [self.engine_refs[i] for i in live], self._weight_sync_backend
+        )
+        self._sync_members = live
+        return True
 
     # ================================================================== evaluation
     def evaluate(self) -> dict[str, float]:
@@ -656,6 +705,8 @@ class RLTrainer:
             self.rollouts = BackgroundRollouts(self.loop)
         try:
             self._fit_steps(with_next(batches), total_steps, bar)
+        except EngineUnavailableError as exc:
+            raise self._stop_after_engine_loss(exc) from exc
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
@@ -684,6 +735,8 @@ class RLTrainer:
                 self.save_checkpoint()
             if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
                 self.export()
+            if self.engines is not None and self.engines.failures:
+                metrics["engines/live"] = float(len(self.engines.live_indices))
             metrics["timing/step_s"] = time.perf_counter() - tick
             # engines idle: the step's time with no generation running (evaluation counts as busy)
             busy = metrics["timing/generate_s"] + metrics.get("timing/eval_s", 0.0)
@@ -692,6 +745,25 @@ class RLTrainer:
             bar.update(1)
             if self.console:
                 bar.write(self._summary(step, total_steps, metrics))
+
+    def _stop_after_engine_loss(self, exc: EngineUnavailableError) -> TrainingStoppedError:
+        """Save the last completed step (engines fail in generation, before a step changes the
+        policy, or in a sync after it counted) and explain how to continue."""
+        step = self.state.global_step
+        what = "all inference engines failed" if isinstance(exc, NoHealthyEngineError) else "an engine failed"
+        if step == 0:
+            saved = "nothing to save: no step had completed"
+        elif (
+            latest := ckpt.latest_checkpoint(self.paths.ckpt)
+        ) is not None and latest.name == f"global_step_{step}":
+            saved = f"step {step} was already checkpointed at {latest}"
+        else:
+            saved = f"saved step {step} to {self.save_checkpoint()}"
+        self._say(f"stopping: {what} during step {step + 1}; {saved}")
+        return TrainingStoppedError(
+            f"training stopped during step {step + 1}: {exc}. {saved.capitalize()}. Bring the engines "
+            "back and rerun the same command with trainer.resume_mode=latest to continue."
+        )
 
     def _log(self, metrics: dict[str, float]) -> None:
         self.tracking.log(metrics, self.state.global_step)
@@ -707,6 +779,8 @@ class RLTrainer:
             parts.append(f"kl {m['policy/kl_loss']:.4f}")
         if "policy/logprob_diff_vs_rollout" in m:
             parts.append(f"|lp diff| {m['policy/logprob_diff_vs_rollout']:.1e}")
+        if "engines/live" in m:
+            parts.append(f"engines live {m['engines/live']:.0f}")
         if m.get("async/staleness_max", 0.0) > 0:
             parts.append(f"staleness {m['async/staleness_max']:.0f}")
         parts.append(

@@ -8,6 +8,7 @@ them in lockstep.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 import time
@@ -17,6 +18,8 @@ from typing import Any
 from skylift.trainer.engines import EngineRef
 from skylift.training.batch import SequenceBatch
 from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
+
+logger = logging.getLogger("skylift.trainer.workers")
 
 
 class RLWorker(TrainingWorker):
@@ -64,10 +67,24 @@ class RLWorker(TrainingWorker):
         self._run(self._sender.send_state_dict(weights, bucket_bytes=bucket_mb << 20))
         return {"timing/weight_sync_s": time.perf_counter() - started}
 
+    def rebuild_weight_sync(self, engine_refs: Sequence[EngineRef], backend: str | None = None) -> None:
+        """A new group with `engine_refs` only (after engines failed): the old group is destroyed
+        (failures of dead engines to answer are expected and logged) and the live engines replace
+        their membership (`override_existing`)."""
+        if self.rank != 0:
+            return
+        self.close_weight_sync()
+        self.init_weight_sync(engine_refs, override_existing=True, backend=backend)
+
     def close_weight_sync(self) -> None:
+        """Destroy the group; engines that cannot be reached any more are logged, not raised."""
         if self._sender is not None:
+            from skylift.weight_sync import WeightSyncError
+
             try:
                 self._run(self._sender.close())
+            except WeightSyncError as exc:
+                logger.warning("closing the weight-update group: %s", exc)
             finally:
                 self._sender = None
 

@@ -8,7 +8,7 @@ import pytest
 
 from skylift.inference.http_session import SessionPool, connection_limit, keepalive_s
 from skylift.inference.remote import RemoteEngineError, RemoteInferenceClient, normalize_url
-from skylift.inference.routing import LoadRouter
+from skylift.inference.routing import LoadRouter, NoServerLeftError
 
 
 def test_pick_prefers_least_loaded_server():
@@ -34,6 +34,23 @@ def test_session_is_sticky_even_when_its_server_is_busy():
     assert router.pick("conversation-2") == 1 - first
     router.forget("conversation-1")
     assert router.pick("conversation-1") == 1 - first
+
+
+def test_disabled_servers_get_no_work_and_their_sessions_move():
+    router = LoadRouter(3)
+    pinned = router.pick("conversation")
+    router.disable(pinned)
+    assert pinned not in router.enabled and len(router.enabled) == 2
+    moved = router.pick("conversation")
+    assert moved != pinned and router.pick("conversation") == moved  # sticky on its new server
+    assert pinned not in {router.pick() for _ in range(6)}
+    assert pinned not in router.assign([1] * 6)
+    for index in router.enabled:
+        router.disable(index)
+    with pytest.raises(NoServerLeftError):
+        router.pick()
+    with pytest.raises(NoServerLeftError):
+        router.assign([1])
 
 
 def test_session_memory_is_bounded_lru():
@@ -143,6 +160,28 @@ def test_connection_errors_name_server_and_operation():
     assert err.url == "http://127.0.0.1:9"
     assert err.operation == "reset_prefix_cache"
     assert "reset_prefix_cache on http://127.0.0.1:9" in str(err)
+
+
+def test_refused_connections_mark_the_engine_unavailable():
+    from skylift.inference.pool import EnginePool, NoHealthyEngineError
+    from skylift.inference.remote import RemoteInferenceEngine
+    from skylift.inference.types import EngineUnavailableError, SamplingParams
+
+    async def run():
+        engine = RemoteInferenceEngine("127.0.0.1:9", max_retries=0, timeout_s=5)
+        with pytest.raises(EngineUnavailableError):
+            await engine.generate([[1, 2]], SamplingParams(max_tokens=2))
+        pool = EnginePool([engine, RemoteInferenceEngine("127.0.0.1:7", max_retries=0, timeout_s=5)])
+        with pytest.raises(NoHealthyEngineError) as info:
+            await pool.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=2))
+        assert sorted(pool.failures) == [0, 1] and pool.live_indices == []
+        with pytest.raises(NoHealthyEngineError):
+            await pool.reset_prefix_cache()
+        await pool.close()  # closing failed engines is not an error
+        return str(info.value)
+
+    message = asyncio.run(run())
+    assert "http://127.0.0.1:9" in message and "http://127.0.0.1:7" in message
 
 
 def test_generation_retries_5xx_but_not_4xx():
