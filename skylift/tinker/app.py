@@ -282,7 +282,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     # ---------------------------------------------------------------- skylift extras
     @app.get("/skylift/status")
     async def status() -> dict[str, Any]:
-        """Which engines started (tests check that training never starts one) and loaded models."""
+        """Which engines and render servers started (tests check that training never starts an
+        engine, and text-only training no render server) and loaded models."""
         return {
             "engines": [
                 {
@@ -295,6 +296,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             ],
             "engine_start_attempts": sum(h.start_attempts for h in service.engines.values()),
             "loaded_models": sorted(service.models),
+            "renderers": [r.status() for r in service.render_hosts.values()],
         }
 
     return app

@@ -81,6 +81,7 @@ class TrainedModel:
         self.micro_batch_size = micro_batch_size
         self.worker: TrainingWorker | None = None
         self.vocab_size = 0
+        self.image_token_id: int | None = None  # vision-language models: the image placeholder token
         self.steps = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -102,7 +103,9 @@ class TrainedModel:
         worker = TrainingWorker(settings, rank=0, world_size=1)
         worker.setup()
         self.worker = worker
-        self.vocab_size = int(AutoConfig.from_pretrained(c.model_path).vocab_size)
+        hf_config = AutoConfig.from_pretrained(c.model_path)
+        self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        self.image_token_id = getattr(hf_config, "image_token_id", None)
 
     def close(self) -> None:
         self.worker = None
@@ -195,8 +198,13 @@ class TrainedModel:
         device = self._worker().device
         ids, attention, targets, mask = (x.to(device) for x in (ids, attention, targets, mask))
         extra = {k: v.to(device) for k, v in extra.items()}
+        vision = _vision_inputs(rows, device)
+        if vision and self.image_token_id is None:
+            raise UserError(f"{self.config.base_model} is not a vision-language model; it cannot take images")
+        if vision:  # which positions hold image tokens (for the multimodal rotary positions)
+            vision["mm_token_type_ids"] = (ids == self.image_token_id).long()
         with torch.set_grad_enabled(backward):
-            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+            logits = model(input_ids=ids, attention_mask=attention, use_cache=False, **vision).logits
             logp = gather_logprobs(logits, targets) * mask
             per_token, metrics = spec.impl(logp, extra, mask, call.loss_fn_config)
             loss = per_token.sum()
@@ -253,6 +261,18 @@ class TrainedModel:
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the current merged Hugging Face-named weights."""
         return {name: tensor.detach().clone() for name, tensor in self._worker().iter_full_weights()}
+
+
+def _vision_inputs(rows: list[WireDatum], device: torch.device) -> dict[str, torch.Tensor]:
+    """`pixel_values` / `image_grid_thw` of the rows' images, in row order (empty without images)."""
+    pixels = [d.pixel_values for d in rows if d.pixel_values is not None]
+    grids = [d.image_grid_thw for d in rows if d.image_grid_thw is not None]
+    if not pixels:
+        return {}
+    return {
+        "pixel_values": torch.cat(pixels).to(device),
+        "image_grid_thw": torch.cat(grids).to(device),
+    }
 
 
 def read_checkpoint_config(directory: Path) -> ModelConfig:

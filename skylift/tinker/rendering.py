@@ -1,54 +1,52 @@
-"""Rendering of Tinker model inputs into token ids.
+"""Parsing of Tinker model inputs into parts: token lists and images.
 
-A `ModelInput` is a list of chunks. Text chunks (already tokenized by the client) are concatenated
-here, locally, without any inference engine: this is what keeps forward/backward free of engine
-start-up. Image chunks need a multimodal processor and are refused with a clear user error.
+A `ModelInput` is a list of chunks. Text chunks (already tokenized by the client) become token
+lists; ``image`` / ``image_asset_pointer`` chunks become checked `ImageInput`s. Text-only inputs are
+rendered here, locally, without any server (this keeps forward/backward free of start-ups); inputs
+with images go through `skylift.tinker.vision_render` (a render server or the engines).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from skylift.tinker.errors import UserError
+from skylift.tinker.images import ImageInput, image_from_json
 
 IMAGE_CHUNK_TYPES = ("image", "image_asset_pointer")
 
-
-def _image_error(where: str) -> UserError:
-    return UserError(
-        f"{where}: image chunks are not supported yet by this server (text-only models); "
-        "send encoded_text chunks"
-    )
+Part = list[int] | ImageInput
 
 
-def render_json_chunks(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> list[int]:
-    """Token ids of a JSON `ModelInput.chunks` list (`{"type": "encoded_text", "tokens": [...]}`)."""
+def json_parts(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> list[Part]:
+    """The parts of a JSON `ModelInput.chunks` list, in order (images read and checked)."""
     if not isinstance(chunks, list):
         raise UserError(f"{where}: chunks must be a list of chunk objects, got {type(chunks).__name__}")
-    tokens: list[int] = []
+    parts: list[Part] = []
     for i, chunk in enumerate(chunks):
         if not isinstance(chunk, dict):
             raise UserError(f"{where} chunk {i}: expected an object, got {type(chunk).__name__}")
         kind = chunk.get("type", "encoded_text")
         if kind in IMAGE_CHUNK_TYPES:
-            raise _image_error(f"{where} chunk {i}")
+            parts.append(image_from_json(chunk, f"{where} chunk {i}"))
+            continue
         if kind != "encoded_text":
             raise UserError(f"{where} chunk {i}: unsupported chunk type {kind!r}")
         ids = chunk.get("tokens", [])
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise UserError(f"{where} chunk {i}: tokens must be a list of integer token ids")
-        tokens.extend(ids)
-    return tokens
+        parts.append(list(ids))
+    return parts
 
 
-def render_token_chunks(chunks: Iterable[list[int] | None], where: str = "model_input") -> list[int]:
-    """Concatenate decoded chunks; `None` stands for a non-text chunk (refused)."""
+def render_json_chunks(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> list[int]:
+    """Token ids of a text-only JSON `ModelInput.chunks` list; images are refused here."""
     tokens: list[int] = []
-    for i, chunk in enumerate(chunks):
-        if chunk is None:
-            raise _image_error(f"{where} chunk {i}")
-        tokens.extend(chunk)
+    for part in json_parts(chunks, where):
+        if isinstance(part, ImageInput):
+            raise UserError(f"{part.where}: image chunks need a vision-language model's renderer here")
+        tokens.extend(part)
     return tokens
 
 

@@ -199,7 +199,7 @@ class SamplingService:
         if info.path not in self.vocab:
             from transformers import AutoConfig
 
-            self.vocab[info.path] = int(AutoConfig.from_pretrained(info.path).vocab_size)
+            self.vocab[info.path] = int(AutoConfig.from_pretrained(info.path).get_text_config().vocab_size)
         return self.vocab[info.path]
 
     async def _sample(self, body: dict[str, Any]) -> bytes:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.futures import FutureHub, OrderedQueue
+from skylift.tinker.render_host import RenderHost
 from skylift.tinker.sampling import EngineHost, EngineSettings
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
 
@@ -69,6 +70,7 @@ class TinkerService:
         self.models: dict[str, TrainedModel] = {}
         self.queues: dict[str, OrderedQueue] = {}
         self.engines: dict[str, EngineHost] = {}
+        self.render_hosts: dict[str, RenderHost] = {}  # by base model path: image rendering
         self.snapshots: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.hub: FutureHub | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
@@ -86,7 +88,8 @@ class TinkerService:
 
         path = os.path.realpath(resolve_model_path(name))
         cfg = AutoConfig.from_pretrained(path)
-        limit = self.config.max_model_len or min(int(getattr(cfg, "max_position_embeddings", 2048)), 4096)
+        positions = getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048
+        limit = self.config.max_model_len or min(int(positions), 4096)
         arch = (getattr(cfg, "architectures", None) or [None])[0]
         return BaseModelInfo(name=name, path=path, max_model_len=limit, arch=arch)
 
@@ -111,6 +114,8 @@ class TinkerService:
             task.cancel()
         for host in self.engines.values():
             await asyncio.to_thread(host.close)
+        for render in self.render_hosts.values():
+            await asyncio.to_thread(render.close)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
@@ -180,6 +185,31 @@ class TinkerService:
             shutil.rmtree(row.directory, ignore_errors=True)
         return row
 
+    # ---------------------------------------------------------------- images
+    def render_host(self, model_path: str) -> RenderHost:
+        """The image renderer of a base model (created on first use; starts nothing)."""
+        host = self.render_hosts.get(model_path)
+        if host is None:
+            info = next((b for b in self.base_models if b.path == model_path), None)
+            host = RenderHost(
+                model_path,
+                max_model_len=info.max_model_len if info else None,
+                log_path=self.data_dir / f"render-server-{len(self.render_hosts)}.log",
+            )
+            self.render_hosts[model_path] = host
+        return host
+
+    async def render_images(self, model_path: str, data: list[Any]) -> None:
+        """Render the image-bearing datums of a batch (text-only batches never get here)."""
+        await self.render_host(model_path).render_datums(data)
+
+    def _release_render_server(self, model_path: str) -> None:
+        """Stop a base model's CPU render server once no loaded model of that base is left."""
+        host = self.render_hosts.get(model_path)
+        if host is None or any(m.config.model_path == model_path for m in self.models.values()):
+            return
+        self._spawn(asyncio.to_thread(host.close))
+
     def touch_model(self, model_id: str) -> None:
         self.store.update(ModelRow, model_id, last_request_time=utcnow())
 
@@ -232,6 +262,7 @@ class TinkerService:
             self._spawn(queue.close())
         if model is not None:
             model.close()
+            self._release_render_server(model.config.model_path)
             row = self.store.get(ModelRow, model_id)
             if row is not None and row.status == "ready":
                 self.store.update(ModelRow, model_id, status="unloaded")

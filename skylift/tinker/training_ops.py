@@ -31,6 +31,8 @@ def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | 
     async def fn(model: TrainedModel) -> bytes:
         if call.error is not None:
             raise call.error
+        if any(d.needs_render for d in call.data):
+            await svc.render_images(model.config.model_path, call.data)
         return await svc.run_training(model.forward_backward, call)
 
     return svc.submit_model_op(kind, call.model_id, call.seq_id or None, fn, idem)

@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.rendering import render_token_chunks
+from skylift.tinker.images import ImageInput, image_from_proto
 
 _NUMPY_OF_DTYPE = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
@@ -26,10 +27,21 @@ _NUMPY_OF_DTYPE = {
 
 @dataclass
 class WireDatum:
-    """One training example: input tokens and named per-position loss inputs."""
+    """One training example: input tokens and named per-position loss inputs.
+
+    A datum with image chunks keeps them in `parts` (token lists and images, in order); its
+    `tokens`, `pixel_values` and `image_grid_thw` are filled in when it is rendered.
+    """
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    parts: list[list[int] | ImageInput] | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    @property
+    def needs_render(self) -> bool:
+        return self.parts is not None and self.pixel_values is None
 
 
 @dataclass
@@ -106,23 +118,31 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     data: list[WireDatum] = []
     error: UserError | None = None
     for i, datum in enumerate(msg.data):
-        chunks: list[list[int] | None] = []
-        for chunk in datum.model_input:
-            kind = chunk.WhichOneof("chunk")
-            if kind == "encoded_text":
-                chunks.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").astype(int).tolist())
-            else:
-                chunks.append(None)
+        parts: list[list[int] | ImageInput] = []
         try:
-            tokens = render_token_chunks(chunks, where=f"datum {i}")
+            for j, chunk in enumerate(datum.model_input):
+                kind = chunk.WhichOneof("chunk")
+                if kind == "encoded_text":
+                    parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").astype(int).tolist())
+                elif kind == "image":
+                    image = chunk.image
+                    parts.append(
+                        image_from_proto(
+                            image.data, image.format, image.expected_tokens, f"datum {i} chunk {j}"
+                        )
+                    )
+                else:
+                    raise UserError(f"datum {i} chunk {j}: unsupported chunk type {kind!r}")
         except UserError as exc:
             error = error or exc
-            tokens = []
+            parts = []
+        has_image = any(isinstance(p, ImageInput) for p in parts)
+        tokens = [] if has_image else [t for p in parts if not isinstance(p, ImageInput) for t in p]
         inputs = {
             name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
             for name, tensor in datum.loss_fn_inputs.items()
         }
-        data.append(WireDatum(tokens=tokens, inputs=inputs))
+        data.append(WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None))
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),

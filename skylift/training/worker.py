@@ -98,6 +98,13 @@ def _dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16") from None
 
 
+def is_vision_language(model_path: str) -> bool:
+    """True for an image-text-to-text checkpoint (e.g. Qwen2-VL: its config has a vision_config)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+
+
 class TrainingWorker:
     """One rank of a (possibly sharded) model. Create, then call `setup()` on every rank."""
 
@@ -138,6 +145,10 @@ class TrainingWorker:
         if s.head == "value":
             # the backbone's weights with a new scalar head (transformers initialises it; seeded above)
             model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=_dtype(s.dtype))
+        elif is_vision_language(path):
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=_dtype(s.dtype))
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(s.dtype))
         model.config.use_cache = False
