@@ -339,6 +339,11 @@ class GeneratorConfig:
         "auto",
         "replace an existing weight-update group on the servers: auto | enable | disable (true/false ok)",
     )
+    seeded_sampling: bool = _f(
+        True,
+        "sample each prompt with a seed made of trainer.seed, the step and the prompt's place in "
+        "the batch: runs repeat exactly, and a resumed run samples what an uninterrupted one would",
+    )
     num_inference_engines: int = _f(1, "number of local engines")
     inference_engine_tensor_parallel_size: int = _f(1, "tensor-parallel size of each local engine")
     model_dtype: str = _f(

@@ -1,7 +1,8 @@
 """Turns prompt rows into scored trajectories through any `InferenceEngine`.
 
 Single-turn (the default): one batched `generate` call for all prompts with `n` samples each,
-then one environment step per sample. Multi-turn (`max_turns > 1`): an async agent loop per
+then one environment step per sample (with per-prompt `seeds`, one call per prompt, concurrently:
+each prompt's samples then depend only on its seed, not on how prompts are batched or routed). Multi-turn (`max_turns > 1`): an async agent loop per
 trajectory; environment observations are appended as chat messages, tokenised with the chat
 template, and masked out of the loss.
 """
@@ -9,6 +10,7 @@ template, and masked out of the loss.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -17,6 +19,16 @@ from typing import Any, Protocol
 from skylift.envs import make_env
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
+
+#: Seed offset between the turns of one multi-turn trajectory (samples of a row are 1 apart).
+TURN_SEED_STRIDE = 1_000_003
+
+
+def rollout_seed(base: int, step: int, prompt_uid: str) -> int:
+    """The sampling seed of prompt `prompt_uid` at training step `step` (-1: evaluation) in a run
+    seeded with `base`: a 32-bit hash, so prompts and steps get unrelated streams."""
+    digest = hashlib.blake2b(f"{base}:{step}:{prompt_uid}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 class PromptRow(Protocol):
@@ -52,21 +64,41 @@ class Generator:
 
     # ------------------------------------------------------------------ public
     async def generate(
-        self, rows: Sequence[PromptRow], n: int, params: SamplingParams, policy_version: int = 0
+        self,
+        rows: Sequence[PromptRow],
+        n: int,
+        params: SamplingParams,
+        policy_version: int = 0,
+        seeds: Sequence[int] | None = None,
     ) -> list[Trajectory]:
-        """`n` trajectories per row, grouped by row in order (row 0's n first)."""
+        """`n` trajectories per row, grouped by row in order (row 0's n first).
+
+        `seeds`: one per row (e.g. `rollout_seed`); sample j of a row uses seed + j (vLLM's own rule
+        for n > 1), turn t of a multi-turn trajectory adds t * `TURN_SEED_STRIDE`.
+        """
+        if seeds is not None and len(seeds) != len(rows):
+            raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
         params = replace(params, n=1) if self.settings.max_turns > 1 else replace(params, n=n)
         if self.settings.max_turns > 1:
-            tasks = [self._multi_turn(row, params, policy_version) for row in rows for _ in range(n)]
+            tasks = [
+                self._multi_turn(row, params, policy_version, None if seeds is None else seeds[i] + j)
+                for i, row in enumerate(rows)
+                for j in range(n)
+            ]
             return list(await asyncio.gather(*tasks))
-        return await self._single_turn(rows, n, params, policy_version)
+        return await self._single_turn(rows, n, params, policy_version, seeds)
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return _chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
 
     # ------------------------------------------------------------------ single turn
     async def _single_turn(
-        self, rows: Sequence[PromptRow], n: int, params: SamplingParams, policy_version: int
+        self,
+        rows: Sequence[PromptRow],
+        n: int,
+        params: SamplingParams,
+        policy_version: int,
+        seeds: Sequence[int] | None,
     ) -> list[Trajectory]:
         envs_per_row = []
         prompts: list[list[int]] = []
@@ -82,7 +114,16 @@ class Generator:
             prompts.append(ids)
             envs_per_row.append(envs)
         params = replace(params, max_tokens=min(params.max_tokens, self.settings.max_generate_length))
-        outputs = await self.engine.generate(prompts, params)
+        if seeds is None:
+            outputs = await self.engine.generate(prompts, params)
+        else:
+            answers = await asyncio.gather(
+                *(
+                    self.engine.generate([p], replace(params, seed=s))
+                    for p, s in zip(prompts, seeds, strict=True)
+                )
+            )
+            outputs = [answer[0] for answer in answers]
         trajectories: list[Trajectory] = []
         for row, envs, prompt_ids, output in zip(rows, envs_per_row, prompts, outputs, strict=True):
             if len(output.completions) != n:
@@ -122,7 +163,9 @@ class Generator:
         )
 
     # ------------------------------------------------------------------ multi turn
-    async def _multi_turn(self, row: PromptRow, params: SamplingParams, policy_version: int) -> Trajectory:
+    async def _multi_turn(
+        self, row: PromptRow, params: SamplingParams, policy_version: int, seed: int | None
+    ) -> Trajectory:
         env = self._make_env(row)
         messages = env.init(row.prompt, self._extras(row))
         prompt_ids = self.encode_prompt(messages)
@@ -144,8 +187,9 @@ class Generator:
             if budget <= 0:
                 stop_reason = "length"
                 break
+            turn_seed = None if seed is None else seed + turns * TURN_SEED_STRIDE
             out = await self.engine.generate(
-                [prompt_ids + response_ids], replace(params, max_tokens=budget), session_id
+                [prompt_ids + response_ids], replace(params, max_tokens=budget, seed=turn_seed), session_id
             )
             completion = out[0].completions[0]
             turns += 1

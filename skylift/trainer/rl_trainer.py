@@ -34,6 +34,7 @@ from skylift.algorithms import (
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.data import PromptDataset, PromptSample
 from skylift.generator import Generator, GeneratorSettings, Trajectory
+from skylift.generator.generator import rollout_seed
 from skylift.inference.pool import EnginePool, NoHealthyEngineError
 from skylift.inference.types import EngineUnavailableError, SamplingParams
 from skylift.trainer import checkpoint as ckpt
@@ -192,7 +193,9 @@ class RLTrainer:
             self._weight_sync_backend,
         )
         self._sync_members = list(range(len(self.engine_refs)))
-        self._maybe_resume()
+        if not self._maybe_resume() and not g.run_engines_locally:
+            # a server may still hold another run's weights: start from this run's
+            self._sync_weights()
         self.generator = Generator(
             self.engines,
             self.tokenizer,
@@ -280,6 +283,7 @@ class RLTrainer:
     def _worker_settings(self, trainable: bool) -> WorkerSettings:
         t = self.cfg.trainer
         model_cfg = t.policy.model if trainable else t.ref.model
+        lora = t.policy.model.lora  # the reference is the frozen base model: no adapter
         o = t.policy.optimizer_config
         return WorkerSettings(
             model_path=model_cfg.path or t.policy.model.path,
@@ -287,9 +291,9 @@ class RLTrainer:
             dtype="bfloat16" if t.bf16 else "float32",
             gradient_checkpointing=t.gradient_checkpointing,
             optimizer=_optimizer_settings(o, self._total_steps() * self._optimizer_steps_per_step()),
-            lora_rank=model_cfg.lora.rank if trainable else 0,
-            lora_alpha=model_cfg.lora.alpha,
-            lora_target_modules=model_cfg.lora.target_modules,
+            lora_rank=lora.rank if trainable else 0,
+            lora_alpha=lora.alpha,
+            lora_target_modules=lora.target_modules,
             seed=t.seed,
         )
 
@@ -319,18 +323,19 @@ class RLTrainer:
         g = self.cfg.generator
         return int(g.max_generate_length or g.sampling_params.max_generate_length)
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> bool:
+        """Load the checkpoint `resume_mode` asks for, if any, and push its weights to the engines."""
         t = self.cfg.trainer
         mode = (t.resume_mode or "none").lower()
         if mode == "none":
-            return
+            return False
         path = (
             Path(t.resume_path).expanduser()
             if mode == "from_path" and t.resume_path
             else (ckpt.latest_checkpoint(self.paths.ckpt))
         )
         if path is None:
-            return
+            return False
         assert self.policy is not None
         self.state = ckpt.load_trainer_state(path)
         self.policy.call_all("load_checkpoint", str(path / "policy"))
@@ -338,6 +343,7 @@ class RLTrainer:
             self.critic.call_all("load_checkpoint", str(path / "critic"))
         self._sync_weights()
         self._say(f"resumed from {path} (step {self.state.global_step})")
+        return True
 
     # ================================================================== one step
     def _train_critic(self, batch: SequenceBatch) -> dict[str, float]:
@@ -379,11 +385,16 @@ class RLTrainer:
     def generate(self, rows: list[PromptSample], evaluation: bool = False) -> list[Trajectory]:
         return self.loop.run_until_complete(self._rollout(rows, evaluation))
 
-    def _rollout(self, rows: list[PromptSample], evaluation: bool = False) -> Any:
-        """The generation coroutine; its trajectories record the engines' policy version now."""
+    def _rollout(self, rows: list[PromptSample], evaluation: bool = False, ahead: int = 0) -> Any:
+        """The generation coroutine of the next step's rows (`ahead` steps further for async runs,
+        or evaluation); its trajectories record the engines' policy version now."""
         g = self.cfg.generator
         n = g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt
-        return self.generator.generate(rows, n, self._sampling_params(evaluation), self.engine_version)
+        seeds = None
+        if g.seeded_sampling:
+            step = -1 if evaluation else self.state.global_step + ahead
+            seeds = [rollout_seed(self.cfg.trainer.seed, step, row.uid) for row in rows]
+        return self.generator.generate(rows, n, self._sampling_params(evaluation), self.engine_version, seeds)
 
     def make_batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         return build_sequence_batch(
@@ -418,7 +429,7 @@ class RLTrainer:
             wait_s, generate_s = self.rollouts.join()
         trajectories = self.rollouts.take()
         if next_rows is not None:
-            self.rollouts.launch(self._rollout(next_rows))
+            self.rollouts.launch(self._rollout(next_rows, ahead=1))
         metrics = self.update_policy(trajectories)
         waited, generated = self.rollouts.join()  # no generation may be in flight during the sync
         metrics.update(self._sync_after_update())

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from skylift.data import PromptDataset, write_arithmetic_dataset
 from skylift.generator import Generator, GeneratorSettings
+from skylift.generator.generator import rollout_seed
 from skylift.inference.remote import RemoteInferenceEngine
 from skylift.inference.types import SamplingParams
 
@@ -60,3 +61,29 @@ def test_multi_turn_masks_observations(rows: list, tiny_model_dir: Path, tiny_se
         assert all(tok in masked for tok in feedback)
         assert all(lp == 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask, strict=True) if m == 0)
         assert sum(t.loss_mask) <= 16
+
+
+def test_seeded_rollouts_repeat_whatever_the_batching(
+    rows: list, tiny_model_dir: Path, tiny_server_url: str
+) -> None:
+    """Per-prompt seeds: a prompt's samples depend on its seed only, not on its batch or engine."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    gen = Generator(
+        RemoteInferenceEngine(tiny_server_url), tokenizer, GeneratorSettings(max_generate_length=24)
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=24)
+    seeds = [rollout_seed(42, 3, r.uid) for r in rows]
+    assert len(set(seeds)) == len(seeds)
+
+    def responses(batch: list, batch_seeds: list[int] | None) -> list[list[int]]:
+        return [
+            t.response_ids for t in asyncio.run(gen.generate(batch, n=3, params=params, seeds=batch_seeds))
+        ]
+
+    full = responses(rows, seeds)
+    assert responses(rows, seeds) == full
+    assert responses(rows[2:], seeds[2:]) == full[6:]  # alone or in a batch: the same samples
+    assert len({tuple(r) for r in full[:3]}) > 1  # the samples of one prompt still differ
+    assert responses(rows, [s + 1000 for s in seeds]) != full
+    with pytest.raises(ValueError, match="2 seeds for 4 rows"):
+        asyncio.run(gen.generate(rows, n=1, params=params, seeds=seeds[:2]))
