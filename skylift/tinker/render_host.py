@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from skylift.tinker.render_server import CPURenderServer, RenderServerClient, process_rss_mb
-from skylift.tinker.vision_render import RenderClient, VisionRenderer
+from skylift.tinker.vision_render import Part, RenderClient, RenderedInput, VisionRenderer
 from skylift.tinker.wire import WireDatum
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,11 @@ class RenderHost:
                 self.server_starts += 1
                 self._server_client = RenderServerClient(url)
             return self._server_client
+
+    async def render_parts(self, parts: list[Part]) -> RenderedInput:
+        """One model input (a sampling prompt)."""
+        renderer = VisionRenderer(await self._client(), self.model_path)
+        return await renderer.render(parts)
 
     async def render_datums(self, data: list[WireDatum]) -> None:
         """Fill in tokens, pixel_values and image_grid_thw of every datum that has images."""

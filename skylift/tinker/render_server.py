@@ -59,6 +59,24 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def enable_vision_compat() -> None:
+    """Apply `render_compat` in this process and the processes it spawns from now on (vLLM engines)."""
+    import importlib.util
+
+    if str(COMPAT_DIR) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(COMPAT_DIR), os.environ.get("PYTHONPATH", "")) if p
+        )
+    if "skylift_render_compat" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "skylift_render_compat", COMPAT_DIR / "sitecustomize.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["skylift_render_compat"] = module
+        spec.loader.exec_module(module)
+
+
 def process_rss_mb(pid: int) -> float:
     """Resident memory of one process in MB (0 if it is gone)."""
     try:

@@ -40,16 +40,6 @@ def json_parts(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> 
     return parts
 
 
-def render_json_chunks(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> list[int]:
-    """Token ids of a text-only JSON `ModelInput.chunks` list; images are refused here."""
-    tokens: list[int] = []
-    for part in json_parts(chunks, where):
-        if isinstance(part, ImageInput):
-            raise UserError(f"{part.where}: image chunks need a vision-language model's renderer here")
-        tokens.extend(part)
-    return tokens
-
-
 def check_token_range(tokens: Sequence[int], vocab_size: int, where: str) -> None:
     """Refuse token ids outside the model's vocabulary (they would crash the embedding)."""
     for t in tokens:

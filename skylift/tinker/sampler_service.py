@@ -8,6 +8,7 @@ ephemeral sampler save asks for), never for training nor for a named sampler sav
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -19,7 +20,8 @@ import torch
 
 from skylift.inference.routes import MAX_N
 from skylift.tinker.errors import NotFoundError, UserError
-from skylift.tinker.rendering import check_token_range, render_json_chunks
+from skylift.tinker.images import ImageInput
+from skylift.tinker.rendering import check_token_range, json_parts
 from skylift.tinker.sampling import EngineHost, to_engine_params
 from skylift.tinker.store import SamplingSessionRow
 from skylift.tinker.views import parse_tinker_path
@@ -60,8 +62,19 @@ class SamplingService:
     def host(self, info: BaseModelInfo) -> EngineHost:
         host = self.engines.get(info.path)
         if host is None:
+            from skylift.training.worker import is_vision_language
+
             settings = dataclasses.replace(self.svc.config.engine, max_model_len=info.max_model_len)
-            host = self.engines[info.path] = EngineHost(info.name, info.path, settings)
+            vision = is_vision_language(info.path)
+            host = self.engines[info.path] = EngineHost(info.name, info.path, settings, vision=vision)
+            if vision:
+                render_host = self.svc.render_host(info.path)
+
+                async def engine_renders(started: EngineHost) -> None:
+                    # rendering moves to the engine; the CPU render server is no longer needed
+                    await asyncio.to_thread(render_host.use_engine, started)
+
+                host.on_started.append(engine_renders)
         return host
 
     def _info_for_path(self, model_path: str) -> BaseModelInfo:
@@ -204,7 +217,20 @@ class SamplingService:
 
     async def _sample(self, body: dict[str, Any]) -> bytes:
         tag, info = self._target(body)
-        prompt = render_json_chunks((body.get("prompt") or {}).get("chunks") or [], where="prompt")
+        parts = json_parts((body.get("prompt") or {}).get("chunks") or [], where="prompt")
+        with_images = any(isinstance(p, ImageInput) for p in parts)
+        host = self.host(info)
+        if with_images:
+            if not host.vision:
+                raise UserError(f"{info.name} is not a vision-language model; the prompt has image chunks")
+            if body.get("prompt_logprobs"):
+                raise UserError(
+                    "prompt_logprobs for prompts with images are not supported by this server yet"
+                )
+            await host.prefetch(tag, self._loader(tag, info))  # the engine renders from now on
+            prompt = (await self.svc.render_host(info.path).render_parts(parts)).tokens
+        else:
+            prompt = [t for p in parts if not isinstance(p, ImageInput) for t in p]
         if not prompt:
             raise UserError("prompt is empty")
         check_token_range(prompt, self._vocab_size(info), "prompt")
@@ -222,8 +248,10 @@ class SamplingService:
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
             raise UserError(f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}")
-        host = self.host(info)
-        result = await host.sample(tag, self._loader(tag, info), prompt, params, want_plp)
+        if with_images:
+            result = await host.sample_images(tag, self._loader(tag, info), parts, params)
+        else:
+            result = await host.sample(tag, self._loader(tag, info), prompt, params, want_plp)
         plp = result.prompt_logprobs
         if plp is not None and last_n is not None:
             cut = len(plp) - int(last_n)

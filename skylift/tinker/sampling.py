@@ -18,13 +18,14 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from skylift.inference.types import EngineError, SamplingParams
+from skylift.tinker.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,22 @@ class EngineSettings:
 
 
 class EngineHost:
-    """One base model's engine, started on first use, living on its own event-loop thread."""
+    """One base model's engine, started on first use, living on its own event-loop thread.
 
-    def __init__(self, base_model: str, model_path: str, settings: EngineSettings) -> None:
+    For a vision-language model it also serves the chat render route in-process
+    (`render_chat_completion`, the `RenderClient` protocol) and samples from prompts with images.
+    `on_started` callbacks run on the engine loop right after a start-up.
+    """
+
+    def __init__(
+        self, base_model: str, model_path: str, settings: EngineSettings, vision: bool = False
+    ) -> None:
         self.base_model = base_model
         self.model_path = model_path
         self.settings = settings
+        self.vision = vision
+        self.on_started: list[Callable[[EngineHost], Awaitable[None]]] = []
+        self._renderer: Any = None
         self.start_attempts = 0
         self.last_error: str | None = None
         self._engine: Any = None
@@ -106,6 +117,13 @@ class EngineHost:
                 from skylift.weight_sync import WeightSender
 
                 s = self.settings
+                extra: dict[str, Any] = {}
+                if self.vision:
+                    from skylift.tinker.engine_render import VISION_ENGINE_ARGS
+                    from skylift.tinker.render_server import enable_vision_compat
+
+                    enable_vision_compat()
+                    extra = dict(VISION_ENGINE_ARGS)
                 engine = await LocalVLLMEngine.create(
                     self.model_path,
                     max_model_len=s.max_model_len,
@@ -114,6 +132,7 @@ class EngineHost:
                     max_num_seqs=s.max_num_seqs,
                     enable_prefix_caching=True,
                     name=f"tinker-sampler({self.base_model})",
+                    **extra,
                 )
                 sender = WeightSender()
                 try:
@@ -128,6 +147,15 @@ class EngineHost:
             self._engine, self._sender, self._tag = engine, sender, "base"
             self.last_error = None
             logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
+            if self.vision:
+                from skylift.tinker.engine_render import EngineRenderer
+
+                self._renderer = EngineRenderer(engine.vllm_engine, self.model_path)
+            for callback in self.on_started:
+                try:
+                    await callback(self)
+                except Exception:
+                    logger.exception("engine start-up callback failed")
 
     async def _acquire(self, tag: str, loader: WeightLoader) -> None:
         """Make `tag`'s weights current and count one active user of them."""
@@ -176,6 +204,34 @@ class EngineHost:
             plp = [math.nan] + (list(results[1][0]) if len(results) > 1 else [])
         return SampleResult(sequences=sequences, prompt_logprobs=plp)
 
+    async def _sample_images(
+        self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams
+    ) -> SampleResult:
+        from skylift.tinker.engine_render import collapse_images, generate_multimodal
+
+        image_token_id = self._engine.vllm_engine.model_config.hf_config.image_token_id
+        prompt, images = collapse_images(parts, image_token_id)
+        await self._acquire(tag, loader)
+        try:
+            output = await generate_multimodal(self._engine, prompt, images, params)
+        finally:
+            await self._release()
+        sequences = [
+            SampledSequenceData(
+                tokens=list(c.token_ids),
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                stop_reason=c.stop_reason,
+            )
+            for c in output.completions
+        ]
+        return SampleResult(sequences=sequences, prompt_logprobs=None)
+
+    async def _render(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self._renderer is None:
+            raise EngineError(f"the engine for {self.base_model!r} is not running or renders no images")
+        result: dict[str, Any] = await self._renderer.render_chat_completion(payload)
+        return result
+
     async def _prefetch(self, tag: str, loader: WeightLoader) -> None:
         await self._acquire(tag, loader)
         await self._release()
@@ -183,7 +239,7 @@ class EngineHost:
     async def _close(self) -> None:
         # At shutdown the weight-sync group is not torn down politely: the engine's workers exit
         # with it, and a collective with an engine that is already gone would only wait out its timeout.
-        engine, self._engine, self._sender = self._engine, None, None
+        engine, self._engine, self._sender, self._renderer = self._engine, None, None, None
         if engine is not None:
             await asyncio.wait_for(engine.close(), 60.0)
 
@@ -193,6 +249,16 @@ class EngineHost:
     ) -> SampleResult:
         """Sample `params.n` continuations of `prompt` with the weights named `tag`."""
         return await self._on_engine_loop(self._sample(tag, loader, prompt, params, prompt_logprobs))
+
+    async def sample_images(
+        self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams
+    ) -> SampleResult:
+        """Sample continuations of a prompt with images (a vision-language engine)."""
+        return await self._on_engine_loop(self._sample_images(tag, loader, parts, params))
+
+    async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's chat render route, served by the running engine's renderer (`RenderClient`)."""
+        return await self._on_engine_loop(self._render(payload))
 
     async def prefetch(self, tag: str, loader: WeightLoader) -> None:
         """Start the engine if needed and load `tag`'s weights (no generation)."""

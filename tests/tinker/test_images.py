@@ -252,3 +252,42 @@ def test_image_datum_forward_backward_through_the_sdk(
     assert not _renderer_status(vlm_server)["render_server_running"]
     assert not psutil.pid_exists(pid)
     assert os.environ.get("VLLM_TARGET_DEVICE") is None  # forced in the child only
+
+
+def test_engine_start_moves_rendering_to_the_engine_and_stops_the_render_server(
+    vlm_server: TinkerServer, vlm_tokens: dict[str, int]
+) -> None:
+    client = tinker.ServiceClient(base_url=vlm_server.url, api_key=API_KEY)
+    tc = client.create_lora_training_client(base_model="tiny-qwen2-vl", rank=4).result()
+    datum = image_datum(vlm_tokens, png(3))
+    before = tc.forward([datum], "cross_entropy").result()
+    status = _renderer_status(vlm_server)
+    assert status["backend"] == "render_server" and status["render_server_running"]
+    pid, starts = status["render_server_pid"], status["render_server_starts"]
+
+    # sampling (VLM RL) brings the engine up; a prompt with an image samples through it
+    sampler = client.create_sampling_client(base_model="tiny-qwen2-vl").result()
+    start, end = vlm_tokens[vl.VISION_START], vlm_tokens[vl.VISION_END]
+    prompt = types.ModelInput(
+        chunks=[
+            types.EncodedTextChunk(tokens=[1, 40, start]),
+            types.ImageChunk(data=png(3), format="png", expected_tokens=TOKENS),
+            types.EncodedTextChunk(tokens=[end, 41]),
+        ]
+    )
+    result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, stop=[], seed=0)).result()
+    assert [len(s.tokens) for s in result.sequences] == [4, 4]
+    assert all(s.logprobs is not None and np.all(np.isfinite(s.logprobs)) for s in result.sequences)
+
+    # the engine renders now; the CPU render server is gone
+    status = _renderer_status(vlm_server)
+    assert status["backend"] == "engine" and not status["render_server_running"]
+    assert not psutil.pid_exists(pid)
+    after = tc.forward([datum], "cross_entropy").result()  # rendered by the engine, same tokens and pixels
+    np.testing.assert_allclose(
+        np.asarray(after.loss_fn_outputs[0]["logprobs"].data),
+        np.asarray(before.loss_fn_outputs[0]["logprobs"].data),
+        atol=1e-5,
+    )
+    assert _renderer_status(vlm_server)["render_server_starts"] == starts  # never restarted
+    client.close("success").result(timeout=60)

