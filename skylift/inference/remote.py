@@ -294,6 +294,16 @@ class RemoteInferenceEngine:
     async def tensor_parallel_size(self) -> int:
         return int((await self.info())["tensor_parallel_size"])
 
+    async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/v1/chat/completions/render`` (token ids and multimodal features, no generation).
+
+        The server must run with ``--enable-scale-out`` (without it vLLM answers 403); vLLM's GPU-less
+        render server serves the same route."""
+        result: dict[str, Any] = await self.request(
+            "POST", "/v1/chat/completions/render", "render_chat_completion", json=payload, retry=True
+        )
+        return result
+
     async def close(self) -> None:
         """Nothing per engine: the pooled session is shared (see `http_session.default_pool`)."""
 
@@ -395,6 +405,15 @@ class RemoteInferenceClient:
             return await self.engines[index].prompt_logprobs(sequences)
         finally:
             self.router.release(index, len(sequences))
+
+    async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Render on the least-loaded server (render requests spread over the engines)."""
+        index = self.router.pick()
+        self.router.acquire(index, 1)
+        try:
+            return await self.engines[index].render_chat_completion(payload)
+        finally:
+            self.router.release(index, 1)
 
     async def _fan_out(self, operation: str, calls: Sequence[Any]) -> list[Any]:
         results = await asyncio.gather(*calls, return_exceptions=True)

@@ -26,10 +26,10 @@ Part = list[int] | ImageInput
 class RenderClient(Protocol):
     """Anything that serves vLLM's ``/v1/chat/completions/render`` (returns the response JSON).
 
-    Satisfied by `skylift.tinker.render_server.RenderServerClient` (the CPU render server) and by
-    the engine clients (`skylift.inference.remote.RemoteInferenceEngine` / `RemoteInferenceClient`,
-    whose servers must run with ``--enable-scale-out``; `skylift.tinker.engine_render.EngineRenderClient`
-    for an in-process engine).
+    Satisfied by `skylift.tinker.render_server.RenderServerClient` (the CPU render server), by the
+    engine clients `skylift.inference.remote.RemoteInferenceEngine` / `RemoteInferenceClient`
+    (servers started with ``--enable-scale-out``; the client spreads renders over its servers), and
+    by `skylift.tinker.sampling.EngineHost` (the Tinker service's in-process engine).
     """
 
     async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]: ...
@@ -119,6 +119,11 @@ class VisionRenderer:
             response = await self.client.render_chat_completion(payload)
         except UserError as exc:
             raise UserError(f"{image.where}: {exc}") from exc
+        except Exception as exc:
+            status = getattr(exc, "status", None)  # e.g. RemoteEngineError: a 4xx is the request's fault
+            if isinstance(status, int) and 400 <= status < 500:
+                raise UserError(f"{image.where}: {exc}") from exc
+            raise
         return parse_render_response(response, image)
 
     async def render(self, parts: Sequence[Part]) -> RenderedInput:

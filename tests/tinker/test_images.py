@@ -24,9 +24,9 @@ from tinker import types
 from skylift.models import prepare_model
 from skylift.models import tiny_qwen2_vl as vl
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import check_image
+from skylift.tinker.images import ImageInput, check_image
 from skylift.tinker.render_server import CPURenderServer, RenderServerClient
-from skylift.tinker.vision_render import VisionRenderer
+from skylift.tinker.vision_render import RenderedInput, VisionRenderer
 
 pytestmark = pytest.mark.integration
 
@@ -105,6 +105,36 @@ def test_render_server_splices_placeholders_and_returns_pixels(
     wrong = check_image(data, "png", "datum 3 chunk 1", expected_tokens=TOKENS + 1)
     with pytest.raises(UserError, match=r"datum 3 chunk 1: expected_tokens=7 but the image renders to 6"):
         asyncio.run(render_and_close([wrong]))
+
+
+def test_engine_clients_serve_the_render_route_too(render_server: CPURenderServer, vlm_dir: Path) -> None:
+    """`RemoteInferenceClient` satisfies the same `RenderClient` protocol (pointed here at the
+    render server, which serves the route an engine server with --enable-scale-out serves)."""
+    from skylift.inference.http_session import SessionPool
+    from skylift.inference.remote import RemoteInferenceClient
+
+    url = render_server.url or ""
+    pool = SessionPool()
+    engines = VisionRenderer(RemoteInferenceClient([url], session_pool=pool), str(vlm_dir))
+    server = VisionRenderer(RenderServerClient(url, pool=pool), str(vlm_dir))
+    parts = [[1, 40], check_image(png(4), "png", "datum 0 chunk 1"), [41]]
+    garbage = ImageInput(data=b"not a png", format="png", where="datum 5 chunk 0")  # skips check_image
+
+    async def go() -> tuple[RenderedInput, RenderedInput]:
+        try:
+            via_engines, via_server = await engines.render(parts), await server.render(parts)
+            with pytest.raises(UserError, match="datum 5 chunk 0: .*HTTP 400"):
+                await engines.render([garbage])
+            with pytest.raises(UserError, match="datum 5 chunk 0: .*HTTP 400"):
+                await server.render([garbage])
+            return via_engines, via_server
+        finally:
+            await pool.close()
+
+    via_engines, via_server = asyncio.run(go())
+    assert via_engines.tokens == via_server.tokens and len(via_engines.tokens) == 3 + TOKENS
+    assert via_engines.pixel_values is not None and via_server.pixel_values is not None
+    assert torch.equal(via_engines.pixel_values, via_server.pixel_values)
 
 
 def _connections_to(port: int) -> set[tuple[str, int]]:
