@@ -247,6 +247,11 @@ class TrainerConfig:
         "train the policy only on rows with a non-zero advantage (their update is exactly the same: "
         "the others have zero gradient); ignored with a KL loss",
     )
+    worker_timeout_s: float = _f(
+        3600.0,
+        "the longest one call to a training worker may take (a mini-batch, a checkpoint) before the "
+        "run fails naming the worker, its rank and the call",
+    )
     micro_train_batch_size_per_gpu: int = _f(4, "sequences per forward/backward pass on one worker")
     micro_forward_batch_size_per_gpu: int = _f(
         8, "sequences per forward-only pass (logprobs, values) on one worker"
@@ -382,7 +387,13 @@ class GeneratorConfig:
     apply_overlong_filtering: bool = _f(
         False, "mask the loss of truncated responses (DAPO overlong filtering)"
     )
-    http_timeout_s: float = _f(300.0, "timeout in seconds of one HTTP request to a remote engine")
+    http_timeout_s: float = _f(
+        300.0, "timeout in seconds of one engine request (HTTP to a remote engine, or a local engine call)"
+    )
+    engine_startup_timeout_s: float = _f(900.0, "the longest local engines may take to start")
+    weight_sync_timeout_s: float = _f(
+        300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast"
+    )
 
 
 # -------------------------------------------------------------------------------------- environment

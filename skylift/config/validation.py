@@ -283,8 +283,11 @@ def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(f"generator.kv_cache_gb={g.kv_cache_gb} must be > 0 (GiB of KV cache per engine)")
     if not 0.0 < g.gpu_memory_utilization <= 1.0:
         problems.append(f"generator.gpu_memory_utilization={g.gpu_memory_utilization} must be in (0, 1]")
-    if g.http_timeout_s <= 0:
-        problems.append(f"generator.http_timeout_s={g.http_timeout_s} must be > 0")
+    for key in ("http_timeout_s", "engine_startup_timeout_s", "weight_sync_timeout_s"):
+        if getattr(g, key) <= 0:
+            problems.append(f"generator.{key}={getattr(g, key)} must be > 0")
+    if cfg.trainer.worker_timeout_s <= 0:
+        problems.append(f"trainer.worker_timeout_s={cfg.trainer.worker_timeout_s} must be > 0")
     if g.batched and g.max_turns > 1:
         problems.append(
             "generator.batched=true supports only max_turns=1; set generator.batched=false for multi-turn"

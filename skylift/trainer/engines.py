@@ -6,6 +6,7 @@ doing weight sync) turns into an `InferenceEngine` client with `connect()`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,9 +76,10 @@ class RayEngineClient:
     `EnginePool` moves the work to another engine.
     """
 
-    def __init__(self, actor: Any, name: str) -> None:
+    def __init__(self, actor: Any, name: str, timeout_s: float = 600.0) -> None:
         self.actor = actor
         self.name = name
+        self.timeout_s = timeout_s
 
     def __repr__(self) -> str:
         return self.name
@@ -86,7 +88,11 @@ class RayEngineClient:
         from ray.exceptions import RayActorError
 
         try:
-            return await getattr(self.actor, operation).remote(*args)
+            return await asyncio.wait_for(getattr(self.actor, operation).remote(*args), self.timeout_s)
+        except TimeoutError as exc:
+            raise EngineUnavailableError(
+                f"{self.name}: {operation} gave no answer within {self.timeout_s:.0f} s"
+            ) from exc
         except RayActorError as exc:
             raise EngineUnavailableError(
                 f"{self.name}: {operation} failed: the engine actor died ({exc})"
@@ -143,7 +149,7 @@ class EngineRef:
         if self.engine is not None:
             return self.engine
         if self.actor is not None:
-            return RayEngineClient(self.actor, self.name)
+            return RayEngineClient(self.actor, self.name, self.timeout_s)
         from skylift.inference.remote import RemoteInferenceEngine
 
         assert self.url is not None
@@ -151,9 +157,17 @@ class EngineRef:
 
 
 def start_local_engines(
-    count: int, model: str, engine_kwargs: dict[str, Any], num_cpus: float = 0
+    count: int,
+    model: str,
+    engine_kwargs: dict[str, Any],
+    num_cpus: float = 0,
+    startup_timeout_s: float = 900.0,
+    call_timeout_s: float = 600.0,
 ) -> list[EngineRef]:
-    """Start `count` vLLM engines as Ray actors; blocks until all are up (they start in parallel)."""
+    """Start `count` vLLM engines as Ray actors; blocks until all are up (they start in parallel).
+
+    An engine not up within `startup_timeout_s` fails the start naming it (all are stopped).
+    """
     import ray
 
     actor_cls = ray.remote(num_cpus=num_cpus)(EngineActor)
@@ -163,8 +177,20 @@ def start_local_engines(
         kwargs = dict(engine_kwargs)
         kwargs.setdefault("name", f"engine-{i}")
         starts.append(actor.start.remote(model, kwargs))
+    _, pending = ray.wait(starts, num_returns=len(starts), timeout=startup_timeout_s)
+    if pending:
+        late = [i for i, ref in enumerate(starts) if ref in pending]
+        for actor in actors:
+            ray.kill(actor)
+        raise EngineUnavailableError(
+            f"local engine(s) {late} not up within {startup_timeout_s:.0f} s "
+            "(generator.engine_startup_timeout_s); all engines were stopped"
+        )
     names = ray.get(starts)
-    return [EngineRef(name=str(name), actor=actor) for name, actor in zip(names, actors, strict=True)]
+    return [
+        EngineRef(name=str(name), actor=actor, timeout_s=call_timeout_s)
+        for name, actor in zip(names, actors, strict=True)
+    ]
 
 
 async def start_inprocess_engines(count: int, model: str, engine_kwargs: dict[str, Any]) -> list[EngineRef]:

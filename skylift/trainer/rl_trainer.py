@@ -152,45 +152,22 @@ class RLTrainer:
         if use_ray:
             self._init_ray()
         self._start_engines()
-        self.policy = WorkerGroup(
-            "policy",
-            self._worker_settings(trainable=True),
-            world,
-            use_ray=use_ray,
-            num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
-            num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
-            loop=self.loop,
-        )
+        self.policy = self._worker_group("policy", self._worker_settings(trainable=True), world, use_ray)
         self.policy.setup()
         if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
             ref_world = t.placement.ref_num_nodes * t.placement.ref_num_gpus_per_node
-            self.ref = WorkerGroup(
-                "ref",
-                self._worker_settings(trainable=False),
-                ref_world,
-                use_ray=use_ray,
-                num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
-                num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
-                loop=self.loop,
-            )
+            self.ref = self._worker_group("ref", self._worker_settings(trainable=False), ref_world, use_ray)
             self.ref.setup()
         if t.algorithm.advantage_estimator == "gae":
             critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
-            self.critic = WorkerGroup(
-                "critic",
-                self._critic_settings(),
-                critic_world,
-                use_ray=use_ray,
-                num_cpus_per_worker=0 if not torch.cuda.is_available() else 1,
-                num_gpus_per_worker=1 if torch.cuda.is_available() else 0,
-                loop=self.loop,
-            )
+            self.critic = self._worker_group("critic", self._critic_settings(), critic_world, use_ray)
             self.critic.setup()
         self.policy.call_all(
             "init_weight_sync",
             self.engine_refs,
             _override_flag(g.override_existing_update_group),
             self._weight_sync_backend,
+            g.weight_sync_timeout_s,
         )
         self._sync_members = list(range(len(self.engine_refs)))
         if not self._maybe_resume() and not g.run_engines_locally:
@@ -211,6 +188,19 @@ class RLTrainer:
             ),
         )
         self._say(f"set-up done in {time.perf_counter() - started:.1f} s")
+
+    def _worker_group(self, name: str, settings: WorkerSettings, world: int, use_ray: bool) -> WorkerGroup:
+        gpu = torch.cuda.is_available()
+        return WorkerGroup(
+            name,
+            settings,
+            world,
+            use_ray=use_ray,
+            num_cpus_per_worker=1 if gpu else 0,
+            num_gpus_per_worker=1 if gpu else 0,
+            loop=self.loop,
+            timeout_s=self.cfg.trainer.worker_timeout_s,
+        )
 
     def _init_ray(self) -> None:
         import ray
@@ -257,6 +247,7 @@ class RLTrainer:
                 "enforce_eager": g.enforce_eager,
                 "enable_chunked_prefill": g.enable_chunked_prefill,
                 "max_num_batched_tokens": g.max_num_batched_tokens,
+                "generate_timeout_s": g.http_timeout_s,
             }
             if torch.cuda.is_available():
                 kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
@@ -268,10 +259,19 @@ class RLTrainer:
             where = "as Ray actors" if self.use_ray else "in this process"
             self._say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")
             if self.use_ray:
-                self.engine_refs = start_local_engines(g.num_inference_engines, self.model_path, kwargs)
+                self.engine_refs = start_local_engines(
+                    g.num_inference_engines,
+                    self.model_path,
+                    kwargs,
+                    startup_timeout_s=g.engine_startup_timeout_s,
+                    call_timeout_s=g.http_timeout_s,
+                )
             else:
                 self.engine_refs = self.loop.run_until_complete(
-                    start_inprocess_engines(g.num_inference_engines, self.model_path, kwargs)
+                    asyncio.wait_for(
+                        start_inprocess_engines(g.num_inference_engines, self.model_path, kwargs),
+                        g.engine_startup_timeout_s,
+                    )
                 )
             self._say(f"engines up in {time.perf_counter() - started:.1f} s")
         else:
@@ -626,7 +626,10 @@ class RLTrainer:
             f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engine_refs)}"
         )
         self.policy.call_all(
-            "rebuild_weight_sync", [self.engine_refs[i] for i in live], self._weight_sync_backend
+            "rebuild_weight_sync",
+            [self.engine_refs[i] for i in live],
+            self._weight_sync_backend,
+            self.cfg.generator.weight_sync_timeout_s,
         )
         self._sync_members = live
         return True

@@ -49,7 +49,7 @@ class RLWorker(TrainingWorker):
         from skylift.weight_sync import WeightSender
 
         self._engines = [ref.connect() for ref in engine_refs]
-        self._sender = WeightSender(timeout_s=timeout_s)
+        self._sender = WeightSender(timeout_s=timeout_s, update_timeout_s=timeout_s)
         self._run(
             self._sender.init_group(self._engines, backend=backend, override_existing=override_existing)
         )
@@ -67,14 +67,16 @@ class RLWorker(TrainingWorker):
         self._run(self._sender.send_state_dict(weights, bucket_bytes=bucket_mb << 20))
         return {"timing/weight_sync_s": time.perf_counter() - started}
 
-    def rebuild_weight_sync(self, engine_refs: Sequence[EngineRef], backend: str | None = None) -> None:
+    def rebuild_weight_sync(
+        self, engine_refs: Sequence[EngineRef], backend: str | None = None, timeout_s: float = 120.0
+    ) -> None:
         """A new group with `engine_refs` only (after engines failed): the old group is destroyed
         (failures of dead engines to answer are expected and logged) and the live engines replace
         their membership (`override_existing`)."""
         if self.rank != 0:
             return
         self.close_weight_sync()
-        self.init_weight_sync(engine_refs, override_existing=True, backend=backend)
+        self.init_weight_sync(engine_refs, override_existing=True, backend=backend, timeout_s=timeout_s)
 
     def close_weight_sync(self) -> None:
         """Destroy the group; engines that cannot be reached any more are logged, not raised."""
@@ -89,6 +91,41 @@ class RLWorker(TrainingWorker):
                 self._sender = None
 
 
+class WorkerError(RuntimeError):
+    """A training worker died or did not answer in time; names the worker, its rank and the call."""
+
+
+def wait_for_ranks(refs: Sequence[Any], who: str, method: str, timeout_s: float) -> list[Any]:
+    """Results of one Ray call per rank, in rank order, within `timeout_s` seconds.
+
+    The first rank to fail fails the call at once (its peers may be blocked in a collective with
+    it): a rank whose process died, or that does not finish in time, is a `WorkerError` naming
+    it; an exception raised by the call itself propagates as it is.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    rank_of = {ref: rank for rank, ref in enumerate(refs)}
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            for ref in pending:
+                ray.cancel(ref, force=False)
+            raise WorkerError(
+                f"{who} rank(s) {sorted(rank_of[r] for r in pending)}: {method} did not finish within "
+                f"{timeout_s:.0f} s (raise trainer.worker_timeout_s if the work is legitimately this slow)"
+            )
+        try:
+            ray.get(ready[0])
+        except RayActorError as exc:
+            raise WorkerError(
+                f"{who} rank {rank_of[ready[0]]}: its process died during {method}: {exc}"
+            ) from exc
+    return ray.get(list(refs))
+
+
 class WorkerGroup:
     """`world_size` ranks of one model; Ray actors when `use_ray`, else one in-process rank."""
 
@@ -101,12 +138,16 @@ class WorkerGroup:
         num_cpus_per_worker: float = 1,
         num_gpus_per_worker: float = 0,
         loop: asyncio.AbstractEventLoop | None = None,
+        timeout_s: float = 3600.0,
     ) -> None:
+        """`timeout_s`: the longest one call to the Ray workers may take (in-process calls cannot
+        be interrupted; their collectives have the process group's own timeout)."""
         self.name = name
         self.world_size = world_size
         self.use_ray = use_ray
         rdzv = os.path.join(tempfile.mkdtemp(prefix=f"skylift-{name}-"), "rendezvous")
         init_method = f"file://{rdzv}"
+        self.timeout_s = timeout_s
         if use_ray:
             import ray
 
@@ -123,13 +164,11 @@ class WorkerGroup:
         self, method: str, per_rank_args: Sequence[tuple] | None = None, *args: Any, **kwargs: Any
     ) -> list[Any]:
         if self.use_ray:
-            import ray
-
             refs = [
                 getattr(w, method).remote(*(per_rank_args[r] if per_rank_args else args), **kwargs)
                 for r, w in enumerate(self.workers)
             ]
-            return ray.get(refs)
+            return wait_for_ranks(refs, f"{self.name} worker", method, self.timeout_s)
         return [getattr(self.workers[0], method)(*(per_rank_args[0] if per_rank_args else args), **kwargs)]
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
