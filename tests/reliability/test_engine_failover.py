@@ -222,3 +222,36 @@ def test_training_survives_one_engine_and_stops_cleanly_without_any(
     rows = [h for h in history if "reward/mean" in h]
     assert [h["step"] for h in rows] == [4]
     assert rows[0]["policy/logprob_diff_vs_rollout"] < 1e-3  # the fresh engine got the resumed weights
+
+
+def test_a_local_engine_whose_core_process_is_killed_is_reported_unavailable(tiny_model_dir: Path) -> None:
+    """In-process engines (placement backend local): vLLM's engine core is a child process."""
+    require_loopback_namespace()
+    import psutil
+
+    from skylift.inference.local import LocalVLLMEngine
+
+    async def scenario() -> str:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        engine = await LocalVLLMEngine.create(
+            str(tiny_model_dir), name="doomed", enforce_eager=True, max_model_len=512, dtype="float32"
+        )
+        try:
+            spawned = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            assert spawned, "the engine started no child process"
+            pool = EnginePool([engine])
+            params = SamplingParams(max_tokens=400, ignore_eos=True, n=4)
+            task = asyncio.create_task(pool.generate([[1, 2, 3]] * 4, params))
+            while pool.router.in_flight[0] == 0:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.2)
+            for p in spawned:
+                os.kill(p.pid, signal.SIGKILL)
+            with pytest.raises(NoHealthyEngineError) as info:
+                await asyncio.wait_for(task, 60)
+            return str(info.value)
+        finally:
+            await engine.close()
+
+    message = asyncio.run(scenario())
+    assert "doomed" in message and "the vLLM engine process died" in message, message
