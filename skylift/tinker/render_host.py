@@ -13,7 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from skylift.tinker.render_server import CPURenderServer, RenderServerClient, process_rss_mb
+from skylift.tinker.render_server import (
+    CPURenderServer,
+    RenderServerClient,
+    RenderServerError,
+    process_rss_mb,
+)
 from skylift.tinker.vision_render import Part, RenderClient, RenderedInput, VisionRenderer
 from skylift.tinker.wire import WireDatum
 
@@ -60,8 +65,14 @@ class RenderHost:
         todo = [d for d in data if d.needs_render]
         if not todo:
             return
-        renderer = VisionRenderer(await self._client(), self.model_path)
-        results = await renderer.render_many([d.parts or [] for d in todo])
+        inputs = [d.parts or [] for d in todo]
+        try:
+            results = await VisionRenderer(await self._client(), self.model_path).render_many(inputs)
+        except RenderServerError:
+            if self._engine_client is None:
+                raise
+            # the engine came up mid-batch and the CPU server was stopped under it: render there
+            results = await VisionRenderer(self._engine_client, self.model_path).render_many(inputs)
         for datum, rendered in zip(todo, results, strict=True):
             datum.tokens = rendered.tokens
             datum.pixel_values = rendered.pixel_values

@@ -77,6 +77,26 @@ def enable_vision_compat() -> None:
         spec.loader.exec_module(module)
 
 
+def _pdeathsig_setter() -> Any:
+    """A preexec function (Linux) that has the child SIGTERMed when its starter dies, even by SIGKILL.
+
+    libc is loaded here, in the parent: after fork the child only makes one foreign call.
+    """
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None
+
+    def set_pdeathsig() -> None:  # pragma: no cover - runs in the forked child
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+    return set_pdeathsig
+
+
 def process_rss_mb(pid: int) -> float:
     """Resident memory of one process in MB (0 if it is gone)."""
     try:
@@ -144,6 +164,7 @@ class CPURenderServer:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: stop() kills everything it spawned
+                    preexec_fn=_pdeathsig_setter(),  # noqa: PLW1509 - one prctl call, no Python state
                 )
             finally:
                 if log is not subprocess.DEVNULL:

@@ -32,6 +32,11 @@ def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | 
         if call.error is not None:
             raise call.error
         if any(d.needs_render for d in call.data):
+            if model.image_token_id is None:  # refuse before starting a render server for nothing
+                raise UserError(
+                    f"{model.config.base_model} is not a vision-language model; image chunks need one "
+                    "(a Qwen2-VL-family base model)"
+                )
             await svc.render_images(model.config.model_path, call.data)
         return await svc.run_training(model.forward_backward, call)
 

@@ -66,6 +66,16 @@ def test_gradients_accumulate_across_calls_until_optim_step(service_client) -> N
     np.testing.assert_allclose(_lp(a), _lp(b), atol=1e-5)
 
 
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), (200, 10, 10)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize(
     ("build", "loss", "needle"),
     [
@@ -89,7 +99,17 @@ def test_gradients_accumulate_across_calls_until_optim_step(service_client) -> N
                 )
             ],
             "cross_entropy",
-            "not supported yet",
+            "datum 0 chunk 0: cannot decode the png image",
+        ),
+        (
+            lambda: [
+                types.Datum(
+                    model_input=types.ModelInput(chunks=[types.ImageChunk(data=_png(), format="png")]),
+                    loss_fn_inputs={},
+                )
+            ],
+            "cross_entropy",
+            "tiny-qwen2 is not a vision-language model",
         ),
         (lambda: [datum([5, 6, 10**6])], "cross_entropy", "outside the vocabulary"),
     ],
