@@ -285,7 +285,7 @@ def test_image_datum_forward_backward_through_the_sdk(
 
 
 def test_engine_start_moves_rendering_to_the_engine_and_stops_the_render_server(
-    vlm_server: TinkerServer, vlm_tokens: dict[str, int]
+    vlm_server: TinkerServer, vlm_tokens: dict[str, int], tmp_path: Path
 ) -> None:
     client = tinker.ServiceClient(base_url=vlm_server.url, api_key=API_KEY)
     tc = client.create_lora_training_client(base_model="tiny-qwen2-vl", rank=4).result()
@@ -308,6 +308,24 @@ def test_engine_start_moves_rendering_to_the_engine_and_stops_the_render_server(
     result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, stop=[], seed=0)).result()
     assert [len(s.tokens) for s in result.sequences] == [4, 4]
     assert all(s.logprobs is not None and np.all(np.isfinite(s.logprobs)) for s in result.sequences)
+
+    # prompts may point at image files (a path or a file:// URL)
+    path = tmp_path / "cat.png"
+    path.write_bytes(png(3))
+    for location in (str(path), path.as_uri()):
+        pointer = types.ImageAssetPointerChunk(location=location, format="png", expected_tokens=TOKENS)
+        chunks = [prompt.chunks[0], pointer, prompt.chunks[2]]
+        out = sampler.sample(
+            types.ModelInput(chunks=chunks), 1, types.SamplingParams(max_tokens=2, stop=[])
+        ).result()
+        assert len(out.sequences[0].tokens) == 2
+    missing = types.ImageAssetPointerChunk(
+        location=str(tmp_path / "nope.png"), format="png", expected_tokens=TOKENS
+    )
+    with pytest.raises(tinker.RequestFailedError, match="prompt chunk 1: cannot read image"):
+        sampler.sample(
+            types.ModelInput(chunks=[prompt.chunks[0], missing]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
 
     # the engine renders now; the CPU render server is gone
     status = _renderer_status(vlm_server)
