@@ -70,28 +70,38 @@ class PeakMemory:
         self._proc = psutil.Process()
         self.peak_pss = 0
         self.peak_rss = 0
+        self.at_peak: dict[str, int] = {}  # PSS by process name when the sum peaked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> tuple[int, int]:
+    def _sample(self) -> tuple[dict[str, int], int]:
         import psutil
 
-        pss = rss = 0
+        by_name: dict[str, int] = {}
+        rss = 0
         for p in [self._proc, *self._proc.children(recursive=True)]:
             try:
                 info = p.memory_full_info()
+                name = "trainer" if p.pid == self._proc.pid else p.name()
             except psutil.Error:
                 continue
             rss += info.rss
-            pss += getattr(info, "pss", info.rss)
-        return pss, rss
+            by_name[name] = by_name.get(name, 0) + getattr(info, "pss", info.rss)
+        return by_name, rss
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            pss, rss = self._sample()
-            self.peak_pss = max(self.peak_pss, pss)
+            by_name, rss = self._sample()
+            pss = sum(by_name.values())
+            if pss > self.peak_pss:
+                self.peak_pss, self.at_peak = pss, by_name
             self.peak_rss = max(self.peak_rss, rss)
             self._stop.wait(0.5)
+
+    def breakdown(self) -> str:
+        """`name 1.23 GiB, ...` of the processes at the peak, largest first."""
+        parts = sorted(self.at_peak.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{name} {size / 2**30:.2f}" for name, size in parts)
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -105,7 +115,8 @@ class PeakMemory:
 def run_demo(overrides: Sequence[str] = ()) -> int:
     from skylift.config import ConfigError, load_config
     from skylift.data import write_addition_demo
-    from skylift.trainer.rl_trainer import RLTrainer, RunPaths
+    from skylift.trainer.rl_trainer import RLTrainer
+    from skylift.trainer.settings import RunPaths
 
     data_cfg = load_config([*demo_overrides(), *overrides])
     paths = RunPaths.from_config(data_cfg)
@@ -161,14 +172,17 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
             f"{statistics.fmean(last_rewards):6.3f}"
         )
     print()
+    eval_s = sum(h.get("timing/eval_s", 0.0) for h in history)
     print(
-        f"training steps: {len(rewards)}; training wall time {train_s:.0f} s (eval included), "
+        f"training steps: {len(rewards)}; training wall time {train_s:.0f} s "
+        f"({train_s - eval_s:.0f} s without the {len(evals)} evaluations), "
         f"set-up {setup_s:.0f} s, total {total_s:.0f} s"
     )
     print(
         f"peak memory of all processes: {memory.peak_pss / 2**30:.2f} GiB PSS "
         f"({memory.peak_rss / 2**30:.2f} GiB summed RSS, shared pages counted once per process)"
     )
+    print(f"  at the peak, GiB PSS by process: {memory.breakdown()}")
     print(f"plot: {plot}")
     print(f"metrics: {paths.logs / 'metrics.jsonl'}")
     return 0

@@ -20,9 +20,11 @@ Importing this module (vLLM does, in every worker) also installs `skylift.infere
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,27 @@ from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validat
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 
 logger = logging.getLogger(__name__)
+
+#: vLLM loggers that warn, on every bucket, about the weights a bucket does not carry (the others
+#: keep their current values, which is what a bucketed update wants).
+_PARTIAL_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.inplace",
+    "vllm.model_executor.model_loader.reload.layerwise",
+)
+
+
+@contextlib.contextmanager
+def _partial_reload_quietly() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _PARTIAL_RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
 
 if not vllm_fixes.install():
     logger.warning("vLLM's model runner changed: skylift's fix for seeded requests on CPU is not installed")
@@ -138,7 +161,7 @@ class WeightSyncWorkerExtension:
         weights = unpack_bucket(bucket, buffers)
         from vllm.config import set_current_vllm_config
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), _partial_reload_quietly():  # type: ignore[attr-defined]
             self.model_runner.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
         logger.debug(
             "received %d tensors in %.1f ms, loaded in %.1f ms",

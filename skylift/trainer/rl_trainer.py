@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -31,7 +30,7 @@ from skylift.algorithms import (
     mini_batch_totals,
     sequence_rewards_to_token_level,
 )
-from skylift.config.schema import OptimizerConfig, SkyliftConfig
+from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset, PromptSample
 from skylift.generator import Generator, GeneratorSettings, Trajectory
 from skylift.generator.generator import rollout_seed
@@ -55,30 +54,17 @@ from skylift.trainer.engines import (
     start_local_engines,
 )
 from skylift.trainer.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
+from skylift.trainer.settings import (
+    RunPaths,
+    critic_worker_settings,
+    init_ray,
+    local_engine_kwargs,
+    max_generate_length,
+    model_worker_settings,
+)
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.batch import SequenceBatch, build_sequence_batch
-from skylift.training.worker import OptimizerSettings, WorkerSettings
-
-
-@dataclasses.dataclass
-class RunPaths:
-    root: Path
-    ckpt: Path
-    export: Path
-    logs: Path
-
-    @classmethod
-    def from_config(cls, cfg: SkyliftConfig) -> RunPaths:
-        from skylift.config.validation import default_run_root
-
-        t = cfg.trainer
-        root = default_run_root(t.run_name)
-        return cls(
-            root=root,
-            ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
-            export=Path(t.export_path).expanduser() if t.export_path else root / "exports",
-            logs=Path(t.log_dir).expanduser() if t.log_dir else root / "logs",
-        )
+from skylift.training.worker import WorkerSettings
 
 
 class TrainingStoppedError(RuntimeError):
@@ -152,15 +138,21 @@ class RLTrainer:
         if use_ray:
             self._init_ray()
         self._start_engines()
-        self.policy = self._worker_group("policy", self._worker_settings(trainable=True), world, use_ray)
+        self.policy = self._worker_group(
+            "policy", model_worker_settings(self.cfg, True, self._total_steps()), world, use_ray
+        )
         self.policy.setup()
         if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
             ref_world = t.placement.ref_num_nodes * t.placement.ref_num_gpus_per_node
-            self.ref = self._worker_group("ref", self._worker_settings(trainable=False), ref_world, use_ray)
+            self.ref = self._worker_group(
+                "ref", model_worker_settings(self.cfg, False, self._total_steps()), ref_world, use_ray
+            )
             self.ref.setup()
         if t.algorithm.advantage_estimator == "gae":
             critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
-            self.critic = self._worker_group("critic", self._critic_settings(), critic_world, use_ray)
+            self.critic = self._worker_group(
+                "critic", critic_worker_settings(self.cfg, self._total_steps()), critic_world, use_ray
+            )
             self.critic.setup()
         self.policy.call_all(
             "init_weight_sync",
@@ -203,58 +195,12 @@ class RLTrainer:
         )
 
     def _init_ray(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            return
-        env = {
-            k: os.environ[k]
-            for k in (
-                "HF_HUB_OFFLINE",
-                "TRANSFORMERS_OFFLINE",
-                "VLLM_CPU_KVCACHE_SPACE",
-                "VLLM_HOST_IP",
-                "GLOO_SOCKET_IFNAME",
-                "SKYLIFT_CACHE_DIR",
-                "TOKENIZERS_PARALLELISM",
-                "OMP_NUM_THREADS",
-                "VLLM_LOGGING_LEVEL",
-                "SKYLIFT_RUNS_DIR",
-            )
-            if k in os.environ
-        }
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine start-up chatter would drown the progress
-        ray.init(
-            num_cpus=max(2, os.cpu_count() or 2),
-            include_dashboard=False,
-            log_to_driver=True,
-            object_store_memory=int(os.environ.get("SKYLIFT_RAY_OBJECT_STORE_BYTES", 512 << 20)),
-            runtime_env={"env_vars": env},
-            _node_ip_address="127.0.0.1",
-        )
-        self._ray_started = True
+        self._ray_started = init_ray()
 
     def _start_engines(self) -> None:
-        g, t = self.cfg.generator, self.cfg.trainer
+        g = self.cfg.generator
         if g.run_engines_locally:
-            kwargs: dict[str, Any] = {
-                "max_model_len": t.max_prompt_length + self._max_gen_len() * max(1, g.max_turns),
-                "seed": t.seed,
-                "dtype": g.model_dtype,
-                "enable_prefix_caching": g.enable_prefix_caching,
-                "max_num_seqs": g.max_num_seqs,
-                "tensor_parallel_size": g.inference_engine_tensor_parallel_size,
-                "enforce_eager": g.enforce_eager,
-                "enable_chunked_prefill": g.enable_chunked_prefill,
-                "max_num_batched_tokens": g.max_num_batched_tokens,
-                "generate_timeout_s": g.http_timeout_s,
-            }
-            if torch.cuda.is_available():
-                kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
-            if g.kv_cache_gb is not None:
-                kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
-            if self.colocation.sleep_engines:
-                kwargs["enable_sleep_mode"] = True
+            kwargs = local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
             started = time.perf_counter()
             where = "as Ray actors" if self.use_ray else "in this process"
             self._say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")
@@ -280,48 +226,13 @@ class RLTrainer:
             )
         self.engines = EnginePool([ref.connect() for ref in self.engine_refs])
 
-    def _worker_settings(self, trainable: bool) -> WorkerSettings:
-        t = self.cfg.trainer
-        model_cfg = t.policy.model if trainable else t.ref.model
-        lora = t.policy.model.lora  # the reference is the frozen base model: no adapter
-        o = t.policy.optimizer_config
-        return WorkerSettings(
-            model_path=model_cfg.path or t.policy.model.path,
-            trainable=trainable,
-            dtype="bfloat16" if t.bf16 else "float32",
-            gradient_checkpointing=t.gradient_checkpointing,
-            optimizer=_optimizer_settings(o, self._total_steps() * self._optimizer_steps_per_step()),
-            lora_rank=lora.rank if trainable else 0,
-            lora_alpha=lora.alpha,
-            lora_target_modules=lora.target_modules,
-            seed=t.seed,
-        )
-
-    def _critic_settings(self) -> WorkerSettings:
-        t = self.cfg.trainer
-        o = t.critic.optimizer_config
-        critic_steps = max(1, t.train_batch_size // t.critic_mini_batch_size) * t.update_epochs_per_batch
-        return WorkerSettings(
-            model_path=t.critic.model.path or t.policy.model.path,
-            head="value",
-            dtype="bfloat16" if t.bf16 else "float32",
-            gradient_checkpointing=t.gradient_checkpointing,
-            optimizer=_optimizer_settings(o, self._total_steps() * critic_steps),
-            seed=t.seed,
-        )
-
     def _total_steps(self) -> int:
         t = self.cfg.trainer
         total = self.train_data.num_batches(t.train_batch_size) * t.epochs
         return min(total, t.max_steps) if t.max_steps is not None else total
 
-    def _optimizer_steps_per_step(self) -> int:
-        t = self.cfg.trainer
-        return max(1, t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
-
     def _max_gen_len(self) -> int:
-        g = self.cfg.generator
-        return int(g.max_generate_length or g.sampling_params.max_generate_length)
+        return max_generate_length(self.cfg)
 
     def _maybe_resume(self) -> bool:
         """Load the checkpoint `resume_mode` asks for, if any, and push its weights to the engines."""
@@ -828,16 +739,3 @@ class RLTrainer:
 
                 ray.shutdown()
             self.loop.close()
-
-
-def _optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSettings:
-    """A training worker's optimizer from the config (`total_steps`: its optimizer steps in the run)."""
-    return OptimizerSettings(
-        lr=o.lr,
-        betas=(o.adam_betas[0], o.adam_betas[1]),
-        weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
-        num_warmup_steps=o.num_warmup_steps,
-        scheduler=o.scheduler,
-        total_steps=total_steps,
-    )

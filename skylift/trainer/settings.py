@@ -1,0 +1,152 @@
+"""What a run's parts are built from: directories, worker and optimizer settings, local engine
+arguments and Ray's start-up. Pure functions of the configuration (Ray's start aside), so the
+trainer reads as the loop it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from skylift.config.schema import OptimizerConfig, SkyliftConfig
+from skylift.training.worker import OptimizerSettings, WorkerSettings
+
+#: Environment variables the driver passes on to Ray workers and engines.
+RAY_WORKER_ENV = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_HOST_IP",
+    "GLOO_SOCKET_IFNAME",
+    "SKYLIFT_CACHE_DIR",
+    "TOKENIZERS_PARALLELISM",
+    "OMP_NUM_THREADS",
+    "VLLM_LOGGING_LEVEL",
+    "SKYLIFT_RUNS_DIR",
+)
+
+
+@dataclasses.dataclass
+class RunPaths:
+    root: Path
+    ckpt: Path
+    export: Path
+    logs: Path
+
+    @classmethod
+    def from_config(cls, cfg: SkyliftConfig) -> RunPaths:
+        from skylift.config.validation import default_run_root
+
+        t = cfg.trainer
+        root = default_run_root(t.run_name)
+        return cls(
+            root=root,
+            ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
+            export=Path(t.export_path).expanduser() if t.export_path else root / "exports",
+            logs=Path(t.log_dir).expanduser() if t.log_dir else root / "logs",
+        )
+
+
+def max_generate_length(cfg: SkyliftConfig) -> int:
+    g = cfg.generator
+    return int(g.max_generate_length or g.sampling_params.max_generate_length)
+
+
+def policy_optimizer_steps_per_step(cfg: SkyliftConfig) -> int:
+    t = cfg.trainer
+    return max(1, t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+
+
+def optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSettings:
+    """A training worker's optimizer from the config (`total_steps`: its optimizer steps in the run)."""
+    return OptimizerSettings(
+        lr=o.lr,
+        betas=(o.adam_betas[0], o.adam_betas[1]),
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
+        num_warmup_steps=o.num_warmup_steps,
+        scheduler=o.scheduler,
+        total_steps=total_steps,
+    )
+
+
+def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int) -> WorkerSettings:
+    """The policy (`trainable`) or the frozen reference model; `total_steps`: training steps."""
+    t = cfg.trainer
+    model_cfg = t.policy.model if trainable else t.ref.model
+    lora = t.policy.model.lora  # the reference is the frozen base model: no adapter
+    return WorkerSettings(
+        model_path=model_cfg.path or t.policy.model.path,
+        trainable=trainable,
+        dtype="bfloat16" if t.bf16 else "float32",
+        gradient_checkpointing=t.gradient_checkpointing,
+        optimizer=optimizer_settings(
+            t.policy.optimizer_config, total_steps * policy_optimizer_steps_per_step(cfg)
+        ),
+        lora_rank=lora.rank if trainable else 0,
+        lora_alpha=lora.alpha,
+        lora_target_modules=lora.target_modules,
+        seed=t.seed,
+    )
+
+
+def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettings:
+    """The value model (the critic's model path, else the policy's backbone with a value head)."""
+    t = cfg.trainer
+    critic_steps = max(1, t.train_batch_size // t.critic_mini_batch_size) * t.update_epochs_per_batch
+    return WorkerSettings(
+        model_path=t.critic.model.path or t.policy.model.path,
+        head="value",
+        dtype="bfloat16" if t.bf16 else "float32",
+        gradient_checkpointing=t.gradient_checkpointing,
+        optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),
+        seed=t.seed,
+    )
+
+
+def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
+    """`LocalVLLMEngine.create` arguments of the run's local engines."""
+    g, t = cfg.generator, cfg.trainer
+    kwargs: dict[str, Any] = {
+        "max_model_len": t.max_prompt_length + max_generate_length(cfg) * max(1, g.max_turns),
+        "seed": t.seed,
+        "dtype": g.model_dtype,
+        "enable_prefix_caching": g.enable_prefix_caching,
+        "max_num_seqs": g.max_num_seqs,
+        "tensor_parallel_size": g.inference_engine_tensor_parallel_size,
+        "enforce_eager": g.enforce_eager,
+        "enable_chunked_prefill": g.enable_chunked_prefill,
+        "max_num_batched_tokens": g.max_num_batched_tokens,
+        "generate_timeout_s": g.http_timeout_s,
+    }
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
+    if g.kv_cache_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+def init_ray() -> bool:
+    """Start a local Ray instance on loopback unless one is running; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {k: os.environ[k] for k in RAY_WORKER_ENV if k in os.environ}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine start-up chatter would drown the progress
+    ray.init(
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=True,
+        object_store_memory=int(os.environ.get("SKYLIFT_RAY_OBJECT_STORE_BYTES", 512 << 20)),
+        runtime_env={"env_vars": env},
+        _node_ip_address="127.0.0.1",
+    )
+    return True

@@ -1,0 +1,65 @@
+"""The settings a run's workers and engines are built from (skylift.trainer.settings)."""
+
+from __future__ import annotations
+
+import math
+
+from skylift.config import load_config
+from skylift.trainer.settings import (
+    critic_worker_settings,
+    local_engine_kwargs,
+    model_worker_settings,
+    policy_optimizer_steps_per_step,
+)
+
+
+def test_policy_and_reference_settings() -> None:
+    cfg = load_config(
+        [
+            "trainer.policy.model.path=/models/policy",
+            "trainer.policy.model.lora.rank=8",
+            "trainer.train_batch_size=8",
+            "trainer.policy_mini_batch_size=2",
+            "trainer.update_epochs_per_batch=2",
+            "trainer.policy.optimizer_config.max_grad_norm=0",
+        ]
+    )
+    assert policy_optimizer_steps_per_step(cfg) == 8
+    policy = model_worker_settings(cfg, trainable=True, total_steps=10)
+    assert policy.trainable and policy.lora_rank == 8 and policy.model_path == "/models/policy"
+    assert policy.optimizer.total_steps == 80  # the scheduler spans every optimizer step of the run
+    assert math.isinf(policy.optimizer.max_grad_norm)  # 0 disables clipping
+    reference = model_worker_settings(cfg, trainable=False, total_steps=10)
+    assert not reference.trainable and reference.lora_rank == 0  # the frozen base model
+    assert reference.model_path == "/models/policy"  # ref.model.path unset: the policy's
+
+
+def test_critic_settings_count_critic_mini_batches() -> None:
+    cfg = load_config(
+        [
+            "trainer.policy.model.path=/models/policy",
+            "trainer.train_batch_size=8",
+            "trainer.policy_mini_batch_size=8",
+            "trainer.critic_mini_batch_size=4",
+        ]
+    )
+    critic = critic_worker_settings(cfg, total_steps=5)
+    assert critic.head == "value" and critic.model_path == "/models/policy"
+    assert critic.optimizer.total_steps == 10
+
+
+def test_local_engine_arguments() -> None:
+    cfg = load_config(
+        [
+            "trainer.max_prompt_length=100",
+            "generator.max_generate_length=50",
+            "generator.kv_cache_gb=0.5",
+            "generator.http_timeout_s=42",
+        ]
+    )
+    kwargs = local_engine_kwargs(cfg, sleep_mode=False)
+    assert kwargs["max_model_len"] == 150
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 29
+    assert kwargs["generate_timeout_s"] == 42
+    assert "enable_sleep_mode" not in kwargs
+    assert local_engine_kwargs(cfg, sleep_mode=True)["enable_sleep_mode"] is True
