@@ -252,6 +252,9 @@ class TrainerConfig:
         "the longest one call to a training worker may take (a mini-batch, a checkpoint) before the "
         "run fails naming the worker, its rank and the call",
     )
+    collective_timeout_s: float = _f(
+        600.0, "timeout of the training ranks' rendezvous and of each collective between them"
+    )
     micro_train_batch_size_per_gpu: int = _f(4, "sequences per forward/backward pass on one worker")
     micro_forward_batch_size_per_gpu: int = _f(
         8, "sequences per forward-only pass (logprobs, values) on one worker"

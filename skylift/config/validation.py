@@ -286,8 +286,9 @@ def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
     for key in ("http_timeout_s", "engine_startup_timeout_s", "weight_sync_timeout_s"):
         if getattr(g, key) <= 0:
             problems.append(f"generator.{key}={getattr(g, key)} must be > 0")
-    if cfg.trainer.worker_timeout_s <= 0:
-        problems.append(f"trainer.worker_timeout_s={cfg.trainer.worker_timeout_s} must be > 0")
+    for key in ("worker_timeout_s", "collective_timeout_s"):
+        if getattr(cfg.trainer, key) <= 0:
+            problems.append(f"trainer.{key}={getattr(cfg.trainer, key)} must be > 0")
     if g.batched and g.max_turns > 1:
         problems.append(
             "generator.batched=true supports only max_turns=1; set generator.batched=false for multi-turn"

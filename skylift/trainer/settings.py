@@ -92,6 +92,7 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         lora_alpha=lora.alpha,
         lora_target_modules=lora.target_modules,
         seed=t.seed,
+        collective_timeout_s=t.collective_timeout_s,
     )
 
 
@@ -106,6 +107,7 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),
         seed=t.seed,
+        collective_timeout_s=t.collective_timeout_s,
     )
 
 

@@ -60,6 +60,8 @@ class WorkerSettings:
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
     # backbone with a scalar head per token (transformers' *ForTokenClassification), a PPO critic
     head: str = "lm"
+    # the ranks' rendezvous and every collective between them (FSDP gathers, gradient reductions)
+    collective_timeout_s: float = 600.0
 
 
 def make_lr_scheduler(
@@ -138,7 +140,7 @@ class TrainingWorker:
         shard = bool(s.fsdp) if s.fsdp is not None else self.world_size > 1
         if self.world_size > 1 or shard:
             init_method = self.init_method or f"file://{_default_rendezvous_file()}"
-            init_training_group(self.rank, self.world_size, init_method)
+            init_training_group(self.rank, self.world_size, init_method, s.collective_timeout_s)
         self.device = device_for_rank(self.rank)
         torch.manual_seed(s.seed)
         path = resolve_model_path(s.model_path)

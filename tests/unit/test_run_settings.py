@@ -32,6 +32,7 @@ def test_policy_and_reference_settings() -> None:
     reference = model_worker_settings(cfg, trainable=False, total_steps=10)
     assert not reference.trainable and reference.lora_rank == 0  # the frozen base model
     assert reference.model_path == "/models/policy"  # ref.model.path unset: the policy's
+    assert reference.collective_timeout_s == policy.collective_timeout_s == 600.0
 
 
 def test_critic_settings_count_critic_mini_batches() -> None:
