@@ -5,6 +5,10 @@ and reports time-to-healthy and resident memory; then renders PNG images through
 `VisionRenderer` + `RenderServerClient`: one at a time (latency per image, including the
 client-side decoding of pixel_values) and `--concurrency` at a time (per-image cost under load).
 
+Baseline, side by side: the same images through transformers' Qwen2-VL image processor in this
+process (no placeholder splicing, no HTTP). ratio = render-server sequential p50 / in-process
+p50 for the 112x112 image: what rendering out of process costs per image.
+
     bash scripts/loopback.sh .venv/bin/python benchmarks/image_render.py
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import json
 import statistics
 import time
 
@@ -38,9 +43,27 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
+def in_process_p50_ms(model: str, width: int, height: int, repeats: int) -> float:
+    """Median time of transformers' (PIL) Qwen2-VL image processor on one image, in this process."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil.from_pretrained(model)
+    images = [Image.open(io.BytesIO(png(i, width, height))) for i in range(repeats)]
+    processor(images=[images[0]], return_tensors="pt")  # warm-up
+    times = []
+    for image in images:
+        began = time.perf_counter()
+        processor(images=[image], return_tensors="pt")
+        times.append((time.perf_counter() - began) * 1000)
+    return statistics.median(times)
+
+
 async def latencies(
     renderer: VisionRenderer, sizes: list[tuple[int, int]], repeats: int, concurrency: int
-) -> None:
+) -> dict[str, float]:
+    """Sequential p50 (ms) per image size, keyed `WxH`; prints the details."""
+    p50: dict[str, float] = {}
     for width, height in sizes:
         images = [check_image(png(i, width, height), "png", f"image {i}") for i in range(repeats)]
         began = time.perf_counter()
@@ -61,6 +84,8 @@ async def latencies(
             f"sequential p50 {statistics.median(single):.1f} ms, p90 {pct(single, 90):.1f} ms "
             f"(n={len(single)}); {concurrency} concurrent: {per_image_loaded:.1f} ms per image"
         )
+        p50[f"{width}x{height}"] = statistics.median(single)
+    return p50
 
 
 def main() -> None:
@@ -80,29 +105,45 @@ def main() -> None:
         f"client side: importing vLLM's decoder took {time.perf_counter() - began:.1f} s (once per process)"
     )
     server = CPURenderServer(model, max_model_len=512)
+    startups: list[float] = []
     for i in range(args.starts):
         server.start()
         pid = server.pid
         assert pid is not None
-        print(f"start {i + 1}: healthy after {server.startup_s:.1f} s, RSS {process_rss_mb(pid):.0f} MB")
+        startups.append(server.startup_s or 0.0)
+        rss_idle = process_rss_mb(pid)
+        print(f"start {i + 1}: healthy after {server.startup_s:.1f} s, RSS {rss_idle:.0f} MB")
         if i + 1 < args.starts:
             server.stop()
     try:
         client = RenderServerClient(server.url or "")
         renderer = VisionRenderer(client, model)
 
-        async def run() -> None:
+        async def run() -> dict[str, float]:
             try:
-                await latencies(renderer, [(80, 60), (112, 112), (640, 480)], args.repeats, args.concurrency)
+                sizes = [(80, 60), (112, 112), (640, 480)]
+                return await latencies(renderer, sizes, args.repeats, args.concurrency)
             finally:
                 await client.close()
 
-        asyncio.run(run())
+        server_p50 = asyncio.run(run())
         pid = server.pid
         assert pid is not None
-        print(f"render server RSS after the renders: {process_rss_mb(pid):.0f} MB")
+        rss_after = process_rss_mb(pid)
+        print(f"render server RSS after the renders: {rss_after:.0f} MB")
     finally:
         server.stop()
+    local_p50 = in_process_p50_ms(model, 112, 112, args.repeats)
+    print(f"baseline: transformers' image processor in this process, 112x112: p50 {local_p50:.1f} ms")
+    result = {
+        "ratio": round(server_p50["112x112"] / local_p50, 2),
+        "server_p50_ms": {k: round(v, 1) for k, v in server_p50.items()},
+        "in_process_p50_ms_112x112": round(local_p50, 1),
+        "startup_s": [round(x, 1) for x in startups],
+        "rss_mb_idle": round(rss_idle),
+        "rss_mb_after": round(rss_after),
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
