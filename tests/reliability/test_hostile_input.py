@@ -28,6 +28,20 @@ from tinker.proto import tinker_public_pb2 as pb
 pytestmark = pytest.mark.integration
 
 TOKENS = [5, 6, 7, 8, 9, 10]
+
+
+def _png(width: int = 8, height: int = 8) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+#: A valid PNG: the server must refuse it for what the model is, not for what the bytes are.
+TINY_PNG = _png()
 PROTOBUF = "application/x-protobuf"
 
 
@@ -253,8 +267,10 @@ ROWS: list[Row] = [
                r"target_tokens'\] has shape \[2\]", content_type=PROTOBUF),
     tnk_future("forward-backward-unknown-model", "forward_backward", fb("s-nope:train:0"), "unknown model id",
                content_type=PROTOBUF),
-    tnk_future("forward-backward-image-chunk", "forward_backward", lambda c: fb(c.model_id, image=b"not a png"),
-               "image chunks are not supported", content_type=PROTOBUF),
+    tnk_future("forward-backward-corrupt-image", "forward_backward", lambda c: fb(c.model_id, image=b"not a png"),
+               "datum 0 chunk 0: cannot decode the png image", content_type=PROTOBUF),
+    tnk_future("forward-backward-image-for-a-text-only-model", "forward_backward",
+               lambda c: fb(c.model_id, image=TINY_PNG), "not a vision-language model", content_type=PROTOBUF),
     tnk_future("forward-backward-token-outside-vocab", "forward_backward",
                lambda c: fb(c.model_id, tokens=[5, 6, 10**6]), "outside the vocabulary", content_type=PROTOBUF),
     # ---------------------------------------------------------------- tinker: optimizer and checkpoints
@@ -290,7 +306,7 @@ ROWS: list[Row] = [
                "unknown sampling session 'nope'"),
     tnk_future("asample-invalid-base64-image", "asample",
                asample(prompt={"chunks": [{"type": "image", "data": "!!!not base64", "format": "png"}]}),
-               "image chunks are not supported"),
+               "prompt chunk 0: image data is not valid base64"),
     tnk_future("asample-negative-max-tokens", "asample", asample(sampling_params={"max_tokens": -1}),
                "max_tokens must be >= 1"),
     tnk_future("asample-prompt-longer-than-context", "asample", asample(prompt=text_prompt([7] * 5000)),
