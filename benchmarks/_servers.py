@@ -6,13 +6,14 @@ Benchmarks run as `python benchmarks/NAME.py`, so this module is importable as `
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from skylift.utils.processes import stop_process_group
 
 BENCHMARK_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -69,13 +70,4 @@ def start_server(
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """SIGTERM our child, then SIGKILL its process group (the engine's processes) if anything is left."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    stop_process_group(proc, grace_s=timeout_s)

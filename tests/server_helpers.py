@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from skylift.utils.processes import stop_process_group
 
 STARTUP_TIMEOUT_S = float(os.environ.get("SKYLIFT_TEST_SERVER_STARTUP_S", "420"))
 TINKER_STARTUP_TIMEOUT_S = 120.0
@@ -64,20 +65,7 @@ def _log_tail(path: Path, lines: int) -> str:
 
 def kill_group(process: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM `process`, then SIGKILL its process group (which we created) if anything lingers."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # engine core / worker children, if left over
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
+    stop_process_group(process, grace_s)
 
 
 # ----------------------------------------------------------------------- inference server

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from typing import Any
 
 import aiohttp
 
@@ -132,3 +133,15 @@ async def close_default_pool() -> None:
         pool = _default_pool
     if pool is not None:
         await pool.close()
+
+
+def error_text(payload: Any, text: str) -> str:
+    """The message of an error answer: OpenAI-style `{"error": {"message": ...}}`, FastAPI's
+    `{"detail": ...}`, else the start of the raw body."""
+    if isinstance(payload, dict):
+        err = payload.get("error", payload.get("detail"))
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if err is not None:
+            return str(err)
+    return text[:2000] or "(empty body)"

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from skylift.inference.http_session import SessionPool, default_pool
+from skylift.inference.http_session import SessionPool, default_pool, error_text
 from skylift.inference.routing import LoadRouter
 from skylift.inference.types import (
     Completion,
@@ -65,16 +65,6 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     return url.rstrip("/")
-
-
-def _error_message(payload: Any, text: str) -> str:
-    if isinstance(payload, dict):
-        err = payload.get("error", payload.get("detail"))
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if err is not None:
-            return str(err)
-    return text[:2000] or "(empty body)"
 
 
 def _completion_from_json(data: dict[str, Any]) -> Completion:
@@ -156,7 +146,7 @@ class RemoteInferenceEngine:
                     if resp.status < 400:
                         return payload
                     error_cls = RemoteEngineCapabilityError if resp.status == 501 else RemoteEngineError
-                    err = error_cls(self.url, operation, _error_message(payload, text), resp.status)
+                    err = error_cls(self.url, operation, error_text(payload, text), resp.status)
                     if resp.status < 500 or resp.status == 501:
                         raise err
                     last = err

@@ -30,8 +30,9 @@ from typing import Any
 
 import aiohttp
 
-from skylift.inference.http_session import SessionPool
+from skylift.inference.http_session import SessionPool, error_text
 from skylift.tinker.errors import UserError
+from skylift.utils.processes import stop_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -222,32 +223,10 @@ class CPURenderServer:
         process, self.url = self._process, None
         if process is None:
             return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if not stop_process_group(process, grace_s):
             logger.warning("render server pid %d did not exit", process.pid)
         self._process = None  # only now: `running` stays true until the child is reaped
         logger.info("render server for %s stopped", self.served_name)
-
-
-def _message(payload: Any, text: str) -> str:
-    if isinstance(payload, dict):
-        err = payload.get("error", payload.get("detail"))
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if err is not None:
-            return str(err)
-    return text[:2000] or "(empty body)"
 
 
 class RenderServerClient:
@@ -282,7 +261,7 @@ class RenderServerClient:
                     body = None
                 if resp.status < 400 and isinstance(body, dict):
                     return body
-                message = f"render request failed (HTTP {resp.status}): {_message(body, text)}"
+                message = f"render request failed (HTTP {resp.status}): {error_text(body, text)}"
                 if 400 <= resp.status < 500:
                     raise UserError(message)
                 raise RenderServerError(f"{self.url}{path}: {message}")
