@@ -41,7 +41,9 @@ def run_train(overrides: Sequence[str], config_file: str | None = None, print_cf
         print(format_config(cfg, with_help=True))
         return 0
     from skylift.trainer.rl_trainer import RLTrainer, TrainingStoppedError
+    from skylift.utils.processes import exit_cleanly_on_sigterm
 
+    exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down
     trainer = RLTrainer(cfg)
     try:
         trainer.setup()

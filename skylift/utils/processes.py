@@ -26,3 +26,13 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = 10.0, reap_s:
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Make SIGTERM raise `SystemExit(143)` in the main thread, so `finally` blocks run (a trainer
+    shuts its engines down instead of leaving vLLM's engine processes orphaned)."""
+
+    def _raise(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
