@@ -25,8 +25,10 @@ DEMO_OVERRIDES = [
     "generator.n_samples_per_prompt=8",
     "generator.max_generate_length=64",
     "generator.sampling_params.temperature=1.0",
-    # 2e-5 decaying linearly to 0 over the 10 steps; 8 samples per prompt (with 4, the same schedule
-    # reached 56-60%: fewer groups with a reward signal per step)
+    # 2e-5 decaying linearly to 0 over the 10 steps. Measured alternatives (held-out accuracy after
+    # 10 steps, seeds 42 / 1; these settings: 53% / 46%, 65-58-59% unseeded): 16 prompts x 8
+    # samples with answers capped at 32 tokens 57% / 61% but twice the time per step; 14 steps 54%;
+    # two optimizer steps per batch 27%; two passes per batch 44%; lr 5e-6 or 3e-5 worse
     "trainer.policy.optimizer_config.lr=2e-5",
     "trainer.policy.optimizer_config.scheduler=linear",
     "trainer.policy.optimizer_config.weight_decay=0.0",
@@ -137,6 +139,9 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
     if paths.logs.exists():  # a fresh curve for every demo run
         for old in paths.logs.glob("metrics.jsonl"):
             old.unlink()
+    from skylift.utils.processes import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm()  # `kill PID` still shuts the engine down
     started = time.perf_counter()
     trainer = RLTrainer(cfg)
     with PeakMemory() as memory:
