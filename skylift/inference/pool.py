@@ -39,8 +39,8 @@ class EnginePool:
 
     @property
     def live_indices(self) -> list[int]:
-        """Indices of the engines still in service."""
-        return [i for i in range(len(self.engines)) if i not in self.failures]
+        """Indices of the engines still in service (the router's; `failures` says why the others left)."""
+        return self.router.enabled
 
     def mark_failed(self, index: int, reason: BaseException | str) -> None:
         """Take engine `index` out of service (idempotent); later requests avoid it."""
