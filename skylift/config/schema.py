@@ -234,7 +234,11 @@ class TrainerConfig:
     critic: CriticConfig = _group(CriticConfig, "value model")
     algorithm: AlgorithmConfig = _group(AlgorithmConfig, "RL algorithm")
     gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
-    bf16: bool = _f(False, "train in bfloat16 mixed precision (false = float32)")
+    bf16: bool = _f(
+        False,
+        "mixed precision: bfloat16 matmuls (torch.autocast) over float32 weights and optimizer "
+        "state (false = all float32)",
+    )
     seed: int = _f(42, "random seed for data order, sampling and initialisation")
     epochs: int = _f(1, "passes over the training data")
     max_steps: int | None = _f(None, "stop after this many training steps; null = run all epochs")

@@ -493,6 +493,12 @@ class RLTrainer:
         return {"timing/weight_sync_s": time.perf_counter() - tick}
 
     @property
+    def _engine_weight_dtype(self) -> str | None:
+        """The dtype weights are sent in: the engines' (`generator.model_dtype`), None = as trained."""
+        dtype = self.cfg.generator.model_dtype
+        return None if dtype == "auto" else dtype
+
+    @property
     def _weight_sync_backend(self) -> str | None:
         backend = self.cfg.generator.weight_sync_backend
         return None if backend == "auto" else backend
@@ -515,7 +521,7 @@ class RLTrainer:
             if self.engines.live_indices != self._sync_members and not self._rebuild_weight_sync():
                 return
             try:
-                self.policy.call_all("sync_weights")
+                self.policy.call_all("sync_weights", dtype=self._engine_weight_dtype)
                 break
             except WeightSyncError as exc:
                 if attempt == 2:

@@ -83,7 +83,8 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
     return WorkerSettings(
         model_path=model_cfg.path or t.policy.model.path,
         trainable=trainable,
-        dtype="bfloat16" if t.bf16 else "float32",
+        dtype="float32",
+        compute_dtype="bfloat16" if t.bf16 else None,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(
             t.policy.optimizer_config, total_steps * policy_optimizer_steps_per_step(cfg)
@@ -103,7 +104,8 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
     return WorkerSettings(
         model_path=t.critic.model.path or t.policy.model.path,
         head="value",
-        dtype="bfloat16" if t.bf16 else "float32",
+        dtype="float32",
+        compute_dtype="bfloat16" if t.bf16 else None,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),
         seed=t.seed,

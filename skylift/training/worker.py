@@ -8,6 +8,7 @@ per rank (as Ray actors) and drives them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -46,7 +47,11 @@ class OptimizerSettings:
 class WorkerSettings:
     model_path: str
     trainable: bool = True
-    dtype: str = "float32"  # parameters; bf16 halves memory on GPU
+    dtype: str = "float32"  # parameters (and so optimizer state); bf16 halves memory on GPU
+    # mixed precision: forward and backward matmuls in this dtype (torch.autocast) over `dtype`
+    # parameters; None = compute in `dtype`. float32 weights + bfloat16 compute keep small updates
+    # that bfloat16 weights would round away
+    compute_dtype: str | None = None
     gradient_checkpointing: bool = False
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     lora_rank: int = 0
@@ -202,9 +207,17 @@ class TrainingWorker:
         self, model: torch.nn.Module, micro: SequenceBatch, temperature: float, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
-        if self.settings.head == "value":
-            return response_values(model, micro), None
-        return response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+        with self._autocast():
+            if self.settings.head == "value":
+                return response_values(model, micro), None
+            return response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision (`compute_dtype`) for a forward pass and the backward pass it records."""
+        s = self.settings
+        if s.compute_dtype is None or _dtype(s.compute_dtype) == _dtype(s.dtype):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=_dtype(s.compute_dtype))
 
     def compute_logprobs(
         self, batch: SequenceBatch, micro_batch_size: int, temperature: float = 1.0

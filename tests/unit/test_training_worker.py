@@ -286,3 +286,38 @@ def test_rows_with_policy_gradient_keeps_enough_rows() -> None:
     assert rows_with_policy_gradient(adv, mask, min_rows=2) == [0, 3]
     mask[3, 1] = 0.0  # an advantage under the mask does not count
     assert rows_with_policy_gradient(adv, mask) == [0]
+
+
+def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`compute_dtype="bfloat16"` (trainer.bf16): bf16 matmuls, float32 weights and optimizer
+    state, so an update far below bf16's resolution still moves the weights."""
+    batch = _batch(vocab=500, seed=3)
+    want = _reference_logprobs(tiny_model_dir, batch)
+    settings = WorkerSettings(
+        model_path=str(tiny_model_dir), compute_dtype="bfloat16", optimizer=OptimizerSettings(lr=1e-7)
+    )
+    w = TrainingWorker(settings, init_method=f"file://{tmp_path / 'rdzv'}")
+    w.setup()
+    try:
+        got = w.compute_logprobs(batch, micro_batch_size=4)
+        diff = (got - want.detach()).abs()[batch.response_mask.bool()]
+        assert 1e-4 < float(diff.mean()) < 5e-2  # bf16 round-off: computed in bf16, yet close
+        assert got.dtype == torch.float32
+
+        totals = mini_batch_totals(batch.response_mask)
+        objective = dataclasses.replace(
+            PolicyObjective(), token_count=totals.token_count, seq_count=totals.seq_count
+        )
+        before = {k: v.clone() for k, v in w.iter_full_weights()}
+        w.train_mini_batch(batch, objective, micro_batch_size=4)
+        after = dict(w.iter_full_weights())
+        assert all(t.dtype == torch.float32 for t in after.values())
+        name = "model.layers.0.mlp.down_proj.weight"
+        moved = after[name] != before[name]
+        assert moved.float().mean() > 0.5  # Adam moves almost every weight by ~lr = 1e-7 ...
+        # ... which bf16 weights would have rounded away
+        assert (after[name].bfloat16() != before[name].bfloat16()).float().mean() < 0.01
+    finally:
+        w.shutdown()
