@@ -5,21 +5,43 @@ from __future__ import annotations
 import pytest
 
 from skylift.config import load_config
-from skylift.demo import DEMO_OVERRIDES, demo_overrides
+from skylift.demo import DEMO_OVERRIDES, demo_overrides, has_fast_bf16
 
 
 def test_demo_overrides_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    cfg = load_config(demo_overrides())
+    cfg = load_config(demo_overrides(fast_bf16=True))
     assert cfg.trainer.policy.model.path == "smollm2-135m-instruct"
     assert cfg.generator.kv_cache_gb == 0.5
     assert cfg.trainer.policy.optimizer_config.scheduler == "linear"
+    assert cfg.generator.model_dtype == "bfloat16" and cfg.trainer.bf16
+    cfg = load_config(demo_overrides(fast_bf16=False))
+    assert cfg.generator.model_dtype == "float32" and not cfg.trainer.bf16
+
+
+X86_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep avx2 avx512f avx512bw"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "fast"),
+    [
+        (f"processor\t: 0\nflags\t\t: {X86_FLAGS} avx512_bf16 avx512_vnni\n", True),  # Zen 4, Cooper Lake
+        (f"processor\t: 0\nflags\t\t: {X86_FLAGS} amx_bf16 amx_tile\n", True),  # Sapphire Rapids
+        (f"processor\t: 0\nflags\t\t: {X86_FLAGS}\n", False),  # AVX512 without BF16
+        ("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n", False),  # AVX2 laptop
+        ("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n", True),  # Arm Neoverse V1
+        ("processor\t: 0\nFeatures\t: fp asimd evtstrm\n", False),
+        ("", False),
+    ],
+)
+def test_bf16_only_where_the_cpu_has_bf16_matrix_instructions(cpuinfo: str, fast: bool) -> None:
+    assert has_fast_bf16(cpuinfo) is fast
 
 
 def test_user_kv_cache_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM would refuse two KV cache sizes; the demo leaves it to the user's variable."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    overrides = demo_overrides()
+    overrides = demo_overrides(fast_bf16=False)
     assert not any(o.startswith("generator.kv_cache_gb=") for o in overrides)
     assert len(overrides) == len(DEMO_OVERRIDES) - 1
     assert load_config(overrides).generator.kv_cache_gb is None
