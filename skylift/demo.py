@@ -170,11 +170,10 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
     except ConfigError as exc:
         print(f"skylift demo: configuration error: {exc}", file=sys.stderr)
         return 2
-    precision = (
-        "bf16 engine, bf16 matmuls over float32 weights in training"
-        if cfg.trainer.bf16
-        else "float32" + ("" if BF16_OVERRIDES[0] in settings else " (no bf16 matrix instructions here)")
-    )
+    training = "bf16 matmuls over float32 weights" if cfg.trainer.bf16 else "float32"
+    precision = f"engine {cfg.generator.model_dtype}, training {training}"
+    if BF16_OVERRIDES[0] not in settings:
+        precision += " (no bf16 matrix instructions here: float32 by default)"
     print(f"[skylift demo] precision: {precision}", flush=True)
     if paths.logs.exists():  # a fresh curve for every demo run
         for old in paths.logs.glob("metrics.jsonl"):
