@@ -83,7 +83,6 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
     return WorkerSettings(
         model_path=model_cfg.path or t.policy.model.path,
         trainable=trainable,
-        dtype="float32",
         compute_dtype="bfloat16" if t.bf16 else None,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(
@@ -104,7 +103,6 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
     return WorkerSettings(
         model_path=t.critic.model.path or t.policy.model.path,
         head="value",
-        dtype="float32",
         compute_dtype="bfloat16" if t.bf16 else None,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),

@@ -66,12 +66,12 @@ class RLWorker(TrainingWorker):
         """
         started = time.perf_counter()
         weights = self.iter_full_weights()
-        if dtype is not None:
-            weights = _cast_floating(weights, str_to_dtype(dtype))
         if self.rank != 0:
             for _ in weights:
                 pass
             return {}
+        if dtype is not None:  # only the sending rank pays for the cast
+            weights = _cast_floating(weights, str_to_dtype(dtype))
         if self._sender is None:
             raise RuntimeError("init_weight_sync() was not called before sync_weights()")
         self._run(self._sender.send_state_dict(weights, bucket_bytes=bucket_mb << 20))
