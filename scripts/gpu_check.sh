@@ -18,7 +18,7 @@ PY="${PYTHON:-python3}"
 if [ "${1:-}" = "--fetch-wheels" ]; then
   dest="${2:?usage: gpu_check.sh --fetch-wheels DIR}"
   "$PY" -m pip download --no-deps --only-binary=:all: --platform any --implementation py \
-    --python-version 3 -d "$dest" "${WHEELS[@]}"
+    --python-version 3.11 -d "$dest" "${WHEELS[@]}"
   exit 0
 fi
 

@@ -63,12 +63,26 @@ def test_pure_wheels_are_unpacked_onto_sys_path(tmp_path: Path) -> None:
     )
     done = _python(code, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "probe_pkg-1.0-py3-none-any.whl" in done.stdout and "42" in done.stdout.split()
+    assert "'probe_pkg-1.0-py3-none-any.whl': 'added'" in done.stdout and "42" in done.stdout.split()
 
 
-def test_a_binary_wheel_is_refused(tmp_path: Path) -> None:
+def test_a_carried_wheel_the_machine_already_has_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gpucheck.env import add_wheels
 
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    _wheel(tmp_path, "protobuf-6.33.5-py3-none-any.whl", "google/protobuf", "")
+    used = add_wheels(tmp_path, tmp_path / "site")  # this machine has google.protobuf
+    assert used == {"protobuf-6.33.5-py3-none-any.whl": "not used: this machine has google.protobuf"}
+
+
+def test_a_binary_wheel_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucheck.env import add_wheels
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     _wheel(tmp_path, "fast-1.0-cp311-cp311-linux_x86_64.whl", "fast", "")
     with pytest.raises(ValueError, match="not a pure-Python wheel"):
         add_wheels(tmp_path, tmp_path / "site")

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     work = (args.work or Path(tempfile.gettempdir()) / f"skylift-gpu-check-{os.getuid()}").resolve()
     work.mkdir(parents=True, exist_ok=True)
-    wheels = add_wheels(args.wheels, work / "site") if args.wheels else []
+    wheels = add_wheels(args.wheels, work / "site") if args.wheels else {}
     items = [i for i in args.items.split(",") if i]
     unknown = sorted(set(items) - set(ITEMS))
     if unknown:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocked_import_attempts": blocker.attempts,
         "blocked_modules_loaded": loaded_blocked_modules(),
         "wheels_added": wheels,
-        "carried_wheels": [w for w, _ in CARRIED_WHEELS],
+        "carried_wheels": [w for w, _, _ in CARRIED_WHEELS],
     }
     out = args.out or work / "report.json"
     header["report_path"] = str(out)

@@ -24,22 +24,28 @@ from pathlib import Path
 BLOCKED = ("vllm", "ray", "fastapi", "uvicorn", "starlette", "pydantic", "sqlalchemy", "omegaconf", "antlr4")
 BLOCK_ENV = "SKYLIFT_GPU_CHECK_BLOCK"
 
-# (pip requirement, why) — every one is pure Python (py3-none-any)
+# (pip requirement, the module it provides, why) — every one is pure Python (py3-none-any). A
+# wheel whose module the machine already has is not used (no mixing of two versions).
 CARRIED_WHEELS = (
-    ("tinker==0.38.0", "tinker.proto: the protobuf schema of the Tinker wire format (skylift.tinker.wire)"),
-    ("protobuf==6.33.5", "google.protobuf, pure-Python build, for tinker.proto"),
+    (
+        "tinker==0.38.0",
+        "tinker",
+        "tinker.proto: the protobuf schema of the Tinker wire format (skylift.tinker.wire)",
+    ),
+    ("protobuf==6.33.5", "google.protobuf", "google.protobuf, pure-Python build, for tinker.proto"),
 )
 
 
 class BlockedImports(importlib.abc.MetaPathFinder):
-    """Raise ModuleNotFoundError for the blocked top-level packages; remember who imported them."""
+    """Raise ModuleNotFoundError for the blocked packages (and their submodules); remember who
+    imported them. Names may be dotted (`google._upb` hides protobuf's compiled backend)."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = frozenset(names)
         self.attempts: list[dict[str, str]] = []
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname.partition(".")[0] not in self.names:
+        if not any(fullname == n or fullname.startswith(n + ".") for n in self.names):
             return None
         self.attempts.append({"module": fullname, "imported_by": _importer()})
         raise ModuleNotFoundError(
@@ -76,34 +82,51 @@ def install_blocker() -> BlockedImports:
 def loaded_blocked_modules() -> list[str]:
     """Blocked packages that are nevertheless in `sys.modules` (imported before the blocker)."""
     names = _blocker.names if _blocker else frozenset(BLOCKED)
-    return sorted({m.partition(".")[0] for m in sys.modules} & names)
+    return sorted({n for n in names for m in list(sys.modules) if m == n or m.startswith(n + ".")})
 
 
-def add_wheels(wheel_dir: str | Path, into: str | Path) -> list[str]:
-    """Unpack every pure-Python wheel of `wheel_dir` into `into` and put it first on `sys.path`."""
+def _provides(wheel: Path) -> str | None:
+    dist = wheel.name.split("-")[0].replace("_", "-").lower()
+    return next((module for req, module, _ in CARRIED_WHEELS if req.split("==")[0] == dist), None)
+
+
+def add_wheels(wheel_dir: str | Path, into: str | Path) -> dict[str, str]:
+    """Unpack the pure-Python wheels of `wheel_dir` into `into`, first on `sys.path`; a carried
+    wheel whose module is already importable is left out. Returns {wheel: "added" | why not}."""
     wheels = sorted(Path(wheel_dir).glob("*.whl"))
     if not wheels:
         raise FileNotFoundError(f"no .whl files in {wheel_dir}")
     target = Path(into)
     target.mkdir(parents=True, exist_ok=True)
+    used: dict[str, str] = {}
     for wheel in wheels:
         if not wheel.name.endswith("-none-any.whl"):
-            raise ValueError(f"{wheel.name} is not a pure-Python wheel (…-none-any.whl)")
+            raise ValueError(f"{wheel.name} is not a pure-Python wheel (...-none-any.whl)")
+        module = _provides(wheel)
+        if module and importlib.util.find_spec(module) is not None:
+            used[wheel.name] = f"not used: this machine has {module}"
+            continue
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(target)
+        used[wheel.name] = "added"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, str(target))
     importlib.invalidate_caches()
-    return [w.name for w in wheels]
+    return used
+
+
+_skipped_inits: dict[str, str] = {}
 
 
 def import_skipping_package_init(module: str, package: str) -> tuple[types.ModuleType, str | None]:
     """Import `module` (inside `package`); if the package's `__init__` cannot be imported here,
-    import the module without running it. Returns (module, why the __init__ was skipped or None)."""
+    import the module without running it. Returns (module, why the __init__ was skipped or None;
+    the reason stays the same on later calls)."""
     try:
-        return importlib.import_module(module), None
+        return importlib.import_module(module), _skipped_inits.get(package)
     except ImportError as exc:
         why = f"{package}/__init__ needs {exc.name!r}: {exc}"
+        _skipped_inits[package] = why
         for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
             del sys.modules[name]
     spec = importlib.util.find_spec(package)

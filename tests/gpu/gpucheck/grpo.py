@@ -2,9 +2,13 @@
 
 The reference phase samples the rollouts on CPU with the tiny model (4 prompts x 4 samples, its own
 sampling loop, so the rollout logprobs are those of the distribution sampled from) and saves them as
-`rollouts.json`; both phases then build the experience from that file (batch, GRPO advantages from a
-rule-based reward, old and reference logprobs from the workers), train one mini-batch with the
-trainer's `PolicyObjective` (PPO-clip + k3 KL loss) and score the batch again.
+`rollouts.json`; both phases then run the trainer's own pure steps on that file:
+`skylift.trainer.experience.make_experience` (batch, GRPO advantages from a rule-based reward, old
+and reference logprobs from the workers) and `skylift.trainer.update.train_policy` (one mini-batch,
+PPO-clip + k3 KL loss, four micro-batches), then score the batch again.
+
+`skylift.config/__init__` imports omegaconf, which the GPU machine lacks; the trainer modules need
+only `skylift.config.schema` (dataclasses), so the package __init__ is skipped where it fails.
 """
 
 from __future__ import annotations
@@ -16,10 +20,9 @@ from typing import Any
 import torch
 
 from gpucheck.device import Context
+from gpucheck.env import import_skipping_package_init
 from gpucheck.report import TOLERANCES, Item, max_abs, scalar_rel
-from skylift.algorithms import compute_advantages, mini_batch_totals, sequence_rewards_to_token_level
 from skylift.trainer.objective import PolicyObjective
-from skylift.training.batch import build_sequence_batch
 from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 PROMPTS = ("What is 2 + 3?", "Name a colour.", "Count to three.", "Say hello to Ada.")
@@ -71,29 +74,55 @@ def sample_rollouts(model_dir: Path, out: Path) -> dict[str, Any]:
     return rollouts
 
 
-class _Recording:
-    """The trainer's objective, remembering the loss it returned for each micro-batch."""
+class _LossRecorder:
+    """The policy worker as `train_policy` sees it, remembering every micro-batch loss it trains."""
 
-    def __init__(self, objective: PolicyObjective) -> None:
-        self.objective = objective
+    def __init__(self, worker: TrainingWorker) -> None:
+        self.worker = worker
+        self.world_size = worker.world_size
         self.losses: list[float] = []
 
-    def __call__(self, logprobs, micro, entropy):  # type: ignore[no-untyped-def]
-        loss, metrics = self.objective(logprobs, micro, entropy)
-        self.losses.append(float(loss.detach()))
-        return loss, metrics
+    def train_mini_batch(self, batch: Any, loss_fn: Any, micro_batch_size: int, temperature: float) -> dict:
+        def recorded(logprobs: Any, micro: Any, entropy: Any) -> Any:
+            loss, metrics = loss_fn(logprobs, micro, entropy)
+            self.losses.append(float(loss.detach()))
+            return loss, metrics
+
+        return self.worker.train_mini_batch(batch, recorded, micro_batch_size, temperature)
+
+
+def trainer_modules() -> tuple[Any, Any, str | None]:
+    """(skylift.trainer.experience, skylift.trainer.update, why skylift.config/__init__ was skipped)."""
+    _, why = import_skipping_package_init("skylift.config.schema", "skylift.config")
+    import skylift.trainer.experience as experience
+    import skylift.trainer.update as update
+
+    return experience, update, why
 
 
 def grpo_update(model_dir: Path, rollouts: dict[str, Any]) -> dict[str, Any]:
-    batch = build_sequence_batch(
-        rollouts["prompts"],
-        rollouts["responses"],
-        pad_token_id=rollouts["pad_token_id"],
-        per_token={"rollout_logprobs": rollouts["rollout_logprobs"]},
-    )
-    rewards = torch.tensor(rollouts["rewards"], dtype=torch.float32)
-    token_rewards = sequence_rewards_to_token_level(rewards, batch.response_mask)
-    advantages, _ = compute_advantages("grpo", token_rewards, batch.response_mask, group_ids=rollouts["uids"])
+    from skylift.generator.trajectory import Trajectory
+
+    experience, update, skipped = trainer_modules()
+    trajectories = [
+        Trajectory(
+            uid=uid,
+            prompt_ids=prompt,
+            response_ids=response,
+            loss_mask=[1] * len(response),
+            rollout_logprobs=logprobs,
+            reward=reward,
+            stop_reason="stop",
+        )
+        for uid, prompt, response, logprobs, reward in zip(
+            rollouts["uids"],
+            rollouts["prompts"],
+            rollouts["responses"],
+            rollouts["rollout_logprobs"],
+            rollouts["rewards"],
+            strict=True,
+        )
+    ]
     settings = WorkerSettings(
         model_path=str(model_dir), optimizer=OptimizerSettings(lr=1e-3, scheduler="constant"), seed=5
     )
@@ -101,36 +130,43 @@ def grpo_update(model_dir: Path, rollouts: dict[str, Any]) -> dict[str, Any]:
     ref = TrainingWorker(WorkerSettings(model_path=str(model_dir), trainable=False))
     policy.setup()
     ref.setup()
-    old = policy.compute_logprobs(batch, 8)
-    ref_lp = ref.compute_logprobs(batch, 8)
-    batch = batch.with_extras(old_logprobs=old, ref_logprobs=ref_lp, advantages=advantages)
-    totals = mini_batch_totals(batch.response_mask)
-    objective = _Recording(
-        PolicyObjective(
-            loss_type="regular",
-            loss_reduction="token_mean",
-            use_kl_loss=True,
-            kl_loss_coef=0.01,
-            token_count=totals.token_count,
-            seq_count=totals.seq_count,
-        )
+    exp = experience.make_experience(
+        trajectories,
+        experience.ExperienceSettings(
+            advantage_estimator="grpo", old_logprobs_source="trainer", pad_token_id=rollouts["pad_token_id"]
+        ),
+        policy_version=0,
+        policy_logprobs=lambda b: policy.compute_logprobs(b, 8),
+        ref_logprobs=lambda b: ref.compute_logprobs(b, 8),
     )
-    metrics = policy.train_mini_batch(batch, objective, micro_batch_size=4)
+    batch = exp.batch
+    objective = PolicyObjective(
+        loss_type="regular", loss_reduction="token_mean", use_kl_loss=True, kl_loss_coef=0.01
+    )
+    recorder = _LossRecorder(policy)
+    rows = batch.batch_size
+    metrics = update.train_policy(
+        recorder,
+        batch,
+        objective,
+        update.UpdateSettings(rows_per_mini_batch=rows, critic_rows_per_mini_batch=rows, micro_batch_size=4),
+    )
     new = policy.compute_logprobs(batch, 8)
-    mask = batch.response_mask
     out = {
-        "advantages": advantages,
-        "old": old,
-        "ref": ref_lp,
+        "advantages": batch.extras["advantages"],
+        "old": batch.extras["old_logprobs"],
+        "ref": batch.extras["ref_logprobs"],
         "new": new,
-        "loss": sum(objective.losses),
-        "micro_batches": len(objective.losses),
-        "grad_norm": metrics["grad_norm"],
-        "policy_loss": metrics["policy_loss"],
-        "vs_rollout": float(((old - batch.extras["rollout_logprobs"]).abs() * mask).sum() / mask.sum()),
+        "loss": sum(recorder.losses),
+        "micro_batches": len(recorder.losses),
+        "policy_loss": metrics["policy/policy_loss"],
+        "grad_norm": metrics["policy/grad_norm"],
+        "vs_rollout": exp.metrics["policy/logprob_diff_vs_rollout"],
+        "reward_mean": exp.metrics["reward/mean"],
         "device": str(policy.device),
-        "rows": batch.batch_size,
-        "tokens": int(mask.sum()),
+        "rows": rows,
+        "tokens": int(batch.response_mask.sum()),
+        "skipped_config_init": skipped,
     }
     policy.shutdown()
     ref.shutdown()
@@ -150,6 +186,10 @@ def item_grpo(ctx: Context, refs: dict[str, Any], item: Item) -> None:
     lp = TOLERANCES["logprobs_abs"]
     item.figures["rollouts"] = f"{got['rows']} rows, {got['tokens']} response tokens, from {saved.name}"
     item.figures["device"] = got["device"]
+    item.figures["mean reward"] = round(got["reward_mean"], 4)
+    item.figures["imported without skylift.config/__init__"] = (
+        got["skipped_config_init"] or "no (it imports here)"
+    )
     item.figures["loss (device / cpu)"] = f"{got['loss']:.6g} / {ref['loss']:.6g}"
     item.holds("same advantages (pure CPU step)", torch.equal(got["advantages"], ref["advantages"]))
     item.holds("advantages are not all zero", bool(got["advantages"].abs().sum() > 0))
@@ -164,6 +204,11 @@ def item_grpo(ctx: Context, refs: dict[str, Any], item: Item) -> None:
     )
     item.at_most(
         "grad norm, rel diff", scalar_rel(got["grad_norm"], ref["grad_norm"]), TOLERANCES["grad_rel"]
+    )
+    item.at_most(
+        "policy-loss metric, rel diff",
+        scalar_rel(got["policy_loss"], ref["policy_loss"]),
+        TOLERANCES["loss_rel"],
     )
     item.at_most("logprobs after the step, max |diff|", max_abs(got["new"], ref["new"]), lp)
     item.holds("the step changed the policy", max_abs(got["new"], got["old"]) > 1e-4)

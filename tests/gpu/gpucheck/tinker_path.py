@@ -28,16 +28,12 @@ LR = 1e-3
 SEED = 21
 
 
-_SKIPPED: dict[str, str | None] = {}
-
-
 def load_backend() -> tuple[Any, Any, Any, dict[str, str | None]]:
     """(skylift.tinker.backend, skylift.tinker.wire, tinker.proto.tinker_public_pb2, skipped inits)."""
     pb, tinker_why = import_skipping_package_init("tinker.proto.tinker_public_pb2", "tinker")
     backend, skylift_why = import_skipping_package_init("skylift.tinker.backend", "skylift.tinker")
-    if not _SKIPPED:  # the first import is the one that tells
-        _SKIPPED.update({"tinker": tinker_why, "skylift.tinker": skylift_why})
-    return backend, sys.modules["skylift.tinker.wire"], pb, dict(_SKIPPED)
+    skipped = {"tinker": tinker_why, "skylift.tinker": skylift_why}
+    return backend, sys.modules["skylift.tinker.wire"], pb, skipped
 
 
 def _datums(wire: Any, vocab: int, logprobs: list[np.ndarray] | None) -> list[Any]:
