@@ -14,7 +14,16 @@ from skylift.algorithms.advantages import (
     sequence_rewards_to_token_level,
     unregister_advantage_estimator,
 )
-from skylift.algorithms.kl import KL_ESTIMATORS, apply_kl_penalty, compute_kl
+from skylift.algorithms.kl import (
+    KL_CTRL_TYPES,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_penalty,
+    compute_kl,
+    make_kl_controller,
+)
 from skylift.algorithms.policy_loss import (
     PolicyLoss,
     PolicyLossConfig,
@@ -35,9 +44,13 @@ from skylift.algorithms.reductions import (
 from skylift.algorithms.value_loss import compute_value_loss
 
 __all__ = [
+    "KL_CTRL_TYPES",
     "KL_ESTIMATORS",
     "LOSS_REDUCTIONS",
+    "AdaptiveKLController",
     "AdvantageEstimator",
+    "FixedKLController",
+    "KLController",
     "MiniBatchTotals",
     "PolicyLoss",
     "PolicyLossConfig",
@@ -50,6 +63,7 @@ __all__ = [
     "compute_value_loss",
     "get_advantage_estimator",
     "get_policy_loss",
+    "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -80,6 +80,8 @@ class SamplingParamsBody(_Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     max_tokens: int = Field(128, ge=1)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -261,6 +263,8 @@ def to_vllm_sampling_params(body: SamplingParamsBody, prompt_logprobs: bool) -> 
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=0 if body.top_k in (-1, 0) else body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
         max_tokens=body.max_tokens,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,

@@ -26,6 +26,7 @@ from skylift.algorithms import (
     PolicyLossConfig,
     apply_kl_penalty,
     compute_advantages,
+    make_kl_controller,
     masked_whiten,
     mini_batch_totals,
     sequence_rewards_to_token_level,
@@ -97,6 +98,11 @@ class RLTrainer:
         self._engines_asleep = False
         self._sync_members: list[int] = []  # pool indices of the engines in the weight-update group
         self.rollouts: BackgroundRollouts[list[Trajectory]] | None = None  # async_training only
+        alg = cfg.trainer.algorithm
+        # the KL-in-reward coefficient: fixed, or adapted after every step (kl_ctrl.type=adaptive)
+        self.kl_ctrl = make_kl_controller(
+            alg.kl_ctrl.type, alg.kl_loss_coef, alg.kl_ctrl.kl_target, alg.kl_ctrl.horizon
+        )
 
     # ================================================================== set-up
     def setup(self) -> None:
@@ -111,11 +117,14 @@ class RLTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         env_class = cfg.environment.env_class
+        columns = {"prompt_key": cfg.data.prompt_key, "env_class_key": cfg.data.env_class_key}
         self.train_data = PromptDataset(
-            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples
+            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples, **columns
         )
         self.val_data = (
-            PromptDataset(cfg.data.val_data, default_env_class=env_class, max_rows=cfg.data.max_val_samples)
+            PromptDataset(
+                cfg.data.val_data, default_env_class=env_class, max_rows=cfg.data.max_val_samples, **columns
+            )
             if cfg.data.val_data
             else None
         )
@@ -177,6 +186,9 @@ class RLTrainer:
                 apply_overlong_filtering=g.apply_overlong_filtering,
                 env_kwargs=dict(cfg.environment.env_kwargs),
                 default_env_class=env_class,
+                batched=g.batched,
+                conversation_multi_turn=g.use_conversation_multi_turn,
+                env_workers=cfg.environment.max_env_workers,
             ),
         )
         self._say(f"set-up done in {time.perf_counter() - started:.1f} s")
@@ -249,6 +261,7 @@ class RLTrainer:
             return False
         assert self.policy is not None
         self.state = ckpt.load_trainer_state(path)
+        self.kl_ctrl.value = float(self.state.extra.get("kl_coef", self.kl_ctrl.value))
         self.policy.call_all("load_checkpoint", str(path / "policy"))
         if self.critic is not None:
             self.critic.call_all("load_checkpoint", str(path / "critic"))
@@ -283,6 +296,8 @@ class RLTrainer:
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
+            min_p=sp.min_p,
+            repetition_penalty=sp.repetition_penalty,
             max_tokens=int(max_tokens),
             stop=list(sp.stop) if sp.stop else None,
             logprobs=not evaluation,
@@ -390,9 +405,11 @@ class RLTrainer:
                 batch.extras["old_logprobs"],
                 batch.extras["ref_logprobs"],
                 batch.response_mask,
-                alg.kl_loss_coef,
+                self.kl_ctrl.value,
                 alg.kl_estimator_type,
             )
+            self.kl_ctrl.update(kl_metrics["kl_seq_mean"], batch.batch_size)
+            self.state.extra["kl_coef"] = self.kl_ctrl.value  # the next step's, saved with checkpoints
             metrics.update({f"kl_in_reward/{k}": v for k, v in kl_metrics.items()})
         advantages, returns = compute_advantages(
             alg.advantage_estimator,
@@ -421,6 +438,8 @@ class RLTrainer:
                 eps_clip_low=alg.eps_clip_low,
                 eps_clip_high=alg.eps_clip_high,
                 clip_ratio_c=alg.clip_ratio_c,
+                cispo_eps_clip_low=alg.cispo.cispo_eps_clip_low,
+                cispo_eps_clip_high=alg.cispo.cispo_eps_clip_high,
                 tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
             ),
             use_kl_loss=alg.use_kl_loss,
@@ -630,7 +649,12 @@ class RLTrainer:
             dynamic_ncols=True,
         )
         batches = self.train_data.iter_training(
-            t.train_batch_size, t.seed, t.epochs, start_epoch=start_epoch, start_step=start_step
+            t.train_batch_size,
+            t.seed,
+            t.epochs,
+            start_epoch=start_epoch,
+            start_step=start_step,
+            shuffle=self.cfg.data.shuffle,
         )
         if t.async_training:
             self.rollouts = BackgroundRollouts(self.loop)

@@ -57,9 +57,12 @@ class WorkerSettings:
     lora_rank: int = 0
     lora_alpha: int = 16
     lora_target_modules: list[str] | str = "all-linear"
+    lora_dropout: float = 0.0
     # FSDP2 sharding: None = when there is more than one rank (one rank gains nothing from
     # fully_shard and pays its gather/scatter copies: measured 30% slower on CPU), True = always
     fsdp: bool | None = None
+    reshard_after_forward: bool = True  # fully_shard: free gathered layers after forward (False: keep)
+    cpu_offload: bool = False  # fully_shard on GPU: sharded parameters and optimizer state in host memory
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
@@ -170,7 +173,7 @@ class TrainingWorker:
                     r=s.lora_rank,
                     lora_alpha=s.lora_alpha,
                     target_modules=s.lora_target_modules,
-                    lora_dropout=0.0,
+                    lora_dropout=s.lora_dropout,
                 ),
             )
         if not s.trainable:
@@ -195,12 +198,16 @@ class TrainingWorker:
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
 
     def _shard(self, model: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        layers = _decoder_layers(model)
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
+        s = self.settings
+        # torch's default reshards every layer after forward (not the root, whose backward is next)
+        options: dict[str, Any] = {} if s.reshard_after_forward else {"reshard_after_forward": False}
+        if s.cpu_offload and self.device.type == "cuda":  # on CPU the parameters are in host memory
+            options["offload_policy"] = CPUOffloadPolicy()
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
 
     # ---------------------------------------------------------------- forward
     def _response_outputs(
