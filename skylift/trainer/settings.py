@@ -97,7 +97,18 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         cpu_offload=fsdp.cpu_offload,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
+        **micro_batch_settings(cfg),
     )
+
+
+def micro_batch_settings(cfg: SkyliftConfig) -> dict[str, Any]:
+    """The workers' micro-batching keys (token budget, packing)."""
+    t = cfg.trainer
+    budget = t.max_tokens_per_microbatch
+    return {
+        "max_tokens_per_microbatch": budget if budget > 0 else None,
+        "remove_microbatch_padding": t.remove_microbatch_padding,
+    }
 
 
 def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettings:
@@ -114,6 +125,7 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
         cpu_offload=t.critic.fsdp_config.cpu_offload,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
+        **micro_batch_settings(cfg),
     )
 
 
