@@ -29,6 +29,7 @@ from skylift.training.micro_batches import (
     packed_response_logprobs,
     packed_response_values,
 )
+from skylift.training.sharding import shard_model
 
 # loss_fn(new_logprobs [b, R], micro_batch, entropy or None) -> (loss to backpropagate, metrics)
 LossFn = Callable[[Tensor, SequenceBatch, Tensor | None], tuple[Tensor, dict[str, float]]]
@@ -66,8 +67,8 @@ class WorkerSettings:
     # FSDP2 sharding: None = when there is more than one rank (one rank gains nothing from
     # fully_shard and pays its gather/scatter copies: measured 30% slower on CPU), True = always
     fsdp: bool | None = None
-    reshard_after_forward: bool = True  # fully_shard: free gathered layers after forward (False: keep)
-    cpu_offload: bool = False  # fully_shard on GPU: sharded parameters and optimizer state in host memory
+    reshard_after_forward: bool = True  # see skylift.training.sharding.shard_model
+    cpu_offload: bool = False
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
@@ -190,7 +191,7 @@ class TrainingWorker:
             model.eval()
         model.to(self.device)
         if shard and dist.is_initialized():
-            self._shard(model)
+            shard_model(model, reshard_after_forward=s.reshard_after_forward, cpu_offload=s.cpu_offload)
         self.model = model
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -205,18 +206,6 @@ class TrainingWorker:
             self.scheduler = make_lr_scheduler(self.optimizer, o)
         n_params = sum(p.numel() for p in model.parameters())
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
-
-    def _shard(self, model: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-        s = self.settings
-        # torch's default reshards every layer after forward (not the root, whose backward is next)
-        options: dict[str, Any] = {} if s.reshard_after_forward else {"reshard_after_forward": False}
-        if s.cpu_offload and self.device.type == "cuda":  # on CPU the parameters are in host memory
-            options["offload_policy"] = CPUOffloadPolicy()
-        for layer in _decoder_layers(model):
-            fully_shard(layer, **options)
-        fully_shard(model, **options)
 
     # ---------------------------------------------------------------- forward
     def _response_outputs(
@@ -466,15 +455,6 @@ def _default_rendezvous_file() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"skylift-rdzv-{os.getpid()}")
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks (the unit FSDP shards on)."""
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-            return list(layers)
-    return []
 
 
 def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -55,9 +55,10 @@ def test_a_remote_engine_is_sent_them_and_the_server_passes_them_to_vllm(tiny_mo
     from aiohttp import web
     from transformers import AutoTokenizer
 
+    from skylift.inference.bodies import GenerateBody
     from skylift.inference.http_session import SessionPool
     from skylift.inference.remote import RemoteInferenceEngine
-    from skylift.inference.routes import GenerateBody, to_vllm_sampling_params
+    from skylift.inference.routes import to_vllm_sampling_params
 
     train, _ = _trainer_params(OVERRIDES)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
