@@ -13,7 +13,7 @@ from skylift.data import PromptSample
 from skylift.generator import Generator, GeneratorSettings
 from skylift.generator.generator import rollout_seed
 from skylift.inference.types import SamplingParams
-from skylift.trainer.rl_trainer import RLTrainer
+from skylift.trainer.sampling import sampling_params
 
 OVERRIDES = [
     "generator.sampling_params.min_p=0.1",
@@ -24,11 +24,9 @@ OVERRIDES = [
 
 
 def _trainer_params(overrides: list[str]) -> tuple[SamplingParams, SamplingParams]:
-    trainer = RLTrainer(load_config(overrides), console=False)
-    try:
-        return trainer._sampling_params(evaluation=False), trainer._sampling_params(evaluation=True)
-    finally:
-        trainer.loop.close()
+    """What the trainer's rollouts and evaluations ask the engines for under `skylift train <overrides>`."""
+    cfg = load_config(overrides)
+    return sampling_params(cfg, evaluation=False), sampling_params(cfg, evaluation=True)
 
 
 def test_the_trainer_asks_the_engines_for_the_configured_min_p_and_penalty() -> None:
