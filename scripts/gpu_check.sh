@@ -4,13 +4,16 @@
 # Needs only the machine's own torch, transformers, peft, numpy, safetensors, tokenizers.
 #
 #   bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--work DIR] [--items 1,2,3,4,5]
+#   on the lent GPU machine (first, here: bash scripts/gpu_check.sh --fetch-wheels .gpu-wheels, and
+#   carry .gpu-wheels): bash scripts/gpu_check.sh --wheels .gpu-wheels --out "$OUT/gpu_check.json"
 #   bash scripts/gpu_check.sh --cpu            # the same checks on CPU (gloo; SmolLM2 at 2 layers)
 #   bash scripts/gpu_check.sh --fetch-wheels DIR   # on a machine with an index: the wheels to carry
 #
 # Wheels to carry (pure Python, ~0.5 MB together; the GPU machine has no package index):
 WHEELS=("tinker==0.38.0" "protobuf==6.33.5")
 # Writes a JSON report (default: $TMPDIR/skylift-gpu-check-$UID/report.json) and prints a summary;
-# exits 1 if any check failed. Under 6 minutes on one H200 (the CPU reference phase included).
+# exits 1 if any check failed. Sized for under 6 minutes on one H200, CPU reference phase included
+# (estimated: it has not run on a GPU yet).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"

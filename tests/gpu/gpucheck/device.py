@@ -36,6 +36,10 @@ def peak_memory_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def peak_label() -> str:
+    return "peak CUDA MiB" if torch.cuda.is_available() else "process peak RSS MiB"
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

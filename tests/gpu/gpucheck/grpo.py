@@ -83,8 +83,8 @@ class _LossRecorder:
         self.losses: list[float] = []
 
     def train_mini_batch(self, batch: Any, loss_fn: Any, micro_batch_size: int, temperature: float) -> dict:
-        def recorded(logprobs: Any, micro: Any, entropy: Any) -> Any:
-            loss, metrics = loss_fn(logprobs, micro, entropy)
+        def recorded(logprobs: Any, micro: Any) -> Any:
+            loss, metrics = loss_fn(logprobs, micro)
             self.losses.append(float(loss.detach()))
             return loss, metrics
 

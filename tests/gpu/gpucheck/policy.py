@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpucheck.device import Context, peak_memory_mb, reset_peak_memory
+from gpucheck.device import Context, peak_label, peak_memory_mb, reset_peak_memory
 from gpucheck.models import long_batch, policy_batch
 from gpucheck.report import Item, limit_for, max_abs, rel_err, scalar_rel
 from skylift.training.batch import SequenceBatch
@@ -43,7 +43,7 @@ class AdvantageLoss:
     def __init__(self, token_count: float) -> None:
         self.token_count = token_count
 
-    def __call__(self, logp: Tensor, micro: SequenceBatch, entropy: Tensor | None) -> tuple[Tensor, dict]:
+    def __call__(self, logp: Tensor, micro: SequenceBatch) -> tuple[Tensor, dict]:
         mask = micro.response_mask.to(logp.dtype)
         adv = micro.extras["advantage"].to(logp.dtype)[:, None]
         loss = -(adv * logp * mask).sum() / self.token_count
@@ -243,7 +243,7 @@ def item_policy(ctx: Context, refs: dict[str, Any], item: Item, keep: dict[str, 
             worker = got.pop("_worker")
             cal = refs[f"policy/{model}/{CALIBRATED_BY[config]}"] if config in CALIBRATED_BY else None
             compare(item, tag, got, refs[f"policy/{tag}"], cal)
-            item.figures[f"{tag} peak MiB"] = got["peak_mb"]
+            item.figures[f"{tag} {peak_label()}"] = got["peak_mb"]
             if config in CALIBRATED_BY:  # the calibration itself: bf16 vs fp32, both on CPU
                 ref = refs[f"policy/{tag}"]
                 item.figures[f"{tag} vs float32 on CPU: logprobs max |diff|"] = round(
@@ -282,7 +282,7 @@ def item_fsdp(ctx: Context, refs: dict[str, Any], item: Item, keep: dict[str, An
             item.holds(f"{tag}: gradient checkpointing on", bool(worker.model.is_gradient_checkpointing))
             cal = refs[f"policy/{model}/{CALIBRATED_BY[config]}"] if config in CALIBRATED_BY else None
             compare(item, tag, got, refs[f"policy/{model}/{config}"], cal)
-            item.figures[f"{tag} peak MiB"] = got["peak_mb"]
+            item.figures[f"{tag} {peak_label()}"] = got["peak_mb"]
             if torch.cuda.is_available() and config == "fp32":
                 peak = long_batch_peak_mb(worker, ctx.vocab_size(model))
                 item.figures["4x1024-token backward, peak MiB above weights: no GC (unsharded)"] = keep.get(
