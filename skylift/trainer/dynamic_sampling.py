@@ -5,9 +5,9 @@ groups that carry a signal.
 - `filter`: keep the groups with mixed rewards; while fewer than `train_batch_size` are kept, sample
   another round of prompts, up to `max_sample_batches` rounds in all, then train on what there is.
 - `replace`: each group without a signal is replaced by a copy of a group with one (drawn with a
-  seeded generator; the copy gets its own uid so it stays a group of its own). Only if no group
-  has a signal are more rounds sampled (up to `max_sample_batches`), and their signal groups are
-  used before any copy.
+  seeded generator; the copy gets its own uid so it stays a group of its own). Only while fewer
+  than `min_replace_ratio` of the batch's groups (at least one) have a signal are more rounds
+  sampled (up to `max_sample_batches`), and their signal groups are used before any copy.
 
 Pure: the caller passes the first round's trajectories and a `sample_round(round)` callable that
 generates another round, so this module needs no engine and is tested with hand-made groups.
@@ -15,13 +15,13 @@ generates another round, so this module needs no engine and is tested with hand-
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from skylift.config.schema import DYNAMIC_SAMPLING_TYPES
 from skylift.generator.trajectory import Trajectory
-
-DYNAMIC_SAMPLING_TYPES = ("filter", "replace")
 
 
 def split_groups(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
@@ -52,36 +52,43 @@ def dynamic_sample(
     sample_round: Callable[[int], list[Trajectory]],
     mode: str,
     train_batch_size: int,
-    max_sample_batches: int,
+    max_sample_batches: int | None,
+    min_replace_ratio: float = 0.0,
     seed: int = 0,
 ) -> DynamicSample:
-    """The batch to train on (see the module docstring); `max_sample_batches` counts the first
-    round too, so 1 means no extra sampling."""
+    """The batch to train on (see the module docstring). `max_sample_batches` counts the first
+    round too (1 = no extra sampling; None = until `sample_round` returns no new prompt)."""
     if mode not in DYNAMIC_SAMPLING_TYPES:
         raise ValueError(
             f"dynamic sampling type {mode!r}: expected one of {', '.join(DYNAMIC_SAMPLING_TYPES)}"
         )
-    if max_sample_batches < 1:
+    if max_sample_batches is not None and max_sample_batches < 1:
         raise ValueError(f"max_sample_batches={max_sample_batches} must be >= 1")
+    limit = math.inf if max_sample_batches is None else max_sample_batches
     groups = split_groups(first_round)
     sampled, rounds = len(groups), 1
     seen = {g[0].uid for g in groups}
     signal = [g for g in groups if has_signal(g)]
+    exhausted = False
 
     def more() -> None:
-        nonlocal sampled, rounds
+        nonlocal sampled, rounds, exhausted
         fresh = [g for g in split_groups(sample_round(rounds)) if g[0].uid not in seen]
         rounds += 1
+        exhausted = not fresh
         sampled += len(fresh)
         seen.update(g[0].uid for g in fresh)
         signal.extend(g for g in fresh if has_signal(g))
 
     if mode == "filter":
-        while len(signal) < train_batch_size and rounds < max_sample_batches:
+        while len(signal) < train_batch_size and rounds < limit and not exhausted:
             more()
         kept = signal[:train_batch_size]
+        if not kept:  # no group has a signal: the first round as it is (zero advantages)
+            return DynamicSample(list(first_round), sampled, 0, rounds, True)
         return DynamicSample(_flat(kept), sampled, len(kept), rounds, len(kept) < train_batch_size)
-    while not signal and rounds < max_sample_batches:
+    need = max(1, math.ceil(min_replace_ratio * train_batch_size))
+    while len(signal) < need and rounds < limit and not exhausted:
         more()
     if not signal:  # nothing to copy: train on the first round as it is
         return DynamicSample(list(first_round), sampled, 0, rounds, True)
@@ -96,11 +103,20 @@ def dynamic_sample(
             source = rng.choice(signal)
             group = [replace(tr, uid=f"{tr.uid}#copy{copies}") for tr in source]
         batch.append(group)
-    return DynamicSample(_flat(batch), sampled, len(batch), rounds, False)
+    return DynamicSample(_flat(batch), sampled, len(batch), rounds, len(signal) < need)
+
+
+def extra_round_rows(num_rows: int, seed: int, step: int, round_index: int, batch_size: int) -> list[int]:
+    """Dataset row indices of extra round `round_index` (1, 2, ...) of training step `step`: the
+    step's own seeded permutation of the data, `batch_size` rows a round, so a resumed run draws
+    the same prompts and no prompt comes twice in one step; [] once the data is used up."""
+    order = list(range(num_rows))
+    random.Random(f"{seed}:{step}").shuffle(order)
+    return order[(round_index - 1) * batch_size : round_index * batch_size]
 
 
 def _flat(groups: list[list[Trajectory]]) -> list[Trajectory]:
     return [tr for g in groups for tr in g]
 
 
-__all__ = ["DYNAMIC_SAMPLING_TYPES", "DynamicSample", "dynamic_sample", "has_signal", "split_groups"]
+__all__ = ["DynamicSample", "dynamic_sample", "extra_round_rows", "has_signal", "split_groups"]

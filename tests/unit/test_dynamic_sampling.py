@@ -88,3 +88,19 @@ def test_bad_settings_are_refused() -> None:
         dynamic_sample([], lambda n: [], "keep", 1, 1)
     with pytest.raises(ValueError, match="max_sample_batches=0 must be >= 1"):
         dynamic_sample([], lambda n: [], "filter", 1, 0)
+
+
+def test_replace_samples_until_min_replace_ratio() -> None:
+    first = _round(("a", [0, 1]), ("b", [0, 0]), ("c", [1, 1]), ("d", [1, 1]))
+    rounds = {1: _round(("e", [1, 1])), 2: _round(("f", [1, 0]))}
+    out = dynamic_sample(first, rounds.__getitem__, "replace", 4, None, min_replace_ratio=0.5)
+    # ceil(0.5 * 4) = 2 signal groups needed: round 1 brings none, round 2 brings f
+    assert out.rounds == 3 and not out.short
+    assert [tr.uid for tr in out.trajectories][:4] == ["a", "a", "f", "f"]
+    assert len(out.trajectories) == 8
+
+
+def test_no_limit_stops_when_the_data_runs_out() -> None:
+    supply = iter([_round(("b", [1, 1])), _round(("a", [0, 0]))])
+    out = dynamic_sample(_round(("a", [0, 1])), lambda n: next(supply, []), "filter", 3, None)
+    assert (out.rounds, out.groups_kept, out.short) == (3, 1, True)
