@@ -194,10 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "grpc", False):
         parser.error("skylift serve is an HTTP server; --grpc is not supported")
     configure_logging_from_args(args)
-    from skylift.inference.engine_args import apply_cpu_env_defaults, kv_cache_bytes
+    from skylift.inference.engine_args import apply_cpu_env_defaults, executor_backend, kv_cache_bytes
 
-    apply_cpu_env_defaults()  # before the engine's processes are spawned (they inherit it)
     try:
+        # before the engine's processes are spawned (they inherit the environment)
+        apply_cpu_env_defaults(int(args.tensor_parallel_size or 1))
+        args.distributed_executor_backend = executor_backend(
+            args.distributed_executor_backend, int(args.tensor_parallel_size or 1)
+        )
         args.kv_cache_memory_bytes = kv_cache_bytes(args.kv_cache_memory_bytes)
     except ValueError as exc:
         parser.error(str(exc))
