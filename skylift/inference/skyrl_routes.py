@@ -18,6 +18,7 @@ skylift's route (`routes.py`), which hands bodies with `update_info` to `weight_
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 from typing import Any
 
@@ -59,12 +60,14 @@ def _refuse_on_cpu(request: Request, route: str) -> None:
         raise HTTPException(int(HTTPStatus.NOT_IMPLEMENTED), f"{route} is not available on CPU: {GLOO_PATH}")
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    import json
-
+async def json_object(request: Request, empty: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request's JSON body, which must be an object (400 otherwise); an empty body is `empty`
+    when given, else a 400."""
     raw = await request.body()
+    if not raw.strip() and empty is not None:
+        return empty
     try:
-        data = json.loads(raw) if raw.strip() else {}
+        data = json.loads(raw) if raw.strip() else None
     except ValueError as e:
         raise HTTPException(int(HTTPStatus.BAD_REQUEST), f"{request.url.path}: body is not JSON: {e}") from e
     if not isinstance(data, dict):
@@ -84,7 +87,7 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     _refuse_on_cpu(request, "/init_weight_transfer_engine")
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    body = await _body(request)
+    body = await json_object(request, empty={})
     if not isinstance(body.get("init_info"), dict):
         raise HTTPException(int(HTTPStatus.BAD_REQUEST), "init_info (an object) is required")
     await _engine(request).init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
@@ -108,7 +111,7 @@ async def start_draft_weight_update(request: Request) -> dict[str, Any]:
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict[str, Any]:
     _refuse_on_cpu(request, "/finish_weight_update")
-    version = (await _body(request)).get("weight_version")
+    version = (await json_object(request, empty={})).get("weight_version")
     if version is not None and not isinstance(version, str):
         raise HTTPException(int(HTTPStatus.BAD_REQUEST), "weight_version must be a string")
     await _engine(request).finish_weight_update(version)
