@@ -116,6 +116,23 @@ def executor_backend(requested: str | None, tensor_parallel_size: int = 1) -> st
     return "mp"
 
 
+def worker_extension(requested: str | None) -> str:
+    """The `worker_extension_cls` to give vLLM: skylift's receiver in place of SkyRL's
+    (`skyrl_train....WorkerWrap`, which the seed's server command names), with one warning line;
+    any other class unchanged (None: ours)."""
+    if not requested:
+        return WORKER_EXTENSION_CLS
+    if requested.split(".")[0] in ("skyrl_train", "skyrl"):
+        logger.warning(
+            "--worker-extension-cls %s replaced by %s: skylift's weight receiver speaks SkyRL's "
+            "weight-update protocol",
+            requested,
+            WORKER_EXTENSION_CLS,
+        )
+        return WORKER_EXTENSION_CLS
+    return requested
+
+
 def kv_cache_bytes(requested: int | None) -> int | None:
     """The `kv_cache_memory_bytes` to give vLLM: `requested`, or on CPU 1 GiB when nothing says.
 

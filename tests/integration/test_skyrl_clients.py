@@ -112,12 +112,18 @@ def trainer_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tp2_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    """The seed's server command at CPU size: two tensor-parallel ranks, the ray executor asked
-    for (vLLM's mp executor runs, with a warning), and the token-in/token-out routes on."""
+    """The seed's server command at CPU size: two tensor-parallel ranks, the ray executor, sleep
+    mode and SkyRL's worker extension asked for (vLLM's mp executor and skylift's receiver run,
+    sleep mode is dropped, each with a warning), and the token-in/token-out routes on."""
     from server_helpers import require_loopback_namespace
 
     require_loopback_namespace()
-    args = [*tiny_server_args(), "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    seed_flags = [
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray", "--enable-chunked-prefill",
+        "--enable-sleep-mode", "--trust-remote-code",
+        "--worker-extension-cls", "skyrl_train.inference_engines.vllm.vllm_engine.WorkerWrap",
+    ]  # fmt: skip
+    args = [*tiny_server_args(), *seed_flags]
     handle = start_server(
         tiny_model_dir, tmp_path_factory.mktemp("tp2") / "server.log", [*args, "--enable-scale-out"]
     )

@@ -103,3 +103,12 @@ def test_ray_executor_falls_back_to_mp_on_cpu(
     assert engine_args.executor_backend("mp") == "mp"
     monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: False)
     assert engine_args.executor_backend("ray", 2) == "ray"
+
+
+def test_skyrl_worker_extension_is_replaced_by_ours(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="skylift.inference.engine_args"):
+        ext = engine_args.worker_extension("skyrl_train.inference_engines.vllm.vllm_engine.WorkerWrap")
+    assert ext == engine_args.WORKER_EXTENSION_CLS
+    assert "speaks SkyRL's" in caplog.records[0].getMessage()
+    assert engine_args.worker_extension(None) == engine_args.WORKER_EXTENSION_CLS
+    assert engine_args.worker_extension("my.Extension") == "my.Extension"
