@@ -204,6 +204,27 @@ class CISPOConfig:
     cispo_eps_clip_high: float = _f(5.0, "upper clip: weights above 1 + this are clipped (not eps_clip_high)")
 
 
+DYNAMIC_SAMPLING_TYPES = ("filter", "replace")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO-style dynamic sampling: train on prompt groups whose rewards differ."""
+
+    type: str | None = _f(
+        None,
+        f"null = off | {' | '.join(DYNAMIC_SAMPLING_TYPES)}: filter samples more prompt groups until the "
+        "batch holds train_batch_size groups with mixed rewards; replace swaps groups without a signal "
+        "for copies of groups with one",
+    )
+    max_sample_batches: int = _f(
+        30, "most rounds of prompts sampled for one step (the first included); -1 = until the data runs out"
+    )
+    min_replace_ratio: float = _f(
+        0.3, "replace: sample more rounds while fewer than this fraction of the batch's groups has a signal"
+    )
+
+
 @dataclass
 class AlgorithmConfig:
     """Advantages, policy loss and KL."""
@@ -237,6 +258,7 @@ class AlgorithmConfig:
     value_clip: float = _f(0.2, "critic: value clip range")
     use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
     tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
+    dynamic_sampling: DynamicSamplingConfig = _group(DynamicSamplingConfig, "dynamic sampling (DAPO)")
 
 
 @dataclass

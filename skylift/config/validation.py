@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from skylift.config.errors import ConfigError
 from skylift.config.schema import (
     ADVANTAGE_ESTIMATORS,
+    DYNAMIC_SAMPLING_TYPES,
     INFERENCE_BACKENDS,
     KL_CTRL_TYPES,
     KL_ESTIMATOR_TYPES,
@@ -141,6 +142,22 @@ def _check_batches(cfg: SkyliftConfig, problems: list[str]) -> None:
         _at_least(problems, f"trainer.{name}", getattr(t, name), 1)
     _at_least(problems, "trainer.max_steps", t.max_steps, 1)
     _interval(problems, "trainer.max_tokens_per_microbatch", t.max_tokens_per_microbatch, "for row counts")
+    ds = t.algorithm.dynamic_sampling
+    if ds.type is not None and ds.type not in DYNAMIC_SAMPLING_TYPES:
+        problems.append(
+            f"trainer.algorithm.dynamic_sampling.type={ds.type!r} must be null or one of "
+            + ", ".join(DYNAMIC_SAMPLING_TYPES)
+        )
+    _interval(
+        problems,
+        "trainer.algorithm.dynamic_sampling.max_sample_batches",
+        ds.max_sample_batches,
+        "for no limit",
+    )
+    if not 0.0 <= ds.min_replace_ratio <= 1.0:
+        problems.append(
+            f"trainer.algorithm.dynamic_sampling.min_replace_ratio={ds.min_replace_ratio} must be in [0, 1]"
+        )
     _at_least(problems, "generator.n_samples_per_prompt", g.n_samples_per_prompt, 1)
     _at_least(problems, "generator.eval_n_samples_per_prompt", g.eval_n_samples_per_prompt, 1)
     mini_batch_keys = ["policy_mini_batch_size"]
