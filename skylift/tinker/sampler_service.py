@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skylift.inference.routes import MAX_N
 from skylift.tinker.errors import NotFoundError, UserError
-from skylift.tinker.images import ImageInput
+from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.rendering import check_token_range, json_parts
 from skylift.tinker.sampling import EngineHost, to_engine_params
 from skylift.tinker.store import SamplingSessionRow
@@ -33,8 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Most samples one `asample` may ask for (the inference server's limit, `SKYLIFT_MAX_N`).
-MAX_NUM_SAMPLES = MAX_N
+#: Most samples one `asample` may ask for (the same cap as the inference server's default `n` limit).
+MAX_NUM_SAMPLES = 256
 
 
 def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from skylift.inference.types import EngineError, SamplingParams
-from skylift.tinker.images import ImageInput
+from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,8 @@ class EngineHost:
                 s = self.settings
                 extra: dict[str, Any] = {}
                 if self.vision:
-                    from skylift.tinker.engine_render import VISION_ENGINE_ARGS
-                    from skylift.tinker.render_server import enable_vision_compat
+                    from skylift.tinker.vision.engine_render import VISION_ENGINE_ARGS
+                    from skylift.tinker.vision.render_server import enable_vision_compat
 
                     enable_vision_compat()
                     extra = dict(VISION_ENGINE_ARGS)
@@ -148,7 +148,7 @@ class EngineHost:
             self.last_error = None
             logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
             if self.vision:
-                from skylift.tinker.engine_render import EngineRenderer
+                from skylift.tinker.vision.engine_render import EngineRenderer
 
                 self._renderer = EngineRenderer(engine.vllm_engine, self.model_path)
             for callback in self.on_started:
@@ -207,7 +207,7 @@ class EngineHost:
     async def _sample_images(
         self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams
     ) -> SampleResult:
-        from skylift.tinker.engine_render import collapse_images, generate_multimodal
+        from skylift.tinker.vision.engine_render import collapse_images, generate_multimodal
 
         image_token_id = self._engine.vllm_engine.model_config.hf_config.image_token_id
         prompt, images = collapse_images(parts, image_token_id)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.futures import FutureHub, OrderedQueue
-from skylift.tinker.render_host import RenderHost
+from skylift.tinker.vision.host import RenderHost
 from skylift.tinker.sampling import EngineHost, EngineSettings
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
 

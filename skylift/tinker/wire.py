@@ -16,7 +16,8 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import ImageInput, image_from_proto
+from skylift.tinker.vision.images import ImageInput, image_from_proto
+from skylift.tinker.provenance import Span
 
 _NUMPY_OF_DTYPE = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
@@ -38,6 +39,7 @@ class WireDatum:
     parts: list[list[int] | ImageInput] | None = None
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    loss_spans: list[Span] | None = None  # provenance of the loss_fn_inputs positions
 
     @property
     def needs_render(self) -> bool:
@@ -142,7 +144,10 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
             name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
             for name, tensor in datum.loss_fn_inputs.items()
         }
-        data.append(WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None))
+        spans = [_span(s) for s in datum.loss_fn_input_spans] or None
+        data.append(
+            WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None, loss_spans=spans)
+        )
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),
@@ -151,6 +156,17 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         data=data,
         loss_fn_config=config,
         error=error,
+    )
+
+
+def _span(msg: pb.ProvenanceSpan) -> Span:
+    kind = msg.WhichOneof("span")
+    arm = msg.sampled_tokens if kind == "sampled_tokens" else msg.prompt_tokens
+    return Span(
+        sampled=kind == "sampled_tokens",
+        sequence_id=arm.sequence_id,
+        offset=int(arm.offset),
+        length=int(arm.length),
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import ImageInput, check_image, image_from_json
+from skylift.tinker.vision.images import ImageInput, check_image, image_from_json
 from skylift.tinker.rendering import json_parts
 
 
