@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from skylift.tinker.errors import NotFoundError, UserError
-from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.rendering import check_token_range, json_parts
 from skylift.tinker.sampling import EngineHost, to_engine_params
 from skylift.tinker.store import SamplingSessionRow
 from skylift.tinker.views import parse_tinker_path
+from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import encode_sample_response
 
 if TYPE_CHECKING:

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.futures import FutureHub, OrderedQueue
-from skylift.tinker.vision.host import RenderHost
 from skylift.tinker.sampling import EngineHost, EngineSettings
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
+from skylift.tinker.vision.host import RenderHost
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

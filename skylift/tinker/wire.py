@@ -16,8 +16,8 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.vision.images import ImageInput, image_from_proto
 from skylift.tinker.provenance import Span
+from skylift.tinker.vision.images import ImageInput, image_from_proto
 
 _NUMPY_OF_DTYPE = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),

@@ -13,13 +13,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from skylift.tinker.vision.render import Part, RenderClient, RenderedInput, VisionRenderer
 from skylift.tinker.vision.render_server import (
     CPURenderServer,
     RenderServerClient,
     RenderServerError,
     process_rss_mb,
 )
-from skylift.tinker.vision.render import Part, RenderClient, RenderedInput, VisionRenderer
 from skylift.tinker.wire import WireDatum
 
 logger = logging.getLogger(__name__)
