@@ -228,7 +228,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.post(f"{api}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        request_id, sequence_ids = service.sampling.asample(await _json(request), idem(request))
+        request_id, sequence_ids = service.asample(await _json(request), idem(request))
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # ---------------------------------------------------------------- futures
@@ -236,7 +236,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def retrieve_future(request: Request) -> Response:
         request_id = str((await _json(request)).get("request_id"))
         try:
-            row = await service._hub().wait(request_id, config.long_poll_s)
+            row = await service.hub.wait(request_id, config.long_poll_s)
         except KeyError:
             return _error(404, f"unknown request id {request_id!r}")
         if row is None:
@@ -292,11 +292,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                     "start_attempts": h.start_attempts,
                     "last_error": h.last_error,
                 }
-                for h in service.engines.values()
+                for h in service.sampling.engines.values()
             ],
-            "engine_start_attempts": sum(h.start_attempts for h in service.engines.values()),
+            "engine_start_attempts": sum(h.start_attempts for h in service.sampling.engines.values()),
             "loaded_models": sorted(service.models),
-            "renderers": [r.status() for r in service.render_hosts.values()],
+            "renderers": [r.status() for r in service.render_hosts.hosts.values()],
+            "snapshots": service.snapshots.stats(),
         }
 
     return app

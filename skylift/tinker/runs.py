@@ -53,5 +53,5 @@ def delete_checkpoint(svc: TinkerService, run_id: str, checkpoint_id: str) -> No
             f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>"
         )
     path = tinker_path(run_id, kind, name)
-    if svc._delete_checkpoint_files(path) is None:
+    if svc.delete_checkpoint(path) is None:
         raise NotFoundError(f"checkpoint {path} does not exist")
