@@ -19,7 +19,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from skylift.tinker import runs, training_ops
+from skylift.tinker import checkpoints, runs, training_ops
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.service import ServerConfig, TinkerService
 from skylift.tinker.wire import decode_forward_backward
@@ -254,6 +254,62 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post(f"{api}/cancel_future")
     async def cancel_future() -> dict[str, Any]:
         return {}
+
+    # ---------------------------------------------------------------- checkpoints out and in
+    @app.post(f"{api}/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        body = await _json(request)
+        request_id = checkpoints.save_weights_external(service, body, idem(request))
+        return {"request_id": request_id, "model_id": body.get("model_id")}
+
+    ckpt = f"{api}/training_runs/{{run_id}}/checkpoints/{{segment}}/{{name}}"
+
+    @app.get(f"{ckpt}/external_weights_urls")
+    async def external_weights_urls(run_id: str, segment: str, name: str, request: Request) -> dict[str, Any]:
+        return checkpoints.external_weights_urls(service, run_id, f"{segment}/{name}", str(request.base_url))
+
+    @app.get(checkpoints.SIGNED_PREFIX + "/{rest:path}")
+    async def signed_download(
+        rest: str, request: Request, expires: int = Query(...), sig: str = Query(...)
+    ) -> Response:
+        from fastapi.responses import FileResponse
+
+        try:
+            target = checkpoints.signed_file(service, request.url.path, expires, sig)
+        except PermissionError as exc:
+            return _error(403, str(exc))
+        return FileResponse(target)
+
+    @app.post(f"{ckpt}/publish")
+    async def publish(run_id: str, segment: str, name: str) -> Response:
+        checkpoints.set_public(service, run_id, f"{segment}/{name}", True)
+        return Response(status_code=204)
+
+    @app.delete(f"{ckpt}/publish")
+    async def unpublish(run_id: str, segment: str, name: str) -> Response:
+        checkpoints.set_public(service, run_id, f"{segment}/{name}", False)
+        return Response(status_code=204)
+
+    @app.put(f"{ckpt}/ttl")
+    async def set_ttl(run_id: str, segment: str, name: str, request: Request) -> Response:
+        checkpoints.set_ttl(service, run_id, f"{segment}/{name}", await _json(request))
+        return Response(status_code=204)
+
+    @app.post(f"{api}/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        return checkpoints.weights_info(service, str((await _json(request)).get("tinker_path")))
+
+    @app.post(f"{api}/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        return checkpoints.copy_weights(service, await _json(request))
+
+    @app.get(f"{api}/sessions")
+    async def list_sessions(limit: int = Query(20, ge=1), offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        return checkpoints.list_sessions(service, limit, offset)
+
+    @app.get(f"{api}/sessions/{{session_id}}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        return checkpoints.get_session(service, session_id)
 
     # ---------------------------------------------------------------- REST: runs and checkpoints
     @app.get(f"{api}/training_runs")

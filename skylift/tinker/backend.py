@@ -23,6 +23,7 @@ from skylift.tinker.datum_batch import TinkerLoss, datums_to_batch
 from skylift.tinker.errors import UserError
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.tinker.rendering import check_token_range
+from skylift.tinker.views import META_FILE
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
 from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
@@ -32,7 +33,6 @@ LORA_ALPHA = 32
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED_MODULES = ["lm_head"]
-META_FILE = "skylift_tinker_meta.json"
 PROVENANCE_INPUTS = (RECORDED_LOGPROBS, SAMPLED_MASK)
 
 

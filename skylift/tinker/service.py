@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import secrets
 import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,6 +30,7 @@ from skylift.tinker.sampler_service import SamplingService
 from skylift.tinker.sampling import EngineSettings
 from skylift.tinker.snapshots import MIB, SnapshotStore
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
+from skylift.tinker.views import KIND_SEGMENT
 from skylift.tinker.vision.host import RenderHosts
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class TinkerService:
             self.render_hosts,
             self.spawn,
         )
+        self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
         self._hub: FutureHub | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._cleanup_task: asyncio.Task[None] | None = None
@@ -221,8 +224,7 @@ class TinkerService:
 
     # ---------------------------------------------------------------- files and records
     def run_dir(self, model_id: str, kind: str, name: str) -> Path:
-        segment = "weights" if kind == "training" else "sampler_weights"
-        return self.data_dir / "runs" / model_id / segment / name
+        return self.data_dir / "runs" / model_id / KIND_SEGMENT[kind] / name
 
     @staticmethod
     def store_path(row: CheckpointRow) -> Path:
