@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from skylift.inference.limits import MAX_N
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.provenance import StabilityRecords
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Most samples one `asample` may ask for (the same cap as the inference server's default `n` limit).
-MAX_NUM_SAMPLES = 256
+MAX_NUM_SAMPLES = MAX_N
 
 
 def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:

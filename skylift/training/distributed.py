@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from skylift.weight_sync.process_group import default_backend
+from skylift.utils.devices import default_backend
 
 
 def init_training_group(rank: int, world_size: int, init_method: str, timeout_s: float = 300.0) -> None:

@@ -18,23 +18,17 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-Backend = Literal["gloo", "nccl"]
+from skylift.utils.devices import Backend
 
 _HANDSHAKE_VALUE = 12345.0
 
 
 class WeightSyncError(RuntimeError):
     """A weight-update group could not be created, used or destroyed."""
-
-
-def default_backend() -> Backend:
-    """`nccl` when CUDA is available in this process, else `gloo`."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
