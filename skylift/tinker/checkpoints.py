@@ -17,6 +17,7 @@ import json
 import shutil
 import time
 import urllib.parse
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,19 +104,21 @@ def external_weights_urls(
     urls = {}
     for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name != META_FILE):
         rel = f.relative_to(root).as_posix()
-        path = f"{SIGNED_PREFIX}/{urllib.parse.quote(run_id)}/{urllib.parse.quote(row.checkpoint_id)}/{rel}"
+        path = f"{SIGNED_PREFIX}/{run_id}/{row.checkpoint_id}/{rel}"  # signed as the server decodes it
         query = urllib.parse.urlencode({"expires": expires, "sig": _signature(svc.url_secret, path, expires)})
-        urls[rel] = f"{base_url.rstrip('/')}{path}?{query}"
+        url_path = urllib.parse.quote(path)
+        urls[rel] = f"{base_url.rstrip('/')}{url_path}?{query}"
     return {"urls": urls, "expires": iso(dt.datetime.fromtimestamp(expires, dt.UTC).replace(tzinfo=None))}
 
 
 def signed_file(svc: TinkerService, url_path: str, expires: int, sig: str) -> Path:
-    """The file a signed URL names; PermissionError when the signature is wrong or expired."""
+    """The file a signed URL names (`url_path` percent-decoded); PermissionError when the signature
+    is wrong or expired."""
     if expires < time.time():
         raise PermissionError("this download URL expired; ask for new ones (external_weights_urls)")
     if not hmac.compare_digest(_signature(svc.url_secret, url_path, expires), sig):
         raise PermissionError("invalid download URL signature")
-    rest = urllib.parse.unquote(url_path.removeprefix(SIGNED_PREFIX + "/"))
+    rest = url_path.removeprefix(SIGNED_PREFIX + "/")
     run_id, segment, name, rel = rest.split("/", 3)
     row = _checkpoint(svc, run_id, f"{segment}/{name}")
     root = Path(row.directory).resolve()
@@ -158,14 +161,21 @@ def weights_info(svc: TinkerService, path: str) -> dict[str, Any]:
 
 
 def copy_weights(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any]:
-    """Copy a checkpoint into training run `<session_id>:train:<model_seq_id>` (created, unloaded)."""
+    """Copy a checkpoint into a new training run (unloaded): `<session_id>:train:<model_seq_id>`
+    with a session, else `copy-<id>` in the source's session (this server has no projects: a
+    `destination_project_id` is accepted and only labels the copy)."""
     source = _by_path(svc, str(body.get("source_path")))
-    session_id, seq = body.get("session_id"), body.get("model_seq_id")
-    if session_id is None or seq is None:
-        raise UserError("copy_weights: this server has no projects; send session_id and model_seq_id")
-    svc.session(str(session_id))
-    run_id = f"{session_id}:train:{int(seq)}"
     src_model = svc.store.get(ModelRow, source.model_id)
+    session_id, seq = body.get("session_id"), body.get("model_seq_id")
+    if session_id is not None:
+        if seq is None:
+            raise UserError("copy_weights: send model_seq_id with session_id")
+        svc.session(str(session_id))
+        run_id = f"{session_id}:train:{int(seq)}"
+    elif body.get("destination_project_id"):
+        session_id, run_id = src_model.session_id, f"copy-{uuid.uuid4().hex[:12]}"
+    else:
+        raise UserError("copy_weights: send destination_project_id, or session_id and model_seq_id")
     if svc.store.get(ModelRow, run_id) is None:
         svc.store.add(
             ModelRow(
@@ -174,6 +184,10 @@ def copy_weights(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any]:
                 base_model=src_model.base_model,
                 config=src_model.config,
                 status="unloaded",
+                user_metadata={
+                    "copied_from": source.tinker_path,
+                    "project": body.get("destination_project_id"),
+                },
             )
         )
     _, kind, name = parse_tinker_path(source.tinker_path)
