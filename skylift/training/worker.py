@@ -29,6 +29,7 @@ from skylift.training.micro_batches import (
     packed_response_logprobs,
     packed_response_values,
 )
+from skylift.training.sharding import shard_model
 
 # loss_fn(new_logprobs [b, R], micro_batch, entropy or None) -> (loss to backpropagate, metrics)
 LossFn = Callable[[Tensor, SequenceBatch, Tensor | None], tuple[Tensor, dict[str, float]]]
@@ -62,9 +63,12 @@ class WorkerSettings:
     lora_rank: int = 0
     lora_alpha: int = 16
     lora_target_modules: list[str] | str = "all-linear"
+    lora_dropout: float = 0.0
     # FSDP2 sharding: None = when there is more than one rank (one rank gains nothing from
     # fully_shard and pays its gather/scatter copies: measured 30% slower on CPU), True = always
     fsdp: bool | None = None
+    reshard_after_forward: bool = True  # see skylift.training.sharding.shard_model
+    cpu_offload: bool = False
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
@@ -179,7 +183,7 @@ class TrainingWorker:
                     r=s.lora_rank,
                     lora_alpha=s.lora_alpha,
                     target_modules=s.lora_target_modules,
-                    lora_dropout=0.0,
+                    lora_dropout=s.lora_dropout,
                 ),
             )
         if not s.trainable:
@@ -187,7 +191,7 @@ class TrainingWorker:
             model.eval()
         model.to(self.device)
         if shard and dist.is_initialized():
-            self._shard(model)
+            shard_model(model, reshard_after_forward=s.reshard_after_forward, cpu_offload=s.cpu_offload)
         self.model = model
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -202,14 +206,6 @@ class TrainingWorker:
             self.scheduler = make_lr_scheduler(self.optimizer, o)
         n_params = sum(p.numel() for p in model.parameters())
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
-
-    def _shard(self, model: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        layers = _decoder_layers(model)
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
 
     # ---------------------------------------------------------------- forward
     def _response_outputs(
@@ -457,15 +453,6 @@ def _default_rendezvous_file() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"skylift-rdzv-{os.getpid()}")
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks (the unit FSDP shards on)."""
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-            return list(layers)
-    return []
 
 
 def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
