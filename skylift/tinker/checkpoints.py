@@ -217,10 +217,13 @@ def copy_weights(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- sessions
-def list_sessions(svc: TinkerService, limit: int, offset: int) -> dict[str, Any]:
+def list_sessions(svc: TinkerService, limit: int, offset: int, owner: str | None = None) -> dict[str, Any]:
+    """A page of session ids, newest first (`owner`'s only, when given)."""
     with svc.store.tx() as s:
-        q = select(SessionRow.id).order_by(SessionRow.created_at.desc()).limit(limit).offset(offset)
-        return {"sessions": list(s.scalars(q))}
+        q = select(SessionRow.id).order_by(SessionRow.created_at.desc())
+        if owner is not None:
+            q = q.where(SessionRow.owner == owner)
+        return {"sessions": list(s.scalars(q.limit(limit).offset(offset)))}
 
 
 def get_session(svc: TinkerService, session_id: str) -> dict[str, Any]:
