@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from skylift.inference.limits import MAX_N
@@ -23,7 +24,7 @@ from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
-from skylift.tinker.sampling import EngineHost, EngineSettings, to_engine_params
+from skylift.tinker.sampling import EngineHost, EngineSettings, PromptScores, to_engine_params
 from skylift.tinker.snapshots import SnapshotStore
 from skylift.tinker.store import ModelRow, SamplingSessionRow, SessionRow, Store
 from skylift.tinker.views import parse_tinker_path
@@ -38,6 +39,50 @@ logger = logging.getLogger(__name__)
 
 #: Most samples one `asample` may ask for (the same cap as the inference server's default `n` limit).
 MAX_NUM_SAMPLES = MAX_N
+#: Most top-k logprobs per position (vLLM's default `max_logprobs`, which the engines keep).
+MAX_TOPK = 20
+#: Most target_prompt_logprobs cells one request may ask for (each is a one-token engine prefill).
+MAX_TARGET_CELLS = 4096
+
+
+def _topk(body: dict[str, Any], key: str) -> int:
+    k = body.get(key) or 0
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise UserError(f"{key} must be a non-negative integer, got {k!r}")
+    if k > MAX_TOPK:
+        raise UserError(f"{key}={k} is above this server's cap of {MAX_TOPK} logprobs per position")
+    return k
+
+
+def _targets(body: dict[str, Any]) -> np.ndarray | None:
+    """`target_prompt_logprobs` (TensorData JSON, dense or sparse CSR) as an int64 [rows, K] array
+    with -1 in cells that ask nothing."""
+    raw = body.get("target_prompt_logprobs")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
+        raise UserError("target_prompt_logprobs must be a tensor {data, dtype, shape}")
+    shape = raw.get("shape")
+    try:
+        data = np.asarray(raw["data"], dtype=np.int64)
+        if raw.get("sparse_crow_indices") is not None:
+            crow = np.asarray(raw["sparse_crow_indices"], dtype=np.int64)
+            col = np.asarray(raw["sparse_col_indices"], dtype=np.int64)
+            dense = np.full(shape, -1, dtype=np.int64)
+            for row in range(int(shape[0])):
+                dense[row, col[crow[row] : crow[row + 1]]] = data[crow[row] : crow[row + 1]]
+        else:
+            dense = data.reshape(shape if shape is not None else (-1, 1))
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise UserError(f"target_prompt_logprobs: malformed tensor ({exc})") from exc
+    if dense.ndim != 2:
+        raise UserError(f"target_prompt_logprobs must be [len(prompt) - 1, K], got shape {list(dense.shape)}")
+    cells = int((dense >= 0).sum())
+    if cells > MAX_TARGET_CELLS:
+        raise UserError(
+            f"target_prompt_logprobs asks for {cells} cells; this server's cap is {MAX_TARGET_CELLS}"
+        )
+    return dense
 
 
 def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -192,10 +237,14 @@ class SamplingService:
 
     # ---------------------------------------------------------------- sampling
     @staticmethod
-    def check_num_samples(body: dict[str, Any]) -> int:
+    def check_request(body: dict[str, Any]) -> int:
+        """Refuse a sample request's bad sizes at once (a 400); returns num_samples."""
         num = body.get("num_samples", 1)
         if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= MAX_NUM_SAMPLES:
             raise UserError(f"num_samples must be an integer in [1, {MAX_NUM_SAMPLES}], got {num!r}")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            _topk(body, key)
+        _targets(body)
         return num
 
     def _session(self, session_id: str) -> SessionRow:
@@ -256,13 +305,23 @@ class SamplingService:
         num = int(body.get("num_samples", 1))
         if num < 1:
             raise UserError(f"num_samples must be >= 1, got {num}")
-        if int(body.get("topk_prompt_logprobs") or 0) > 0 or int(body.get("topk_sample_logprobs") or 0) > 0:
-            raise UserError("top-k logprobs are not supported by this server yet")
-        if int(body.get("prompt_alt_tokens_k") or 0) > 0 or body.get("target_prompt_logprobs") is not None:
+        if int(body.get("prompt_alt_tokens_k") or 0) > 0:
+            raise UserError("prompt_alt_tokens_k is not supported by this server")
+        prompt_k, sample_k = _topk(body, "topk_prompt_logprobs"), _topk(body, "topk_sample_logprobs")
+        targets = _targets(body)
+        if targets is not None and targets.shape[0] != len(prompt) - 1:
             raise UserError(
-                "prompt_alt_tokens_k and target_prompt_logprobs are not supported by this server yet"
+                f"target_prompt_logprobs has {targets.shape[0]} rows; the prompt of {len(prompt)} tokens "
+                f"needs {len(prompt) - 1} (row i scores position i + 1)"
+            )
+        if with_images and (prompt_k or targets is not None):
+            raise UserError("top-k and target prompt logprobs for prompts with images are not supported")
+        if targets is not None:
+            check_token_range(
+                targets[targets >= 0].tolist(), self._vocab_size(info), "target_prompt_logprobs"
             )
         params = to_engine_params(body.get("sampling_params") or {}, len(prompt), info.max_model_len, num)
+        params.top_logprobs = sample_k
         want_plp = bool(body.get("prompt_logprobs"))
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
@@ -270,15 +329,21 @@ class SamplingService:
         if with_images:
             result = await host.sample_images(tag, self._loader(tag, info), parts, params)
         else:
-            result = await host.sample(tag, self._loader(tag, info), prompt, params, want_plp)
-        plp = result.prompt_logprobs
-        if plp is not None and last_n is not None:
-            cut = len(plp) - int(last_n)
-            plp = [math.nan] * cut + plp[cut:]
+            scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
+            result = await host.sample(tag, self._loader(tag, info), prompt, params, scores)
+        plp, topk_prompt = result.prompt_logprobs, result.topk_prompt
+        if last_n is not None:
+            cut = len(prompt) - int(last_n)
+            if plp is not None:
+                plp = [math.nan] * cut + plp[cut:]
+            if topk_prompt is not None:
+                topk_prompt = [None] * cut + topk_prompt[cut:]
         if record_session is not None:
             for i, seq in enumerate(result.sequences):
                 self.records.add(f"{request_id}:{i}", record_session, seq.tokens, seq.logprobs)
-        return encode_sample_response(result.sequences, plp)
+        return encode_sample_response(
+            result.sequences, plp, topk_prompt, result.target_prompt, prompt_k=prompt_k, sample_k=sample_k
+        )
 
     def _record_session(self, body: dict[str, Any]) -> str | None:
         """The session whose stability records this request adds to (None: it records nothing)."""

@@ -418,7 +418,7 @@ class TinkerService:
     # ---------------------------------------------------------------- sampling
     def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
         """(request id, sequence ids) of a sample request."""
-        num = self.sampling.check_num_samples(body)
+        num = self.sampling.check_request(body)
         sampling_id, seq = body.get("sampling_session_id"), body.get("seq_id")
         keys = [
             f"sample:{sampling_id}:{seq}" if sampling_id and seq is not None else None,

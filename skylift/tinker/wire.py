@@ -200,12 +200,31 @@ class SampledSequenceData:
     tokens: list[int]
     logprobs: list[float] | None
     stop_reason: str  # "stop" | "length"
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per sampled token, most likely first
+
+
+MASK_LOGPROB = -99999.0  # the SDK's filler for empty top-k cells (token id 0)
+
+
+def _topk(rows: Sequence[Sequence[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs:
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate((row or [])[:k]):
+            ids[i, j], lps[i, j] = tok, lp
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
 def encode_sample_response(
-    sequences: Sequence[SampledSequenceData], prompt_logprobs: Sequence[float] | None
+    sequences: Sequence[SampledSequenceData],
+    prompt_logprobs: Sequence[float] | None,
+    topk_prompt: Sequence[Sequence[tuple[int, float]] | None] | None = None,
+    target_prompt: np.ndarray | None = None,
+    prompt_k: int = 0,
+    sample_k: int = 0,
 ) -> bytes:
-    """`SampleResponse` bytes (prompt logprobs float32 with NaN where unscored)."""
+    """`SampleResponse` bytes (prompt logprobs float32 with NaN where unscored; top-k matrices
+    filled with the SDK's sentinel; target prompt logprobs a dense float32 tensor)."""
     msg = pb.SampleResponse()
     for seq in sequences:
         out = msg.sequences.add()
@@ -213,6 +232,18 @@ def encode_sample_response(
         out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
         if seq.logprobs is not None:
             out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.top_logprobs is not None and sample_k:
+            out.topk_sampled_logprobs.CopyFrom(_topk(seq.top_logprobs, sample_k))
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
+    if topk_prompt is not None and prompt_k:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, prompt_k))
+    if target_prompt is not None:
+        msg.target_prompt_logprobs.CopyFrom(
+            pb.Tensor(
+                dense=np.ascontiguousarray(target_prompt, dtype="<f4").tobytes(),
+                dtype=pb.DTYPE_FLOAT32,
+                shape=list(target_prompt.shape),
+            )
+        )
     return msg.SerializeToString()
