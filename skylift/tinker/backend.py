@@ -147,7 +147,7 @@ class TrainedModel:
         if call.forward_only:
             logp = worker.compute_logprobs(batch, self.micro_batch_size)
             with torch.no_grad():
-                loss(logp, batch, None)
+                loss(logp, batch)
             metrics: dict[str, float] = {}
         else:
             metrics = worker.accumulate_gradients(batch, loss, self.micro_batch_size)

@@ -67,9 +67,7 @@ class TinkerLoss:
     logprobs: dict[int, np.ndarray] = field(default_factory=dict)
     per_token: dict[int, np.ndarray] = field(default_factory=dict)
 
-    def __call__(
-        self, logp: Tensor, micro: SequenceBatch, entropy: Tensor | None
-    ) -> tuple[Tensor, dict[str, float]]:
+    def __call__(self, logp: Tensor, micro: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
         mask = micro.response_mask
         inputs = {name: micro.extras[name] for name in self.names}
         per_token, metrics = self.spec.impl(logp, inputs, mask, self.config)
