@@ -2,7 +2,7 @@
 
 Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``); it is
 what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. A field's own
-constraint sits beside it (``_f(8, "...", ge=1)``, a `Bounds` that ``validate_config`` checks);
+constraint sits beside it (``_f(8, "...", ge=1)``: see ``skylift.config.fields.Bounds``);
 checks that involve several keys are in ``skylift.config.validation``. Fields whose default
 is ``None`` and whose help says "null = ..." get a derived value from ``load_config`` (see
 ``skylift.config.validation.finalize``). Build a validated tree with ``skylift.config.load_config``;
@@ -11,9 +11,10 @@ constructing the dataclasses directly gives defaults without derived values or v
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from skylift.config.fields import _f, _group
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
@@ -31,62 +32,6 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
 PLACEMENT_BACKENDS = ("auto", "ray", "local")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The values one leaf accepts (null always passes): ``ge``/``gt``/``le``/``lt`` bounds, one of
-    ``choices`` (each item for a list), or ``or_minus_one``: >= 1 or -1 (the words say what -1 does)."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    choices: tuple[str, ...] | None = None
-    or_minus_one: str | None = None
-
-    def problem(self, key: str, value: Any) -> str | None:
-        """What is wrong with ``key=value``, or None."""
-        if value is None:
-            return None
-        if self.choices is not None:
-            bad = [v for v in (value if isinstance(value, list) else [value]) if v not in self.choices]
-            return f"{key}={bad[0]!r} is not one of {', '.join(self.choices)}" if bad else None
-        if self.or_minus_one is not None:
-            return (
-                None
-                if value == -1 or value >= 1
-                else f"{key}={value} must be >= 1, or -1 {self.or_minus_one}"
-            )
-        low, high = self.ge if self.ge is not None else self.gt, self.le if self.le is not None else self.lt
-        too_low = (self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
-        too_high = (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt)
-        if not (too_low or too_high):
-            return None
-        if high is None:
-            return f"{key}={value} must be {'>=' if self.ge is not None else '>'} {_num(low)}"
-        if low is None:
-            return f"{key}={value} must be {'<=' if self.le is not None else '<'} {_num(high)}"
-        left, right = "[" if self.ge is not None else "(", "]" if self.le is not None else ")"
-        return f"{key}={value} must be in {left}{_num(low)}, {_num(high)}{right}"
-
-
-def _num(x: float | None) -> str:
-    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
-
-
-def _f(default: Any, help: str, **bounds: Any) -> Any:
-    """A leaf field with a default value, a help line and optional `Bounds` (``ge=1``, ``choices=...``);
-    mutable defaults are copied per instance."""
-    metadata = {"help": help, "bounds": Bounds(**bounds)} if bounds else {"help": help}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _group(cls: type, help: str, **kwargs: Any) -> Any:
-    """A nested group field built by ``cls(**kwargs)`` with a help line."""
-    return field(default_factory=lambda: cls(**kwargs), metadata={"help": help})
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -168,14 +113,10 @@ class FSDPConfig:
     """PyTorch FSDP2 (fully_shard) settings of one model."""
 
     cpu_offload: bool = _f(
-        False,
-        "sharded GPU workers keep parameters, gradients and optimizer state in host memory (FSDP2 "
-        "CPUOffloadPolicy); CPU workers hold everything there already",
+        False, "sharded GPU workers keep parameters, gradients and optimizer state in host memory"
     )
     reshard_after_forward: bool = _f(
-        True,
-        "sharded workers free each layer's gathered parameters after forward (saves memory; false "
-        "keeps them until backward, saving one all-gather)",
+        True, "sharded workers free gathered layers after forward (false: keep them until backward)"
     )
 
 
@@ -241,12 +182,8 @@ class KLCtrlConfig:
         "after every step by (1 + clip(kl / kl_target - 1, -0.2, 0.2) * sequences / horizon)",
         choices=KL_CTRL_TYPES,
     )
-    kl_target: float = _f(
-        0.1, "target KL (per token, averaged over sequences) of the adaptive controller", gt=0
-    )
-    horizon: int = _f(
-        10000, "adaptive controller: sequences over which the coefficient may change by 20%", ge=1
-    )
+    kl_target: float = _f(0.1, "target KL per token (mean over sequences) of the adaptive controller", gt=0)
+    horizon: int = _f(10000, "adaptive: sequences over which the coefficient may change by 20%", ge=1)
 
 
 @dataclass
@@ -278,12 +215,8 @@ class AlgorithmConfig:
     loss_reduction: str = _f(
         "token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}", choices=LOSS_REDUCTIONS
     )
-    eps_clip_low: float = _f(
-        0.2, "PPO clip (regular, dual_clip, gspo): ratio lower bound is 1 - eps_clip_low", ge=0
-    )
-    eps_clip_high: float = _f(
-        0.2, "PPO clip (regular, dual_clip, gspo): ratio upper bound is 1 + eps_clip_high", ge=0
-    )
+    eps_clip_low: float = _f(0.2, "PPO clip (not cispo): ratio lower bound is 1 - eps_clip_low", ge=0)
+    eps_clip_high: float = _f(0.2, "PPO clip (not cispo): ratio upper bound is 1 + eps_clip_high", ge=0)
     clip_ratio_c: float = _f(3.0, "dual_clip: bound c (> 1) on the loss for negative advantages")
     cispo: CISPOConfig = _group(CISPOConfig, "cispo settings")
     use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")

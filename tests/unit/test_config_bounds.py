@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from skylift.config import ConfigError, SkyliftConfig, load_config
-from skylift.config.schema import LOGGERS, Bounds
+from skylift.config.fields import Bounds
+from skylift.config.schema import LOGGERS
 
 
 @pytest.mark.parametrize(
