@@ -327,6 +327,13 @@ class TrainerConfig:
     )
     project_name: str = _f("skylift", "project name for trackers")
     run_name: str = _f("skylift_run", "run name for trackers and default output directories")
+    runs_dir: str | None = _f(
+        None,
+        "default output directories are <runs_dir>/<run_name>/...; null = $SKYLIFT_RUNS_DIR or ~/skylift/runs",
+    )
+    ray_object_store_gb: float = _f(
+        0.5, "object store of the Ray instance a run starts (not one it joins)", gt=0
+    )
     async_training: bool = _f(
         False,
         "one-step-off: generate step t+1's rollouts while step t trains (rollout logprobs become the PPO "

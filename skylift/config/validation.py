@@ -16,11 +16,15 @@ _TRUE = {"true", "yes", "on", "1", "enable", "enabled"}
 _FALSE = {"false", "no", "off", "0", "disable", "disabled"}
 
 
-def default_run_root(run_name: str) -> Path:
-    """Where a run's checkpoints, exports and logs go unless configured: ``~/skylift/runs/<run_name>``
-    (``$SKYLIFT_RUNS_DIR/<run_name>`` when that variable is set)."""
+def default_runs_dir() -> str:
+    """``trainer.runs_dir`` when null: ``$SKYLIFT_RUNS_DIR`` if set, else ``~/skylift/runs``."""
     root = os.environ.get("SKYLIFT_RUNS_DIR")
-    return (Path(root).expanduser() if root else Path.home() / "skylift" / "runs") / run_name
+    return str(Path(root).expanduser() if root else Path.home() / "skylift" / "runs")
+
+
+def default_run_root(run_name: str, runs_dir: str | None = None) -> Path:
+    """Where a run's checkpoints, exports and logs go unless configured: ``<runs_dir>/<run_name>``."""
+    return Path(runs_dir or default_runs_dir()).expanduser() / run_name
 
 
 def finalize(cfg: SkyliftConfig) -> dict[str, Any]:
@@ -31,7 +35,8 @@ def finalize(cfg: SkyliftConfig) -> dict[str, Any]:
     - ``generator.max_generate_length``, when set, wins over ``generator.sampling_params.max_generate_length``;
       ``generator.eval_sampling_params.max_generate_length`` null -> the training value.
     - ``generator.max_input_length`` null -> ``trainer.max_prompt_length``.
-    - ``trainer.ckpt_path`` / ``export_path`` / ``log_dir`` null -> ``~/skylift/runs/<run_name>/{ckpts,exports,logs}``.
+    - ``trainer.ckpt_path`` / ``export_path`` / ``log_dir`` null -> ``<runs_dir>/<run_name>/{ckpts,exports,logs}``
+      (``trainer.runs_dir`` null: ``$SKYLIFT_RUNS_DIR``, else ``~/skylift/runs``).
     - ``trainer.resume_mode`` null -> ``none``; ``generator.override_existing_update_group`` true/false ->
       ``enable``/``disable``; a leading ``~`` in paths is expanded.
     """
@@ -61,7 +66,8 @@ def finalize(cfg: SkyliftConfig) -> dict[str, Any]:
     )
     derive("generator.max_input_length", g, "max_input_length", t.max_prompt_length)
 
-    root = default_run_root(t.run_name)
+    t.runs_dir = _expand(t.runs_dir)
+    root = default_run_root(t.run_name, t.runs_dir)
     t.ckpt_path, t.export_path, t.log_dir = _expand(t.ckpt_path), _expand(t.export_path), _expand(t.log_dir)
     t.resume_path = _expand(t.resume_path)
     derive("trainer.ckpt_path", t, "ckpt_path", str(root / "ckpts"))

@@ -62,3 +62,12 @@ def test_the_defaults_are_within_their_bounds() -> None:
 
     assert walk(SkyliftConfig(), "") == []
     assert walk(load_config(), "") == []
+
+
+def test_runs_dir_places_the_default_outputs(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("SKYLIFT_RUNS_DIR", str(tmp_path / "from_env"))
+    assert load_config().trainer.ckpt_path == str(tmp_path / "from_env" / "skylift_run" / "ckpts")
+    cfg = load_config([f"trainer.runs_dir={tmp_path / 'mine'}", "trainer.run_name=r1"])
+    assert cfg.trainer.log_dir == str(tmp_path / "mine" / "r1" / "logs")  # the key wins over the variable
+    with pytest.raises(ConfigError, match="ray_object_store_gb=0.0 must be > 0"):
+        load_config(["trainer.ray_object_store_gb=0"])
