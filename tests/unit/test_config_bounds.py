@@ -71,3 +71,23 @@ def test_runs_dir_places_the_default_outputs(monkeypatch: pytest.MonkeyPatch, tm
     assert cfg.trainer.log_dir == str(tmp_path / "mine" / "r1" / "logs")  # the key wins over the variable
     with pytest.raises(ConfigError, match="ray_object_store_gb=0.0 must be > 0"):
         load_config(["trainer.ray_object_store_gb=0"])
+
+
+def test_dynamic_sampling_bounds() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            [
+                "trainer.algorithm.dynamic_sampling.type=sometimes",
+                "trainer.algorithm.dynamic_sampling.max_sample_batches=0",
+                "trainer.algorithm.dynamic_sampling.min_replace_ratio=2",
+            ]
+        )
+    assert info.value.problems == [
+        "trainer.algorithm.dynamic_sampling.type='sometimes' is not one of filter, replace",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=0 must be >= 1, or -1 for no limit",
+        "trainer.algorithm.dynamic_sampling.min_replace_ratio=2.0 must be in [0, 1]",
+    ]
+    assert (
+        load_config(["trainer.algorithm.dynamic_sampling.type=null"]).trainer.algorithm.dynamic_sampling.type
+        is None
+    )
