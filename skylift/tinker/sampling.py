@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
 from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
@@ -64,17 +65,6 @@ class SampleResult:
 
 async def _none() -> None:
     return None
-
-
-@dataclass
-class EngineSettings:
-    """How engines are built."""
-
-    max_model_len: int = 2048
-    dtype: str = "float32"
-    max_num_seqs: int = 64
-    seed: int = 0
-    start_timeout_s: float = 900.0
 
 
 class EngineHost:

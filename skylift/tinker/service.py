@@ -17,17 +17,16 @@ import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skylift.config.services import ServerConfig
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.futures import FutureHub, OrderedQueue, Work
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.sampler_service import SamplingService
-from skylift.tinker.sampling import EngineSettings
 from skylift.tinker.snapshots import MIB, SnapshotStore
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
 from skylift.tinker.views import KIND_SEGMENT
@@ -36,28 +35,6 @@ from skylift.tinker.vision.host import RenderHosts
 logger = logging.getLogger(__name__)
 
 __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
-
-
-@dataclass
-class ServerConfig:
-    """Settings of one Tinker server."""
-
-    base_models: list[str]
-    db_url: str = "sqlite:///skylift-tinker.db"
-    data_dir: Path = Path("skylift-tinker-data")
-    api_key: str | None = None
-    api_keys_file: Path | None = None  # "USER KEY" lines; SIGHUP reloads it (skylift.tinker.auth)
-    result_retention_s: float | None = 3600.0  # retrieved results are deleted this long after
-    max_model_len: int | None = None  # default: the model's, capped at 4096
-    session_timeout_s: float = 300.0
-    cleanup_interval_s: float = 30.0
-    long_poll_s: float = 20.0
-    gap_timeout_s: float = 2.0
-    micro_batch_size: int = 8
-    # ephemeral sampler snapshots: all of them within this memory, idle ones (of finished sessions) capped
-    snapshot_memory_mb: float = 8192.0
-    max_idle_snapshots: int = 4
-    engine: EngineSettings = field(default_factory=EngineSettings)
 
 
 #: prepare(request id) -> the work of a new request (it may raise: the request then fails with it)
