@@ -48,10 +48,6 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        return cls(**data)
-
 
 @dataclass
 class Completion:
