@@ -45,10 +45,11 @@ class TrainingStoppedError(RuntimeError):
 class RLTrainer:
     """A run from a `SkyliftConfig`: `setup()` builds it, `fit()` trains, `shutdown()` ends it."""
 
-    def __init__(self, cfg: SkyliftConfig, *, console: bool = True) -> None:
+    def __init__(self, cfg: SkyliftConfig, *, console: bool = True, verbose: bool = False) -> None:
+        """`console`: print progress; `verbose`: also the libraries' own messages."""
         self.cfg = cfg
         self.console = Console(console)
-        self.runtime = Runtime(cfg, self.console.say)
+        self.runtime = Runtime(cfg, self.console.say, verbose)
         self.state = ckpt.TrainerState()
         self.history: list[dict[str, float]] = []
         self.weights: EngineWeights | None = None
