@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from skylift.config.schema import DYNAMIC_SAMPLING_TYPES
+from skylift.config.algorithm import DYNAMIC_SAMPLING_TYPES
 from skylift.generator.trajectory import Trajectory
 
 

@@ -119,7 +119,7 @@ class Runtime:
         if self.colocation.message:
             self.say(self.colocation.message)
         if self.use_ray:
-            self._ray_started = init_ray()
+            self._ray_started = init_ray(t.ray_object_store_gb)
         self._start_engines()
         total = self.total_steps()
         self.policy = self._worker_group("policy", model_worker_settings(cfg, True, total), world)
