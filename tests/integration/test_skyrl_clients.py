@@ -210,15 +210,21 @@ def chunks_of(model: Any) -> list[Any]:
     ]
 
 
-async def update_one(client: Any, group: Any, name: str, tensor: torch.Tensor) -> Any:
+async def update_one(client: Any, group: Any, name: str, tensor: torch.Tensor, dtype: str = "float32") -> Any:
     """One request plus its broadcast, as SkyRL's sender does, keeping the engine's answer."""
     import torch.distributed as dist
     from skyrl_train.weight_sync import BroadcastWeightUpdateRequest
 
-    request = BroadcastWeightUpdateRequest(names=[name], dtypes=["float32"], shapes=[list(tensor.shape)])
+    request = BroadcastWeightUpdateRequest(names=[name], dtypes=[dtype], shapes=[list(tensor.shape)])
     task = asyncio.create_task(client.update_named_weights(request))
     await asyncio.to_thread(dist.broadcast, tensor, 0, group=group)
     return (await task)[0]
+
+
+def _request(name: str, dtype: str, shape: list[int]) -> Any:
+    from skyrl_train.weight_sync import BroadcastWeightUpdateRequest
+
+    return BroadcastWeightUpdateRequest(names=[name], dtypes=[dtype], shapes=[shape])
 
 
 # -------------------------------------------------------------------------------------- tests
@@ -237,6 +243,8 @@ def test_skyrl_031_trainer_syncs_weights_per_parameter(
     info = init_info(free_port(), override=True)
     group, answers = loop.run(skyrl_init(client, info))
     assert answers["status"] == "ok" and answers["protocol"] == "skyrl" and answers["ranks"] == [1, 2]
+    with urllib.request.urlopen(tp2_server.url + "/skylift/info", timeout=60) as resp:
+        assert json.loads(resp.read())["has_weight_update_group"] is True  # asked of every rank
 
     sender = BroadcastWeightTransferSender(init_info=info, model_update_group=group, inference_client=client)
     started = time.perf_counter()
@@ -253,9 +261,8 @@ def test_skyrl_031_trainer_syncs_weights_per_parameter(
     assert answers2["status"] == "ok"
     with torch.no_grad():
         model.model.norm.weight.mul_(1.5)
-    answer = loop.run(
-        update_one(client, group2, "model.norm.weight", model.model.norm.weight.detach().clone())
-    )
+    norm = model.model.norm.weight.detach().clone()
+    answer = loop.run(update_one(client, group2, "model.norm.weight", norm, dtype="torch.float32"))
     assert answer["status"] == "ok", answer
     assert_samples_from(model, sampled(tp2_server.url, seed=12))
 
@@ -301,6 +308,10 @@ def test_skyrl_031_control_routes_and_errors(
     group, _ = loop.run(skyrl_init(client, info))
     refused = loop.run(engine.init_weight_update_communicator(init_info(free_port(), override=False)))
     assert "already exists" in refused["error"]["message"]
+
+    # every tensor must have the group's model_dtype_str (refused before any broadcast)
+    wrong = loop.run(engine.update_named_weights(_request("model.norm.weight", "bfloat16", [128])))
+    assert "model_dtype_str=float32" in wrong["error"]["message"]
 
     # a fused module left incomplete: named when the sender moves past its layer, never loaded half
     model = perturbed_model(tiny_model_dir, seed=2)
