@@ -9,7 +9,8 @@
 #   bash scripts/gpu_check.sh --cpu            # the same checks on CPU (gloo; SmolLM2 at 2 layers)
 #   bash scripts/gpu_check.sh --fetch-wheels DIR   # on a machine with an index: the wheels to carry
 #
-# Wheels to carry (pure Python, ~0.5 MB together; the GPU machine has no package index):
+# Wheels to carry (pure Python, 0.5 MB together; the GPU machine has no package index; the list
+# with the reason for each is CARRIED_WHEELS in tests/gpu/gpucheck/env.py):
 WHEELS=("tinker==0.38.0" "protobuf==6.33.5")
 # Writes a JSON report (default: $TMPDIR/skylift-gpu-check-$UID/report.json) and prints a summary;
 # exits 1 if any check failed. Sized for under 6 minutes on one H200, CPU reference phase included

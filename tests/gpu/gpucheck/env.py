@@ -21,7 +21,19 @@ from pathlib import Path
 
 # Not on the GPU machine: vLLM's CUDA wheels are too large to carry, Ray and the HTTP stack are
 # not needed for training; pydantic & co. are what the tinker SDK's package __init__ needs.
-BLOCKED = ("vllm", "ray", "fastapi", "uvicorn", "starlette", "pydantic", "sqlalchemy", "omegaconf", "antlr4")
+BLOCKED = (
+    "vllm",
+    "ray",
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "pydantic",
+    "sqlalchemy",
+    "alembic",
+    "mako",
+    "omegaconf",
+    "antlr4",
+)
 BLOCK_ENV = "SKYLIFT_GPU_CHECK_BLOCK"
 
 # (pip requirement, the module it provides, why) — every one is pure Python (py3-none-any). A
@@ -77,6 +89,15 @@ def install_blocker() -> BlockedImports:
         _blocker = BlockedImports(names)
         sys.meta_path.insert(0, _blocker)
     return _blocker
+
+
+def why_blocked(exc: ImportError) -> str:
+    """'<importer> imports <module>' for a blocked import that failed, else the error itself."""
+    if _blocker is not None:
+        for attempt in reversed(_blocker.attempts):
+            if attempt["module"] == exc.name:
+                return f"{attempt['imported_by']} imports {exc.name}, which this machine lacks"
+    return str(exc)
 
 
 def loaded_blocked_modules() -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gpucheck.device import Context
-from gpucheck.env import import_skipping_package_init
+from gpucheck.env import import_skipping_package_init, why_blocked
 from gpucheck.report import TOLERANCES, Item, max_abs, scalar_rel
 
 LR = 1e-3
@@ -102,11 +102,27 @@ def tinker_steps(model_dir: Path, lora_rank: int) -> dict[str, Any]:
 MODES = {"lora-8": 8, "full": 0}
 
 
+def importable() -> str | None:
+    """None when the backend imports here, else which module pulled in what is missing."""
+    try:
+        load_backend()
+    except ImportError as exc:
+        return f"skylift.tinker.backend cannot be imported: {why_blocked(exc)}"
+    return None
+
+
 def reference(ctx: Context) -> dict[str, Any]:
+    missing = importable()
+    if missing:
+        return {"tinker/skipped": missing}
     return {f"tinker/{mode}": tinker_steps(ctx.tiny_dir, rank) for mode, rank in MODES.items()}
 
 
 def item_tinker(ctx: Context, refs: dict[str, Any], item: Item) -> None:
+    missing = importable() or refs.get("tinker/skipped")
+    if missing:
+        item.skipped = missing
+        return
     lp, loss, grad = TOLERANCES["logprobs_abs"], TOLERANCES["loss_rel"], TOLERANCES["grad_rel"]
     for mode, rank in MODES.items():
         got, ref = tinker_steps(ctx.tiny_dir, rank), refs[f"tinker/{mode}"]
