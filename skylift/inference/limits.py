@@ -1,4 +1,4 @@
-"""Limits of one inference request and timeouts of the engine's control RPCs.
+"""Limits of one inference request and timeouts of the server's engine calls.
 
 Plain constants (no web framework) so that every transport and the Tinker sampler read the same
 values: the HTTP routes, the server's cap on vLLM's own routes and Tinker's sampling checks.
@@ -23,5 +23,5 @@ MAX_N = int(_env_number("SKYLIFT_MAX_N", 256))
 MAX_PROMPTS = int(_env_number("SKYLIFT_MAX_PROMPTS", 4096))
 #: Timeout of one weight-bucket receive (`SKYLIFT_WEIGHT_RPC_TIMEOUT_S`).
 WEIGHT_RPC_TIMEOUT_S = _env_number("SKYLIFT_WEIGHT_RPC_TIMEOUT_S", 600.0)
-#: Timeout of small control RPCs (destroy, has-group).
-CONTROL_RPC_TIMEOUT_S = 60.0
+#: Timeout of one /skylift/generate request inside the server (clients have their own).
+SERVER_GENERATE_TIMEOUT_S = 3600.0

@@ -6,17 +6,18 @@ doing weight sync) turns into an `InferenceEngine` client with `connect()`.
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.inference.types import (
-    EngineUnavailableError,
-    GenerateOutput,
-    SamplingParams,
-    WeightBucket,
-    WeightUpdateGroupSpec,
-)
+from skylift.inference.types import EngineError, EngineUnavailableError, InferenceEngine
+from skylift.utils.calls import call_with_timeout
+
+#: What a Ray engine forwards: the `InferenceEngine` interface plus the local engine's extras.
+ENGINE_METHODS = frozenset(name for name in dir(InferenceEngine) if not name.startswith("_")) | {
+    "prompt_logprobs",
+    "has_weight_update_group",
+}
 
 
 class EngineActor:
@@ -31,49 +32,26 @@ class EngineActor:
         self.engine = await LocalVLLMEngine.create(model, **engine_kwargs)
         return repr(self.engine)
 
-    async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
-    ) -> list[GenerateOutput]:
-        return await self.engine.generate(prompts, params, session_id)
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self.engine.prompt_logprobs(sequences)
-
-    async def sleep(self, level: int = 1) -> None:
-        await self.engine.sleep(level)
-
-    async def wake_up(self) -> None:
-        await self.engine.wake_up()
-
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self.engine.init_weight_update_communicator(spec)
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self.engine.update_weights(bucket)
-
-    async def destroy_weights_update_group(self) -> None:
-        await self.engine.destroy_weights_update_group()
-
-    async def reset_prefix_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
-
-    async def health(self) -> bool:
-        return await self.engine.health()
-
-    async def tensor_parallel_size(self) -> int:
-        return await self.engine.tensor_parallel_size()
-
-    async def close(self) -> None:
-        if self.engine is not None:
-            await self.engine.close()
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`self.engine.<method>(*args, **kwargs)`; `close` also forgets the engine."""
+        if method not in ENGINE_METHODS:
+            raise AttributeError(f"{method!r} is not an engine method")
+        if self.engine is None:
+            if method == "close":
+                return None
+            raise EngineError(f"engine actor: {method} called before start() or after close()")
+        result = await getattr(self.engine, method)(*args, **kwargs)
+        if method == "close":
             self.engine = None
+        return result
 
 
 class RayEngineClient:
-    """`InferenceEngine` calls forwarded to an `EngineActor` (awaiting Ray object refs).
+    """An `InferenceEngine` whose every call goes to an `EngineActor` (one generic proxy).
 
-    A dead actor (its process killed or crashed) raises `EngineUnavailableError`, so an
-    `EnginePool` moves the work to another engine.
+    ``client.generate(...)`` awaits ``actor.call.remote("generate", ...)`` with a timeout. A dead
+    actor (its process killed or crashed) raises `EngineUnavailableError`, so an `EnginePool`
+    moves the work to another engine.
     """
 
     def __init__(self, actor: Any, name: str, timeout_s: float = 600.0) -> None:
@@ -84,54 +62,29 @@ class RayEngineClient:
     def __repr__(self) -> str:
         return self.name
 
-    async def _call(self, operation: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        if method not in ENGINE_METHODS:
+            raise AttributeError(f"{type(self).__name__} has no attribute {method!r}")
 
-        try:
-            return await asyncio.wait_for(getattr(self.actor, operation).remote(*args), self.timeout_s)
-        except TimeoutError as exc:
-            raise EngineUnavailableError(
-                f"{self.name}: {operation} gave no answer within {self.timeout_s:.0f} s"
-            ) from exc
-        except RayActorError as exc:
-            raise EngineUnavailableError(
-                f"{self.name}: {operation} failed: the engine actor died ({exc})"
-            ) from exc
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            from ray.exceptions import RayActorError
 
-    async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
-    ) -> list[GenerateOutput]:
-        return await self._call("generate", prompts, params, session_id)
+            def actor_died(message: str, exc: Exception) -> Exception | None:
+                if isinstance(exc, RayActorError):
+                    return EngineUnavailableError(f"{message}: the engine actor died ({exc})")
+                return None
 
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self._call("prompt_logprobs", sequences)
+            return await call_with_timeout(
+                self.name,
+                method,
+                self.actor.call.remote(method, *args, **kwargs),
+                self.timeout_s,
+                timeout_error=EngineUnavailableError,
+                error=actor_died,
+            )
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._call("sleep", level)
-
-    async def wake_up(self) -> None:
-        await self._call("wake_up")
-
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self._call("init_weight_update_communicator", spec)
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self._call("update_weights", bucket)
-
-    async def destroy_weights_update_group(self) -> None:
-        await self._call("destroy_weights_update_group")
-
-    async def reset_prefix_cache(self) -> None:
-        await self._call("reset_prefix_cache")
-
-    async def health(self) -> bool:
-        return await self._call("health")
-
-    async def tensor_parallel_size(self) -> int:
-        return await self._call("tensor_parallel_size")
-
-    async def close(self) -> None:
-        await self._call("close")
+        call.__name__ = method
+        return call
 
 
 @dataclass

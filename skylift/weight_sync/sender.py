@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from skylift.utils.calls import call_with_timeout, gather_all
 from skylift.utils.devices import Backend, default_backend
 from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
@@ -71,36 +72,28 @@ class WeightSender:
     async def _engine_call(
         self, index: int, engine: WeightSyncTarget, operation: str, aw: Awaitable[Any], timeout_s: float
     ) -> Any:
-        try:
-            return await asyncio.wait_for(aw, timeout_s)
-        except TimeoutError as exc:
-            raise WeightSyncError(
-                f"{_describe(index, engine)}: {operation} timed out after {timeout_s:.0f}s"
-            ) from exc
-        except Exception as exc:
-            raise WeightSyncError(f"{_describe(index, engine)}: {operation} failed: {exc}") from exc
+        return await call_with_timeout(
+            _describe(index, engine),
+            operation,
+            aw,
+            timeout_s,
+            timeout_error=WeightSyncError,
+            error=WeightSyncError,
+        )
 
     async def _local(self, operation: str, fn: Any, *args: Any, timeout_s: float) -> Any:
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
-        except TimeoutError as exc:
-            raise WeightSyncError(f"sender (rank 0): {operation} timed out after {timeout_s:.0f}s") from exc
+        return await call_with_timeout(
+            "sender (rank 0)",
+            operation,
+            asyncio.to_thread(fn, *args),
+            timeout_s,
+            timeout_error=WeightSyncError,
+        )
 
     @staticmethod
     async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
         """Run concurrently; on the first failure cancel the rest and raise it."""
-        futures = [asyncio.ensure_future(t) for t in tasks]
-        try:
-            done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-            for fut in done:
-                if fut.exception() is not None:
-                    raise fut.exception()  # type: ignore[misc]
-            return [f.result() for f in futures]
-        finally:
-            for fut in futures:
-                if not fut.done():
-                    fut.cancel()
-            await asyncio.gather(*futures, return_exceptions=True)
+        return await gather_all(tasks, fail_fast=True)
 
     async def init_group(
         self,
@@ -266,14 +259,13 @@ class WeightSender:
         engines, self._engines = self._engines, []
         if group is None:
             return
-        results = await asyncio.gather(
-            *(
+        results = await gather_all(
+            [
                 self._engine_call(
                     i, e, "destroy_weights_update_group", e.destroy_weights_update_group(), self.timeout_s
                 )
                 for i, e in enumerate(engines)
-            ),
-            return_exceptions=True,
+            ]
         )
         group.destroy()
         errors = [r for r in results if isinstance(r, BaseException)]
