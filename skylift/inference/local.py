@@ -106,39 +106,23 @@ class LocalVLLMEngine:
         cls,
         model: str,
         *,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int | None = None,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
         name: str | None = None,
         generate_timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         update_timeout_s: float = 600.0,
-        **extra: Any,
+        **engine_args: Any,
     ) -> LocalVLLMEngine:
         """Start an engine for `model` (a local directory or a name vLLM can resolve).
 
-        `extra` goes to vLLM's `AsyncEngineArgs`; our worker extension is always set. Start-up
-        blocks this event loop (vLLM builds the engine synchronously; 20-70 s on CPU).
+        `engine_args` go to `build_engine_args` (max_model_len, seed, dtype, tensor_parallel_size,
+        enable_sleep_mode, ..., then vLLM's `AsyncEngineArgs`); our worker extension is always
+        set. Start-up blocks this event loop (vLLM builds the engine synchronously; 20-70 s on CPU).
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _quiet_teardown(AsyncLLM)
         apply_cpu_env_defaults()
-        args = build_engine_args(
-            model,
-            max_model_len=max_model_len,
-            seed=seed,
-            dtype=dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode,
-            **extra,
-        )
+        args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
         try:
             engine = AsyncLLM.from_engine_args(args)
@@ -147,8 +131,8 @@ class LocalVLLMEngine:
         return cls(
             engine,
             name=name,
-            tensor_parallel_size=tensor_parallel_size,
-            sleep_mode_enabled=enable_sleep_mode,
+            tensor_parallel_size=int(args.tensor_parallel_size),
+            sleep_mode_enabled=bool(args.enable_sleep_mode),
             generate_timeout_s=generate_timeout_s,
             control_timeout_s=control_timeout_s,
             update_timeout_s=update_timeout_s,
