@@ -6,15 +6,26 @@ Pure PyTorch, batch-first `[batch, response_len]` tensors with a float mask (1 =
 from skylift.algorithms._registry import UnknownNameError
 from skylift.algorithms.advantages import (
     AdvantageEstimator,
+    SequenceAdvantageEstimator,
     advantage_estimator_names,
     compute_advantages,
     get_advantage_estimator,
+    is_sequence_level,
     masked_whiten,
     register_advantage_estimator,
     sequence_rewards_to_token_level,
     unregister_advantage_estimator,
 )
-from skylift.algorithms.kl import KL_ESTIMATORS, apply_kl_penalty, compute_kl
+from skylift.algorithms.kl import (
+    KL_CTRL_TYPES,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_penalty,
+    compute_kl,
+    make_kl_controller,
+)
 from skylift.algorithms.policy_loss import (
     PolicyLoss,
     PolicyLossConfig,
@@ -35,12 +46,17 @@ from skylift.algorithms.reductions import (
 from skylift.algorithms.value_loss import compute_value_loss
 
 __all__ = [
+    "KL_CTRL_TYPES",
     "KL_ESTIMATORS",
     "LOSS_REDUCTIONS",
+    "AdaptiveKLController",
     "AdvantageEstimator",
+    "FixedKLController",
+    "KLController",
     "MiniBatchTotals",
     "PolicyLoss",
     "PolicyLossConfig",
+    "SequenceAdvantageEstimator",
     "UnknownNameError",
     "advantage_estimator_names",
     "apply_kl_penalty",
@@ -50,6 +66,8 @@ __all__ = [
     "compute_value_loss",
     "get_advantage_estimator",
     "get_policy_loss",
+    "is_sequence_level",
+    "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -166,15 +166,18 @@ class LocalVLLMEngine:
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def _final_output(self, prompt: list[int], vllm_params: Any, session_id: str | None) -> Any:
+    async def _final_output(
+        self, prompt: list[int], vllm_params: Any, session_id: str | None, images: list[Any] | None = None
+    ) -> Any:
         from vllm.inputs import TokensPrompt
 
         request_id = f"skylift-{uuid.uuid4().hex}"
+        tokens = TokensPrompt(prompt_token_ids=list(prompt))
+        if images:
+            tokens["multi_modal_data"] = {"image": images}
         final = None
         try:
-            async for output in self._engine.generate(
-                TokensPrompt(prompt_token_ids=list(prompt)), vllm_params, request_id, session_id=session_id
-            ):
+            async for output in self._engine.generate(tokens, vllm_params, request_id, session_id=session_id):
                 final = output
         except (asyncio.CancelledError, TimeoutError):
             await self._engine.abort(request_id)
@@ -190,11 +193,14 @@ class LocalVLLMEngine:
         session_id: str | None = None,
         *,
         prompt_logprobs: bool = False,
+        images: Sequence[list[Any] | None] | None = None,
     ) -> list[GenerateOutput]:
         """Sample `params.n` continuations of every prompt (token ids); prompts run concurrently.
 
         `prompt_logprobs` also scores every prompt token (`GenerateOutput.prompt_logprobs`).
-        `session_id` goes to vLLM with each request (routing by session is the pool's concern).
+        `images`: per prompt, the PIL images its image placeholder tokens stand for (a vision
+        model's; the output's prompt is then vLLM's, placeholders expanded). `session_id` goes to
+        vLLM with each request (routing by session is the pool's concern).
         """
         if not prompts:
             return []
@@ -206,13 +212,19 @@ class LocalVLLMEngine:
         except Exception as exc:
             raise EngineRequestError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
 
-        async def one(prompt: list[int]) -> GenerateOutput:
-            final = await self._final_output(prompt, vllm_params, session_id)
+        async def one(prompt: list[int], imgs: list[Any] | None) -> GenerateOutput:
+            final = await self._final_output(prompt, vllm_params, session_id, imgs)
+            seen = list(final.prompt_token_ids or prompt) if imgs else prompt
             return to_generate_output(
-                final, prompt, want_logprobs=params.logprobs, prompt_logprobs=prompt_logprobs
+                final, seen, want_logprobs=params.logprobs, prompt_logprobs=prompt_logprobs
             )
 
-        jobs = asyncio.gather(*(one(p) for p in prompts))
+        per_prompt = list(images) if images is not None else [None] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise EngineRequestError(
+                f"{self.name}: generate: {len(per_prompt)} image lists for {len(prompts)} prompts"
+            )
+        jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)))
         return await self._call("generate", jobs, self.generate_timeout_s)
 
     async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
