@@ -32,7 +32,7 @@ from skylift.inference.types import (
     check_teacher_forcing,
     teacher_forced_logprobs,
 )
-from skylift.inference.vllm_io import to_generate_output, to_vllm_params
+from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
 from skylift.weight_sync.protocol import RPC_DESTROY, RPC_HAS_GROUP, RPC_INIT_GROUP, RPC_RECEIVE
@@ -217,7 +217,11 @@ class LocalVLLMEngine:
             final = await self._final_output(prompt, vllm_params, session_id, imgs)
             seen = list(final.prompt_token_ids or prompt) if imgs else prompt
             return to_generate_output(
-                final, seen, want_logprobs=params.logprobs, prompt_logprobs=prompt_logprobs
+                final,
+                seen,
+                want_logprobs=params.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                top_logprobs=params.top_logprobs,
             )
 
         per_prompt = list(images) if images is not None else [None] * len(prompts)
@@ -235,6 +239,18 @@ class LocalVLLMEngine:
         check_teacher_forcing(self.name, sequences)
         outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
         return teacher_forced_logprobs(self.name, outputs)
+
+    async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
+        most likely first. A local-engine extra, not in the interface."""
+        check_teacher_forcing(self.name, [sequence])
+        vllm_params = to_vllm_params(TEACHER_FORCING, prompt_top=k)
+
+        async def one() -> list[list[tuple[int, float]]]:
+            final = await self._final_output(sequence, vllm_params, None)
+            return prompt_top_logprobs(final, sequence, k)
+
+        return await self._call("prompt_top_logprobs", one(), self.generate_timeout_s)
 
     # ---- memory -----------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: bool = True  # return the logprob of every sampled token
+    top_logprobs: int = 0  # also the k most likely tokens and their logprobs at each sampled position
     ignore_eos: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +64,7 @@ class Completion:
     stop_reason: StopReason
     text: str | None = None
     matched_stop: int | str | None = None  # the stop string or token id that ended it, if any
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per position, most likely first
 
 
 @dataclass

@@ -18,9 +18,10 @@ logger = logging.getLogger(__name__)
 _STOP_REASONS: tuple[StopReason, ...] = ("stop", "length", "abort")
 
 
-def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False) -> Any:
-    """vLLM's `SamplingParams` for ours: final output only, sampled-token logprobs if asked,
-    the prompt's token logprobs if `prompt_logprobs`. vLLM's own checks raise ValueError."""
+def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False, prompt_top: int = 0) -> Any:
+    """vLLM's `SamplingParams` for ours: final output only, sampled-token logprobs if asked (and
+    the `top_logprobs` most likely tokens), the prompt's token logprobs if `prompt_logprobs` (and
+    its `prompt_top` most likely tokens). vLLM's own checks raise ValueError."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -36,8 +37,8 @@ def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False) -> 
         stop_token_ids=params.stop_token_ids,
         seed=params.seed,
         ignore_eos=params.ignore_eos,
-        logprobs=0 if params.logprobs else None,
-        prompt_logprobs=0 if prompt_logprobs else None,
+        logprobs=params.top_logprobs if params.top_logprobs > 0 else (0 if params.logprobs else None),
+        prompt_logprobs=prompt_top if prompt_top > 0 else (0 if prompt_logprobs else None),
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
@@ -51,7 +52,21 @@ def stop_reason(finish_reason: str | None) -> StopReason:
     return "abort"
 
 
-def _completion(output: Any, want_logprobs: bool) -> Completion:
+def _top(position: Any, k: int) -> list[tuple[int, float]]:
+    """The entries of one vLLM logprobs dict ranked 1..k, most likely first."""
+    ranked = sorted((p.rank, tok, float(p.logprob)) for tok, p in position.items() if p.rank <= k)
+    return [(tok, lp) for _, tok, lp in ranked]
+
+
+def prompt_top_logprobs(final: Any, prompt: list[int], k: int) -> list[list[tuple[int, float]]]:
+    """The `k` most likely tokens (id, logprob) at every prompt position after the first."""
+    entries = final.prompt_logprobs
+    if entries is None or len(entries) != len(prompt):
+        raise EngineError("vLLM returned no prompt logprobs")
+    return [_top(pos, k) for pos in entries[1:]]
+
+
+def _completion(output: Any, want_logprobs: bool, top: int = 0) -> Completion:
     token_ids = list(output.token_ids)
     logprobs: list[float] | None = None
     if want_logprobs:
@@ -64,6 +79,7 @@ def _completion(output: Any, want_logprobs: bool) -> Completion:
         stop_reason=stop_reason(output.finish_reason),
         text=output.text,
         matched_stop=output.stop_reason,
+        top_logprobs=[_top(pos, top) for pos in output.logprobs or []] if top > 0 else None,
     )
 
 
@@ -77,11 +93,19 @@ def _prompt_logprobs(prompt: list[int], entries: Any) -> list[float | None]:
 
 
 def to_generate_output(
-    final: Any, prompt: list[int], *, want_logprobs: bool, prompt_logprobs: bool = False
+    final: Any,
+    prompt: list[int],
+    *,
+    want_logprobs: bool,
+    prompt_logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> GenerateOutput:
     """All samples of one prompt from vLLM's final `RequestOutput`, in sample order."""
     return GenerateOutput(
         prompt_token_ids=list(prompt),
-        completions=[_completion(out, want_logprobs) for out in sorted(final.outputs, key=lambda o: o.index)],
+        completions=[
+            _completion(out, want_logprobs, top_logprobs)
+            for out in sorted(final.outputs, key=lambda o: o.index)
+        ],
         prompt_logprobs=_prompt_logprobs(prompt, final.prompt_logprobs) if prompt_logprobs else None,
     )
