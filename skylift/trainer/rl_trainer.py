@@ -57,10 +57,10 @@ from skylift.trainer.objective import PolicyObjective, ValueObjective, rows_with
 from skylift.trainer.settings import (
     RunPaths,
     critic_worker_settings,
-    init_ray,
     local_engine_kwargs,
     max_generate_length,
     model_worker_settings,
+    start_ray_run,
 )
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.batch import SequenceBatch, build_sequence_batch
@@ -92,6 +92,7 @@ class RLTrainer:
         self.critic: WorkerGroup | None = None
         self.history: list[dict[str, float]] = []
         self._ray_started = False
+        self.placement: Any = None  # PlacedGroups when the run uses Ray
         self.engine_version = 0  # the policy version of the weights the engines hold
         self.colocation = ColocationPlan(sleep_engines=False)
         self._engines_asleep = False
@@ -154,13 +155,15 @@ class RLTrainer:
                 "critic", critic_worker_settings(self.cfg, self._total_steps()), critic_world, use_ray
             )
             self.critic.setup()
-        self.policy.call_all(
+        sync_address = self.policy.call_all(
             "init_weight_sync",
             self.engine_refs,
             _override_flag(g.override_existing_update_group),
             self._weight_sync_backend,
             g.weight_sync_timeout_s,
-        )
+            g.weight_sync_master_address,
+        )[0]
+        self._say(f"weight sync: {len(self.engine_refs)} engine(s) dial {sync_address}")
         self._sync_members = list(range(len(self.engine_refs)))
         if not self._maybe_resume() and not g.run_engines_locally:
             # a server may still hold another run's weights: start from this run's
@@ -192,10 +195,14 @@ class RLTrainer:
             num_gpus_per_worker=1 if gpu else 0,
             loop=self.loop,
             timeout_s=self.cfg.trainer.worker_timeout_s,
+            placement=self.placement,
         )
 
     def _init_ray(self) -> None:
-        self._ray_started = init_ray()
+        run = start_ray_run(self.cfg)
+        self._ray_started, self.placement = run.started, run.placement
+        for line in run.lines:
+            self._say(line)
 
     def _start_engines(self) -> None:
         g = self.cfg.generator
@@ -211,6 +218,7 @@ class RLTrainer:
                     kwargs,
                     startup_timeout_s=g.engine_startup_timeout_s,
                     call_timeout_s=g.http_timeout_s,
+                    placement=self.placement,
                 )
             else:
                 self.engine_refs = self.loop.run_until_complete(
@@ -547,6 +555,7 @@ class RLTrainer:
             [self.engine_refs[i] for i in live],
             self._weight_sync_backend,
             self.cfg.generator.weight_sync_timeout_s,
+            self.cfg.generator.weight_sync_master_address,
         )
         self._sync_members = live
         return True
@@ -740,6 +749,8 @@ class RLTrainer:
         finally:
             if hasattr(self, "tracking"):
                 self.tracking.close()
+            if self.placement is not None:
+                self.placement.remove()
             if self._ray_started:
                 import ray
 
