@@ -14,6 +14,7 @@ fi
 export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check skylift tests benchmarks
 .venv/bin/ruff format --check skylift tests benchmarks
+.venv/bin/python scripts/import_graph.py  # the package graph; fails on a cycle or an upward import
 set +e
 .venv/bin/pytest "$@"  # no arguments: every test under tests/ (pyproject testpaths)
 rc=$?

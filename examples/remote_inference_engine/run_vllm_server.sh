@@ -22,4 +22,4 @@ export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo VLLM_CPU_KV
     --max-num-seqs 256 \
     --trust-remote-code \
     --enforce-eager \
-    --worker-extension-cls skylift.inference.worker_extension.WeightSyncWorkerExtension
+    --worker-extension-cls skylift.inference.vllm_worker.WeightSyncWorkerExtension

@@ -274,6 +274,17 @@ class TrainerConfig:
     micro_forward_batch_size_per_gpu: int = _f(
         8, "sequences per forward-only pass (logprobs, values) on one worker"
     )
+    max_tokens_per_microbatch: int = _f(
+        -1,
+        "micro-batches by a token budget instead of the two row counts above (forward and training "
+        "passes of policy, reference and critic): real tokens with remove_microbatch_padding, padded "
+        "cells (rows x width) without; a longer sequence gets a micro-batch of its own; -1 = off",
+    )
+    remove_microbatch_padding: bool = _f(
+        False,
+        "padding-free: pack each micro-batch's sequences into one row (position ids restart per "
+        "sequence; transformers builds the block-diagonal mask)",
+    )
     max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are dropped from the data")
     eval_batch_size: int = _f(64, "prompts per evaluation generation batch")
     eval_before_train: bool = _f(True, "evaluate once before the first training step")

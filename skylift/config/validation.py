@@ -140,6 +140,7 @@ def _check_batches(cfg: SkyliftConfig, problems: list[str]) -> None:
     ):
         _at_least(problems, f"trainer.{name}", getattr(t, name), 1)
     _at_least(problems, "trainer.max_steps", t.max_steps, 1)
+    _interval(problems, "trainer.max_tokens_per_microbatch", t.max_tokens_per_microbatch, "for row counts")
     _at_least(problems, "generator.n_samples_per_prompt", g.n_samples_per_prompt, 1)
     _at_least(problems, "generator.eval_n_samples_per_prompt", g.eval_n_samples_per_prompt, 1)
     mini_batch_keys = ["policy_mini_batch_size"]

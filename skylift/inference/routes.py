@@ -12,125 +12,44 @@ Routes (all POST unless noted; JSON bodies; errors are `{"error": {"message", "t
 
 When the server has API keys, every route requires `Authorization: Bearer <key>` (401), vLLM's
 included (vLLM itself guards only /v1, /v2, ... and would leave /invocations, /tokenize,
-/scale_elastic_ep open), except the probes in `PUBLIC_PATHS`.
+/scale_elastic_ep open), except the probes in `skylift.inference.auth.PUBLIC_PATHS`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
-from starlette.datastructures import Headers
 from starlette.middleware import Middleware
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+
+from skylift.inference.auth import ApiKeyMiddleware, api_key_problem
+from skylift.inference.bodies import (
+    Body,
+    GenerateBody,
+    InitGroupBody,
+    SamplingParamsBody,
+    SleepBody,
+    UpdateWeightBody,
+    UpdateWeightsBody,
+)
+from skylift.inference.limits import CONTROL_RPC_TIMEOUT_S, MAX_N, MAX_PROMPTS, WEIGHT_RPC_TIMEOUT_S
+from skylift.weight_sync.buckets import validate_bucket
+from skylift.weight_sync.protocol import (
+    RPC_DESTROY,
+    RPC_HAS_GROUP,
+    RPC_INIT_GROUP,
+    RPC_RECEIVE,
+    WeightBucket,
+    WeightUpdateGroupSpec,
+)
 
 logger = logging.getLogger("skylift.inference.routes")
-
-# Extension methods (contract with skylift.inference.worker_extension.WeightSyncWorkerExtension).
-RPC_INIT_GROUP = "skylift_init_weight_update_group"
-RPC_RECEIVE = "skylift_receive_weights"
-RPC_DESTROY = "skylift_destroy_weight_update_group"
-RPC_HAS_GROUP = "skylift_has_weight_update_group"
-
-
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError as e:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from e
-
-
-#: Most samples per prompt one request may ask for (`SKYLIFT_MAX_N`).
-MAX_N = int(_env_number("SKYLIFT_MAX_N", 256))
-#: Most prompts in one /skylift/generate request (`SKYLIFT_MAX_PROMPTS`).
-MAX_PROMPTS = int(_env_number("SKYLIFT_MAX_PROMPTS", 4096))
-#: Timeout of one weight-bucket receive (`SKYLIFT_WEIGHT_RPC_TIMEOUT_S`).
-WEIGHT_RPC_TIMEOUT_S = _env_number("SKYLIFT_WEIGHT_RPC_TIMEOUT_S", 600.0)
-#: Timeout of small control RPCs (destroy, has-group).
-CONTROL_RPC_TIMEOUT_S = 60.0
-#: Paths that stay open when the server has API keys: liveness and load probes, the version and
-#: Prometheus metrics (open in vLLM too).
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})
-
-
-# --------------------------------------------------------------------------------------------
-# Request bodies
-# --------------------------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParamsBody(_Body):
-    """The wire form of `skylift.inference.types.SamplingParams`."""
-
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_tokens: int = Field(128, ge=1)
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1)
-    logprobs: bool = True
-    ignore_eos: bool = False
-
-
-class GenerateBody(_Body):
-    """POST /skylift/generate."""
-
-    prompt_token_ids: list[list[int]]
-    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
-    prompt_logprobs: bool = False
-    session_id: str | None = None
-
-
-class InitGroupBody(_Body):
-    """POST /init_weight_update_communicator (fields of `WeightUpdateGroupSpec`)."""
-
-    master_address: str = Field(min_length=1, validation_alias=AliasChoices("master_address", "master_addr"))
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = "skylift_weight_sync"
-    backend: Literal["gloo", "nccl"] = "gloo"
-    override_existing: bool = False
-    timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
-
-
-class UpdateWeightsBody(_Body):
-    """POST /update_weights: one bucket (see `WeightBucket` for the wire format)."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-
-
-class UpdateWeightBody(_Body):
-    """POST /update_weight: one tensor."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-
-
-class SleepBody(_Body):
-    """POST /sleep (the level may also come as a query parameter)."""
-
-    level: int = Field(1, ge=1, le=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,10 +77,6 @@ class SkyliftState:
     started_at: float = field(default_factory=time.time)
 
 
-def _hash_key(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
-
-
 def _state(request: Request) -> SkyliftState:
     return request.app.state.skylift
 
@@ -170,44 +85,11 @@ def _error(status: HTTPStatus, message: str) -> HTTPException:
     return HTTPException(status_code=int(status), detail=message)
 
 
-def api_key_problem(state: SkyliftState, authorization: str) -> str | None:
-    """Why a request with this Authorization header is refused; None when it may pass."""
-    if not state.api_key_hashes:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return "missing API key: send 'Authorization: Bearer <key>'"
-    digest = _hash_key(token.strip())
-    ok = False
-    for known in state.api_key_hashes:
-        ok |= secrets.compare_digest(digest, known)
-    return None if ok else "invalid API key"
-
-
 async def require_api_key(request: Request) -> None:
     """401 unless the request carries one of the server's API keys (when it has any)."""
-    problem = api_key_problem(_state(request), request.headers.get("Authorization", ""))
+    problem = api_key_problem(_state(request).api_key_hashes, request.headers.get("Authorization", ""))
     if problem is not None:
         raise _error(HTTPStatus.UNAUTHORIZED, problem)
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI middleware: every HTTP path but `PUBLIC_PATHS` (and CORS preflights) needs a key."""
-
-    def __init__(self, app: ASGIApp, state: SkyliftState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS":
-            path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if path not in PUBLIC_PATHS:
-                problem = api_key_problem(self.state, Headers(scope=scope).get("authorization", ""))
-                if problem is not None:
-                    body = {"error": {"message": problem, "type": "Unauthorized", "param": None, "code": 401}}
-                    await JSONResponse(body, status_code=401)(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
 
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -216,39 +98,6 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def normalize_dtype(name: str) -> str:
-    """'torch.bfloat16' -> 'bfloat16'; ValueError for a dtype the weight receiver cannot carry."""
-    from skylift.weight_sync.buckets import str_to_dtype
-
-    str_to_dtype(name)  # the receiver's own table: one source of truth
-    return name.removeprefix("torch.")
-
-
-def validate_bucket(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[str]:
-    """Check a bucket's metadata; returns the normalized dtypes. Raises ValueError naming the fault."""
-    if not names:
-        raise ValueError("empty bucket: 'names' must hold at least one tensor name")
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise ValueError(
-            f"names, dtypes and shapes must have the same length, got "
-            f"{len(names)}, {len(dtypes)} and {len(shapes)}"
-        )
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate tensor names in bucket: {dup[:5]}")
-    out = []
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        if not name:
-            raise ValueError("tensor names must be non-empty")
-        if any(d < 0 for d in shape):
-            raise ValueError(f"tensor {name!r}: negative dimension in shape {shape}")
-        try:
-            out.append(normalize_dtype(dtype))
-        except ValueError as e:
-            raise ValueError(f"tensor {name!r}: {e}") from None
-    return out
 
 
 def to_vllm_sampling_params(body: SamplingParamsBody, prompt_logprobs: bool) -> Any:
@@ -491,16 +340,7 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
                 "pass override_existing=true to replace it",
             )
         state.group_ready = False
-        args = (
-            body.master_address,
-            body.master_port,
-            body.rank_offset,
-            body.world_size,
-            body.group_name,
-            body.backend,
-            body.override_existing,
-            body.timeout_s,
-        )
+        args = WeightUpdateGroupSpec(**body.model_dump()).rpc_args()
         started = time.perf_counter()
         await _rpc(state, RPC_INIT_GROUP, args, body.timeout_s, "init_weight_update_communicator")
         state.group_ready = True
@@ -517,7 +357,7 @@ async def _receive_bucket(
     state: SkyliftState, names: list[str], dtypes: list[str], shapes: list[list[int]]
 ) -> dict:
     try:
-        dtypes = validate_bucket(names, dtypes, shapes)
+        bucket = validate_bucket(WeightBucket(names=names, dtypes=dtypes, shapes=shapes))
     except ValueError as e:
         raise _error(HTTPStatus.BAD_REQUEST, str(e)) from e
     async with state.weight_lock:
@@ -530,7 +370,7 @@ async def _receive_bucket(
         await _rpc(
             state,
             RPC_RECEIVE,
-            (names, dtypes, [list(s) for s in shapes]),
+            bucket.rpc_args(),
             WEIGHT_RPC_TIMEOUT_S,
             f"update_weights ({len(names)} tensors, first {names[0]!r})",
         )
@@ -579,7 +419,7 @@ async def reset_prefix_cache(request: Request) -> dict[str, Any]:
     return {"status": "ok", "success": True}
 
 
-async def _optional_body(request: Request, model: type[_Body]) -> _Body | None:
+async def _optional_body(request: Request, model: type[Body]) -> Body | None:
     raw = await request.body()
     if not raw.strip():
         return None
@@ -595,7 +435,7 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
     app.state.skylift = state
     if state.api_key_hashes:
         # Outermost. Not app.add_middleware: vLLM's SageMaker bootstrap has already built the stack.
-        app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, state=state))
+        app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, key_hashes=state.api_key_hashes))
         app.middleware_stack = app.build_middleware_stack()
     before = len(app.router.routes)
     app.include_router(router)

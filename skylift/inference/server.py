@@ -27,7 +27,6 @@ from typing import Any
 logger = logging.getLogger("skylift.inference.server")
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_WORKER_EXTENSION = "skylift.inference.worker_extension.WeightSyncWorkerExtension"
 
 
 def make_parser() -> Any:
@@ -41,10 +40,10 @@ def make_parser() -> Any:
         "token-level generation routes. Accepts every `vllm serve` flag.",
     )
     parser = make_arg_parser(parser)
-    from skylift.inference.engine_args import LOGPROBS_MODE
+    from skylift.inference.engine_args import LOGPROBS_MODE, WORKER_EXTENSION_CLS
 
     parser.set_defaults(
-        host=DEFAULT_HOST, worker_extension_cls=DEFAULT_WORKER_EXTENSION, logprobs_mode=LOGPROBS_MODE
+        host=DEFAULT_HOST, worker_extension_cls=WORKER_EXTENSION_CLS, logprobs_mode=LOGPROBS_MODE
     )
     return parser
 
@@ -109,7 +108,8 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from skylift.inference.routes import SkyliftState, _hash_key, install_routes
+    from skylift.inference.auth import hash_key
+    from skylift.inference.routes import SkyliftState, install_routes
 
     supported_tasks = await engine_client.get_supported_tasks()
     model_config = engine_client.model_config
@@ -126,7 +126,7 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
         tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
         platform=_platform_name(),
         sleep_mode_enabled=bool(model_config.enable_sleep_mode),
-        api_key_hashes=[_hash_key(k) for k in keys],
+        api_key_hashes=[hash_key(k) for k in keys],
     )
     install_routes(app, state)
     return app
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.kv_cache_memory_bytes = kv_cache_bytes(args.kv_cache_memory_bytes)
     except ValueError as exc:
         parser.error(str(exc))
-    from skylift.inference.routes import MAX_N
+    from skylift.inference.limits import MAX_N
 
     # One limit on samples per prompt for every route (vLLM's /v1 routes would allow n <= 16384).
     os.environ.setdefault("VLLM_MAX_N_SEQUENCES", str(MAX_N))

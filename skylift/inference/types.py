@@ -1,13 +1,29 @@
 """The engine interface shared by local (in-process vLLM) and remote (HTTP) engines.
 
 The trainer, the Tinker service and the benchmarks only ever see `InferenceEngine`; which backend
-serves it is a detail of construction.
+serves it is a detail of construction. The weight-update types belong to the weight-sync protocol
+(`skylift.weight_sync.protocol`) and are re-exported here for the engine interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from skylift.weight_sync.protocol import WeightBucket, WeightUpdateGroupSpec
+
+__all__ = [
+    "Completion",
+    "EngineCapabilityError",
+    "EngineError",
+    "EngineUnavailableError",
+    "GenerateOutput",
+    "InferenceEngine",
+    "SamplingParams",
+    "StopReason",
+    "WeightBucket",
+    "WeightUpdateGroupSpec",
+]
 
 StopReason = Literal["stop", "length", "abort"]
 
@@ -51,40 +67,6 @@ class GenerateOutput:
 
     prompt_token_ids: list[int]
     completions: list[Completion] = field(default_factory=list)
-
-
-@dataclass
-class WeightUpdateGroupSpec:
-    """How an engine joins the trainer's weight-update process group.
-
-    The trainer is rank 0; an engine's workers take ranks `rank_offset .. rank_offset + tp - 1`.
-    """
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "skylift_weight_sync"
-    backend: Literal["gloo", "nccl"] = "gloo"
-    override_existing: bool = False
-    timeout_s: float = 120.0
-
-
-@dataclass
-class WeightBucket:
-    """Metadata of one bucket of tensors that follows over the process group.
-
-    Wire format: for each distinct dtype in order of first appearance in `dtypes`, rank 0
-    broadcasts ONE contiguous 1-D tensor holding the flattened tensors of that dtype concatenated
-    in list order. Names are Hugging Face parameter names.
-    """
-
-    names: list[str]
-    dtypes: list[str]  # e.g. "float32", "bfloat16"
-    shapes: list[list[int]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skylift.inference.routes import MAX_N
+from skylift.inference.limits import MAX_N
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.images import ImageInput
 from skylift.tinker.rendering import check_token_range, json_parts

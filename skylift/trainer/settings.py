@@ -93,7 +93,18 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         lora_target_modules=lora.target_modules,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
+        **micro_batch_settings(cfg),
     )
+
+
+def micro_batch_settings(cfg: SkyliftConfig) -> dict[str, Any]:
+    """The workers' micro-batching keys (token budget, packing)."""
+    t = cfg.trainer
+    budget = t.max_tokens_per_microbatch
+    return {
+        "max_tokens_per_microbatch": budget if budget > 0 else None,
+        "remove_microbatch_padding": t.remove_microbatch_padding,
+    }
 
 
 def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettings:
@@ -108,6 +119,7 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
         optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
+        **micro_batch_settings(cfg),
     )
 
 

@@ -8,8 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from skylift.utils.devices import default_backend
 from skylift.utils.network import interface_of, is_loopback, route_address
-from skylift.weight_sync.process_group import default_backend
 
 
 def tcp_init_method(master_addr: str, master_port: int) -> str:

@@ -21,9 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from skylift.training.batch import SequenceBatch, split_rows
+from skylift.training.batch import SequenceBatch
 from skylift.training.distributed import device_for_rank, init_training_group
 from skylift.training.logprobs import response_logprobs, response_values
+from skylift.training.micro_batches import (
+    micro_batch_rows,
+    packed_response_logprobs,
+    packed_response_values,
+)
 
 # loss_fn(new_logprobs [b, R], micro_batch, entropy or None) -> (loss to backpropagate, metrics)
 LossFn = Callable[[Tensor, SequenceBatch, Tensor | None], tuple[Tensor, dict[str, float]]]
@@ -67,6 +72,10 @@ class WorkerSettings:
     head: str = "lm"
     # the ranks' rendezvous and every collective between them (FSDP gathers, gradient reductions)
     collective_timeout_s: float = 600.0
+    # micro-batches by a token budget instead of a row count (None = `micro_batch_size` rows)
+    max_tokens_per_microbatch: int | None = None
+    # padding-free: each micro-batch's sequences packed into one row (skylift.training.micro_batches)
+    remove_microbatch_padding: bool = False
 
 
 def make_lr_scheduler(
@@ -207,10 +216,19 @@ class TrainingWorker:
         self, model: torch.nn.Module, micro: SequenceBatch, temperature: float, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
+        packed = self.settings.remove_microbatch_padding and not with_entropy
         with self._autocast():
             if self.settings.head == "value":
-                return response_values(model, micro), None
+                return (packed_response_values if packed else response_values)(model, micro), None
+            if packed:
+                return packed_response_logprobs(model, micro, temperature), None
             return response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+
+    def _micro_batches(self, batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
+        s = self.settings
+        return micro_batch_rows(
+            batch, micro_batch_size, s.max_tokens_per_microbatch, packed=s.remove_microbatch_padding
+        )
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed precision (`compute_dtype`) for a forward pass and the backward pass it records."""
@@ -243,7 +261,7 @@ class TrainingWorker:
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.batch_size, batch.response_len)
-        for rows in _length_sorted_chunks(batch, micro_batch_size):
+        for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
             logp, _ = self._response_outputs(model, micro, temperature)
             out[rows, : micro.response_len] = logp.float().cpu() * micro.response_mask.cpu()
@@ -293,7 +311,7 @@ class TrainingWorker:
         model.train()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
-        for rows in _length_sorted_chunks(batch, micro_batch_size):
+        for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
             logp, entropy = self._response_outputs(model, micro, temperature, with_entropy)
             loss, metrics = loss_fn(logp, micro, entropy)
@@ -450,21 +468,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
             return list(layers)
     return []
-
-
-def _length_sorted_chunks(batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
-    """Row indices grouped into micro-batches: rows sharing a prompt stay together (one prompt
-    forward serves them all), and groups are ordered by length (less padding)."""
-    from skylift.training.logprobs import unique_prompts
-
-    _, inverse = unique_prompts(batch)
-    lengths = batch.attention_mask.sum(-1)
-    groups: dict[int, list[int]] = {}
-    for row, group in enumerate(inverse.tolist()):
-        groups.setdefault(group, []).append(row)
-    ordered = sorted(groups.values(), key=lambda rows: -int(lengths[rows].max()))
-    order = [row for rows in ordered for row in sorted(rows, key=lambda r: -int(lengths[r]))]
-    return [[order[i] for i in chunk] for chunk in split_rows(len(order), micro_batch_size)]
 
 
 def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -1,6 +1,6 @@
 """Buckets of named tensors: how a state dict is cut, packed for the wire, and unpacked.
 
-Wire format (see `skylift.inference.types.WeightBucket`): for each distinct dtype in order of
+Wire format (see `skylift.weight_sync.protocol.WeightBucket`): for each distinct dtype in order of
 first appearance, ONE contiguous 1-D tensor holding that dtype's tensors flattened and
 concatenated in list order. Sender and receiver derive the buffer sizes from the metadata alone.
 
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from skylift.inference.types import WeightBucket
+from skylift.weight_sync.protocol import WeightBucket
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -118,22 +118,35 @@ def dtype_order(dtypes: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(dtypes))
 
 
-def validate_bucket(bucket: WeightBucket) -> None:
-    """Raise ValueError when the metadata is inconsistent (lengths, dtypes, shapes)."""
-    n = len(bucket.names)
+def validate_bucket(bucket: WeightBucket) -> WeightBucket:
+    """The bucket with normalized dtype names (``torch.bfloat16`` -> ``bfloat16``); ValueError
+    naming the fault when the metadata is inconsistent (lengths, names, dtypes, shapes).
+
+    The one check of both ends: the server answers 400 with its message, the receiver refuses."""
+    names, n = bucket.names, len(bucket.names)
     if len(bucket.dtypes) != n or len(bucket.shapes) != n:
         raise ValueError(
-            f"bucket metadata lengths differ: {n} names, {len(bucket.dtypes)} dtypes, "
-            f"{len(bucket.shapes)} shapes"
+            f"bucket metadata lengths differ: names, dtypes and shapes must have the same length, "
+            f"got {n}, {len(bucket.dtypes)} and {len(bucket.shapes)}"
         )
     if n == 0:
-        raise ValueError("bucket is empty")
-    if len(set(bucket.names)) != n:
-        raise ValueError("bucket names are not unique")
-    for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
-        str_to_dtype(dtype)
+        raise ValueError("empty bucket: 'names' must hold at least one tensor name")
+    if len(set(names)) != n:
+        dup = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"duplicate tensor names in bucket: {dup[:5]}")
+    dtypes = []
+    for name, dtype, shape in zip(names, bucket.dtypes, bucket.shapes, strict=True):
+        if not name:
+            raise ValueError("tensor names must be non-empty")
         if any((not isinstance(d, int)) or d < 0 for d in shape):
-            raise ValueError(f"tensor {name!r} has an invalid shape {shape!r}")
+            raise ValueError(
+                f"tensor {name!r} has an invalid shape {shape!r} (a negative dimension or not an integer)"
+            )
+        try:
+            dtypes.append(dtype_to_str(str_to_dtype(dtype)))
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from None
+    return WeightBucket(names=list(names), dtypes=dtypes, shapes=[list(s) for s in bucket.shapes])
 
 
 def buffer_numels(bucket: WeightBucket) -> dict[str, int]:

@@ -16,25 +16,18 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from skylift.utils.devices import Backend
 from skylift.utils.network import route_address
-
-Backend = Literal["gloo", "nccl"]
 
 _HANDSHAKE_VALUE = 12345.0
 
 
 class WeightSyncError(RuntimeError):
     """A weight-update group could not be created, used or destroyed."""
-
-
-def default_backend() -> Backend:
-    """`nccl` when CUDA is available in this process, else `gloo`."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -2,8 +2,9 @@
 
 It runs in one torch process (the policy's rank 0), which is rank 0 of the weight-update group;
 each engine's workers take the ranks after it. Per bucket, every engine is told the metadata
-(`InferenceEngine.update_weights`, over HTTP or RPC) while this process broadcasts the flat
-buffers; both happen concurrently because each side blocks until the other arrives.
+(`WeightSyncTarget.update_weights`: an inference engine over HTTP, Ray or in process) while this
+process broadcasts the flat buffers; both happen concurrently because each side blocks until the
+other arrives.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from skylift.inference.types import InferenceEngine, WeightBucket, WeightUpdateGroupSpec
+from skylift.utils.devices import Backend, default_backend
 from skylift.utils.network import route_address, url_host
 from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
-from skylift.weight_sync.process_group import (
-    Backend,
-    WeightSyncError,
-    WeightSyncGroup,
-    create_weight_sync_group,
-    default_backend,
+from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
+from skylift.weight_sync.protocol import (
+    DEFAULT_GROUP_NAME,
+    WeightBucket,
+    WeightSyncTarget,
+    WeightUpdateGroupSpec,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def weight_sync_master_address(override: str | None, remote_urls: Sequence[str],
     return chosen
 
 
-def _describe(index: int, engine: InferenceEngine) -> str:
+def _describe(index: int, engine: WeightSyncTarget) -> str:
     return f"engine {index} ({engine!r})"
 
 
@@ -86,7 +87,7 @@ class WeightSender:
     def __init__(self, *, timeout_s: float = 120.0, update_timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
         self.update_timeout_s = update_timeout_s
-        self._engines: list[InferenceEngine] = []
+        self._engines: list[WeightSyncTarget] = []
         self._group: WeightSyncGroup | None = None
 
     @property
@@ -95,7 +96,7 @@ class WeightSender:
         return self._group
 
     async def _engine_call(
-        self, index: int, engine: InferenceEngine, operation: str, aw: Awaitable[Any], timeout_s: float
+        self, index: int, engine: WeightSyncTarget, operation: str, aw: Awaitable[Any], timeout_s: float
     ) -> Any:
         try:
             return await asyncio.wait_for(aw, timeout_s)
@@ -130,11 +131,11 @@ class WeightSender:
 
     async def init_group(
         self,
-        engines: Sequence[InferenceEngine],
+        engines: Sequence[WeightSyncTarget],
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         backend: Backend | None = None,
-        group_name: str = "skylift_weight_sync",
+        group_name: str = DEFAULT_GROUP_NAME,
         override_existing: bool = False,
         timeout_s: float | None = None,
     ) -> None:

@@ -256,22 +256,27 @@ def test_is_loopback_host(host, loopback):
 
 
 def test_validate_bucket_names_the_fault():
-    from skylift.inference.routes import validate_bucket
+    """The server's 400s come from the weight-sync protocol's one check of a bucket."""
+    from skylift.weight_sync.buckets import validate_bucket
+    from skylift.weight_sync.protocol import WeightBucket
 
-    assert validate_bucket(["a", "b"], ["torch.float32", "bfloat16"], [[2], [3, 4]]) == [
+    def check(names, dtypes, shapes):
+        return validate_bucket(WeightBucket(names=names, dtypes=dtypes, shapes=shapes)).dtypes
+
+    assert check(["a", "b"], ["torch.float32", "bfloat16"], [[2], [3, 4]]) == [
         "float32",
         "bfloat16",
     ]
     with pytest.raises(ValueError, match="same length"):
-        validate_bucket(["a"], ["float32", "float32"], [[1]])
+        check(["a"], ["float32", "float32"], [[1]])
     with pytest.raises(ValueError, match="tensor 'a'.*unknown dtype 'float31'"):
-        validate_bucket(["a"], ["float31"], [[1]])
+        check(["a"], ["float31"], [[1]])
     with pytest.raises(ValueError, match="negative dimension"):
-        validate_bucket(["a"], ["float32"], [[-1]])
+        check(["a"], ["float32"], [[-1]])
     with pytest.raises(ValueError, match="duplicate"):
-        validate_bucket(["a", "a"], ["float32", "float32"], [[1], [1]])
+        check(["a", "a"], ["float32", "float32"], [[1], [1]])
     with pytest.raises(ValueError, match="empty bucket"):
-        validate_bucket([], [], [])
+        check([], [], [])
 
 
 def test_wire_sampling_params_match_the_interface():

@@ -1,9 +1,10 @@
 """The weight-update receiver that vLLM mixes into every one of its workers.
 
-Pass ``worker_extension_cls="skylift.inference.worker_extension.WeightSyncWorkerExtension"`` to
-vLLM (engine args or ``--worker-extension-cls``); the methods below are then callable on every
-worker through ``collective_rpc``. Their names carry a ``skylift_`` prefix because vLLM refuses an
-extension whose method names clash with its Worker's (``update_weights``, ``reload_weights``...).
+vLLM gets it as ``worker_extension_cls="skylift.inference.vllm_worker.WeightSyncWorkerExtension"``
+(engine args or ``--worker-extension-cls``; that module also installs skylift's vLLM fixes); the
+methods below are then callable on every worker through ``collective_rpc`` under the names of
+`skylift.weight_sync.protocol` (``RPC_*``). Their names carry a ``skylift_`` prefix because vLLM
+refuses an extension whose method names clash with its Worker's (``update_weights``...).
 
 Each worker joins the trainer's weight-update group as rank ``rank_offset + worker rank``,
 receives a bucket's flat buffers by broadcast from rank 0 (wire format: `WeightBucket`) and loads
@@ -14,8 +15,6 @@ A bucket must hold every Hugging Face tensor that vLLM fuses into one module (``
 ``gate_up_proj``): vLLM rebuilds a module from the tensors of one reload and leaves the parts it
 did not receive uninitialised. A bucket that covers such a module partially is received (so the
 sender's broadcast completes) and then refused with an error naming the missing parts.
-
-Importing this module (vLLM does, in every worker) also installs `skylift.inference.vllm_fixes`.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ from typing import Any
 
 import torch
 
-from skylift.inference import vllm_fixes
-from skylift.inference.types import WeightBucket
 from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
+from skylift.weight_sync.protocol import WeightBucket
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +53,6 @@ def _partial_reload_quietly() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
-
-
-if not vllm_fixes.install():
-    logger.warning("vLLM's model runner changed: skylift's fix for seeded requests on CPU is not installed")
 
 
 class WeightSyncWorkerExtension:
@@ -150,8 +144,7 @@ class WeightSyncWorkerExtension:
             raise WeightSyncError(
                 "no weight-update group on this worker: call init_weight_update_communicator first"
             )
-        bucket = WeightBucket(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes])
-        validate_bucket(bucket)
+        bucket = validate_bucket(WeightBucket(names=list(names), dtypes=list(dtypes), shapes=list(shapes)))
         start = time.perf_counter()
         buffers = allocate_buffers(bucket, group.device)
         for buffer in buffers:

@@ -1,0 +1,89 @@
+"""The weight-sync protocol both ends speak: group spec, bucket metadata, receiver RPC names.
+
+The sender (`skylift.weight_sync.sender`, in the trainer's rank 0) and the receiver
+(`skylift.weight_sync.receiver`, mixed into every vLLM worker) agree on these alone. Transports
+(in-process `collective_rpc`, HTTP routes, Ray) carry them unchanged: any object with the methods
+of `WeightSyncTarget` can be a sender's peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+#: Names of the receiver's methods, called on every vLLM worker through ``collective_rpc``. They
+#: carry a ``skylift_`` prefix because vLLM refuses an extension whose names clash with its Worker's.
+RPC_INIT_GROUP = "skylift_init_weight_update_group"
+RPC_RECEIVE = "skylift_receive_weights"
+RPC_DESTROY = "skylift_destroy_weight_update_group"
+RPC_HAS_GROUP = "skylift_has_weight_update_group"
+
+DEFAULT_GROUP_NAME = "skylift_weight_sync"
+
+
+@dataclass
+class WeightUpdateGroupSpec:
+    """How an engine joins the trainer's weight-update process group.
+
+    The trainer is rank 0; an engine's workers take ranks `rank_offset .. rank_offset + tp - 1`.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: Literal["gloo", "nccl"] = "gloo"
+    override_existing: bool = False
+    timeout_s: float = 120.0
+
+    def rpc_args(self) -> tuple[Any, ...]:
+        """The positional arguments of the receiver's `RPC_INIT_GROUP` method."""
+        return (
+            self.master_address,
+            self.master_port,
+            self.rank_offset,
+            self.world_size,
+            self.group_name,
+            self.backend,
+            self.override_existing,
+            self.timeout_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class WeightBucket:
+    """Metadata of one bucket of tensors that follows over the process group.
+
+    Wire format: for each distinct dtype in order of first appearance in `dtypes`, rank 0
+    broadcasts ONE contiguous 1-D tensor holding the flattened tensors of that dtype concatenated
+    in list order. Names are Hugging Face parameter names.
+    """
+
+    names: list[str]
+    dtypes: list[str]  # e.g. "float32", "bfloat16"
+    shapes: list[list[int]]
+
+    def rpc_args(self) -> tuple[Any, ...]:
+        """The positional arguments of the receiver's `RPC_RECEIVE` method."""
+        return (self.names, self.dtypes, self.shapes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class WeightSyncTarget(Protocol):
+    """What the sender needs of a peer (every `InferenceEngine` is one). All are coroutines."""
+
+    async def tensor_parallel_size(self) -> int: ...
+
+    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None: ...
+
+    async def update_weights(self, bucket: WeightBucket) -> None:
+        """Receive one bucket over the group (the sender broadcasts concurrently) and load it."""
+        ...
+
+    async def destroy_weights_update_group(self) -> None: ...
