@@ -130,3 +130,23 @@ def test_network_helpers() -> None:
     assert route_address("127.0.0.1") == "127.0.0.1"
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+
+
+def test_example_two_node_config_needs_both_nodes() -> None:
+    """examples/several_machines/two_nodes_4plus4.yaml: 4 GPUs of policy+ref, one TP-4 engine."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "several_machines" / "two_nodes_4plus4.yaml"
+    cfg = load_config(
+        ["trainer.algorithm.use_kl_loss=true", "data.train_data=['x.parquet']"], config_file=path
+    )
+    plan = plan_placement(request_from_config(cfg, gpu=True))
+    assert [(g.name, len(g.bundles), g.strategy) for g in plan.groups] == [
+        ("policy+ref", 4, "PACK"),
+        ("engine-0", 4, "STRICT_PACK"),
+    ]
+    node = {"GPU": 4.0, "CPU": 32.0}
+    assert check_feasible(plan, [node, node]) == []
+    assert check_feasible(plan, [node]) == [
+        "all groups together need {CPU: 32, GPU: 8}, the cluster has {CPU: 32, GPU: 4}"
+    ]
