@@ -70,7 +70,7 @@ def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str) ->
 def child(args: argparse.Namespace) -> None:
     """Run one mode and write its figures as JSON to `args.out`."""
     from skylift.config import load_config
-    from skylift.trainer.rl_trainer import RLTrainer
+    from skylift.trainer.loop import RLTrainer
 
     run_dir = Path(args.out).parent / args.child
     trainer = RLTrainer(load_config(overrides(args, Path(args.data), run_dir, args.child)), console=True)

@@ -222,7 +222,7 @@ def run_skylift(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from skylift.config import load_config
     from skylift.demo import demo_overrides
     from skylift.generator import Trajectory
-    from skylift.trainer.rl_trainer import RLTrainer
+    from skylift.trainer.loop import RLTrainer
 
     train_file = _write_data(work / "data", args.num_prompts)
     overrides = [

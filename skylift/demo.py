@@ -150,7 +150,7 @@ class PeakMemory:
 def run_demo(overrides: Sequence[str] = ()) -> int:
     from skylift.config import ConfigError, load_config
     from skylift.data import write_addition_demo
-    from skylift.trainer.rl_trainer import RLTrainer
+    from skylift.trainer.loop import RLTrainer
     from skylift.trainer.settings import RunPaths
 
     settings = demo_overrides()

@@ -6,9 +6,11 @@ Pure PyTorch, batch-first `[batch, response_len]` tensors with a float mask (1 =
 from skylift.algorithms._registry import UnknownNameError
 from skylift.algorithms.advantages import (
     AdvantageEstimator,
+    SequenceAdvantageEstimator,
     advantage_estimator_names,
     compute_advantages,
     get_advantage_estimator,
+    is_sequence_level,
     masked_whiten,
     register_advantage_estimator,
     sequence_rewards_to_token_level,
@@ -41,6 +43,7 @@ __all__ = [
     "MiniBatchTotals",
     "PolicyLoss",
     "PolicyLossConfig",
+    "SequenceAdvantageEstimator",
     "UnknownNameError",
     "advantage_estimator_names",
     "apply_kl_penalty",
@@ -50,6 +53,7 @@ __all__ = [
     "compute_value_loss",
     "get_advantage_estimator",
     "get_policy_loss",
+    "is_sequence_level",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -2,26 +2,31 @@
 
 Conventions (all tensors batch-first):
 
-- ``token_level_rewards``: ``[batch, response_len]``. An outcome (sequence) reward sits on the **last
-  valid token** of its response (the last position where ``response_mask`` is 1) and 0 elsewhere;
-  `sequence_rewards_to_token_level` builds that tensor. KL-in-reward then subtracts a per-token
-  penalty (`skylift.algorithms.kl.apply_kl_penalty`) before the advantages are computed.
+- Rewards come per sequence (``[batch]``: the environment's outcome reward) or per token
+  (``[batch, response_len]``, where KL-in-reward subtracts a per-token penalty,
+  `skylift.algorithms.kl.apply_kl_penalty`). A per-token reward tensor holds an outcome reward on the
+  **last valid token** of its response (the last position where ``response_mask`` is 1) and 0
+  elsewhere; `sequence_rewards_to_token_level` builds it.
 - ``response_mask``: ``[batch, response_len]`` float, 1 for tokens the policy produced and that count.
   Masked positions (padding, or environment tokens inside a multi-turn response) get advantage and
-  return 0, and their rewards are ignored.
-- Outcome estimators (``grpo``, ``rloo``) score a sequence by the sum of its valid token rewards and
-  broadcast the sequence advantage to all its valid tokens. Token-level estimators (``reinforce++``,
-  ``gae``) walk the valid tokens backwards; masked positions are skipped (the discount only counts
-  valid tokens).
+  return 0, and their rewards are ignored. A row with no valid token scores 0.
+- Sequence-level estimators (``grpo``, ``rloo``, registered with ``sequence_level=True``) work on one
+  score per sequence: the sequence reward, or the sum of the row's valid token rewards. They
+  broadcast the sequence advantage to all its valid tokens. Token-level estimators
+  (``reinforce++``, ``gae``) walk the valid tokens backwards (per-sequence rewards are first put on
+  each row's last valid token); masked positions are skipped (the discount only counts valid tokens).
 - Every estimator returns ``(advantages, returns)``, both ``[batch, response_len]`` and 0 on masked
   positions. For ``grpo``/``rloo``/``reinforce++`` returns are the quantities the advantages came from
   (sequence advantages, resp. discounted returns); for ``gae`` they are the critic's value targets.
 
 Add an estimator with::
 
-    @register_advantage_estimator("my_estimator")
+    @register_advantage_estimator("my_estimator")  # token level
     def my_estimator(*, token_level_rewards, response_mask, group_ids, values, gamma, lambd,
                      norm_by_std, eps): ...
+
+    @register_advantage_estimator("my_outcome_estimator", sequence_level=True)
+    def my_outcome_estimator(*, sequence_rewards, response_mask, group_ids, norm_by_std, eps): ...
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ GroupIds = Sequence[Hashable] | torch.Tensor
 
 
 class AdvantageEstimator(Protocol):
-    """An advantage estimator: keyword arguments as in `compute_advantages`, returns (advantages, returns)."""
+    """A token-level advantage estimator: keyword arguments as in `compute_advantages` with
+    `[batch, response_len]` rewards; returns (advantages, returns)."""
 
     def __call__(
         self,
@@ -54,22 +60,58 @@ class AdvantageEstimator(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+class SequenceAdvantageEstimator(Protocol):
+    """A sequence-level advantage estimator: one score per sequence (`sequence_rewards`, `[batch]`)
+    in, (advantages, returns) `[batch, response_len]` out."""
+
+    def __call__(
+        self,
+        *,
+        sequence_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        group_ids: GroupIds | None,
+        norm_by_std: bool,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+Estimator = AdvantageEstimator | SequenceAdvantageEstimator
+
+_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+_SEQUENCE_LEVEL: set[str] = set()
 
 
 def register_advantage_estimator(
-    name: str, *, override: bool = False
-) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator registering an advantage estimator under `name` (`override=True` to replace one)."""
-    return _ESTIMATORS.register(name, override=override)
+    name: str, *, override: bool = False, sequence_level: bool = False
+) -> Callable[[Estimator], Estimator]:
+    """Decorator registering an advantage estimator under `name` (`override=True` to replace one).
+
+    `sequence_level=True`: the estimator takes one score per sequence (`sequence_rewards`) instead
+    of per-token rewards (see `SequenceAdvantageEstimator`).
+    """
+    register = _ESTIMATORS.register(name, override=override)
+
+    def decorator(fn: Estimator) -> Estimator:
+        register(fn)
+        (_SEQUENCE_LEVEL.add if sequence_level else _SEQUENCE_LEVEL.discard)(name)
+        return fn
+
+    return decorator
 
 
 def unregister_advantage_estimator(name: str) -> None:
     """Remove the estimator registered as `name`."""
     _ESTIMATORS.unregister(name)
+    _SEQUENCE_LEVEL.discard(name)
 
 
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
+def is_sequence_level(name: str) -> bool:
+    """Whether the estimator registered as `name` works on one score per sequence."""
+    _ESTIMATORS.get(name)  # unknown names raise, listing the known ones
+    return name in _SEQUENCE_LEVEL
+
+
+def get_advantage_estimator(name: str) -> Estimator:
     """The estimator registered as `name`; an unknown name raises an error listing the known ones."""
     return _ESTIMATORS.get(name)
 
@@ -81,7 +123,7 @@ def advantage_estimator_names() -> list[str]:
 
 def compute_advantages(
     name: str,
-    token_level_rewards: torch.Tensor,
+    rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: GroupIds | None = None,
     values: torch.Tensor | None = None,
@@ -92,24 +134,42 @@ def compute_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns, both `[batch, response_len]`, from the estimator registered as `name`.
 
+    `rewards`: one per sequence (`[batch]`) or per token (`[batch, response_len]`). A sequence-level
+    estimator gets per-sequence scores (a per-token tensor is summed over each row's valid tokens), a
+    token-level one per-token rewards (a sequence reward goes on the row's last valid token).
     `group_ids` (one hashable per sequence, e.g. the prompt uid) is required by `grpo` and `rloo`;
     `values` (critic values per response token) by `gae`. `norm_by_std`: `grpo` divides by the group
     std, `gae` whitens the advantages over the batch; `rloo` ignores it and `reinforce++` always whitens.
     """
-    if token_level_rewards.dim() != 2:
+    if response_mask.dim() != 2:
         raise ValueError(
-            f"token_level_rewards must be [batch, response_len], got shape {tuple(token_level_rewards.shape)}"
+            f"response_mask must be [batch, response_len], got shape {tuple(response_mask.shape)}"
         )
-    if response_mask.shape != token_level_rewards.shape:
+    if rewards.shape not in (response_mask.shape, response_mask.shape[:1]):
         raise ValueError(
-            f"response_mask shape {tuple(response_mask.shape)} != token_level_rewards shape "
-            f"{tuple(token_level_rewards.shape)}"
+            f"rewards must be [batch] or [batch, response_len] = {tuple(response_mask.shape)} like "
+            f"response_mask, got shape {tuple(rewards.shape)}"
         )
     estimator = get_advantage_estimator(name)
+    rewards = rewards.detach() if rewards.is_floating_point() else rewards.float()
+    mask = response_mask.detach().to(rewards.dtype)
     with torch.no_grad():
-        return estimator(
-            token_level_rewards=token_level_rewards.detach(),
-            response_mask=response_mask.detach().to(token_level_rewards.dtype),
+        if is_sequence_level(name):
+            if rewards.dim() == 2:
+                scores = masked_sum(rewards, mask, dim=-1)
+            else:  # a row without a valid token carries no reward (as on the token level)
+                scores = torch.where((mask != 0).any(dim=-1), rewards, torch.zeros_like(rewards))
+            return estimator(  # type: ignore[call-arg]
+                sequence_rewards=scores,
+                response_mask=mask,
+                group_ids=group_ids,
+                norm_by_std=norm_by_std,
+                eps=eps,
+            )
+        token_rewards = rewards if rewards.dim() == 2 else sequence_rewards_to_token_level(rewards, mask)
+        return estimator(  # type: ignore[call-arg]
+            token_level_rewards=token_rewards,
+            response_mask=mask,
             group_ids=group_ids,
             values=None if values is None else values.detach(),
             gamma=gamma,
@@ -199,21 +259,18 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch
     return torch.where(mask != 0, whitened, torch.zeros_like(whitened))
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", sequence_level=True)
 def grpo_advantages(
     *,
-    token_level_rewards: torch.Tensor,
+    sequence_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: GroupIds | None,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lambd: float = 1.0,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantage ``(score - group_mean) / (group_std + eps)`` (no division without
     `norm_by_std`), with the unbiased group std. A group of one sequence, or of equal scores, gives 0."""
-    scores = masked_sum(token_level_rewards, response_mask, dim=-1)
+    scores = sequence_rewards
     index, n_groups = _group_index(group_ids, scores.shape[0], "grpo")
     counts, sums, stds = _group_stats(scores, index, n_groups)
     adv = scores - sums / counts
@@ -223,15 +280,12 @@ def grpo_advantages(
     return adv_tokens, adv_tokens.clone()
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", sequence_level=True)
 def rloo_advantages(
     *,
-    token_level_rewards: torch.Tensor,
+    sequence_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: GroupIds | None,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lambd: float = 1.0,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,7 +293,7 @@ def rloo_advantages(
 
     A group of one sequence has no other member and gets advantage 0.
     """
-    scores = masked_sum(token_level_rewards, response_mask, dim=-1)
+    scores = sequence_rewards
     index, n_groups = _group_index(group_ids, scores.shape[0], "rloo")
     counts, sums, _ = _group_stats(scores, index, n_groups)
     baseline = (sums - scores) / (counts - 1).clamp(min=1)

@@ -40,7 +40,7 @@ def run_train(overrides: Sequence[str], config_file: str | None = None, print_cf
     if print_cfg:
         print(format_config(cfg, with_help=True))
         return 0
-    from skylift.trainer.rl_trainer import RLTrainer, TrainingStoppedError
+    from skylift.trainer.loop import RLTrainer, TrainingStoppedError
     from skylift.utils.processes import exit_cleanly_on_sigterm
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down

@@ -11,7 +11,7 @@ import pytest
 from test_rl_trainer import _overrides, arithmetic_data  # noqa: F401 - the fixture is used by name
 
 from skylift.config import load_config
-from skylift.trainer.rl_trainer import RLTrainer
+from skylift.trainer.loop import RLTrainer
 from skylift.training.batch import build_sequence_batch
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.envs import Environment, StepResult, register_env
 from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.rl_trainer import RLTrainer
+from skylift.trainer.loop import RLTrainer
 
 pytestmark = pytest.mark.integration
 

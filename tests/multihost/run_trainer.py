@@ -26,7 +26,7 @@ def _actor_nodes() -> list[dict[str, str]]:
 
 def main(out: str, overrides: list[str]) -> int:
     from skylift.config import load_config
-    from skylift.trainer.rl_trainer import RLTrainer
+    from skylift.trainer.loop import RLTrainer
 
     report: dict = {"actors": [], "history": [], "error": None}
     trainer = RLTrainer(load_config(overrides))
@@ -34,7 +34,7 @@ def main(out: str, overrides: list[str]) -> int:
         started = time.perf_counter()
         trainer.setup()
         report["setup_s"] = time.perf_counter() - started
-        if trainer.use_ray:
+        if trainer.runtime.use_ray:
             report["actors"] = _actor_nodes()
         report["history"] = trainer.fit()
     except Exception as exc:

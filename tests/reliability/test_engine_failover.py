@@ -41,7 +41,7 @@ from skylift.inference.pool import EnginePool, NoHealthyEngineError
 from skylift.inference.remote import RemoteInferenceEngine
 from skylift.inference.types import SamplingParams
 from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.rl_trainer import RLTrainer, TrainingStoppedError
+from skylift.trainer.loop import RLTrainer, TrainingStoppedError
 
 #: How long the killer waits for the engine to have work in flight before giving up.
 KILL_WAIT_S = 120.0

@@ -38,7 +38,7 @@ from server_helpers import (
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.rl_trainer import RLTrainer
+from skylift.trainer.loop import RLTrainer
 
 STEPS = 4
 #: Seconds the killed run may take to write the checkpoint it is killed after (start-up included).

@@ -1,0 +1,117 @@
+"""Which weights the inference engines hold, and pushing new ones, with failover.
+
+`EngineWeights` owns the policy -> engines weight-update group: it is built over every engine at
+start, rebuilt with the live ones after engines fail, and a failed broadcast is retried once over
+the engines that still answer. It also tracks the policy version the engines hold and whether
+colocated engines sleep (their memory freed for training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from skylift.config.schema import SkyliftConfig
+from skylift.inference.pool import EnginePool
+from skylift.trainer.async_rollouts import needs_weight_sync
+from skylift.trainer.engines import EngineRef
+from skylift.trainer.workers import WorkerGroup
+
+
+def _override_flag(value: str | bool) -> bool:
+    return str(value).lower() in ("true", "enable", "1", "yes", "auto")
+
+
+class EngineWeights:
+    """The engines' copy of the policy: `version` is the policy version they hold."""
+
+    def __init__(
+        self,
+        cfg: SkyliftConfig,
+        policy: WorkerGroup,
+        engines: EnginePool,
+        engine_refs: list[EngineRef],
+        run: Callable,
+        say: Callable[[str], None],
+    ) -> None:
+        g = cfg.generator
+        self.policy, self.engines, self.engine_refs = policy, engines, engine_refs
+        self.run, self.say = run, say
+        self.dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
+        self.backend = None if g.weight_sync_backend == "auto" else g.weight_sync_backend
+        self.timeout_s = g.weight_sync_timeout_s
+        self.master_address = g.weight_sync_master_address  # None: derived (see RLWorker.init_weight_sync)
+        self.override_existing = _override_flag(g.override_existing_update_group)
+        self.version = 0
+        self.asleep = False
+        # pool indices of the engines in the weight-update group; None: no valid group (rebuild first)
+        self._members: list[int] | None = []
+
+    def open(self) -> None:
+        """The weight-update group policy rank 0 -> every engine."""
+        address = self.policy.call_all(
+            "init_weight_sync",
+            self.engine_refs,
+            self.override_existing,
+            self.backend,
+            self.timeout_s,
+            self.master_address,
+        )[0]
+        self.say(f"weight sync: {len(self.engine_refs)} engine(s) dial {address}")
+        self._members = list(range(len(self.engine_refs)))
+
+    def sleep(self) -> None:
+        """Free the engines' memory for training (colocated engines on GPUs)."""
+        self.run(self.engines.sleep())
+        self.asleep = True
+
+    def sync_if_needed(self, policy_version: int, async_training: bool, max_staleness: int) -> None:
+        """Broadcast after an update unless async staleness lets the engines lag behind."""
+        if needs_weight_sync(policy_version, self.version, async_training, max_staleness):
+            self.sync(policy_version)
+
+    def sync(self, policy_version: int) -> None:
+        """Push the policy's weights (of `policy_version`) to every live engine.
+
+        Engines that failed since the weight-update group was built are left out of a new group
+        first. A failed broadcast probes the engines, rebuilds the group with those that answer
+        and retries once. With no engine left nothing is sent: the step still completes (its
+        update is applied) and the next generation stops training with a checkpoint.
+        """
+        from skylift.weight_sync import WeightSyncError
+
+        if self.asleep:  # colocated on GPU: weights must be resident to be overwritten
+            self.run(self.engines.wake_up())
+            self.asleep = False
+        for attempt in (1, 2):
+            if self.engines.live_indices != self._members and not self._rebuild():
+                return
+            try:
+                self.policy.call_all("sync_weights", dtype=self.dtype)
+                break
+            except WeightSyncError as exc:
+                if attempt == 2:
+                    raise
+                self.say(f"weight sync failed ({exc}); checking the engines and retrying once")
+                self.run(self.engines.probe())
+                self._members = None  # force a new group (or none, when no engine answers)
+        self.version = policy_version
+
+    def _rebuild(self) -> bool:
+        """A weight-update group of the live engines only; False when none is left."""
+        live = self.engines.live_indices
+        if not live:
+            self.policy.call_all("close_weight_sync")
+            self._members = []
+            return False
+        self.say(
+            f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engine_refs)}"
+        )
+        self.policy.call_all(
+            "rebuild_weight_sync",
+            [self.engine_refs[i] for i in live],
+            self.backend,
+            self.timeout_s,
+            self.master_address,
+        )
+        self._members = live
+        return True

@@ -1,0 +1,189 @@
+"""Experience making: scored trajectories -> one training batch with advantages.
+
+Pure: no engine, no Ray, no worker. The model-dependent quantities come in as functions of the
+batch (`policy_logprobs`, `ref_logprobs`, `values`), so a test passes hand-made tensors and a run
+passes its worker groups' methods. What comes out is what the policy (and critic) update reads:
+
+- `rollout_logprobs`: the engines' logprobs of the sampled tokens (always);
+- `old_logprobs`: the PPO ratio's anchor, from the trainer or the rollout (`old_logprobs_source`);
+- `ref_logprobs`: the reference model's, when a KL term is used;
+- `values`, `returns`: the critic's values and GAE value targets (PPO);
+- `advantages`: per response token, 0 on masked positions.
+
+Sequence-level estimators (GRPO, RLOO) get one reward per sequence; the rewards become token-level
+(the reward on the last valid token, minus a per-token KL penalty) only where the estimator or a
+KL penalty in the reward needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from skylift.algorithms import (
+    apply_kl_penalty,
+    compute_advantages,
+    masked_whiten,
+    sequence_rewards_to_token_level,
+)
+from skylift.config.schema import SkyliftConfig
+from skylift.generator import Trajectory
+from skylift.trainer.async_rollouts import check_staleness, ppo_old_logprobs_source, staleness_metrics
+from skylift.training.batch import SequenceBatch, build_sequence_batch
+
+BatchFn = Callable[[SequenceBatch], Tensor]
+"""A per-token quantity of a batch: `[batch, response_len]` (logprobs or values)."""
+
+OldLogprobsSource = Literal["rollout", "trainer"] | None
+
+
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """What experience making reads from the configuration (`from_config`)."""
+
+    advantage_estimator: str = "grpo"
+    norm_by_std: bool = True
+    gamma: float = 1.0
+    lambd: float = 1.0
+    batch_normalize: bool = False
+    old_logprobs_source: OldLogprobsSource = None
+    kl_in_reward: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    max_staleness: int = 0
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: SkyliftConfig, pad_token_id: int) -> ExperienceSettings:
+        t, alg = cfg.trainer, cfg.trainer.algorithm
+        n_mini = t.train_batch_size // t.policy_mini_batch_size
+        several_updates = t.update_epochs_per_batch > 1 or n_mini > 1 or alg.use_kl_in_reward
+        return cls(
+            advantage_estimator=alg.advantage_estimator,
+            norm_by_std=alg.grpo_norm_by_std,
+            gamma=alg.gamma,
+            lambd=alg.lambd,
+            batch_normalize=alg.advantage_batch_normalize,
+            old_logprobs_source=ppo_old_logprobs_source(t.async_training, alg.use_tis, several_updates),
+            kl_in_reward=alg.use_kl_in_reward,
+            kl_coef=alg.kl_loss_coef,
+            kl_estimator=alg.kl_estimator_type,
+            max_staleness=t.max_staleness_steps if t.async_training else 0,
+            pad_token_id=pad_token_id,
+        )
+
+
+@dataclass
+class Experience:
+    """A training batch (per-token extras above) with the per-sequence rewards and step metrics."""
+
+    batch: SequenceBatch
+    rewards: Tensor
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def trajectory_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> SequenceBatch:
+    """Padded prompt + response ids of the trajectories, with their rollout logprobs."""
+    return build_sequence_batch(
+        [tr.prompt_ids for tr in trajectories],
+        [tr.response_ids for tr in trajectories],
+        [tr.loss_mask for tr in trajectories],
+        pad_token_id=pad_token_id,
+        per_token={"rollout_logprobs": [tr.rollout_logprobs for tr in trajectories]},
+    )
+
+
+def make_experience(
+    trajectories: Sequence[Trajectory],
+    settings: ExperienceSettings,
+    policy_version: int,
+    *,
+    policy_logprobs: BatchFn | None = None,
+    ref_logprobs: BatchFn | None = None,
+    values: BatchFn | None = None,
+) -> Experience:
+    """The batch the update of policy version `policy_version` trains on.
+
+    `policy_logprobs` is called when the old logprobs come from the trainer, `ref_logprobs` when
+    given (a KL loss or a KL penalty in the reward), `values` when given (the critic of `gae`).
+    """
+    versions = [tr.policy_version for tr in trajectories]
+    check_staleness(policy_version, versions, settings.max_staleness)
+    metrics = staleness_metrics(policy_version, versions)
+    batch = trajectory_batch(trajectories, settings.pad_token_id)
+    mask = batch.response_mask
+    rewards = torch.tensor([tr.reward for tr in trajectories], dtype=torch.float32)
+
+    tick = time.perf_counter()
+    if settings.old_logprobs_source == "trainer":
+        if policy_logprobs is None:
+            raise ValueError("old logprobs from the trainer need policy_logprobs")
+        batch = batch.with_extras(old_logprobs=policy_logprobs(batch))
+    elif settings.old_logprobs_source == "rollout":
+        batch = batch.with_extras(old_logprobs=batch.extras["rollout_logprobs"])
+    if ref_logprobs is not None:
+        batch = batch.with_extras(ref_logprobs=ref_logprobs(batch))
+    if values is not None:
+        batch = batch.with_extras(values=values(batch))
+    metrics["timing/logprobs_s"] = time.perf_counter() - tick
+
+    scores: Tensor = rewards  # per sequence, unless a KL penalty makes them per token
+    if settings.kl_in_reward:
+        if "old_logprobs" not in batch.extras or "ref_logprobs" not in batch.extras:
+            raise ValueError("a KL penalty in the reward needs old logprobs and ref_logprobs")
+        scores, kl_metrics = apply_kl_penalty(
+            sequence_rewards_to_token_level(rewards, mask),
+            batch.extras["old_logprobs"],
+            batch.extras["ref_logprobs"],
+            mask,
+            settings.kl_coef,
+            settings.kl_estimator,
+        )
+        metrics.update({f"kl_in_reward/{k}": v for k, v in kl_metrics.items()})
+    advantages, returns = compute_advantages(
+        settings.advantage_estimator,
+        scores,
+        mask,
+        group_ids=[tr.uid for tr in trajectories],
+        values=batch.extras.get("values"),
+        gamma=settings.gamma,
+        lambd=settings.lambd,
+        norm_by_std=settings.norm_by_std,
+    )
+    if settings.batch_normalize:
+        advantages = masked_whiten(advantages, mask, 1e-6)
+    batch = batch.with_extras(advantages=advantages)
+    if values is not None:
+        batch = batch.with_extras(returns=returns)
+
+    metrics.update(_batch_metrics(trajectories, rewards, batch, settings.old_logprobs_source))
+    return Experience(batch=batch, rewards=rewards, metrics=metrics)
+
+
+def _batch_metrics(
+    trajectories: Sequence[Trajectory], rewards: Tensor, batch: SequenceBatch, old_source: OldLogprobsSource
+) -> dict[str, float]:
+    mask = batch.response_mask
+    lengths = [tr.num_generated_tokens for tr in trajectories]
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "response_length/mean": statistics.fmean(lengths),
+        "response_length/max": float(max(lengths)),
+        "response/truncated_frac": sum(tr.stop_reason != "stop" for tr in trajectories) / len(trajectories),
+        "advantages/abs_mean": float(batch.extras["advantages"].abs().sum() / mask.sum().clamp(min=1)),
+    }
+    if old_source == "trainer":
+        # how far the trainer's logprobs of the sampled tokens are from the engine's, before any
+        # update of this step (the update's own figure sees already-updated weights after its
+        # first mini-batch)
+        diff = (batch.extras["old_logprobs"] - batch.extras["rollout_logprobs"]).abs() * mask
+        metrics["policy/logprob_diff_vs_rollout"] = float(diff.sum() / mask.sum().clamp(min=1))
+    return metrics

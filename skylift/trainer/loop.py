@@ -1,0 +1,318 @@
+"""The RL loop (GRPO and friends), read top to bottom.
+
+One step: rollout (sample `n_samples_per_prompt` responses per prompt, the environments score
+them) -> experience (reference logprobs, values, advantages: `experience.py`) -> update (policy and
+critic mini-batches: `update.py`) -> sync (weights to the engines: `engine_weights.py`) -> eval ->
+checkpoint. The parts a run is made of (Ray, engines, workers) come from `runtime.py`; the loop
+does not know the algorithm: advantages, losses and reductions are looked up by name in
+`skylift.algorithms`.
+
+With `trainer.async_training=true` the generation of step t+1 overlaps the training of step t
+(one-step-off; design and off-policy correction in `skylift.trainer.async_rollouts`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from skylift.config.schema import SkyliftConfig
+from skylift.data import PromptSample
+from skylift.generator import Trajectory
+from skylift.inference.pool import EnginePool, NoHealthyEngineError
+from skylift.inference.types import EngineUnavailableError
+from skylift.trainer import checkpoint as ckpt
+from skylift.trainer.async_rollouts import BackgroundRollouts, with_next
+from skylift.trainer.console import Console
+from skylift.trainer.engine_weights import EngineWeights
+from skylift.trainer.evaluation import dump_eval, evaluate
+from skylift.trainer.experience import ExperienceSettings, make_experience
+from skylift.trainer.runtime import Runtime
+from skylift.trainer.sampling import rollout_seeds, sampling_params
+from skylift.trainer.update import UpdateSettings, policy_objective, train_critic, train_policy
+from skylift.trainer.workers import WorkerGroup
+
+
+class TrainingStoppedError(RuntimeError):
+    """Training cannot go on (e.g. every inference engine failed); what could be saved was saved
+    and the message says how to continue."""
+
+
+class RLTrainer:
+    """A run from a `SkyliftConfig`: `setup()` builds it, `fit()` trains, `shutdown()` ends it."""
+
+    def __init__(self, cfg: SkyliftConfig, *, console: bool = True) -> None:
+        self.cfg = cfg
+        self.console = Console(console)
+        self.runtime = Runtime(cfg, self.console.say)
+        self.state = ckpt.TrainerState()
+        self.history: list[dict[str, float]] = []
+        self.weights: EngineWeights | None = None
+        self.rollouts: BackgroundRollouts[list[Trajectory]] | None = None  # async_training only
+
+    def setup(self) -> None:
+        started = time.perf_counter()
+        rt = self.runtime
+        rt.start()
+        assert rt.policy is not None and rt.engines is not None
+        self.weights = EngineWeights(
+            self.cfg, rt.policy, rt.engines, rt.engine_refs, rt.run, self.console.say
+        )
+        self.weights.open()
+        if not self._maybe_resume() and not self.cfg.generator.run_engines_locally:
+            # a server may still hold another run's weights: start from this run's
+            self.weights.sync(self.state.policy_version)
+        self.experience_settings = ExperienceSettings.from_config(self.cfg, rt.pad_id)
+        self.update_settings = UpdateSettings.from_config(self.cfg)
+        self.objective = policy_objective(self.cfg)
+        self.console.say(f"set-up done in {time.perf_counter() - started:.1f} s")
+
+    # ================================================================== the loop
+    def fit(self) -> list[dict[str, float]]:
+        t, rt = self.cfg.trainer, self.runtime
+        total_steps = rt.total_steps()
+        if t.eval_before_train and self.state.global_step == 0:
+            metrics = self.evaluate()
+            if metrics:
+                self._log(metrics)
+                self.console.say(f"step 0 | eval accuracy {metrics['eval/accuracy']:.3f}")
+        start_epoch, start_step = rt.train_data.locate(self.state.global_step, t.train_batch_size)
+        batches = rt.train_data.iter_training(
+            t.train_batch_size, t.seed, t.epochs, start_epoch=start_epoch, start_step=start_step
+        )
+        self.console.start_progress(total_steps, self.state.global_step)
+        if t.async_training:
+            self.rollouts = BackgroundRollouts(rt.loop)
+        try:
+            for (epoch, step_in_epoch, rows), upcoming in with_next(batches):
+                if self.state.global_step >= total_steps:
+                    break
+                tick = time.perf_counter()
+                if t.async_training:
+                    last = upcoming is None or self.state.global_step + 1 >= total_steps
+                    metrics = self.async_train_step(rows, None if last else upcoming[2])
+                else:
+                    metrics = self.train_step(rows)
+                self.state.global_step += 1
+                self.state.epoch, self.state.step_in_epoch = epoch, step_in_epoch + 1
+                step = self.state.global_step
+                if t.eval_interval > 0 and (step % t.eval_interval == 0 or step == total_steps):
+                    metrics.update(self.evaluate())
+                if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == total_steps):
+                    metrics["checkpoint"] = 1.0
+                    self.save_checkpoint()
+                if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
+                    self.export()
+                self._log(self._step_figures(metrics, tick))
+                self.console.step_done(step, total_steps, metrics)
+        except EngineUnavailableError as exc:
+            raise self._stop_after_engine_loss(exc) from exc
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
+                self.rollouts = None
+            self.console.close_progress()
+        return self.history
+
+    def train_step(self, rows: list[PromptSample]) -> dict[str, float]:
+        """One synchronous step: generate, update the policy on the rollouts, sync the weights."""
+        assert self.weights is not None
+        tick = time.perf_counter()
+        trajectories = self.generate(rows)
+        generate_s = time.perf_counter() - tick
+        if self.runtime.colocation.sleep_engines:  # free the shared devices for training
+            self.weights.sleep()
+        metrics = self.update(trajectories)
+        metrics.update(self._sync_after_update())
+        metrics.update({"timing/generate_s": generate_s, "timing/wait_s": generate_s})
+        return metrics
+
+    def async_train_step(
+        self, rows: list[PromptSample], next_rows: list[PromptSample] | None
+    ) -> dict[str, float]:
+        """One step of one-step-off training: `next_rows` are generated while `rows` train."""
+        assert self.rollouts is not None
+        wait_s = generate_s = 0.0
+        if not self.rollouts.pending:  # the first step: nothing was launched ahead
+            self.rollouts.launch(self._rollout(rows))
+            wait_s, generate_s = self.rollouts.join()
+        trajectories = self.rollouts.take()
+        if next_rows is not None:
+            self.rollouts.launch(self._rollout(next_rows, ahead=1))
+        metrics = self.update(trajectories)
+        waited, generated = self.rollouts.join()  # no generation may be in flight during the sync
+        metrics.update(self._sync_after_update())
+        metrics.update({"timing/generate_s": generate_s + generated, "timing/wait_s": wait_s + waited})
+        return metrics
+
+    def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """Experience (logprobs, values, advantages) -> critic and policy updates; the version goes up."""
+        rt, t = self.runtime, self.cfg.trainer
+        assert rt.policy is not None
+        experience = make_experience(
+            trajectories,
+            self.experience_settings,
+            self.state.policy_version,
+            policy_logprobs=self._logprobs_of(rt.policy),
+            ref_logprobs=self._logprobs_of(rt.ref) if rt.ref is not None else None,
+            values=(
+                (lambda b: rt.critic.compute_values(b, t.micro_forward_batch_size_per_gpu))  # type: ignore[union-attr]
+                if rt.critic is not None
+                else None
+            ),
+        )
+        metrics: dict[str, float] = {}
+        if rt.critic is not None:
+            tick = time.perf_counter()
+            metrics.update(train_critic(rt.critic, experience.batch, self.update_settings))
+            metrics["timing/critic_train_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        metrics.update(train_policy(rt.policy, experience.batch, self.objective, self.update_settings))
+        metrics["timing/train_s"] = time.perf_counter() - tick
+        self.state.policy_version += 1
+        # last: the experience's rollout gap (trainer's old logprobs, before any update) wins
+        metrics.update(experience.metrics)
+        return metrics
+
+    def _logprobs_of(self, group: WorkerGroup) -> Any:
+        forward_batch = self.cfg.trainer.micro_forward_batch_size_per_gpu
+        return lambda batch: group.compute_logprobs(batch, forward_batch, self.update_settings.temperature)
+
+    def _sync_after_update(self) -> dict[str, float]:
+        """Broadcast the new weights unless async staleness allows the engines to lag behind."""
+        assert self.weights is not None
+        t = self.cfg.trainer
+        tick = time.perf_counter()
+        self.weights.sync_if_needed(self.state.policy_version, t.async_training, t.max_staleness_steps)
+        return {"timing/weight_sync_s": time.perf_counter() - tick}
+
+    def _step_figures(self, metrics: dict[str, float], started: float) -> dict[str, float]:
+        engines = self.runtime.engines
+        if engines is not None and engines.failures:
+            metrics["engines/live"] = float(len(engines.live_indices))
+        metrics["timing/step_s"] = time.perf_counter() - started
+        # engines idle: the step's time with no generation running (evaluation counts as busy)
+        busy = metrics["timing/generate_s"] + metrics.get("timing/eval_s", 0.0)
+        metrics["timing/idle_s"] = max(0.0, metrics["timing/step_s"] - busy)
+        return metrics
+
+    # ================================================================== rollouts
+    def generate(self, rows: list[PromptSample], evaluation: bool = False) -> list[Trajectory]:
+        return self.runtime.run(self._rollout(rows, evaluation))
+
+    def _rollout(self, rows: list[PromptSample], evaluation: bool = False, ahead: int = 0) -> Any:
+        """The generation coroutine of the next step's rows (`ahead` steps further for async runs,
+        or evaluation); its trajectories record the engines' policy version now."""
+        g = self.cfg.generator
+        n = g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt
+        step = -1 if evaluation else self.state.global_step + ahead
+        seeds = rollout_seeds(self.cfg, rows, step)
+        params = sampling_params(self.cfg, evaluation)
+        return self.runtime.generator.generate(rows, n, params, self.engine_version, seeds)
+
+    # ================================================================== evaluation
+    def evaluate(self) -> dict[str, float]:
+        rt = self.runtime
+        if rt.val_data is None or len(rt.val_data) == 0:
+            return {}
+        assert self.weights is not None
+        if self.weights.version != self.state.policy_version:  # async runs may skip syncs
+            self.weights.sync(self.state.policy_version)
+        metrics, trajectories = evaluate(
+            list(rt.val_data),
+            lambda rows: self.generate(rows, evaluation=True),
+            self.cfg.trainer.eval_batch_size,
+        )
+        if self.cfg.trainer.dump_eval_results:
+            dump_eval(rt.paths.logs / "eval" / f"step_{self.state.global_step}.jsonl", trajectories)
+        return metrics
+
+    # ================================================================== checkpoints
+    def save_checkpoint(self) -> Path:
+        rt, step = self.runtime, self.state.global_step
+        assert rt.policy is not None
+        tmp = ckpt.begin_checkpoint(rt.paths.ckpt, step)
+        rt.policy.call_all("save_checkpoint", str(tmp / "policy"))
+        if rt.critic is not None:
+            rt.critic.call_all("save_checkpoint", str(tmp / "critic"))
+        return ckpt.commit_checkpoint(rt.paths.ckpt, step, self.state, self.cfg.trainer.max_ckpts_to_keep)
+
+    def export(self) -> str:
+        assert self.runtime.policy is not None
+        target = self.runtime.paths.export / f"global_step_{self.state.global_step}"
+        return str(self.runtime.policy.call_all("export_hf", str(target))[0])
+
+    def _maybe_resume(self) -> bool:
+        """Load the checkpoint `resume_mode` asks for, if any, and push its weights to the engines."""
+        t, rt = self.cfg.trainer, self.runtime
+        mode = (t.resume_mode or "none").lower()
+        if mode == "none":
+            return False
+        path = (
+            Path(t.resume_path).expanduser()
+            if mode == "from_path" and t.resume_path
+            else ckpt.latest_checkpoint(rt.paths.ckpt)
+        )
+        if path is None:
+            return False
+        assert rt.policy is not None and self.weights is not None
+        self.state = ckpt.load_trainer_state(path)
+        rt.policy.call_all("load_checkpoint", str(path / "policy"))
+        if rt.critic is not None:
+            rt.critic.call_all("load_checkpoint", str(path / "critic"))
+        self.weights.sync(self.state.policy_version)
+        self.console.say(f"resumed from {path} (step {self.state.global_step})")
+        return True
+
+    def _stop_after_engine_loss(self, exc: EngineUnavailableError) -> TrainingStoppedError:
+        """Save the last completed step (engines fail in generation, before a step changes the
+        policy, or in a sync after it counted) and explain how to continue."""
+        step = self.state.global_step
+        what = "all inference engines failed" if isinstance(exc, NoHealthyEngineError) else "an engine failed"
+        if step == 0:
+            saved = "nothing to save: no step had completed"
+        elif (
+            latest := ckpt.latest_checkpoint(self.runtime.paths.ckpt)
+        ) is not None and latest.name == f"global_step_{step}":
+            saved = f"step {step} was already checkpointed at {latest}"
+        else:
+            saved = f"saved step {step} to {self.save_checkpoint()}"
+        self.console.say(f"stopping: {what} during step {step + 1}; {saved}")
+        return TrainingStoppedError(
+            f"training stopped during step {step + 1}: {exc}. {saved.capitalize()}. Bring the engines "
+            "back and rerun the same command with trainer.resume_mode=latest to continue."
+        )
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        self.runtime.tracking.log(metrics, self.state.global_step)
+        self.history.append({"step": self.state.global_step, **metrics})
+
+    # ================================================================== the parts, for tools and tests
+    @property
+    def engine_version(self) -> int:
+        """The policy version of the weights the engines hold."""
+        return self.weights.version if self.weights is not None else 0
+
+    @property
+    def engines(self) -> EnginePool | None:
+        return self.runtime.engines
+
+    @property
+    def policy(self) -> WorkerGroup | None:
+        return self.runtime.policy
+
+    @property
+    def loop(self) -> Any:
+        return self.runtime.loop
+
+    @property
+    def pad_id(self) -> int:
+        return self.runtime.pad_id
+
+    @property
+    def paths(self) -> Any:
+        return self.runtime.paths
+
+    def shutdown(self) -> None:
+        self.runtime.close()

@@ -1,0 +1,219 @@
+"""What a run is made of: data, tracking, Ray, inference engines, worker groups, the generator.
+
+`Runtime` is one context manager: `start()` (or `with`) builds the parts in dependency order,
+`close()` takes down whatever was built, also after a failed start. The RL loop only uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+
+from skylift.config.schema import SkyliftConfig
+from skylift.data import PromptDataset
+from skylift.generator import Generator, GeneratorSettings
+from skylift.inference.pool import EnginePool
+from skylift.trainer.async_rollouts import ColocationPlan, colocation_plan
+from skylift.trainer.engines import (
+    EngineRef,
+    remote_engine_refs,
+    start_inprocess_engines,
+    start_local_engines,
+)
+from skylift.trainer.settings import (
+    RunPaths,
+    critic_worker_settings,
+    local_engine_kwargs,
+    max_generate_length,
+    model_worker_settings,
+    start_ray_run,
+)
+from skylift.trainer.workers import WorkerGroup
+from skylift.training.worker import WorkerSettings
+
+T = TypeVar("T")
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+class Runtime:
+    """The parts of one run, built from a `SkyliftConfig`; `say` prints progress lines."""
+
+    def __init__(self, cfg: SkyliftConfig, say: Callable[[str], None] = _quiet) -> None:
+        self.cfg = cfg
+        self.say = say
+        self.paths = RunPaths.from_config(cfg)
+        self.loop = asyncio.new_event_loop()
+        self.engine_refs: list[EngineRef] = []
+        self.engines: EnginePool | None = None
+        self.policy: WorkerGroup | None = None
+        self.ref: WorkerGroup | None = None
+        self.critic: WorkerGroup | None = None
+        self.tracking: Any = None
+        self.colocation = ColocationPlan(sleep_engines=False)
+        self.use_ray = False
+        self._ray_started = False
+        self.placement: Any = None  # PlacedGroups (skylift.trainer.placement) when the run uses Ray
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the run's event loop (the one the engines' clients live on)."""
+        return self.loop.run_until_complete(coro)
+
+    # ------------------------------------------------------------------ start
+    def __enter__(self) -> Runtime:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from skylift.models import resolve_model_path
+        from skylift.tracking import Tracking
+
+        cfg, t, g = self.cfg, self.cfg.trainer, self.cfg.generator
+        self.model_path = resolve_model_path(t.policy.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        env_class = cfg.environment.env_class
+        self.train_data = PromptDataset(
+            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples
+        )
+        self.val_data = (
+            PromptDataset(cfg.data.val_data, default_env_class=env_class, max_rows=cfg.data.max_val_samples)
+            if cfg.data.val_data
+            else None
+        )
+        self.tracking = Tracking(t.loggers(), self.paths.logs, t.project_name, t.run_name)
+        self.say(
+            f"run '{t.run_name}': model {t.policy.model.path}, {len(self.train_data)} train prompts, "
+            f"{len(self.val_data) if self.val_data else 0} eval prompts; outputs in {self.paths.root}"
+        )
+
+        world = t.policy_world_size()
+        backend = t.placement.backend
+        self.use_ray = backend == "ray" or (backend == "auto" and (g.run_engines_locally or world > 1))
+        self.colocation = colocation_plan(
+            t.placement.colocate_all, torch.cuda.is_available(), g.run_engines_locally
+        )
+        if self.colocation.message:
+            self.say(self.colocation.message)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; users may override
+        if self.use_ray:  # join RAY_ADDRESS / trainer.ray_address or start one; reserve the placement
+            ray_run = start_ray_run(cfg)
+            self._ray_started, self.placement = ray_run.started, ray_run.placement
+            for line in ray_run.lines:
+                self.say(line)
+        self._start_engines()
+        total = self.total_steps()
+        self.policy = self._worker_group("policy", model_worker_settings(cfg, True, total), world)
+        self.policy.setup()
+        if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
+            ref_world = t.placement.ref_num_nodes * t.placement.ref_num_gpus_per_node
+            self.ref = self._worker_group("ref", model_worker_settings(cfg, False, total), ref_world)
+            self.ref.setup()
+        if t.algorithm.advantage_estimator == "gae":
+            critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
+            self.critic = self._worker_group("critic", critic_worker_settings(cfg, total), critic_world)
+            self.critic.setup()
+        self.generator = Generator(
+            self.engines,
+            self.tokenizer,
+            GeneratorSettings(
+                max_prompt_length=t.max_prompt_length,
+                max_generate_length=max_generate_length(cfg),
+                max_turns=g.max_turns,
+                max_input_length=g.max_input_length,
+                zero_reward_on_non_stop=g.zero_reward_on_non_stop,
+                apply_overlong_filtering=g.apply_overlong_filtering,
+                env_kwargs=dict(cfg.environment.env_kwargs),
+                default_env_class=env_class,
+            ),
+        )
+
+    def total_steps(self) -> int:
+        """Training steps of the whole run: the batches of all epochs, at most `trainer.max_steps`."""
+        t = self.cfg.trainer
+        total = self.train_data.num_batches(t.train_batch_size) * t.epochs
+        return min(total, t.max_steps) if t.max_steps is not None else total
+
+    def _worker_group(self, name: str, settings: WorkerSettings, world: int) -> WorkerGroup:
+        gpu = torch.cuda.is_available()
+        return WorkerGroup(
+            name,
+            settings,
+            world,
+            use_ray=self.use_ray,
+            num_cpus_per_worker=1 if gpu else 0,
+            num_gpus_per_worker=1 if gpu else 0,
+            loop=self.loop,
+            timeout_s=self.cfg.trainer.worker_timeout_s,
+            placement=self.placement,
+        )
+
+    def _start_engines(self) -> None:
+        g = self.cfg.generator
+        if g.run_engines_locally:
+            kwargs = local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
+            started = time.perf_counter()
+            where = "as Ray actors" if self.use_ray else "in this process"
+            self.say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")
+            if self.use_ray:
+                self.engine_refs = start_local_engines(
+                    g.num_inference_engines,
+                    self.model_path,
+                    kwargs,
+                    startup_timeout_s=g.engine_startup_timeout_s,
+                    call_timeout_s=g.http_timeout_s,
+                    placement=self.placement,
+                )
+            else:
+                self.engine_refs = self.run(
+                    asyncio.wait_for(
+                        start_inprocess_engines(g.num_inference_engines, self.model_path, kwargs),
+                        g.engine_startup_timeout_s,
+                    )
+                )
+            self.say(f"engines up in {time.perf_counter() - started:.1f} s")
+        else:
+            self.engine_refs = remote_engine_refs(
+                list(g.remote_inference_engine_urls), os.environ.get("SKYLIFT_API_KEY"), g.http_timeout_s
+            )
+        self.engines = EnginePool([ref.connect() for ref in self.engine_refs])
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Stop the workers and engines, close the trackers and Ray (what was started), the loop."""
+        if self.loop.is_closed():
+            return
+        try:
+            for group in (self.policy, self.ref, self.critic):
+                if group is not None:
+                    group.shutdown()
+            if self.engines is not None:
+                self.run(self.engines.close())
+            from skylift.inference.http_session import close_default_pool
+
+            self.run(close_default_pool())  # remote engines' pooled HTTP session
+        finally:
+            if self.tracking is not None:
+                self.tracking.close()
+            if self.placement is not None:
+                self.placement.remove()
+            if self._ray_started:
+                import ray
+
+                ray.shutdown()
+            self.loop.close()

@@ -1,0 +1,125 @@
+"""The update: a training batch -> optimizer steps of the policy (and the critic), per mini-batch.
+
+Model-free: the workers come in as anything with `train_mini_batch` (a `WorkerGroup`), the loss as
+a `PolicyObjective` / `ValueObjective` whose mini-batch totals are filled in here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from skylift.algorithms import PolicyLossConfig, mini_batch_totals
+from skylift.config.schema import SkyliftConfig
+from skylift.trainer.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
+from skylift.trainer.settings import max_generate_length
+from skylift.training.batch import SequenceBatch
+
+
+class TrainsMiniBatches(Protocol):
+    world_size: int
+
+    def train_mini_batch(
+        self, batch: SequenceBatch, loss_fn: Any, micro_batch_size: int, temperature: float
+    ) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How a batch is cut and trained (`from_config`)."""
+
+    rows_per_mini_batch: int
+    critic_rows_per_mini_batch: int
+    epochs: int = 1
+    micro_batch_size: int = 1
+    temperature: float = 1.0
+    skip_zero_advantage_rows: bool = False
+    value_clip: float = 0.2
+
+    @classmethod
+    def from_config(cls, cfg: SkyliftConfig) -> UpdateSettings:
+        t, alg, n = cfg.trainer, cfg.trainer.algorithm, cfg.generator.n_samples_per_prompt
+        return cls(
+            rows_per_mini_batch=t.policy_mini_batch_size * n,
+            critic_rows_per_mini_batch=t.critic_mini_batch_size * n,
+            epochs=t.update_epochs_per_batch,
+            micro_batch_size=t.micro_train_batch_size_per_gpu,
+            temperature=sampling_temperature(cfg),
+            skip_zero_advantage_rows=t.skip_zero_advantage_rows and not alg.use_kl_loss,
+            value_clip=alg.value_clip,
+        )
+
+
+def sampling_temperature(cfg: SkyliftConfig) -> float:
+    """The temperature the rollouts were sampled at (greedy counts as 1): logits are divided by it."""
+    temp = cfg.generator.sampling_params.temperature
+    return temp if temp > 0 else 1.0
+
+
+def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
+    """The policy loss of the configured algorithm (mini-batch totals filled in per mini-batch)."""
+    alg = cfg.trainer.algorithm
+    return PolicyObjective(
+        loss_type=alg.policy_loss_type,
+        loss_reduction=alg.loss_reduction,
+        loss_config=PolicyLossConfig(
+            eps_clip_low=alg.eps_clip_low,
+            eps_clip_high=alg.eps_clip_high,
+            clip_ratio_c=alg.clip_ratio_c,
+            tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
+        ),
+        use_kl_loss=alg.use_kl_loss,
+        kl_loss_coef=alg.kl_loss_coef,
+        kl_estimator=alg.kl_estimator_type,
+        max_len=max_generate_length(cfg),
+    )
+
+
+def mini_batches(batch: SequenceBatch, rows: int, epochs: int) -> Iterator[SequenceBatch]:
+    """`epochs` passes over `batch` in order, `rows` rows at a time (the last one may be shorter)."""
+    for _ in range(epochs):
+        for start in range(0, batch.batch_size, rows):
+            yield batch.select(list(range(start, min(start + rows, batch.batch_size))))
+
+
+def train_policy(
+    policy: TrainsMiniBatches, batch: SequenceBatch, objective: PolicyObjective, s: UpdateSettings
+) -> dict[str, float]:
+    """One optimizer step per mini-batch; the loss is normalised by the whole mini-batch's token
+    and sequence counts, also when rows without a policy gradient are skipped."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    trained_rows = 0
+    for mini in mini_batches(batch, s.rows_per_mini_batch, s.epochs):
+        totals = mini_batch_totals(mini.response_mask)  # of the whole mini-batch, kept rows or not
+        step_objective = dataclasses.replace(
+            objective, token_count=max(1, totals.token_count), seq_count=max(1, totals.seq_count)
+        )
+        if s.skip_zero_advantage_rows:
+            mini = mini.select(
+                rows_with_policy_gradient(mini.extras["advantages"], mini.response_mask, policy.world_size)
+            )
+        trained_rows += mini.batch_size
+        for k, v in policy.train_mini_batch(mini, step_objective, s.micro_batch_size, s.temperature).items():
+            sums[k].append(v)
+    metrics = {f"policy/{k}": statistics.fmean(v) for k, v in sums.items()}
+    metrics["train/rows_trained_frac"] = trained_rows / (batch.batch_size * s.epochs)
+    if sums.get("logprob_diff_vs_rollout"):
+        # the first mini-batch's figure is the only one measured before any update of this step
+        metrics["policy/logprob_diff_vs_rollout"] = sums["logprob_diff_vs_rollout"][0]
+    return metrics
+
+
+def train_critic(critic: TrainsMiniBatches, batch: SequenceBatch, s: UpdateSettings) -> dict[str, float]:
+    """Fit the critic to the batch's GAE returns, one optimizer step per critic mini-batch."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for mini in mini_batches(batch, s.critic_rows_per_mini_batch, s.epochs):
+        objective = ValueObjective(
+            value_clip=s.value_clip, token_count=max(1, mini_batch_totals(mini.response_mask).token_count)
+        )
+        for k, v in critic.train_mini_batch(mini, objective, s.micro_batch_size, 1.0).items():
+            sums[k].append(v)
+    return {f"critic/{k}": statistics.fmean(v) for k, v in sums.items()}
