@@ -8,8 +8,10 @@ nodes a bundle holds one GPU (plus `num_cpus_per_worker` CPUs); on CPU-only clus
 - `colocate_all`: one group of `num_inference_engines * tensor_parallel_size` bundles shared by
   the engines and every training model (each actor takes an equal share of its bundle);
 - `colocate_policy_ref`: policy and reference ranks share the policy's bundles (same sizes);
-- otherwise each model has its own group (PACK over `num_nodes * num_gpus_per_node` bundles) and
-  each engine its own (STRICT_PACK: an engine's tensor-parallel ranks stay on one node).
+- otherwise each model has its own group: on one node (`num_nodes=1`) one bundle per rank,
+  PACK; on several, one bundle of `num_gpus_per_node` units per node, STRICT_SPREAD (each on a
+  different node); each engine has its own group (STRICT_PACK: one bundle per tensor-parallel
+  rank, all on one node).
 
 `check_feasible` compares a plan with the cluster's nodes before anything waits, and
 `PlacedGroups` (the Ray part) creates the groups, fails within a timeout with what was asked and
@@ -49,6 +51,7 @@ class PlacementRequest:
     colocate_policy_ref: bool = True
     gpu: bool = False
     cpus_per_worker: float = 1.0
+    gpus_per_bundle: float = 1.0  # below 1 when one machine has fewer GPUs than bundles (shared)
 
     def world(self, role: str) -> int:
         return int(getattr(self, f"{role}_nodes")) * int(getattr(self, f"{role}_per_node"))
@@ -121,7 +124,7 @@ def _fmt(resources: Mapping[str, float]) -> str:
 
 def _bundle(req: PlacementRequest) -> dict[str, float]:
     if req.gpu:
-        return {"GPU": 1.0, "CPU": req.cpus_per_worker}
+        return {"GPU": req.gpus_per_bundle, "CPU": req.cpus_per_worker}
     return {"CPU": req.cpus_per_worker}
 
 
@@ -130,7 +133,9 @@ def plan_placement(req: PlacementRequest) -> PlacementPlan:
     if req.cpus_per_worker <= 0:
         raise PlacementError(f"trainer.placement.num_cpus_per_worker must be > 0, got {req.cpus_per_worker}")
     roles = req.roles()
-    groups: list[tuple[str, int, str, list[list[tuple[str, int]]]]] = []  # name, size, strategy, members
+    # per group: name, strategy, bundles; a bundle is a list of positions (one unit of resources
+    # each), a position the (role, rank) actors sharing its unit
+    groups: list[tuple[str, str, list[list[list[tuple[str, int]]]]]] = []
     engine_ranks = [(engine_role(e), r) for e in range(req.num_engines) for r in range(req.engine_tp)]
     if req.colocate_all:
         size = len(engine_ranks)
@@ -143,13 +148,8 @@ def plan_placement(req: PlacementRequest) -> PlacementPlan:
                     f"(generator.num_inference_engines x inference_engine_tensor_parallel_size), but {role} "
                     f"has {req.world(role)} worker(s) ({role}_num_nodes x {role}_num_gpus_per_node)"
                 )
-        members: list[list[tuple[str, int]]] = [[] for _ in range(size)]
-        for role in roles:
-            for rank in range(size):
-                members[rank].append((role, rank))
-        for i, member in enumerate(engine_ranks):
-            members[i].append(member)
-        groups.append(("colocate_all", size, "PACK", members))
+        shared = [[[(role, rank) for role in roles] + [engine_ranks[rank]]] for rank in range(size)]
+        groups.append(("colocate_all", "PACK", shared))
     else:
         shared_ref = req.with_ref and req.colocate_policy_ref
         if shared_ref and (req.ref_nodes, req.ref_per_node) != (req.policy_nodes, req.policy_per_node):
@@ -161,31 +161,34 @@ def plan_placement(req: PlacementRequest) -> PlacementPlan:
         for role in roles:
             if role == "ref" and shared_ref:
                 continue
-            size = req.world(role)
-            members = [[(role, rank)] for rank in range(size)]
-            if role == "policy" and shared_ref:
-                for rank in range(size):
-                    members[rank].append(("ref", rank))
-            groups.append(("policy+ref" if role == "policy" and shared_ref else role, size, "PACK", members))
+            sharing = [role, "ref"] if role == "policy" and shared_ref else [role]
+            nodes, per_node = int(getattr(req, f"{role}_nodes")), int(getattr(req, f"{role}_per_node"))
+            positions = [[(r, rank) for r in sharing] for rank in range(nodes * per_node)]
+            name = "+".join(sharing)
+            if nodes == 1:  # one bundle per rank, packed
+                groups.append((name, "PACK", [[p] for p in positions]))
+            else:  # one bundle per node, each on a different node: num_nodes is honoured exactly
+                per = [positions[n * per_node : (n + 1) * per_node] for n in range(nodes)]
+                groups.append((name, "STRICT_SPREAD", per))
         for e in range(req.num_engines):
             role = engine_role(e)
-            groups.append((role, req.engine_tp, "STRICT_PACK", [[(role, r)] for r in range(req.engine_tp)]))
+            groups.append((role, "STRICT_PACK", [[[(role, r)]] for r in range(req.engine_tp)]))
+    unit = _bundle(req)
     plans: list[GroupPlan] = []
     slots: dict[tuple[str, int], ActorSlot] = {}
-    for gi, (name, size, strategy, members) in enumerate(groups):
-        bundle = _bundle(req)
+    for gi, (name, strategy, bundles) in enumerate(groups):
         plans.append(
             GroupPlan(
                 name=name,
-                bundles=tuple(dict(bundle) for _ in range(size)),
+                bundles=tuple({k: v * len(b) for k, v in unit.items()} for b in bundles),
                 strategy=strategy,
-                members=tuple(tuple(m) for m in members),
+                members=tuple(tuple(m for position in b for m in position) for b in bundles),
             )
         )
-        for bi, member in enumerate(members):
-            share = 1.0 / len(member)
-            for key in member:
-                slots[key] = ActorSlot(gi, bi, {k: v * share for k, v in bundle.items()})
+        for bi, bundle in enumerate(bundles):
+            for position in bundle:
+                for key in position:
+                    slots[key] = ActorSlot(gi, bi, {k: v / len(position) for k, v in unit.items()})
     return PlacementPlan(groups=tuple(plans), slots=slots)
 
 
@@ -209,6 +212,13 @@ def check_feasible(plan: PlacementPlan, nodes: Sequence[Mapping[str, float]]) ->
             if not any(fits(bundle, node) for node in nodes):
                 problems.append(f"{group.name}: no node has a bundle's {_fmt(bundle)}")
                 break
+        if group.strategy == "STRICT_SPREAD":
+            hosts = sum(1 for node in nodes if all(fits(b, node) for b in group.bundles[:1]))
+            if hosts < len(group.bundles):
+                problems.append(
+                    f"{group.name}: {len(group.bundles)} bundles of {_fmt(group.bundles[0])} must be on "
+                    f"{len(group.bundles)} different nodes, and {hosts} node(s) can hold one"
+                )
         if group.strategy == "STRICT_PACK":
             need: dict[str, float] = {}
             for bundle in group.bundles:

@@ -220,20 +220,30 @@ def start_ray_run(cfg: SkyliftConfig) -> RayRun:
     when the cluster cannot hold the request (the message has both sides)."""
     import time
 
+    import ray
+
     from skylift.trainer.placement import PlacedGroups, plan_placement, request_from_config
 
     started_at = time.perf_counter()
     address = ray_address(cfg.trainer.ray_address)
     gpu = torch.cuda.is_available()
-    plan = plan_placement(request_from_config(cfg, gpu=gpu))
+    request = request_from_config(cfg, gpu=gpu)
+    plan = plan_placement(request)
     started = init_ray(address, min_cpus=plan.total().get("CPU", 0.0))
     lines = [ray_cluster_line(joined=bool(address))]
+    needed, have = plan.total().get("GPU", 0.0), float(ray.cluster_resources().get("GPU", 0.0))
+    if not address and 0 < have < needed:
+        # one machine with fewer GPUs than bundles: they share its GPUs, as actors without
+        # placement groups did (a cluster that is short of GPUs fails below instead)
+        share = have / needed
+        plan = plan_placement(dataclasses.replace(request, gpus_per_bundle=share))
+        lines.append(
+            f"{needed:g} GPU bundles on this machine's {have:g} GPU(s): each bundle gets {share:.2f} GPU"
+        )
     try:
         placement = PlacedGroups(plan, cfg.trainer.placement.timeout_s)
     except BaseException:
         if started:
-            import ray
-
             ray.shutdown()
         raise
     lines.append(

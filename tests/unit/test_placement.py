@@ -150,3 +150,21 @@ def test_example_two_node_config_needs_both_nodes() -> None:
     assert check_feasible(plan, [node]) == [
         "all groups together need {CPU: 32, GPU: 8}, the cluster has {CPU: 32, GPU: 4}"
     ]
+
+
+def test_several_policy_nodes_spread_one_bundle_per_node() -> None:
+    plan = plan_placement(
+        PlacementRequest(
+            policy_nodes=2, policy_per_node=4, ref_nodes=2, ref_per_node=4, with_ref=True, gpu=True
+        )
+    )
+    group = plan.groups[0]
+    assert (group.name, group.strategy) == ("policy+ref", "STRICT_SPREAD")
+    assert group.bundles == ({"GPU": 4.0, "CPU": 4.0}, {"GPU": 4.0, "CPU": 4.0})
+    assert plan.slot("policy", 5).bundle == 1 and plan.slot("ref", 3).bundle == 0
+    assert plan.slot("ref", 5).resources == {"GPU": 0.5, "CPU": 0.5}
+    node = {"GPU": 4.0, "CPU": 16.0}
+    assert check_feasible(plan, [node, node]) == []
+    assert check_feasible(plan, [{"GPU": 8.0, "CPU": 32.0}]) == [
+        "policy+ref: 2 bundles of {CPU: 4, GPU: 4} must be on 2 different nodes, and 1 node(s) can hold one"
+    ]
