@@ -27,11 +27,8 @@ DEMO_OVERRIDES = [
     "generator.n_samples_per_prompt=4",
     "generator.max_generate_length=64",
     "generator.sampling_params.temperature=1.0",
-    # 20 steps at 1e-5 decaying linearly to 0. Measured on the 2-core machine, held-out accuracy
-    # (seeds 42 / 1): these settings 65% / 69% (55% / 67% after 10 steps); LoRA rank 32 at 2e-4
-    # 66% / 67% with 0.9 GiB less memory, ~10% slower; 10 steps of 8 prompts x 8 samples at 2e-5
-    # 54% (53% / 46% in float32); 16 prompts x 8 samples (32-token answers, float32) 57% / 61% in
-    # twice the time
+    # 20 steps at 1e-5 decaying linearly to 0 (the figures of these and other settings:
+    # benchmarks/RESULTS.md)
     "trainer.policy.optimizer_config.lr=1e-5",
     "trainer.policy.optimizer_config.scheduler=linear",
     "trainer.policy.optimizer_config.weight_decay=0.0",

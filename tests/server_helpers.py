@@ -183,8 +183,9 @@ class TinkerServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        self.port = free_port()
+    def start(self, port: int | None = None) -> None:
+        """Start the server (on `port`, e.g. the one it had before a restart; default: a free one)."""
+        self.port = port or free_port()
         cmd = [
             sys.executable, "-m", "skylift.tinker.commands", "serve",
             "--base-model", self.base_model, "--port", str(self.port),

@@ -16,7 +16,16 @@ from skylift.algorithms.advantages import (
     sequence_rewards_to_token_level,
     unregister_advantage_estimator,
 )
-from skylift.algorithms.kl import KL_ESTIMATORS, apply_kl_penalty, compute_kl
+from skylift.algorithms.kl import (
+    KL_CTRL_TYPES,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_penalty,
+    compute_kl,
+    make_kl_controller,
+)
 from skylift.algorithms.policy_loss import (
     PolicyLoss,
     PolicyLossConfig,
@@ -37,9 +46,13 @@ from skylift.algorithms.reductions import (
 from skylift.algorithms.value_loss import compute_value_loss
 
 __all__ = [
+    "KL_CTRL_TYPES",
     "KL_ESTIMATORS",
     "LOSS_REDUCTIONS",
+    "AdaptiveKLController",
     "AdvantageEstimator",
+    "FixedKLController",
+    "KLController",
     "MiniBatchTotals",
     "PolicyLoss",
     "PolicyLossConfig",
@@ -54,6 +67,7 @@ __all__ = [
     "get_advantage_estimator",
     "get_policy_loss",
     "is_sequence_level",
+    "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -12,11 +12,16 @@ Two uses:
   reduce the sum with `skylift.algorithms.reductions.reduce_loss`;
 - as a reward penalty (``use_kl_in_reward``): `apply_kl_penalty` subtracts ``coef * kl_t`` from every
   valid token's reward before the advantages are computed (the penalty carries no gradient).
+
+The reward penalty's coefficient comes from a controller (``kl_ctrl.type``): `FixedKLController`
+keeps it, `AdaptiveKLController` (Ziegler et al. 2019, arXiv:1909.08593, as in SkyRL and verl)
+moves it after every step towards the coefficient that keeps the batch's KL at a target.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, Protocol, get_args
 
 import torch
 
@@ -73,5 +78,71 @@ def apply_kl_penalty(
         mask = response_mask.to(token_level_rewards.dtype)
         kl = torch.where(mask != 0, kl * mask, torch.zeros_like(kl))
         rewards = token_level_rewards.detach() - coef * kl
-        metrics = {"kl": float(masked_mean(kl, mask).item()), "kl_coef": float(coef)}
+        seq_mean = masked_mean(kl, mask, dim=-1)  # [batch]: each sequence's mean KL per token
+        metrics = {
+            "kl": float(masked_mean(kl, mask).item()),
+            "kl_seq_mean": float(seq_mean.mean().item()),
+            "kl_coef": float(coef),
+        }
     return rewards, metrics
+
+
+KLCtrlType = Literal["fixed", "adaptive"]
+KL_CTRL_TYPES: tuple[str, ...] = get_args(KLCtrlType)
+
+ADAPTIVE_KL_MAX_ERROR = 0.2
+"""`AdaptiveKLController` clips the relative KL error ``kl / target - 1`` to +-this."""
+
+
+class KLController(Protocol):
+    """The KL-in-reward coefficient of the next step (`value`), updated after each step."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Feed one step's KL (mean over sequences of each one's mean per-token KL) and the number
+        of sequences it was measured on."""
+        ...
+
+
+@dataclass
+class FixedKLController:
+    """A constant coefficient."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        del current_kl, n_steps  # a fixed coefficient ignores the measured KL
+
+
+@dataclass
+class AdaptiveKLController:
+    """Proportional control of the coefficient towards a target KL.
+
+    ``error = clip(current_kl / target - 1, -0.2, 0.2)``, then
+    ``value *= 1 + error * n_steps / horizon``: a KL above the target raises the coefficient, one
+    below lowers it, by at most 20% of ``n_steps / horizon`` per update.
+    """
+
+    value: float
+    target: float
+    horizon: int
+
+    def __post_init__(self) -> None:
+        if self.target <= 0:
+            raise ValueError(f"the adaptive KL controller needs a target > 0, got {self.target}")
+        if self.horizon <= 0:
+            raise ValueError(f"the adaptive KL controller needs a horizon > 0, got {self.horizon}")
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -ADAPTIVE_KL_MAX_ERROR), ADAPTIVE_KL_MAX_ERROR)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(kind: str, init_coef: float, target: float, horizon: int) -> KLController:
+    """The controller named `kind` (``fixed`` | ``adaptive``) starting at `init_coef`."""
+    if kind == "fixed":
+        return FixedKLController(init_coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(init_coef, target, horizon)
+    raise ValueError(f"unknown KL controller {kind!r}; known: {', '.join(KL_CTRL_TYPES)}")

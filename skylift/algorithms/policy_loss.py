@@ -16,8 +16,10 @@ With ``r_t = exp(logp_t - old_logp_t)`` and advantage ``A_t``:
   replaces ``r_t`` in the PPO clip. Per token it is written ``sg(s_i) * exp(logp_t - sg(logp_t))``,
   equal to ``s_i`` in value, whose gradient averaged over a sequence's tokens is the gradient of
   ``s_i`` (GSPO-token form). Reduce it with ``sequence_mean`` to get the paper's objective;
-- ``cispo``: ``-sg(clip(r, 1 - eps_clip_low, 1 + eps_clip_high)) * A * logp``: every token keeps a
-  gradient, with its importance weight clipped and not differentiated.
+- ``cispo``: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``: every
+  token keeps a gradient, with its importance weight clipped and not differentiated. CISPO has its
+  own bounds (default 0 and 5: the weight is kept at or above 1 - 0 and capped at 1 + 5), the PPO
+  ones do not apply to it.
 
 Truncated importance sampling (``tis_imp_ratio_cap``): when the rollouts were sampled by an engine
 whose logprobs (``rollout_logprobs``) differ from ``old_logprobs``, every per-token loss is multiplied
@@ -47,6 +49,9 @@ class PolicyLossConfig:
     eps_clip_high: float = 0.2
     clip_ratio_c: float = 3.0
     """Dual-clip cap on ``-A * r`` for negative advantages; must be > 1."""
+    cispo_eps_clip_low: float = 0.0
+    cispo_eps_clip_high: float = 5.0
+    """CISPO's importance weights are clipped to ``[1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high]``."""
     tis_imp_ratio_cap: float | None = None
     """Truncated importance sampling cap (None: off)."""
 
@@ -54,6 +59,11 @@ class PolicyLossConfig:
         if self.eps_clip_low < 0 or self.eps_clip_high < 0:
             raise ValueError(
                 f"eps_clip_low and eps_clip_high must be >= 0, got {self.eps_clip_low} and {self.eps_clip_high}"
+            )
+        if self.cispo_eps_clip_low < 0 or self.cispo_eps_clip_high < 0:
+            raise ValueError(
+                "cispo_eps_clip_low and cispo_eps_clip_high must be >= 0, got "
+                f"{self.cispo_eps_clip_low} and {self.cispo_eps_clip_high}"
             )
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
@@ -251,10 +261,10 @@ def cispo_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """CISPO: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp``."""
+    """CISPO: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``."""
     log_ratio = _log_ratio(logprobs, old_logprobs)
     ratio = torch.exp(log_ratio)
-    low, high = 1.0 - config.eps_clip_low, 1.0 + config.eps_clip_high
+    low, high = 1.0 - config.cispo_eps_clip_low, 1.0 + config.cispo_eps_clip_high
     weight = ratio.detach().clamp(low, high)
     loss = -weight * advantages * logprobs
     outside = (ratio.detach() < low) | (ratio.detach() > high)

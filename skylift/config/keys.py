@@ -51,11 +51,6 @@ def config_keys() -> list[str]:
     return [k for k, info in key_table().items() if not info.is_group]
 
 
-def group_keys() -> list[str]:
-    """All dotted group keys, e.g. ``trainer.placement``."""
-    return [k for k, info in key_table().items() if info.is_group]
-
-
 def field_help(key: str) -> str:
     """The help line of a dotted key (leaf or group); KeyError if the key does not exist."""
     return key_table()[key].help

@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from skylift.config.errors import ConfigError
 from skylift.config.formatting import set_derived_keys
+from skylift.config.inert import warn_without_effect
 from skylift.config.keys import is_list_type, key_table, mapping_leaf_of, suggest_keys, type_name
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import finalize, validate_config
@@ -47,7 +48,8 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     """Defaults, then ``config_file`` (YAML), then ``overrides`` (``key.sub=value``), validated.
 
     Returns real dataclass instances with derived defaults filled in (see
-    ``skylift.config.validation.finalize``). Raises ``ConfigError`` on an unknown key (with the
+    ``skylift.config.validation.finalize``); a key of ``skylift.config.inert.WITHOUT_EFFECT`` set to
+    a non-default value logs a warning naming it. Raises ``ConfigError`` on an unknown key (with the
     closest valid key), a value of the wrong type, a malformed override or an invalid combination.
     """
     if isinstance(overrides, str):
@@ -71,6 +73,7 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     derived = finalize(obj)
     validate_config(obj)
     set_derived_keys(obj, derived)
+    warn_without_effect(obj)
     return obj
 
 

@@ -110,16 +110,24 @@ class OptimizerConfig:
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this value; <= 0 disables clipping")
     num_warmup_steps: int = _f(0, "linear warm-up steps of the learning rate")
     scheduler: str = _f("constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}")
-    offload_after_step: bool = _f(True, "move optimizer state to CPU after each step (colocate_all only)")
+    offload_after_step: bool = _f(  # accepted without effect: see skylift.config.inert
+        True, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: move optimizer state to CPU)"
+    )
 
 
 @dataclass
 class FSDPConfig:
     """PyTorch FSDP2 (fully_shard) settings of one model."""
 
-    cpu_offload: bool = _f(False, "keep parameters and optimizer state on CPU (GPU runs)")
+    cpu_offload: bool = _f(
+        False,
+        "sharded GPU workers keep parameters, gradients and optimizer state in host memory (FSDP2 "
+        "CPUOffloadPolicy); CPU workers hold everything there already",
+    )
     reshard_after_forward: bool = _f(
-        True, "free gathered parameters after forward (saves memory, costs time)"
+        True,
+        "sharded workers free each layer's gathered parameters after forward (saves memory; false "
+        "keeps them until backward, saving one all-gather)",
     )
 
 
@@ -186,17 +194,21 @@ class PlacementConfig:
 class KLCtrlConfig:
     """KL coefficient controller for use_kl_in_reward."""
 
-    type: str = _f("fixed", f"controller: {' | '.join(KL_CTRL_TYPES)} (initial coefficient = kl_loss_coef)")
-    kl_target: float = _f(0.1, "target KL of the adaptive controller")
-    horizon: int = _f(10000, "update horizon of the adaptive controller")
+    type: str = _f(
+        "fixed",
+        f"controller: {' | '.join(KL_CTRL_TYPES)} (initial coefficient = kl_loss_coef); adaptive moves it "
+        "after every step by (1 + clip(kl / kl_target - 1, -0.2, 0.2) * sequences / horizon)",
+    )
+    kl_target: float = _f(0.1, "target KL (per token, averaged over sequences) of the adaptive controller")
+    horizon: int = _f(10000, "adaptive controller: sequences over which the coefficient may change by 20%")
 
 
 @dataclass
 class CISPOConfig:
     """Clipping of the importance weights in the cispo policy loss."""
 
-    cispo_eps_clip_low: float = _f(0.0, "lower clip: weights below 1 - this are clipped")
-    cispo_eps_clip_high: float = _f(5.0, "upper clip: weights above 1 + this are clipped")
+    cispo_eps_clip_low: float = _f(0.0, "lower clip: weights below 1 - this are clipped (not eps_clip_low)")
+    cispo_eps_clip_high: float = _f(5.0, "upper clip: weights above 1 + this are clipped (not eps_clip_high)")
 
 
 @dataclass
@@ -210,8 +222,12 @@ class AlgorithmConfig:
         "regular", f"policy loss: {' | '.join(POLICY_LOSS_TYPES)} (regular = PPO clip)"
     )
     loss_reduction: str = _f("token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}")
-    eps_clip_low: float = _f(0.2, "PPO clip: ratio lower bound is 1 - eps_clip_low")
-    eps_clip_high: float = _f(0.2, "PPO clip: ratio upper bound is 1 + eps_clip_high")
+    eps_clip_low: float = _f(
+        0.2, "PPO clip (regular, dual_clip, gspo): ratio lower bound is 1 - eps_clip_low"
+    )
+    eps_clip_high: float = _f(
+        0.2, "PPO clip (regular, dual_clip, gspo): ratio upper bound is 1 + eps_clip_high"
+    )
     clip_ratio_c: float = _f(3.0, "dual_clip: bound c (> 1) on the loss for negative advantages")
     cispo: CISPOConfig = _group(CISPOConfig, "cispo settings")
     use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")
@@ -239,7 +255,9 @@ class TrainerConfig:
     ray_address: str | None = _f(
         None, "Ray cluster to join (e.g. 10.0.0.1:6379 or auto); null = RAY_ADDRESS if set, else a local Ray"
     )
-    strategy: str = _f("fsdp2", f"distributed training strategy: {' | '.join(STRATEGIES)}")
+    strategy: str = _f(  # accepted without effect: see skylift.config.inert
+        "fsdp2", f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)})"
+    )
     policy: PolicyConfig = _group(PolicyConfig, "trained policy")
     ref: RefConfig = _group(RefConfig, "reference model")
     critic: CriticConfig = _group(CriticConfig, "value model")
@@ -344,8 +362,8 @@ class SamplingParams:
     top_k: int = _f(-1, "sample among the k most likely tokens; -1 = all")
     min_p: float = _f(0.0, "drop tokens below min_p times the top token's probability")
     repetition_penalty: float = _f(1.0, "penalty on repeated tokens; 1 = none")
-    logprobs: int | None = _f(
-        0, "top logprobs returned beside the sampled token's (0 = only the sampled token)"
+    logprobs: int | None = _f(  # accepted without effect: see skylift.config.inert
+        0, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: top logprobs per token)"
     )
     stop: list[str] | None = _f(None, "extra stop strings; null = only the tokenizer's EOS")
 
@@ -362,7 +380,10 @@ class EvalSamplingParams(SamplingParams):
 class GeneratorConfig:
     """Rollouts: inference engines (local or remote) and sampling."""
 
-    backend: str = _f("vllm", f"inference backend: {' | '.join(INFERENCE_BACKENDS)}")
+    backend: str = _f(  # accepted without effect: see skylift.config.inert
+        "vllm",
+        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(INFERENCE_BACKENDS)})",
+    )
     run_engines_locally: bool = _f(
         True, "start engines as Ray actors (true) or use remote_inference_engine_urls"
     )
@@ -396,13 +417,18 @@ class GeneratorConfig:
     enable_prefix_caching: bool = _f(True, "reuse KV cache of shared prompt prefixes")
     enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")
     enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
-    async_engine: bool = _f(True, "use the async engine API")
+    async_engine: bool = _f(  # accepted without effect: see skylift.config.inert
+        True,
+        "accepted for SkyRL compatibility, no effect in skylift (engines always run vLLM's async engine)",
+    )
     batched: bool = _f(True, "single-turn: send the whole batch at once (false = agent loop per trajectory)")
     max_turns: int = _f(1, "most assistant turns per trajectory (> 1 = multi-turn agent loop)")
     max_input_length: int | None = _f(
         None, "multi-turn: most tokens of context; null = trainer.max_prompt_length"
     )
-    use_conversation_multi_turn: bool = _f(True, "multi-turn: keep observations as separate chat messages")
+    use_conversation_multi_turn: bool = _f(
+        True, "multi-turn: observations as chat messages (false = their text continues the assistant turn)"
+    )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)")
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it"

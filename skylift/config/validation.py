@@ -174,6 +174,15 @@ def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
     _one_of(problems, f"{p}.loss_reduction", a.loss_reduction, LOSS_REDUCTIONS)
     _one_of(problems, f"{p}.kl_estimator_type", a.kl_estimator_type, KL_ESTIMATOR_TYPES)
     _one_of(problems, f"{p}.kl_ctrl.type", a.kl_ctrl.type, KL_CTRL_TYPES)
+    if a.kl_ctrl.type == "adaptive":
+        if not a.use_kl_in_reward:
+            problems.append(
+                f"{p}.kl_ctrl.type=adaptive controls the KL-in-reward coefficient and needs "
+                f"{p}.use_kl_in_reward=true (a KL loss uses kl_loss_coef as it is)"
+            )
+        if a.kl_ctrl.kl_target <= 0:
+            problems.append(f"{p}.kl_ctrl.kl_target={a.kl_ctrl.kl_target} must be > 0")
+        _at_least(problems, f"{p}.kl_ctrl.horizon", a.kl_ctrl.horizon, 1)
     if a.use_kl_loss and a.use_kl_in_reward:
         problems.append(f"{p}.use_kl_loss and {p}.use_kl_in_reward are mutually exclusive; enable one")
     for name in ("kl_loss_coef", "eps_clip_low", "eps_clip_high", "value_clip"):

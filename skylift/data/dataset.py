@@ -59,12 +59,12 @@ def _as_file_list(files: str | os.PathLike[str] | Iterable[str | os.PathLike[str
     return [_expand(f) for f in files]
 
 
-def _parse_prompt(value: Any, where: str) -> list[dict[str, str]]:
+def _parse_prompt(value: Any, where: str, column: str = "prompt") -> list[dict[str, str]]:
     if isinstance(value, str):  # a bare string is one user message
         value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise DataFileError(
-            f"{where}: column 'prompt' must be a non-empty list of chat messages, got {value!r:.80}"
+            f"{where}: column {column!r} must be a non-empty list of chat messages, got {value!r:.80}"
         )
     messages = []
     for message in value:
@@ -74,16 +74,21 @@ def _parse_prompt(value: Any, where: str) -> list[dict[str, str]]:
             or message.get("content") is None
         ):
             raise DataFileError(
-                f"{where}: column 'prompt' has a message without role/content: {message!r:.80}"
+                f"{where}: column {column!r} has a message without role/content: {message!r:.80}"
             )
         messages.append({"role": message["role"], "content": str(message["content"])})
     return messages
 
 
 def load_prompt_file(
-    path: str | os.PathLike[str], file_index: int = 0, default_env_class: str | None = None
+    path: str | os.PathLike[str],
+    file_index: int = 0,
+    default_env_class: str | None = None,
+    *,
+    prompt_key: str = "prompt",
+    env_class_key: str = "env_class",
 ) -> list[PromptSample]:
-    """The samples of one prompt parquet file (see `PromptDataset` for `default_env_class`)."""
+    """The samples of one prompt parquet file (see `PromptDataset` for the arguments)."""
     path = _expand(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -91,24 +96,28 @@ def load_prompt_file(
         names = pq.ParquetFile(path).schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         raise DataFileError(f"{path}: not a readable parquet file ({e})") from e
-    required = [c for c in REQUIRED_COLUMNS if not (c == "env_class" and default_env_class)]
+    column_of = {"prompt": prompt_key, "env_class": env_class_key}  # schema name -> column in the file
+    wanted = [column_of.get(c, c) for c in REQUIRED_COLUMNS]
+    required = [c for c in wanted if not (c == env_class_key and default_env_class)]
     missing = [c for c in required if c not in names]
     if missing:
         raise DataFileError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(names)})")
-    columns = [c for c in REQUIRED_COLUMNS if c in names]
+    columns = list(dict.fromkeys(c for c in wanted if c in names))
     rows = pq.read_table(path, columns=columns).to_pylist()
     samples = []
     for row_index, row in enumerate(rows):
         where = f"{path} row {row_index}"
-        env_class = row.get("env_class") or default_env_class
+        env_class = row.get(env_class_key) or default_env_class
         if not env_class:
-            raise DataFileError(f"{where}: column 'env_class' is empty and no default environment was given")
+            raise DataFileError(
+                f"{where}: column {env_class_key!r} is empty and no default environment was given"
+            )
         data_source = row.get("data_source")
         if not isinstance(data_source, str):
             raise DataFileError(f"{where}: column 'data_source' must be a string, got {data_source!r}")
         samples.append(
             PromptSample(
-                prompt=_parse_prompt(row.get("prompt"), where),
+                prompt=_parse_prompt(row.get(prompt_key), where, prompt_key),
                 env_class=str(env_class),
                 reward_spec=dict(row.get("reward_spec") or {}),
                 extra_info=dict(row.get("extra_info") or {}),
@@ -125,6 +134,8 @@ class PromptDataset(Sequence[PromptSample]):
     files: one path or a list of paths (``~`` and ``$VARS`` are expanded).
     default_env_class: used for rows whose ``env_class`` is empty, and makes that column optional.
     max_rows: keep only the first N rows overall (for small runs).
+    prompt_key / env_class_key: the columns holding the chat messages and the environment name
+    (``data.prompt_key`` / ``data.env_class_key``); the other columns keep their schema names.
     """
 
     def __init__(
@@ -133,13 +144,19 @@ class PromptDataset(Sequence[PromptSample]):
         *,
         default_env_class: str | None = None,
         max_rows: int | None = None,
+        prompt_key: str = "prompt",
+        env_class_key: str = "env_class",
     ) -> None:
         self.files = _as_file_list(files)
         if not self.files:
             raise ValueError("PromptDataset needs at least one parquet file")
         samples: list[PromptSample] = []
         for file_index, path in enumerate(self.files):
-            samples.extend(load_prompt_file(path, file_index, default_env_class))
+            samples.extend(
+                load_prompt_file(
+                    path, file_index, default_env_class, prompt_key=prompt_key, env_class_key=env_class_key
+                )
+            )
         if max_rows is not None:
             samples = samples[:max_rows]
         self.samples = samples
@@ -195,15 +212,17 @@ class PromptDataset(Sequence[PromptSample]):
         start_epoch: int = 0,
         start_step: int = 0,
         drop_last: bool = True,
+        shuffle: bool = True,
     ) -> Iterator[tuple[int, int, list[PromptSample]]]:
         """``(epoch, step, batch)`` for every batch of epochs start_epoch..num_epochs-1, resuming at
-        (start_epoch, start_step)."""
+        (start_epoch, start_step); `shuffle=False` keeps the file order in every epoch."""
         if self.num_batches(batch_size, drop_last) == 0:
             raise ValueError(f"a dataset of {len(self)} prompts gives no full batch of {batch_size}")
         for epoch in range(start_epoch, num_epochs):
             first = start_step if epoch == start_epoch else 0
             for step, batch in enumerate(
-                self.iter_batches(batch_size, epoch, seed, drop_last, start_step=first), start=first
+                self.iter_batches(batch_size, epoch, seed, drop_last, start_step=first, shuffle=shuffle),
+                start=first,
             ):
                 yield epoch, step, batch
 

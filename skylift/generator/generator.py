@@ -2,9 +2,11 @@
 
 Single-turn (the default): one batched `generate` call for all prompts with `n` samples each,
 then one environment step per sample (with per-prompt `seeds`, one call per prompt, concurrently:
-each prompt's samples then depend only on its seed, not on how prompts are batched or routed). Multi-turn (`max_turns > 1`): an async agent loop per
-trajectory; environment observations are appended as chat messages, tokenised with the chat
-template, and masked out of the loss.
+each prompt's samples then depend only on its seed, not on how prompts are batched or routed).
+Multi-turn (`max_turns > 1`, or `batched=False`): an async agent loop per trajectory; environment
+observations are appended as chat messages tokenised with the chat template (or, with
+`conversation_multi_turn=False`, as plain text continuing the assistant's turn) and masked out of
+the loss. `env_workers > 0` runs the environments' `step` calls in that many threads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import hashlib
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -52,6 +55,9 @@ class GeneratorSettings:
     apply_overlong_filtering: bool = False
     env_kwargs: dict[str, Any] | None = None
     default_env_class: str = "gsm8k"
+    batched: bool = True  # single-turn: one request for the batch (False: the agent loop per trajectory)
+    conversation_multi_turn: bool = True  # observations as chat messages (False: as plain text)
+    env_workers: int = 0  # threads for env.step; 0 = call it inline
 
 
 class Generator:
@@ -61,6 +67,7 @@ class Generator:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
+        self._env_pool: ThreadPoolExecutor | None = None  # during `generate` with env_workers > 0
 
     # ------------------------------------------------------------------ public
     async def generate(
@@ -78,15 +85,22 @@ class Generator:
         """
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
-        params = replace(params, n=1) if self.settings.max_turns > 1 else replace(params, n=n)
-        if self.settings.max_turns > 1:
-            tasks = [
-                self._multi_turn(row, params, policy_version, None if seeds is None else seeds[i] + j)
-                for i, row in enumerate(rows)
-                for j in range(n)
-            ]
-            return list(await asyncio.gather(*tasks))
-        return await self._single_turn(rows, n, params, policy_version, seeds)
+        workers = self.settings.env_workers
+        self._env_pool = ThreadPoolExecutor(workers, thread_name_prefix="env") if workers > 0 else None
+        try:
+            if self.settings.max_turns > 1 or not self.settings.batched:
+                params = replace(params, n=1)
+                tasks = [
+                    self._multi_turn(row, params, policy_version, None if seeds is None else seeds[i] + j)
+                    for i, row in enumerate(rows)
+                    for j in range(n)
+                ]
+                return list(await asyncio.gather(*tasks))
+            return await self._single_turn(rows, n, replace(params, n=n), policy_version, seeds)
+        finally:
+            if self._env_pool is not None:
+                self._env_pool.shutdown(wait=False)
+            self._env_pool = None
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return _chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
@@ -124,21 +138,26 @@ class Generator:
                 )
             )
             outputs = [answer[0] for answer in answers]
-        trajectories: list[Trajectory] = []
+        scoring = []
         for row, envs, prompt_ids, output in zip(rows, envs_per_row, prompts, outputs, strict=True):
             if len(output.completions) != n:
                 raise RuntimeError(
                     f"engine returned {len(output.completions)} samples for {row.uid}, asked {n}"
                 )
             for env, completion in zip(envs, output.completions, strict=True):
-                trajectories.append(self._score(row, env, prompt_ids, completion, policy_version))
-        return trajectories
+                scoring.append(self._score(row, env, prompt_ids, completion, policy_version))
+        return list(await asyncio.gather(*scoring))
 
-    def _score(
+    async def _env_step(self, env: Any, text: str) -> Any:
+        if self._env_pool is None:
+            return env.step(text)
+        return await asyncio.get_running_loop().run_in_executor(self._env_pool, env.step, text)
+
+    async def _score(
         self, row: PromptRow, env: Any, prompt_ids: list[int], completion: Completion, policy_version: int
     ) -> Trajectory:
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        result = env.step(text)
+        result = await self._env_step(env, text)
         env.close()
         reward = float(result.reward)
         loss_mask = [1] * len(completion.token_ids)
@@ -199,7 +218,7 @@ class Generator:
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             texts.append(text)
             stop_reason = completion.stop_reason
-            result = env.step(text)
+            result = await self._env_step(env, text)
             reward += float(result.reward)
             metadata = dict(result.metadata)
             if result.done or not result.observations:
@@ -211,6 +230,8 @@ class Generator:
         env.close()
         if stop_reason != "stop" and self.settings.zero_reward_on_non_stop:
             reward = 0.0
+        if stop_reason != "stop" and self.settings.apply_overlong_filtering:
+            loss_mask = [0] * len(loss_mask)
         return Trajectory(
             uid=row.uid,
             prompt_ids=prompt_ids,
@@ -228,7 +249,11 @@ class Generator:
 
     def _observation_ids(self, observations: list[dict[str, str]]) -> list[int]:
         """Tokens of observation messages as they continue a conversation, plus the next
-        assistant header: the chat template of (base + obs) minus that of (base)."""
+        assistant header: the chat template of (base + obs) minus that of (base). Without
+        `conversation_multi_turn`: the observations' text, continuing the assistant's turn."""
+        if not self.settings.conversation_multi_turn:
+            text = "".join(str(message["content"]) for message in observations)
+            return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
         base = [{"role": "system", "content": "x"}]
         with_obs = self.encode_prompt(base + list(observations))
         without = _chat_token_ids(self.tokenizer, base, add_generation_prompt=False)

@@ -19,6 +19,8 @@ class SamplingParamsBody(Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     max_tokens: int = Field(128, ge=1)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None

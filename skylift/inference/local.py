@@ -168,6 +168,8 @@ class LocalVLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=0 if params.top_k in (-1, 0) else params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
             max_tokens=params.max_tokens,
             stop=params.stop,
             stop_token_ids=params.stop_token_ids,

@@ -425,15 +425,6 @@ class RemoteInferenceClient:
     async def wake_up(self) -> None:
         await self._fan_out("wake_up", [e.wake_up() for e in self.engines])
 
-    async def rank_offsets(self, base_rank_offset: int) -> list[int]:
-        """The first group rank of each server when servers take consecutive ranks from `base`."""
-        sizes = await self._fan_out("info", [e.tensor_parallel_size() for e in self.engines])
-        offsets, rank = [], base_rank_offset
-        for size in sizes:
-            offsets.append(rank)
-            rank += size
-        return offsets
-
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
         """Every server joins one group: server i takes ranks after servers 0..i-1."""
         sizes = await self._fan_out("info", [e.tensor_parallel_size() for e in self.engines])

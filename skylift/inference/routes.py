@@ -110,6 +110,8 @@ def to_vllm_sampling_params(body: SamplingParamsBody, prompt_logprobs: bool) -> 
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=0 if body.top_k in (-1, 0) else body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
         max_tokens=body.max_tokens,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,

@@ -35,6 +35,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or response
     max_tokens: int = 128
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -45,10 +47,6 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        return cls(**data)
 
 
 @dataclass

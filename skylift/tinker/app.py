@@ -1,26 +1,42 @@
 """The FastAPI application that speaks the Tinker wire protocol (routes under ``/api/v1``).
 
 Operation routes answer ``{"request_id", ...}`` at once; results come from ``retrieve_future``
-(long-poll, then HTTP 408 so the SDK polls again). Failed operations answer
-``{"error", "category"}`` with status 200; malformed direct requests answer 4xx with a JSON body
-(the SDK retries a 400 without a body as a proxy error). A request body of the wrong shape
-(a string where an object or a number belongs, a missing field) is such a 4xx, never a 500.
+(long-poll, then HTTP 408 so the SDK polls again; 410 for a future lost in a restart, on which
+the SDK resubmits the request). Failed operations answer ``{"error", "category"}`` with status
+200; malformed direct requests answer 4xx with a JSON body (the SDK retries a 400 without a body
+as a proxy error). A request body of the wrong shape (a string where an object or a number
+belongs, a missing field) is such a 4xx, never a 500.
+
+Users: every request under ``/api/v1`` and ``/skylift`` (but healthz) carries ``X-API-Key``; the
+key's user (`skylift.tinker.auth`) owns what it creates, and another user's ids and paths are
+answered exactly like unknown ones (`skylift.tinker.ownership`): 404 on direct routes, a future
+failing with the same "unknown ..." user error on operation routes.
+
+Errors (`skylift.tinker.http_common`): an internal failure on an operation route becomes a failed
+future of category "server" (the SDK raises it at once instead of retrying the POST for
+minutes); on a direct route a 500 with the message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import secrets
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from skylift.tinker import runs, training_ops
-from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker import ownership, runs, training_ops
+from skylift.tinker.auth import KeyRing
+from skylift.tinker.errors import UserError
+from skylift.tinker.futures import FutureHub
+from skylift.tinker.http_common import error_response as _error
+from skylift.tinker.http_common import install_auth, install_error_handlers, reading_request
+from skylift.tinker.http_common import read_json as _json
+from skylift.tinker.ownership import Owners
 from skylift.tinker.service import ServerConfig, TinkerService
 from skylift.tinker.wire import decode_forward_backward
 
@@ -37,27 +53,20 @@ CLIENT_CONFIG = {
 }
 
 
-def _error(status: int, message: str, category: str = "user") -> JSONResponse:
-    return JSONResponse({"error": message, "detail": message, "category": category}, status_code=status)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except Exception as exc:
-        raise UserError(f"{request.url.path}: the body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise UserError(f"{request.url.path}: expected a JSON object")
-    return body
-
-
 def create_app(config: ServerConfig) -> FastAPI:
     """The Tinker-compatible app; the service starts with the app's lifespan."""
     service = TinkerService(config)
+    keyring = KeyRing(config.api_key, config.api_keys_file)
+    owners = Owners(service.store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGHUP, keyring.reload)
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread (in-process tests)
+            logger.info("SIGHUP does not reload the API keys in this process")
         try:
             yield
         finally:
@@ -65,46 +74,50 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="skylift Tinker-compatible service", lifespan=lifespan)
     app.state.service = service
+    app.state.keyring = keyring
     api = "/api/v1"
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if config.api_key and path.startswith((api, "/skylift/")) and path != f"{api}/healthz":
-            sent = request.headers.get("x-api-key", "").encode()
-            if not secrets.compare_digest(sent, config.api_key.encode()):
-                return _error(401, "invalid or missing API key (header X-API-Key)")
-        return await call_next(request)
-
-    @app.exception_handler(NotFoundError)
-    async def not_found(request: Request, exc: NotFoundError) -> Response:
-        return _error(404, str(exc))
-
-    @app.exception_handler(UserError)
-    async def user_error(request: Request, exc: UserError) -> Response:
-        return _error(400, str(exc))
-
-    async def malformed(request: Request, exc: Exception) -> Response:
-        """Route handlers only read the request before queueing work: these errors mean its shape is wrong."""
-        what = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-        logger.info("%s: malformed request: %s", request.url.path, what)
-        return _error(400, f"{request.url.path}: malformed request ({what})")
-
-    for kind in (ValueError, TypeError, KeyError, AttributeError):
-        app.add_exception_handler(kind, malformed)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_parameters(request: Request, exc: RequestValidationError) -> Response:
-        problems = "; ".join(f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return _error(400, f"{request.url.path}: {problems}")
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception) -> Response:
-        logger.error("%s failed: %s", request.url.path, exc, exc_info=exc)
-        return _error(500, f"{type(exc).__name__}: {exc}", "server")
+    install_auth(app, keyring, api)
+    install_error_handlers(app)
 
     def idem(request: Request) -> str | None:
         return request.headers.get("x-idempotency-key")
+
+    def who(request: Request) -> str:
+        return str(request.state.user)
+
+    def hub() -> FutureHub:
+        if service.hub is None:
+            raise RuntimeError("service not started")
+        return service.hub
+
+    def failed_future(kind: str, exc: Exception) -> str:
+        """A new future that fails with `exc` (a refused or broken operation)."""
+        request_id, _ = hub().submit(kind, None)
+        hub().fail(request_id, exc)
+        return request_id
+
+    async def operation(
+        request: Request,
+        kind: str,
+        refuse: Callable[[str], Exception | None],
+        run: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """Submit an operation for the calling user: `refuse(user)` (run in a thread) names the
+        error when the user may not (an unknown-id error); an internal failure while submitting
+        becomes a failed future of category "server"."""
+        refusal = await asyncio.to_thread(refuse, who(request))
+        if refusal is not None:
+            return {"request_id": failed_future(kind, refusal)}
+        try:
+            return await run()
+        except UserError:
+            raise
+        except Exception as exc:
+            if reading_request(exc):
+                raise
+            logger.error("%s: submitting failed: %s", kind, exc, exc_info=exc)
+            return {"request_id": failed_future(kind, exc)}
 
     # ---------------------------------------------------------------- client and sessions
     @app.post(f"{api}/client/config")
@@ -138,12 +151,25 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.post(f"{api}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        return {"type": "create_session", "session_id": service.create_session(await _json(request))}
+        body = await _json(request)
+
+        def create() -> str:
+            session_id = service.create_session(body)
+            service.store.set_session_owner(session_id, who(request))
+            return session_id
+
+        return {"type": "create_session", "session_id": await asyncio.to_thread(create)}
 
     @app.post(f"{api}/session_heartbeat")
     async def session_heartbeat(request: Request) -> Response:
         body = await _json(request)
-        if not service.heartbeat(str(body.get("session_id"))):
+        session_id = str(body.get("session_id"))
+
+        def beat() -> bool:
+            owners.session(who(request), session_id)
+            return service.heartbeat(session_id)
+
+        if not await asyncio.to_thread(beat):
             return _error(410, f"session {body.get('session_id')} is finished")
         return JSONResponse({"type": "session_heartbeat"})
 
@@ -153,18 +179,38 @@ def create_app(config: ServerConfig) -> FastAPI:
         reason = body.get("reason") or {}
         if not isinstance(reason, dict):
             raise UserError(f"{request.url.path}: reason must be an object like {{'type': 'success'}}")
+        await asyncio.to_thread(owners.session, who(request), session_id)
         service.finish_session(session_id, str(reason.get("type", "success")))
         return {}
 
     # ---------------------------------------------------------------- training
+    def model_refusal(model_id: object) -> Callable[[str], Exception | None]:
+        return lambda user: None if owners.owns_model(user, model_id) else ownership.unknown_model(model_id)
+
+    def session_refusal(session_id: object) -> Callable[[str], Exception | None]:
+        return lambda user: (
+            None if owners.owns_session(user, session_id) else ownership.unknown_session(session_id)
+        )
+
     @app.post(f"{api}/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        request_id, model_id = service.create_model(await _json(request))
-        return {"request_id": request_id, "model_id": model_id}
+        body = await _json(request)
+
+        async def run() -> dict[str, Any]:
+            request_id, model_id = service.create_model(body)
+            return {"request_id": request_id, "model_id": model_id}
+
+        return await operation(request, "create_model", session_refusal(body.get("session_id")), run)
 
     @app.post(f"{api}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return service.get_info(str((await _json(request)).get("model_id")))
+        model_id = str((await _json(request)).get("model_id"))
+
+        def info() -> dict[str, Any]:
+            owners.model(who(request), model_id)
+            return service.get_info(model_id)
+
+        return await asyncio.to_thread(info)
 
     @app.post(f"{api}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -176,80 +222,138 @@ def create_app(config: ServerConfig) -> FastAPI:
                 raw = zstandard.ZstdDecompressor().decompress(raw)
             except zstandard.ZstdError as exc:
                 raise UserError(f"forward_backward: the body is not valid zstd: {exc}") from exc
-        call = decode_forward_backward(raw)
-        request_id = training_ops.forward_backward(service, call, idem(request))
-        return {"request_id": request_id, "model_id": call.model_id}
+        return await forward_call(request, decode_forward_backward(raw), "forward_backward")
 
     @app.post(f"{api}/forward")
     async def forward(request: Request) -> dict[str, Any]:
         call = decode_forward_backward(await request.body())
         call.forward_only = True
-        return {
-            "request_id": training_ops.forward_backward(service, call, idem(request)),
-            "model_id": call.model_id,
-        }
+        return await forward_call(request, call, "forward")
+
+    async def forward_call(request: Request, call: Any, kind: str) -> dict[str, Any]:
+        async def run() -> dict[str, Any]:
+            request_id = training_ops.forward_backward(service, call, idem(request))
+            return {"request_id": request_id, "model_id": call.model_id}
+
+        result = await operation(request, kind, model_refusal(call.model_id), run)
+        return {"model_id": call.model_id, **result}
+
+    async def model_operation(
+        request: Request, kind: str, submit: Callable[[TinkerService, dict[str, Any], str | None], str]
+    ) -> dict[str, Any]:
+        body = await _json(request)
+
+        async def run() -> dict[str, Any]:
+            return {"request_id": submit(service, body, idem(request))}
+
+        result = await operation(request, kind, model_refusal(body.get("model_id")), run)
+        return {"model_id": body.get("model_id"), **result}
 
     @app.post(f"{api}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        body = await _json(request)
-        return {
-            "request_id": training_ops.optim_step(service, body, idem(request)),
-            "model_id": body.get("model_id"),
-        }
+        return await model_operation(request, "optim_step", training_ops.optim_step)
 
     @app.post(f"{api}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        body = await _json(request)
-        return {
-            "request_id": training_ops.save_weights(service, body, idem(request)),
-            "model_id": body.get("model_id"),
-        }
+        return await model_operation(request, "save_weights", training_ops.save_weights)
 
     @app.post(f"{api}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        body = await _json(request)
-        request_id = training_ops.save_weights_for_sampler(service, body, idem(request))
-        return {"request_id": request_id, "model_id": body.get("model_id")}
+        return await model_operation(
+            request, "save_weights_for_sampler", training_ops.save_weights_for_sampler
+        )
 
     @app.post(f"{api}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        request_id, model_id = training_ops.load_weights(service, await _json(request), idem(request))
-        return {"request_id": request_id, "model_id": model_id}
+        body = await _json(request)
+        path = body.get("path")
+
+        def refuse(user: str) -> Exception | None:
+            if body.get("session_id") is None:
+                if not owners.owns_model(user, body.get("model_id")):
+                    return ownership.unknown_model(body.get("model_id"))
+            elif not owners.owns_session(user, body.get("session_id")):
+                return ownership.unknown_session(body.get("session_id"))
+            if not owners.may_read_path(user, path):
+                return ownership.missing_checkpoint(path)
+            return None
+
+        async def run() -> dict[str, Any]:
+            request_id, model_id = training_ops.load_weights(service, body, idem(request))
+            return {"request_id": request_id, "model_id": model_id}
+
+        return await operation(request, "load_weights", refuse, run)
 
     # ---------------------------------------------------------------- sampling
     @app.post(f"{api}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        sampling_id = service.sampling.create_sampling_session(await _json(request))
+        body = await _json(request)
+
+        def create() -> str:
+            user = who(request)
+            owners.session(user, str(body.get("session_id")))
+            if body.get("model_path") and not owners.may_read_path(user, body["model_path"]):
+                raise ownership.missing_checkpoint(body["model_path"], sampler=True)
+            return service.sampling.create_sampling_session(body)
+
+        sampling_id = await asyncio.to_thread(create)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
 
     @app.get(f"{api}/samplers/{{sampler_id}}")
-    async def get_sampler(sampler_id: str) -> dict[str, Any]:
-        return service.sampling.get_sampler(sampler_id)
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        def get() -> dict[str, Any]:
+            owners.sampler(who(request), sampler_id)
+            return service.sampling.get_sampler(sampler_id)
+
+        return await asyncio.to_thread(get)
 
     @app.post(f"{api}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        request_id, sequence_ids = service.sampling.asample(await _json(request), idem(request))
-        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+        body = await _json(request)
+
+        def refuse(user: str) -> Exception | None:
+            sampling_id = body.get("sampling_session_id")
+            if sampling_id and not owners.owns_sampler(user, sampling_id):
+                return ownership.unknown_sampling_session(sampling_id)
+            if (
+                not sampling_id
+                and body.get("model_path")
+                and not owners.may_read_path(user, body["model_path"])
+            ):
+                return ownership.missing_checkpoint(body["model_path"], sampler=True)
+            return None
+
+        async def run() -> dict[str, Any]:
+            request_id, sequence_ids = service.sampling.asample(body, idem(request))
+            return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+        result = await operation(request, "sample", refuse, run)
+        result.setdefault("sample_sequence_ids", [])
+        return result
 
     # ---------------------------------------------------------------- futures
     @app.post(f"{api}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         request_id = str((await _json(request)).get("request_id"))
+        unknown = _error(404, f"unknown request id {request_id!r}")
+        if not await hub().exists_for(request_id, who(request)):
+            return unknown
         try:
-            row = await service._hub().wait(request_id, config.long_poll_s)
-        except KeyError:
-            return _error(404, f"unknown request id {request_id!r}")
-        if row is None:
+            outcome = await hub().wait(request_id, config.long_poll_s)
+        except KeyError:  # pruned meanwhile
+            return unknown
+        if outcome is None:
             return JSONResponse(
                 {"type": "try_again", "request_id": request_id, "queue_state": "active"}, status_code=408
             )
-        if row.status == "pending":
-            return JSONResponse(
-                {"error": "request lost in a server restart; send it again", "category": "server"}
-            )
-        if row.status == "failed":
-            return JSONResponse({"error": row.error, "category": row.category or "unknown"})
-        return Response(content=row.result or b"{}", media_type=row.content_type or "application/json")
+        if outcome.status == "lost":  # the SDK resubmits the original request on 410
+            message = f"request {request_id} was lost in a server restart; send it again"
+            return _error(410, message, "server")
+        if outcome.status == "failed":
+            return JSONResponse({"error": outcome.error, "category": outcome.category or "unknown"})
+        return Response(
+            content=outcome.result or b"{}", media_type=outcome.content_type or "application/json"
+        )
 
     @app.post(f"{api}/cancel_future")
     async def cancel_future() -> dict[str, Any]:
@@ -258,32 +362,53 @@ def create_app(config: ServerConfig) -> FastAPI:
     # ---------------------------------------------------------------- REST: runs and checkpoints
     @app.get(f"{api}/training_runs")
     async def list_training_runs(
-        limit: int = Query(20, ge=1), offset: int = Query(0, ge=0)
+        request: Request, limit: int = Query(20, ge=1), offset: int = Query(0, ge=0)
     ) -> dict[str, Any]:
-        return runs.list_training_runs(service, limit, offset)
+        return await asyncio.to_thread(runs.list_training_runs, service, limit, offset, who(request))
 
     @app.get(f"{api}/training_runs/{{run_id}}")
-    async def training_run(run_id: str) -> dict[str, Any]:
-        return runs.training_run(service, run_id)
+    async def training_run(run_id: str, request: Request) -> dict[str, Any]:
+        def get() -> dict[str, Any]:
+            owners.run(who(request), run_id)
+            return runs.training_run(service, run_id)
+
+        return await asyncio.to_thread(get)
 
     @app.get(f"{api}/training_runs/{{run_id}}/checkpoints")
-    async def list_checkpoints(run_id: str) -> dict[str, Any]:
-        return runs.list_checkpoints(service, run_id)
+    async def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+        def get() -> dict[str, Any]:
+            owners.run(who(request), run_id)
+            return runs.list_checkpoints(service, run_id)
+
+        return await asyncio.to_thread(get)
 
     @app.delete(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
-        runs.delete_checkpoint(service, run_id, checkpoint_id)
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        def delete() -> None:
+            segment, _, name = checkpoint_id.partition("/")
+            valid = segment in ("weights", "sampler_weights") and bool(name)
+            if valid and not owners.owns_model(who(request), run_id):
+                raise ownership.missing_checkpoint(f"tinker://{run_id}/{segment}/{name}")
+            runs.delete_checkpoint(service, run_id, checkpoint_id)
+
+        await asyncio.to_thread(delete)
         return {}
 
     @app.get(f"{api}/checkpoints")
-    async def user_checkpoints(limit: int = Query(100, ge=1), offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        return runs.list_user_checkpoints(service, limit, offset)
+    async def user_checkpoints(
+        request: Request, limit: int = Query(100, ge=1), offset: int = Query(0, ge=0)
+    ) -> dict[str, Any]:
+        return await asyncio.to_thread(runs.list_user_checkpoints, service, limit, offset, who(request))
 
     # ---------------------------------------------------------------- skylift extras
     @app.get("/skylift/status")
-    async def status() -> dict[str, Any]:
+    async def status(request: Request) -> dict[str, Any]:
         """Which engines and render servers started (tests check that training never starts an
-        engine, and text-only training no render server) and loaded models."""
+        engine, and text-only training no render server) and the caller's loaded models."""
+        loaded = list(service.models)
+        mine = await asyncio.to_thread(
+            lambda: sorted(m for m in loaded if owners.owns_model(who(request), m))
+        )
         return {
             "engines": [
                 {
@@ -295,7 +420,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 for h in service.engines.values()
             ],
             "engine_start_attempts": sum(h.start_attempts for h in service.engines.values()),
-            "loaded_models": sorted(service.models),
+            "loaded_models": mine,
             "renderers": [r.status() for r in service.render_hosts.values()],
         }
 

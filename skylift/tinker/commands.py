@@ -24,12 +24,35 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--db", default=None, metavar="URL", help="SQLAlchemy URL (default: sqlite in --data-dir)"
+        "--database-url",
+        "--db",
+        dest="db",
+        default=None,
+        metavar="URL",
+        help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db (default: sqlite in --data-dir); "
+        "the schema is upgraded on start",
     )
     serve.add_argument(
         "--data-dir", default="skylift-tinker-data", metavar="DIR", help="checkpoints live here"
     )
-    serve.add_argument("--api-key", default=None, help="require this X-API-Key (default: accept any)")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key", default=None, help="require this X-API-Key: one user (default: accept any)"
+    )
+    keys.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help="users and their keys, one 'USER KEY' per line (# comments); each user sees only its own "
+        "records; SIGHUP reloads the file",
+    )
+    serve.add_argument(
+        "--result-retention-s",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="delete a future's result this many seconds after it was retrieved (default: 3600)",
+    )
     serve.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: model's, <= 4096)"
     )
@@ -50,11 +73,11 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
 
 
-def warn_if_exposed(host: str, api_key: str | None) -> bool:
+def warn_if_exposed(host: str, api_key: str | None, api_keys_file: str | None = None) -> bool:
     """Log a warning (and return True) when the server would listen beyond loopback without a key."""
     from skylift.inference.server import is_loopback_host
 
-    if api_key or is_loopback_host(host):
+    if api_key or api_keys_file or is_loopback_host(host):
         return False
     logging.getLogger("skylift.tinker").warning(
         "binding to %r without --api-key: anyone who can reach this host can train, sample, "
@@ -74,7 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warn_if_exposed(args.host, args.api_key)
+    warn_if_exposed(args.host, args.api_key, args.api_keys_file)
+    if args.result_retention_s <= 0:
+        raise SystemExit(f"--result-retention-s must be > 0, got {args.result_retention_s}")
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     db = args.db or f"sqlite:///{data_dir / 'tinker.db'}"
@@ -83,6 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
         db_url=db,
         data_dir=data_dir,
         api_key=args.api_key,
+        api_keys_file=Path(args.api_keys_file).resolve() if args.api_keys_file else None,
+        result_retention_s=args.result_retention_s,
         max_model_len=args.max_model_len,
         session_timeout_s=args.session_timeout,
         cleanup_interval_s=args.cleanup_interval,

@@ -2,76 +2,182 @@
 
 `FutureHub` records each future in the store (so results survive a restart), de-duplicates
 repeated POSTs by key (a model's ``seq_id``, a sampler's ``seq_id`` or the client's
-``X-Idempotency-Key``), runs the work and long-polls for results. `OrderedQueue` executes one
-training model's operations in ``seq_id`` order, one at a time.
+``X-Idempotency-Key``, scoped to the calling user), runs the work and long-polls for results.
+`OrderedQueue` executes one training model's operations in ``seq_id`` order, one at a time.
+
+The hub never blocks the event loop on the database: writes (new futures, results) go to one
+writer thread in order, reads run in worker threads; a future's live state (owner, pending or
+final) is kept in memory until its result is written. A future is one of
+
+- pending: running or queued (in this process);
+- done / failed: final; retrieving it starts its retention clock (`retention_s`), after which
+  the row and its result are deleted;
+- lost: pending when a previous server process stopped; `retrieve_future` answers HTTP 410, on
+  which the SDK resubmits the original request (sampling does so on its own);
+- abandoned: a queued or running operation of a model that was released (its session
+  finished) fails at once with a user error naming the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import functools
 import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+from skylift.tinker.auth import current_user
 from skylift.tinker.errors import error_category, error_message
-from skylift.tinker.store import FutureRow, Store
+from skylift.tinker.store import FutureRow, Store, utcnow
 
 logger = logging.getLogger(__name__)
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
+#: Dedup keys are remembered at least this long (the SDK repeats a POST within minutes).
+DEDUP_MEMORY_S = 600.0
 
 Work = Callable[[], Awaitable[Any]]
 
 
+@dataclass
+class Outcome:
+    """What `retrieve_future` answers for one future."""
+
+    status: str  # pending | done | failed | lost
+    content_type: str | None = None
+    result: bytes | None = None
+    error: str | None = None
+    category: str | None = None
+
+
+@dataclass
+class _Live:
+    """A future of this process: pending, or final but not yet written to the database."""
+
+    owner: str | None
+    model_id: str | None
+    event: asyncio.Event
+    final: Outcome | None = None
+    written: bool = False
+    started: bool = False
+    abandoned: str | None = None
+
+
 class FutureHub:
-    """Creates, resolves and waits for futures."""
+    """Creates, resolves and waits for futures (see the module docstring for their states)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, retention_s: float | None = None) -> None:
         self.store = store
-        self._events: dict[str, asyncio.Event] = {}
+        self.retention_s = retention_s
+        self._live: dict[str, _Live] = {}
+        self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()  # dedup key -> (id, time)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-db-writer")
+        self._prune_task: asyncio.Task[None] | None = None
+        if retention_s is not None:
+            self._prune_task = asyncio.get_running_loop().create_task(self._prune_loop(retention_s))
 
+    # ---------------------------------------------------------------- database, off the loop
+    def _write(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run a store write on the writer thread (in submission order)."""
+        return asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+
+    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    # ---------------------------------------------------------------- creating
     def submit(
         self, kind: str, model_id: str | None, dedup_keys: Sequence[str | None] = ()
     ) -> tuple[str, bool]:
-        """(request id, True if new). A repeated POST (same key) gets the first request's id."""
-        keys = [k for k in dedup_keys if k]
+        """(request id, True if new). A repeated POST (same key, same user) gets the first id."""
+        owner = current_user.get()
+        keys = [f"{owner or ''}|{k}" for k in dedup_keys if k]
+        self._forget_old_keys()
         for key in keys:
-            existing = self.store.future_by_dedup(key)
-            if existing is not None:
-                return existing.request_id, False
+            known = self._keys.get(key)
+            if known is not None:
+                return known[0], False
         request_id = f"req-{uuid.uuid4().hex}"
-        self.store.add(
-            FutureRow(
-                request_id=request_id, kind=kind, model_id=model_id, dedup_key=keys[0] if keys else None
-            )
-        )
-        self._events[request_id] = asyncio.Event()
+        now = time.monotonic()
+        for key in keys:
+            self._keys[key] = (request_id, now)
+        self._live[request_id] = _Live(owner=owner, model_id=model_id, event=asyncio.Event())
+        row = FutureRow(request_id=request_id, kind=kind, model_id=model_id, owner=owner)
+        self._write(self.store.add, row).add_done_callback(self._log_write_error)
         return request_id, True
+
+    def _forget_old_keys(self) -> None:
+        horizon = time.monotonic() - max(DEDUP_MEMORY_S, self.retention_s or 0.0)
+        while self._keys:
+            key, (_, at) = next(iter(self._keys.items()))
+            if at >= horizon:
+                break
+            self._keys.popitem(last=False)
+
+    @staticmethod
+    def _log_write_error(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            logger.error("recording a future failed: %s", done.exception())
+
+    # ---------------------------------------------------------------- resolving
+    async def _finish(self, request_id: str, outcome: Outcome) -> None:
+        live = self._live.get(request_id)
+        if live is None or live.final is not None:
+            return
+        live.final = outcome
+        try:
+            await self._write(
+                functools.partial(
+                    self.store.finish_future,
+                    request_id,
+                    content_type=outcome.content_type,
+                    result=outcome.result,
+                    error=outcome.error,
+                    category=outcome.category,
+                )
+            )
+            live.written = True
+        except Exception as exc:  # the result stays in memory and is answered from there
+            logger.error("writing the result of %s failed: %s", request_id, exc)
+        live.event.set()
+        if live.written:
+            self._live.pop(request_id, None)
 
     async def execute(self, request_id: str, work: Work) -> None:
         """Await `work` and record its result: bytes (protobuf) or a JSON-able dict, or an error."""
+        live = self._live.get(request_id)
+        if live is not None:
+            if live.final is not None:
+                return  # abandoned before it ran
+            live.started = True
         try:
             value = await work()
+        except asyncio.CancelledError:
+            if live is not None and live.abandoned is not None:
+                outcome = Outcome("failed", error=live.abandoned, category="user")
+                await asyncio.shield(self._finish(request_id, outcome))
+            raise  # shutdown: the future stays pending and is reported lost after the restart
         except Exception as exc:
             category = error_category(exc)
             if category == "server":
                 logger.exception("request %s failed", request_id)
             else:
                 logger.info("request %s: user error: %s", request_id, exc)
-            self.store.finish_future(request_id, error=error_message(exc), category=category)
+            outcome = Outcome("failed", error=error_message(exc), category=category)
         else:
             if isinstance(value, bytes):
-                self.store.finish_future(request_id, content_type=PROTOBUF, result=value)
+                outcome = Outcome("done", content_type=PROTOBUF, result=value)
             else:
-                self.store.finish_future(request_id, content_type=JSON, result=json.dumps(value).encode())
-        event = self._events.pop(request_id, None)
-        if event is not None:
-            event.set()
+                outcome = Outcome("done", content_type=JSON, result=json.dumps(value).encode())
+        await asyncio.shield(self._finish(request_id, outcome))
 
     def start(self, request_id: str, work: Work) -> None:
         """Run `work` for `request_id` in the background."""
@@ -85,26 +191,79 @@ class FutureHub:
 
         self.start(request_id, raise_it)
 
-    async def wait(self, request_id: str, timeout_s: float) -> FutureRow | None:
-        """The finished future, None while it is still running after `timeout_s`; KeyError if unknown."""
-        row = self.store.get(FutureRow, request_id)
+    def abandon_model(self, model_id: str, reason: str) -> int:
+        """Fail the pending futures of `model_id` with the user error `reason`: queued ones at once
+        (their queue is being closed, they never run); a running one fails with it when its
+        queue's cancellation reaches it, or with its own error if it raises first."""
+        count = 0
+        for request_id, live in list(self._live.items()):
+            if live.model_id == model_id and live.final is None and live.abandoned is None:
+                live.abandoned = reason
+                count += 1
+                if live.started:
+                    continue
+                task = asyncio.get_running_loop().create_task(
+                    self._finish(request_id, Outcome("failed", error=reason, category="user"))
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        return count
+
+    # ---------------------------------------------------------------- retrieving
+    def owner(self, request_id: str) -> tuple[bool, str | None] | None:
+        """(exists, owner) when this process knows the future, else None (ask the store)."""
+        live = self._live.get(request_id)
+        return None if live is None else (True, live.owner)
+
+    async def exists_for(self, request_id: str, user: str | None) -> bool:
+        """True when `request_id` is a future of `user` (None: any user)."""
+        known = self.owner(request_id)
+        if known is None:
+            known = await self._read(self.store.future_owner, request_id)
+        exists, owner = known
+        return exists and (user is None or owner == user)
+
+    async def wait(self, request_id: str, timeout_s: float) -> Outcome | None:
+        """The future's outcome (pending only when lost), None while it runs after `timeout_s`;
+        KeyError if unknown."""
+        live = self._live.get(request_id)
+        if live is not None:
+            if live.final is None:
+                try:
+                    await asyncio.wait_for(live.event.wait(), timeout_s)
+                except TimeoutError:
+                    return None
+            if live.final is not None and not live.written:
+                return live.final
+        row = await self._read(self.store.get, FutureRow, request_id)
         if row is None:
             raise KeyError(request_id)
-        if row.status != "pending":
-            return row
-        event = self._events.get(request_id)
-        if event is None:  # pending in the store but not in this process: lost in a restart
-            return row
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except TimeoutError:
-            return None
-        return self.store.get(FutureRow, request_id)
+        if row.status == "pending":  # pending in the store but not in this process
+            return Outcome("lost")
+        outcome = Outcome(row.status, row.content_type, row.result, row.error, row.category)
+        if row.status in ("done", "failed") and row.retrieved_at is None:
+            self._write(self.store.mark_retrieved, request_id).add_done_callback(self._log_write_error)
+        return outcome
+
+    async def _prune_loop(self, retention_s: float) -> None:
+        interval = max(0.5, min(retention_s / 4, 60.0))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                cutoff = utcnow() - dt.timedelta(seconds=retention_s)
+                pruned = await self._write(self.store.prune_retrieved, cutoff)
+                if pruned:
+                    logger.info("pruned %d retrieved futures older than %.0f s", pruned, retention_s)
+            except Exception:
+                logger.exception("pruning retrieved futures failed")
 
     async def close(self) -> None:
+        if self._prune_task is not None:
+            self._prune_task.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._writer.shutdown(wait=True)
 
 
 class OrderedQueue:

@@ -70,7 +70,10 @@ def _clip_config(config: Mapping[str, float | str]) -> PolicyLossConfig:
         raise UserError(
             f"loss_fn_config: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {low} and {high}"
         )
-    return PolicyLossConfig(eps_clip_low=1.0 - low, eps_clip_high=high - 1.0)
+    eps_low, eps_high = 1.0 - low, high - 1.0  # the same thresholds for either loss
+    return PolicyLossConfig(
+        eps_clip_low=eps_low, eps_clip_high=eps_high, cispo_eps_clip_low=eps_low, cispo_eps_clip_high=eps_high
+    )
 
 
 def _policy(name: str) -> LossImpl:

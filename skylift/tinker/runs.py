@@ -23,8 +23,11 @@ def training_run(svc: TinkerService, run_id: str) -> dict[str, Any]:
     return training_run_json(_model(svc, run_id), svc.store.checkpoints(run_id))
 
 
-def list_training_runs(svc: TinkerService, limit: int, offset: int) -> dict[str, Any]:
-    rows, total = svc.store.list_models(limit, offset)
+def list_training_runs(
+    svc: TinkerService, limit: int, offset: int, owner: str | None = None
+) -> dict[str, Any]:
+    """A page of training runs (`owner`'s only, when given)."""
+    rows, total = svc.store.list_models(limit, offset, owner=owner)
     runs = [training_run_json(r, svc.store.checkpoints(r.model_id)) for r in rows]
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -35,8 +38,11 @@ def list_checkpoints(svc: TinkerService, run_id: str) -> dict[str, Any]:
     return {"checkpoints": [checkpoint_json(r) for r in rows]}
 
 
-def list_user_checkpoints(svc: TinkerService, limit: int, offset: int) -> dict[str, Any]:
-    rows = svc.store.checkpoints()
+def list_user_checkpoints(
+    svc: TinkerService, limit: int, offset: int, owner: str | None = None
+) -> dict[str, Any]:
+    """A page of checkpoints (of `owner`'s training runs only, when given)."""
+    rows = svc.store.checkpoints(owner=owner)
     page = rows[offset : offset + limit]
     return {
         "checkpoints": [checkpoint_json(r) for r in page],

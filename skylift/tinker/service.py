@@ -38,6 +38,8 @@ class ServerConfig:
     db_url: str = "sqlite:///skylift-tinker.db"
     data_dir: Path = Path("skylift-tinker-data")
     api_key: str | None = None
+    api_keys_file: Path | None = None  # "USER KEY" lines; SIGHUP reloads it (skylift.tinker.auth)
+    result_retention_s: float | None = 3600.0  # retrieved results are deleted this long after
     max_model_len: int | None = None  # default: the model's, capped at 4096
     session_timeout_s: float = 300.0
     cleanup_interval_s: float = 30.0
@@ -94,13 +96,13 @@ class TinkerService:
         return BaseModelInfo(name=name, path=path, max_model_len=limit, arch=arch)
 
     async def start(self) -> None:
-        self.hub = FutureHub(self.store)
-        lost = self.store.fail_pending_futures(
-            "the server restarted before this request finished; send it again"
-        )
-        self.store.mark_loaded_models_unloaded()
+        self.hub = FutureHub(self.store, self.config.result_retention_s)
+        lost = await asyncio.to_thread(self.store.mark_pending_lost)  # retrieve_future answers 410
+        await asyncio.to_thread(self.store.mark_loaded_models_unloaded)
         if lost:
-            logger.warning("%d requests were pending when the server last stopped", lost)
+            logger.warning(
+                "%d requests were pending when the server last stopped; clients resubmit them", lost
+            )
         self._cleanup_task = asyncio.get_running_loop().create_task(self._cleanup_loop())
 
     async def stop(self) -> None:
@@ -252,12 +254,21 @@ class TinkerService:
         if row is not None and row.finished_at is None:
             self.store.update(SessionRow, session_id, finished_at=utcnow(), finish_reason=reason)
         for model in self.store.models_of_session(session_id):
-            self.release_model(model.model_id)
+            self.release_model(
+                model.model_id,
+                f"session {session_id} finished ({reason}) before this operation of model "
+                f"{model.model_id} ran; create a new ServiceClient and training client to continue",
+            )
 
-    def release_model(self, model_id: str) -> None:
-        """Free a model's memory; its records and checkpoints stay."""
+    def release_model(self, model_id: str, reason: str | None = None) -> None:
+        """Free a model's memory; its records and checkpoints stay. Its queued and running
+        operations fail at once with `reason` (a user error)."""
         model = self.models.pop(model_id, None)
         queue = self.queues.pop(model_id, None)
+        if self.hub is not None and (model is not None or queue is not None):
+            self.hub.abandon_model(
+                model_id, reason or f"model {model_id} was released before this operation ran"
+            )
         if queue is not None:
             self._spawn(queue.close())
         if model is not None:

@@ -2,7 +2,10 @@
 
 Sessions, training models, futures (with their results), sampling sessions and checkpoints live
 here, so a restarted server on the same database and data directory still knows every model and
-checkpoint. Times are naive UTC.
+checkpoint. The tables are in `skylift.tinker.db.models` (re-exported here); opening a `Store`
+upgrades the schema with the Alembic migrations (`skylift.tinker.db.migrate`). Ownership: a
+session's `owner` owns its models, samplers and checkpoints (`*_owner` look-ups below). Every
+method is blocking; the service calls them off the event loop (`asyncio.to_thread`).
 """
 
 from __future__ import annotations
@@ -12,92 +15,54 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, LargeBinary, String, Text, create_engine, func, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy import create_engine, delete, event, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from skylift.tinker.db.migrate import upgrade
+from skylift.tinker.db.models import (
+    Base,
+    CheckpointRow,
+    FutureRow,
+    ModelRow,
+    SamplingSessionRow,
+    SessionRow,
+    utcnow,
+)
+
+__all__ = [
+    "Base",
+    "CheckpointRow",
+    "FutureRow",
+    "ModelRow",
+    "SamplingSessionRow",
+    "SessionRow",
+    "Store",
+    "utcnow",
+]
 
 
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class SessionRow(Base):
-    __tablename__ = "tinker_sessions"
-    id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    last_heartbeat: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
-    finish_reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    sdk_version: Mapped[str | None] = mapped_column(String(64), nullable=True)
-
-
-class ModelRow(Base):
-    __tablename__ = "tinker_models"
-    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(128), index=True)
-    base_model: Mapped[str] = mapped_column(Text)
-    config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(32), default="creating")
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    last_request_time: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-
-
-class FutureRow(Base):
-    __tablename__ = "tinker_futures"
-    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(64))
-    model_id: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
-    dedup_key: Mapped[str | None] = mapped_column(String(512), nullable=True, unique=True)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
-    content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    category: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    extra: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
-
-
-class SamplingSessionRow(Base):
-    __tablename__ = "tinker_sampling_sessions"
-    id: Mapped[str] = mapped_column(String(256), primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(128), index=True)
-    base_model: Mapped[str] = mapped_column(Text)
-    model_path: Mapped[str | None] = mapped_column(Text, nullable=True)
-    source: Mapped[str] = mapped_column(String(16))  # base | path | ephemeral
-    model_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-
-
-class CheckpointRow(Base):
-    __tablename__ = "tinker_checkpoints"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    tinker_path: Mapped[str] = mapped_column(String(768), unique=True)
-    model_id: Mapped[str] = mapped_column(String(256), index=True)
-    checkpoint_id: Mapped[str] = mapped_column(String(512))  # "weights/<name>" | "sampler_weights/<name>"
-    kind: Mapped[str] = mapped_column(String(16))  # training | sampler
-    directory: Mapped[str] = mapped_column(Text)
-    size_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
-    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 class Store:
     """Typed access to the tables; every method is one short transaction."""
 
     def __init__(self, url: str) -> None:
-        kwargs: dict[str, Any] = {}
-        if url.startswith("sqlite"):
+        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        sqlite = url.startswith("sqlite")
+        if sqlite:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs.update(pool_size=10, max_overflow=20)
+        self.url = url
         self.engine = create_engine(url, **kwargs)
-        Base.metadata.create_all(self.engine)
+        if sqlite and ":memory:" not in url:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.revision = upgrade(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager
@@ -133,10 +98,43 @@ class Store:
             return list(s.scalars(q))
 
     # ---------------------------------------------------------------- models
-    def list_models(self, limit: int, offset: int) -> tuple[list[ModelRow], int]:
+    def set_session_owner(self, session_id: str, owner: str) -> None:
         with self.tx() as s:
-            total = s.scalar(select(func.count()).select_from(ModelRow)) or 0
-            q = select(ModelRow).order_by(ModelRow.created_at.desc()).limit(limit).offset(offset)
+            s.execute(update(SessionRow).where(SessionRow.id == session_id).values(owner=owner))
+
+    def session_owner(self, session_id: str) -> str | None:
+        with self.tx() as s:
+            return s.scalar(select(SessionRow.owner).where(SessionRow.id == session_id))
+
+    def model_owner(self, model_id: str) -> str | None:
+        """The owner of a training model (its session's owner); None for an unknown model."""
+        with self.tx() as s:
+            q = select(SessionRow.owner).join(ModelRow, ModelRow.session_id == SessionRow.id)
+            return s.scalar(q.where(ModelRow.model_id == model_id))
+
+    def sampler_owner(self, sampler_id: str) -> str | None:
+        with self.tx() as s:
+            q = select(SessionRow.owner).join(
+                SamplingSessionRow, SamplingSessionRow.session_id == SessionRow.id
+            )
+            return s.scalar(q.where(SamplingSessionRow.id == sampler_id))
+
+    def future_owner(self, request_id: str) -> tuple[bool, str | None]:
+        """(exists, owner) of a future."""
+        with self.tx() as s:
+            row = s.execute(select(FutureRow.owner).where(FutureRow.request_id == request_id)).first()
+            return (False, None) if row is None else (True, row[0])
+
+    def list_models(self, limit: int, offset: int, owner: str | None = None) -> tuple[list[ModelRow], int]:
+        """A page of training models, newest first (only `owner`'s when given) and their total."""
+        with self.tx() as s:
+            mine = select(ModelRow)
+            if owner is not None:
+                mine = mine.join(SessionRow, ModelRow.session_id == SessionRow.id).where(
+                    SessionRow.owner == owner
+                )
+            total = s.scalar(select(func.count()).select_from(mine.subquery())) or 0
+            q = mine.order_by(ModelRow.created_at.desc()).limit(limit).offset(offset)
             return list(s.scalars(q)), int(total)
 
     def models_of_session(self, session_id: str) -> list[ModelRow]:
@@ -180,6 +178,41 @@ class Store:
                 row.status, row.error, row.category, row.finished_at = "failed", message, "server", utcnow()
             return len(rows)
 
+    def mark_pending_lost(self) -> int:
+        """At start-up: futures still pending belonged to a previous process; they are lost."""
+        with self.tx() as s:
+            done = s.execute(
+                update(FutureRow)
+                .where(FutureRow.status == "pending")
+                .values(status="lost", dedup_key=None, finished_at=utcnow())
+            )
+            return int(done.rowcount or 0)
+
+    def fail_futures(self, request_ids: list[str], message: str, category: str) -> None:
+        """Fail the given futures that are still pending."""
+        if not request_ids:
+            return
+        with self.tx() as s:
+            s.execute(
+                update(FutureRow)
+                .where(FutureRow.request_id.in_(request_ids), FutureRow.status == "pending")
+                .values(status="failed", error=message, category=category, finished_at=utcnow())
+            )
+
+    def mark_retrieved(self, request_id: str) -> None:
+        with self.tx() as s:
+            s.execute(
+                update(FutureRow)
+                .where(FutureRow.request_id == request_id, FutureRow.retrieved_at.is_(None))
+                .values(retrieved_at=utcnow())
+            )
+
+    def prune_retrieved(self, retrieved_before: dt.datetime) -> int:
+        """Delete futures (and their results) retrieved before `retrieved_before`."""
+        with self.tx() as s:
+            done = s.execute(delete(FutureRow).where(FutureRow.retrieved_at < retrieved_before))
+            return int(done.rowcount or 0)
+
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(self, tinker_path: str) -> CheckpointRow | None:
         with self.tx() as s:
@@ -193,11 +226,18 @@ class Store:
                 s.flush()
             s.add(row)
 
-    def checkpoints(self, model_id: str | None = None) -> list[CheckpointRow]:
+    def checkpoints(self, model_id: str | None = None, owner: str | None = None) -> list[CheckpointRow]:
+        """Checkpoints, newest first: of one model and/or of the models `owner` owns."""
         with self.tx() as s:
             q = select(CheckpointRow).order_by(CheckpointRow.created_at.desc(), CheckpointRow.id.desc())
             if model_id is not None:
                 q = q.where(CheckpointRow.model_id == model_id)
+            if owner is not None:
+                q = (
+                    q.join(ModelRow, ModelRow.model_id == CheckpointRow.model_id)
+                    .join(SessionRow, SessionRow.id == ModelRow.session_id)
+                    .where(SessionRow.owner == owner)
+                )
             return list(s.scalars(q))
 
     def delete_checkpoint(self, tinker_path: str) -> CheckpointRow | None:

@@ -13,10 +13,12 @@ With `trainer.async_training=true` the generation of step t+1 overlaps the train
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
+from skylift.algorithms import make_kl_controller
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
@@ -50,6 +52,10 @@ class RLTrainer:
         self.history: list[dict[str, float]] = []
         self.weights: EngineWeights | None = None
         self.rollouts: BackgroundRollouts[list[Trajectory]] | None = None  # async_training only
+        kl = cfg.trainer.algorithm.kl_ctrl  # the KL-in-reward coefficient, adapted per step or fixed
+        self.kl_ctrl = make_kl_controller(
+            kl.type, cfg.trainer.algorithm.kl_loss_coef, kl.kl_target, kl.horizon
+        )
 
     def setup(self) -> None:
         started = time.perf_counter()
@@ -79,7 +85,12 @@ class RLTrainer:
                 self.console.say(f"step 0 | eval accuracy {metrics['eval/accuracy']:.3f}")
         start_epoch, start_step = rt.train_data.locate(self.state.global_step, t.train_batch_size)
         batches = rt.train_data.iter_training(
-            t.train_batch_size, t.seed, t.epochs, start_epoch=start_epoch, start_step=start_step
+            t.train_batch_size,
+            t.seed,
+            t.epochs,
+            start_epoch=start_epoch,
+            start_step=start_step,
+            shuffle=self.cfg.data.shuffle,
         )
         self.console.start_progress(total_steps, self.state.global_step)
         if t.async_training:
@@ -152,7 +163,7 @@ class RLTrainer:
         assert rt.policy is not None
         experience = make_experience(
             trajectories,
-            self.experience_settings,
+            dataclasses.replace(self.experience_settings, kl_coef=self.kl_ctrl.value),
             self.state.policy_version,
             policy_logprobs=self._logprobs_of(rt.policy),
             ref_logprobs=self._logprobs_of(rt.ref) if rt.ref is not None else None,
@@ -162,6 +173,9 @@ class RLTrainer:
                 else None
             ),
         )
+        if "kl_in_reward/kl_seq_mean" in experience.metrics:  # the next step's coefficient
+            self.kl_ctrl.update(experience.metrics["kl_in_reward/kl_seq_mean"], experience.batch.batch_size)
+            self.state.extra["kl_coef"] = self.kl_ctrl.value  # saved with checkpoints
         metrics: dict[str, float] = {}
         if rt.critic is not None:
             tick = time.perf_counter()
@@ -258,6 +272,7 @@ class RLTrainer:
             return False
         assert rt.policy is not None and self.weights is not None
         self.state = ckpt.load_trainer_state(path)
+        self.kl_ctrl.value = float(self.state.extra.get("kl_coef", self.kl_ctrl.value))
         rt.policy.call_all("load_checkpoint", str(path / "policy"))
         if rt.critic is not None:
             rt.critic.call_all("load_checkpoint", str(path / "critic"))

@@ -36,9 +36,7 @@ class PolicyObjective:
     token_count: float = 1.0
     seq_count: float = 1.0
 
-    def __call__(
-        self, logprobs: Tensor, micro: SequenceBatch, entropy: Tensor | None
-    ) -> tuple[Tensor, dict[str, float]]:
+    def __call__(self, logprobs: Tensor, micro: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
         mask = micro.response_mask.to(logprobs.dtype)
         extras = micro.extras
         old = extras.get("old_logprobs")
@@ -72,8 +70,6 @@ class PolicyObjective:
                 metrics["logprob_diff_vs_rollout"] = float(
                     masked_mean((logprobs.detach() - rollout).abs(), mask)
                 )
-            if entropy is not None:
-                metrics["entropy"] = float(masked_mean(entropy, mask))
         return loss, metrics
 
 
@@ -85,9 +81,7 @@ class ValueObjective:
     value_clip: float = 0.2
     token_count: float = 1.0  # tokens of the whole mini-batch (over all ranks)
 
-    def __call__(
-        self, values: Tensor, micro: SequenceBatch, entropy: Tensor | None
-    ) -> tuple[Tensor, dict[str, float]]:
+    def __call__(self, values: Tensor, micro: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
         mask = micro.response_mask.to(values.dtype)
         per_token, metrics = compute_value_loss(
             values, micro.extras["values"], micro.extras["returns"], mask, self.value_clip

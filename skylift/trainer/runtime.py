@@ -88,11 +88,14 @@ class Runtime:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         env_class = cfg.environment.env_class
+        columns = {"prompt_key": cfg.data.prompt_key, "env_class_key": cfg.data.env_class_key}
         self.train_data = PromptDataset(
-            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples
+            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples, **columns
         )
         self.val_data = (
-            PromptDataset(cfg.data.val_data, default_env_class=env_class, max_rows=cfg.data.max_val_samples)
+            PromptDataset(
+                cfg.data.val_data, default_env_class=env_class, max_rows=cfg.data.max_val_samples, **columns
+            )
             if cfg.data.val_data
             else None
         )
@@ -140,6 +143,9 @@ class Runtime:
                 apply_overlong_filtering=g.apply_overlong_filtering,
                 env_kwargs=dict(cfg.environment.env_kwargs),
                 default_env_class=env_class,
+                batched=g.batched,
+                conversation_multi_turn=g.use_conversation_multi_turn,
+                env_workers=cfg.environment.max_env_workers,
             ),
         )
 

@@ -21,6 +21,8 @@ def sampling_params(cfg: SkyliftConfig, evaluation: bool) -> SamplingParams:
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
+        min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty,
         max_tokens=int(max_tokens),
         stop=list(sp.stop) if sp.stop else None,
         logprobs=not evaluation,

@@ -79,6 +79,7 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
     """The policy (`trainable`) or the frozen reference model; `total_steps`: training steps."""
     t = cfg.trainer
     model_cfg = t.policy.model if trainable else t.ref.model
+    fsdp = t.policy.fsdp_config if trainable else t.ref.fsdp_config
     lora = t.policy.model.lora  # the reference is the frozen base model: no adapter
     return WorkerSettings(
         model_path=model_cfg.path or t.policy.model.path,
@@ -91,6 +92,9 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         lora_rank=lora.rank if trainable else 0,
         lora_alpha=lora.alpha,
         lora_target_modules=lora.target_modules,
+        lora_dropout=lora.dropout,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        cpu_offload=fsdp.cpu_offload,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
         **micro_batch_settings(cfg),
@@ -117,6 +121,8 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
         compute_dtype="bfloat16" if t.bf16 else None,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),
+        reshard_after_forward=t.critic.fsdp_config.reshard_after_forward,
+        cpu_offload=t.critic.fsdp_config.cpu_offload,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
         **micro_batch_settings(cfg),

@@ -70,6 +70,8 @@ def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
             eps_clip_low=alg.eps_clip_low,
             eps_clip_high=alg.eps_clip_high,
             clip_ratio_c=alg.clip_ratio_c,
+            cispo_eps_clip_low=alg.cispo.cispo_eps_clip_low,
+            cispo_eps_clip_high=alg.cispo.cispo_eps_clip_high,
             tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
         ),
         use_kl_loss=alg.use_kl_loss,

@@ -318,11 +318,10 @@ class WorkerGroup:
         loss_fn: LossFn,
         micro_batch_size: int,
         temperature: float,
-        with_entropy: bool = False,
     ) -> dict[str, float]:
         shards = self.shards(batch) if self.world_size > 1 else [batch]
         results = self._call(
-            "train_mini_batch", [(s, loss_fn, micro_batch_size, temperature, with_entropy) for s in shards]
+            "train_mini_batch", [(s, loss_fn, micro_batch_size, temperature) for s in shards]
         )
         merged: dict[str, float] = {}
         for key in results[0]:

@@ -133,33 +133,8 @@ def split_rows(batch_size: int, chunk: int) -> list[list[int]]:
     return [list(range(i, min(i + chunk, batch_size))) for i in range(0, batch_size, chunk)]
 
 
-def concat_batches(batches: Sequence[SequenceBatch], pad_token_id: int = 0) -> SequenceBatch:
-    """Stack batches with possibly different P and R into one (re-padding as needed)."""
-    prompt_len = max(b.prompt_len for b in batches)
-    resp_len = max(b.response_len for b in batches)
-    ids, att, masks = [], [], []
-    extra_names = set.intersection(*(set(b.extras) for b in batches)) if batches else set()
-    extras: dict[str, list[Tensor]] = {k: [] for k in extra_names}
-    for b in batches:
-        lp, rp = prompt_len - b.prompt_len, resp_len - b.response_len
-        ids.append(torch.nn.functional.pad(b.input_ids, (lp, rp), value=pad_token_id))
-        att.append(torch.nn.functional.pad(b.attention_mask, (lp, rp), value=0))
-        masks.append(torch.nn.functional.pad(b.response_mask, (0, rp), value=0.0))
-        for k in extra_names:
-            v = b.extras[k]
-            extras[k].append(torch.nn.functional.pad(v, (0, rp)) if v.dim() == 2 else v)
-    return SequenceBatch(
-        torch.cat(ids),
-        torch.cat(att),
-        torch.cat(masks),
-        prompt_len,
-        {k: torch.cat(v) for k, v in extras.items()},
-    )
-
-
 __all__ = [
     "SequenceBatch",
     "build_sequence_batch",
-    "concat_batches",
     "split_rows",
 ]

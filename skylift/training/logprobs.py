@@ -22,12 +22,6 @@ def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    logits = logits.float()
-    logp = logits.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
     """(index of one row per distinct prompt, for every row the position of its prompt in that index)."""
     prompt = torch.cat(
@@ -44,9 +38,8 @@ def response_logprobs(
     model: torch.nn.Module,
     batch: SequenceBatch,
     temperature: float = 1.0,
-    with_entropy: bool = False,
     share_prompts: bool = True,
-) -> tuple[Tensor, Tensor | None]:
+) -> Tensor:
     """Logprobs `[B, R]` of `batch.response_ids` given everything before them.
 
     Logits are divided by the sampling temperature so they match what the engine sampled from.
@@ -63,12 +56,7 @@ def response_logprobs(
         logits = _shared_prompt_forward(model, batch, first, inverse)
     if temperature != 1.0:
         logits = logits / temperature
-    logp = gather_logprobs(logits, batch.response_ids)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits)
-    return logp, entropy
+    return gather_logprobs(logits, batch.response_ids)
 
 
 def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:

@@ -29,9 +29,10 @@ from skylift.training.micro_batches import (
     packed_response_logprobs,
     packed_response_values,
 )
+from skylift.training.sharding import shard_model
 
-# loss_fn(new_logprobs [b, R], micro_batch, entropy or None) -> (loss to backpropagate, metrics)
-LossFn = Callable[[Tensor, SequenceBatch, Tensor | None], tuple[Tensor, dict[str, float]]]
+# loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics)
+LossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, dict[str, float]]]
 
 
 @dataclass
@@ -62,9 +63,12 @@ class WorkerSettings:
     lora_rank: int = 0
     lora_alpha: int = 16
     lora_target_modules: list[str] | str = "all-linear"
+    lora_dropout: float = 0.0
     # FSDP2 sharding: None = when there is more than one rank (one rank gains nothing from
     # fully_shard and pays its gather/scatter copies: measured 30% slower on CPU), True = always
     fsdp: bool | None = None
+    reshard_after_forward: bool = True  # see skylift.training.sharding.shard_model
+    cpu_offload: bool = False
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
@@ -179,7 +183,7 @@ class TrainingWorker:
                     r=s.lora_rank,
                     lora_alpha=s.lora_alpha,
                     target_modules=s.lora_target_modules,
-                    lora_dropout=0.0,
+                    lora_dropout=s.lora_dropout,
                 ),
             )
         if not s.trainable:
@@ -187,7 +191,7 @@ class TrainingWorker:
             model.eval()
         model.to(self.device)
         if shard and dist.is_initialized():
-            self._shard(model)
+            shard_model(model, reshard_after_forward=s.reshard_after_forward, cpu_offload=s.cpu_offload)
         self.model = model
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -203,26 +207,16 @@ class TrainingWorker:
         n_params = sum(p.numel() for p in model.parameters())
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
 
-    def _shard(self, model: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        layers = _decoder_layers(model)
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
-
     # ---------------------------------------------------------------- forward
-    def _response_outputs(
-        self, model: torch.nn.Module, micro: SequenceBatch, temperature: float, with_entropy: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
+    def _response_outputs(self, model: torch.nn.Module, micro: SequenceBatch, temperature: float) -> Tensor:
         """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
-        packed = self.settings.remove_microbatch_padding and not with_entropy
+        packed = self.settings.remove_microbatch_padding
         with self._autocast():
             if self.settings.head == "value":
-                return (packed_response_values if packed else response_values)(model, micro), None
+                return (packed_response_values if packed else response_values)(model, micro)
             if packed:
-                return packed_response_logprobs(model, micro, temperature), None
-            return response_logprobs(model, micro, temperature, with_entropy=with_entropy)
+                return packed_response_logprobs(model, micro, temperature)
+            return response_logprobs(model, micro, temperature)
 
     def _micro_batches(self, batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
         s = self.settings
@@ -263,7 +257,7 @@ class TrainingWorker:
         out = torch.zeros(batch.batch_size, batch.response_len)
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp, _ = self._response_outputs(model, micro, temperature)
+            logp = self._response_outputs(model, micro, temperature)
             out[rows, : micro.response_len] = logp.float().cpu() * micro.response_mask.cpu()
         model.train(was_training)
         return out
@@ -275,7 +269,6 @@ class TrainingWorker:
         loss_fn: LossFn,
         micro_batch_size: int,
         temperature: float = 1.0,
-        with_entropy: bool = False,
     ) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over micro-batches, clip, and take one optimizer step.
 
@@ -283,7 +276,7 @@ class TrainingWorker:
         accumulated gradient equals the gradient of one pass over the whole mini-batch.
         """
         self.zero_grad()
-        metrics = self.accumulate_gradients(batch, loss_fn, micro_batch_size, temperature, with_entropy)
+        metrics = self.accumulate_gradients(batch, loss_fn, micro_batch_size, temperature)
         metrics.update(self.optimizer_step())
         return metrics
 
@@ -302,7 +295,6 @@ class TrainingWorker:
         loss_fn: LossFn,
         micro_batch_size: int,
         temperature: float = 1.0,
-        with_entropy: bool = False,
     ) -> dict[str, float]:
         """Backpropagate `loss_fn` over micro-batches of `batch`, adding to the current gradients
         (no optimizer step). Returns the loss function's metrics averaged over micro-batches."""
@@ -313,8 +305,8 @@ class TrainingWorker:
         counts: dict[str, int] = {}
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp, entropy = self._response_outputs(model, micro, temperature, with_entropy)
-            loss, metrics = loss_fn(logp, micro, entropy)
+            logp = self._response_outputs(model, micro, temperature)
+            loss, metrics = loss_fn(logp, micro)
             if self.world_size > 1:
                 loss = loss * self.world_size  # FSDP averages gradients over ranks
             loss.backward()
@@ -372,11 +364,6 @@ class TrainingWorker:
         for name, tensor in model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full.detach()
-
-    def set_lr(self, lr: float) -> None:
-        assert self.optimizer is not None
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     # ---------------------------------------------------------------- checkpoints
     def _dcp_state(self) -> dict[str, Any]:
@@ -445,11 +432,6 @@ class TrainingWorker:
             raise RuntimeError("worker not set up: call setup() first")
         return self.model
 
-    def peak_memory_mb(self) -> float:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -459,15 +441,6 @@ def _default_rendezvous_file() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"skylift-rdzv-{os.getpid()}")
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks (the unit FSDP shards on)."""
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-            return list(layers)
-    return []
 
 
 def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -493,6 +466,5 @@ def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]
                 (state[k] for k in state if k.startswith(prefix + ".lora_B.") and k.endswith("weight")), None
             )
             if a is not None and b is not None:
-                module_name = prefix.replace("base_model.model.", "base_model.model.", 1)
-                value = value + scaling.get(module_name, 1.0) * (b.float() @ a.float()).to(value.dtype)
+                value = value + scaling.get(prefix, 1.0) * (b.float() @ a.float()).to(value.dtype)
         yield clean, value

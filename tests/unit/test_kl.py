@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from skylift.algorithms import apply_kl_penalty, compute_advantages, compute_kl, reduce_loss
+from skylift.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_advantages,
+    compute_kl,
+    make_kl_controller,
+    reduce_loss,
+)
 
 # d = logp - logp_ref = 0.5 and -1.0
 LOGP = [[-1.0, -2.0]]
@@ -88,3 +96,47 @@ def test_kl_in_reward_feeds_grpo_scores() -> None:
     adv, _ = compute_advantages("grpo", penalised, mask, group_ids=[0, 0], norm_by_std=False)
     close(adv, [[0.293797, 0.293797], [-0.293797, -0.293797]])
     assert math.isclose(penalised[0].sum().item(), 0.587594, abs_tol=1e-6)
+
+
+def test_kl_penalty_reports_the_mean_of_per_sequence_means() -> None:
+    # k1 = logp - ref: row 0 has valid tokens 1.0 and 0.5, row 1 one valid token 2.0
+    logp = torch.zeros(2, 3)
+    ref = torch.tensor([[-1.0, -0.5, -9.0], [-2.0, -9.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    _, metrics = apply_kl_penalty(torch.zeros(2, 3), logp, ref, mask, coef=0.1, estimator="k1")
+    assert metrics["kl"] == pytest.approx(3.5 / 3)  # over the 3 valid tokens
+    assert metrics["kl_seq_mean"] == pytest.approx((0.75 + 2.0) / 2)  # each row's mean, then the mean
+
+
+def test_adaptive_kl_controller_moves_towards_the_target() -> None:
+    ctrl = AdaptiveKLController(value=0.2, target=0.05, horizon=1000)
+    # KL 10% above the target: error 0.1, 100 sequences -> value * (1 + 0.1 * 100 / 1000) = 0.2 * 1.01
+    ctrl.update(current_kl=0.055, n_steps=100)
+    assert ctrl.value == pytest.approx(0.202)
+    # KL far above: the error is clipped to +0.2 -> * (1 + 0.2 * 500 / 1000) = * 1.1
+    ctrl.update(current_kl=5.0, n_steps=500)
+    assert ctrl.value == pytest.approx(0.202 * 1.1)
+    # KL 0: error clipped to -0.2 -> * (1 - 0.2 * 500 / 1000) = * 0.9
+    ctrl.update(current_kl=0.0, n_steps=500)
+    assert ctrl.value == pytest.approx(0.202 * 1.1 * 0.9)
+    # KL at the target: unchanged
+    before = ctrl.value
+    ctrl.update(current_kl=0.05, n_steps=500)
+    assert ctrl.value == pytest.approx(before)
+
+
+def test_fixed_kl_controller_and_factory() -> None:
+    fixed = make_kl_controller("fixed", 0.3, target=0.1, horizon=10)
+    assert isinstance(fixed, FixedKLController)
+    fixed.update(current_kl=100.0, n_steps=1000)
+    assert fixed.value == 0.3
+    adaptive = make_kl_controller("adaptive", 0.3, target=0.1, horizon=10)
+    assert isinstance(adaptive, AdaptiveKLController)
+    adaptive.update(current_kl=0.08, n_steps=5)  # error -0.2 (0.08 / 0.1 - 1) -> * (1 - 0.2 * 5 / 10)
+    assert adaptive.value == pytest.approx(0.3 * 0.9)
+    with pytest.raises(ValueError, match="unknown KL controller 'pid'"):
+        make_kl_controller("pid", 0.3, target=0.1, horizon=10)
+    with pytest.raises(ValueError, match="target > 0"):
+        AdaptiveKLController(value=0.1, target=0.0, horizon=10)
+    with pytest.raises(ValueError, match="horizon > 0"):
+        AdaptiveKLController(value=0.1, target=0.1, horizon=0)

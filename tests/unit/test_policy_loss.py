@@ -107,11 +107,11 @@ def test_gspo_gradient_is_gradient_of_sequence_ratio() -> None:
 
 
 def test_cispo_clipped_stop_gradient_weight() -> None:
-    # ratios 1.5, 0.5, 1.0; advantages 1, -1, 2; logp -1, -2, -0.5; eps_low 0.2, eps_high 0.28
+    # ratios 1.5, 0.5, 1.0; advantages 1, -1, 2; logp -1, -2, -0.5; cispo eps_low 0.2, eps_high 0.28
     logp, old = logprobs_with_ratios([[1.5, 0.5, 1.0]], logp=[[-1.0, -2.0, -0.5]])
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.float64)
-    cfg = PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28)
+    cfg = PolicyLossConfig(cispo_eps_clip_low=0.2, cispo_eps_clip_high=0.28)
     loss, metrics = compute_policy_loss("cispo", logp, old, adv, mask, cfg)
     # weights sg(clip(r)) = 1.28, 0.8, 1.0; loss = -w A logp:
     #   -1.28*1*(-1) = 1.28;  -0.8*(-1)*(-2) = -1.6;  -1*2*(-0.5) = 1.0
@@ -120,6 +120,23 @@ def test_cispo_clipped_stop_gradient_weight() -> None:
     loss.sum().backward()
     # gradient -w A: every token keeps one, even the clipped ones
     close(logp.grad, [[-1.28, 0.8, -2.0]])
+
+
+def test_cispo_reads_its_own_clip_bounds_not_ppo_ones() -> None:
+    # ratios 1.5 and 0.5, advantages 1, logp -1: PPO's eps_clip_* (set absurdly tight here) do not
+    # touch CISPO; its defaults (low 0, high 5) clip the weights to [1, 6] -> 1.5 and 1.0
+    logp, old = logprobs_with_ratios([[1.5, 0.5]], logp=[[-1.0, -1.0]])
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    cfg = PolicyLossConfig(eps_clip_low=0.01, eps_clip_high=0.01)
+    loss, metrics = compute_policy_loss("cispo", logp, old, adv, mask, cfg)
+    close(loss, [[1.5, 1.0]])  # -w * A * logp = w
+    assert metrics["clip_frac"] == pytest.approx(0.5)  # only 0.5 < 1 - 0 is outside
+    # and the cispo bounds do not touch the PPO loss: eps 0.2 clips r = 1.5 to 1.2 for A > 0
+    ppo, _ = compute_policy_loss("regular", logp, old, adv, mask, PolicyLossConfig(cispo_eps_clip_high=0.0))
+    close(ppo, [[-1.2, -0.5]])
+    with pytest.raises(ValueError, match="cispo_eps_clip_low"):
+        PolicyLossConfig(cispo_eps_clip_low=-0.1)
 
 
 def test_truncated_importance_sampling() -> None:

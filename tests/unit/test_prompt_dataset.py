@@ -147,3 +147,35 @@ def test_demo_dataset_feeds_environments(tmp_path: Path) -> None:
             env = make_env(sample.env_class)
             assert env.init(sample.prompt, sample.env_extras()) == sample.prompt
             assert env.step(sample.extra_info["answer"]).reward == 1.0
+
+
+def test_training_order_unshuffled_keeps_file_order(two_files: list[Path]) -> None:
+    ds = PromptDataset(two_files)
+    plain = [
+        [s.uid for s in batch] for _, _, batch in ds.iter_training(5, seed=3, num_epochs=2, shuffle=False)
+    ]
+    in_order = [s.uid for s in ds]
+    assert plain == [in_order[0:5], in_order[5:10], in_order[10:15], in_order[15:20]] * 2
+    shuffled = [[s.uid for s in batch] for _, _, batch in ds.iter_training(5, seed=3, num_epochs=2)]
+    assert shuffled != plain and sorted(sum(shuffled[:4], [])) == sorted(in_order)
+
+
+def test_prompt_and_env_class_columns_can_be_renamed(tmp_path: Path) -> None:
+    """data.prompt_key / data.env_class_key: the columns are read under the configured names."""
+    path = write_prompt_parquet(_rows(3, "r"), tmp_path / "r.parquet")
+    table = pq.read_table(path)
+    names = [
+        "question_messages" if n == "prompt" else "environment" if n == "env_class" else n
+        for n in table.column_names
+    ]
+    renamed = tmp_path / "renamed.parquet"
+    pq.write_table(table.rename_columns(names), renamed)
+    ds = PromptDataset(renamed, prompt_key="question_messages", env_class_key="environment")
+    assert [s.prompt for s in ds] == [[{"role": "user", "content": f"r question {i}"}] for i in range(3)]
+    assert {s.env_class for s in ds} == {"gsm8k"}
+    with pytest.raises(DataFileError, match=r"missing column\(s\) prompt, env_class"):
+        PromptDataset(renamed)  # the schema's names are not there
+    fallback = PromptDataset(
+        renamed, prompt_key="question_messages", env_class_key="nope", default_env_class="x"
+    )
+    assert {s.env_class for s in fallback} == {"x"}  # a missing env_class column falls back

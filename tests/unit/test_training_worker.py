@@ -156,7 +156,7 @@ def test_shared_prompt_forward_equals_full_forward(tiny_model_dir: Path) -> None
     results = []
     for share in (False, True):
         model.zero_grad()
-        logp, _ = response_logprobs(model, batch, temperature=0.7, share_prompts=share)
+        logp = response_logprobs(model, batch, temperature=0.7, share_prompts=share)
         (logp * batch.response_mask).sum().backward()
         results.append(
             (logp.detach() * batch.response_mask, {n: p.grad.clone() for n, p in model.named_parameters()})

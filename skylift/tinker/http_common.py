@@ -1,0 +1,106 @@
+"""What every route of the Tinker app shares: the JSON error shape, reading a JSON body, the
+API-key middleware (which user is calling) and the mapping of exceptions to responses.
+
+Errors: `UserError` is a 400 (`NotFoundError` a 404). Any other exception is a server error
+with its message: a 500 on a direct route (operation routes turn it into a failed future of
+category "server" themselves, see `skylift.tinker.app`). The one exception: a ValueError /
+TypeError / KeyError / AttributeError raised while reading the request body (the innermost
+skylift frame of the traceback holds the body) is the body's wrong shape, a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+import skylift
+from skylift.tinker.auth import DEFAULT_USER, KeyRing, current_user
+from skylift.tinker.errors import NotFoundError, UserError
+
+logger = logging.getLogger(__name__)
+
+_SKYLIFT_DIR = str(Path(skylift.__file__).resolve().parent)
+_SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+_REQUEST_LOCALS = ("body", "raw")
+
+
+def error_response(status: int, message: str, category: str = "user") -> JSONResponse:
+    return JSONResponse({"error": message, "detail": message, "category": category}, status_code=status)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except Exception as exc:
+        raise UserError(f"{request.url.path}: the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise UserError(f"{request.url.path}: expected a JSON object")
+    return body
+
+
+def reading_request(exc: BaseException) -> bool:
+    """True for a shape error raised while reading the request: the innermost skylift frame of
+    its traceback holds the request body (`body` / `raw`)."""
+    if not isinstance(exc, _SHAPE_ERRORS) or isinstance(exc, UserError):
+        return False
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_SKYLIFT_DIR):
+            last = tb.tb_frame
+        tb = tb.tb_next
+    return last is not None and any(name in last.f_locals for name in _REQUEST_LOCALS)
+
+
+def malformed_response(request: Request, exc: Exception) -> JSONResponse:
+    what = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+    logger.info("%s: malformed request: %s", request.url.path, what)
+    return error_response(400, f"{request.url.path}: malformed request ({what})")
+
+
+def install_auth(app: FastAPI, keyring: KeyRing, api: str) -> None:
+    """Every request under `api` and /skylift/ (but healthz) needs a key `keyring` knows; its user
+    is `request.state.user` and `skylift.tinker.auth.current_user` while the request is served."""
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        user: str | None = DEFAULT_USER
+        if path.startswith((api, "/skylift/")) and path != f"{api}/healthz":
+            user = keyring.user_of(request.headers.get("x-api-key"))
+            if user is None:
+                return error_response(401, "invalid or missing API key (header X-API-Key)")
+        request.state.user = user
+        token = current_user.set(user)
+        try:
+            return await call_next(request)
+        finally:
+            current_user.reset(token)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(NotFoundError)
+    async def not_found(request: Request, exc: NotFoundError) -> Response:
+        return error_response(404, str(exc))
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, exc: UserError) -> Response:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameters(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return error_response(400, f"{request.url.path}: {problems}")
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        if reading_request(exc):
+            return malformed_response(request, exc)
+        logger.error("%s failed: %s", request.url.path, exc, exc_info=exc)
+        response = error_response(500, f"{type(exc).__name__}: {exc}", "server")
+        response.headers["x-should-retry"] = "false"
+        return response

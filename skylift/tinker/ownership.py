@@ -1,0 +1,90 @@
+"""Ownership checks: a user sees and touches only its own records (and published checkpoints).
+
+Another user's id or `tinker://` path is answered exactly like one that does not exist (the
+same `NotFoundError` text the service uses for unknown ids), so a caller cannot tell that it
+exists. A session's owner owns its models and samplers; a checkpoint belongs to the owner of
+its training run. Every method is blocking (one indexed query); the app calls them in a thread.
+"""
+
+from __future__ import annotations
+
+from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.store import Store
+from skylift.tinker.views import parse_tinker_path
+
+
+def unknown_session(session_id: object) -> NotFoundError:
+    return NotFoundError(f"unknown session {session_id!r}")
+
+
+def unknown_model(model_id: object) -> NotFoundError:
+    return NotFoundError(f"unknown model id {model_id!r}")
+
+
+def unknown_run(run_id: object) -> NotFoundError:
+    return NotFoundError(f"unknown training run {run_id!r}")
+
+
+def unknown_sampler(sampler_id: object) -> NotFoundError:
+    return NotFoundError(f"unknown sampler {sampler_id!r}")
+
+
+def unknown_sampling_session(sampler_id: object) -> NotFoundError:
+    return NotFoundError(f"unknown sampling session {sampler_id!r}")
+
+
+def missing_checkpoint(path: object, sampler: bool = False) -> NotFoundError:
+    return NotFoundError(f"{'sampler ' if sampler else ''}checkpoint {path} does not exist")
+
+
+class Owners:
+    """`user` may be None only on internal calls (no check)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def owns_session(self, user: str, session_id: object) -> bool:
+        return isinstance(session_id, str) and self.store.session_owner(session_id) == user
+
+    def owns_model(self, user: str, model_id: object) -> bool:
+        return isinstance(model_id, str) and self.store.model_owner(model_id) == user
+
+    def owns_sampler(self, user: str, sampler_id: object) -> bool:
+        return isinstance(sampler_id, str) and self.store.sampler_owner(sampler_id) == user
+
+    def may_read_path(self, user: str, path: object) -> bool:
+        """True when `path` is malformed (the service explains why), the user's own checkpoint
+        path or a published checkpoint."""
+        try:
+            run_id, _, _ = parse_tinker_path(path)  # type: ignore[arg-type]
+        except UserError:
+            return True
+        if self.store.model_owner(run_id) == user:
+            return True
+        row = self.store.checkpoint(str(path))
+        return row is not None and bool(getattr(row, "public", False))
+
+    def may_write_path(self, user: str, path: object) -> bool:
+        """Deleting or publishing: only the owner (a malformed path: the service explains)."""
+        try:
+            run_id, _, _ = parse_tinker_path(path)  # type: ignore[arg-type]
+        except UserError:
+            return True
+        return self.store.model_owner(run_id) == user
+
+    # ---------------------------------------------------------------- raising variants
+    def session(self, user: str, session_id: object) -> None:
+        if not self.owns_session(user, session_id):
+            raise unknown_session(session_id)
+
+    def model(self, user: str, model_id: object) -> None:
+        if not self.owns_model(user, model_id):
+            raise unknown_model(model_id)
+
+    def run(self, user: str, run_id: object) -> None:
+        if not self.owns_model(user, run_id):
+            raise unknown_run(run_id)
+
+    def sampler(self, user: str, sampler_id: object) -> None:
+        if not self.owns_sampler(user, sampler_id):
+            raise unknown_sampler(sampler_id)

@@ -1,0 +1,36 @@
+"""FSDP2 sharding of a training worker's model: every decoder layer, then the root."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def shard_model(model: torch.nn.Module, *, reshard_after_forward: bool, cpu_offload: bool) -> None:
+    """`fully_shard` each repeated transformer block, then the whole model.
+
+    reshard_after_forward: True keeps torch's default (each layer's gathered parameters are freed
+    after its forward; the root's are kept, its backward comes next); False keeps every layer's
+    until backward, one all-gather fewer per layer for the memory of the full parameters.
+    cpu_offload: sharded parameters, gradients and optimizer state live in host memory
+    (`CPUOffloadPolicy`) on a GPU; a CPU worker holds them there already, so it changes nothing.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    options: dict[str, Any] = {} if reshard_after_forward else {"reshard_after_forward": False}
+    on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+    if cpu_offload and on_gpu:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (the unit FSDP shards on)."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+            return list(layers)
+    return []

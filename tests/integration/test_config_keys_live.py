@@ -1,0 +1,192 @@
+"""Config keys that changed from accepted-and-ignored to live, checked for their effect on a real
+server (one tiny-model server for the whole file): min_p and repetition_penalty in sampling,
+generator.batched / use_conversation_multi_turn / environment.max_env_workers in rollouts, and the
+adaptive KL controller in a training run."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from skylift.config import load_config
+from skylift.data import PromptDataset, write_arithmetic_dataset
+from skylift.envs import Environment, StepResult, register_env
+from skylift.envs.arithmetic import RETRY_FEEDBACK
+from skylift.generator import Generator, GeneratorSettings
+from skylift.generator.generator import rollout_seed
+from skylift.inference.remote import RemoteInferenceEngine
+from skylift.inference.types import SamplingParams
+from skylift.trainer import checkpoint as ckpt
+from skylift.trainer.loop import RLTrainer
+
+pytestmark = pytest.mark.integration
+
+ENV_THREADS: set[str] = set()
+
+
+@register_env("test_thread_recorder", override=True)
+class ThreadRecorderEnv(Environment):
+    """Reward 1 for an even-length response; records the thread its step ran in."""
+
+    def step(self, action: str) -> StepResult:
+        self._begin_step()
+        ENV_THREADS.add(threading.current_thread().name)
+        self.done = True
+        return StepResult(observations=[], reward=float(len(action) % 2 == 0), done=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("arith_live")
+    write_arithmetic_dataset(out, num_train=16, num_val=4, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(data: Path) -> list:
+    return list(PromptDataset(data / "train.parquet"))[:3]
+
+
+def _generate(engine: RemoteInferenceEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return asyncio.run(engine.generate([prompt], params))[0].completions[0].token_ids
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(tiny_server_url: str) -> None:
+    engine = RemoteInferenceEngine(tiny_server_url)
+    prompt = [11, 12, 13, 14, 15, 16]
+    greedy = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=16, logprobs=False))
+    hot = [
+        _generate(engine, prompt, SamplingParams(temperature=1.5, max_tokens=16, seed=s, logprobs=False))
+        for s in range(3)
+    ]
+    assert any(h != greedy for h in hot)  # hot sampling wanders off the greedy path...
+    for s in range(3):  # ...unless min_p=1 drops every token below the most likely one
+        params = SamplingParams(temperature=1.5, min_p=1.0, max_tokens=16, seed=s, logprobs=False)
+        assert _generate(engine, prompt, params) == greedy
+
+
+def _repeats(prompt: list[int], response: list[int]) -> int:
+    """Response tokens already seen in the prompt or earlier in the response."""
+    seen, count = set(prompt), 0
+    for token in response:
+        count += token in seen
+        seen.add(token)
+    return count
+
+
+def test_repetition_penalty_discourages_repeated_tokens(tiny_server_url: str) -> None:
+    engine = RemoteInferenceEngine(tiny_server_url)
+    prompt = [11, 12, 13, 14, 15, 16]
+    plain = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=24, logprobs=False))
+    assert _repeats(prompt, plain) > 0, "greedy text of the tiny model repeats tokens"
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=50.0, logprobs=False)
+    penalised = _generate(engine, prompt, params)
+    assert _repeats(prompt, penalised) < _repeats(prompt, plain)
+
+
+def test_unbatched_rollouts_and_env_threads_give_the_batched_trajectories(
+    rows: list, tiny_model_dir: Path, tiny_server_url: str
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = RemoteInferenceEngine(tiny_server_url)
+    recorded = [dataclasses.replace(r, env_class="test_thread_recorder") for r in rows]
+    params = SamplingParams(temperature=1.0, max_tokens=12)
+    seeds = [rollout_seed(7, 1, r.uid) for r in rows]
+
+    def run(**settings: object) -> list[tuple[list[int], float]]:
+        ENV_THREADS.clear()
+        gen = Generator(engine, tokenizer, GeneratorSettings(max_generate_length=12, **settings))  # type: ignore[arg-type]
+        trajectories = asyncio.run(gen.generate(recorded, n=2, params=params, seeds=seeds))
+        return [(t.response_ids, t.reward) for t in trajectories]
+
+    batched = run()
+    assert ENV_THREADS == {threading.main_thread().name}  # inline: max_env_workers=0
+    # one request per trajectory (the agent loop) samples the same tokens: sample j of a row has
+    # seed + j either way
+    assert run(batched=False) == batched
+    assert run(env_workers=2) == batched
+    assert ENV_THREADS and all(name.startswith("env") for name in ENV_THREADS)  # in the env threads
+
+
+def test_observations_as_plain_text_continue_the_assistant_turn(
+    rows: list, tiny_model_dir: Path, tiny_server_url: str
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = RemoteInferenceEngine(tiny_server_url)
+    multi = [dataclasses.replace(r, env_class="arithmetic_multiturn") for r in rows]
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    feedback = tokenizer.encode(RETRY_FEEDBACK, add_special_tokens=False)
+
+    def masked_runs(conversation: bool) -> list[list[int]]:
+        settings = GeneratorSettings(
+            max_generate_length=8,
+            max_turns=2,
+            env_kwargs={"max_turns": 2},
+            conversation_multi_turn=conversation,
+        )
+        trajectories = asyncio.run(Generator(engine, tokenizer, settings).generate(multi, n=1, params=params))
+        runs = []
+        for t in trajectories:
+            assert t.num_turns == 2  # the tiny model never answers right: feedback, then a second turn
+            runs.append([tok for tok, m in zip(t.response_ids, t.loss_mask, strict=True) if m == 0])
+        return runs
+
+    assert all(run == feedback for run in masked_runs(conversation=False))  # the text alone
+    chat = masked_runs(conversation=True)  # a user message and the next assistant header around it
+    assert all(len(run) > len(feedback) for run in chat)
+
+
+def test_adaptive_kl_controller_moves_the_reward_penalty(
+    data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
+) -> None:
+    url = tiny_server_url.removeprefix("http://")
+    target, horizon, coef = 0.01, 32, 0.1
+    overrides = {
+        "trainer.policy.model.path": str(tiny_model_dir),
+        "data.train_data": f"['{data / 'train.parquet'}']",
+        "data.val_data": "[]",
+        "environment.env_class": "test_thread_recorder",
+        "data.env_class_key": "no_such_column",  # every row falls back to environment.env_class
+        "generator.run_engines_locally": False,
+        "generator.remote_inference_engine_urls": f"['{url}']",
+        "generator.override_existing_update_group": True,
+        "trainer.train_batch_size": 4,
+        "trainer.policy_mini_batch_size": 4,
+        "generator.n_samples_per_prompt": 4,
+        "generator.max_generate_length": 12,
+        "trainer.max_prompt_length": 128,
+        "trainer.max_steps": 3,
+        "trainer.eval_before_train": False,
+        "trainer.eval_interval": -1,
+        "trainer.ckpt_interval": 3,
+        "trainer.policy.optimizer_config.lr": 1e-2,
+        "trainer.algorithm.use_kl_in_reward": True,
+        "trainer.algorithm.kl_loss_coef": coef,
+        "trainer.algorithm.kl_ctrl.type": "adaptive",
+        "trainer.algorithm.kl_ctrl.kl_target": target,
+        "trainer.algorithm.kl_ctrl.horizon": horizon,
+        "trainer.ckpt_path": str(tmp_path / "ckpts"),
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+    }
+    trainer = RLTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    try:
+        trainer.setup()
+        history = [h for h in trainer.fit() if "kl_in_reward/kl_coef" in h]
+    finally:
+        trainer.shutdown()
+    assert [h["step"] for h in history] == [1, 2, 3]
+    expected = coef
+    for row in history:  # each step's penalty uses the coefficient the previous steps left
+        assert row["kl_in_reward/kl_coef"] == pytest.approx(expected)
+        error = min(max(row["kl_in_reward/kl_seq_mean"] / target - 1.0, -0.2), 0.2)
+        expected *= 1.0 + error * 16 / horizon  # 16 sequences per step
+    assert history[0]["kl_in_reward/kl_seq_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference
+    assert history[0]["kl_in_reward/kl_coef"] != history[1]["kl_in_reward/kl_coef"]
+    saved = ckpt.load_trainer_state(tmp_path / "ckpts" / "global_step_3")
+    assert saved.extra["kl_coef"] == pytest.approx(expected)  # a resumed run continues from here

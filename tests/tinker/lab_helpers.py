@@ -1,0 +1,131 @@
+"""Raw-HTTP helpers for the multi-user Tinker tests (test_users*.py, test_postgres*.py, test_restart*.py).
+
+`Lab` talks to one `skylift tinker serve --api-keys-file` server as any of its users; `build_records`
+gives a user a session, a trained LoRA model, a training and a sampler checkpoint and a sampler,
+without ever starting an inference engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+API = "/api/v1"
+RESULT_TIMEOUT_S = 120.0
+
+
+def write_keys(path: Path, users: dict[str, str]) -> None:
+    lines = ["# user key"] + [f"{user} {key}" for user, key in users.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def fb_body(model_id: str, seq_id: int = 0, tokens: list[int] | None = None) -> bytes:
+    """A ForwardBackwardRequest protobuf with one next-token datum."""
+    tokens = tokens or [5, 6, 7, 8, 9, 10]
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray(tokens[:-1], dtype="<i4").tobytes()
+    target = np.asarray(tokens[1:], dtype=np.int64)
+    datum.loss_fn_inputs["target_tokens"].CopyFrom(
+        pb.Tensor(dense=target.tobytes(), dtype=pb.DTYPE_INT64, shape=[len(target)])
+    )
+    return msg.SerializeToString()
+
+
+@dataclass
+class Records:
+    """What one user created."""
+
+    session_id: str
+    model_id: str
+    state_path: str
+    sampler_path: str
+    sampler_id: str
+    request_id: str  # a finished future of the user
+
+
+class Lab:
+    def __init__(self, url: str, keys: dict[str, str]) -> None:
+        self.url = url
+        self.keys = keys
+        self.http = httpx.Client(base_url=url, timeout=60)
+
+    def call(self, user: str, method: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+        headers = {"X-API-Key": self.keys[user], **kw.pop("headers", {})}
+        if isinstance(body, bytes):
+            headers["Content-Type"] = "application/x-protobuf"
+            return self.http.request(method, f"{API}/{path}", content=body, headers=headers, **kw)
+        return self.http.request(method, f"{API}/{path}", json=body, headers=headers, **kw)
+
+    def post(self, user: str, path: str, body: Any = None) -> httpx.Response:
+        return self.call(user, "POST", path, body if body is not None else {})
+
+    def result(self, user: str, request_id: str, timeout_s: float = RESULT_TIMEOUT_S) -> httpx.Response:
+        """The final answer of retrieve_future (not 408)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            resp = self.post(user, "retrieve_future", {"request_id": request_id})
+            if resp.status_code != 408:
+                return resp
+        raise AssertionError(f"future {request_id} did not finish in {timeout_s:.0f} s")
+
+    def ok(self, user: str, path: str, body: Any = None) -> dict[str, Any]:
+        """POST an operation and return its successful JSON result."""
+        resp = self.post(user, path, body)
+        assert resp.status_code == 200, (path, resp.status_code, resp.text)
+        done = self.result(user, resp.json()["request_id"])
+        assert done.status_code == 200, (path, done.status_code, done.text)
+        if "protobuf" in done.headers.get("content-type", ""):
+            return {"protobuf": done.content}
+        assert "error" not in done.json(), (path, done.text)
+        return done.json()
+
+    def failure(self, user: str, path: str, body: Any = None) -> dict[str, Any]:
+        """POST an operation that is accepted and whose future fails; its {"error", "category"}."""
+        resp = self.post(user, path, body)
+        assert resp.status_code == 200, (path, resp.status_code, resp.text)
+        done = self.result(user, resp.json()["request_id"])
+        assert done.status_code == 200 and "error" in done.json(), (path, done.status_code, done.text)
+        return done.json()
+
+    def session(self, user: str) -> str:
+        resp = self.post(user, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "test"})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["session_id"]
+
+    def build_records(self, user: str, base_model: str) -> Records:
+        session_id = self.session(user)
+        create = {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": base_model,
+            "lora_config": {"rank": 4},
+        }
+        model_id = self.ok(user, "create_model", create)["model_id"]
+        fb = self.post(user, "forward_backward", fb_body(model_id, seq_id=1))
+        assert fb.status_code == 200, fb.text
+        self.ok(
+            user, "optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}
+        )
+        assert self.result(user, fb.json()["request_id"]).status_code == 200
+        state = self.ok(user, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "state"})["path"]
+        sampler = self.ok(
+            user, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 4, "path": "sampler"}
+        )
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": sampler["path"]}
+        resp = self.post(user, "create_sampling_session", body)
+        assert resp.status_code == 200, resp.text
+        return Records(
+            session_id=session_id,
+            model_id=model_id,
+            state_path=state,
+            sampler_path=sampler["path"],
+            sampler_id=resp.json()["sampling_session_id"],
+            request_id=fb.json()["request_id"],
+        )
