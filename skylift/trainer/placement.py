@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from skylift.config.schema import SkyliftConfig
+
 #: Roles whose ranks are training workers.
 TRAINING_ROLES = ("policy", "ref", "critic")
 
@@ -231,7 +233,7 @@ def check_feasible(plan: PlacementPlan, nodes: Sequence[Mapping[str, float]]) ->
     return problems
 
 
-def request_from_config(cfg: Any, gpu: bool) -> PlacementRequest:
+def request_from_config(cfg: SkyliftConfig, gpu: bool) -> PlacementRequest:
     """The `PlacementRequest` of a `SkyliftConfig` (`gpu`: whether the cluster's workers use GPUs)."""
     t, g = cfg.trainer, cfg.generator
     p = t.placement
