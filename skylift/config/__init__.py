@@ -5,20 +5,18 @@ cfg.trainer.train_batch_size  # 16
 print(format_config(cfg, with_help=True))
 """
 
+from skylift.config.algorithm import AlgorithmConfig, CISPOConfig, DynamicSamplingConfig, KLCtrlConfig
 from skylift.config.errors import ConfigError
 from skylift.config.formatting import format_config, to_dict
 from skylift.config.keys import config_keys, field_help
 from skylift.config.loading import KEY_ALIASES, default_config, load_config, parse_override
 from skylift.config.schema import (
-    AlgorithmConfig,
-    CISPOConfig,
     CriticConfig,
     DataConfig,
     EnvironmentConfig,
     EvalSamplingParams,
     FSDPConfig,
     GeneratorConfig,
-    KLCtrlConfig,
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
@@ -38,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CriticConfig",
     "DataConfig",
+    "DynamicSamplingConfig",
     "EnvironmentConfig",
     "EvalSamplingParams",
     "FSDPConfig",

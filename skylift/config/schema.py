@@ -1,7 +1,9 @@
 """The configuration schema: a tree of dataclasses with SkyRL-compatible key names.
 
 Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``); it is
-what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. Fields whose default
+what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. A field's own
+constraint sits beside it (``_f(8, "...", ge=1)``: see ``skylift.config.fields.Bounds``);
+checks that involve several keys are in ``skylift.config.validation``. Fields whose default
 is ``None`` and whose help says "null = ..." get a derived value from ``load_config`` (see
 ``skylift.config.validation.finalize``). Build a validated tree with ``skylift.config.load_config``;
 constructing the dataclasses directly gives defaults without derived values or validation.
@@ -9,17 +11,14 @@ constructing the dataclasses directly gives defaults without derived values or v
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from skylift.config.algorithm import AlgorithmConfig
+from skylift.config.fields import _f, _group
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++", "gae")
-POLICY_LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo")
-LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATOR_TYPES = ("k1", "k2", "k3")
-KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("none", "latest", "from_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 STRATEGIES = ("fsdp2",)
@@ -29,18 +28,6 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
 PLACEMENT_BACKENDS = ("auto", "ray", "local")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-
-
-def _f(default: Any, help: str) -> Any:
-    """A leaf field with a default value and a help line; mutable defaults are copied per instance."""
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def _group(cls: type, help: str, **kwargs: Any) -> Any:
-    """A nested group field built by ``cls(**kwargs)`` with a help line."""
-    return field(default_factory=lambda: cls(**kwargs), metadata={"help": help})
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -61,8 +48,8 @@ class DataConfig:
         "env_class", "column naming each row's environment (falls back to environment.env_class)"
     )
     shuffle: bool = _f(True, "shuffle training prompts every epoch (seeded by trainer.seed)")
-    max_train_samples: int | None = _f(None, "use at most this many training prompts; null = all")
-    max_val_samples: int | None = _f(None, "use at most this many evaluation prompts; null = all")
+    max_train_samples: int | None = _f(None, "use at most this many training prompts; null = all", ge=1)
+    max_val_samples: int | None = _f(None, "use at most this many evaluation prompts; null = all", ge=1)
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -72,9 +59,9 @@ class DataConfig:
 class LoraConfig:
     """LoRA adapters on the policy (rank 0 trains all weights)."""
 
-    rank: int = _f(0, "LoRA rank; 0 disables LoRA and trains the full model")
+    rank: int = _f(0, "LoRA rank; 0 disables LoRA and trains the full model", ge=0)
     alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / rank)")
-    dropout: float = _f(0.0, "dropout on the LoRA input")
+    dropout: float = _f(0.0, "dropout on the LoRA input", ge=0, lt=1)
     target_modules: str | list[str] = _f(
         "all-linear", "modules that get adapters: 'all-linear' or a list of names"
     )
@@ -104,12 +91,14 @@ class PolicyModelConfig(ModelConfig):
 class OptimizerConfig:
     """AdamW and learning-rate schedule of one trained model."""
 
-    lr: float = _f(1.0e-6, "AdamW learning rate")
+    lr: float = _f(1.0e-6, "AdamW learning rate", gt=0)
     adam_betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2]")
-    weight_decay: float = _f(1.0e-2, "AdamW decoupled weight decay")
+    weight_decay: float = _f(1.0e-2, "AdamW decoupled weight decay", ge=0)
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this value; <= 0 disables clipping")
-    num_warmup_steps: int = _f(0, "linear warm-up steps of the learning rate")
-    scheduler: str = _f("constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}")
+    num_warmup_steps: int = _f(0, "linear warm-up steps of the learning rate", ge=0)
+    scheduler: str = _f(
+        "constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}", choices=LR_SCHEDULERS
+    )
     offload_after_step: bool = _f(  # accepted without effect: see skylift.config.inert
         True, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: move optimizer state to CPU)"
     )
@@ -120,14 +109,10 @@ class FSDPConfig:
     """PyTorch FSDP2 (fully_shard) settings of one model."""
 
     cpu_offload: bool = _f(
-        False,
-        "sharded GPU workers keep parameters, gradients and optimizer state in host memory (FSDP2 "
-        "CPUOffloadPolicy); CPU workers hold everything there already",
+        False, "sharded GPU workers keep parameters, gradients and optimizer state in host memory"
     )
     reshard_after_forward: bool = _f(
-        True,
-        "sharded workers free each layer's gathered parameters after forward (saves memory; false "
-        "keeps them until backward, saving one all-gather)",
+        True, "sharded workers free gathered layers after forward (false: keep them until backward)"
     )
 
 
@@ -191,62 +176,6 @@ class PlacementConfig:
 
 
 @dataclass
-class KLCtrlConfig:
-    """KL coefficient controller for use_kl_in_reward."""
-
-    type: str = _f(
-        "fixed",
-        f"controller: {' | '.join(KL_CTRL_TYPES)} (initial coefficient = kl_loss_coef); adaptive moves it "
-        "after every step by (1 + clip(kl / kl_target - 1, -0.2, 0.2) * sequences / horizon)",
-    )
-    kl_target: float = _f(0.1, "target KL (per token, averaged over sequences) of the adaptive controller")
-    horizon: int = _f(10000, "adaptive controller: sequences over which the coefficient may change by 20%")
-
-
-@dataclass
-class CISPOConfig:
-    """Clipping of the importance weights in the cispo policy loss."""
-
-    cispo_eps_clip_low: float = _f(0.0, "lower clip: weights below 1 - this are clipped (not eps_clip_low)")
-    cispo_eps_clip_high: float = _f(5.0, "upper clip: weights above 1 + this are clipped (not eps_clip_high)")
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantages, policy loss and KL."""
-
-    advantage_estimator: str = _f("grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}")
-    grpo_norm_by_std: bool = _f(True, "grpo: divide group-centred rewards by the group's std")
-    advantage_batch_normalize: bool = _f(False, "normalise advantages over the whole training batch")
-    policy_loss_type: str = _f(
-        "regular", f"policy loss: {' | '.join(POLICY_LOSS_TYPES)} (regular = PPO clip)"
-    )
-    loss_reduction: str = _f("token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}")
-    eps_clip_low: float = _f(
-        0.2, "PPO clip (regular, dual_clip, gspo): ratio lower bound is 1 - eps_clip_low"
-    )
-    eps_clip_high: float = _f(
-        0.2, "PPO clip (regular, dual_clip, gspo): ratio upper bound is 1 + eps_clip_high"
-    )
-    clip_ratio_c: float = _f(3.0, "dual_clip: bound c (> 1) on the loss for negative advantages")
-    cispo: CISPOConfig = _group(CISPOConfig, "cispo settings")
-    use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")
-    kl_loss_coef: float = _f(0.001, "weight of the KL term (loss or reward)")
-    kl_estimator_type: str = _f(
-        "k3", f"KL estimator: {' | '.join(KL_ESTIMATOR_TYPES)} (see joschu.net/blog/kl-approx)"
-    )
-    use_kl_in_reward: bool = _f(
-        False, "subtract the KL penalty from rewards instead (exclusive with use_kl_loss)"
-    )
-    kl_ctrl: KLCtrlConfig = _group(KLCtrlConfig, "KL controller for use_kl_in_reward")
-    gamma: float = _f(1.0, "gae / reinforce++: discount factor")
-    lambd: float = _f(1.0, "gae: lambda of generalised advantage estimation")
-    value_clip: float = _f(0.2, "critic: value clip range")
-    use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
-    tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
-
-
-@dataclass
 class TrainerConfig:
     """The RL loop: models, placement, batch sizes, evaluation, checkpoints and logging."""
 
@@ -256,7 +185,9 @@ class TrainerConfig:
         None, "Ray cluster to join (e.g. 10.0.0.1:6379 or auto); null = RAY_ADDRESS if set, else a local Ray"
     )
     strategy: str = _f(  # accepted without effect: see skylift.config.inert
-        "fsdp2", f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)})"
+        "fsdp2",
+        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)})",
+        choices=STRATEGIES,
     )
     policy: PolicyConfig = _group(PolicyConfig, "trained policy")
     ref: RefConfig = _group(RefConfig, "reference model")
@@ -269,12 +200,12 @@ class TrainerConfig:
         "state (false = all float32)",
     )
     seed: int = _f(42, "random seed for data order, sampling and initialisation")
-    epochs: int = _f(1, "passes over the training data")
-    max_steps: int | None = _f(None, "stop after this many training steps; null = run all epochs")
-    update_epochs_per_batch: int = _f(1, "gradient passes over each training batch")
-    train_batch_size: int = _f(8, "prompts per training step (each sampled n_samples_per_prompt times)")
-    policy_mini_batch_size: int = _f(8, "prompts per policy optimizer step; divides train_batch_size")
-    critic_mini_batch_size: int = _f(8, "prompts per critic optimizer step; divides train_batch_size")
+    epochs: int = _f(1, "passes over the training data", ge=1)
+    max_steps: int | None = _f(None, "stop after this many training steps; null = run all epochs", ge=1)
+    update_epochs_per_batch: int = _f(1, "gradient passes over each training batch", ge=1)
+    train_batch_size: int = _f(8, "prompts per training step (each sampled n_samples_per_prompt times)", ge=1)
+    policy_mini_batch_size: int = _f(8, "prompts per policy optimizer step; divides train_batch_size", ge=1)
+    critic_mini_batch_size: int = _f(8, "prompts per critic optimizer step; divides train_batch_size", ge=1)
     skip_zero_advantage_rows: bool = _f(
         True,
         "train the policy only on rows with a non-zero advantage (their update is exactly the same: "
@@ -284,48 +215,67 @@ class TrainerConfig:
         3600.0,
         "the longest one call to a training worker may take (a mini-batch, a checkpoint) before the "
         "run fails naming the worker, its rank and the call",
+        gt=0,
     )
     collective_timeout_s: float = _f(
-        600.0, "timeout of the training ranks' rendezvous and of each collective between them"
+        600.0, "timeout of the training ranks' rendezvous and of each collective between them", gt=0
     )
-    micro_train_batch_size_per_gpu: int = _f(4, "sequences per forward/backward pass on one worker")
+    micro_train_batch_size_per_gpu: int = _f(4, "sequences per forward/backward pass on one worker", ge=1)
     micro_forward_batch_size_per_gpu: int = _f(
-        8, "sequences per forward-only pass (logprobs, values) on one worker"
+        8, "sequences per forward-only pass (logprobs, values) on one worker", ge=1
     )
     max_tokens_per_microbatch: int = _f(
         -1,
         "micro-batches by a token budget instead of the two row counts above (forward and training "
         "passes of policy, reference and critic): real tokens with remove_microbatch_padding, padded "
         "cells (rows x width) without; a longer sequence gets a micro-batch of its own; -1 = off",
+        or_minus_one="for row counts",
     )
     remove_microbatch_padding: bool = _f(
         False,
         "padding-free: pack each micro-batch's sequences into one row (position ids restart per "
         "sequence; transformers builds the block-diagonal mask)",
     )
-    max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are dropped from the data")
-    eval_batch_size: int = _f(64, "prompts per evaluation generation batch")
+    max_prompt_length: int = _f(
+        512, "longest prompt in tokens; longer prompts are dropped from the data", ge=1
+    )
+    eval_batch_size: int = _f(64, "prompts per evaluation generation batch", ge=1)
     eval_before_train: bool = _f(True, "evaluate once before the first training step")
-    eval_interval: int = _f(5, "evaluate every N steps; -1 disables")
+    eval_interval: int = _f(5, "evaluate every N steps; -1 disables", or_minus_one="to disable")
     ckpt_path: str | None = _f(
         None, "resumable checkpoints directory; null = ~/skylift/runs/<run_name>/ckpts"
     )
-    ckpt_interval: int = _f(10, "save a resumable checkpoint every N steps; -1 disables")
-    max_ckpts_to_keep: int = _f(-1, "keep only the newest N checkpoints; -1 keeps all")
-    hf_save_interval: int = _f(-1, "export Hugging Face weights every N steps; -1 = only at the end")
+    ckpt_interval: int = _f(
+        10, "save a resumable checkpoint every N steps; -1 disables", or_minus_one="to disable"
+    )
+    max_ckpts_to_keep: int = _f(
+        -1, "keep only the newest N checkpoints; -1 keeps all", or_minus_one="to keep all"
+    )
+    hf_save_interval: int = _f(
+        -1, "export Hugging Face weights every N steps; -1 = only at the end", or_minus_one="to disable"
+    )
     export_path: str | None = _f(
         None, "Hugging Face exports directory; null = ~/skylift/runs/<run_name>/exports"
     )
-    resume_mode: str | None = _f("latest", f"resume: {' | '.join(RESUME_MODES)} (null = none)")
+    resume_mode: str | None = _f(
+        "latest", f"resume: {' | '.join(RESUME_MODES)} (null = none)", choices=RESUME_MODES
+    )
     resume_path: str | None = _f(None, "checkpoint directory to resume from when resume_mode=from_path")
     logger: str | list[str] = _f(
-        "console", f"metric trackers: one of {' | '.join(LOGGERS)} or a list of them"
+        "console", f"metric trackers: one of {' | '.join(LOGGERS)} or a list of them", choices=LOGGERS
     )
     log_dir: str | None = _f(
         None, "metrics (jsonl, tensorboard) and plots; null = ~/skylift/runs/<run_name>/logs"
     )
     project_name: str = _f("skylift", "project name for trackers")
     run_name: str = _f("skylift_run", "run name for trackers and default output directories")
+    runs_dir: str | None = _f(
+        None,
+        "default output directories are <runs_dir>/<run_name>/...; null = $SKYLIFT_RUNS_DIR or ~/skylift/runs",
+    )
+    ray_object_store_gb: float = _f(
+        0.5, "object store of the Ray instance a run starts (not one it joins)", gt=0
+    )
     async_training: bool = _f(
         False,
         "one-step-off: generate step t+1's rollouts while step t trains (rollout logprobs become the PPO "
@@ -335,6 +285,7 @@ class TrainerConfig:
         1,
         "async_training: most policy updates between sampling a rollout and training on it; above 1, "
         "weight syncs are skipped while this bound allows",
+        ge=1,
     )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
 
@@ -355,15 +306,15 @@ class SamplingParams:
     """Sampling parameters passed to the inference engines."""
 
     max_generate_length: int = _f(
-        256, "most new tokens per response (generator.max_generate_length wins if set)"
+        256, "most new tokens per response (generator.max_generate_length wins if set)", ge=1
     )
-    temperature: float = _f(1.0, "sampling temperature; 0 = greedy")
-    top_p: float = _f(1.0, "nucleus sampling probability mass")
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy", ge=0)
+    top_p: float = _f(1.0, "nucleus sampling probability mass", gt=0, le=1)
     top_k: int = _f(-1, "sample among the k most likely tokens; -1 = all")
-    min_p: float = _f(0.0, "drop tokens below min_p times the top token's probability")
-    repetition_penalty: float = _f(1.0, "penalty on repeated tokens; 1 = none")
+    min_p: float = _f(0.0, "drop tokens below min_p times the top token's probability", ge=0, le=1)
+    repetition_penalty: float = _f(1.0, "penalty on repeated tokens; 1 = none", gt=0)
     logprobs: int | None = _f(  # accepted without effect: see skylift.config.inert
-        0, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: top logprobs per token)"
+        0, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: top logprobs per token)", ge=0
     )
     stop: list[str] | None = _f(None, "extra stop strings; null = only the tokenizer's EOS")
 
@@ -372,8 +323,10 @@ class SamplingParams:
 class EvalSamplingParams(SamplingParams):
     """Sampling parameters for evaluation: greedy by default, length defaults to training's."""
 
-    max_generate_length: int | None = _f(None, "most new tokens per response; null = the training value")
-    temperature: float = _f(0.0, "sampling temperature; 0 = greedy")
+    max_generate_length: int | None = _f(
+        None, "most new tokens per response; null = the training value", ge=1
+    )
+    temperature: float = _f(0.0, "sampling temperature; 0 = greedy", ge=0)
 
 
 @dataclass
@@ -383,6 +336,7 @@ class GeneratorConfig:
     backend: str = _f(  # accepted without effect: see skylift.config.inert
         "vllm",
         f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(INFERENCE_BACKENDS)})",
+        choices=INFERENCE_BACKENDS,
     )
     run_engines_locally: bool = _f(
         True, "start engines as Ray actors (true) or use remote_inference_engine_urls"
@@ -393,27 +347,33 @@ class GeneratorConfig:
     override_existing_update_group: str = _f(
         "auto",
         "replace an existing weight-update group on the servers: auto | enable | disable (true/false ok)",
+        choices=UPDATE_GROUP_OVERRIDES,
     )
     seeded_sampling: bool = _f(
         True,
         "sample each prompt with a seed made of trainer.seed, the step and the prompt's place in "
         "the batch: runs repeat exactly, and a resumed run samples what an uninterrupted one would",
     )
-    num_inference_engines: int = _f(1, "number of local engines")
-    inference_engine_tensor_parallel_size: int = _f(1, "tensor-parallel size of each local engine")
+    num_inference_engines: int = _f(1, "number of local engines", ge=1)
+    inference_engine_tensor_parallel_size: int = _f(1, "tensor-parallel size of each local engine", ge=1)
     model_dtype: str = _f(
-        "float32", f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training"
+        "float32",
+        f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training",
+        choices=MODEL_DTYPES,
     )
     weight_sync_backend: str = _f(
         "auto",
         f"weight broadcast backend: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto = nccl on GPU, gloo on CPU)",
+        choices=WEIGHT_SYNC_BACKENDS,
     )
-    gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use")
+    gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use", gt=0, le=1)
     kv_cache_gb: float | None = _f(
-        None, "KV cache of each local engine in GiB (default: 1 on CPU, from gpu_memory_utilization on GPU)"
+        None,
+        "KV cache of each local engine in GiB (default: 1 on CPU, from gpu_memory_utilization on GPU)",
+        gt=0,
     )
-    max_num_seqs: int = _f(256, "most sequences a local engine batches at once")
-    max_num_batched_tokens: int = _f(8192, "most tokens a local engine processes per scheduler step")
+    max_num_seqs: int = _f(256, "most sequences a local engine batches at once", ge=1)
+    max_num_batched_tokens: int = _f(8192, "most tokens a local engine processes per scheduler step", ge=1)
     enable_prefix_caching: bool = _f(True, "reuse KV cache of shared prompt prefixes")
     enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")
     enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
@@ -422,20 +382,20 @@ class GeneratorConfig:
         "accepted for SkyRL compatibility, no effect in skylift (engines always run vLLM's async engine)",
     )
     batched: bool = _f(True, "single-turn: send the whole batch at once (false = agent loop per trajectory)")
-    max_turns: int = _f(1, "most assistant turns per trajectory (> 1 = multi-turn agent loop)")
+    max_turns: int = _f(1, "most assistant turns per trajectory (> 1 = multi-turn agent loop)", ge=1)
     max_input_length: int | None = _f(
-        None, "multi-turn: most tokens of context; null = trainer.max_prompt_length"
+        None, "multi-turn: most tokens of context; null = trainer.max_prompt_length", ge=1
     )
     use_conversation_multi_turn: bool = _f(
         True, "multi-turn: observations as chat messages (false = their text continues the assistant turn)"
     )
-    n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)")
+    n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
-        None, "shorthand for sampling_params.max_generate_length; when set it wins over it"
+        None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1
     )
     sampling_params: SamplingParams = _group(SamplingParams, "sampling for training rollouts")
     eval_sampling_params: EvalSamplingParams = _group(EvalSamplingParams, "sampling for evaluation")
-    eval_n_samples_per_prompt: int = _f(1, "responses sampled per evaluation prompt")
+    eval_n_samples_per_prompt: int = _f(1, "responses sampled per evaluation prompt", ge=1)
     zero_reward_on_non_stop: bool = _f(
         False, "reward 0 for responses that did not end with a stop (truncated)"
     )
@@ -443,9 +403,11 @@ class GeneratorConfig:
         False, "mask the loss of truncated responses (DAPO overlong filtering)"
     )
     http_timeout_s: float = _f(
-        300.0, "timeout in seconds of one engine request (HTTP to a remote engine, or a local engine call)"
+        300.0,
+        "timeout in seconds of one engine request (HTTP to a remote engine, or a local engine call)",
+        gt=0,
     )
-    engine_startup_timeout_s: float = _f(900.0, "the longest local engines may take to start")
+    engine_startup_timeout_s: float = _f(900.0, "the longest local engines may take to start", gt=0)
     # several machines (issue 15): where the weight-update group's store listens
     weight_sync_master_address: str | None = _f(
         None,
@@ -453,7 +415,7 @@ class GeneratorConfig:
         "or this host's address on the route to the first remote engine",
     )
     weight_sync_timeout_s: float = _f(
-        300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast"
+        300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast", gt=0
     )
 
 
@@ -467,7 +429,7 @@ class EnvironmentConfig:
     env_class: str = _f(
         "gsm8k", "default environment for rows without an env_class column (gsm8k, arithmetic, ...)"
     )
-    max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline")
+    max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline", ge=0)
     env_kwargs: dict[str, Any] = _f(
         {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
     )

@@ -27,9 +27,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cfg", choices=["job"], default=None, help="print the resolved configuration (with help) and exit"
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print the libraries' own messages (vLLM, PyTorch, Ray, transformers)",
+    )
 
 
-def run_train(overrides: Sequence[str], config_file: str | None = None, print_cfg: bool = False) -> int:
+def run_train(
+    overrides: Sequence[str], config_file: str | None = None, print_cfg: bool = False, verbose: bool = False
+) -> int:
+    from skylift.utils.quiet import quiet_libraries
+
+    quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
     from skylift.config import ConfigError, format_config, load_config
 
     try:
@@ -44,7 +54,7 @@ def run_train(overrides: Sequence[str], config_file: str | None = None, print_cf
     from skylift.utils.processes import exit_cleanly_on_sigterm
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(cfg, verbose=verbose)
     try:
         trainer.setup()
         trainer.fit()
@@ -67,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_train_arguments(parser)
     args = parser.parse_args(argv)
-    return run_train(args.overrides, args.config_file, args.cfg == "job")
+    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,13 @@ class GenerateBody(Body):
 
 
 class InitGroupBody(Body):
-    """POST /init_weight_update_communicator (fields of `WeightUpdateGroupSpec`)."""
+    """POST /init_weight_update_communicator: fields of `WeightUpdateGroupSpec`, or of SkyRL's
+    `BroadcastInitInfo` (`master_addr`, `override_existing_receiver`, `model_dtype_str`).
+
+    `protocol` says how the trainer built its side of the group and sends: "skylift" (skylift's
+    sender: bucketed, handshake) or "skyrl" (SkyRL's `init_custom_process_group`, one tensor per
+    update, every dtype `model_dtype_str`). Unset, a body with `model_dtype_str` is SkyRL's.
+    """
 
     master_address: str = Field(min_length=1, validation_alias=AliasChoices("master_address", "master_addr"))
     master_port: int = Field(ge=1, le=65535)
@@ -48,8 +54,17 @@ class InitGroupBody(Body):
     world_size: int = Field(ge=2)
     group_name: str = DEFAULT_GROUP_NAME
     backend: Literal["gloo", "nccl"] = "gloo"
-    override_existing: bool = False
+    override_existing: bool = Field(
+        False, validation_alias=AliasChoices("override_existing", "override_existing_receiver")
+    )
     timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+    model_dtype_str: str | None = None
+    protocol: Literal["skylift", "skyrl"] | None = None
+
+    def resolved_protocol(self) -> Literal["skylift", "skyrl"]:
+        if self.protocol is not None:
+            return self.protocol
+        return "skyrl" if self.model_dtype_str is not None else "skylift"
 
 
 class UpdateWeightsBody(Body):
@@ -72,3 +87,21 @@ class SleepBody(Body):
     """POST /sleep (the level may also come as a query parameter)."""
 
     level: int = Field(1, ge=1, le=2)
+
+
+class WakeUpBody(Body):
+    """POST /wake_up (tags may also come as query parameters). SkyRL 0.3.1 sends `{"tags": 1}`
+    when its caller names no tags: a number means every tag, like no tags."""
+
+    tags: list[str] | str | int | None = None
+
+    def tag_list(self) -> list[str] | None:
+        if isinstance(self.tags, str):
+            return [self.tags]
+        return self.tags if isinstance(self.tags, list) and self.tags else None
+
+
+class ResetPrefixCacheBody(Body):
+    """POST /reset_prefix_cache (optional; SkyRL 0.4 sends it)."""
+
+    reset_running_requests: bool = False

@@ -6,8 +6,11 @@ shares one definition of what a skylift engine is.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger("skylift.inference.engine_args")
 
 WORKER_EXTENSION_CLS = "skylift.inference.vllm_worker.WeightSyncWorkerExtension"
 
@@ -38,22 +41,96 @@ def is_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def apply_cpu_env_defaults() -> None:
-    """Set `CPU_ENV_DEFAULTS` in this process's environment where unset (CPU platform only).
+#: The thread binding skylift itself last set (None while the user's own setting, or none, rules):
+#: a later engine of another tensor-parallel size may replace ours, never the user's.
+_auto_binding: str | None = None
 
-    Must run before the engine's processes are spawned; they inherit the environment.
+
+def _process_cpus() -> list[int]:
+    return (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+
+
+def cpu_thread_binding(cpus: list[int], tensor_parallel_size: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tensor_parallel_size` ranks on `cpus`: one contiguous core
+    set per rank, `|`-separated (``[0, 1], 2`` -> ``"0|1"``; ``[0..3], 2`` -> ``"0,1|2,3"``).
+    ValueError when there are fewer cores than ranks."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if len(cpus) < tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs at least {tensor_parallel_size} CPU cores "
+            f"(vLLM's CPU backend binds each rank to its own cores) but this process may use "
+            f"{len(cpus)} ({','.join(map(str, cpus))}); lower the tensor-parallel size"
+        )
+    per_rank, extra = divmod(len(cpus), tensor_parallel_size)
+    sets, start = [], 0
+    for rank in range(tensor_parallel_size):
+        size = per_rank + (1 if rank < extra else 0)
+        sets.append(",".join(str(c) for c in cpus[start : start + size]))
+        start += size
+    return "|".join(sets)
+
+
+def apply_cpu_env_defaults(tensor_parallel_size: int = 1) -> None:
+    """Set `CPU_ENV_DEFAULTS` in this process's environment where unset (CPU platform only), and
+    on a small machine bind the engine's `tensor_parallel_size` ranks to the cores (one set each).
+
+    Must run before the engine's processes are spawned; they inherit the environment. Raises
+    ValueError when the machine has fewer cores than `tensor_parallel_size` (CPU platform only).
     """
-    if is_cpu_platform():
-        for key, value in CPU_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if 0 < len(cpus) <= SMALL_MACHINE_CPUS and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            # vLLM reserves one core for its scheduler process and binds its compute threads to
-            # the rest: on 2 cores that halves generation speed (measured with SmolLM2-135M, 32
-            # sequences: 103 tok/s reserved vs 172 tok/s on both cores). Training and generation
-            # alternate, so on a small machine the engine gets every core.
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    global _auto_binding
+    if not is_cpu_platform():
+        return
+    for key, value in CPU_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    cpus = _process_cpus()
+    binding = cpu_thread_binding(cpus, tensor_parallel_size)  # refuses TP > cores on any machine
+    current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    ours = current is None or current == _auto_binding
+    if 0 < len(cpus) <= SMALL_MACHINE_CPUS and ours:
+        # vLLM reserves one core for its scheduler process and binds its compute threads to
+        # the rest: on 2 cores that halves generation speed (measured with SmolLM2-135M, 32
+        # sequences: 103 tok/s reserved vs 172 tok/s on both cores). Training and generation
+        # alternate, so on a small machine the engine gets every core; with tensor parallelism
+        # vLLM wants one core list per rank, `|`-separated.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        _auto_binding = binding
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def executor_backend(requested: str | None, tensor_parallel_size: int = 1) -> str | None:
+    """The `distributed_executor_backend` to give vLLM: `requested`, except `ray` on CPU, which
+    vLLM's CPU platform refuses ("current platform cpu does not support ray"): there the
+    multiprocessing executor (`mp`) takes its place, with one warning line."""
+    if requested != "ray" or not is_cpu_platform():
+        return requested
+    logger.warning(
+        "distributed_executor_backend='ray' is not supported by vLLM on CPU (current platform cpu "
+        "does not support ray): using vLLM's multiprocessing executor ('mp') for the %d rank(s) instead",
+        tensor_parallel_size,
+    )
+    return "mp"
+
+
+def worker_extension(requested: str | None) -> str:
+    """The `worker_extension_cls` to give vLLM: skylift's receiver in place of SkyRL's
+    (`skyrl_train....WorkerWrap`, which the seed's server command names), with one warning line;
+    any other class unchanged (None: ours)."""
+    if not requested:
+        return WORKER_EXTENSION_CLS
+    if requested.split(".")[0] in ("skyrl_train", "skyrl"):
+        logger.warning(
+            "--worker-extension-cls %s replaced by %s: skylift's weight receiver speaks SkyRL's "
+            "weight-update protocol",
+            requested,
+            WORKER_EXTENSION_CLS,
+        )
+        return WORKER_EXTENSION_CLS
+    return requested
 
 
 def kv_cache_bytes(requested: int | None) -> int | None:
@@ -103,6 +180,10 @@ def build_engine_args(
         raise ValueError(
             "enable_sleep_mode=True is not supported by vllm-cpu (it cannot release memory); "
             "start the engine without it"
+        )
+    if "distributed_executor_backend" in extra:
+        extra["distributed_executor_backend"] = executor_backend(
+            extra["distributed_executor_backend"], tensor_parallel_size
         )
     extra.setdefault("disable_log_stats", True)
     extra.setdefault("logprobs_mode", LOGPROBS_MODE)

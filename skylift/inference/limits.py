@@ -6,22 +6,15 @@ values: the HTTP routes, the server's cap on vLLM's own routes and Tinker's samp
 
 from __future__ import annotations
 
-import os
+from skylift.config.services import InferenceServerLimits
 
-
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError as e:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from e
-
-
+#: This process's limits (the defaults, or the SKYLIFT_* variables of `InferenceServerLimits`).
+LIMITS = InferenceServerLimits.from_env()
 #: Most samples per prompt one request may ask for (`SKYLIFT_MAX_N`).
-MAX_N = int(_env_number("SKYLIFT_MAX_N", 256))
+MAX_N = LIMITS.max_n
 #: Most prompts in one /skylift/generate request (`SKYLIFT_MAX_PROMPTS`).
-MAX_PROMPTS = int(_env_number("SKYLIFT_MAX_PROMPTS", 4096))
+MAX_PROMPTS = LIMITS.max_prompts
 #: Timeout of one weight-bucket receive (`SKYLIFT_WEIGHT_RPC_TIMEOUT_S`).
-WEIGHT_RPC_TIMEOUT_S = _env_number("SKYLIFT_WEIGHT_RPC_TIMEOUT_S", 600.0)
+WEIGHT_RPC_TIMEOUT_S = LIMITS.weight_rpc_timeout_s
 #: Timeout of small control RPCs (destroy, has-group).
-CONTROL_RPC_TIMEOUT_S = 60.0
+CONTROL_RPC_TIMEOUT_S = LIMITS.control_rpc_timeout_s

@@ -102,7 +102,7 @@ class LocalVLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _quiet_teardown(AsyncLLM)
-        apply_cpu_env_defaults()
+        apply_cpu_env_defaults(tensor_parallel_size)
         args = build_engine_args(
             model,
             max_model_len=max_model_len,

@@ -23,23 +23,27 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from pydantic import ValidationError
 from starlette.middleware import Middleware
 
+from skylift.inference import skyrl_routes
 from skylift.inference.auth import ApiKeyMiddleware, api_key_problem
 from skylift.inference.bodies import (
     Body,
     GenerateBody,
     InitGroupBody,
+    ResetPrefixCacheBody,
     SamplingParamsBody,
     SleepBody,
     UpdateWeightBody,
     UpdateWeightsBody,
+    WakeUpBody,
 )
 from skylift.inference.limits import CONTROL_RPC_TIMEOUT_S, MAX_N, MAX_PROMPTS, WEIGHT_RPC_TIMEOUT_S
-from skylift.weight_sync.buckets import validate_bucket
+from skylift.weight_sync.buckets import dtype_to_str, str_to_dtype, validate_bucket
 from skylift.weight_sync.protocol import (
     RPC_DESTROY,
     RPC_HAS_GROUP,
@@ -73,6 +77,8 @@ class SkyliftState:
     weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     group_ready: bool = False
     group_name: str | None = None
+    #: the dtype every tensor of the group must have (SkyRL's `model_dtype_str`), if it says
+    group_dtype: str | None = None
     weight_version: int = 0
     started_at: float = field(default_factory=time.time)
 
@@ -186,10 +192,13 @@ async def _rpc(state: SkyliftState, method: str, args: tuple, timeout_s: float, 
         raise _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{what} failed: {type(e).__name__}: {e}") from e
 
 
-async def _reset_prefix_cache(state: SkyliftState, attempts: int = 20) -> bool:
-    """Reset the prefix cache, retrying briefly while running requests still hold blocks."""
+async def _reset_prefix_cache(
+    state: SkyliftState, attempts: int = 20, reset_running_requests: bool = False
+) -> bool:
+    """Reset the prefix cache, retrying briefly while running requests still hold blocks
+    (`reset_running_requests`: preempt them so their blocks are freed too)."""
     for attempt in range(attempts):
-        if await state.engine_client.reset_prefix_cache():
+        if await state.engine_client.reset_prefix_cache(reset_running_requests):
             return True
         await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
     return False
@@ -317,7 +326,8 @@ async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
 async def wake_up(request: Request) -> dict[str, Any]:
     """Restore what /sleep released (optionally only some tags: ?tags=weights&tags=kv_cache)."""
     state = _state(request)
-    tags = request.query_params.getlist("tags") or None
+    body = await _optional_body(request, WakeUpBody)
+    tags = request.query_params.getlist("tags") or (body.tag_list() if body else None)
     _require_sleep_support(state, "wake_up")
     awake = await state.engine_client.wake_up(tags)
     return {"status": "awake" if awake else "sleeping", "tags": tags}
@@ -334,6 +344,12 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
             f"world_size={body.world_size} is too small: this server's {state.tensor_parallel_size} "
             f"worker(s) take ranks {body.rank_offset}..{last_rank}",
         )
+    dtype = None
+    if body.model_dtype_str is not None:
+        try:
+            dtype = dtype_to_str(str_to_dtype(body.model_dtype_str))
+        except ValueError as e:
+            raise _error(HTTPStatus.BAD_REQUEST, f"model_dtype_str: {e}") from e
     async with state.weight_lock:
         if state.group_ready and not body.override_existing:
             raise _error(
@@ -342,14 +358,17 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
                 "pass override_existing=true to replace it",
             )
         state.group_ready = False
-        args = WeightUpdateGroupSpec(**body.model_dump()).rpc_args()
+        fields = body.model_dump(exclude={"model_dtype_str", "protocol"})
+        args = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol()).rpc_args()
         started = time.perf_counter()
         await _rpc(state, RPC_INIT_GROUP, args, body.timeout_s, "init_weight_update_communicator")
         state.group_ready = True
         state.group_name = body.group_name
+        state.group_dtype = dtype
     return {
         "status": "ok",
         "group_name": body.group_name,
+        "protocol": body.resolved_protocol(),
         "ranks": list(range(body.rank_offset, last_rank + 1)),
         "seconds": round(time.perf_counter() - started, 4),
     }
@@ -368,14 +387,24 @@ async def _receive_bucket(
                 HTTPStatus.CONFLICT,
                 "no weight-update group: call /init_weight_update_communicator first",
             )
+        wrong = next((i for i, d in enumerate(bucket.dtypes) if state.group_dtype not in (None, d)), None)
+        if wrong is not None:
+            raise _error(
+                HTTPStatus.BAD_REQUEST,
+                f"tensor {names[wrong]!r} has dtype {bucket.dtypes[wrong]}, but the group was created "
+                f"with model_dtype_str={state.group_dtype}",
+            )
         started = time.perf_counter()
-        await _rpc(
+        results = await _rpc(
             state,
             RPC_RECEIVE,
             bucket.rpc_args(),
             WEIGHT_RPC_TIMEOUT_S,
             f"update_weights ({len(names)} tensors, first {names[0]!r})",
         )
+        refusal = next((r for r in results if isinstance(r, str)), None)
+        if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
+            raise _error(HTTPStatus.CONFLICT, f"update_weights: {refusal}")
         received = time.perf_counter() - started
         state.weight_version += 1
         reset = await _reset_prefix_cache(state)
@@ -389,8 +418,18 @@ async def _receive_bucket(
 
 
 @router.post("/update_weights")
-async def update_weights(body: UpdateWeightsBody, request: Request) -> dict[str, Any]:
-    """Receive one bucket over the group (the trainer broadcasts while this request is open)."""
+async def update_weights(request: Request) -> dict[str, Any]:
+    """Receive one bucket over the group (the trainer broadcasts while this request is open).
+
+    A body with `update_info` instead of `names`/`dtypes`/`shapes` is vLLM's weight-transfer
+    protocol (SkyRL 0.4), handled by `skyrl_routes`."""
+    raw = await skyrl_routes.json_object(request)
+    if "update_info" in raw:
+        return await skyrl_routes.weight_transfer_update(request, raw)
+    try:
+        body = UpdateWeightsBody.model_validate(raw)
+    except ValidationError as e:
+        raise _error(HTTPStatus.BAD_REQUEST, f"invalid body for /update_weights: {e}") from e
     return await _receive_bucket(_state(request), body.names, body.dtypes, body.shapes)
 
 
@@ -406,22 +445,36 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     state = _state(request)
     async with state.weight_lock:
         existed = state.group_ready
-        await _rpc(state, RPC_DESTROY, (), CONTROL_RPC_TIMEOUT_S, "destroy_weights_update_group")
+        results = await _rpc(state, RPC_DESTROY, (), CONTROL_RPC_TIMEOUT_S, "destroy_weights_update_group")
         state.group_ready = False
         state.group_name = None
+        state.group_dtype = None
+    pending = next((r for r in results if isinstance(r, str)), None)
+    if pending is not None:
+        raise _error(
+            HTTPStatus.CONFLICT,
+            f"weight-update group destroyed with fused modules never completed, so never loaded: {pending}",
+        )
     return {"status": "ok", "destroyed": existed}
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request) -> dict[str, Any]:
-    """Drop cached prefixes (needed after weights change)."""
-    success = await _reset_prefix_cache(_state(request))
+async def reset_prefix_cache(request: Request, reset_running_requests: bool | None = None) -> dict[str, Any]:
+    """Drop cached prefixes (needed after weights change). No body, or
+    `{"reset_running_requests": bool}` (also a query parameter): preempt running requests too."""
+    body = await _optional_body(request, ResetPrefixCacheBody)
+    if reset_running_requests is None:
+        reset_running_requests = bool(body and body.reset_running_requests)
+    success = await _reset_prefix_cache(_state(request), reset_running_requests=reset_running_requests)
     if not success:
         raise _error(HTTPStatus.CONFLICT, "prefix cache still in use by running requests; retry later")
     return {"status": "ok", "success": True}
 
 
-async def _optional_body(request: Request, model: type[Body]) -> Body | None:
+_B = TypeVar("_B", bound=Body)
+
+
+async def _optional_body(request: Request, model: type[_B]) -> _B | None:
     raw = await request.body()
     if not raw.strip():
         return None
@@ -441,6 +494,7 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
         app.middleware_stack = app.build_middleware_stack()
     before = len(app.router.routes)
     app.include_router(router)
+    skyrl_routes.install(app)  # vLLM's RL control routes, weight-transfer routes (SkyRL 0.4)
     ours = app.router.routes[before:]
     del app.router.routes[before:]
     app.router.routes[0:0] = ours

@@ -10,7 +10,13 @@ server flags (`--model --tensor-parallel-size --host --port --seed --max-model-l
   `/sleep` answers 501;
 - the routes of `skylift.inference.routes` are added to vLLM's app; with an API key every route
   but the probes (/health, /ping, /version, /metrics, /load) needs it, not only vLLM's /v1 ones;
-- `n` (samples per prompt) is capped at SKYLIFT_MAX_N (256) on every route, vLLM's included.
+- `n` (samples per prompt) is capped at SKYLIFT_MAX_N (256) on every route, vLLM's included;
+- the seed's SkyRL command line runs as written: SkyRL's `--worker-extension-cls
+  skyrl_train....WorkerWrap` is replaced by skylift's receiver (which speaks SkyRL's protocol); on
+  CPU `--distributed-executor-backend ray` becomes vLLM's `mp` executor and each tensor-parallel
+  rank gets its own cores (a TP size above the core count is refused); both with a warning line;
+- vLLM's RL control routes (/pause, /resume, /is_paused, /get_world_size, /is_sleeping) are
+  mounted without vLLM's dev mode (see `skylift.inference.skyrl_routes`).
 """
 
 from __future__ import annotations
@@ -194,10 +200,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "grpc", False):
         parser.error("skylift serve is an HTTP server; --grpc is not supported")
     configure_logging_from_args(args)
-    from skylift.inference.engine_args import apply_cpu_env_defaults, kv_cache_bytes
+    from skylift.inference.engine_args import (
+        apply_cpu_env_defaults,
+        executor_backend,
+        kv_cache_bytes,
+        worker_extension,
+    )
 
-    apply_cpu_env_defaults()  # before the engine's processes are spawned (they inherit it)
     try:
+        # before the engine's processes are spawned (they inherit the environment)
+        apply_cpu_env_defaults(int(args.tensor_parallel_size or 1))
+        args.worker_extension_cls = worker_extension(args.worker_extension_cls)
+        args.distributed_executor_backend = executor_backend(
+            args.distributed_executor_backend, int(args.tensor_parallel_size or 1)
+        )
         args.kv_cache_memory_bytes = kv_cache_bytes(args.kv_cache_memory_bytes)
     except ValueError as exc:
         parser.error(str(exc))

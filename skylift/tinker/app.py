@@ -335,13 +335,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post(f"{api}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         request_id = str((await _json(request)).get("request_id"))
-        unknown = _error(404, f"unknown request id {request_id!r}")
-        if not await hub().exists_for(request_id, who(request)):
-            return unknown
         try:
-            outcome = await hub().wait(request_id, config.long_poll_s)
-        except KeyError:  # pruned meanwhile
-            return unknown
+            outcome = await hub().wait(request_id, config.long_poll_s, user=who(request))
+        except KeyError:  # unknown, pruned or another user's
+            return _error(404, f"unknown request id {request_id!r}")
         if outcome is None:
             return JSONResponse(
                 {"type": "try_again", "request_id": request_id, "queue_state": "active"}, status_code=408

@@ -210,24 +210,14 @@ class FutureHub:
         return count
 
     # ---------------------------------------------------------------- retrieving
-    def owner(self, request_id: str) -> tuple[bool, str | None] | None:
-        """(exists, owner) when this process knows the future, else None (ask the store)."""
-        live = self._live.get(request_id)
-        return None if live is None else (True, live.owner)
-
-    async def exists_for(self, request_id: str, user: str | None) -> bool:
-        """True when `request_id` is a future of `user` (None: any user)."""
-        known = self.owner(request_id)
-        if known is None:
-            known = await self._read(self.store.future_owner, request_id)
-        exists, owner = known
-        return exists and (user is None or owner == user)
-
-    async def wait(self, request_id: str, timeout_s: float) -> Outcome | None:
-        """The future's outcome (pending only when lost), None while it runs after `timeout_s`;
-        KeyError if unknown."""
+    async def wait(self, request_id: str, timeout_s: float, user: str | None = None) -> Outcome | None:
+        """The future's outcome (status "lost" for one lost in a restart), None while it still runs
+        after `timeout_s`; KeyError if unknown or, with `user`, another user's (one database read
+        at most)."""
         live = self._live.get(request_id)
         if live is not None:
+            if user is not None and live.owner != user:
+                raise KeyError(request_id)
             if live.final is None:
                 try:
                     await asyncio.wait_for(live.event.wait(), timeout_s)
@@ -236,7 +226,7 @@ class FutureHub:
             if live.final is not None and not live.written:
                 return live.final
         row = await self._read(self.store.get, FutureRow, request_id)
-        if row is None:
+        if row is None or (user is not None and row.owner != user):
             raise KeyError(request_id)
         if row.status == "pending":  # pending in the store but not in this process
             return Outcome("lost")

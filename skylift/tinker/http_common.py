@@ -17,6 +17,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import skylift
 from skylift.tinker.auth import DEFAULT_USER, KeyRing, current_user
@@ -62,24 +64,38 @@ def malformed_response(request: Request, exc: Exception) -> JSONResponse:
     return error_response(400, f"{request.url.path}: malformed request ({what})")
 
 
+class _Authenticate:
+    """Pure ASGI middleware (no extra task per request): the caller's user from X-API-Key."""
+
+    def __init__(self, app: ASGIApp, keyring: KeyRing, api: str) -> None:
+        self.app, self.keyring, self.api = app, keyring, api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        user: str | None = DEFAULT_USER
+        if path.startswith((self.api, "/skylift/")) and path != f"{self.api}/healthz":
+            sent = Headers(scope=scope).get("x-api-key")
+            user = self.keyring.user_of(sent)
+            if user is None:
+                await error_response(401, "invalid or missing API key (header X-API-Key)")(
+                    scope, receive, send
+                )
+                return
+        scope.setdefault("state", {})["user"] = user
+        token = current_user.set(user)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_user.reset(token)
+
+
 def install_auth(app: FastAPI, keyring: KeyRing, api: str) -> None:
     """Every request under `api` and /skylift/ (but healthz) needs a key `keyring` knows; its user
     is `request.state.user` and `skylift.tinker.auth.current_user` while the request is served."""
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        user: str | None = DEFAULT_USER
-        if path.startswith((api, "/skylift/")) and path != f"{api}/healthz":
-            user = keyring.user_of(request.headers.get("x-api-key"))
-            if user is None:
-                return error_response(401, "invalid or missing API key (header X-API-Key)")
-        request.state.user = user
-        token = current_user.set(user)
-        try:
-            return await call_next(request)
-        finally:
-            current_user.reset(token)
+    app.add_middleware(_Authenticate, keyring=keyring, api=api)
 
 
 def install_error_handlers(app: FastAPI) -> None:

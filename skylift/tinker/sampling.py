@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
 from skylift.tinker.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
@@ -39,17 +40,6 @@ WeightLoader = Callable[[], dict[str, torch.Tensor]]
 class SampleResult:
     sequences: list[SampledSequenceData]
     prompt_logprobs: list[float] | None
-
-
-@dataclass
-class EngineSettings:
-    """How engines are built."""
-
-    max_model_len: int = 2048
-    dtype: str = "float32"
-    max_num_seqs: int = 64
-    seed: int = 0
-    start_timeout_s: float = 900.0
 
 
 class EngineHost:

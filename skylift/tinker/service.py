@@ -15,39 +15,20 @@ import shutil
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from skylift.config.services import ServerConfig
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.futures import FutureHub, OrderedQueue
 from skylift.tinker.render_host import RenderHost
-from skylift.tinker.sampling import EngineHost, EngineSettings
+from skylift.tinker.sampling import EngineHost
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class ServerConfig:
-    """Settings of one Tinker server."""
-
-    base_models: list[str]
-    db_url: str = "sqlite:///skylift-tinker.db"
-    data_dir: Path = Path("skylift-tinker-data")
-    api_key: str | None = None
-    api_keys_file: Path | None = None  # "USER KEY" lines; SIGHUP reloads it (skylift.tinker.auth)
-    result_retention_s: float | None = 3600.0  # retrieved results are deleted this long after
-    max_model_len: int | None = None  # default: the model's, capped at 4096
-    session_timeout_s: float = 300.0
-    cleanup_interval_s: float = 30.0
-    long_poll_s: float = 20.0
-    gap_timeout_s: float = 2.0
-    micro_batch_size: int = 8
-    max_snapshots: int = 4
-    engine: EngineSettings = field(default_factory=EngineSettings)
 
 
 @dataclass

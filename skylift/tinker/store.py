@@ -97,7 +97,7 @@ class Store:
             )
             return list(s.scalars(q))
 
-    # ---------------------------------------------------------------- models
+    # ---------------------------------------------------------------- owners
     def set_session_owner(self, session_id: str, owner: str) -> None:
         with self.tx() as s:
             s.execute(update(SessionRow).where(SessionRow.id == session_id).values(owner=owner))
@@ -119,12 +119,7 @@ class Store:
             )
             return s.scalar(q.where(SamplingSessionRow.id == sampler_id))
 
-    def future_owner(self, request_id: str) -> tuple[bool, str | None]:
-        """(exists, owner) of a future."""
-        with self.tx() as s:
-            row = s.execute(select(FutureRow.owner).where(FutureRow.request_id == request_id)).first()
-            return (False, None) if row is None else (True, row[0])
-
+    # ---------------------------------------------------------------- models
     def list_models(self, limit: int, offset: int, owner: str | None = None) -> tuple[list[ModelRow], int]:
         """A page of training models, newest first (only `owner`'s when given) and their total."""
         with self.tx() as s:
@@ -147,10 +142,6 @@ class Store:
                 row.status = "unloaded"
 
     # ---------------------------------------------------------------- futures
-    def future_by_dedup(self, key: str) -> FutureRow | None:
-        with self.tx() as s:
-            return s.scalars(select(FutureRow).where(FutureRow.dedup_key == key)).first()
-
     def finish_future(
         self,
         request_id: str,
@@ -171,13 +162,6 @@ class Store:
             finished_at=utcnow(),
         )
 
-    def fail_pending_futures(self, message: str) -> int:
-        with self.tx() as s:
-            rows = list(s.scalars(select(FutureRow).where(FutureRow.status == "pending")))
-            for row in rows:
-                row.status, row.error, row.category, row.finished_at = "failed", message, "server", utcnow()
-            return len(rows)
-
     def mark_pending_lost(self) -> int:
         """At start-up: futures still pending belonged to a previous process; they are lost."""
         with self.tx() as s:
@@ -187,17 +171,6 @@ class Store:
                 .values(status="lost", dedup_key=None, finished_at=utcnow())
             )
             return int(done.rowcount or 0)
-
-    def fail_futures(self, request_ids: list[str], message: str, category: str) -> None:
-        """Fail the given futures that are still pending."""
-        if not request_ids:
-            return
-        with self.tx() as s:
-            s.execute(
-                update(FutureRow)
-                .where(FutureRow.request_id.in_(request_ids), FutureRow.status == "pending")
-                .values(status="failed", error=message, category=category, finished_at=utcnow())
-            )
 
     def mark_retrieved(self, request_id: str) -> None:
         with self.tx() as s:

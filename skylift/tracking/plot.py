@@ -23,8 +23,25 @@ def find_metrics_file(run_dir: str | Path) -> Path:
     raise FileNotFoundError(f"no metrics.jsonl in {run} or {run / 'logs'}")
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Plot `reward/mean` (train) and every `eval/*accuracy*` series against the step."""
+def accuracy_series(rows: list[dict]) -> list[str]:
+    """The `eval/*accuracy*` keys to draw: the per-data-source ones only when there are several
+    sources (with one, `eval/<source>/accuracy` is `eval/accuracy` again)."""
+    keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "accuracy" in k})
+    per_source = [k for k in keys if k.count("/") == 2]
+    if len(per_source) == 1 and "eval/accuracy" in keys:
+        keys.remove(per_source[0])
+    return keys
+
+
+def run_title(jsonl: Path) -> str:
+    """The run's name: the directory holding `logs/metrics.jsonl` (or `metrics.jsonl`)."""
+    logs = jsonl.parent
+    return logs.parent.name if logs.name == "logs" else logs.name
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
+    """Plot `reward/mean` (train) and the evaluation accuracy series against the step, titled
+    `title` (default: the run's directory name)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,8 +58,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax_reward.set_ylabel("reward")
     ax_reward.set_title("training reward")
     ax_reward.grid(alpha=0.3)
-    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "accuracy" in k})
-    for key in eval_keys:
+    for key in accuracy_series(rows):
         series = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         ax_eval.plot(*zip(*series, strict=True), marker="s", label=key.removeprefix("eval/"))
     ax_eval.set_xlabel("step")
@@ -53,7 +69,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in (ax_reward, ax_eval):
         if ax.lines:
             ax.legend(loc="lower right")
-    fig.suptitle(str(Path(run_dir).name))
+    fig.suptitle(title or run_title(jsonl))
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

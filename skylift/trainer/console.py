@@ -1,7 +1,11 @@
-"""What a training run prints: `[skylift]` lines, a progress bar and one summary line per step."""
+"""What a training run prints: `[skylift]` lines, a progress bar and one summary line per step.
+
+The bar is drawn on a terminal only; in a log file the step lines say the same.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -24,16 +28,19 @@ class Console:
             initial=done,
             desc="training",
             unit="step",
-            disable=not self.enabled,
+            disable=not (self.enabled and sys.stderr.isatty()),
             dynamic_ncols=True,
         )
 
     def step_done(self, step: int, total: int, metrics: dict[str, float]) -> None:
-        if self._bar is None:
-            return
-        self._bar.update(1)
+        if self._bar is not None:
+            self._bar.update(1)
         if self.enabled:
-            self._bar.write(step_summary(step, total, metrics))
+            line = step_summary(step, total, metrics)
+            if self._bar is not None and not self._bar.disable:
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
 
     def close_progress(self) -> None:
         if self._bar is not None:

@@ -27,6 +27,7 @@ from skylift.inference.types import EngineUnavailableError
 from skylift.trainer import checkpoint as ckpt
 from skylift.trainer.async_rollouts import BackgroundRollouts, with_next
 from skylift.trainer.console import Console
+from skylift.trainer.dynamic_sampling import dynamic_sample, extra_round_rows
 from skylift.trainer.engine_weights import EngineWeights
 from skylift.trainer.evaluation import dump_eval, evaluate
 from skylift.trainer.experience import ExperienceSettings, make_experience
@@ -44,10 +45,11 @@ class TrainingStoppedError(RuntimeError):
 class RLTrainer:
     """A run from a `SkyliftConfig`: `setup()` builds it, `fit()` trains, `shutdown()` ends it."""
 
-    def __init__(self, cfg: SkyliftConfig, *, console: bool = True) -> None:
+    def __init__(self, cfg: SkyliftConfig, *, console: bool = True, verbose: bool = False) -> None:
+        """`console`: print progress; `verbose`: also the libraries' own messages."""
         self.cfg = cfg
         self.console = Console(console)
-        self.runtime = Runtime(cfg, self.console.say)
+        self.runtime = Runtime(cfg, self.console.say, verbose)
         self.state = ckpt.TrainerState()
         self.history: list[dict[str, float]] = []
         self.weights: EngineWeights | None = None
@@ -131,12 +133,13 @@ class RLTrainer:
         assert self.weights is not None
         tick = time.perf_counter()
         trajectories = self.generate(rows)
+        trajectories, fill_metrics = self.fill_batch(trajectories)
         generate_s = time.perf_counter() - tick
         if self.runtime.colocation.sleep_engines:  # free the shared devices for training
             self.weights.sleep()
         metrics = self.update(trajectories)
         metrics.update(self._sync_after_update())
-        metrics.update({"timing/generate_s": generate_s, "timing/wait_s": generate_s})
+        metrics.update({"timing/generate_s": generate_s, "timing/wait_s": generate_s, **fill_metrics})
         return metrics
 
     def async_train_step(
@@ -149,13 +152,57 @@ class RLTrainer:
             self.rollouts.launch(self._rollout(rows))
             wait_s, generate_s = self.rollouts.join()
         trajectories = self.rollouts.take()
+        tick = time.perf_counter()  # extra rounds of dynamic sampling run before the next launch
+        trajectories, fill_metrics = self.fill_batch(trajectories)
+        filled_s = time.perf_counter() - tick if fill_metrics else 0.0
         if next_rows is not None:
             self.rollouts.launch(self._rollout(next_rows, ahead=1))
         metrics = self.update(trajectories)
         waited, generated = self.rollouts.join()  # no generation may be in flight during the sync
         metrics.update(self._sync_after_update())
-        metrics.update({"timing/generate_s": generate_s + generated, "timing/wait_s": wait_s + waited})
+        metrics.update(
+            {
+                "timing/generate_s": generate_s + generated + filled_s,
+                "timing/wait_s": wait_s + waited + filled_s,
+                **fill_metrics,
+            }
+        )
         return metrics
+
+    def fill_batch(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+        """Dynamic sampling (`trainer.algorithm.dynamic_sampling`): the step's batch made of groups
+        whose rewards differ, sampling extra rounds of prompts when needed (see `dynamic_sampling`)."""
+        t = self.cfg.trainer
+        ds = t.algorithm.dynamic_sampling
+        if ds.type is None:
+            return trajectories, {}
+        data, step = self.runtime.train_data, self.state.global_step
+
+        def sample_round(round_index: int) -> list[Trajectory]:
+            index = extra_round_rows(len(data), t.seed, step, round_index, t.train_batch_size)
+            return self.generate([data[i] for i in index]) if index else []
+
+        out = dynamic_sample(
+            trajectories,
+            sample_round,
+            ds.type,
+            t.train_batch_size,
+            None if ds.max_sample_batches == -1 else ds.max_sample_batches,
+            ds.min_replace_ratio,
+            seed=t.seed + step,
+        )
+        if out.short:
+            self.console.say(
+                f"step {step + 1}: dynamic sampling ({ds.type}) found {out.groups_kept} of "
+                f"{t.train_batch_size} prompt groups with mixed rewards in {out.rounds} round(s) "
+                f"({out.groups_sampled} groups sampled); training on what there is"
+            )
+        metrics = {
+            "dynamic_sampling/groups_sampled": float(out.groups_sampled),
+            "dynamic_sampling/groups_kept": float(out.groups_kept),
+            "dynamic_sampling/rounds": float(out.rounds),
+        }
+        return out.trajectories, metrics
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Experience (logprobs, values, advantages) -> critic and policy updates; the version goes up."""

@@ -36,6 +36,7 @@ from skylift.trainer.settings import (
 )
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.worker import WorkerSettings
+from skylift.utils.quiet import quiet_libraries
 
 T = TypeVar("T")
 
@@ -47,9 +48,14 @@ def _quiet(text: str) -> None:
 class Runtime:
     """The parts of one run, built from a `SkyliftConfig`; `say` prints progress lines."""
 
-    def __init__(self, cfg: SkyliftConfig, say: Callable[[str], None] = _quiet) -> None:
+    def __init__(
+        self, cfg: SkyliftConfig, say: Callable[[str], None] = _quiet, verbose: bool = False
+    ) -> None:
+        """`verbose`: let the libraries print their own messages (see `skylift.utils.quiet`)."""
         self.cfg = cfg
         self.say = say
+        self.verbose = verbose
+        quiet_libraries(verbose)
         self.paths = RunPaths.from_config(cfg)
         self.loop = asyncio.new_event_loop()
         self.engine_refs: list[EngineRef] = []
@@ -113,7 +119,6 @@ class Runtime:
         )
         if self.colocation.message:
             self.say(self.colocation.message)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; users may override
         if self.use_ray:  # join RAY_ADDRESS / trainer.ray_address or start one; reserve the placement
             ray_run = start_ray_run(cfg)
             self._ray_started, self.placement = ray_run.started, ray_run.placement
@@ -173,6 +178,7 @@ class Runtime:
         g = self.cfg.generator
         if g.run_engines_locally:
             kwargs = local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
+            kwargs.setdefault("use_tqdm_on_load", self.verbose)  # vLLM's checkpoint-shard bar
             started = time.perf_counter()
             where = "as Ray actors" if self.use_ray else "in this process"
             self.say(f"starting {g.num_inference_engines} local vLLM engine(s) {where}...")
@@ -205,9 +211,12 @@ class Runtime:
         if self.loop.is_closed():
             return
         try:
-            for group in (self.policy, self.ref, self.critic):
+            for name, group in (("policy", self.policy), ("ref", self.ref), ("critic", self.critic)):
                 if group is not None:
-                    group.shutdown()
+                    try:
+                        group.shutdown()
+                    except Exception as exc:  # noqa: BLE001 - a dead worker must not keep the engines up
+                        self.say(f"shutting down the {name} workers: {type(exc).__name__}: {exc}")
             if self.engines is not None:
                 self.run(self.engines.close())
             from skylift.inference.http_session import close_default_pool

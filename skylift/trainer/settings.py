@@ -27,6 +27,10 @@ RAY_WORKER_ENV = (
     "TOKENIZERS_PARALLELISM",
     "OMP_NUM_THREADS",
     "VLLM_LOGGING_LEVEL",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_LOGS",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "PYTHONWARNINGS",
     "SKYLIFT_RUNS_DIR",
 )
 
@@ -43,7 +47,7 @@ class RunPaths:
         from skylift.config.validation import default_run_root
 
         t = cfg.trainer
-        root = default_run_root(t.run_name)
+        root = default_run_root(t.run_name, t.runs_dir)
         return cls(
             root=root,
             ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
@@ -172,10 +176,11 @@ def ray_worker_env(joining: bool) -> dict[str, str]:
     return env
 
 
-def init_ray(address: str | None = None, min_cpus: float = 0) -> bool:
+def init_ray(address: str | None = None, min_cpus: float = 0, object_store_gb: float = 0.5) -> bool:
     """Join the Ray cluster at `address` (or `RAY_ADDRESS`), else start a local one on loopback.
 
-    A local Ray gets at least `min_cpus` logical CPUs (what the run's placement groups ask for).
+    A local Ray gets at least `min_cpus` logical CPUs (what the run's placement groups ask for)
+    and an object store of `object_store_gb` GiB.
     Returns True when this call connected (the caller then calls `ray.shutdown()`).
     """
     import ray
@@ -191,7 +196,7 @@ def init_ray(address: str | None = None, min_cpus: float = 0) -> bool:
         num_cpus=int(max(2, os.cpu_count() or 2, math.ceil(min_cpus))),
         include_dashboard=False,
         log_to_driver=True,
-        object_store_memory=int(os.environ.get("SKYLIFT_RAY_OBJECT_STORE_BYTES", 512 << 20)),
+        object_store_memory=int(object_store_gb * (1 << 30)),
         runtime_env={"env_vars": ray_worker_env(False)},
         _node_ip_address="127.0.0.1",
     )
@@ -235,7 +240,9 @@ def start_ray_run(cfg: SkyliftConfig) -> RayRun:
     gpu = torch.cuda.is_available()
     request = request_from_config(cfg, gpu=gpu)
     plan = plan_placement(request)
-    started = init_ray(address, min_cpus=plan.total().get("CPU", 0.0))
+    started = init_ray(
+        address, min_cpus=plan.total().get("CPU", 0.0), object_store_gb=cfg.trainer.ray_object_store_gb
+    )
     lines = [ray_cluster_line(joined=bool(address))]
     needed, have = plan.total().get("GPU", 0.0), float(ray.cluster_resources().get("GPU", 0.0))
     if not address and 0 < have < needed:

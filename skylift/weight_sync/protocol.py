@@ -26,6 +26,9 @@ class WeightUpdateGroupSpec:
     """How an engine joins the trainer's weight-update process group.
 
     The trainer is rank 0; an engine's workers take ranks `rank_offset .. rank_offset + tp - 1`.
+    `protocol` "skyrl": the trainer built its side with SkyRL's `init_custom_process_group`
+    (torch's store layout, no handshake) and sends one tensor per update
+    (`weight_sync.torch_group`, `weight_sync.fused_staging`).
     """
 
     master_address: str
@@ -36,6 +39,7 @@ class WeightUpdateGroupSpec:
     backend: Literal["gloo", "nccl"] = "gloo"
     override_existing: bool = False
     timeout_s: float = 120.0
+    protocol: Literal["skylift", "skyrl"] = "skylift"
 
     def rpc_args(self) -> tuple[Any, ...]:
         """The positional arguments of the receiver's `RPC_INIT_GROUP` method."""
@@ -48,6 +52,7 @@ class WeightUpdateGroupSpec:
             self.backend,
             self.override_existing,
             self.timeout_s,
+            self.protocol,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,7 +14,8 @@ A bucket must hold every Hugging Face tensor that vLLM fuses into one module (``
 ``k_proj``, ``v_proj`` weights and biases -> ``qkv_proj``; ``gate_proj`` + ``up_proj`` ->
 ``gate_up_proj``): vLLM rebuilds a module from the tensors of one reload and leaves the parts it
 did not receive uninitialised. A bucket that covers such a module partially is received (so the
-sender's broadcast completes) and then refused with an error naming the missing parts.
+sender's broadcast completes) and then refused with an error naming the missing parts. Groups
+made with SkyRL's protocol (one tensor per update) stage such parts instead (`fused_staging`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
+from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.torch_group import join_torch_layout_group
 
 logger = logging.getLogger(__name__)
 
@@ -60,45 +62,29 @@ class WeightSyncWorkerExtension:
     ``rank``, ``device``, ``vllm_config`` and ``model_runner``)."""
 
     _skylift_group: WeightSyncGroup | None = None
-    _skylift_units: tuple[dict[str, list[str]], dict[str, int]] | None = None
+    _skylift_units: LoadUnits | None = None
+    #: set for groups whose sender sends one tensor per update (SkyRL's protocol)
+    _skylift_stager: FusedStager | None = None
 
     def _skylift_worker_rank(self) -> int:
         rank: Any = getattr(self, "rank", 0)
         return int(rank)
 
-    def _skylift_load_units(self) -> tuple[dict[str, list[str]], dict[str, int]]:
-        """vLLM's packed-module mapping and, per vLLM module, how many HF tensors load into it."""
+    def _skylift_load_units(self) -> LoadUnits:
+        """Which Hugging Face tensors vLLM loads together into one module."""
         if self._skylift_units is None:
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
-            sizes: dict[str, int] = {}
-            for name, _ in model.named_parameters():
-                module = name.rpartition(".")[0]
-                sizes[module] = sizes.get(module, 0) + len(packed.get(module.rpartition(".")[2], [None]))
-            self._skylift_units = (packed, sizes)
+            self._skylift_units = LoadUnits.from_model(self.model_runner.get_model())  # type: ignore[attr-defined]
         return self._skylift_units
 
     def _skylift_check_whole_units(self, names: list[str]) -> None:
         """Raise when `names` cover a vLLM module only in part (see the module docstring)."""
-        packed, sizes = self._skylift_load_units()
-        part_of = {part: fused for fused, parts in packed.items() for part in parts}
-
-        def unit(name: str) -> str:
-            module = name.rpartition(".")[0]
-            prefix, _, leaf = module.rpartition(".")
-            fused = part_of.get(leaf)
-            return module if fused is None else (f"{prefix}.{fused}" if prefix else fused)
-
-        counts = Counter(unit(n) for n in names)
-        for module, got in counts.items():
-            want = sizes.get(module)
-            if want is not None and got < want:
-                sent = sorted(n for n in names if unit(n) == module)
-                raise WeightSyncError(
-                    f"bucket holds {got} of the {want} tensors that vLLM loads together into {module} "
-                    f"(got {sent}); a partial load would leave the rest uninitialised, so nothing was "
-                    "loaded: send all parts of a fused module (e.g. q/k/v weights and biases) in one bucket"
-                )
+        for module, (sent, missing) in self._skylift_load_units().partial_units(names).items():
+            raise WeightSyncError(
+                f"bucket holds {len(sent)} of the {len(sent) + len(missing)} tensors that vLLM loads "
+                f"together into {module} (got {sent}); a partial load would leave the rest uninitialised, "
+                "so nothing was loaded: send all parts of a fused module (e.g. q/k/v weights and biases) "
+                "in one bucket"
+            )
 
     def skylift_init_weight_update_group(
         self,
@@ -110,10 +96,14 @@ class WeightSyncWorkerExtension:
         backend: str,
         override_existing: bool,
         timeout_s: float,
+        protocol: str = "skylift",
     ) -> None:
         """Join the trainer's group as rank ``rank_offset + worker rank`` (blocks until all joined).
 
         An existing group is an error unless `override_existing`, which destroys it first.
+        `protocol` "skyrl": the trainer built its side with torch's group helper (SkyRL's
+        `init_custom_process_group`, see `torch_group`) and sends one tensor per update, so the
+        parts of fused modules are staged until complete (`fused_staging`).
         """
         rank = rank_offset + self._skylift_worker_rank()
         if self._skylift_group is not None:
@@ -125,6 +115,20 @@ class WeightSyncWorkerExtension:
                 )
             self.skylift_destroy_weight_update_group()
         device = torch.device(getattr(self, "device", None) or "cpu") if backend == "nccl" else None
+        if protocol == "skyrl":
+            self._skylift_group = join_torch_layout_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,  # type: ignore[arg-type]
+                timeout_s=timeout_s,
+                device=device,
+            )
+            self._skylift_stager = FusedStager(self._skylift_load_units())
+            logger.info("joined SkyRL's weight-update group %r as rank %d/%d", group_name, rank, world_size)
+            return
         self._skylift_group = create_weight_sync_group(
             master_address=master_address,
             master_port=master_port,
@@ -137,8 +141,13 @@ class WeightSyncWorkerExtension:
         )
         logger.info("joined weight-update group %r as rank %d/%d", group_name, rank, world_size)
 
-    def skylift_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        """Receive one bucket from rank 0 (one flat broadcast per dtype) and load it in place."""
+    def skylift_receive_weights(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> str | None:
+        """Receive one bucket from rank 0 (one flat broadcast per dtype) and load it in place.
+
+        Returns None, or (staging groups only) why nothing was loaded: a fused module left
+        incomplete when the sender moved past its layer."""
         group = self._skylift_group
         if group is None:
             raise WeightSyncError(
@@ -150,8 +159,16 @@ class WeightSyncWorkerExtension:
         for buffer in buffers:
             group.broadcast(buffer, src=0)
         received = time.perf_counter()
-        self._skylift_check_whole_units(bucket.names)
         weights = unpack_bucket(bucket, buffers)
+        if self._skylift_stager is not None:
+            try:
+                weights = self._skylift_stager.add(weights)
+            except IncompleteModuleError as exc:
+                return str(exc)
+            if not weights:
+                return None
+        else:
+            self._skylift_check_whole_units(bucket.names)
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), _partial_reload_quietly():  # type: ignore[attr-defined]
@@ -162,12 +179,16 @@ class WeightSyncWorkerExtension:
             1e3 * (received - start),
             1e3 * (time.perf_counter() - received),
         )
+        return None
 
-    def skylift_destroy_weight_update_group(self) -> None:
-        """Leave and destroy the weight-update group (a no-op when there is none)."""
+    def skylift_destroy_weight_update_group(self) -> str | None:
+        """Leave and destroy the weight-update group (a no-op when there is none). Returns what
+        was staged and never completed (nothing of it was loaded), or None."""
         group, self._skylift_group = self._skylift_group, None
+        stager, self._skylift_stager = self._skylift_stager, None
         if group is not None:
             group.destroy()
+        return stager.pending() if stager is not None else None
 
     def skylift_has_weight_update_group(self) -> bool:
         """True while this worker is in a weight-update group."""

@@ -7,17 +7,102 @@ without ever starting an inference engine.
 
 from __future__ import annotations
 
+import json
+import os
+import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import pytest
+from server_helpers import TINY_SERVED_NAME
+from sqlalchemy import create_engine, text
 from tinker.proto import tinker_public_pb2 as pb
+
+from skylift.tinker.backend import ModelConfig
+from skylift.tinker.db.local_postgres import LocalPostgres, find_bin_dir
+from skylift.tinker.db.migrate import upgrade
 
 API = "/api/v1"
 RESULT_TIMEOUT_S = 120.0
+LEGACY_SQL = Path(__file__).parent / "data" / "schema_before_migrations.sql"
+T0 = "2026-01-02 03:04:05"
+
+
+def postgres_cluster() -> Iterator[LocalPostgres]:
+    """A throw-away PostgreSQL cluster (fixture body); skipped without the server binaries, except
+    in CI (CI=true), where their absence fails the test."""
+    if find_bin_dir() is None:
+        message = "PostgreSQL server binaries not found (apt-get install -y postgresql)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message}; CI must have them (.ci/run installs the package)")
+        pytest.skip(message)
+    cluster = LocalPostgres().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _legacy_rows(model_path: str) -> list[tuple[str, dict]]:
+    """One record of every table, as the code before migrations wrote them."""
+    config = ModelConfig(base_model=TINY_SERVED_NAME, model_path=model_path, lora_rank=4).to_json()
+    return [
+        ("INSERT INTO tinker_sessions (id, created_at, last_heartbeat, tags, user_metadata, sdk_version)"
+         " VALUES ('s-old', :t, :t, '[\"x\"]', '{}', '0.38.0')", {}),
+        ("INSERT INTO tinker_models (model_id, session_id, base_model, config, status, created_at, last_request_time)"
+         " VALUES ('s-old:train:0', 's-old', :base, :config, 'ready', :t, :t)",
+         {"base": TINY_SERVED_NAME, "config": json.dumps(config)}),
+        ("INSERT INTO tinker_futures (request_id, kind, model_id, dedup_key, status, created_at)"
+         " VALUES ('req-old', 'optim_step', 's-old:train:0', 'op:s-old:train:0:3', 'pending', :t)", {}),
+        ("INSERT INTO tinker_sampling_sessions (id, session_id, base_model, source, created_at)"
+         " VALUES ('s-old:sample:0', 's-old', :base, 'base', :t)", {"base": TINY_SERVED_NAME}),
+        ("INSERT INTO tinker_checkpoints (tinker_path, model_id, checkpoint_id, kind, directory, size_bytes, created_at)"
+         " VALUES ('tinker://s-old:train:0/weights/w1', 's-old:train:0', 'weights/w1', 'training', '/nowhere', 123456789, :t)",
+         {}),
+    ]  # fmt: skip
+
+
+def _write_legacy(url: str, model_path: str, sqlite_file: Path | None = None) -> None:
+    if sqlite_file is not None:  # the CREATE statements of that time, verbatim
+        with sqlite3.connect(sqlite_file) as db:
+            db.executescript(LEGACY_SQL.read_text())
+    else:  # PostgreSQL: the frozen first revision creates the same tables
+        engine = create_engine(url)
+        upgrade(engine, "0001")
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE alembic_version"))  # as before migrations existed
+        engine.dispose()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for sql, params in _legacy_rows(model_path):
+            conn.execute(text(sql), {"t": T0, **params})
+    engine.dispose()
+
+
+def write_legacy(url: str, model_path: str, sqlite_file: Path | None = None) -> None:
+    """A database as skylift wrote it before migrations: the tables (SQLite: the CREATE statements
+    of that time, verbatim; PostgreSQL: the frozen revision 0001, without alembic_version) and one
+    record in each (a run `s-old:train:0` of user "default" with checkpoint `.../weights/w1`,
+    a pending future `req-old`)."""
+    if sqlite_file is not None:
+        with sqlite3.connect(sqlite_file) as db:
+            db.executescript(LEGACY_SQL.read_text())
+    else:
+        engine = create_engine(url)
+        upgrade(engine, "0001")
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE alembic_version"))
+        engine.dispose()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for sql, params in _legacy_rows(model_path):
+            conn.execute(text(sql), {"t": T0, **params})
+    engine.dispose()
 
 
 def write_keys(path: Path, users: dict[str, str]) -> None:

@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-from lab_helpers import Lab, Records, fb_body, write_keys
+from lab_helpers import Lab, Records, fb_body, write_keys, write_legacy
 from server_helpers import TINY_SERVED_NAME, TinkerServer, require_loopback_namespace
 from tinker import types
 from tinker_helpers import logprobs_of, sft_dataset
 
 pytestmark = pytest.mark.integration
 
-KEYS = {"alice": "tml-alice-1", "bob": "tml-bob-1", "dave": "tml-dave-1"}
+KEYS = {"alice": "tml-alice-1", "bob": "tml-bob-1", "dave": "tml-dave-1", "default": "tml-default-1"}
 RETENTION_S = 3
 
 
@@ -39,6 +39,12 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
     tmp = tmp_path_factory.mktemp("tinker-users")
     keys_file = tmp / "keys.txt"
     write_keys(keys_file, KEYS)
+    (tmp / "data").mkdir()  # a data directory from before users and migrations: the server upgrades it
+    write_legacy(
+        f"sqlite:///{tmp / 'data' / 'tinker.db'}",
+        os.path.realpath(tiny_model_dir),
+        tmp / "data" / "tinker.db",
+    )
     server = TinkerServer(
         data_dir=tmp / "data",
         log_path=tmp / "server.log",
@@ -75,6 +81,20 @@ def _assert_404(resp, needle: str) -> None:
 def _assert_unknown_future(lab: Lab, user: str, path: str, body, needle: str) -> None:
     failed = lab.failure(user, path, body)
     assert failed["category"] == "user" and needle in failed["error"], failed
+
+
+def test_an_upgraded_data_directory_keeps_its_records_for_their_user(
+    lab: Lab, lab_server: TinkerServer
+) -> None:
+    """Records from before users belong to "default"; the future pending back then is lost (410)."""
+    rest = tinker.RestClient(base_url=lab_server.url, api_key=KEYS["default"])
+    assert [r.training_run_id for r in rest.list_training_runs().result().training_runs] == ["s-old:train:0"]
+    paths = [c.tinker_path for c in rest.list_checkpoints("s-old:train:0").result().checkpoints]
+    assert paths == ["tinker://s-old:train:0/weights/w1"]
+    lost = lab.post("default", "retrieve_future", {"request_id": "req-old"})
+    assert lost.status_code == 410 and "lost in a server restart" in lost.json()["error"], lost.text
+    assert lab.post("alice", "retrieve_future", {"request_id": "req-old"}).status_code == 404
+    assert lab.call("alice", "GET", "training_runs/s-old:train:0").status_code == 404
 
 
 def test_another_users_ids_and_paths_answer_like_unknown_ones(lab: Lab, alice: Records) -> None:
@@ -173,7 +193,7 @@ def test_users_training_at_once_keep_their_order_and_results(lab_server: TinkerS
         client = tinker.ServiceClient(base_url=lab_server.url, api_key=KEYS[user])
         tc = client.create_lora_training_client(base_model=TINY_SERVED_NAME, rank=4, seed=3).result()
         futures = []
-        for _ in range(4):
+        for _ in range(2):
             futures += [
                 tc.forward_backward(data, "cross_entropy"),
                 tc.optim_step(types.AdamParams(learning_rate=5e-3)),
@@ -295,7 +315,7 @@ def test_sighup_reloads_the_keys_and_a_revoked_key_is_refused_at_once(
     session = lab.session("dave")
     assert lab.post("carol", "create_session", {}).status_code == 401  # not yet a user
     keys_file: Path = lab_server.keys_file  # type: ignore[attr-defined]
-    write_keys(keys_file, {"alice": KEYS["alice"], "bob": KEYS["bob"], "carol": "tml-carol-1"})
+    write_keys(keys_file, {**{u: k for u, k in KEYS.items() if u != "dave"}, "carol": "tml-carol-1"})
     assert lab_server.process is not None
     os.kill(lab_server.process.pid, signal.SIGHUP)
     deadline = time.monotonic() + 10

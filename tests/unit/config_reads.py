@@ -5,8 +5,8 @@ A key counts as read when some expression outside ``skylift/config/`` loads it. 
 resolved to schema paths, not matched by attribute name alone (``params.min_p`` on an engine's
 ``SamplingParams`` is not a read of ``generator.sampling_params.min_p``):
 
-- a name or parameter annotated with a schema class imported from ``skylift.config`` (or its
-  ``schema`` module) holds every path of that class (``o: OptimizerConfig`` -> both optimizers);
+- a name or parameter annotated with a schema class imported from ``skylift.config`` (or one
+  of its modules) holds every path of that class (``o: OptimizerConfig`` -> both optimizers);
 - ``x = <expr>`` (also tuple assignments and ``a if c else b``) gives ``x`` the paths of ``<expr>``
   inside one function; ``self.x = <expr>`` gives them to ``self.x`` in every method of the class;
 - ``<expr>.field`` and ``getattr(<expr>, "field")`` extend the paths of ``<expr>`` by ``field``;
@@ -22,7 +22,7 @@ import typing
 from collections.abc import Iterable
 from pathlib import Path
 
-SCHEMA_MODULES = ("skylift.config", "skylift.config.schema")
+SCHEMA_PACKAGE = "skylift.config"  # schema classes are imported from it or its modules
 LOADERS = ("load_config", "default_config")  # they return the root of the tree
 
 Paths = frozenset[str]
@@ -118,7 +118,7 @@ class _Module:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module is not None:
                 for alias in node.names:
-                    if node.module in SCHEMA_MODULES and alias.name in schema.class_paths:
+                    if node.module.startswith(SCHEMA_PACKAGE) and alias.name in schema.class_paths:
                         self.classes[alias.asname or alias.name] = alias.name
                     elif node.module.startswith("skylift.config") and alias.name in LOADERS:
                         self.loaders.add(alias.asname or alias.name)

@@ -14,6 +14,7 @@ from skylift.inference import engine_args
 def private_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests change engine variables: give them a copy of the environment."""
     monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(engine_args, "_auto_binding", None)
 
 
 def test_small_machine_binds_all_cores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,3 +65,50 @@ def test_two_kv_cache_sizes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     with pytest.raises(ValueError, match="both size the KV cache"):
         engine_args.build_engine_args("tiny", kv_cache_memory_bytes=256 << 20)
+
+
+def test_tensor_parallel_ranks_get_one_core_set_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    engine_args.apply_cpu_env_defaults(2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    # a later engine of another size replaces skylift's own binding ...
+    engine_args.apply_cpu_env_defaults(1)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    # ... but never the user's
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")
+    engine_args.apply_cpu_env_defaults(1)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
+    assert engine_args.cpu_thread_binding([0, 1, 2, 3, 4], 2) == "0,1,2|3,4"
+    assert engine_args.cpu_thread_binding([4, 5, 6, 7], 4) == "4|5|6|7"
+
+
+def test_more_ranks_than_cores_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs at least 4 CPU cores .* may use 2"):
+        engine_args.apply_cpu_env_defaults(4)
+
+
+def test_ray_executor_falls_back_to_mp_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    with caplog.at_level("WARNING", logger="skylift.inference.engine_args"):
+        args = engine_args.build_engine_args(str(tiny_model_dir), distributed_executor_backend="ray")
+    assert args.distributed_executor_backend == "mp"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "does not support ray" in warnings[0].getMessage()
+    assert engine_args.executor_backend("mp") == "mp"
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: False)
+    assert engine_args.executor_backend("ray", 2) == "ray"
+
+
+def test_skyrl_worker_extension_is_replaced_by_ours(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="skylift.inference.engine_args"):
+        ext = engine_args.worker_extension("skyrl_train.inference_engines.vllm.vllm_engine.WorkerWrap")
+    assert ext == engine_args.WORKER_EXTENSION_CLS
+    assert "speaks SkyRL's" in caplog.records[0].getMessage()
+    assert engine_args.worker_extension(None) == engine_args.WORKER_EXTENSION_CLS
+    assert engine_args.worker_extension("my.Extension") == "my.Extension"

@@ -55,7 +55,15 @@ class LocalPostgres:
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://skylift@127.0.0.1:{self.port}/{self.database}"
+        return self.url_of(self.database)
+
+    def url_of(self, database: str) -> str:
+        return f"postgresql+psycopg://skylift@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        """Create another (empty) database in the cluster; its URL."""
+        self._run(f"{self.bin_dir}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "skylift", name)
+        return self.url_of(name)
 
     def _run(self, *args: str, timeout: float = START_TIMEOUT_S) -> str:
         cmd = [*self._as, *args]

@@ -39,8 +39,8 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def upgrade(engine: Engine) -> str:
-    """Upgrade the database behind `engine` to the head revision; returns it."""
+def upgrade(engine: Engine, revision: str = "head") -> str:
+    """Upgrade the database behind `engine` to `revision` (the newest by default); returns it."""
     config = alembic_config()
     with engine.begin() as conn:
         config.attributes["connection"] = conn
@@ -49,7 +49,7 @@ def upgrade(engine: Engine) -> str:
             logger.info("database from before migrations: stamping revision %s", LEGACY_REVISION)
             command.stamp(config, LEGACY_REVISION)
         before = MigrationContext.configure(conn).get_current_revision()
-        command.upgrade(config, "head")
+        command.upgrade(config, revision)
         after = MigrationContext.configure(conn).get_current_revision()
     if before != after:
         logger.info("database schema upgraded from %s to %s", before, after)

@@ -1,0 +1,104 @@
+"""The ``trainer.algorithm`` group of the schema: advantages, policy loss, KL and dynamic sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from skylift.config.fields import _f, _group
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++", "gae")
+POLICY_LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo")
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATOR_TYPES = ("k1", "k2", "k3")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+DYNAMIC_SAMPLING_TYPES = ("filter", "replace")
+
+
+@dataclass
+class KLCtrlConfig:
+    """KL coefficient controller for use_kl_in_reward."""
+
+    type: str = _f(
+        "fixed",
+        f"controller: {' | '.join(KL_CTRL_TYPES)} (initial coefficient = kl_loss_coef); adaptive moves it "
+        "after every step by (1 + clip(kl / kl_target - 1, -0.2, 0.2) * sequences / horizon)",
+        choices=KL_CTRL_TYPES,
+    )
+    kl_target: float = _f(0.1, "target KL per token (mean over sequences) of the adaptive controller", gt=0)
+    horizon: int = _f(10000, "adaptive: sequences over which the coefficient may change by 20%", ge=1)
+
+
+@dataclass
+class CISPOConfig:
+    """Clipping of the importance weights in the cispo policy loss."""
+
+    cispo_eps_clip_low: float = _f(
+        0.0, "lower clip: weights below 1 - this are clipped (not eps_clip_low)", ge=0
+    )
+    cispo_eps_clip_high: float = _f(
+        5.0, "upper clip: weights above 1 + this are clipped (not eps_clip_high)", ge=0
+    )
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO-style dynamic sampling: train on prompt groups whose rewards differ."""
+
+    type: str | None = _f(
+        None,
+        f"null = off | {' | '.join(DYNAMIC_SAMPLING_TYPES)}: filter samples more prompt groups until the "
+        "batch holds train_batch_size groups with mixed rewards; replace swaps groups without a signal "
+        "for copies of groups with one",
+        choices=DYNAMIC_SAMPLING_TYPES,
+    )
+    max_sample_batches: int = _f(
+        30,
+        "most rounds of prompts sampled for one step (the first included); -1 = until the data runs out",
+        or_minus_one="for no limit",
+    )
+    min_replace_ratio: float = _f(
+        0.3,
+        "replace: sample more rounds while fewer than this fraction of the batch's groups has a signal",
+        ge=0,
+        le=1,
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, policy loss and KL."""
+
+    advantage_estimator: str = _f(
+        "grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}", choices=ADVANTAGE_ESTIMATORS
+    )
+    grpo_norm_by_std: bool = _f(True, "grpo: divide group-centred rewards by the group's std")
+    advantage_batch_normalize: bool = _f(False, "normalise advantages over the whole training batch")
+    policy_loss_type: str = _f(
+        "regular",
+        f"policy loss: {' | '.join(POLICY_LOSS_TYPES)} (regular = PPO clip)",
+        choices=POLICY_LOSS_TYPES,
+    )
+    loss_reduction: str = _f(
+        "token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}", choices=LOSS_REDUCTIONS
+    )
+    eps_clip_low: float = _f(0.2, "PPO clip (not cispo): ratio lower bound is 1 - eps_clip_low", ge=0)
+    eps_clip_high: float = _f(0.2, "PPO clip (not cispo): ratio upper bound is 1 + eps_clip_high", ge=0)
+    clip_ratio_c: float = _f(3.0, "dual_clip: bound c (> 1) on the loss for negative advantages")
+    cispo: CISPOConfig = _group(CISPOConfig, "cispo settings")
+    use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")
+    kl_loss_coef: float = _f(0.001, "weight of the KL term (loss or reward)", ge=0)
+    kl_estimator_type: str = _f(
+        "k3",
+        f"KL estimator: {' | '.join(KL_ESTIMATOR_TYPES)} (see joschu.net/blog/kl-approx)",
+        choices=KL_ESTIMATOR_TYPES,
+    )
+    use_kl_in_reward: bool = _f(
+        False, "subtract the KL penalty from rewards instead (exclusive with use_kl_loss)"
+    )
+    kl_ctrl: KLCtrlConfig = _group(KLCtrlConfig, "KL controller for use_kl_in_reward")
+    gamma: float = _f(1.0, "gae / reinforce++: discount factor", ge=0, le=1)
+    lambd: float = _f(1.0, "gae: lambda of generalised advantage estimation", ge=0, le=1)
+    value_clip: float = _f(0.2, "critic: value clip range", ge=0)
+    use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
+    tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
+    dynamic_sampling: DynamicSamplingConfig = _group(DynamicSamplingConfig, "dynamic sampling (DAPO)")

@@ -1,0 +1,79 @@
+"""Typed settings of the two servers, beside the training run's tree (``schema.py``).
+
+`ServerConfig` / `EngineSettings`: a Tinker server (``skylift tinker serve`` fills them from its
+flags). `InferenceServerLimits`: what one request to a skylift inference server (``skylift serve``)
+may ask and how long its weight RPCs may take; the server reads them once from the environment
+(``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``), as vLLM's own
+``VLLM_*`` tuning variables are read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EngineSettings:
+    """How a Tinker server builds its sampling engines."""
+
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    seed: int = 0
+    start_timeout_s: float = 900.0
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one Tinker server."""
+
+    base_models: list[str]
+    db_url: str = "sqlite:///skylift-tinker.db"
+    data_dir: Path = Path("skylift-tinker-data")
+    api_key: str | None = None
+    api_keys_file: Path | None = None  # "USER KEY" lines; SIGHUP reloads it (skylift.tinker.auth)
+    result_retention_s: float | None = 3600.0  # retrieved results are deleted this long after
+    max_model_len: int | None = None  # default: the model's, capped at 4096
+    session_timeout_s: float = 300.0
+    cleanup_interval_s: float = 30.0
+    long_poll_s: float = 20.0
+    gap_timeout_s: float = 2.0
+    micro_batch_size: int = 8
+    max_snapshots: int = 4
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+
+@dataclass(frozen=True)
+class InferenceServerLimits:
+    """Limits of one inference request and timeouts of the engine's control RPCs."""
+
+    max_n: int = 256  # samples per prompt (SKYLIFT_MAX_N)
+    max_prompts: int = 4096  # prompts in one /skylift/generate request (SKYLIFT_MAX_PROMPTS)
+    weight_rpc_timeout_s: float = 600.0  # one weight-bucket receive (SKYLIFT_WEIGHT_RPC_TIMEOUT_S)
+    control_rpc_timeout_s: float = 60.0  # small control RPCs (destroy, has-group)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> InferenceServerLimits:
+        """The defaults, overridden by the variables that are set (a bad value names its variable)."""
+        default = cls()
+        return cls(
+            max_n=int(_number(environ, "SKYLIFT_MAX_N", default.max_n, minimum=1)),
+            max_prompts=int(_number(environ, "SKYLIFT_MAX_PROMPTS", default.max_prompts, minimum=1)),
+            weight_rpc_timeout_s=_number(
+                environ, "SKYLIFT_WEIGHT_RPC_TIMEOUT_S", default.weight_rpc_timeout_s
+            ),
+        )
+
+
+def _number(environ: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
+    raw = environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError as e:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from e
+    if value < minimum or (minimum == 0.0 and value <= 0):
+        raise ValueError(f"{name} must be {'> 0' if minimum == 0.0 else f'>= {minimum:g}'}, got {raw!r}")
+    return value

@@ -1,0 +1,49 @@
+"""`bash scripts/gpu_check.sh --cpu` end to end, so the GPU check cannot rot between GPU runs.
+
+It runs every item of the check on CPU (gloo instead of NCCL, SmolLM2's widths at 2 layers) with
+vLLM, Ray, FastAPI, uvicorn, pydantic, ... made unimportable, as they are on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("SKYLIFT_GPU_CHECK_BLOCK", None)  # the script's own list
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--work", str(tmp_path), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
+    assert out.is_file(), f"no report\nstdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    failed = {
+        i["key"]: (i["error"], [c for c in i["checks"] if not c["ok"]])
+        for i in report["items"]
+        if not i["ok"]
+    }
+    assert done.returncode == 0 and report["ok"], f"failed items: {failed}\n{done.stdout[-3000:]}"
+    assert report["device"] == "cpu"
+    assert {"vllm", "ray", "fastapi", "uvicorn"} <= set(report["blocked"])
+    assert report["blocked_modules_loaded"] == []
+    items = {i["key"]: i for i in report["items"]}
+    assert sorted(items) == ["1", "2", "3", "4", "5", "imports"]
+    assert all(len(i["checks"]) >= 5 for k, i in items.items() if k != "imports")
+    # the weight sender cut SmolLM2 (2 layers) into several bf16 buckets
+    assert len(items["3"]["figures"]["buckets"]) > 1
+    assert "PASS" in done.stdout

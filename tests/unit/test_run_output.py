@@ -1,0 +1,93 @@
+"""What a run shows: the plot's series and title, the step lines, the libraries' quiet defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skylift.tracking.plot import accuracy_series, plot_run, run_title
+from skylift.trainer.console import Console, step_summary
+from skylift.utils.quiet import QUIET_ENV, quiet_libraries
+
+STEP = {
+    "reward/mean": 0.25,
+    "response_length/mean": 12.0,
+    "timing/generate_s": 1.0,
+    "timing/wait_s": 1.0,
+    "timing/train_s": 2.0,
+    "timing/weight_sync_s": 0.5,
+    "timing/idle_s": 0.1,
+}
+
+
+def test_one_data_source_draws_accuracy_once_several_draw_each() -> None:
+    one = [{"step": 0, "eval/accuracy": 0.3, "eval/addition/accuracy": 0.3}]
+    assert accuracy_series(one) == ["eval/accuracy"]
+    two = [{"step": 0, "eval/accuracy": 0.3, "eval/a/accuracy": 0.2, "eval/b/accuracy": 0.4}]
+    assert accuracy_series(two) == ["eval/a/accuracy", "eval/accuracy", "eval/b/accuracy"]
+
+
+def test_plot_is_titled_with_the_run(tmp_path: Path) -> None:
+    logs = tmp_path / "my-run" / "logs"
+    logs.mkdir(parents=True)
+    rows = [
+        {"step": 0, "eval/accuracy": 0.3, "eval/addition/accuracy": 0.3},
+        {"step": 1, **STEP},
+        {"step": 2, **STEP, "eval/accuracy": 0.5, "eval/addition/accuracy": 0.5},
+    ]
+    (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run_title(logs / "metrics.jsonl") == "my-run"  # not "logs"
+    out = plot_run(logs)
+    assert out == logs / "training_curves.png" and out.stat().st_size > 0
+    assert plot_run(logs, tmp_path / "titled.png", title="demo: x").is_file()
+
+
+def test_step_line_without_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    console = Console(enabled=True)
+    console.start_progress(total=3, done=0)
+    console.step_done(1, 3, dict(STEP))
+    console.close_progress()
+    out = capsys.readouterr()
+    assert out.out.strip() == step_summary(1, 3, dict(STEP))
+    assert out.out.startswith("step 1/3 | reward 0.250 | resp len 12.0 |")
+    assert "training:" not in out.err  # no bar drawn into a log file
+
+
+def test_quiet_defaults_leave_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in QUIET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    quiet_libraries(verbose=True)
+    assert "TORCH_CPP_LOG_LEVEL" not in os.environ  # --verbose: every library as it is
+    quiet_libraries()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+C10D = """
+import os, tempfile, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "rdzv"),
+                        rank=0, world_size=1)
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+dist.destroy_process_group()
+"""
+
+
+def test_torch_cpp_warnings_follow_the_quiet_default() -> None:
+    """c10d's TCP store warns where the peer's host name does not resolve (loopback namespaces);
+    the quiet default silences PyTorch's C++ warnings, verbose shows them."""
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}
+    loud = subprocess.run([sys.executable, "-c", C10D], env=env, capture_output=True, text=True, timeout=120)
+    quiet = subprocess.run(
+        [sys.executable, "-c", C10D], env={**env, **QUIET_ENV}, capture_output=True, text=True, timeout=120
+    )
+    assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
+    assert "[W" not in quiet.stderr, quiet.stderr
+    if "[W" not in loud.stderr:
+        pytest.skip("this machine's resolver names the peer: no C++ warning to silence")
