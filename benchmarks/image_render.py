@@ -25,9 +25,9 @@ import numpy as np
 from _servers import set_benchmark_env
 
 from skylift.models import prepare_model
-from skylift.tinker.images import check_image
-from skylift.tinker.render_server import CPURenderServer, RenderServerClient, process_rss_mb
-from skylift.tinker.vision_render import VisionRenderer
+from skylift.tinker.vision.images import check_image
+from skylift.tinker.vision.render import VisionRenderer
+from skylift.tinker.vision.render_server import CPURenderServer, RenderServerClient, process_rss_mb
 
 
 def png(seed: int, width: int, height: int) -> bytes:

@@ -45,9 +45,7 @@ LAYERS: list[set[str]] = [
 
 #: File cycles being removed by work in flight (issue 14, item 4: Tinker's service and its
 #: collaborators). Each entry is the sorted tuple of the files in one cycle.
-ALLOWED_FILE_CYCLES: set[tuple[str, ...]] = {
-    ("skylift/tinker/sampler_service.py", "skylift/tinker/service.py"),
-}
+ALLOWED_FILE_CYCLES: set[tuple[str, ...]] = set()
 
 
 def layer_of(package: str) -> int:

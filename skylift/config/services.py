@@ -42,7 +42,10 @@ class ServerConfig:
     long_poll_s: float = 20.0
     gap_timeout_s: float = 2.0
     micro_batch_size: int = 8
-    max_snapshots: int = 4
+    # ephemeral sampler snapshots: all of them within this memory (those of live sessions are never
+    # dropped), at most `max_idle_snapshots` of finished sessions kept
+    snapshot_memory_mb: float = 8192.0
+    max_idle_snapshots: int = 4
     engine: EngineSettings = field(default_factory=EngineSettings)
 
 

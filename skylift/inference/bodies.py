@@ -27,6 +27,9 @@ class SamplingParamsBody(Body):
     seed: int | None = None
     n: int = Field(1, ge=1)
     logprobs: bool = True
+    # top-k logprobs are a local-engine feature (the Tinker service); this route returns none, so
+    # it accepts only the default
+    top_logprobs: int = Field(0, ge=0, le=0)
     ignore_eos: bool = False
 
 

@@ -175,7 +175,7 @@ class LocalVLLMEngine:
             stop_token_ids=params.stop_token_ids,
             seed=params.seed,
             ignore_eos=params.ignore_eos,
-            logprobs=0 if params.logprobs else None,
+            logprobs=params.top_logprobs if params.top_logprobs > 0 else (0 if params.logprobs else None),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         kwargs.update(overrides)
@@ -199,7 +199,7 @@ class LocalVLLMEngine:
         return final
 
     @staticmethod
-    def _completion(output: Any, want_logprobs: bool) -> Completion:
+    def _completion(output: Any, want_logprobs: bool, top: int = 0) -> Completion:
         token_ids = list(output.token_ids)
         logprobs: list[float] | None = None
         if want_logprobs:
@@ -209,12 +209,16 @@ class LocalVLLMEngine:
         reason = output.finish_reason
         if reason not in ("stop", "length", "abort"):
             raise EngineError(f"unexpected finish reason {reason!r} from vLLM")
-        return Completion(token_ids=token_ids, logprobs=logprobs, stop_reason=reason, text=output.text)
+        tops = [_top(pos, top) for pos in output.logprobs or []] if top > 0 else None
+        return Completion(
+            token_ids=token_ids, logprobs=logprobs, stop_reason=reason, text=output.text, top_logprobs=tops
+        )
 
     async def _generate_one(self, prompt: list[int], params: SamplingParams) -> GenerateOutput:
         final = await self._final_output(prompt, self._vllm_params(params))
         completions = [
-            self._completion(out, params.logprobs) for out in sorted(final.outputs, key=lambda o: o.index)
+            self._completion(out, params.logprobs, params.top_logprobs)
+            for out in sorted(final.outputs, key=lambda o: o.index)
         ]
         return GenerateOutput(prompt_token_ids=list(prompt), completions=completions)
 
@@ -254,6 +258,24 @@ class LocalVLLMEngine:
 
         jobs = asyncio.gather(*(one(s) for s in sequences))
         return await self._call("prompt_logprobs", jobs, self.generate_timeout_s)
+
+    async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
+        most likely first. A local-engine extra, not in the interface."""
+        base = SamplingParams(max_tokens=1, temperature=1.0, logprobs=False, n=1)
+        if len(sequence) < 2:
+            raise EngineError(
+                f"{self.name}: prompt_top_logprobs needs at least 2 tokens, got {len(sequence)}"
+            )
+
+        async def one() -> list[list[tuple[int, float]]]:
+            final = await self._final_output(sequence, self._vllm_params(base, prompt_logprobs=k))
+            entries = final.prompt_logprobs
+            if entries is None or len(entries) != len(sequence):
+                raise EngineError(f"{self.name}: prompt_top_logprobs: vLLM returned no prompt logprobs")
+            return [_top(pos, k) for pos in entries[1:]]
+
+        return await self._call("prompt_top_logprobs", one(), self.generate_timeout_s)
 
     # ---- memory -----------------------------------------------------------------------------
 
@@ -344,6 +366,12 @@ class LocalVLLMEngine:
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
+
+
+def _top(position: Any, k: int) -> list[tuple[int, float]]:
+    """The entries of one vLLM logprobs dict ranked 1..k, most likely first."""
+    ranked = sorted(((p.rank, tok, float(p.logprob)) for tok, p in position.items() if p.rank <= k))
+    return [(tok, lp) for _, tok, lp in ranked]
 
 
 def _quiet_teardown(cls: type) -> None:

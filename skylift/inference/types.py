@@ -43,6 +43,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: bool = True  # return the logprob of every sampled token
+    top_logprobs: int = 0  # also the k most likely tokens and their logprobs at each sampled position
     ignore_eos: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,6 +58,7 @@ class Completion:
     logprobs: list[float] | None
     stop_reason: StopReason
     text: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per position, most likely first
 
 
 @dataclass

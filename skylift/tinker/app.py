@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from skylift.tinker import ownership, runs, training_ops
+from skylift.tinker import checkpoint_routes, ownership, runs, training_ops
 from skylift.tinker.auth import KeyRing
 from skylift.tinker.errors import UserError
 from skylift.tinker.futures import FutureHub
@@ -87,9 +87,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         return str(request.state.user)
 
     def hub() -> FutureHub:
-        if service.hub is None:
-            raise RuntimeError("service not started")
-        return service.hub
+        return service.hub  # raises until the service started
 
     def failed_future(kind: str, exc: Exception) -> str:
         """A new future that fails with `exc` (a refused or broken operation)."""
@@ -324,7 +322,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             return None
 
         async def run() -> dict[str, Any]:
-            request_id, sequence_ids = service.sampling.asample(body, idem(request))
+            request_id, sequence_ids = service.asample(body, idem(request))
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
         result = await operation(request, "sample", refuse, run)
@@ -356,6 +354,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def cancel_future() -> dict[str, Any]:
         return {}
 
+    # ---------------------------------------------------------------- checkpoints out and in
+    checkpoint_routes.add_routes(app, api, service, owners, who, idem, operation, model_refusal)
+
     # ---------------------------------------------------------------- REST: runs and checkpoints
     @app.get(f"{api}/training_runs")
     async def list_training_runs(
@@ -383,7 +384,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         def delete() -> None:
             segment, _, name = checkpoint_id.partition("/")
-            valid = segment in ("weights", "sampler_weights") and bool(name)
+            valid = segment in ("weights", "sampler_weights", "external_weights") and bool(name)
             if valid and not owners.owns_model(who(request), run_id):
                 raise ownership.missing_checkpoint(f"tinker://{run_id}/{segment}/{name}")
             runs.delete_checkpoint(service, run_id, checkpoint_id)
@@ -414,11 +415,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                     "start_attempts": h.start_attempts,
                     "last_error": h.last_error,
                 }
-                for h in service.engines.values()
+                for h in service.sampling.engines.values()
             ],
-            "engine_start_attempts": sum(h.start_attempts for h in service.engines.values()),
+            "engine_start_attempts": sum(h.start_attempts for h in service.sampling.engines.values()),
             "loaded_models": mine,
-            "renderers": [r.status() for r in service.render_hosts.values()],
+            "renderers": [r.status() for r in service.render_hosts.hosts.values()],
+            "snapshots": service.snapshots.stats(),
         }
 
     return app

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from skylift.tinker.datum_batch import TinkerLoss, datums_to_batch
 from skylift.tinker.errors import UserError
-from skylift.tinker.losses import LossSpec, get_loss
+from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.tinker.rendering import check_token_range
+from skylift.tinker.views import META_FILE
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
-from skylift.training.logprobs import gather_logprobs
 from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ LORA_ALPHA = 32
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED_MODULES = ["lm_head"]
-META_FILE = "skylift_tinker_meta.json"
+PROVENANCE_INPUTS = (RECORDED_LOGPROBS, SAMPLED_MASK)
 
 
 @dataclass
@@ -98,7 +99,10 @@ class TrainedModel:
             lora_target_modules=c.target_modules() if c.is_lora else "all-linear",
             fsdp=False,
             seed=c.seed,
-            optimizer=OptimizerSettings(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, max_grad_norm=0.0),
+            # the Tinker API sends the hyper-parameters with every step (constant schedule)
+            optimizer=OptimizerSettings(
+                lr=1e-4, betas=(0.9, 0.95), eps=1e-12, max_grad_norm=0.0, scheduler="constant"
+            ),
         )
         worker = TrainingWorker(settings, rank=0, world_size=1)
         worker.setup()
@@ -117,36 +121,45 @@ class TrainedModel:
 
     # ---------------------------------------------------------------- forward / backward
     def forward_backward(self, call: ForwardBackwardCall) -> bytes:
-        """Run the loss over `call.data`; add gradients unless `forward_only`. Returns protobuf."""
+        """Run the loss over `call.data` on the worker; add gradients unless `forward_only`.
+
+        Gradients accumulate across calls until `optim_step`. Returns protobuf."""
         spec = get_loss(call.loss_fn)
+        check_config(spec, call.loss_fn_config)
         if not call.data:
             raise UserError("forward_backward: no data")
+        two_d = any(
+            d.inputs.get("target_tokens") is not None and d.inputs["target_tokens"].ndim == 2
+            for d in call.data
+        )
         for i, datum in enumerate(call.data):
-            self._check_datum(i, datum, spec)
+            self._check_datum(i, datum, spec, two_d)
+        if any(d.pixel_values is not None for d in call.data) and self.image_token_id is None:
+            raise UserError(f"{self.config.base_model} is not a vision-language model; it cannot take images")
+        names = [
+            n
+            for n in (*spec.required, *spec.optional, *PROVENANCE_INPUTS)
+            if all(n in d.inputs for d in call.data)
+        ]
+        batch = datums_to_batch(call.data, names, two_d)
+        loss = TinkerLoss(spec, names, dict(call.loss_fn_config))
         worker = self._worker()
-        model = worker.model
-        assert model is not None
-        model.train(not call.forward_only)
-        outputs: list[dict[str, np.ndarray]] = []
-        total = 0.0
-        metric_sums: dict[str, float] = {}
-        order = list(range(len(call.data)))
-        for start in range(0, len(order), self.micro_batch_size):
-            rows = [call.data[i] for i in order[start : start + self.micro_batch_size]]
-            loss, logp, per_token, metrics = self._micro(
-                model, rows, spec, call, backward=not call.forward_only
-            )
-            total += loss
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v * len(rows)
-            for j, datum in enumerate(rows):
-                n = len(datum.tokens)
-                outputs.append({"logprobs": logp[j, :n], "elementwise_loss": per_token[j, :n]})
-        metrics_out = {k: v / len(call.data) for k, v in metric_sums.items()}
-        metrics_out["loss:sum"] = total
-        return encode_forward_backward_output(outputs, metrics_out)
+        if call.forward_only:
+            logp = worker.compute_logprobs(batch, self.micro_batch_size)
+            with torch.no_grad():
+                loss(logp, batch)
+            metrics: dict[str, float] = {}
+        else:
+            metrics = worker.accumulate_gradients(batch, loss, self.micro_batch_size)
+        outputs = []
+        for j, datum in enumerate(call.data):
+            n = len(datum.tokens)
+            outputs.append({"logprobs": loss.logprobs[j][:n], "elementwise_loss": loss.per_token[j][:n]})
+        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics["loss:sum"] = loss.total
+        return encode_forward_backward_output(outputs, metrics)
 
-    def _check_datum(self, i: int, datum: WireDatum, spec: LossSpec) -> None:
+    def _check_datum(self, i: int, datum: WireDatum, spec: LossSpec, two_d: bool) -> None:
         n = len(datum.tokens)
         if n == 0:
             raise UserError(f"datum {i}: model_input is empty")
@@ -158,84 +171,51 @@ class TrainedModel:
                     f"datum {i}: loss {spec.name!r} needs loss_fn_inputs {list(needed)}, "
                     f"got {sorted(datum.inputs)}"
                 )
+        if two_d and not spec.two_d_targets:
+            raise UserError(
+                f"datum {i}: loss {spec.name!r} takes 1-D target_tokens; only cross_entropy takes [N, K]"
+            )
+        targets = datum.inputs["target_tokens"]
+        if two_d and (targets.ndim != 2 or targets.shape[0] != n or targets.shape[1] < 1):
+            raise UserError(
+                f"datum {i}: target_tokens has shape {list(targets.shape)}; with 2-D targets in the batch "
+                f"every datum needs [N, K] with N = {n} model_input tokens"
+            )
         for name, arr in datum.inputs.items():
             if name not in needed and name not in spec.optional:
                 continue
-            if arr.ndim != 1 or arr.shape[0] != n:
+            shapes = [[n]] + (
+                [[n, int(targets.shape[1])]] if two_d and name in ("target_tokens", "weights") else []
+            )
+            if list(arr.shape) not in shapes:
                 raise UserError(
                     f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(arr.shape)} but model_input has "
-                    f"{n} tokens (expected shape [{n}])"
+                    f"{n} tokens (expected shape {' or '.join(str(s) for s in shapes)})"
                 )
         check_token_range(
-            datum.inputs["target_tokens"].astype(np.int64).tolist(),
-            self.vocab_size,
-            f"datum {i} target_tokens",
-        )
-
-    def _micro(
-        self,
-        model: torch.nn.Module,
-        rows: list[WireDatum],
-        spec: LossSpec,
-        call: ForwardBackwardCall,
-        backward: bool,
-    ) -> tuple[float, np.ndarray, np.ndarray, dict[str, float]]:
-        b, t = len(rows), max(len(d.tokens) for d in rows)
-        ids = torch.zeros((b, t), dtype=torch.long)
-        attention = torch.zeros((b, t), dtype=torch.long)
-        targets = torch.zeros((b, t), dtype=torch.long)
-        mask = torch.zeros((b, t), dtype=torch.float32)
-        names = [n for n in (*spec.required, *spec.optional) if all(n in d.inputs for d in rows)]
-        extra = {name: torch.zeros((b, t), dtype=torch.float32) for name in names}
-        for j, d in enumerate(rows):
-            n = len(d.tokens)
-            ids[j, :n] = torch.as_tensor(d.tokens, dtype=torch.long)
-            attention[j, :n] = 1
-            targets[j, :n] = torch.as_tensor(d.inputs["target_tokens"].astype(np.int64))
-            mask[j, :n] = 1.0
-            for name in names:
-                extra[name][j, :n] = torch.as_tensor(d.inputs[name].astype(np.float32))
-        device = self._worker().device
-        ids, attention, targets, mask = (x.to(device) for x in (ids, attention, targets, mask))
-        extra = {k: v.to(device) for k, v in extra.items()}
-        vision = _vision_inputs(rows, device)
-        if vision and self.image_token_id is None:
-            raise UserError(f"{self.config.base_model} is not a vision-language model; it cannot take images")
-        if vision:  # which positions hold image tokens (for the multimodal rotary positions)
-            vision["mm_token_type_ids"] = (ids == self.image_token_id).long()
-        with torch.set_grad_enabled(backward):
-            logits = model(input_ids=ids, attention_mask=attention, use_cache=False, **vision).logits
-            logp = gather_logprobs(logits, targets) * mask
-            per_token, metrics = spec.impl(logp, extra, mask, call.loss_fn_config)
-            loss = per_token.sum()
-            if backward:
-                loss.backward()
-        return (
-            float(loss.detach()),
-            logp.detach().float().cpu().numpy(),
-            per_token.detach().float().cpu().numpy(),
-            metrics,
+            targets.astype(np.int64).reshape(-1).tolist(), self.vocab_size, f"datum {i} target_tokens"
         )
 
     # ---------------------------------------------------------------- optimizer
     def optim_step(self, adam: Mapping[str, Any]) -> dict[str, float]:
         """One AdamW step with the request's `adam_params`, then clear the gradients."""
         try:
-            params = {
-                "lr": float(adam.get("learning_rate", 1e-4)),
-                "beta1": float(adam.get("beta1", 0.9)),
-                "beta2": float(adam.get("beta2", 0.95)),
-                "eps": float(adam.get("eps", 1e-12)),
-                "weight_decay": float(adam.get("weight_decay", 0.0)),
-                "max_grad_norm": float(adam.get("grad_clip_norm", 0.0)),
-            }
+            lr = float(adam.get("learning_rate", 1e-4))
+            betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+            eps = float(adam.get("eps", 1e-12))
+            weight_decay = float(adam.get("weight_decay", 0.0))
+            max_grad_norm = float(adam.get("grad_clip_norm", 0.0))
         except (TypeError, ValueError) as exc:
             raise UserError(f"adam_params: {exc}") from exc
-        if params["lr"] < 0 or not (0 <= params["beta1"] < 1 and 0 <= params["beta2"] < 1):
+        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise UserError(f"adam_params out of range: {dict(adam)}")
-        result = self._worker().optimizer_step(adam=params)
+        worker = self._worker()
+        assert worker.optimizer is not None
+        for group in worker.optimizer.param_groups:  # the Tinker API sends them with every step
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        result = worker.optimizer_step(max_grad_norm=max_grad_norm)
         self.steps += 1
-        return {"grad_norm": float(result["grad_norm"]), "learning_rate": float(result["lr"])}
+        return {"grad_norm": float(result["grad_norm"]), "learning_rate": lr}
 
     # ---------------------------------------------------------------- checkpoints
     def save_state(self, directory: Path) -> int:
@@ -261,18 +241,6 @@ class TrainedModel:
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the current merged Hugging Face-named weights."""
         return {name: tensor.detach().clone() for name, tensor in self._worker().iter_full_weights()}
-
-
-def _vision_inputs(rows: list[WireDatum], device: torch.device) -> dict[str, torch.Tensor]:
-    """`pixel_values` / `image_grid_thw` of the rows' images, in row order (empty without images)."""
-    pixels = [d.pixel_values for d in rows if d.pixel_values is not None]
-    grids = [d.image_grid_thw for d in rows if d.image_grid_thw is not None]
-    if not pixels:
-        return {}
-    return {
-        "pixel_values": torch.cat(pixels).to(device),
-        "image_grid_thw": torch.cat(grids).to(device),
-    }
 
 
 def read_checkpoint_config(directory: Path) -> ModelConfig:

@@ -68,6 +68,19 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--long-poll", type=float, default=20.0, help="seconds a retrieve_future waits before 408"
     )
+    serve.add_argument(
+        "--snapshot-memory-mb",
+        type=float,
+        default=8192.0,
+        help="memory for the in-memory weights of ephemeral samplers (save_weights_and_get_sampling_client); "
+        "a snapshot held by a live session is never dropped, and one that does not fit is refused",
+    )
+    serve.add_argument(
+        "--max-idle-snapshots",
+        type=int,
+        default=4,
+        help="snapshots of finished sessions kept for late samples (oldest dropped first)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
@@ -114,6 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
         session_timeout_s=args.session_timeout,
         cleanup_interval_s=args.cleanup_interval,
         long_poll_s=args.long_poll,
+        snapshot_memory_mb=args.snapshot_memory_mb,
+        max_idle_snapshots=args.max_idle_snapshots,
     )
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)

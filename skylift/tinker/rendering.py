@@ -3,7 +3,7 @@
 A `ModelInput` is a list of chunks. Text chunks (already tokenized by the client) become token
 lists; ``image`` / ``image_asset_pointer`` chunks become checked `ImageInput`s. Text-only inputs are
 rendered here, locally, without any server (this keeps forward/backward free of start-ups); inputs
-with images go through `skylift.tinker.vision_render` (a render server or the engines).
+with images go through `skylift.tinker.vision.render` (a render server or the engines).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import ImageInput, image_from_json
+from skylift.tinker.vision.images import ImageInput, image_from_json
 
 IMAGE_CHUNK_TYPES = ("image", "image_asset_pointer")
 

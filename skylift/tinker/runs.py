@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from skylift.tinker.errors import NotFoundError
 from skylift.tinker.store import ModelRow
-from skylift.tinker.views import checkpoint_json, tinker_path, training_run_json
+from skylift.tinker.views import SEGMENT_KIND, checkpoint_json, tinker_path, training_run_json
 
 if TYPE_CHECKING:
     from skylift.tinker.service import TinkerService
@@ -51,13 +51,14 @@ def list_user_checkpoints(
 
 
 def delete_checkpoint(svc: TinkerService, run_id: str, checkpoint_id: str) -> None:
-    """Delete `weights/<name>` or `sampler_weights/<name>` of a run (record and files)."""
+    """Delete `weights/<name>`, `sampler_weights/<name>` or `external_weights/<name>` of a run."""
     kind_segment, _, name = checkpoint_id.partition("/")
-    kind = {"weights": "training", "sampler_weights": "sampler"}.get(kind_segment)
+    kind = SEGMENT_KIND.get(kind_segment)
     if kind is None or not name:
         raise NotFoundError(
-            f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>"
+            f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name>, sampler_weights/<name> "
+            "or external_weights/<name>"
         )
     path = tinker_path(run_id, kind, name)
-    if svc._delete_checkpoint_files(path) is None:
+    if svc.delete_checkpoint(path) is None:
         raise NotFoundError(f"checkpoint {path} does not exist")

@@ -12,29 +12,77 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from skylift.inference.limits import MAX_N
+from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import NotFoundError, UserError
-from skylift.tinker.images import ImageInput
+from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
-from skylift.tinker.sampling import EngineHost, to_engine_params
-from skylift.tinker.store import SamplingSessionRow
+from skylift.tinker.sampling import EngineHost, EngineSettings, PromptScores, to_engine_params
+from skylift.tinker.snapshots import SnapshotStore
+from skylift.tinker.store import ModelRow, SamplingSessionRow, SessionRow, Store
 from skylift.tinker.views import parse_tinker_path
+from skylift.tinker.vision.host import RenderHosts
+from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import encode_sample_response
 
 if TYPE_CHECKING:
     from skylift.tinker.backend import TrainedModel
-    from skylift.tinker.service import BaseModelInfo, TinkerService
 
 logger = logging.getLogger(__name__)
 
-#: Most samples one `asample` may ask for (the inference server's limit, `SKYLIFT_MAX_N`).
+#: Most samples one `asample` may ask for (the same cap as the inference server's default `n` limit).
 MAX_NUM_SAMPLES = MAX_N
+#: Most top-k logprobs per position (vLLM's default `max_logprobs`, which the engines keep).
+MAX_TOPK = 20
+#: Most target_prompt_logprobs cells one request may ask for (each is a one-token engine prefill).
+MAX_TARGET_CELLS = 4096
+
+
+def _topk(body: dict[str, Any], key: str) -> int:
+    k = body.get(key) or 0
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise UserError(f"{key} must be a non-negative integer, got {k!r}")
+    if k > MAX_TOPK:
+        raise UserError(f"{key}={k} is above this server's cap of {MAX_TOPK} logprobs per position")
+    return k
+
+
+def _targets(body: dict[str, Any]) -> np.ndarray | None:
+    """`target_prompt_logprobs` (TensorData JSON, dense or sparse CSR) as an int64 [rows, K] array
+    with -1 in cells that ask nothing."""
+    raw = body.get("target_prompt_logprobs")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
+        raise UserError("target_prompt_logprobs must be a tensor {data, dtype, shape}")
+    shape = raw.get("shape")
+    try:
+        data = np.asarray(raw["data"], dtype=np.int64)
+        if raw.get("sparse_crow_indices") is not None:
+            crow = np.asarray(raw["sparse_crow_indices"], dtype=np.int64)
+            col = np.asarray(raw["sparse_col_indices"], dtype=np.int64)
+            dense = np.full(shape, -1, dtype=np.int64)
+            for row in range(int(shape[0])):
+                dense[row, col[crow[row] : crow[row + 1]]] = data[crow[row] : crow[row + 1]]
+        else:
+            dense = data.reshape(shape if shape is not None else (-1, 1))
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise UserError(f"target_prompt_logprobs: malformed tensor ({exc})") from exc
+    if dense.ndim != 2:
+        raise UserError(f"target_prompt_logprobs must be [len(prompt) - 1, K], got shape {list(dense.shape)}")
+    cells = int((dense >= 0).sum())
+    if cells > MAX_TARGET_CELLS:
+        raise UserError(
+            f"target_prompt_logprobs asks for {cells} cells; this server's cap is {MAX_TARGET_CELLS}"
+        )
+    return dense
 
 
 def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -51,12 +99,31 @@ def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 class SamplingService:
-    """Sampling side of a `TinkerService`."""
+    """Sampling: sessions, engines (one per base model) and the weights they sample from."""
 
-    def __init__(self, svc: TinkerService) -> None:
-        self.svc = svc
-        self.engines: dict[str, EngineHost] = svc.engines
+    def __init__(
+        self,
+        store: Store,
+        base_models: BaseModels,
+        engine_settings: EngineSettings,
+        snapshots: SnapshotStore,
+        records: StabilityRecords,
+        render_hosts: RenderHosts,
+        spawn: Callable[[Awaitable[Any]], None],
+    ) -> None:
+        self.store = store
+        self.base_models = base_models
+        self.engine_settings = engine_settings
+        self.snapshots = snapshots
+        self.records = records
+        self.render_hosts = render_hosts
+        self.spawn = spawn
+        self.engines: dict[str, EngineHost] = {}
         self.vocab: dict[str, int] = {}
+
+    async def close(self) -> None:
+        for host in self.engines.values():
+            await asyncio.to_thread(host.close)
 
     # ---------------------------------------------------------------- engines and weights
     def host(self, info: BaseModelInfo) -> EngineHost:
@@ -64,11 +131,11 @@ class SamplingService:
         if host is None:
             from skylift.training.worker import is_vision_language
 
-            settings = dataclasses.replace(self.svc.config.engine, max_model_len=info.max_model_len)
+            settings = dataclasses.replace(self.engine_settings, max_model_len=info.max_model_len)
             vision = is_vision_language(info.path)
             host = self.engines[info.path] = EngineHost(info.name, info.path, settings, vision=vision)
             if vision:
-                render_host = self.svc.render_host(info.path)
+                render_host = self.render_hosts.get(info.path)
 
                 async def engine_renders(started: EngineHost) -> None:
                     # rendering moves to the engine; the CPU render server is no longer needed
@@ -77,33 +144,29 @@ class SamplingService:
                 host.on_started.append(engine_renders)
         return host
 
-    def _info_for_path(self, model_path: str) -> BaseModelInfo:
-        real = os.path.realpath(model_path)
-        for info in self.svc.base_models:
-            if info.path == real:
-                return info
-        raise UserError(f"model at {model_path} is not served here")
-
     def _loader(self, tag: str, info: BaseModelInfo) -> Any:
         if tag == "base":
             return lambda: load_safetensors_dir(info.path)
         if tag.startswith("ephemeral:"):
 
             def ephemeral() -> dict[str, torch.Tensor]:
-                weights = self.svc.snapshots.get(tag)
+                weights = self.snapshots.get(tag)
                 if weights is None:
-                    raise UserError(f"the weights of sampling session {tag[10:]} expired; save them again")
+                    raise UserError(
+                        f"the weights of sampling session {tag[10:]} were dropped: its session ended and "
+                        "newer idle snapshots took their place (--max-idle-snapshots); save them again"
+                    )
                 return weights
 
             return ephemeral
-        ckpt = self.svc.store.checkpoint(tag)
+        ckpt = self.store.checkpoint(tag)
         if ckpt is None:
             raise NotFoundError(f"sampler checkpoint {tag} does not exist (deleted?)")
         return lambda: load_safetensors_dir(ckpt.directory)
 
     def warm_up(self, model_path: str, tag: str) -> None:
         """Start the engine and load `tag` in the background (failures are only logged)."""
-        info = self._info_for_path(model_path)
+        info = self.base_models.for_path(model_path)
         host = self.host(info)
 
         async def go() -> None:
@@ -112,19 +175,16 @@ class SamplingService:
             except Exception as exc:
                 logger.warning("sampler warm-up for %s failed: %s", tag, exc)
 
-        self.svc._spawn(go())
+        self.spawn(go())
 
     def bind_ephemeral(
         self, sampling_id: str, session_id: str, model: TrainedModel, weights: dict[str, torch.Tensor]
     ) -> None:
+        """Hold `weights` for sampling session `sampling_id` (an error when they do not fit)."""
         tag = f"ephemeral:{sampling_id}"
-        snapshots = self.svc.snapshots
-        snapshots[tag] = weights
-        snapshots.move_to_end(tag)
-        while len(snapshots) > self.svc.config.max_snapshots:
-            snapshots.popitem(last=False)
-        if self.svc.store.get(SamplingSessionRow, sampling_id) is None:
-            self.svc.store.add(
+        self.snapshots.add(tag, session_id, weights)
+        if self.store.get(SamplingSessionRow, sampling_id) is None:
+            self.store.add(
                 SamplingSessionRow(
                     id=sampling_id,
                     session_id=session_id,
@@ -138,9 +198,9 @@ class SamplingService:
     # ---------------------------------------------------------------- sessions
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         session_id = str(body.get("session_id"))
-        self.svc.session(session_id)
+        self._session(session_id)
         sampling_id = f"{session_id}:sample:{int(body.get('sampling_session_seq_id', 0))}"
-        if self.svc.store.get(SamplingSessionRow, sampling_id) is not None:
+        if self.store.get(SamplingSessionRow, sampling_id) is not None:
             return sampling_id
         model_path, base_model = body.get("model_path"), body.get("base_model")
         if model_path:
@@ -150,10 +210,10 @@ class SamplingService:
                     f"{model_path} is a training checkpoint; sample from a sampler checkpoint "
                     "(save_weights_for_sampler) instead"
                 )
-            ckpt = self.svc.store.checkpoint(model_path)
+            ckpt = self.store.checkpoint(model_path)
             if ckpt is None:
                 raise NotFoundError(f"sampler checkpoint {model_path} does not exist")
-            base_model = self.svc.get_info(run_id)["model_name"]
+            base_model = self._run_base_model(run_id)
             row = SamplingSessionRow(
                 id=sampling_id,
                 session_id=session_id,
@@ -162,51 +222,57 @@ class SamplingService:
                 source="path",
             )
         else:
-            self.svc.base_model(base_model)
+            self.base_models.get(base_model)
             row = SamplingSessionRow(
                 id=sampling_id, session_id=session_id, base_model=str(base_model), source="base"
             )
-        self.svc.store.add(row)
+        self.store.add(row)
         return sampling_id
 
     def get_sampler(self, sampling_id: str) -> dict[str, Any]:
-        row = self.svc.store.get(SamplingSessionRow, sampling_id)
+        row = self.store.get(SamplingSessionRow, sampling_id)
         if row is None:
             raise NotFoundError(f"unknown sampler {sampling_id!r}")
         return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
 
     # ---------------------------------------------------------------- sampling
-    def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
+    @staticmethod
+    def check_request(body: dict[str, Any]) -> int:
+        """Refuse a sample request's bad sizes at once (a 400); returns num_samples."""
         num = body.get("num_samples", 1)
         if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= MAX_NUM_SAMPLES:
             raise UserError(f"num_samples must be an integer in [1, {MAX_NUM_SAMPLES}], got {num!r}")
-        hub = self.svc._hub()
-        sampling_id = body.get("sampling_session_id")
-        seq = body.get("seq_id")
-        keys = [
-            f"sample:{sampling_id}:{seq}" if sampling_id and seq is not None else None,
-            f"idem:{idem}" if idem else None,
-        ]
-        request_id, new = hub.submit("sample", None, keys)
-        sequence_ids = [f"{request_id}:{i}" for i in range(num)]
-        if new:
-            hub.start(request_id, lambda: self._sample(body))
-        return request_id, sequence_ids
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            _topk(body, key)
+        _targets(body)
+        return num
+
+    def _session(self, session_id: str) -> SessionRow:
+        row = self.store.get(SessionRow, session_id)
+        if row is None:
+            raise NotFoundError(f"unknown session {session_id!r}")
+        return row
+
+    def _run_base_model(self, run_id: str) -> str:
+        row = self.store.get(ModelRow, run_id)
+        if row is None:
+            raise NotFoundError(f"unknown training run {run_id!r}")
+        return str(row.base_model)
 
     def _target(self, body: dict[str, Any]) -> tuple[str, BaseModelInfo]:
         sampling_id = body.get("sampling_session_id")
         if sampling_id:
-            row = self.svc.store.get(SamplingSessionRow, sampling_id)
+            row = self.store.get(SamplingSessionRow, sampling_id)
             if row is None:
                 raise NotFoundError(f"unknown sampling session {sampling_id!r}")
-            info = self.svc.base_model(row.base_model)
+            info = self.base_models.get(row.base_model)
             tag = {"base": "base", "path": row.model_path, "ephemeral": f"ephemeral:{row.id}"}[row.source]
             return str(tag), info
         if body.get("model_path"):
             path = str(body["model_path"])
             run_id, _, _ = parse_tinker_path(path)
-            return path, self.svc.base_model(self.svc.get_info(run_id)["model_name"])
-        return "base", self.svc.base_model(body.get("base_model"))
+            return path, self.base_models.get(self._run_base_model(run_id))
+        return "base", self.base_models.get(body.get("base_model"))
 
     def _vocab_size(self, info: BaseModelInfo) -> int:
         if info.path not in self.vocab:
@@ -215,8 +281,10 @@ class SamplingService:
             self.vocab[info.path] = int(AutoConfig.from_pretrained(info.path).get_text_config().vocab_size)
         return self.vocab[info.path]
 
-    async def _sample(self, body: dict[str, Any]) -> bytes:
+    async def sample(self, body: dict[str, Any], request_id: str) -> bytes:
+        """The `SampleResponse` of one sample request (sequence ids `<request_id>:<i>`)."""
         tag, info = self._target(body)
+        record_session = self._record_session(body)
         parts = json_parts((body.get("prompt") or {}).get("chunks") or [], where="prompt")
         with_images = any(isinstance(p, ImageInput) for p in parts)
         host = self.host(info)
@@ -228,7 +296,7 @@ class SamplingService:
                     "prompt_logprobs for prompts with images are not supported by this server yet"
                 )
             await host.prefetch(tag, self._loader(tag, info))  # the engine renders from now on
-            prompt = (await self.svc.render_host(info.path).render_parts(parts)).tokens
+            prompt = (await self.render_hosts.get(info.path).render_parts(parts)).tokens
         else:
             prompt = [t for p in parts if not isinstance(p, ImageInput) for t in p]
         if not prompt:
@@ -237,13 +305,23 @@ class SamplingService:
         num = int(body.get("num_samples", 1))
         if num < 1:
             raise UserError(f"num_samples must be >= 1, got {num}")
-        if int(body.get("topk_prompt_logprobs") or 0) > 0 or int(body.get("topk_sample_logprobs") or 0) > 0:
-            raise UserError("top-k logprobs are not supported by this server yet")
-        if int(body.get("prompt_alt_tokens_k") or 0) > 0 or body.get("target_prompt_logprobs") is not None:
+        if int(body.get("prompt_alt_tokens_k") or 0) > 0:
+            raise UserError("prompt_alt_tokens_k is not supported by this server")
+        prompt_k, sample_k = _topk(body, "topk_prompt_logprobs"), _topk(body, "topk_sample_logprobs")
+        targets = _targets(body)
+        if targets is not None and targets.shape[0] != len(prompt) - 1:
             raise UserError(
-                "prompt_alt_tokens_k and target_prompt_logprobs are not supported by this server yet"
+                f"target_prompt_logprobs has {targets.shape[0]} rows; the prompt of {len(prompt)} tokens "
+                f"needs {len(prompt) - 1} (row i scores position i + 1)"
+            )
+        if with_images and (prompt_k or targets is not None):
+            raise UserError("top-k and target prompt logprobs for prompts with images are not supported")
+        if targets is not None:
+            check_token_range(
+                targets[targets >= 0].tolist(), self._vocab_size(info), "target_prompt_logprobs"
             )
         params = to_engine_params(body.get("sampling_params") or {}, len(prompt), info.max_model_len, num)
+        params.top_logprobs = sample_k
         want_plp = bool(body.get("prompt_logprobs"))
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
@@ -251,9 +329,27 @@ class SamplingService:
         if with_images:
             result = await host.sample_images(tag, self._loader(tag, info), parts, params)
         else:
-            result = await host.sample(tag, self._loader(tag, info), prompt, params, want_plp)
-        plp = result.prompt_logprobs
-        if plp is not None and last_n is not None:
-            cut = len(plp) - int(last_n)
-            plp = [math.nan] * cut + plp[cut:]
-        return encode_sample_response(result.sequences, plp)
+            scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
+            result = await host.sample(tag, self._loader(tag, info), prompt, params, scores)
+        plp, topk_prompt = result.prompt_logprobs, result.topk_prompt
+        if last_n is not None:
+            cut = len(prompt) - int(last_n)
+            if plp is not None:
+                plp = [math.nan] * cut + plp[cut:]
+            if topk_prompt is not None:
+                topk_prompt = [None] * cut + topk_prompt[cut:]
+        if record_session is not None:
+            for i, seq in enumerate(result.sequences):
+                self.records.add(f"{request_id}:{i}", record_session, seq.tokens, seq.logprobs)
+        return encode_sample_response(
+            result.sequences, plp, topk_prompt, result.target_prompt, prompt_k=prompt_k, sample_k=sample_k
+        )
+
+    def _record_session(self, body: dict[str, Any]) -> str | None:
+        """The session whose stability records this request adds to (None: it records nothing)."""
+        if not body.get("record_stability_info"):
+            return None
+        row = self.store.get(SamplingSessionRow, str(body.get("sampling_session_id")))
+        if row is None:
+            raise UserError("record_stability_info needs a sampling client created by a session")
+        return str(row.session_id)

@@ -22,11 +22,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
-from skylift.tinker.images import ImageInput
+from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,33 @@ WeightLoader = Callable[[], dict[str, torch.Tensor]]
 
 
 @dataclass
+class PromptScores:
+    """What a sample request asks about its prompt: logprobs, the top-k tokens per position, and
+    the logprobs of given tokens (``targets[i, j]`` scored at position ``i + 1``; -1: none)."""
+
+    logprobs: bool = False
+    topk: int = 0
+    targets: np.ndarray | None = None
+
+    def target_sequences(self, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+        """(row, column, prompt[: row + 1] + [token]) of every requested cell: the engine scores
+        the last token of each sequence (shared prefixes hit its prefix cache)."""
+        if self.targets is None:
+            return []
+        cells = np.argwhere(self.targets >= 0)
+        return [(int(i), int(j), [*prompt[: i + 1], int(self.targets[i, j])]) for i, j in cells]
+
+
+@dataclass
 class SampleResult:
     sequences: list[SampledSequenceData]
     prompt_logprobs: list[float] | None
+    topk_prompt: list[list[tuple[int, float]] | None] | None = None
+    target_prompt: np.ndarray | None = None
+
+
+async def _none() -> None:
+    return None
 
 
 class EngineHost:
@@ -109,8 +134,8 @@ class EngineHost:
                 s = self.settings
                 extra: dict[str, Any] = {}
                 if self.vision:
-                    from skylift.tinker.engine_render import VISION_ENGINE_ARGS
-                    from skylift.tinker.render_server import enable_vision_compat
+                    from skylift.tinker.vision.engine_render import VISION_ENGINE_ARGS
+                    from skylift.tinker.vision.render_server import enable_vision_compat
 
                     enable_vision_compat()
                     extra = dict(VISION_ENGINE_ARGS)
@@ -138,7 +163,7 @@ class EngineHost:
             self.last_error = None
             logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
             if self.vision:
-                from skylift.tinker.engine_render import EngineRenderer
+                from skylift.tinker.vision.engine_render import EngineRenderer
 
                 self._renderer = EngineRenderer(engine.vllm_engine, self.model_path)
             for callback in self.on_started:
@@ -168,14 +193,21 @@ class EngineHost:
             self._cond.notify_all()
 
     async def _sample(
-        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, prompt_logprobs: bool
+        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, scores: PromptScores
     ) -> SampleResult:
         await self._acquire(tag, loader)
+        engine = self._engine
         try:
-            jobs: list[Any] = [self._engine.generate([prompt], params)]
-            if prompt_logprobs and len(prompt) > 1:
-                jobs.append(self._engine.prompt_logprobs([prompt]))
-            results = await asyncio.gather(*jobs)
+            want_plp = scores.logprobs and len(prompt) > 1
+            targets = scores.target_sequences(prompt)
+            results = await asyncio.gather(
+                engine.generate([prompt], params),
+                engine.prompt_logprobs([prompt]) if want_plp else _none(),
+                engine.prompt_top_logprobs(prompt, scores.topk)
+                if scores.topk and len(prompt) > 1
+                else _none(),
+                engine.prompt_logprobs([seq for _, _, seq in targets]) if targets else _none(),
+            )
         finally:
             await self._release()
         sequences = []
@@ -187,17 +219,26 @@ class EngineHost:
                     tokens=list(completion.token_ids),
                     logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
                     stop_reason=completion.stop_reason,
+                    top_logprobs=completion.top_logprobs,
                 )
             )
-        plp: list[float] | None = None
-        if prompt_logprobs:
-            plp = [math.nan] + (list(results[1][0]) if len(results) > 1 else [])
-        return SampleResult(sequences=sequences, prompt_logprobs=plp)
+        plp = None
+        if scores.logprobs:
+            plp = [math.nan] + (list(results[1][0]) if results[1] is not None else [])
+        topk = None
+        if scores.topk:
+            topk = [None, *results[2]] if results[2] is not None else [None]
+        target = None
+        if scores.targets is not None:
+            target = np.zeros(scores.targets.shape, dtype=np.float32)  # 0.0 where nothing was asked
+            for (i, j, _), values in zip(targets, results[3] or [], strict=True):
+                target[i, j] = values[-1]
+        return SampleResult(sequences=sequences, prompt_logprobs=plp, topk_prompt=topk, target_prompt=target)
 
     async def _sample_images(
         self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams
     ) -> SampleResult:
-        from skylift.tinker.engine_render import collapse_images, generate_multimodal
+        from skylift.tinker.vision.engine_render import collapse_images, generate_multimodal
 
         image_token_id = self._engine.vllm_engine.model_config.hf_config.image_token_id
         prompt, images = collapse_images(parts, image_token_id)
@@ -235,10 +276,11 @@ class EngineHost:
 
     # ---------------------------------------------------------------- public (any loop)
     async def sample(
-        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, prompt_logprobs: bool
+        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, scores: PromptScores
     ) -> SampleResult:
-        """Sample `params.n` continuations of `prompt` with the weights named `tag`."""
-        return await self._on_engine_loop(self._sample(tag, loader, prompt, params, prompt_logprobs))
+        """Sample `params.n` continuations of `prompt` with the weights named `tag`, and score the
+        prompt as `scores` asks."""
+        return await self._on_engine_loop(self._sample(tag, loader, prompt, params, scores))
 
     async def sample_images(
         self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams

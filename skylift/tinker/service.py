@@ -1,8 +1,10 @@
 """`TinkerService`: the Tinker operations, independent of HTTP.
 
-It owns the store, the futures, one ordered queue and one `TrainedModel` per loaded training
-model, and the lazily started sampling engines. Training work runs on one background thread
-(torch uses its own intra-op threads); the store is only touched from the event loop.
+It owns its collaborators and hands each one what it needs: the store, the futures, the served
+base models, one ordered queue and one `TrainedModel` per loaded training model, the sampling side
+(`SamplingService`: engines, snapshots, stability records) and the image render hosts. Every
+operation that answers with a future goes through `submit`. Training work runs on one background
+thread (torch uses its own intra-op threads); the store is only touched from the event loop.
 """
 
 from __future__ import annotations
@@ -10,33 +12,33 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import os
+import secrets
 import shutil
 import uuid
-from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from skylift.config.services import ServerConfig
 from skylift.tinker.backend import ModelConfig, TrainedModel
+from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import NotFoundError, UserError
-from skylift.tinker.futures import FutureHub, OrderedQueue
-from skylift.tinker.render_host import RenderHost
-from skylift.tinker.sampling import EngineHost
+from skylift.tinker.futures import FutureHub, OrderedQueue, Work
+from skylift.tinker.provenance import StabilityRecords
+from skylift.tinker.sampler_service import SamplingService
+from skylift.tinker.snapshots import MIB, SnapshotStore
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
+from skylift.tinker.views import KIND_SEGMENT
+from skylift.tinker.vision.host import RenderHosts
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
+
+__all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 
 
-@dataclass
-class BaseModelInfo:
-    name: str
-    path: str
-    max_model_len: int
-    arch: str | None
+#: prepare(request id) -> the work of a new request (it may raise: the request then fails with it)
+Prepare = Callable[[str], Work]
 
 
 class TinkerService:
@@ -47,37 +49,30 @@ class TinkerService:
         self.store = Store(config.db_url)
         self.data_dir = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.base_models = [self._describe_base_model(name) for name in config.base_models]
-        if not self.base_models:
-            raise ValueError("at least one --base-model is required")
+        self.base_models = BaseModels(config.base_models, config.max_model_len)
         self.models: dict[str, TrainedModel] = {}
         self.queues: dict[str, OrderedQueue] = {}
-        self.engines: dict[str, EngineHost] = {}
-        self.render_hosts: dict[str, RenderHost] = {}  # by base model path: image rendering
-        self.snapshots: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.hub: FutureHub | None = None
+        self.render_hosts = RenderHosts(self.data_dir, {b.path: b.max_model_len for b in self.base_models})
+        self.snapshots = SnapshotStore(int(config.snapshot_memory_mb * MIB), config.max_idle_snapshots)
+        self.records = StabilityRecords()
+        self.sampling = SamplingService(
+            self.store,
+            self.base_models,
+            config.engine,
+            self.snapshots,
+            self.records,
+            self.render_hosts,
+            self.spawn,
+        )
+        self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
+        self._hub: FutureHub | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._cleanup_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        from skylift.tinker.sampler_service import SamplingService
-
-        self.sampling = SamplingService(self)
 
     # ---------------------------------------------------------------- lifecycle
-    def _describe_base_model(self, name: str) -> BaseModelInfo:
-        from transformers import AutoConfig
-
-        from skylift.models import resolve_model_path
-
-        path = os.path.realpath(resolve_model_path(name))
-        cfg = AutoConfig.from_pretrained(path)
-        positions = getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048
-        limit = self.config.max_model_len or min(int(positions), 4096)
-        arch = (getattr(cfg, "architectures", None) or [None])[0]
-        return BaseModelInfo(name=name, path=path, max_model_len=limit, arch=arch)
-
     async def start(self) -> None:
-        self.hub = FutureHub(self.store, self.config.result_retention_s)
+        self._hub = FutureHub(self.store, self.config.result_retention_s)
         lost = await asyncio.to_thread(self.store.mark_pending_lost)  # retrieve_future answers 410
         await asyncio.to_thread(self.store.mark_loaded_models_unloaded)
         if lost:
@@ -91,14 +86,12 @@ class TinkerService:
             self._cleanup_task.cancel()
         for queue in self.queues.values():
             await queue.close()
-        if self.hub is not None:
-            await self.hub.close()
+        if self._hub is not None:
+            await self._hub.close()
         for task in list(self._background):
             task.cancel()
-        for host in self.engines.values():
-            await asyncio.to_thread(host.close)
-        for render in self.render_hosts.values():
-            await asyncio.to_thread(render.close)
+        await self.sampling.close()
+        await asyncio.to_thread(self.render_hosts.close_all)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
@@ -122,76 +115,117 @@ class TinkerService:
         now = utcnow()
         for ckpt in self.store.checkpoints():
             if ckpt.expires_at is not None and ckpt.expires_at < now:
-                self._delete_checkpoint_files(ckpt.tinker_path)
+                self.delete_checkpoint(ckpt.tinker_path)
         return finished
 
-    # ---------------------------------------------------------------- helpers
-    def _hub(self) -> FutureHub:
-        if self.hub is None:
+    # ---------------------------------------------------------------- the one submit path
+    @property
+    def hub(self) -> FutureHub:
+        if self._hub is None:
             raise RuntimeError("service not started")
-        return self.hub
+        return self._hub
 
-    def base_model(self, name: str | None) -> BaseModelInfo:
-        """The served base model `name` refers to (by name or by path)."""
-        if not name:
-            raise UserError("base_model is required")
-        for info in self.base_models:
-            if name == info.name:
-                return info
-        real = os.path.realpath(name) if os.path.exists(name) else None
-        for info in self.base_models:
-            if real == info.path:
-                return info
+    def submit(
+        self,
+        kind: str,
+        model_id: str | None,
+        dedup_keys: Sequence[str | None],
+        prepare: Prepare,
+        queue_seq: int | None | bool = False,
+    ) -> str:
+        """Record a request and run it; returns its request id (a repeated POST gets the first id).
+
+        `prepare(request_id)` runs now (it may register a model, validate, ...) and returns the work; an error
+        it raises fails the request. With `queue_seq` an int or None the work runs on the model's
+        ordered queue at that seq id; with False it runs at once in the background.
+        """
+        hub = self.hub
+        request_id, new = hub.submit(kind, model_id, dedup_keys)
+        if not new:
+            return request_id
+        try:
+            work = prepare(request_id)
+        except Exception as exc:
+            hub.fail(request_id, exc)
+            return request_id
+        if queue_seq is False:
+            hub.start(request_id, work)
+            return request_id
+        queue = self.queues.get(str(model_id))
+        if queue is None:
+            hub.fail(request_id, RuntimeError(f"model {model_id} has no queue"))
+            return request_id
+        seq = None if queue_seq is None or queue_seq is True else int(queue_seq)
+        self.spawn(queue.put(seq, lambda: hub.execute(request_id, work)))
+        return request_id
+
+    def submit_model_op(
+        self,
+        kind: str,
+        model_id: str,
+        seq_id: Any,
+        fn: Callable[[TrainedModel], Awaitable[Any]],
+        idem: str | None,
+    ) -> str:
+        """Queue `fn(model)` on a loaded model's ordered queue; returns the request id."""
+        if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
+            raise UserError(f"{kind}: seq_id must be an integer, got {seq_id!r}")
+        keys = [f"op:{model_id}:{seq_id}" if seq_id is not None else None, f"idem:{idem}" if idem else None]
+
+        def prepare(request_id: str) -> Work:
+            model = self.loaded_model(model_id)
+            self.touch_model(model_id)
+            return lambda: fn(model)
+
+        queued = seq_id if model_id in self.queues else False
+        return self.submit(kind, model_id, keys, prepare, queue_seq=queued)
+
+    def loaded_model(self, model_id: str) -> TrainedModel:
+        model = self.models.get(model_id)
+        if model is not None and model_id in self.queues:
+            return model
+        row = self.store.get(ModelRow, model_id)
+        if row is None:
+            raise NotFoundError(f"unknown model id {model_id!r}")
         raise UserError(
-            f"base model {name!r} is not served here; served: {[b.name for b in self.base_models]}"
+            f"model {model_id} is not loaded (status {row.status}: its session ended or the server "
+            "restarted); create a training client from one of its checkpoints"
         )
 
     async def run_training(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        """Run `coro` in the background (cancelled at `stop`)."""
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    # ---------------------------------------------------------------- files and records
     def run_dir(self, model_id: str, kind: str, name: str) -> Path:
-        segment = "weights" if kind == "training" else "sampler_weights"
-        return self.data_dir / "runs" / model_id / segment / name
+        return self.data_dir / "runs" / model_id / KIND_SEGMENT[kind] / name
 
     @staticmethod
     def store_path(row: CheckpointRow) -> Path:
         return Path(row.directory)
 
-    def _delete_checkpoint_files(self, path: str) -> CheckpointRow | None:
+    def delete_checkpoint(self, path: str) -> CheckpointRow | None:
+        """Delete a checkpoint's record and files; None when it does not exist."""
         row = self.store.delete_checkpoint(path)
         if row is not None:
             shutil.rmtree(row.directory, ignore_errors=True)
         return row
 
-    # ---------------------------------------------------------------- images
-    def render_host(self, model_path: str) -> RenderHost:
-        """The image renderer of a base model (created on first use; starts nothing)."""
-        host = self.render_hosts.get(model_path)
-        if host is None:
-            info = next((b for b in self.base_models if b.path == model_path), None)
-            host = RenderHost(
-                model_path,
-                max_model_len=info.max_model_len if info else None,
-                log_path=self.data_dir / f"render-server-{len(self.render_hosts)}.log",
-            )
-            self.render_hosts[model_path] = host
-        return host
-
     async def render_images(self, model_path: str, data: list[Any]) -> None:
         """Render the image-bearing datums of a batch (text-only batches never get here)."""
-        await self.render_host(model_path).render_datums(data)
+        await self.render_hosts.get(model_path).render_datums(data)
 
     def _release_render_server(self, model_path: str) -> None:
         """Stop a base model's CPU render server once no loaded model of that base is left."""
-        host = self.render_hosts.get(model_path)
+        host = self.render_hosts.hosts.get(model_path)
         if host is None or any(m.config.model_path == model_path for m in self.models.values()):
             return
-        self._spawn(asyncio.to_thread(host.close))
+        self.spawn(asyncio.to_thread(host.close))
 
     def touch_model(self, model_id: str) -> None:
         self.store.update(ModelRow, model_id, last_request_time=utcnow())
@@ -240,18 +274,19 @@ class TinkerService:
                 f"session {session_id} finished ({reason}) before this operation of model "
                 f"{model.model_id} ran; create a new ServiceClient and training client to continue",
             )
+        self.snapshots.release_session(session_id)
 
     def release_model(self, model_id: str, reason: str | None = None) -> None:
         """Free a model's memory; its records and checkpoints stay. Its queued and running
         operations fail at once with `reason` (a user error)."""
         model = self.models.pop(model_id, None)
         queue = self.queues.pop(model_id, None)
-        if self.hub is not None and (model is not None or queue is not None):
-            self.hub.abandon_model(
+        if self._hub is not None and (model is not None or queue is not None):
+            self._hub.abandon_model(
                 model_id, reason or f"model {model_id} was released before this operation ran"
             )
         if queue is not None:
-            self._spawn(queue.close())
+            self.spawn(queue.close())
         if model is not None:
             model.close()
             self._release_render_server(model.config.model_path)
@@ -260,16 +295,14 @@ class TinkerService:
                 self.store.update(ModelRow, model_id, status="unloaded")
 
     # ---------------------------------------------------------------- models
-    def _new_model(
+    def new_model(
         self, session_id: str, model_seq_id: int, config: ModelConfig, user_metadata: Any
-    ) -> tuple[str, TrainedModel | None]:
-        """Register model `<session>:train:<seq>`; None when it already exists (a repeated POST)."""
+    ) -> tuple[str, TrainedModel]:
+        """Register model `<session>:train:<seq>` with its queue (not built yet: see `setup_work`)."""
         session = self.session(session_id)
         if session.finished_at is not None:
             raise UserError(f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{int(model_seq_id)}"
-        if self.store.get(ModelRow, model_id) is not None:
-            return model_id, None
         self.store.add(
             ModelRow(
                 model_id=model_id,
@@ -284,50 +317,9 @@ class TinkerService:
         self.queues[model_id] = OrderedQueue(model_id, self.config.gap_timeout_s)
         return model_id, model
 
-    def create_model(self, body: dict[str, Any]) -> tuple[str, str]:
-        """(request id, model id); the future resolves when the model is built."""
-        hub = self._hub()
-        session_id, seq = str(body.get("session_id")), int(body.get("model_seq_id", 0))
-        model_id = f"{session_id}:train:{seq}"
-        request_id, new = hub.submit("create_model", model_id, [f"create:{model_id}"])
-        if not new:
-            return request_id, model_id
-        try:
-            info = self.base_model(body.get("base_model"))
-            lora, optimizer_config = body.get("lora_config") or {}, body.get("optimizer_config") or {}
-            if not isinstance(lora, dict) or not isinstance(optimizer_config, dict):
-                raise UserError("create_model: lora_config and optimizer_config must be objects")
-            optimizer = optimizer_config.get("type", "adamw")
-            if optimizer != "adamw":
-                raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with adamw")
-            config = ModelConfig(
-                base_model=str(body["base_model"]),
-                model_path=info.path,
-                lora_rank=int(lora.get("rank", 0)),
-                train_attn=bool(lora.get("train_attn", True)),
-                train_mlp=bool(lora.get("train_mlp", True)),
-                train_unembed=bool(lora.get("train_unembed", True)),
-                seed=int(lora.get("seed") or 0),
-            )
-            if config.is_lora:
-                config.target_modules()  # validates the choice early
-            _, model = self._new_model(session_id, seq, config, body.get("user_metadata"))
-        except (TypeError, ValueError, AttributeError) as exc:  # e.g. a lora_config of the wrong shape
-            if not isinstance(exc, UserError):
-                exc = UserError(f"create_model: malformed request ({type(exc).__name__}: {exc})")
-            hub.fail(request_id, exc)
-            return request_id, model_id
-        except Exception as exc:
-            hub.fail(request_id, exc)
-            return request_id, model_id
-        assert model is not None
-        result = {"model_id": model_id, "type": "create_model"}
-        self._enqueue_setup(request_id, model, None, result)
-        return request_id, model_id
+    def setup_work(self, model: TrainedModel, load: tuple[Path, bool] | None, result: dict[str, Any]) -> Work:
+        """The work that builds a new model (and loads a checkpoint into it)."""
 
-    def _enqueue_setup(
-        self, request_id: str, model: TrainedModel, load: tuple[Path, bool] | None, result: dict[str, Any]
-    ) -> None:
         async def work() -> dict[str, Any]:
             try:
                 await self.run_training(model.setup)
@@ -340,15 +332,53 @@ class TinkerService:
             self.store.update(ModelRow, model.model_id, status="ready")
             return result
 
-        queue = self.queues[model.model_id]
-        self._spawn(queue.put(0, lambda: self._hub().execute(request_id, work)))
+        return work
+
+    def create_model(self, body: dict[str, Any]) -> tuple[str, str]:
+        """(request id, model id); the future resolves when the model is built."""
+        session_id, seq = str(body.get("session_id")), int(body.get("model_seq_id", 0))
+        model_id = f"{session_id}:train:{seq}"
+
+        def prepare(request_id: str) -> Work:
+            try:
+                config = self._model_config(body)
+            except UserError:
+                raise
+            except (TypeError, ValueError, AttributeError) as exc:  # e.g. a lora_config of the wrong shape
+                raise UserError(f"create_model: malformed request ({type(exc).__name__}: {exc})") from exc
+            _, model = self.new_model(session_id, seq, config, body.get("user_metadata"))
+            return self.setup_work(model, None, {"model_id": model_id, "type": "create_model"})
+
+        request_id = self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
+        return request_id, model_id
+
+    def _model_config(self, body: dict[str, Any]) -> ModelConfig:
+        info = self.base_models.get(body.get("base_model"))
+        lora, optimizer_config = body.get("lora_config") or {}, body.get("optimizer_config") or {}
+        if not isinstance(lora, dict) or not isinstance(optimizer_config, dict):
+            raise UserError("create_model: lora_config and optimizer_config must be objects")
+        optimizer = optimizer_config.get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with adamw")
+        config = ModelConfig(
+            base_model=str(body["base_model"]),
+            model_path=info.path,
+            lora_rank=int(lora.get("rank", 0)),
+            train_attn=bool(lora.get("train_attn", True)),
+            train_mlp=bool(lora.get("train_mlp", True)),
+            train_unembed=bool(lora.get("train_unembed", True)),
+            seed=int(lora.get("seed") or 0),
+        )
+        if config.is_lora:
+            config.target_modules()  # validates the choice early
+        return config
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         row = self.store.get(ModelRow, model_id)
         if row is None:
             raise NotFoundError(f"unknown model id {model_id!r}")
         config = ModelConfig.from_json(row.config)
-        info = next((b for b in self.base_models if b.path == os.path.realpath(config.model_path)), None)
+        info = self.base_models.find_path(config.model_path)
         return {
             "type": "get_info",
             "model_id": model_id,
@@ -362,31 +392,14 @@ class TinkerService:
             "model_name": row.base_model,
         }
 
-    def submit_model_op(self, kind: str, model_id: str, seq_id: int | None, fn: Any, idem: str | None) -> str:
-        """Queue `fn(model) -> awaitable result` on the model's ordered queue; returns the request id."""
-        if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
-            raise UserError(f"{kind}: seq_id must be an integer, got {seq_id!r}")
-        hub = self._hub()
-        keys = [f"op:{model_id}:{seq_id}" if seq_id is not None else None, f"idem:{idem}" if idem else None]
-        request_id, new = hub.submit(kind, model_id, keys)
-        if not new:
-            return request_id
-        model, queue = self.models.get(model_id), self.queues.get(model_id)
-        if model is None or queue is None:
-            row = self.store.get(ModelRow, model_id)
-            if row is None:
-                error: Exception = NotFoundError(f"unknown model id {model_id!r}")
-            else:
-                error = UserError(
-                    f"model {model_id} is not loaded (status {row.status}: its session ended or the server "
-                    "restarted); create a training client from one of its checkpoints"
-                )
-            hub.fail(request_id, error)
-            return request_id
-        self.touch_model(model_id)
-
-        async def work() -> Any:
-            return await fn(model)
-
-        self._spawn(queue.put(seq_id, lambda: hub.execute(request_id, work)))
-        return request_id
+    # ---------------------------------------------------------------- sampling
+    def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
+        """(request id, sequence ids) of a sample request."""
+        num = self.sampling.check_request(body)
+        sampling_id, seq = body.get("sampling_session_id"), body.get("seq_id")
+        keys = [
+            f"sample:{sampling_id}:{seq}" if sampling_id and seq is not None else None,
+            f"idem:{idem}" if idem else None,
+        ]
+        request_id = self.submit("sample", None, keys, lambda rid: lambda: self.sampling.sample(body, rid))
+        return request_id, [f"{request_id}:{i}" for i in range(num)]

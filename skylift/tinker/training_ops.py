@@ -15,8 +15,11 @@ import datetime as dt
 import shutil
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from skylift.tinker.backend import TrainedModel, read_checkpoint_config
 from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
 from skylift.tinker.views import check_name, parse_tinker_path, tinker_path
 from skylift.tinker.wire import ForwardBackwardCall
@@ -31,6 +34,8 @@ def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | 
     async def fn(model: TrainedModel) -> bytes:
         if call.error is not None:
             raise call.error
+        if get_loss(call.loss_fn).needs_provenance:
+            _resolve_provenance(svc, model, call)
         if any(d.needs_render for d in call.data):
             if model.image_token_id is None:  # refuse before starting a render server for nothing
                 raise UserError(
@@ -41,6 +46,25 @@ def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | 
         return await svc.run_training(model.forward_backward, call)
 
     return svc.submit_model_op(kind, call.model_id, call.seq_id or None, fn, idem)
+
+
+def _resolve_provenance(svc: TinkerService, model: TrainedModel, call: ForwardBackwardCall) -> None:
+    """Fill in the recorded sampler logprobs and sampled-position mask of every datum."""
+    row = svc.store.get(ModelRow, model.model_id)
+    for i, datum in enumerate(call.data):
+        where = f"datum {i}"
+        if not datum.loss_spans:
+            raise UserError(
+                f"{where}: loss {call.loss_fn!r} needs provenance (Datum.with_provenance naming the "
+                "sequence_ids of a sampler created with record_stability_info=True)"
+            )
+        targets, advantages = datum.inputs.get("target_tokens"), datum.inputs.get("advantages")
+        if targets is None or advantages is None or targets.ndim != 1:
+            raise UserError(f"{where}: {call.loss_fn} needs 1-D target_tokens and advantages")
+        recorded, sampled = svc.records.resolve(
+            datum.loss_spans, targets.astype(np.int64), advantages, row.session_id, where
+        )
+        datum.inputs[RECORDED_LOGPROBS], datum.inputs[SAMPLED_MASK] = recorded, sampled
 
 
 def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
@@ -174,29 +198,24 @@ def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> 
 
         return svc.submit_model_op("load_weights", model_id, body.get("seq_id"), fn, idem), model_id
 
-    hub = svc._hub()
     session_id, seq = str(body["session_id"]), int(body.get("model_seq_id", 0))
     model_id = f"{session_id}:train:{seq}"
-    request_id, new = hub.submit("load_weights", model_id, [f"create:{model_id}"])
-    if not new:
-        return request_id, model_id
-    try:
+
+    def prepare(request_id: str) -> Any:
         row = _training_checkpoint(svc, path)
         config = read_checkpoint_config(svc.store_path(row))
         if body.get("base_model"):
-            info = svc.base_model(body["base_model"])
+            info = svc.base_models.get(body["base_model"])
             if info.path != config.model_path:
                 raise UserError(
                     f"base_model {body['base_model']!r} does not match the checkpoint's {config.base_model!r}"
                 )
             config.base_model = str(body["base_model"])
         else:
-            svc.base_model(config.base_model)
-        _, model = svc._new_model(session_id, seq, config, body.get("user_metadata"))
-    except Exception as exc:
-        hub.fail(request_id, exc)
-        return request_id, model_id
-    assert model is not None
-    result = {"path": path, "model_id": model_id, "type": "load_weights"}
-    svc._enqueue_setup(request_id, model, (svc.store_path(row), optimizer), result)
+            svc.base_models.get(config.base_model)
+        _, model = svc.new_model(session_id, seq, config, body.get("user_metadata"))
+        result = {"path": path, "model_id": model_id, "type": "load_weights"}
+        return svc.setup_work(model, (svc.store_path(row), optimizer), result)
+
+    request_id = svc.submit("load_weights", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
     return request_id, model_id

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from skylift.tinker.errors import UserError
 from skylift.tinker.store import CheckpointRow, ModelRow
 
 SCHEME = "tinker://"
-KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights"}
+KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
+META_FILE = "skylift_tinker_meta.json"  # beside every checkpoint's files: model config, steps, public
 _NAME = re.compile(r"^[A-Za-z0-9._\-:=+@]+$")
 
 
@@ -41,13 +44,23 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     parts = path[len(SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not _is_name(parts[0]) or not _is_name(parts[2]):
         raise UserError(
-            f"invalid checkpoint path {path!r}: expected tinker://<run id>/{{weights|sampler_weights}}/<name>"
+            f"invalid checkpoint path {path!r}: expected "
+            "tinker://<run id>/{weights|sampler_weights|external_weights}/<name>"
         )
     return parts[0], SEGMENT_KIND[parts[1]], parts[2]
 
 
 def iso(t: dt.datetime | None) -> str | None:
     return None if t is None else t.replace(tzinfo=dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def is_public(row: CheckpointRow) -> bool:
+    """Published checkpoints carry ``"public": true`` in the metadata file beside their files."""
+    meta = Path(row.directory) / META_FILE
+    try:
+        return bool(json.loads(meta.read_text()).get("public", False))
+    except (OSError, ValueError):
+        return False
 
 
 def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
@@ -57,7 +70,7 @@ def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
         "time": iso(row.created_at),
         "tinker_path": row.tinker_path,
         "size_bytes": row.size_bytes,
-        "public": False,
+        "public": is_public(row),
         "user_metadata": row.user_metadata,
         "expires_at": iso(row.expires_at),
     }

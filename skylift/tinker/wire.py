@@ -16,7 +16,8 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import ImageInput, image_from_proto
+from skylift.tinker.provenance import Span
+from skylift.tinker.vision.images import ImageInput, image_from_proto
 
 _NUMPY_OF_DTYPE = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
@@ -38,6 +39,7 @@ class WireDatum:
     parts: list[list[int] | ImageInput] | None = None
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    loss_spans: list[Span] | None = None  # provenance of the loss_fn_inputs positions
 
     @property
     def needs_render(self) -> bool:
@@ -142,7 +144,10 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
             name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
             for name, tensor in datum.loss_fn_inputs.items()
         }
-        data.append(WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None))
+        spans = [_span(s) for s in datum.loss_fn_input_spans] or None
+        data.append(
+            WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None, loss_spans=spans)
+        )
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),
@@ -151,6 +156,17 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         data=data,
         loss_fn_config=config,
         error=error,
+    )
+
+
+def _span(msg: pb.ProvenanceSpan) -> Span:
+    kind = msg.WhichOneof("span")
+    arm = msg.sampled_tokens if kind == "sampled_tokens" else msg.prompt_tokens
+    return Span(
+        sampled=kind == "sampled_tokens",
+        sequence_id=arm.sequence_id,
+        offset=int(arm.offset),
+        length=int(arm.length),
     )
 
 
@@ -184,12 +200,31 @@ class SampledSequenceData:
     tokens: list[int]
     logprobs: list[float] | None
     stop_reason: str  # "stop" | "length"
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per sampled token, most likely first
+
+
+MASK_LOGPROB = -99999.0  # the SDK's filler for empty top-k cells (token id 0)
+
+
+def _topk(rows: Sequence[Sequence[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs:
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate((row or [])[:k]):
+            ids[i, j], lps[i, j] = tok, lp
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
 def encode_sample_response(
-    sequences: Sequence[SampledSequenceData], prompt_logprobs: Sequence[float] | None
+    sequences: Sequence[SampledSequenceData],
+    prompt_logprobs: Sequence[float] | None,
+    topk_prompt: Sequence[Sequence[tuple[int, float]] | None] | None = None,
+    target_prompt: np.ndarray | None = None,
+    prompt_k: int = 0,
+    sample_k: int = 0,
 ) -> bytes:
-    """`SampleResponse` bytes (prompt logprobs float32 with NaN where unscored)."""
+    """`SampleResponse` bytes (prompt logprobs float32 with NaN where unscored; top-k matrices
+    filled with the SDK's sentinel; target prompt logprobs a dense float32 tensor)."""
     msg = pb.SampleResponse()
     for seq in sequences:
         out = msg.sequences.add()
@@ -197,6 +232,18 @@ def encode_sample_response(
         out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
         if seq.logprobs is not None:
             out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.top_logprobs is not None and sample_k:
+            out.topk_sampled_logprobs.CopyFrom(_topk(seq.top_logprobs, sample_k))
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
+    if topk_prompt is not None and prompt_k:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, prompt_k))
+    if target_prompt is not None:
+        msg.target_prompt_logprobs.CopyFrom(
+            pb.Tensor(
+                dense=np.ascontiguousarray(target_prompt, dtype="<f4").tobytes(),
+                dtype=pb.DTYPE_FLOAT32,
+                shape=list(target_prompt.shape),
+            )
+        )
     return msg.SerializeToString()

@@ -22,7 +22,10 @@ class SequenceBatch:
     attention_mask: Tensor  # [B, P + R] long (1 = real token)
     response_mask: Tensor  # [B, R] float (1 = token that counts in the loss)
     prompt_len: int  # P
-    extras: dict[str, Tensor] = field(default_factory=dict)  # [B, R] or [B] tensors
+    extras: dict[str, Tensor] = field(default_factory=dict)  # [B, R, ...] or [B] tensors
+    # per-row model inputs concatenated along dim 0 for a forward pass (a vision-language model's
+    # `pixel_values` and `image_grid_thw`); None for text
+    row_inputs: list[dict[str, Tensor]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -53,13 +56,15 @@ class SequenceBatch:
         resp_real = real[:, self.prompt_len :].any(0)
         last = int(resp_real.nonzero().max()) + 1 if bool(resp_real.any()) else 1
         end = self.prompt_len + last
-        extras = {k: (v[:, :last] if v.dim() == 2 else v) for k, v in extras.items()}
+        extras = {k: (v[:, :last] if v.dim() >= 2 else v) for k, v in extras.items()}
+        rows = None if self.row_inputs is None else [self.row_inputs[i] for i in idx.tolist()]
         return SequenceBatch(
             input_ids=ids[:, first:end],
             attention_mask=att[:, first:end],
             response_mask=resp_mask[:, :last],
             prompt_len=self.prompt_len - first,
             extras=extras,
+            row_inputs=rows,
         )
 
     def with_extras(self, **tensors: Tensor) -> SequenceBatch:
@@ -72,6 +77,9 @@ class SequenceBatch:
             response_mask=self.response_mask.to(device),
             prompt_len=self.prompt_len,
             extras={k: v.to(device) for k, v in self.extras.items()},
+            row_inputs=None
+            if self.row_inputs is None
+            else [{k: v.to(device) for k, v in row.items()} for row in self.row_inputs],
         )
 
 

@@ -16,8 +16,12 @@ from skylift.training.batch import SequenceBatch
 
 
 def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] without materialising the full log-softmax."""
+    """log softmax(logits)[target] without materialising the full log-softmax.
+
+    `targets` is `[..., T]` (one token per position) or `[..., T, K]` (K tokens per position)."""
     logits = logits.float()
+    if targets.dim() == logits.dim():
+        return logits.gather(-1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -44,11 +48,13 @@ def response_logprobs(
 
     Logits are divided by the sampling temperature so they match what the engine sampled from.
     Only response positions get logits (`logits_to_keep`). With `share_prompts`, rows that share a
-    prompt share one prompt forward pass (see the module docstring).
+    prompt share one prompt forward pass (see the module docstring). An extra ``target_ids``
+    (`[B, R]` or `[B, R, K]`, long) scores those tokens at each response position instead of the
+    response tokens themselves (the result is then `[B, R]` or `[B, R, K]`).
     """
     # transformers turns the KV cache off under gradient checkpointing while training
     checkpointing = bool(getattr(model, "is_gradient_checkpointing", False)) and model.training
-    share = share_prompts and batch.response_len > 1 and not checkpointing
+    share = share_prompts and batch.response_len > 1 and not checkpointing and batch.row_inputs is None
     first, inverse = unique_prompts(batch) if share else (None, None)
     if first is None or len(first) == batch.batch_size:
         logits = _full_forward(model, batch)
@@ -56,18 +62,33 @@ def response_logprobs(
         logits = _shared_prompt_forward(model, batch, first, inverse)
     if temperature != 1.0:
         logits = logits / temperature
-    return gather_logprobs(logits, batch.response_ids)
+    return gather_logprobs(logits, batch.extras.get("target_ids", batch.response_ids))
 
 
 def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
+    kwargs: dict[str, Tensor] = {"position_ids": batch.position_ids}
+    if batch.row_inputs is not None:
+        kwargs = _vision_kwargs(model, batch)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
         use_cache=False,
         logits_to_keep=batch.response_len + 1,
+        **kwargs,
     )
     return out.logits[:, :-1, :]
+
+
+def _vision_kwargs(model: torch.nn.Module, batch: SequenceBatch) -> dict[str, Tensor]:
+    """A vision-language model's image inputs: the rows' tensors concatenated in row order, and
+    which positions hold image placeholders (the model derives its multimodal positions from them)."""
+    rows = batch.row_inputs or []
+    names = sorted({k for row in rows for k in row})
+    kwargs = {k: torch.cat([row[k] for row in rows if k in row]) for k in names}
+    image_token_id = getattr(getattr(model, "config", None), "image_token_id", None)
+    if kwargs and image_token_id is not None:
+        kwargs["mm_token_type_ids"] = (batch.input_ids == image_token_id).long()
+    return kwargs
 
 
 def _shared_prompt_forward(

@@ -210,7 +210,12 @@ class TrainingWorker:
     # ---------------------------------------------------------------- forward
     def _response_outputs(self, model: torch.nn.Module, micro: SequenceBatch, temperature: float) -> Tensor:
         """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
-        packed = self.settings.remove_microbatch_padding
+        # the packed path scores the response tokens of text rows only
+        packed = (
+            self.settings.remove_microbatch_padding
+            and "target_ids" not in micro.extras
+            and micro.row_inputs is None
+        )
         with self._autocast():
             if self.settings.head == "value":
                 return (packed_response_values if packed else response_values)(model, micro)
@@ -254,12 +259,16 @@ class TrainingWorker:
         model = self._model()
         was_training = model.training
         model.eval()
-        out = torch.zeros(batch.batch_size, batch.response_len)
+        out: Tensor | None = None
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
             logp = self._response_outputs(model, micro, temperature)
-            out[rows, : micro.response_len] = logp.float().cpu() * micro.response_mask.cpu()
+            if out is None:  # [B, R] or, with [B, R, K] target_ids, [B, R, K]
+                out = torch.zeros(batch.batch_size, batch.response_len, *logp.shape[2:])
+            mask = micro.response_mask.cpu().reshape(*micro.response_mask.shape, *([1] * (logp.dim() - 2)))
+            out[rows, : micro.response_len] = logp.float().cpu() * mask
         model.train(was_training)
+        assert out is not None
         return out
 
     # ---------------------------------------------------------------- training
@@ -315,38 +324,26 @@ class TrainingWorker:
                 counts[k] = counts.get(k, 0) + 1
         return {k: sums[k] / counts[k] for k in sums}
 
-    def optimizer_step(self, adam: dict[str, float] | None = None) -> dict[str, float]:
-        """Clip the accumulated gradients and step AdamW, then clear them.
+    def optimizer_step(self, max_grad_norm: float | None = None) -> dict[str, float]:
+        """Clip the accumulated gradients, step the optimizer and its schedule, then clear them.
 
-        `adam` may override this step's hyper-parameters (keys: lr, beta1, beta2, eps,
-        weight_decay, max_grad_norm), as the Tinker API sends them with every step; without it the
-        worker's own settings and learning-rate schedule apply.
+        `max_grad_norm` overrides the settings' clip norm for this step; a norm <= 0 means no
+        clipping. The optimizer uses its param groups' current hyper-parameters (a caller may set
+        them before the step: `optimizer.param_groups` is PyTorch's public interface for that).
         """
         model = self._model()
         if self.optimizer is None or self.scheduler is None:
             raise RuntimeError("this worker is not trainable (reference model)")
-        max_norm = self.settings.optimizer.max_grad_norm
-        if adam:
-            for group in self.optimizer.param_groups:
-                if "lr" in adam:
-                    group["lr"] = adam["lr"]
-                if "beta1" in adam or "beta2" in adam:
-                    b1, b2 = group["betas"]
-                    group["betas"] = (adam.get("beta1", b1), adam.get("beta2", b2))
-                if "eps" in adam:
-                    group["eps"] = adam["eps"]
-                if "weight_decay" in adam:
-                    group["weight_decay"] = adam["weight_decay"]
-            if adam.get("max_grad_norm") is not None:
-                max_norm = adam["max_grad_norm"] if adam["max_grad_norm"] > 0 else math.inf
+        max_norm = self.settings.optimizer.max_grad_norm if max_grad_norm is None else max_grad_norm
+        if max_norm <= 0:
+            max_norm = math.inf
         params = [p for p in model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if math.isfinite(grad_norm_value):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not adam:
-            self.scheduler.step()
+        self.scheduler.step()
         self.global_step += 1
         return {"grad_norm": grad_norm_value, "lr": self.optimizer.param_groups[0]["lr"]}
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import ImageInput, check_image, image_from_json
 from skylift.tinker.rendering import json_parts
+from skylift.tinker.vision.images import ImageInput, check_image, image_from_json
 
 
 def _image(fmt: str = "PNG", size: tuple[int, int] = (30, 20)) -> bytes:

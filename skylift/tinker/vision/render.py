@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from skylift.tinker.errors import UserError
-from skylift.tinker.images import ImageInput
+from skylift.tinker.vision.images import ImageInput
 
 Part = list[int] | ImageInput
 
@@ -26,7 +26,7 @@ Part = list[int] | ImageInput
 class RenderClient(Protocol):
     """Anything that serves vLLM's ``/v1/chat/completions/render`` (returns the response JSON).
 
-    Satisfied by `skylift.tinker.render_server.RenderServerClient` (the CPU render server), by the
+    Satisfied by `skylift.tinker.vision.render_server.RenderServerClient` (the CPU render server), by the
     engine clients `skylift.inference.remote.RemoteInferenceEngine` / `RemoteInferenceClient`
     (servers started with ``--enable-scale-out``; the client spreads renders over its servers), and
     by `skylift.tinker.sampling.EngineHost` (the Tinker service's in-process engine).

@@ -13,13 +13,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from skylift.tinker.render_server import (
+from skylift.tinker.vision.render import Part, RenderClient, RenderedInput, VisionRenderer
+from skylift.tinker.vision.render_server import (
     CPURenderServer,
     RenderServerClient,
     RenderServerError,
     process_rss_mb,
 )
-from skylift.tinker.vision_render import Part, RenderClient, RenderedInput, VisionRenderer
 from skylift.tinker.wire import WireDatum
 
 logger = logging.getLogger(__name__)
@@ -111,3 +111,27 @@ class RenderHost:
             "render_server_rss_mb": process_rss_mb(pid) if pid is not None else 0.0,
             "images_rendered": self.images_rendered,
         }
+
+
+class RenderHosts:
+    """The render host of each base model (by path), created on first use; starts nothing itself."""
+
+    def __init__(self, data_dir: Path, max_model_len: dict[str, int]) -> None:
+        self.data_dir = data_dir
+        self.max_model_len = max_model_len
+        self.hosts: dict[str, RenderHost] = {}
+
+    def get(self, model_path: str) -> RenderHost:
+        host = self.hosts.get(model_path)
+        if host is None:
+            host = RenderHost(
+                model_path,
+                max_model_len=self.max_model_len.get(model_path),
+                log_path=self.data_dir / f"render-server-{len(self.hosts)}.log",
+            )
+            self.hosts[model_path] = host
+        return host
+
+    def close_all(self) -> None:
+        for host in self.hosts.values():
+            host.close()

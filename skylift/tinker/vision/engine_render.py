@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from skylift.inference.types import EngineError, GenerateOutput, SamplingParams
-from skylift.tinker.images import ImageInput
-from skylift.tinker.vision_render import Part
+from skylift.tinker.vision.images import ImageInput
+from skylift.tinker.vision.render import Part
 
 # Engine arguments a vision-language engine needs here: processor-side normalisation (as training
 # and the render server use) and no video inputs (the video processor needs torchvision).

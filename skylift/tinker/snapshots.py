@@ -1,0 +1,80 @@
+"""In-memory weight snapshots of ephemeral samplers (`save_weights_for_sampler` without a name).
+
+A snapshot is *held* while the session that created its sampler is alive: the SDK has no call that
+closes a sampling client, and a recipe keeps using a sampler across many later saves (DPO's
+reference, async RL several steps off-policy). Held snapshots are never evicted. When a session
+ends its snapshots become *idle*: at most `max_idle` of them stay (a later sample from a finished
+session's sampler still works), oldest dropped first. All snapshots together stay within
+`max_bytes`; a new one that does not fit even after dropping every idle one is refused with an
+error naming the limit (``--snapshot-memory-mb``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from skylift.tinker.errors import UserError
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Snapshot:
+    weights: dict[str, torch.Tensor]
+    session_id: str
+    nbytes: int
+
+
+def weights_nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+class SnapshotStore:
+    """Snapshots by tag (``ephemeral:<sampling session id>``)."""
+
+    def __init__(self, max_bytes: int, max_idle: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_idle = max_idle
+        self._held: dict[str, Snapshot] = {}
+        self._idle: OrderedDict[str, Snapshot] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in (*self._held.values(), *self._idle.values()))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "held": len(self._held),
+            "idle": len(self._idle),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+        }
+
+    def add(self, tag: str, session_id: str, weights: dict[str, torch.Tensor]) -> None:
+        snap = Snapshot(weights, session_id, weights_nbytes(weights))
+        self._held.pop(tag, None)
+        self._idle.pop(tag, None)
+        while self._idle and self.nbytes + snap.nbytes > self.max_bytes:
+            self._idle.popitem(last=False)
+        if self.nbytes + snap.nbytes > self.max_bytes:
+            raise UserError(
+                f"no room for another sampler snapshot ({snap.nbytes / MIB:.1f} MiB): {len(self._held)} "
+                f"snapshots held by live sessions use {self.nbytes / MIB:.1f} MiB of the "
+                f"{self.max_bytes / MIB:.0f} MiB limit (--snapshot-memory-mb); finish sessions you no longer "
+                "sample from, or save named sampler weights (save_weights_for_sampler(name)) instead"
+            )
+        self._held[tag] = snap
+
+    def get(self, tag: str) -> dict[str, torch.Tensor] | None:
+        snap = self._held.get(tag) or self._idle.get(tag)
+        return None if snap is None else snap.weights
+
+    def release_session(self, session_id: str) -> None:
+        """The session ended: its snapshots become idle (and the oldest idle ones beyond `max_idle` go)."""
+        for tag in [t for t, s in self._held.items() if s.session_id == session_id]:
+            self._idle[tag] = self._held.pop(tag)
+        while len(self._idle) > self.max_idle:
+            self._idle.popitem(last=False)
