@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.store import Store
-from skylift.tinker.views import parse_tinker_path
+from skylift.tinker.views import is_public, parse_tinker_path
 
 
 def unknown_session(session_id: object) -> NotFoundError:
@@ -62,7 +62,7 @@ class Owners:
         if self.store.model_owner(run_id) == user:
             return True
         row = self.store.checkpoint(str(path))
-        return row is not None and bool(getattr(row, "public", False))
+        return row is not None and is_public(row)
 
     def may_write_path(self, user: str, path: object) -> bool:
         """Deleting or publishing: only the owner (a malformed path: the service explains)."""

@@ -46,6 +46,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     jsonl = find_metrics_file(run_dir)
     rows = read_metrics(jsonl)
@@ -67,6 +68,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     ax_eval.set_title("evaluation accuracy")
     ax_eval.grid(alpha=0.3)
     for ax in (ax_reward, ax_eval):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
         if ax.lines:
             ax.legend(loc="lower right")
     fig.suptitle(title or run_title(jsonl))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skylift.inference.types import EngineError, EngineUnavailableError, InferenceEngine
+from skylift.trainer.placement import PlacedGroups, engine_role
 from skylift.utils.calls import call_with_timeout
 
 #: What a Ray engine forwards: the `InferenceEngine` interface plus the local engine's extras.
@@ -31,6 +32,12 @@ class EngineActor:
 
         self.engine = await LocalVLLMEngine.create(model, **engine_kwargs)
         return repr(self.engine)
+
+    def node_ip(self) -> str:
+        """The IP of the node this engine runs on (what its weight-sync receivers bind)."""
+        import ray
+
+        return str(ray.util.get_node_ip_address())
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`self.engine.<method>(*args, **kwargs)`; `close` also forgets the engine."""
@@ -97,6 +104,7 @@ class EngineRef:
     url: str | None = None
     api_key: str | None = None
     timeout_s: float = 600.0
+    host: str | None = None  # the node IP a Ray engine actor reported
 
     def connect(self) -> Any:
         if self.engine is not None:
@@ -116,15 +124,24 @@ def start_local_engines(
     num_cpus: float = 0,
     startup_timeout_s: float = 900.0,
     call_timeout_s: float = 600.0,
+    placement: PlacedGroups | None = None,
 ) -> list[EngineRef]:
     """Start `count` vLLM engines as Ray actors; blocks until all are up (they start in parallel).
 
-    An engine not up within `startup_timeout_s` fails the start naming it (all are stopped).
+    With `placement`, engine i runs on the bundles of role `engine-i` (its tensor-parallel ranks
+    on one node; on GPU, TP > 1 engines hand their bundles to vLLM's Ray executor). An engine not
+    up within `startup_timeout_s` fails the start naming it (all are stopped).
     """
     import ray
 
     actor_cls = ray.remote(num_cpus=num_cpus)(EngineActor)
-    actors = [actor_cls.options(name=None).remote() for _ in range(count)]
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    if placement is None:
+        actors = [actor_cls.options(name=None).remote() for _ in range(count)]
+    else:
+        actors = [actor_cls.options(**_engine_options(placement, i, tp)).remote() for i in range(count)]
+        if tp > 1 and placement.plan.groups and "GPU" in placement.plan.groups[0].bundles[0]:
+            engine_kwargs = {**engine_kwargs, "distributed_executor_backend": "ray"}
     starts = []
     for i, actor in enumerate(actors):
         kwargs = dict(engine_kwargs)
@@ -140,10 +157,21 @@ def start_local_engines(
             "(generator.engine_startup_timeout_s); all engines were stopped"
         )
     names = ray.get(starts)
+    hosts = ray.get([actor.node_ip.remote() for actor in actors], timeout=60)
     return [
-        EngineRef(name=str(name), actor=actor, timeout_s=call_timeout_s)
-        for name, actor in zip(names, actors, strict=True)
+        EngineRef(name=str(name), actor=actor, timeout_s=call_timeout_s, host=str(host))
+        for name, actor, host in zip(names, actors, hosts, strict=True)
     ]
+
+
+def _engine_options(placement: PlacedGroups, index: int, tp: int) -> dict[str, Any]:
+    """Actor options of engine `index`: its rank-0 bundle; with TP > 1 on GPU the actor takes no
+    GPU itself and vLLM's Ray executor places the ranks on the engine's bundles."""
+    role = engine_role(index)
+    options = placement.options(role, 0, capture_child_tasks=tp > 1)
+    if tp > 1 and options.get("num_gpus"):
+        options["num_gpus"] = 0
+    return options
 
 
 async def start_inprocess_engines(count: int, model: str, engine_kwargs: dict[str, Any]) -> list[EngineRef]:

@@ -18,7 +18,9 @@ QUIET_ENV = {
     "TORCH_LOGS": "-torch",  # torch's Python loggers ("Triton not available")
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bar at every model load
     "RAY_LOGGER_LEVEL": "error",  # Ray's driver-side start-up lines
-    "PYTHONWARNINGS": "ignore::FutureWarning",  # libraries' deprecation notices to their developers
+    # libraries' deprecation notices to their developers; multiprocessing's note at exit about
+    # vLLM's shared-memory segments
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore:resource_tracker:UserWarning",
 }
 
 
@@ -33,6 +35,7 @@ def quiet_libraries(verbose: bool = False) -> None:
         os.environ.setdefault(name, value)
     if os.environ["PYTHONWARNINGS"] == QUIET_ENV["PYTHONWARNINGS"]:  # this interpreter read it at start
         warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="resource_tracker", category=UserWarning)
 
 
 def is_quiet() -> bool:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from skylift.utils.calls import call_with_timeout, gather_all
 from skylift.utils.devices import Backend, default_backend
+from skylift.utils.network import route_address, url_host
 from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 from skylift.weight_sync.protocol import (
@@ -45,6 +46,32 @@ class SyncStats:
     bytes: int = 0
     seconds: float = 0.0
     bucket_seconds: list[float] = field(default_factory=list)
+
+
+def weight_sync_master_address(override: str | None, remote_urls: Sequence[str], node_ip: str) -> str:
+    """The address the weight-update group's store listens on and the engines dial.
+
+    `override` (`generator.weight_sync_master_address`) wins. With remote engines it is this
+    host's address on the route to the first engine's host (127.0.0.1 for an engine on loopback);
+    with local engines `node_ip`, the sender's node as the cluster knows it.
+    """
+    if override:
+        return override
+    if not remote_urls:
+        return node_ip
+    routes = {url: route_address(url_host(url)) for url in remote_urls}
+    chosen = routes[remote_urls[0]]
+    others = {url: a for url, a in routes.items() if a != chosen}
+    if others:
+        logger.warning(
+            "weight sync: engines are reached from different local addresses (%s for %s, %s); the group "
+            "listens on %s (set generator.weight_sync_master_address to choose)",
+            chosen,
+            remote_urls[0],
+            ", ".join(f"{a} for {u}" for u, a in others.items()),
+            chosen,
+        )
+    return chosen
 
 
 def _describe(index: int, engine: WeightSyncTarget) -> str:

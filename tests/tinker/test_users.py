@@ -184,6 +184,39 @@ def test_listings_show_only_the_callers_records(lab: Lab, alice: Records, lab_se
     assert lab.http.get("/api/v1/training_runs").status_code == 401  # no key at all
 
 
+def test_checkpoint_routes_are_the_owners_and_published_ones_readable(lab: Lab, alice: Records) -> None:
+    """publish / unpublish / TTL, download URLs, weights_info, copy_weights and sessions: another
+    user's answer like unknown ones; a published checkpoint becomes readable (never writable) by all."""
+    run, sampler_ckpt = alice.model_id, f"training_runs/{alice.model_id}/checkpoints/sampler_weights/sampler"
+    state_ckpt = f"training_runs/{run}/checkpoints/weights/state"
+    for method, route, body in (
+        ("POST", f"{state_ckpt}/publish", None),
+        ("DELETE", f"{state_ckpt}/publish", None),
+        ("PUT", f"{state_ckpt}/ttl", {"ttl_seconds": 60}),
+        ("GET", f"{sampler_ckpt}/external_weights_urls", None),
+    ):
+        _assert_404(lab.call("bob", method, route, body), "does not exist")
+    _assert_404(lab.post("bob", "weights_info", {"tinker_path": alice.state_path}), "does not exist")
+    _assert_404(lab.post("bob", "copy_weights", {"source_path": alice.state_path}), "does not exist")
+    _assert_404(lab.call("bob", "GET", f"sessions/{alice.session_id}"), "unknown session")
+    assert alice.session_id not in str(lab.call("bob", "GET", "sessions").json())
+
+    assert lab.call("alice", "POST", f"{state_ckpt}/publish").status_code == 204
+    try:
+        assert lab.post("bob", "weights_info", {"tinker_path": alice.state_path}).status_code == 200
+        bob_session = lab.session("bob")
+        loaded = lab.ok(
+            "bob", "load_weights", {"session_id": bob_session, "model_seq_id": 0, "path": alice.state_path}
+        )
+        assert loaded["model_id"].startswith(bob_session)
+        _assert_404(lab.call("bob", "PUT", f"{state_ckpt}/ttl", {"ttl_seconds": 60}), "does not exist")
+        _assert_404(lab.call("bob", "DELETE", f"{state_ckpt}/publish"), "does not exist")
+        _assert_404(lab.call("bob", "DELETE", state_ckpt), "does not exist")
+    finally:
+        assert lab.call("alice", "DELETE", f"{state_ckpt}/publish").status_code == 204
+    _assert_404(lab.post("bob", "weights_info", {"tinker_path": alice.state_path}), "does not exist")
+
+
 def test_users_training_at_once_keep_their_order_and_results(lab_server: TinkerServer) -> None:
     """Three users pipeline forward_backward/optim_step on their own models at once (the SDK sends
     them without waiting); each ends exactly where a lone sequential run ends."""
