@@ -3,7 +3,7 @@
 Both sides run the same engine settings (model, dtype, max_model_len, seed, max_num_seqs) and the
 same batch (`--prompts` prompts x `--max-tokens` sampled tokens, ignore_eos so every request makes
 exactly that many tokens). In-process is `LocalVLLMEngine` (vLLM's AsyncLLM in this process);
-HTTP is `python -m skylift.inference.server` driven by `RemoteInferenceClient`. Rounds alternate
+HTTP is `python -m skylift.inference.server` driven by an `EnginePool` of `RemoteInferenceEngine`s. Rounds alternate
 between the two (after one warm-up each) so that machine noise hits both alike; the best round of
 each side is compared (other load on a shared machine only slows rounds down), medians reported too.
 
@@ -69,7 +69,7 @@ async def timed(engine, prompts, params) -> tuple[float, int]:
 async def main_async(args: argparse.Namespace) -> dict:
     from skylift.inference.http_session import close_default_pool
     from skylift.inference.local import LocalVLLMEngine
-    from skylift.inference.remote import RemoteInferenceClient
+    from skylift.inference.pool import EnginePool
     from skylift.inference.types import SamplingParams
 
     model = args.model
@@ -98,7 +98,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             enable_prefix_caching=True,
             max_num_seqs=args.max_num_seqs,
         )
-        client = RemoteInferenceClient([url])
+        client = EnginePool.from_urls([url])
         sides = {"inproc": local, "http": client}
         for engine in sides.values():  # warm-up
             await timed(engine, prompts, params)

@@ -166,6 +166,13 @@ class PlacementConfig:
     ref_num_gpus_per_node: int = _f(1, "reference workers (GPUs, or CPU processes) per node")
     critic_num_nodes: int = _f(1, "nodes for critic workers")
     critic_num_gpus_per_node: int = _f(1, "critic workers (GPUs, or CPU processes) per node")
+    # several machines (issue 15): bundle sizes on CPU clusters and how long to wait for them
+    num_cpus_per_worker: float = _f(
+        1.0, "CPUs in each placement bundle (one per worker or engine rank; on GPU nodes beside its GPU)"
+    )
+    timeout_s: float = _f(
+        120.0, "the longest the placement groups may wait for resources before the run fails saying why"
+    )
 
 
 @dataclass
@@ -173,6 +180,10 @@ class TrainerConfig:
     """The RL loop: models, placement, batch sizes, evaluation, checkpoints and logging."""
 
     placement: PlacementConfig = _group(PlacementConfig, "worker placement")
+    # several machines (issue 15): join a running Ray cluster instead of starting one
+    ray_address: str | None = _f(
+        None, "Ray cluster to join (e.g. 10.0.0.1:6379 or auto); null = RAY_ADDRESS if set, else a local Ray"
+    )
     strategy: str = _f(  # accepted without effect: see skylift.config.inert
         "fsdp2",
         f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)})",
@@ -397,6 +408,12 @@ class GeneratorConfig:
         gt=0,
     )
     engine_startup_timeout_s: float = _f(900.0, "the longest local engines may take to start", gt=0)
+    # several machines (issue 15): where the weight-update group's store listens
+    weight_sync_master_address: str | None = _f(
+        None,
+        "address the engines dial for weight sync; null = the policy rank 0 node's IP (local engines) "
+        "or this host's address on the route to the first remote engine",
+    )
     weight_sync_timeout_s: float = _f(
         300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast", gt=0
     )

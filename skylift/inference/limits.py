@@ -1,4 +1,4 @@
-"""Limits of one inference request and timeouts of the engine's control RPCs.
+"""Limits of one inference request and timeouts of the server's engine calls.
 
 Plain constants (no web framework) so that every transport and the Tinker sampler read the same
 values: the HTTP routes, the server's cap on vLLM's own routes and Tinker's sampling checks.
@@ -18,3 +18,5 @@ MAX_PROMPTS = LIMITS.max_prompts
 WEIGHT_RPC_TIMEOUT_S = LIMITS.weight_rpc_timeout_s
 #: Timeout of small control RPCs (destroy, has-group).
 CONTROL_RPC_TIMEOUT_S = LIMITS.control_rpc_timeout_s
+#: Timeout of one /skylift/generate request inside the server (clients have their own).
+SERVER_GENERATE_TIMEOUT_S = 3600.0

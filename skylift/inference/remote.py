@@ -1,8 +1,7 @@
-"""Engines behind skylift HTTP servers: one server (`RemoteInferenceEngine`) or several
-(`RemoteInferenceClient`, which routes generation and fans control calls out).
+"""`RemoteInferenceEngine`: one skylift HTTP server seen as an `InferenceEngine`.
 
-Both implement `skylift.inference.types.InferenceEngine`. They share the process-wide pooled
-aiohttp session of `skylift.inference.http_session` (one per event loop). Generation is retried
+Several servers are an `EnginePool` of these (`EnginePool.from_urls`), which routes generation,
+fails over and fans control calls out. All share the process-wide pooled aiohttp session of `skylift.inference.http_session` (one per event loop). Generation is retried
 with exponential backoff on connection errors and 5xx answers (never on 4xx); control calls are
 not retried (a weight broadcast cannot be replayed). Every error names the server and operation.
 """
@@ -13,15 +12,14 @@ import asyncio
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 
+from skylift.inference.codec import generate_request, output_from_json
 from skylift.inference.http_session import SessionPool, default_pool, error_text
-from skylift.inference.routing import LoadRouter
 from skylift.inference.types import (
-    Completion,
+    TEACHER_FORCING,
     EngineCapabilityError,
     EngineError,
     EngineUnavailableError,
@@ -29,6 +27,8 @@ from skylift.inference.types import (
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
+    check_teacher_forcing,
+    teacher_forced_logprobs,
 )
 
 logger = logging.getLogger("skylift.inference.remote")
@@ -67,13 +67,11 @@ def normalize_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def _completion_from_json(data: dict[str, Any]) -> Completion:
-    return Completion(
-        token_ids=list(data["token_ids"]),
-        logprobs=None if data.get("logprobs") is None else list(data["logprobs"]),
-        stop_reason=data["stop_reason"],
-        text=data.get("text"),
-    )
+#: Error classes of answers: 501 the backend cannot, 503 the server's engine is gone or silent.
+_ERRORS_BY_STATUS: dict[int, type[RemoteEngineError]] = {
+    501: RemoteEngineCapabilityError,
+    503: RemoteEngineUnavailableError,
+}
 
 
 class RemoteInferenceEngine:
@@ -145,7 +143,7 @@ class RemoteInferenceEngine:
                             payload = None
                     if resp.status < 400:
                         return payload
-                    error_cls = RemoteEngineCapabilityError if resp.status == 501 else RemoteEngineError
+                    error_cls = _ERRORS_BY_STATUS.get(resp.status, RemoteEngineError)
                     err = error_cls(self.url, operation, error_text(payload, text), resp.status)
                     if resp.status < 500 or resp.status == 501:
                         raise err
@@ -169,59 +167,29 @@ class RemoteInferenceEngine:
         prompts: list[list[int]],
         params: SamplingParams,
         session_id: str | None = None,
+        *,
+        prompt_logprobs: bool = False,
     ) -> list[GenerateOutput]:
-        """Sample `params.n` continuations of every prompt (token ids in, token ids out)."""
-        outputs = await self._generate_json(prompts, params, session_id, prompt_logprobs=False)
-        return [
-            GenerateOutput(
-                prompt_token_ids=list(o["prompt_token_ids"]),
-                completions=[_completion_from_json(c) for c in o["completions"]],
-            )
-            for o in outputs
-        ]
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of every token of each sequence given the tokens before it (teacher
-        forcing): one value per token after the first (same as `LocalVLLMEngine.prompt_logprobs`).
-        """
-        short = [i for i, s in enumerate(sequences) if len(s) < 2]
-        if short:
-            raise ValueError(
-                f"prompt_logprobs needs at least 2 tokens per sequence; sequence {short[0]} is shorter"
-            )
-        params = SamplingParams(temperature=1.0, max_tokens=1, logprobs=False)
-        outputs = await self._generate_json(sequences, params, None, prompt_logprobs=True)
-        out = []
-        for o in outputs:
-            values = o.get("prompt_logprobs")
-            if values is None or len(values) != len(o["prompt_token_ids"]):
-                raise RemoteEngineError(self.url, "prompt_logprobs", "server returned no prompt logprobs")
-            out.append([float(v) for v in values[1:]])
-        return out
-
-    async def _generate_json(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None,
-        prompt_logprobs: bool,
-    ) -> list[dict[str, Any]]:
+        """Sample `params.n` continuations of every prompt (token ids in, token ids out);
+        `prompt_logprobs` also scores every prompt token."""
         if not prompts:
             return []
-        body: dict[str, Any] = {
-            "prompt_token_ids": [list(p) for p in prompts],
-            "sampling_params": params.to_dict(),
-            "prompt_logprobs": prompt_logprobs,
-        }
-        if session_id is not None:
-            body["session_id"] = session_id
+        body = generate_request(prompts, params, prompt_logprobs=prompt_logprobs, session_id=session_id)
         data = await self.request("POST", "/skylift/generate", "generate", json=body, retry=True)
         outputs = data["outputs"]
         if len(outputs) != len(prompts):
             raise RemoteEngineError(
                 self.url, "generate", f"asked for {len(prompts)} prompts, got {len(outputs)} outputs"
             )
-        return outputs
+        return [output_from_json(o) for o in outputs]
+
+    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probability of every token of each sequence given the tokens before it (teacher
+        forcing): one value per token after the first (same as `LocalVLLMEngine.prompt_logprobs`).
+        """
+        check_teacher_forcing(self.url, sequences)
+        outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
+        return teacher_forced_logprobs(self.url, outputs)
 
     # ---------------------------------------------------------------- control
 
@@ -232,21 +200,11 @@ class RemoteInferenceEngine:
         await self.request("POST", "/wake_up", "wake_up")
 
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        body = {
-            "master_address": spec.master_address,
-            "master_port": spec.master_port,
-            "rank_offset": spec.rank_offset,
-            "world_size": spec.world_size,
-            "group_name": spec.group_name,
-            "backend": spec.backend,
-            "override_existing": spec.override_existing,
-            "timeout_s": spec.timeout_s,
-        }
         await self.request(
             "POST",
             "/init_weight_update_communicator",
             "init_weight_update_communicator",
-            json=body,
+            json=spec.to_dict(),
             timeout_s=spec.timeout_s + 30.0,
         )
 
@@ -296,174 +254,3 @@ class RemoteInferenceEngine:
 
     async def close(self) -> None:
         """Nothing per engine: the pooled session is shared (see `http_session.default_pool`)."""
-
-
-class RemoteInferenceClient:
-    """Several skylift servers behind one `InferenceEngine`.
-
-    Generation: a request with a session id goes to that session's server (sticky, for prefix
-    reuse across turns); otherwise its prompts are spread over servers by in-flight load (prompts
-    x n), one HTTP request per server. Control calls go to every server concurrently.
-    """
-
-    def __init__(
-        self,
-        urls: Sequence[str],
-        api_key: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        session_pool: SessionPool | None = None,
-    ) -> None:
-        if isinstance(urls, str):
-            urls = [urls]
-        if not urls:
-            raise ValueError("RemoteInferenceClient needs at least one server URL")
-        self.engines = [
-            RemoteInferenceEngine(
-                u,
-                api_key=api_key,
-                timeout_s=timeout_s,
-                max_retries=max_retries,
-                backoff_s=backoff_s,
-                session_pool=session_pool,
-            )
-            for u in urls
-        ]
-        seen = [e.url for e in self.engines]
-        if len(set(seen)) != len(seen):
-            raise ValueError(f"duplicate server URLs: {seen}")
-        self.router = LoadRouter(len(self.engines))
-
-    @property
-    def urls(self) -> list[str]:
-        return [e.url for e in self.engines]
-
-    def __repr__(self) -> str:
-        return f"RemoteInferenceClient({self.urls!r})"
-
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None = None,
-    ) -> list[GenerateOutput]:
-        if not prompts:
-            return []
-        weight = max(1, params.n)
-        if session_id is not None or len(self.engines) == 1:
-            index = self.router.pick(session_id)
-            return await self._generate_on(index, prompts, params, session_id, weight * len(prompts))
-        assignment = self.router.assign([weight] * len(prompts))
-        groups: dict[int, list[int]] = {}
-        for position, index in enumerate(assignment):
-            groups.setdefault(index, []).append(position)
-        results = await asyncio.gather(
-            *(
-                self._generate_on(
-                    index, [prompts[p] for p in positions], params, None, weight * len(positions)
-                )
-                for index, positions in groups.items()
-            )
-        )
-        out: list[GenerateOutput | None] = [None] * len(prompts)
-        for positions, outputs in zip(groups.values(), results, strict=True):
-            for p, o in zip(positions, outputs, strict=True):
-                out[p] = o
-        return [o for o in out if o is not None]
-
-    async def _generate_on(
-        self,
-        index: int,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None,
-        load: int,
-    ) -> list[GenerateOutput]:
-        self.router.acquire(index, load)
-        try:
-            return await self.engines[index].generate(prompts, params, session_id)
-        finally:
-            self.router.release(index, load)
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Teacher-forced token logprobs (see `RemoteInferenceEngine.prompt_logprobs`) from the
-        least-loaded server."""
-        index = self.router.pick()
-        self.router.acquire(index, len(sequences))
-        try:
-            return await self.engines[index].prompt_logprobs(sequences)
-        finally:
-            self.router.release(index, len(sequences))
-
-    async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Render on the least-loaded server (render requests spread over the engines)."""
-        index = self.router.pick()
-        self.router.acquire(index, 1)
-        try:
-            return await self.engines[index].render_chat_completion(payload)
-        finally:
-            self.router.release(index, 1)
-
-    async def _fan_out(self, operation: str, calls: Sequence[Any]) -> list[Any]:
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            if len(errors) == 1:
-                raise errors[0]
-            detail = "; ".join(str(e) for e in errors)
-            capability = all(isinstance(e, EngineCapabilityError) for e in errors)
-            error_cls = RemoteEngineCapabilityError if capability else RemoteEngineError
-            raise error_cls(
-                ", ".join(self.urls), operation, f"{len(errors)}/{len(results)} servers failed: {detail}"
-            ) from errors[0]
-        return list(results)
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._fan_out("sleep", [e.sleep(level) for e in self.engines])
-
-    async def wake_up(self) -> None:
-        await self._fan_out("wake_up", [e.wake_up() for e in self.engines])
-
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        """Every server joins one group: server i takes ranks after servers 0..i-1."""
-        sizes = await self._fan_out("info", [e.tensor_parallel_size() for e in self.engines])
-        offsets = [spec.rank_offset + sum(sizes[:i]) for i in range(len(sizes))]
-        total = sum(sizes)
-        if spec.rank_offset + total > spec.world_size:
-            raise ValueError(
-                f"world_size={spec.world_size} too small for {total} engine ranks from rank "
-                f"{spec.rank_offset} on {self.urls}"
-            )
-        await self._fan_out(
-            "init_weight_update_communicator",
-            [
-                e.init_weight_update_communicator(replace(spec, rank_offset=o))
-                for e, o in zip(self.engines, offsets, strict=True)
-            ],
-        )
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self._fan_out("update_weights", [e.update_weights(bucket) for e in self.engines])
-
-    async def update_weight(self, name: str, dtype: str, shape: Sequence[int]) -> None:
-        await self._fan_out("update_weight", [e.update_weight(name, dtype, shape) for e in self.engines])
-
-    async def destroy_weights_update_group(self) -> None:
-        await self._fan_out(
-            "destroy_weights_update_group", [e.destroy_weights_update_group() for e in self.engines]
-        )
-
-    async def reset_prefix_cache(self) -> None:
-        await self._fan_out("reset_prefix_cache", [e.reset_prefix_cache() for e in self.engines])
-
-    async def health(self) -> bool:
-        """True when every server is healthy."""
-        return all(await asyncio.gather(*(e.health() for e in self.engines)))
-
-    async def tensor_parallel_size(self) -> int:
-        """Total engine ranks over all servers (what the weight group must make room for)."""
-        return sum(await self._fan_out("info", [e.tensor_parallel_size() for e in self.engines]))
-
-    async def close(self) -> None:
-        await asyncio.gather(*(e.close() for e in self.engines))

@@ -115,6 +115,12 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
     from vllm.entrypoints.launchers.app import build_app
 
     from skylift.inference.auth import hash_key
+    from skylift.inference.limits import (
+        CONTROL_RPC_TIMEOUT_S,
+        SERVER_GENERATE_TIMEOUT_S,
+        WEIGHT_RPC_TIMEOUT_S,
+    )
+    from skylift.inference.local import LocalVLLMEngine
     from skylift.inference.routes import SkyliftState, install_routes
 
     supported_tasks = await engine_client.get_supported_tasks()
@@ -123,15 +129,23 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
     await init_app_state(engine_client, app.state, args, supported_tasks)
     vllm_config = engine_client.vllm_config
     keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+    model_name = (args.served_model_name or [args.model])[0]
+    engine = LocalVLLMEngine(
+        engine_client,
+        name=f"skylift-server({model_name})",
+        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        sleep_mode_enabled=bool(model_config.enable_sleep_mode),
+        generate_timeout_s=SERVER_GENERATE_TIMEOUT_S,
+        control_timeout_s=CONTROL_RPC_TIMEOUT_S,
+        update_timeout_s=WEIGHT_RPC_TIMEOUT_S,
+    )
     state = SkyliftState(
-        engine_client=engine_client,
-        model_name=(args.served_model_name or [args.model])[0],
+        engine=engine,
+        model_name=model_name,
         model_path=str(args.model),
         max_model_len=int(model_config.max_model_len),
         vocab_size=int(model_config.get_vocab_size()),
-        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
         platform=_platform_name(),
-        sleep_mode_enabled=bool(model_config.enable_sleep_mode),
         api_key_hashes=[hash_key(k) for k in keys],
     )
     install_routes(app, state)

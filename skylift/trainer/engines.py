@@ -6,17 +6,19 @@ doing weight sync) turns into an `InferenceEngine` client with `connect()`.
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.inference.types import (
-    EngineUnavailableError,
-    GenerateOutput,
-    SamplingParams,
-    WeightBucket,
-    WeightUpdateGroupSpec,
-)
+from skylift.inference.types import EngineError, EngineUnavailableError, InferenceEngine
+from skylift.trainer.placement import PlacedGroups, engine_role
+from skylift.utils.calls import call_with_timeout
+
+#: What a Ray engine forwards: the `InferenceEngine` interface plus the local engine's extras.
+ENGINE_METHODS = frozenset(name for name in dir(InferenceEngine) if not name.startswith("_")) | {
+    "prompt_logprobs",
+    "has_weight_update_group",
+}
 
 
 class EngineActor:
@@ -31,49 +33,32 @@ class EngineActor:
         self.engine = await LocalVLLMEngine.create(model, **engine_kwargs)
         return repr(self.engine)
 
-    async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
-    ) -> list[GenerateOutput]:
-        return await self.engine.generate(prompts, params, session_id)
+    def node_ip(self) -> str:
+        """The IP of the node this engine runs on (what its weight-sync receivers bind)."""
+        import ray
 
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self.engine.prompt_logprobs(sequences)
+        return str(ray.util.get_node_ip_address())
 
-    async def sleep(self, level: int = 1) -> None:
-        await self.engine.sleep(level)
-
-    async def wake_up(self) -> None:
-        await self.engine.wake_up()
-
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self.engine.init_weight_update_communicator(spec)
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self.engine.update_weights(bucket)
-
-    async def destroy_weights_update_group(self) -> None:
-        await self.engine.destroy_weights_update_group()
-
-    async def reset_prefix_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
-
-    async def health(self) -> bool:
-        return await self.engine.health()
-
-    async def tensor_parallel_size(self) -> int:
-        return await self.engine.tensor_parallel_size()
-
-    async def close(self) -> None:
-        if self.engine is not None:
-            await self.engine.close()
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`self.engine.<method>(*args, **kwargs)`; `close` also forgets the engine."""
+        if method not in ENGINE_METHODS:
+            raise AttributeError(f"{method!r} is not an engine method")
+        if self.engine is None:
+            if method == "close":
+                return None
+            raise EngineError(f"engine actor: {method} called before start() or after close()")
+        result = await getattr(self.engine, method)(*args, **kwargs)
+        if method == "close":
             self.engine = None
+        return result
 
 
 class RayEngineClient:
-    """`InferenceEngine` calls forwarded to an `EngineActor` (awaiting Ray object refs).
+    """An `InferenceEngine` whose every call goes to an `EngineActor` (one generic proxy).
 
-    A dead actor (its process killed or crashed) raises `EngineUnavailableError`, so an
-    `EnginePool` moves the work to another engine.
+    ``client.generate(...)`` awaits ``actor.call.remote("generate", ...)`` with a timeout. A dead
+    actor (its process killed or crashed) raises `EngineUnavailableError`, so an `EnginePool`
+    moves the work to another engine.
     """
 
     def __init__(self, actor: Any, name: str, timeout_s: float = 600.0) -> None:
@@ -84,54 +69,29 @@ class RayEngineClient:
     def __repr__(self) -> str:
         return self.name
 
-    async def _call(self, operation: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        if method not in ENGINE_METHODS:
+            raise AttributeError(f"{type(self).__name__} has no attribute {method!r}")
 
-        try:
-            return await asyncio.wait_for(getattr(self.actor, operation).remote(*args), self.timeout_s)
-        except TimeoutError as exc:
-            raise EngineUnavailableError(
-                f"{self.name}: {operation} gave no answer within {self.timeout_s:.0f} s"
-            ) from exc
-        except RayActorError as exc:
-            raise EngineUnavailableError(
-                f"{self.name}: {operation} failed: the engine actor died ({exc})"
-            ) from exc
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            from ray.exceptions import RayActorError
 
-    async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
-    ) -> list[GenerateOutput]:
-        return await self._call("generate", prompts, params, session_id)
+            def actor_died(message: str, exc: Exception) -> Exception | None:
+                if isinstance(exc, RayActorError):
+                    return EngineUnavailableError(f"{message}: the engine actor died ({exc})")
+                return None
 
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self._call("prompt_logprobs", sequences)
+            return await call_with_timeout(
+                self.name,
+                method,
+                self.actor.call.remote(method, *args, **kwargs),
+                self.timeout_s,
+                timeout_error=EngineUnavailableError,
+                error=actor_died,
+            )
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._call("sleep", level)
-
-    async def wake_up(self) -> None:
-        await self._call("wake_up")
-
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self._call("init_weight_update_communicator", spec)
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self._call("update_weights", bucket)
-
-    async def destroy_weights_update_group(self) -> None:
-        await self._call("destroy_weights_update_group")
-
-    async def reset_prefix_cache(self) -> None:
-        await self._call("reset_prefix_cache")
-
-    async def health(self) -> bool:
-        return await self._call("health")
-
-    async def tensor_parallel_size(self) -> int:
-        return await self._call("tensor_parallel_size")
-
-    async def close(self) -> None:
-        await self._call("close")
+        call.__name__ = method
+        return call
 
 
 @dataclass
@@ -144,6 +104,7 @@ class EngineRef:
     url: str | None = None
     api_key: str | None = None
     timeout_s: float = 600.0
+    host: str | None = None  # the node IP a Ray engine actor reported
 
     def connect(self) -> Any:
         if self.engine is not None:
@@ -163,15 +124,24 @@ def start_local_engines(
     num_cpus: float = 0,
     startup_timeout_s: float = 900.0,
     call_timeout_s: float = 600.0,
+    placement: PlacedGroups | None = None,
 ) -> list[EngineRef]:
     """Start `count` vLLM engines as Ray actors; blocks until all are up (they start in parallel).
 
-    An engine not up within `startup_timeout_s` fails the start naming it (all are stopped).
+    With `placement`, engine i runs on the bundles of role `engine-i` (its tensor-parallel ranks
+    on one node; on GPU, TP > 1 engines hand their bundles to vLLM's Ray executor). An engine not
+    up within `startup_timeout_s` fails the start naming it (all are stopped).
     """
     import ray
 
     actor_cls = ray.remote(num_cpus=num_cpus)(EngineActor)
-    actors = [actor_cls.options(name=None).remote() for _ in range(count)]
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    if placement is None:
+        actors = [actor_cls.options(name=None).remote() for _ in range(count)]
+    else:
+        actors = [actor_cls.options(**_engine_options(placement, i, tp)).remote() for i in range(count)]
+        if tp > 1 and placement.plan.groups and "GPU" in placement.plan.groups[0].bundles[0]:
+            engine_kwargs = {**engine_kwargs, "distributed_executor_backend": "ray"}
     starts = []
     for i, actor in enumerate(actors):
         kwargs = dict(engine_kwargs)
@@ -187,10 +157,21 @@ def start_local_engines(
             "(generator.engine_startup_timeout_s); all engines were stopped"
         )
     names = ray.get(starts)
+    hosts = ray.get([actor.node_ip.remote() for actor in actors], timeout=60)
     return [
-        EngineRef(name=str(name), actor=actor, timeout_s=call_timeout_s)
-        for name, actor in zip(names, actors, strict=True)
+        EngineRef(name=str(name), actor=actor, timeout_s=call_timeout_s, host=str(host))
+        for name, actor, host in zip(names, actors, hosts, strict=True)
     ]
+
+
+def _engine_options(placement: PlacedGroups, index: int, tp: int) -> dict[str, Any]:
+    """Actor options of engine `index`: its rank-0 bundle; with TP > 1 on GPU the actor takes no
+    GPU itself and vLLM's Ray executor places the ranks on the engine's bundles."""
+    role = engine_role(index)
+    options = placement.options(role, 0, capture_child_tasks=tp > 1)
+    if tp > 1 and options.get("num_gpus"):
+        options["num_gpus"] = 0
+    return options
 
 
 async def start_inprocess_engines(count: int, model: str, engine_kwargs: dict[str, Any]) -> list[EngineRef]:

@@ -29,10 +29,10 @@ from skylift.trainer.engines import (
 from skylift.trainer.settings import (
     RunPaths,
     critic_worker_settings,
-    init_ray,
     local_engine_kwargs,
     max_generate_length,
     model_worker_settings,
+    start_ray_run,
 )
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.worker import WorkerSettings
@@ -67,6 +67,7 @@ class Runtime:
         self.colocation = ColocationPlan(sleep_engines=False)
         self.use_ray = False
         self._ray_started = False
+        self.placement: Any = None  # PlacedGroups (skylift.trainer.placement) when the run uses Ray
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the run's event loop (the one the engines' clients live on)."""
@@ -118,8 +119,11 @@ class Runtime:
         )
         if self.colocation.message:
             self.say(self.colocation.message)
-        if self.use_ray:
-            self._ray_started = init_ray(t.ray_object_store_gb)
+        if self.use_ray:  # join RAY_ADDRESS / trainer.ray_address or start one; reserve the placement
+            ray_run = start_ray_run(cfg)
+            self._ray_started, self.placement = ray_run.started, ray_run.placement
+            for line in ray_run.lines:
+                self.say(line)
         self._start_engines()
         total = self.total_steps()
         self.policy = self._worker_group("policy", model_worker_settings(cfg, True, total), world)
@@ -167,6 +171,7 @@ class Runtime:
             num_gpus_per_worker=1 if gpu else 0,
             loop=self.loop,
             timeout_s=self.cfg.trainer.worker_timeout_s,
+            placement=self.placement,
         )
 
     def _start_engines(self) -> None:
@@ -184,6 +189,7 @@ class Runtime:
                     kwargs,
                     startup_timeout_s=g.engine_startup_timeout_s,
                     call_timeout_s=g.http_timeout_s,
+                    placement=self.placement,
                 )
             else:
                 self.engine_refs = self.run(
@@ -219,6 +225,8 @@ class Runtime:
         finally:
             if self.tracking is not None:
                 self.tracking.close()
+            if self.placement is not None:
+                self.placement.remove()
             if self._ray_started:
                 import ray
 

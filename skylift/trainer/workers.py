@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from skylift.trainer.engines import EngineRef
+from skylift.trainer.placement import PlacedGroups
 from skylift.training.batch import SequenceBatch
 from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
 from skylift.weight_sync.buckets import str_to_dtype
@@ -29,10 +30,18 @@ logger = logging.getLogger("skylift.trainer.workers")
 class RLWorker(TrainingWorker):
     """A training rank that can also broadcast its weights to inference engines (rank 0 sends)."""
 
-    def __init__(self, *args: Any, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
-        """`loop`: the event loop in-process engines live on (placement backend "local")."""
+    def __init__(
+        self,
+        *args: Any,
+        loop: asyncio.AbstractEventLoop | None = None,
+        node_ip: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`loop`: the event loop in-process engines live on (placement backend "local");
+        `node_ip`: the IP of the node this rank runs on (None: Ray's, or 127.0.0.1 without Ray)."""
         super().__init__(*args, **kwargs)
         self._loop = loop
+        self._node_ip = node_ip
         self._sender: Any = None
         self._engines: list[Any] = []
 
@@ -41,22 +50,43 @@ class RLWorker(TrainingWorker):
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(coro)
 
+    def node_ip(self) -> str:
+        """The address of this rank's node as the cluster knows it (127.0.0.1 without Ray)."""
+        if self._node_ip is None:
+            import ray
+
+            self._node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return self._node_ip
+
     def init_weight_sync(
         self,
         engine_refs: Sequence[EngineRef],
         override_existing: bool,
         backend: str | None = None,
         timeout_s: float = 120.0,
-    ) -> None:
-        if self.rank != 0:
-            return
-        from skylift.weight_sync import WeightSender
+        master_address: str | None = None,
+    ) -> str | None:
+        """Create the weight-update group (rank 0 only); returns the address its store listens on.
 
+        `master_address`: `generator.weight_sync_master_address`; None = this node's IP for local
+        engines, or this host's address on the route to the first remote engine.
+        """
+        if self.rank != 0:
+            return None
+        from skylift.weight_sync import WeightSender
+        from skylift.weight_sync.sender import weight_sync_master_address
+
+        address = weight_sync_master_address(
+            master_address, [ref.url for ref in engine_refs if ref.url], self.node_ip()
+        )
         self._engines = [ref.connect() for ref in engine_refs]
         self._sender = WeightSender(timeout_s=timeout_s, update_timeout_s=timeout_s)
         self._run(
-            self._sender.init_group(self._engines, backend=backend, override_existing=override_existing)
+            self._sender.init_group(
+                self._engines, master_address=address, backend=backend, override_existing=override_existing
+            )
         )
+        return address
 
     def sync_weights(self, bucket_mb: int = 256, dtype: str | None = None) -> dict[str, float]:
         """Broadcast the full weights to every engine (all ranks call: gathering is collective).
@@ -78,7 +108,11 @@ class RLWorker(TrainingWorker):
         return {"timing/weight_sync_s": time.perf_counter() - started}
 
     def rebuild_weight_sync(
-        self, engine_refs: Sequence[EngineRef], backend: str | None = None, timeout_s: float = 120.0
+        self,
+        engine_refs: Sequence[EngineRef],
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+        master_address: str | None = None,
     ) -> None:
         """A new group with `engine_refs` only (after engines failed): the old group is destroyed
         (failures of dead engines to answer are expected and logged) and the live engines replace
@@ -86,7 +120,13 @@ class RLWorker(TrainingWorker):
         if self.rank != 0:
             return
         self.close_weight_sync()
-        self.init_weight_sync(engine_refs, override_existing=True, backend=backend, timeout_s=timeout_s)
+        self.init_weight_sync(
+            engine_refs,
+            override_existing=True,
+            backend=backend,
+            timeout_s=timeout_s,
+            master_address=master_address,
+        )
 
     def close_weight_sync(self) -> None:
         """Destroy the group; engines that cannot be reached any more are logged, not raised."""
@@ -141,6 +181,40 @@ def wait_for_ranks(refs: Sequence[Any], who: str, method: str, timeout_s: float)
     return ray.get(list(refs))
 
 
+def _file_rendezvous(name: str) -> str:
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix=f"skylift-{name}-"), "rendezvous")
+
+
+def _free_port_on_node() -> tuple[str, int]:
+    """(node IP, a TCP port free on it a moment ago), run on the node that will host rank 0."""
+    import socket
+
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((ip, 0))
+        return ip, int(sock.getsockname()[1])
+
+
+def _rendezvous(name: str, placement: PlacedGroups, role: str, node_ips: Sequence[str]) -> str:
+    """file:// when every rank is on the driver's node, else tcp://<rank 0's node IP>:<free port>."""
+    import ray
+
+    from skylift.training.distributed import tcp_init_method
+
+    here = ray.util.get_node_ip_address()
+    if all(ip == here for ip in node_ips):
+        return _file_rendezvous(name)
+    options = placement.options(role, 0)
+    options.update(num_cpus=0, num_gpus=0)
+    options.pop("resources", None)
+    probe = ray.remote(_free_port_on_node).options(**options).remote()
+    ip, port = ray.get(probe, timeout=60)
+    logger.info("%s: %d ranks on %s meet at %s:%d", name, len(node_ips), sorted(set(node_ips)), ip, port)
+    return tcp_init_method(ip, port)
+
+
 class WorkerGroup:
     """`world_size` ranks of one model; Ray actors when `use_ray`, else one in-process rank."""
 
@@ -154,23 +228,42 @@ class WorkerGroup:
         num_gpus_per_worker: float = 0,
         loop: asyncio.AbstractEventLoop | None = None,
         timeout_s: float = 3600.0,
+        placement: PlacedGroups | None = None,
+        role: str | None = None,
     ) -> None:
         """`timeout_s`: the longest one call to the Ray workers may take (in-process calls cannot
-        be interrupted; their collectives have the process group's own timeout)."""
+        be interrupted; their collectives have the process group's own timeout).
+
+        `placement`: the run's placement groups; rank r goes on the bundle of (`role`, r) (role
+        defaults to `name`). The ranks meet over a file on one host, or over TCP at rank 0's node
+        IP (MASTER_ADDR) when any rank runs on another node.
+        """
         self.name = name
         self.world_size = world_size
         self.use_ray = use_ray
-        rdzv = os.path.join(tempfile.mkdtemp(prefix=f"skylift-{name}-"), "rendezvous")
-        init_method = f"file://{rdzv}"
         self.timeout_s = timeout_s
+        self.node_ips: list[str] = []
         if use_ray:
             import ray
 
             cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(RLWorker)
-            self.workers: list[Any] = [
-                cls.remote(settings, rank, world_size, init_method) for rank in range(world_size)
-            ]
+            if placement is not None:
+                role = role or name
+                self.node_ips = [placement.node_ip(role, r) for r in range(world_size)]
+                init_method = _rendezvous(name, placement, role, self.node_ips)
+                self.workers: list[Any] = [
+                    cls.options(**placement.options(role, rank)).remote(
+                        settings, rank, world_size, init_method, node_ip=self.node_ips[rank]
+                    )
+                    for rank in range(world_size)
+                ]
+            else:
+                init_method = _file_rendezvous(name)
+                self.workers = [
+                    cls.remote(settings, rank, world_size, init_method) for rank in range(world_size)
+                ]
         else:
+            init_method = _file_rendezvous(name)
             if world_size != 1:
                 raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
             self.workers = [RLWorker(settings, 0, 1, init_method, loop=loop)]

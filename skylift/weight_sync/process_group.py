@@ -13,8 +13,6 @@ one-element handshake broadcast checks that the group works. Run it concurrently
 
 from __future__ import annotations
 
-import ipaddress
-import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from skylift.utils.devices import Backend
+from skylift.utils.network import route_address
 
 _HANDSHAKE_VALUE = 12345.0
 
@@ -38,21 +37,18 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
 def _gloo_device(master_address: str) -> dist.ProcessGroupGloo.Device:
-    """The gloo transport device: `GLOO_SOCKET_IFNAME` if set, loopback for a local group."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    if ifname:
-        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
-    if _is_loopback(master_address):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_default_device()
+    """The gloo transport device: bound to the local address of the route to `master_address`.
+
+    On one host that is 127.0.0.1 (the loopback device); across hosts it is this host's address on
+    the interface that reaches the group's master (rank 0 itself gets its own address back), so
+    a `GLOO_SOCKET_IFNAME` meant for another group (e.g. `lo`) cannot misdirect it.
+    """
+    try:
+        local = route_address(master_address)
+    except OSError as exc:
+        raise WeightSyncError(f"weight-sync group: {exc}") from exc
+    return dist.ProcessGroupGloo.create_device(hostname=local)
 
 
 @dataclass

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from skylift.utils.calls import call_with_timeout, gather_all
 from skylift.utils.devices import Backend, default_backend
+from skylift.utils.network import route_address, url_host
 from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 from skylift.weight_sync.protocol import (
@@ -44,6 +46,32 @@ class SyncStats:
     bytes: int = 0
     seconds: float = 0.0
     bucket_seconds: list[float] = field(default_factory=list)
+
+
+def weight_sync_master_address(override: str | None, remote_urls: Sequence[str], node_ip: str) -> str:
+    """The address the weight-update group's store listens on and the engines dial.
+
+    `override` (`generator.weight_sync_master_address`) wins. With remote engines it is this
+    host's address on the route to the first engine's host (127.0.0.1 for an engine on loopback);
+    with local engines `node_ip`, the sender's node as the cluster knows it.
+    """
+    if override:
+        return override
+    if not remote_urls:
+        return node_ip
+    routes = {url: route_address(url_host(url)) for url in remote_urls}
+    chosen = routes[remote_urls[0]]
+    others = {url: a for url, a in routes.items() if a != chosen}
+    if others:
+        logger.warning(
+            "weight sync: engines are reached from different local addresses (%s for %s, %s); the group "
+            "listens on %s (set generator.weight_sync_master_address to choose)",
+            chosen,
+            remote_urls[0],
+            ", ".join(f"{a} for {u}" for u, a in others.items()),
+            chosen,
+        )
+    return chosen
 
 
 def _describe(index: int, engine: WeightSyncTarget) -> str:
@@ -71,36 +99,28 @@ class WeightSender:
     async def _engine_call(
         self, index: int, engine: WeightSyncTarget, operation: str, aw: Awaitable[Any], timeout_s: float
     ) -> Any:
-        try:
-            return await asyncio.wait_for(aw, timeout_s)
-        except TimeoutError as exc:
-            raise WeightSyncError(
-                f"{_describe(index, engine)}: {operation} timed out after {timeout_s:.0f}s"
-            ) from exc
-        except Exception as exc:
-            raise WeightSyncError(f"{_describe(index, engine)}: {operation} failed: {exc}") from exc
+        return await call_with_timeout(
+            _describe(index, engine),
+            operation,
+            aw,
+            timeout_s,
+            timeout_error=WeightSyncError,
+            error=WeightSyncError,
+        )
 
     async def _local(self, operation: str, fn: Any, *args: Any, timeout_s: float) -> Any:
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
-        except TimeoutError as exc:
-            raise WeightSyncError(f"sender (rank 0): {operation} timed out after {timeout_s:.0f}s") from exc
+        return await call_with_timeout(
+            "sender (rank 0)",
+            operation,
+            asyncio.to_thread(fn, *args),
+            timeout_s,
+            timeout_error=WeightSyncError,
+        )
 
     @staticmethod
     async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
         """Run concurrently; on the first failure cancel the rest and raise it."""
-        futures = [asyncio.ensure_future(t) for t in tasks]
-        try:
-            done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-            for fut in done:
-                if fut.exception() is not None:
-                    raise fut.exception()  # type: ignore[misc]
-            return [f.result() for f in futures]
-        finally:
-            for fut in futures:
-                if not fut.done():
-                    fut.cancel()
-            await asyncio.gather(*futures, return_exceptions=True)
+        return await gather_all(tasks, fail_fast=True)
 
     async def init_group(
         self,
@@ -266,14 +286,13 @@ class WeightSender:
         engines, self._engines = self._engines, []
         if group is None:
             return
-        results = await asyncio.gather(
-            *(
+        results = await gather_all(
+            [
                 self._engine_call(
                     i, e, "destroy_weights_update_group", e.destroy_weights_update_group(), self.timeout_s
                 )
                 for i, e in enumerate(engines)
-            ),
-            return_exceptions=True,
+            ]
         )
         group.destroy()
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from skylift.inference.remote import RemoteEngineError, RemoteInferenceClient, RemoteInferenceEngine
+from skylift.inference.pool import EnginePool
+from skylift.inference.remote import RemoteEngineError, RemoteInferenceEngine
 from skylift.inference.types import EngineCapabilityError, SamplingParams, WeightUpdateGroupSpec
 
 pytestmark = pytest.mark.integration
@@ -301,7 +302,7 @@ def test_two_servers_behind_one_client_serve_and_receive_weights(tiny_server, ti
     from skylift.weight_sync import WeightSender
 
     urls = [tiny_server.url.removeprefix("http://"), tiny_server_with_key.url]
-    client = RemoteInferenceClient(urls, api_key=tiny_server_with_key.api_key)
+    client = EnginePool.from_urls(urls, api_key=tiny_server_with_key.api_key)
     counts = [_request_count(tiny_server.url), _request_count(tiny_server_with_key.url)]
     original = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
 

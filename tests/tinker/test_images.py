@@ -108,14 +108,14 @@ def test_render_server_splices_placeholders_and_returns_pixels(
 
 
 def test_engine_clients_serve_the_render_route_too(render_server: CPURenderServer, vlm_dir: Path) -> None:
-    """`RemoteInferenceClient` satisfies the same `RenderClient` protocol (pointed here at the
+    """An `EnginePool` of remote engines satisfies the same `RenderClient` protocol (pointed here at the
     render server, which serves the route an engine server with --enable-scale-out serves)."""
     from skylift.inference.http_session import SessionPool
-    from skylift.inference.remote import RemoteInferenceClient
+    from skylift.inference.pool import EnginePool
 
     url = render_server.url or ""
     pool = SessionPool()
-    engines = VisionRenderer(RemoteInferenceClient([url], session_pool=pool), str(vlm_dir))
+    engines = VisionRenderer(EnginePool.from_urls([url], session_pool=pool), str(vlm_dir))
     server = VisionRenderer(RenderServerClient(url, pool=pool), str(vlm_dir))
     parts = [[1, 40], check_image(png(4), "png", "datum 0 chunk 1"), [41]]
     garbage = ImageInput(data=b"not a png", format="png", where="datum 5 chunk 0")  # skips check_image

@@ -39,10 +39,10 @@ def test_the_trainer_asks_the_engines_for_the_configured_min_p_and_penalty() -> 
 
 
 def test_the_local_engine_builds_vllm_params_with_them() -> None:
-    from skylift.inference.local import LocalVLLMEngine
+    from skylift.inference.vllm_io import to_vllm_params  # the local engine's one builder
 
     train, _ = _trainer_params(OVERRIDES)
-    vllm_params = LocalVLLMEngine._vllm_params(train)
+    vllm_params = to_vllm_params(train)
     assert vllm_params.min_p == 0.1
     assert vllm_params.repetition_penalty == 1.3
 
@@ -56,7 +56,7 @@ def test_a_remote_engine_is_sent_them_and_the_server_passes_them_to_vllm(tiny_mo
     from skylift.inference.bodies import GenerateBody
     from skylift.inference.http_session import SessionPool
     from skylift.inference.remote import RemoteInferenceEngine
-    from skylift.inference.routes import to_vllm_sampling_params
+    from skylift.inference.vllm_io import to_vllm_params
 
     train, _ = _trainer_params(OVERRIDES)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -99,6 +99,8 @@ def test_a_remote_engine_is_sent_them_and_the_server_passes_them_to_vllm(tiny_mo
     assert len(received) == 1
     sent = received[0]["sampling_params"]
     assert (sent["min_p"], sent["repetition_penalty"]) == (0.1, 1.3)
-    vllm_params = to_vllm_sampling_params(GenerateBody.model_validate(received[0]).sampling_params, False)
+    # the server's route decodes the body into our SamplingParams, which its engine hands to vLLM
+    decoded = GenerateBody.model_validate(received[0]).sampling_params
+    vllm_params = to_vllm_params(SamplingParams(**decoded.model_dump()))
     assert vllm_params.min_p == 0.1
     assert vllm_params.repetition_penalty == 1.3

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from skylift.inference.http_session import SessionPool, connection_limit, keepalive_s
-from skylift.inference.remote import RemoteEngineError, RemoteInferenceClient, normalize_url
+from skylift.inference.pool import EnginePool
+from skylift.inference.remote import RemoteEngineError, RemoteInferenceEngine, normalize_url
 from skylift.inference.routing import LoadRouter, NoServerLeftError
 
 
@@ -108,9 +109,9 @@ def test_normalize_url_rejects_empty():
 
 def test_client_rejects_duplicate_and_empty_urls():
     with pytest.raises(ValueError, match="duplicate"):
-        RemoteInferenceClient(["127.0.0.1:1", "http://127.0.0.1:1/"])
+        EnginePool.from_urls(["127.0.0.1:1", "http://127.0.0.1:1/"])
     with pytest.raises(ValueError, match="at least one"):
-        RemoteInferenceClient([])
+        EnginePool.from_urls([])
 
 
 def test_env_settings(monkeypatch):
@@ -149,7 +150,7 @@ def test_session_pool_one_session_per_loop():
 def test_connection_errors_name_server_and_operation():
     async def run():
         # Port 9 on loopback: nothing listens, the connection is refused at once.
-        client = RemoteInferenceClient(["127.0.0.1:9"], max_retries=1, backoff_s=0.01, timeout_s=5)
+        client = RemoteInferenceEngine("127.0.0.1:9", max_retries=1, backoff_s=0.01, timeout_s=5)
         with pytest.raises(RemoteEngineError) as info:
             await client.reset_prefix_cache()
         assert await client.health() is False

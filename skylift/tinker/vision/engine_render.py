@@ -12,7 +12,6 @@ Call everything here on the engine's event loop.
 from __future__ import annotations
 
 import io
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,24 +82,5 @@ async def generate_multimodal(
     engine: Any, prompt: list[int], images: list[Any], params: SamplingParams
 ) -> GenerateOutput:
     """Sample `params.n` continuations of a prompt with images from a `LocalVLLMEngine`."""
-    from vllm.inputs import TokensPrompt
-
-    llm = engine.vllm_engine
-    request_id = f"skylift-mm-{uuid.uuid4().hex}"
-    final = None
-    try:
-        async for output in llm.generate(
-            TokensPrompt(prompt_token_ids=prompt, multi_modal_data={"image": images}),
-            engine._vllm_params(params),  # noqa: SLF001 - the engine's own SamplingParams conversion
-            request_id,
-        ):
-            final = output
-    except BaseException:
-        await llm.abort(request_id)
-        raise
-    if final is None or not final.finished:
-        raise EngineError(f"{engine.name}: multimodal generate ended without a final output")
-    return GenerateOutput(
-        prompt_token_ids=list(final.prompt_token_ids or []),
-        completions=[engine._completion(o, params.logprobs) for o in final.outputs],  # noqa: SLF001
-    )
+    outputs = await engine.generate([prompt], params, images=[images])
+    return outputs[0]

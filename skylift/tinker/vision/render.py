@@ -27,7 +27,7 @@ class RenderClient(Protocol):
     """Anything that serves vLLM's ``/v1/chat/completions/render`` (returns the response JSON).
 
     Satisfied by `skylift.tinker.vision.render_server.RenderServerClient` (the CPU render server), by the
-    engine clients `skylift.inference.remote.RemoteInferenceEngine` / `RemoteInferenceClient`
+    engine clients `skylift.inference.remote.RemoteInferenceEngine` / `EnginePool.from_urls`
     (servers started with ``--enable-scale-out``; the client spreads renders over its servers), and
     by `skylift.tinker.sampling.EngineHost` (the Tinker service's in-process engine).
     """
