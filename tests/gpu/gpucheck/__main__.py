@@ -173,7 +173,8 @@ def device_phase(ctx: Any, refs: dict[str, Any], items: list[str], say: Any) -> 
                 from gpucheck.tinker_path import item_tinker
 
                 item_tinker(ctx, refs, item)
-        say(f"  item {key} {'ok' if item.ok else 'FAILED'} in {item.seconds:.1f} s")
+        status = "SKIPPED" if item.skipped else "ok" if item.ok else "FAILED"
+        say(f"  item {key} {status} in {item.seconds:.1f} s")
         out.append(item)
     return out
 
