@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from skylift.tinker.checkpoint_meta import META_FILE
 from skylift.tinker.datum_batch import TinkerLoss, datums_to_batch
 from skylift.tinker.errors import UserError
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.tinker.rendering import check_token_range
-from skylift.tinker.views import META_FILE
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
 from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
 

@@ -8,13 +8,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from skylift.tinker.checkpoint_meta import META_FILE
 from skylift.tinker.errors import UserError
 from skylift.tinker.store import CheckpointRow, ModelRow
 
 SCHEME = "tinker://"
 KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
-META_FILE = "skylift_tinker_meta.json"  # beside every checkpoint's files: model config, steps, public
 _NAME = re.compile(r"^[A-Za-z0-9._\-:=+@]+$")
 
 
