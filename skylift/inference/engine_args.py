@@ -44,6 +44,9 @@ def is_cpu_platform() -> bool:
 #: The thread binding skylift itself last set (None while the user's own setting, or none, rules):
 #: a later engine of another tensor-parallel size may replace ours, never the user's.
 _auto_binding: str | None = None
+# internal, not a setting: the VLLM_CPU_OMP_THREADS_BIND value skylift chose itself, so that child
+# processes can tell it from one the user set
+AUTO_BINDING_MARKER = "SKYLIFT_AUTO_CPU_THREADS_BIND"
 
 
 def _process_cpus() -> list[int]:
@@ -90,7 +93,9 @@ def apply_cpu_env_defaults(tensor_parallel_size: int = 1) -> None:
     cpus = _process_cpus()
     binding = cpu_thread_binding(cpus, tensor_parallel_size)  # refuses TP > cores on any machine
     current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    ours = current is None or current == _auto_binding
+    # a binding this process or a parent skylift process chose (children inherit the variable:
+    # a TP=2 server started from a process that bound a TP=1 engine must rebind, not obey it)
+    ours = current is None or current in (_auto_binding, os.environ.get(AUTO_BINDING_MARKER))
     if 0 < len(cpus) <= SMALL_MACHINE_CPUS and ours:
         # vLLM reserves one core for its scheduler process and binds its compute threads to
         # the rest: on 2 cores that halves generation speed (measured with SmolLM2-135M, 32
@@ -98,6 +103,7 @@ def apply_cpu_env_defaults(tensor_parallel_size: int = 1) -> None:
         # alternate, so on a small machine the engine gets every core; with tensor parallelism
         # vLLM wants one core list per rank, `|`-separated.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        os.environ[AUTO_BINDING_MARKER] = binding
         _auto_binding = binding
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 

@@ -145,8 +145,16 @@ class Lab:
         headers = {"X-API-Key": self.keys[user], **kw.pop("headers", {})}
         if isinstance(body, bytes):
             headers["Content-Type"] = "application/x-protobuf"
-            return self.http.request(method, f"{API}/{path}", content=body, headers=headers, **kw)
-        return self.http.request(method, f"{API}/{path}", json=body, headers=headers, **kw)
+            kw["content"] = body
+        else:
+            kw["json"] = body
+        try:
+            return self.http.request(method, f"{API}/{path}", headers=headers, **kw)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # uvicorn closes a keep-alive connection after a 500 from an exception handler; a
+            # request sent on it just then is reset unread. The SDK retries such errors; so do we,
+            # once, on a fresh connection.
+            return self.http.request(method, f"{API}/{path}", headers=headers, **kw)
 
     def post(self, user: str, path: str, body: Any = None) -> httpx.Response:
         return self.call(user, "POST", path, body if body is not None else {})

@@ -112,3 +112,23 @@ def test_skyrl_worker_extension_is_replaced_by_ours(caplog: pytest.LogCaptureFix
     assert "speaks SkyRL's" in caplog.records[0].getMessage()
     assert engine_args.worker_extension(None) == engine_args.WORKER_EXTENSION_CLS
     assert engine_args.worker_extension("my.Extension") == "my.Extension"
+
+
+def test_a_binding_inherited_from_a_parent_skylift_process_is_rebound(monkeypatch) -> None:
+    """A TP=2 server started by a process that bound its own TP=1 engine to "0,1" inherits that
+    value; it must bind one core set per rank, not fail in vLLM ("CPU id list ['0,1'] doesn't match
+    local world size 2"). A value the user set stays."""
+    import skylift.inference.engine_args as ea
+
+    monkeypatch.setattr(ea, "_process_cpus", lambda: [0, 1])
+    monkeypatch.setattr(ea, "is_cpu_platform", lambda: True)
+    monkeypatch.setattr(ea, "_auto_binding", None)  # a fresh child process
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1")
+    monkeypatch.setenv(ea.AUTO_BINDING_MARKER, "0,1")
+    ea.apply_cpu_env_defaults(tensor_parallel_size=2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    monkeypatch.delenv(ea.AUTO_BINDING_MARKER)
+    monkeypatch.setattr(ea, "_auto_binding", None)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own
+    ea.apply_cpu_env_defaults(tensor_parallel_size=2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
