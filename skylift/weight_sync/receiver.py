@@ -115,21 +115,9 @@ class WeightSyncWorkerExtension:
                 )
             self.skylift_destroy_weight_update_group()
         device = torch.device(getattr(self, "device", None) or "cpu") if backend == "nccl" else None
-        if protocol == "skyrl":
-            self._skylift_group = join_torch_layout_group(
-                master_address=master_address,
-                master_port=master_port,
-                rank=rank,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,  # type: ignore[arg-type]
-                timeout_s=timeout_s,
-                device=device,
-            )
-            self._skylift_stager = FusedStager(self._skylift_load_units())
-            logger.info("joined SkyRL's weight-update group %r as rank %d/%d", group_name, rank, world_size)
-            return
-        self._skylift_group = create_weight_sync_group(
+        skyrl = protocol == "skyrl"  # SkyRL's trainer builds the group with torch's own helper
+        join = join_torch_layout_group if skyrl else create_weight_sync_group
+        self._skylift_group = join(
             master_address=master_address,
             master_port=master_port,
             rank=rank,
@@ -139,7 +127,15 @@ class WeightSyncWorkerExtension:
             timeout_s=timeout_s,
             device=device,
         )
-        logger.info("joined weight-update group %r as rank %d/%d", group_name, rank, world_size)
+        if skyrl:
+            self._skylift_stager = FusedStager(self._skylift_load_units())
+        logger.info(
+            "joined %sweight-update group %r as rank %d/%d",
+            "SkyRL's " if skyrl else "",
+            group_name,
+            rank,
+            world_size,
+        )
 
     def skylift_receive_weights(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]]
