@@ -108,3 +108,15 @@ class ResetPrefixCacheBody(Body):
     """POST /reset_prefix_cache (optional; SkyRL 0.4 sends it)."""
 
     reset_running_requests: bool = False
+
+
+class PauseBody(Body):
+    """POST /skylift/pause: how requests in flight are treated (see `LocalVLLMEngine.pause_generation`)."""
+
+    mode: Literal["keep", "abort"] = "keep"
+
+
+class ResumeBody(Body):
+    """POST /skylift/resume: the policy version tokens sampled from now on are labelled with."""
+
+    policy_version: int | None = Field(None, ge=0)

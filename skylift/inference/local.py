@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.types import (
+    PAUSE_MODES,
     TEACHER_FORCING,
     EngineCapabilityError,
     EngineError,
@@ -26,6 +27,7 @@ from skylift.inference.types import (
     EngineStateError,
     EngineUnavailableError,
     GenerateOutput,
+    PauseMode,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
@@ -101,6 +103,8 @@ class LocalVLLMEngine:
         #: The weight-update group the workers are in (None: none), as this engine's calls left it.
         self.group_name: str | None = None
         self.weight_version = 0
+        #: The policy version sampled tokens are labelled with (`resume_generation`); None: unset.
+        self.policy_version: int | None = None
 
     @classmethod
     async def create(
@@ -288,6 +292,30 @@ class LocalVLLMEngine:
         """Drop cached KV blocks (they were computed with the old weights)."""
         if not await self.try_reset_prefix_cache():
             logger.warning("%s: prefix cache not reset: requests are still running", self.name)
+
+    # ---- pause / resume (weight updates while requests are in flight) ------------------------
+
+    async def pause_generation(self, mode: PauseMode = "keep") -> None:
+        """Stop scheduling until `resume_generation`: "keep" freezes the requests in flight (they
+        go on after the resume, with whatever weights the engine holds then), "abort" ends them
+        with the tokens sampled so far (stop reason "abort"). New requests wait for the resume.
+        The KV and prefix caches are dropped (running requests are preempted: after the resume
+        their KV is recomputed with the new weights)."""
+        if mode not in PAUSE_MODES:
+            raise EngineRequestError(f"{self.name}: pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._call(f"pause ({mode})", self._engine.pause_generation(mode=mode), self.control_timeout_s)
+
+    async def resume_generation(self, policy_version: int | None = None) -> None:
+        """Resume scheduling (a no-op when not paused). With `policy_version`, every token sampled
+        from now on is labelled with it (`Completion.token_versions`)."""
+        if policy_version is not None:
+            label = self._engine.update_weight_version(str(int(policy_version)))
+            await self._call("set weight version", label, self.control_timeout_s)
+            self.policy_version = int(policy_version)
+        await self._call("resume", self._engine.resume_generation(), self.control_timeout_s)
+
+    async def is_paused(self) -> bool:
+        return bool(await self._call("is_paused", self._engine.is_paused(), self.control_timeout_s))
 
     # ---- weight updates ---------------------------------------------------------------------
 
