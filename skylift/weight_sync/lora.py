@@ -11,8 +11,10 @@ adapter (vLLM's LoRA support), and a sync moves only the adapter's tensors, one 
   every engine loads it (vLLM's `/v1/load_lora_adapter` semantics).
 
 Each sync publishes a new adapter under a new name (`LoraPublisher`), made the engines' default
-for generation, then unloads the previous one: a prefix-cache entry is keyed by the adapter's
-name, so blocks computed with old adapter weights can never serve the new ones.
+for generation: a prefix-cache entry is keyed by the adapter's name, so blocks computed with old
+adapter weights can never serve the new ones. The previous version stays loaded until the next
+sync (requests still running with it, e.g. kept across an in-flight update, can finish); older
+ones are unloaded first, so an engine holds at most two (`engine_args.LORA_SYNC_MAX_LORAS`).
 """
 
 from __future__ import annotations
@@ -198,14 +200,21 @@ class LoraPublisher:
     """The policy's adapter on the engines (trainer rank 0): one new name per sync.
 
     Names are ``{prefix}-{run token}-v{n}``; the run token keeps a resumed run's names apart from
-    adapters an earlier run left on remote engines.
+    adapters an earlier run left on remote engines. `keep_previous` superseded versions stay
+    loaded (the rest are unloaded before a new one loads).
     """
 
-    def __init__(self, prefix: str = "skylift-policy") -> None:
+    def __init__(self, prefix: str = "skylift-policy", keep_previous: int = 1) -> None:
         self.prefix = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.keep_previous = keep_previous
         self.version = 0
-        self.current: str | None = None
-        self._current_dir: str | None = None  # under lora_sync_path: ours to delete
+        # loaded versions, oldest first: (name, its directory under lora_sync_path, ours to delete)
+        self._live: list[tuple[str, str | None]] = []
+
+    @property
+    def current(self) -> str | None:
+        """The name of the newest version (the engines' default adapter)."""
+        return self._live[-1][0] if self._live else None
 
     async def publish(
         self,
@@ -217,11 +226,16 @@ class LoraPublisher:
         sync_path: str | None = None,
         timeout_s: float = 300.0,
     ) -> LoraSyncStats:
-        """Load the adapter on every engine as their default under a new name, then unload the
-        previous one. In memory over `group`, or through `sync_path` when it is set."""
+        """Load the adapter on every engine as their default under a new name (versions older
+        than `keep_previous` unloaded first). In memory over `group`, or through `sync_path`."""
         if not engines:
             raise WeightSyncError("LoRA sync: no engine to send the adapter to")
         start = time.perf_counter()
+        while len(self._live) > self.keep_previous:
+            old, old_dir = self._live.pop(0)
+            await self._unload(engines, old, timeout_s)
+            if old_dir is not None:
+                shutil.rmtree(old_dir, ignore_errors=True)
         self.version += 1
         adapter = LoraAdapterSpec(f"{self.prefix}-v{self.version}", json_ready(peft_config), activate=True)
         tensors = [(name, t.detach()) for name, t in named_tensors]
@@ -235,16 +249,11 @@ class LoraPublisher:
             directory = None
             nbytes = await broadcast_adapter(group, engines, tensors, adapter, timeout_s)
             mode = "memory"
-        previous, previous_dir = self.current, self._current_dir
-        self.current, self._current_dir = adapter.name, directory
-        if previous is not None:
-            await self._unload(engines, previous, timeout_s)
-        if previous_dir is not None:
-            shutil.rmtree(previous_dir, ignore_errors=True)
+        self._live.append((adapter.name, directory))
         return LoraSyncStats(adapter.name, len(tensors), nbytes, time.perf_counter() - start, mode)
 
     async def _unload(self, engines: Sequence[LoraSyncTarget], name: str, timeout_s: float) -> None:
-        """Unload the superseded adapter; an engine that cannot is logged (the new one is live)."""
+        """Unload a superseded adapter; an engine that cannot is logged, not raised."""
         results = await gather_all(
             [
                 call_with_timeout(
