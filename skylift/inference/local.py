@@ -37,7 +37,13 @@ from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, t
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
 from skylift.weight_sync.lora import LoraAdapterSpec
-from skylift.weight_sync.protocol import RPC_DESTROY, RPC_HAS_GROUP, RPC_INIT_GROUP, RPC_RECEIVE
+from skylift.weight_sync.protocol import (
+    RPC_DESTROY,
+    RPC_HAS_GROUP,
+    RPC_INIT_GROUP,
+    RPC_RECEIVE,
+    RPC_RECEIVE_STREAM,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +369,36 @@ class LocalVLLMEngine:
         """`receive_weights` (the interface's form)."""
         await self.receive_weights(bucket)
 
+    async def receive_weight_stream(self) -> dict[str, Any]:
+        """Receive every bucket of one sync in ONE call to the workers (`weight_sync.stream`: the
+        reload of a bucket overlaps the broadcast of the next), then reset the prefix cache.
+
+        The engine core runs no model step during the call, so no request sees a half-updated
+        model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version,
+        prefix_cache_reset); a refused bucket is an `EngineStateError` (see the receiver)."""
+        async with self._weight_lock:
+            if self.group_name is None:
+                raise EngineStateError(
+                    f"{self.name}: receive_weight_stream: no weight-update group: call "
+                    "init_weight_update_communicator first"
+                )
+            start = time.perf_counter()
+            results = await self._rpc("receive_weight_stream", RPC_RECEIVE_STREAM, (), self.update_timeout_s)
+            refusal = next((r["refused"] for r in results if r.get("refused")), None)
+            if refusal is not None:
+                raise EngineStateError(f"{self.name}: receive_weight_stream: {refusal}")
+            seconds = time.perf_counter() - start
+            self.weight_version += results[0]["buckets"]
+            reset = await self.try_reset_prefix_cache()
+        receipt = {k: results[0][k] for k in ("buckets", "tensors", "bytes")}
+        receipt.update(
+            seconds=seconds,
+            worker_seconds=max(r["seconds"] for r in results),
+            weight_version=self.weight_version,
+            prefix_cache_reset=reset,
+        )
+        return receipt
+
     async def destroy_weights_update_group(self) -> None:
         """Leave and destroy the weight-update group on every worker (no-op when none)."""
         async with self._weight_lock:
@@ -388,17 +424,7 @@ class LocalVLLMEngine:
 
     async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
         """Receive a LoRA adapter over the weight-update group (broadcast concurrently), load it."""
-        try:
-            bucket = validate_bucket(bucket)
-        except ValueError as exc:
-            raise EngineRequestError(f"{self.name}: receive_lora_adapter: {exc}") from exc
-        async with self._weight_lock:
-            if self.group_name is None:
-                raise EngineStateError(
-                    f"{self.name}: receive_lora_adapter: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
-            await self.lora.receive(bucket, adapter)
+        await self.lora.receive(bucket, adapter, self._weight_lock)
 
     async def has_weight_update_group(self) -> bool:
         """True when every worker is in a weight-update group (while a weight call is running:

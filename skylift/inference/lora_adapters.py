@@ -13,6 +13,7 @@ OpenAI routes serve the same adapters (`model` = the adapter's name) and list th
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -28,6 +29,7 @@ from skylift.inference.types import (
     WeightBucket,
 )
 from skylift.utils.calls import call_with_timeout
+from skylift.weight_sync.buckets import validate_bucket
 from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, RPC_RECEIVE_LORA, LoraAdapterSpec
 
 logger = logging.getLogger(__name__)
@@ -172,9 +174,24 @@ class LoraAdapters:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    async def receive(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        """Receive the adapter over the weight-update group (the caller holds the weight lock and
-        checked the group), write it to a scratch directory on this host, and load it."""
+    async def receive(
+        self, bucket: WeightBucket, adapter: LoraAdapterSpec, weight_lock: asyncio.Lock
+    ) -> None:
+        """Receive the adapter over the engine's weight-update group (under its `weight_lock`),
+        write it to a scratch directory on this host, and load it."""
+        try:
+            bucket = validate_bucket(bucket)
+        except ValueError as exc:
+            raise EngineRequestError(f"{self._owner.name}: receive_lora_adapter: {exc}") from exc
+        async with weight_lock:
+            if self._owner.group_name is None:
+                raise EngineStateError(
+                    f"{self._owner.name}: receive_lora_adapter: no weight-update group: call "
+                    "init_weight_update_communicator first"
+                )
+            await self._receive(bucket, adapter)
+
+    async def _receive(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
         self._require_enabled("receive_lora_adapter")
         if adapter.name in self._requests:
             raise EngineRequestError(

@@ -253,6 +253,11 @@ class EnginePool:
     async def update_weights(self, bucket: WeightBucket) -> None:
         await self._every("update_weights", bucket, strict=True)
 
+    async def receive_weight_stream(self) -> dict[str, Any]:
+        """Every live engine receives the stream (they all take part in each broadcast)."""
+        receipts = await self._every("receive_weight_stream", strict=True)
+        return {**{k: receipts[0][k] for k in ("buckets", "tensors", "bytes")}, "engines": receipts}
+
     async def destroy_weights_update_group(self) -> None:
         await self._every("destroy_weights_update_group", strict=True)
 

@@ -217,6 +217,12 @@ class RemoteInferenceEngine:
     async def update_weights(self, bucket: WeightBucket) -> None:
         await self.request("POST", "/update_weights", "update_weights", json=bucket.to_dict())
 
+    async def receive_weight_stream(self) -> dict[str, Any]:
+        """Receive every bucket of one sync (POST /update_weights_stream, open while the trainer
+        broadcasts); returns the server's receipt."""
+        data = await self.request("POST", "/update_weights_stream", "receive_weight_stream")
+        return dict(data)
+
     async def update_weight(self, name: str, dtype: str, shape: Sequence[int]) -> None:
         """Receive one tensor (the seed's /update_weight route)."""
         body = {"name": name, "dtype": dtype, "shape": list(shape)}

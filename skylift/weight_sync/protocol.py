@@ -17,6 +17,8 @@ RPC_INIT_GROUP = "skylift_init_weight_update_group"
 RPC_RECEIVE = "skylift_receive_weights"
 RPC_DESTROY = "skylift_destroy_weight_update_group"
 RPC_HAS_GROUP = "skylift_has_weight_update_group"
+#: Every bucket of one sync in one call, metadata in band (`skylift.weight_sync.stream`).
+RPC_RECEIVE_STREAM = "skylift_receive_weight_stream"
 
 DEFAULT_GROUP_NAME = "skylift_weight_sync"
 
@@ -89,6 +91,11 @@ class WeightSyncTarget(Protocol):
 
     async def update_weights(self, bucket: WeightBucket) -> None:
         """Receive one bucket over the group (the sender broadcasts concurrently) and load it."""
+        ...
+
+    async def receive_weight_stream(self) -> dict[str, Any]:
+        """Receive every bucket of one sync (`weight_sync.stream`; the sender broadcasts
+        concurrently), load them, reset the prefix cache; returns what arrived."""
         ...
 
     async def destroy_weights_update_group(self) -> None: ...

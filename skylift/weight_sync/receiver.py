@@ -21,17 +21,19 @@ made with SkyRL's protocol (one tensor per update) stage such parts instead (`fu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
+from skylift.weight_sync.buckets import NamedTensor, allocate_buffers, unpack_bucket, validate_bucket
 from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.stream import BucketStream
 from skylift.weight_sync.torch_group import join_torch_layout_group
 
 logger = logging.getLogger(__name__)
@@ -165,10 +167,7 @@ class WeightSyncWorkerExtension:
                 return None
         else:
             self._skylift_check_whole_units(bucket.names)
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad(), _partial_reload_quietly():  # type: ignore[attr-defined]
-            self.model_runner.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+        self._skylift_reload(weights)
         logger.debug(
             "received %d tensors in %.1f ms, loaded in %.1f ms",
             len(names),
@@ -176,6 +175,69 @@ class WeightSyncWorkerExtension:
             1e3 * (time.perf_counter() - received),
         )
         return None
+
+    def _skylift_reload(self, weights: Iterable[NamedTensor]) -> None:
+        """vLLM's in-place reload of `weights` (Hugging Face names), pulled as it goes."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), _partial_reload_quietly():  # type: ignore[attr-defined]
+            self.model_runner.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+
+    def skylift_receive_weight_stream(self) -> dict[str, Any]:
+        """Receive every bucket of one sync (`weight_sync.stream`) and load them in ONE reload
+        that runs while the next bucket arrives.
+
+        Returns ``{"buckets", "tensors", "bytes", "receive_s", "seconds", "refused"}``; `refused`
+        (None or why) is set when a bucket covered a fused module only in part: that bucket and
+        the ones after it are received (so rank 0's broadcasts complete) and not loaded; the
+        buckets before it are loaded, as with `skylift_receive_weights` bucket by bucket."""
+        group = self._skylift_group
+        if group is None:
+            raise WeightSyncError(
+                "no weight-update group on this worker: call init_weight_update_communicator first"
+            )
+        if self._skylift_stager is not None:
+            raise WeightSyncError(
+                f"group {group.group_name!r} was made with SkyRL's protocol (one tensor per update); "
+                "a weight stream needs skylift's"
+            )
+        start = time.perf_counter()
+        stream = BucketStream(group)
+        refused: str | None = None
+
+        def weights() -> Iterator[NamedTensor]:
+            nonlocal refused
+            for bucket, buffers in stream:
+                try:
+                    self._skylift_check_whole_units(bucket.names)
+                except WeightSyncError as exc:
+                    refused = str(exc)
+                    return
+                yield from unpack_bucket(bucket, buffers)
+
+        try:
+            loading = weights()
+            first = next(loading, None)  # nothing to load when the first bucket is refused
+            if first is not None:
+                self._skylift_reload(itertools.chain([first], loading))
+        finally:
+            stream.drain()  # the rest of a refused stream; raises when receiving failed
+        seconds = time.perf_counter() - start
+        logger.debug(
+            "weight stream: %d buckets, %d tensors in %.1f ms (%.1f ms receiving)",
+            stream.stats.buckets,
+            stream.stats.tensors,
+            1e3 * seconds,
+            1e3 * stream.receive_s,
+        )
+        return {
+            "buckets": stream.stats.buckets,
+            "tensors": stream.stats.tensors,
+            "bytes": stream.stats.bytes,
+            "receive_s": stream.receive_s,
+            "seconds": seconds,
+            "refused": refused,
+        }
 
     def skylift_destroy_weight_update_group(self) -> str | None:
         """Leave and destroy the weight-update group (a no-op when there is none). Returns what

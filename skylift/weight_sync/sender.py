@@ -31,6 +31,7 @@ from skylift.weight_sync.protocol import (
     WeightSyncTarget,
     WeightUpdateGroupSpec,
 )
+from skylift.weight_sync.stream import StreamStats, broadcast_stream, packed_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class SyncStats:
     tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    bucket_seconds: list[float] = field(default_factory=list)
+    bucket_seconds: list[float] = field(default_factory=list)  # sequential path only
+    overlapped: bool = False  # sent as one weight stream (`weight_sync.stream`)
 
 
 def weight_sync_master_address(override: str | None, remote_urls: Sequence[str], node_ip: str) -> str:
@@ -82,12 +84,21 @@ class WeightSender:
     """Rank 0 of the weight-update group: creates it, streams state dicts, destroys it.
 
     `timeout_s` bounds the group's rendezvous and each collective; `update_timeout_s` bounds one
-    bucket end to end (metadata call, broadcast and the engines' reload).
+    engine call end to end (metadata, broadcast and the engines' reload): a bucket, or with
+    `overlap` the whole stream.
+
+    `overlap` (default): one weight stream per sync (`weight_sync.stream`): one call to each
+    engine, bucket k+1 packed while bucket k is on the wire and broadcast while the engines reload
+    bucket k. False: the sequential path, one `update_weights` call per bucket, each bucket loaded
+    before the next is sent. Engines without `receive_weight_stream` always get the sequential path.
     """
 
-    def __init__(self, *, timeout_s: float = 120.0, update_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, *, timeout_s: float = 120.0, update_timeout_s: float = 600.0, overlap: bool = True
+    ) -> None:
         self.timeout_s = timeout_s
         self.update_timeout_s = update_timeout_s
+        self.overlap = overlap
         self._engines: list[WeightSyncTarget] = []
         self._group: WeightSyncGroup | None = None
 
@@ -218,13 +229,20 @@ class WeightSender:
         self._engines = list(engines)
 
     async def send_state_dict(
-        self, named_tensors: Iterable[NamedTensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        named_tensors: Iterable[NamedTensor],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool | None = None,
     ) -> SyncStats:
         """Stream `named_tensors` (Hugging Face names) to every engine in size-bounded buckets.
 
         Returns when every engine has loaded every bucket (and reset its prefix cache).
+        `overlap`: this sync's path (None: the sender's `overlap`; see the class).
         """
         group = self._require_group()
+        overlap = self.overlap if overlap is None else overlap
+        if overlap and all(callable(getattr(e, "receive_weight_stream", None)) for e in self._engines):
+            return await self._send_stream(group, named_tensors, bucket_bytes)
         stats = SyncStats()
         start = time.perf_counter()
         buckets = iter_buckets(named_tensors, bucket_bytes)
@@ -257,6 +275,34 @@ class WeightSender:
                 pending.cancel()
         stats.seconds = time.perf_counter() - start
         return stats
+
+    async def _send_stream(
+        self, group: WeightSyncGroup, named_tensors: Iterable[NamedTensor], bucket_bytes: int
+    ) -> SyncStats:
+        start = time.perf_counter()
+        packed = packed_buckets(named_tensors, bucket_bytes, group.device, self.update_timeout_s)
+
+        def broadcast() -> StreamStats:
+            try:
+                return broadcast_stream(group, packed)
+            finally:
+                packed.close()
+
+        tasks: list[Awaitable[Any]] = [
+            self._local("weight stream broadcast", broadcast, timeout_s=self.update_timeout_s)
+        ]
+        tasks += [
+            self._engine_call(i, e, "receive_weight_stream", e.receive_weight_stream(), self.update_timeout_s)
+            for i, e in enumerate(self._engines)
+        ]
+        sent: StreamStats = (await self._all(tasks))[0]
+        return SyncStats(
+            buckets=sent.buckets,
+            tensors=sent.tensors,
+            bytes=sent.bytes,
+            seconds=time.perf_counter() - start,
+            overlapped=True,
+        )
 
     async def _send_bucket(
         self, group: WeightSyncGroup, bucket: WeightBucket, buffers: list[torch.Tensor]

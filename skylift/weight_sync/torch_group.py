@@ -21,7 +21,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from skylift.weight_sync.process_group import Backend, WeightSyncError, WeightSyncGroup, _gloo_device
+from skylift.weight_sync.process_group import (
+    Backend,
+    WeightSyncError,
+    WeightSyncGroup,
+    check_group_args,
+    group_device,
+    new_backend,
+)
 
 #: The device whose prefix torch's helper gives the (single) backend of each kind.
 _BACKEND_DEVICE: dict[str, str] = {"gloo": "cpu", "nccl": "cuda"}
@@ -41,19 +48,13 @@ def join_torch_layout_group(
     """Join, as `rank` (>= 1), the group that rank 0 created with torch's group helper over a
     `tcp://master_address:master_port` rendezvous. Blocks until every rank has joined (both sides
     must run concurrently) or `timeout_s`."""
-    if backend not in _BACKEND_DEVICE:
-        raise WeightSyncError(f"unknown weight-sync backend {backend!r} (expected 'gloo' or 'nccl')")
-    if not 1 <= rank < world_size:
-        raise WeightSyncError(f"an engine rank must be in 1..{world_size - 1}, got {rank}")
+    check_group_args(backend, rank, world_size, first_rank=1)
     timeout = timedelta(seconds=timeout_s)
     where = (
         f"the trainer's group {group_name!r} at tcp://{master_address}:{master_port} "
         f"as rank {rank}/{world_size}"
     )
-    if backend == "nccl":
-        device = device or torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = group_device(backend, device if backend == "nccl" else None)
     try:
         # wait_for_workers=True makes this client register with the store, which the trainer's
         # rank 0 (hosting it) waits for before its rendezvous returns.
@@ -62,16 +63,7 @@ def join_torch_layout_group(
         )
         group_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
         backend_store = dist.PrefixStore(f"{_BACKEND_DEVICE[backend]}/", group_store)
-        if backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [_gloo_device(master_address)]
-            pg: dist.ProcessGroup = dist.ProcessGroupGloo(backend_store, rank, world_size, options)
-        else:
-            torch.cuda.set_device(device)
-            nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(backend_store, rank, world_size, nccl_options)
+        pg = new_backend(backend_store, rank, world_size, backend, timeout, master_address, device)
         pg._set_sequence_number_for_group()
     except Exception as exc:
         raise WeightSyncError(f"could not join {where}: {exc}") from exc

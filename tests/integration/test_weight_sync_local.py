@@ -126,6 +126,43 @@ def test_bfloat16_sender_tensors_are_loaded(
     assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), expected) <= TOLERANCE
 
 
+def test_overlapped_sync_is_bit_identical_to_sequential(
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
+) -> None:
+    """The weight stream (one call, reload overlapping the next broadcast) leaves the engine with
+    exactly the weights of the sequential path (one call and one reload per bucket): identical
+    logprobs, to the bit, of the top 20 tokens at every position."""
+    original = list({k: v.clone() for k, v in hf_model.state_dict().items()}.items())
+    perturb(hf_model, seed=4)
+    state = [(k, v.to(torch.bfloat16) if "mlp" in k else v) for k, v in hf_model.state_dict().items()]
+
+    async def sync(weights: list[tuple[str, torch.Tensor]], overlap: bool) -> Any:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
+        await sender.init_group([engine])
+        try:
+            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
+        finally:
+            await sender.close()
+
+    def engine_view() -> list[Any]:
+        return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
+
+    sequential = loop.run(sync(state, overlap=False))
+    assert not sequential.overlapped and sequential.buckets > 2
+    after_sequential = engine_view()
+    loop.run(sync(original, overlap=False))
+    assert engine_view() != after_sequential  # the original weights are back
+    version = engine.weight_version
+    overlapped = loop.run(sync(state, overlap=True))
+    assert overlapped.overlapped and (overlapped.buckets, overlapped.tensors, overlapped.bytes) == (
+        sequential.buckets,
+        sequential.tensors,
+        sequential.bytes,
+    )
+    assert engine.weight_version == version + overlapped.buckets
+    assert engine_view() == after_sequential
+
+
 def test_second_group_needs_override(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:

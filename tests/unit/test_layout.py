@@ -57,6 +57,6 @@ def test_receiver_serves_the_protocol_rpc_names() -> None:
     from skylift.weight_sync.receiver import WeightSyncWorkerExtension
 
     names = [getattr(protocol, n) for n in dir(protocol) if n.startswith("RPC_")]
-    assert len(names) == 4
+    assert len(names) == 5  # init, receive, receive stream, destroy, has group
     for name in names:
         assert callable(getattr(WeightSyncWorkerExtension, name, None)), name

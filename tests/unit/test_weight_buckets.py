@@ -136,3 +136,20 @@ def test_dtype_names_round_trip() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
         assert str_to_dtype(dtype_to_str(dtype)) is dtype
     assert str_to_dtype("torch.bfloat16") is torch.bfloat16
+
+
+@pytest.mark.parametrize("layout", ["skylift", "torch"])
+def test_both_rendezvous_layouts_check_their_arguments_alike(layout: str) -> None:
+    """Bad arguments are refused before any socket is opened, with the same messages."""
+    from skylift.weight_sync.process_group import WeightSyncError, create_weight_sync_group
+    from skylift.weight_sync.torch_group import join_torch_layout_group
+
+    join = create_weight_sync_group if layout == "skylift" else join_torch_layout_group
+    args = dict(master_address="127.0.0.1", master_port=1, group_name="g", timeout_s=1.0)
+    with pytest.raises(WeightSyncError, match="unknown weight-sync backend 'mpi'"):
+        join(rank=1, world_size=2, backend="mpi", **args)  # type: ignore[arg-type]
+    with pytest.raises(WeightSyncError, match=r"rank 2 is outside (0|1)\.\.1, .* world size 2"):
+        join(rank=2, world_size=2, backend="gloo", **args)  # type: ignore[arg-type]
+    if layout == "torch":  # an engine never hosts the group
+        with pytest.raises(WeightSyncError, match=r"rank 0 is outside 1\.\.1"):
+            join(rank=0, world_size=2, backend="gloo", **args)  # type: ignore[arg-type]
