@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
+from skylift.inference.lora_adapters import LoraAdapters
 from skylift.inference.types import (
     PAUSE_MODES,
     TEACHER_FORCING,
@@ -37,6 +38,7 @@ from skylift.inference.types import (
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
+from skylift.weight_sync.lora import LoraAdapterSpec
 from skylift.weight_sync.protocol import (
     RPC_DESTROY,
     RPC_HAS_GROUP,
@@ -95,6 +97,7 @@ class LocalVLLMEngine:
         generate_timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         update_timeout_s: float = 600.0,
+        lora_registry: Any = None,
     ) -> None:
         self._engine = engine
         self.name = name
@@ -109,8 +112,8 @@ class LocalVLLMEngine:
         #: The weight-update group the workers are in (None: none), as this engine's calls left it.
         self.group_name: str | None = None
         self.weight_version = 0
-        #: The policy version sampled tokens are labelled with (`resume_generation`); None: unset.
-        self.policy_version: int | None = None
+        #: the LoRA adapters it serves (`lora_registry`: vLLM's OpenAIServingModels in the server)
+        self.lora = LoraAdapters(self, lora_registry)
 
     @classmethod
     async def create(
@@ -178,7 +181,12 @@ class LocalVLLMEngine:
     # ---- generation -------------------------------------------------------------------------
 
     async def _final_output(
-        self, prompt: list[int], vllm_params: Any, session_id: str | None, images: list[Any] | None = None
+        self,
+        prompt: list[int],
+        vllm_params: Any,
+        session_id: str | None,
+        images: list[Any] | None = None,
+        lora_request: Any = None,
     ) -> Any:
         from vllm.inputs import TokensPrompt
 
@@ -188,7 +196,10 @@ class LocalVLLMEngine:
             tokens["multi_modal_data"] = {"image": images}
         final = None
         try:
-            async for output in self._engine.generate(tokens, vllm_params, request_id, session_id=session_id):
+            stream = self._engine.generate(
+                tokens, vllm_params, request_id, session_id=session_id, lora_request=lora_request
+            )
+            async for output in stream:
                 final = output
         except (asyncio.CancelledError, TimeoutError):
             await self._engine.abort(request_id)
@@ -205,26 +216,29 @@ class LocalVLLMEngine:
         *,
         prompt_logprobs: bool = False,
         images: Sequence[list[Any] | None] | None = None,
+        lora_name: str | None = None,
     ) -> list[GenerateOutput]:
         """Sample `params.n` continuations of every prompt (token ids); prompts run concurrently.
 
         `prompt_logprobs` also scores every prompt token (`GenerateOutput.prompt_logprobs`).
         `images`: per prompt, the PIL images its image placeholder tokens stand for (a vision
         model's; the output's prompt is then vLLM's, placeholders expanded). `session_id` goes to
-        vLLM with each request (routing by session is the pool's concern).
+        vLLM with each request (routing by session is the pool's concern). `lora_name`: the LoRA
+        adapter to sample with (None: the engine's default adapter, if any; "": the base model).
         """
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise EngineRequestError(f"{self.name}: generate: prompt {i} is empty")
+        lora_request = self.lora.request_for(lora_name)
         try:
             vllm_params = to_vllm_params(params, prompt_logprobs=prompt_logprobs)
         except Exception as exc:
             raise EngineRequestError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
 
         async def one(prompt: list[int], imgs: list[Any] | None) -> GenerateOutput:
-            final = await self._final_output(prompt, vllm_params, session_id, imgs)
+            final = await self._final_output(prompt, vllm_params, session_id, imgs, lora_request)
             seen = list(final.prompt_token_ids or prompt) if imgs else prompt
             return to_generate_output(
                 final,
@@ -257,7 +271,7 @@ class LocalVLLMEngine:
         vllm_params = to_vllm_params(TEACHER_FORCING, prompt_top=k)
 
         async def one() -> list[list[tuple[int, float]]]:
-            final = await self._final_output(sequence, vllm_params, None)
+            final = await self._final_output(sequence, vllm_params, None, None, self.lora.request_for(None))
             return prompt_top_logprobs(final, sequence, k)
 
         return await self._call("prompt_top_logprobs", one(), self.generate_timeout_s)
@@ -299,29 +313,19 @@ class LocalVLLMEngine:
         if not await self.try_reset_prefix_cache():
             logger.warning("%s: prefix cache not reset: requests are still running", self.name)
 
-    # ---- pause / resume (weight updates while requests are in flight) ------------------------
-
     async def pause_generation(self, mode: PauseMode = "keep") -> None:
-        """Stop scheduling until `resume_generation`: "keep" freezes the requests in flight (they
-        go on after the resume, with whatever weights the engine holds then), "abort" ends them
-        with the tokens sampled so far (stop reason "abort"). New requests wait for the resume.
-        The KV and prefix caches are dropped (running requests are preempted: after the resume
-        their KV is recomputed with the new weights)."""
+        """Stop scheduling until `resume_generation`; requests in flight are frozen ("keep") or end
+        with their tokens so far ("abort"); caches dropped (running requests recompute their KV)."""
         if mode not in PAUSE_MODES:
             raise EngineRequestError(f"{self.name}: pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
         await self._call(f"pause ({mode})", self._engine.pause_generation(mode=mode), self.control_timeout_s)
 
     async def resume_generation(self, policy_version: int | None = None) -> None:
-        """Resume scheduling (a no-op when not paused). With `policy_version`, every token sampled
-        from now on is labelled with it (`Completion.token_versions`)."""
+        """Resume scheduling; tokens sampled from now on are labelled `policy_version` if given."""
         if policy_version is not None:
             label = self._engine.update_weight_version(str(int(policy_version)))
             await self._call("set weight version", label, self.control_timeout_s)
-            self.policy_version = int(policy_version)
         await self._call("resume", self._engine.resume_generation(), self.control_timeout_s)
-
-    async def is_paused(self) -> bool:
-        return bool(await self._call("is_paused", self._engine.is_paused(), self.control_timeout_s))
 
     # ---- weight updates ---------------------------------------------------------------------
 
@@ -423,6 +427,21 @@ class LocalVLLMEngine:
                 f"never loaded: {pending}"
             )
 
+    # ---- LoRA adapters (skylift.inference.lora_adapters) -------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
+    ) -> None:
+        """Load the PEFT adapter in directory `lora_path` as `lora_name` (`activate`: the default)."""
+        await self.lora.load(lora_name, lora_path, load_inplace=load_inplace, activate=activate)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.lora.unload(lora_name)
+
+    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
+        """Receive a LoRA adapter over the weight-update group (broadcast concurrently), load it."""
+        await self.lora.receive(bucket, adapter, self._weight_lock)
+
     async def has_weight_update_group(self) -> bool:
         """True when every worker is in a weight-update group (while a weight call is running:
         whether the last one left a group)."""
@@ -451,6 +470,7 @@ class LocalVLLMEngine:
         if self._closed:
             return
         self._closed = True
+        self.lora.close()
         engine, self._engine = self._engine, None
         # Stop reading outputs first: otherwise the reader reports the engine core's exit as an error.
         handler = getattr(engine, "output_handler", None)

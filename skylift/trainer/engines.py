@@ -20,7 +20,10 @@ ENGINE_METHODS = frozenset(name for name in dir(InferenceEngine) if not name.sta
     "has_weight_update_group",
     "pause_generation",
     "resume_generation",
-    "is_paused",
+    # LoRA weight sync (skylift.weight_sync.lora)
+    "load_lora_adapter",
+    "unload_lora_adapter",
+    "receive_lora_adapter",
 }
 
 
