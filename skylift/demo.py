@@ -154,11 +154,10 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
     from skylift.trainer.settings import RunPaths
 
     settings = demo_overrides()
-    data_cfg = load_config([*settings, *overrides])
-    paths = RunPaths.from_config(data_cfg)
-    data_dir = paths.root / "data"
-    write_addition_demo(data_dir, num_train=2000, num_val=100, seed=0)
     try:
+        paths = RunPaths.from_config(load_config([*settings, *overrides]))
+        data_dir = paths.root / "data"
+        write_addition_demo(data_dir, num_train=2000, num_val=100, seed=0)
         cfg = load_config(
             [
                 *settings,

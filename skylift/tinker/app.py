@@ -178,7 +178,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         if not isinstance(reason, dict):
             raise UserError(f"{request.url.path}: reason must be an object like {{'type': 'success'}}")
         await asyncio.to_thread(owners.session, who(request), session_id)
-        service.finish_session(session_id, str(reason.get("type", "success")))
+        await service.finish_session(session_id, str(reason.get("type", "success")))
         return {}
 
     # ---------------------------------------------------------------- training
@@ -195,7 +195,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         body = await _json(request)
 
         async def run() -> dict[str, Any]:
-            request_id, model_id = service.create_model(body)
+            request_id, model_id = await service.create_model(body)
             return {"request_id": request_id, "model_id": model_id}
 
         return await operation(request, "create_model", session_refusal(body.get("session_id")), run)
@@ -230,19 +230,21 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     async def forward_call(request: Request, call: Any, kind: str) -> dict[str, Any]:
         async def run() -> dict[str, Any]:
-            request_id = training_ops.forward_backward(service, call, idem(request))
+            request_id = await training_ops.forward_backward(service, call, idem(request))
             return {"request_id": request_id, "model_id": call.model_id}
 
         result = await operation(request, kind, model_refusal(call.model_id), run)
         return {"model_id": call.model_id, **result}
 
     async def model_operation(
-        request: Request, kind: str, submit: Callable[[TinkerService, dict[str, Any], str | None], str]
+        request: Request,
+        kind: str,
+        submit: Callable[[TinkerService, dict[str, Any], str | None], Awaitable[str]],
     ) -> dict[str, Any]:
         body = await _json(request)
 
         async def run() -> dict[str, Any]:
-            return {"request_id": submit(service, body, idem(request))}
+            return {"request_id": await submit(service, body, idem(request))}
 
         result = await operation(request, kind, model_refusal(body.get("model_id")), run)
         return {"model_id": body.get("model_id"), **result}
@@ -277,7 +279,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             return None
 
         async def run() -> dict[str, Any]:
-            request_id, model_id = training_ops.load_weights(service, body, idem(request))
+            request_id, model_id = await training_ops.load_weights(service, body, idem(request))
             return {"request_id": request_id, "model_id": model_id}
 
         return await operation(request, "load_weights", refuse, run)
@@ -322,7 +324,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             return None
 
         async def run() -> dict[str, Any]:
-            request_id, sequence_ids = service.asample(body, idem(request))
+            request_id, sequence_ids = await service.asample(body, idem(request))
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
         result = await operation(request, "sample", refuse, run)

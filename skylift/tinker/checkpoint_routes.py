@@ -38,7 +38,7 @@ def add_routes(
         body = await _json(request)
 
         async def run() -> dict[str, Any]:
-            request_id = checkpoints.save_weights_external(service, body, idem(request))
+            request_id = await checkpoints.save_weights_external(service, body, idem(request))
             return {"request_id": request_id, "model_id": body.get("model_id")}
 
         return await operation(request, "save_weights_external", model_refusal(body.get("model_id")), run)

@@ -60,7 +60,7 @@ def ttl_expiry(ttl: Any, lowest: int = 1) -> dt.datetime | None:
 
 
 # ---------------------------------------------------------------- external weights
-def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+async def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
     model_id = str(body.get("model_id"))
     if body.get("age_encryption_recipients"):
         raise UserError("age_encryption_recipients: this server does not encrypt exports")
@@ -73,7 +73,8 @@ def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: str | 
         if directory.exists():
             shutil.rmtree(directory)
         size = await svc.run_training(model.export_sampler, directory)
-        svc.store.put_checkpoint(
+        await svc.db(
+            svc.store.put_checkpoint,
             CheckpointRow(
                 tinker_path=path,
                 model_id=model_id,
@@ -82,11 +83,11 @@ def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: str | 
                 directory=str(directory),
                 size_bytes=size,
                 expires_at=expires_at,
-            )
+            ),
         )
         return {"path": path, "size_bytes": size, "type": "save_weights_external"}
 
-    return svc.submit_model_op("save_weights_external", model_id, body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("save_weights_external", model_id, body.get("seq_id"), fn, idem)
 
 
 def _signature(secret: bytes, path: str, expires: int) -> str:

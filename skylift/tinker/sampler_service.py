@@ -3,7 +3,9 @@
 A sampling session names the weights it samples from: the base model, a sampler checkpoint
 (`tinker://…/sampler_weights/<name>`, read from disk) or an ephemeral in-memory snapshot made by
 `save_weights_for_sampler` without a name. Engines start on the first sample (or the warm-up an
-ephemeral sampler save asks for), never for training nor for a named sampler save.
+ephemeral sampler save asks for), never for training nor for a named sampler save. The store is
+read off the event loop: the async methods read it in a worker thread; the plain ones that read
+it (`create_sampling_session`, `get_sampler`) block and are called in one.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ class SamplingService:
                 host.on_started.append(engine_renders)
         return host
 
-    def _loader(self, tag: str, info: BaseModelInfo) -> Any:
+    async def _loader(self, tag: str, info: BaseModelInfo) -> Any:
+        """The function that loads `tag`'s weights (a sampler checkpoint's record is read now)."""
         if tag == "base":
             return lambda: load_safetensors_dir(info.path)
         if tag.startswith("ephemeral:"):
@@ -159,7 +162,7 @@ class SamplingService:
                 return weights
 
             return ephemeral
-        ckpt = self.store.checkpoint(tag)
+        ckpt = await asyncio.to_thread(self.store.checkpoint, tag)
         if ckpt is None:
             raise NotFoundError(f"sampler checkpoint {tag} does not exist (deleted?)")
         return lambda: load_safetensors_dir(ckpt.directory)
@@ -171,29 +174,31 @@ class SamplingService:
 
         async def go() -> None:
             try:
-                await host.prefetch(tag, self._loader(tag, info))
+                await host.prefetch(tag, await self._loader(tag, info))
             except Exception as exc:
                 logger.warning("sampler warm-up for %s failed: %s", tag, exc)
 
         self.spawn(go())
 
-    def bind_ephemeral(
+    async def bind_ephemeral(
         self, sampling_id: str, session_id: str, model: TrainedModel, weights: dict[str, torch.Tensor]
     ) -> None:
         """Hold `weights` for sampling session `sampling_id` (an error when they do not fit)."""
         tag = f"ephemeral:{sampling_id}"
         self.snapshots.add(tag, session_id, weights)
-        if self.store.get(SamplingSessionRow, sampling_id) is None:
-            self.store.add(
-                SamplingSessionRow(
-                    id=sampling_id,
-                    session_id=session_id,
-                    base_model=model.config.base_model,
-                    source="ephemeral",
-                    model_id=model.model_id,
-                )
-            )
+        row = SamplingSessionRow(
+            id=sampling_id,
+            session_id=session_id,
+            base_model=model.config.base_model,
+            source="ephemeral",
+            model_id=model.model_id,
+        )
+        await asyncio.to_thread(self._add_once, row)
         self.warm_up(model.config.model_path, tag)
+
+    def _add_once(self, row: SamplingSessionRow) -> None:
+        if self.store.get(SamplingSessionRow, row.id) is None:
+            self.store.add(row)
 
     # ---------------------------------------------------------------- sessions
     def create_sampling_session(self, body: dict[str, Any]) -> str:
@@ -260,6 +265,7 @@ class SamplingService:
         return str(row.base_model)
 
     def _target(self, body: dict[str, Any]) -> tuple[str, BaseModelInfo]:
+        """The weights tag a sample request names and its base model (blocking: reads records)."""
         sampling_id = body.get("sampling_session_id")
         if sampling_id:
             row = self.store.get(SamplingSessionRow, sampling_id)
@@ -275,6 +281,7 @@ class SamplingService:
         return "base", self.base_models.get(body.get("base_model"))
 
     def _vocab_size(self, info: BaseModelInfo) -> int:
+        """Blocking the first time (it reads the model's config file)."""
         if info.path not in self.vocab:
             from transformers import AutoConfig
 
@@ -283,8 +290,8 @@ class SamplingService:
 
     async def sample(self, body: dict[str, Any], request_id: str) -> bytes:
         """The `SampleResponse` of one sample request (sequence ids `<request_id>:<i>`)."""
-        tag, info = self._target(body)
-        record_session = self._record_session(body)
+        tag, info = await asyncio.to_thread(self._target, body)
+        record_session = await asyncio.to_thread(self._record_session, body)
         parts = json_parts((body.get("prompt") or {}).get("chunks") or [], where="prompt")
         with_images = any(isinstance(p, ImageInput) for p in parts)
         host = self.host(info)
@@ -295,13 +302,14 @@ class SamplingService:
                 raise UserError(
                     "prompt_logprobs for prompts with images are not supported by this server yet"
                 )
-            await host.prefetch(tag, self._loader(tag, info))  # the engine renders from now on
+            await host.prefetch(tag, await self._loader(tag, info))  # the engine renders from now on
             prompt = (await self.render_hosts.get(info.path).render_parts(parts)).tokens
         else:
             prompt = [t for p in parts if not isinstance(p, ImageInput) for t in p]
         if not prompt:
             raise UserError("prompt is empty")
-        check_token_range(prompt, self._vocab_size(info), "prompt")
+        vocab = await asyncio.to_thread(self._vocab_size, info)
+        check_token_range(prompt, vocab, "prompt")
         num = int(body.get("num_samples", 1))
         if num < 1:
             raise UserError(f"num_samples must be >= 1, got {num}")
@@ -317,9 +325,7 @@ class SamplingService:
         if with_images and (prompt_k or targets is not None):
             raise UserError("top-k and target prompt logprobs for prompts with images are not supported")
         if targets is not None:
-            check_token_range(
-                targets[targets >= 0].tolist(), self._vocab_size(info), "target_prompt_logprobs"
-            )
+            check_token_range(targets[targets >= 0].tolist(), vocab, "target_prompt_logprobs")
         params = to_engine_params(body.get("sampling_params") or {}, len(prompt), info.max_model_len, num)
         params.top_logprobs = sample_k
         want_plp = bool(body.get("prompt_logprobs"))
@@ -327,10 +333,10 @@ class SamplingService:
         if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
             raise UserError(f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}")
         if with_images:
-            result = await host.sample_images(tag, self._loader(tag, info), parts, params)
+            result = await host.sample_images(tag, await self._loader(tag, info), parts, params)
         else:
             scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
-            result = await host.sample(tag, self._loader(tag, info), prompt, params, scores)
+            result = await host.sample(tag, await self._loader(tag, info), prompt, params, scores)
         plp, topk_prompt = result.prompt_logprobs, result.topk_prompt
         if last_n is not None:
             cut = len(prompt) - int(last_n)
@@ -346,7 +352,8 @@ class SamplingService:
         )
 
     def _record_session(self, body: dict[str, Any]) -> str | None:
-        """The session whose stability records this request adds to (None: it records nothing)."""
+        """The session whose stability records this request adds to (None: it records nothing;
+        blocking: reads the sampler's record)."""
         if not body.get("record_stability_info"):
             return None
         row = self.store.get(SamplingSessionRow, str(body.get("sampling_session_id")))

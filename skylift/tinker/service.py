@@ -4,7 +4,11 @@ It owns its collaborators and hands each one what it needs: the store, the futur
 base models, one ordered queue and one `TrainedModel` per loaded training model, the sampling side
 (`SamplingService`: engines, snapshots, stability records) and the image render hosts. Every
 operation that answers with a future goes through `submit`. Training work runs on one background
-thread (torch uses its own intra-op threads); the store is only touched from the event loop.
+thread (torch uses its own intra-op threads). The store is never touched on the event loop: async
+code goes through `db` (a worker thread); the plain methods that read or write it (`session`,
+`heartbeat`, `create_session`, `get_info`, `delete_checkpoint`) block and are called in a thread.
+A model's operations keep their order: `submit_model_op` puts them on the model's ordered queue
+without awaiting anything, and the queue runs them one at a time by seq id.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from skylift.config.services import ServerConfig
 from skylift.tinker.backend import ModelConfig, TrainedModel
@@ -33,12 +37,13 @@ from skylift.tinker.views import KIND_SEGMENT
 from skylift.tinker.vision.host import RenderHosts
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 
 
 #: prepare(request id) -> the work of a new request (it may raise: the request then fails with it)
-Prepare = Callable[[str], Work]
+Prepare = Callable[[str], Awaitable[Work]]
 
 
 class TinkerService:
@@ -93,30 +98,37 @@ class TinkerService:
         await self.sampling.close()
         await asyncio.to_thread(self.render_hosts.close_all)
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self.store.close()
+        await self.db(self.store.close)
+
+    async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a store call, or a function made of them) on a worker thread."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def _cleanup_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.cleanup_interval_s)
             try:
-                self.cleanup_stale()
+                await self.cleanup_stale()
             except Exception:
                 logger.exception("stale-session cleanup failed")
 
-    def cleanup_stale(self) -> list[str]:
+    async def cleanup_stale(self) -> list[str]:
         """Finish sessions without a heartbeat for `session_timeout_s`, free their models, and
         delete expired checkpoints. Returns the finished session ids."""
         cutoff = utcnow() - dt.timedelta(seconds=self.config.session_timeout_s)
         finished = []
-        for row in self.store.stale_sessions(cutoff):
+        for row in await self.db(self.store.stale_sessions, cutoff):
             logger.info("session %s missed its heartbeats; finishing it", row.id)
-            self._finish(row.id, "stale")
+            await self._finish(row.id, "stale")
             finished.append(row.id)
+        await self.db(self._delete_expired_checkpoints)
+        return finished
+
+    def _delete_expired_checkpoints(self) -> None:
         now = utcnow()
         for ckpt in self.store.checkpoints():
             if ckpt.expires_at is not None and ckpt.expires_at < now:
                 self.delete_checkpoint(ckpt.tinker_path)
-        return finished
 
     # ---------------------------------------------------------------- the one submit path
     @property
@@ -125,7 +137,7 @@ class TinkerService:
             raise RuntimeError("service not started")
         return self._hub
 
-    def submit(
+    async def submit(
         self,
         kind: str,
         model_id: str | None,
@@ -137,14 +149,16 @@ class TinkerService:
 
         `prepare(request_id)` runs now (it may register a model, validate, ...) and returns the work; an error
         it raises fails the request. With `queue_seq` an int or None the work runs on the model's
-        ordered queue at that seq id; with False it runs at once in the background.
+        ordered queue at that seq id; with False it runs at once in the background. A `prepare`
+        that awaits nothing keeps the request's place: it is queued before this call returns
+        control to the loop.
         """
         hub = self.hub
         request_id, new = hub.submit(kind, model_id, dedup_keys)
         if not new:
             return request_id
         try:
-            work = prepare(request_id)
+            work = await prepare(request_id)
         except Exception as exc:
             hub.fail(request_id, exc)
             return request_id
@@ -159,7 +173,7 @@ class TinkerService:
         self.spawn(queue.put(seq, lambda: hub.execute(request_id, work)))
         return request_id
 
-    def submit_model_op(
+    async def submit_model_op(
         self,
         kind: str,
         model_id: str,
@@ -167,27 +181,28 @@ class TinkerService:
         fn: Callable[[TrainedModel], Awaitable[Any]],
         idem: str | None,
     ) -> str:
-        """Queue `fn(model)` on a loaded model's ordered queue; returns the request id."""
+        """Queue `fn(model)` on a loaded model's ordered queue; returns the request id. A loaded
+        model's operation is queued without awaiting anything (its order is its seq id's)."""
         if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
             raise UserError(f"{kind}: seq_id must be an integer, got {seq_id!r}")
         keys = [f"op:{model_id}:{seq_id}" if seq_id is not None else None, f"idem:{idem}" if idem else None]
 
-        def prepare(request_id: str) -> Work:
-            model = self.loaded_model(model_id)
+        async def prepare(request_id: str) -> Work:
+            model = self.models.get(model_id)
+            if model is None or model_id not in self.queues:
+                raise await self.db(self._not_loaded, model_id)
             self.touch_model(model_id)
             return lambda: fn(model)
 
         queued = seq_id if model_id in self.queues else False
-        return self.submit(kind, model_id, keys, prepare, queue_seq=queued)
+        return await self.submit(kind, model_id, keys, prepare, queue_seq=queued)
 
-    def loaded_model(self, model_id: str) -> TrainedModel:
-        model = self.models.get(model_id)
-        if model is not None and model_id in self.queues:
-            return model
+    def _not_loaded(self, model_id: str) -> Exception:
+        """Why `model_id` takes no operation (blocking: it reads the model's record)."""
         row = self.store.get(ModelRow, model_id)
         if row is None:
-            raise NotFoundError(f"unknown model id {model_id!r}")
-        raise UserError(
+            return NotFoundError(f"unknown model id {model_id!r}")
+        return UserError(
             f"model {model_id} is not loaded (status {row.status}: its session ended or the server "
             "restarted); create a training client from one of its checkpoints"
         )
@@ -228,7 +243,15 @@ class TinkerService:
         self.spawn(asyncio.to_thread(host.close))
 
     def touch_model(self, model_id: str) -> None:
-        self.store.update(ModelRow, model_id, last_request_time=utcnow())
+        """Record a model's last request time (in the background)."""
+
+        async def touch() -> None:
+            try:
+                await self.db(self.store.update, ModelRow, model_id, last_request_time=utcnow())
+            except Exception as exc:
+                logger.warning("recording the last request time of %s failed: %s", model_id, exc)
+
+        self.spawn(touch())
 
     # ---------------------------------------------------------------- sessions
     def create_session(self, body: dict[str, Any]) -> str:
@@ -260,23 +283,27 @@ class TinkerService:
         self.store.update(SessionRow, session_id, last_heartbeat=utcnow())
         return True
 
-    def finish_session(self, session_id: str, reason: str) -> None:
-        self.session(session_id)
-        self._finish(session_id, reason)
+    async def finish_session(self, session_id: str, reason: str) -> None:
+        await self.db(self.session, session_id)
+        await self._finish(session_id, reason)
 
-    def _finish(self, session_id: str, reason: str) -> None:
+    def _mark_finished(self, session_id: str, reason: str) -> list[str]:
+        """Record the session finished (once); its model ids (blocking)."""
         row = self.store.get(SessionRow, session_id)
         if row is not None and row.finished_at is None:
             self.store.update(SessionRow, session_id, finished_at=utcnow(), finish_reason=reason)
-        for model in self.store.models_of_session(session_id):
-            self.release_model(
-                model.model_id,
+        return [m.model_id for m in self.store.models_of_session(session_id)]
+
+    async def _finish(self, session_id: str, reason: str) -> None:
+        for model_id in await self.db(self._mark_finished, session_id, reason):
+            await self.release_model(
+                model_id,
                 f"session {session_id} finished ({reason}) before this operation of model "
-                f"{model.model_id} ran; create a new ServiceClient and training client to continue",
+                f"{model_id} ran; create a new ServiceClient and training client to continue",
             )
         self.snapshots.release_session(session_id)
 
-    def release_model(self, model_id: str, reason: str | None = None) -> None:
+    async def release_model(self, model_id: str, reason: str | None = None) -> None:
         """Free a model's memory; its records and checkpoints stay. Its queued and running
         operations fail at once with `reason` (a user error)."""
         model = self.models.pop(model_id, None)
@@ -290,32 +317,37 @@ class TinkerService:
         if model is not None:
             model.close()
             self._release_render_server(model.config.model_path)
-            row = self.store.get(ModelRow, model_id)
-            if row is not None and row.status == "ready":
-                self.store.update(ModelRow, model_id, status="unloaded")
+            await self.db(self._mark_unloaded, model_id)
+
+    def _mark_unloaded(self, model_id: str) -> None:
+        row = self.store.get(ModelRow, model_id)
+        if row is not None and row.status == "ready":
+            self.store.update(ModelRow, model_id, status="unloaded")
 
     # ---------------------------------------------------------------- models
-    def new_model(
+    async def new_model(
         self, session_id: str, model_seq_id: int, config: ModelConfig, user_metadata: Any
     ) -> tuple[str, TrainedModel]:
         """Register model `<session>:train:<seq>` with its queue (not built yet: see `setup_work`)."""
-        session = self.session(session_id)
-        if session.finished_at is not None:
-            raise UserError(f"session {session_id} is finished; create a new ServiceClient")
         model_id = f"{session_id}:train:{int(model_seq_id)}"
-        self.store.add(
-            ModelRow(
-                model_id=model_id,
-                session_id=session_id,
-                base_model=config.base_model,
-                config=config.to_json(),
-                user_metadata=user_metadata,
-            )
+        row = ModelRow(
+            model_id=model_id,
+            session_id=session_id,
+            base_model=config.base_model,
+            config=config.to_json(),
+            user_metadata=user_metadata,
         )
+        await self.db(self._add_model, session_id, row)
         model = TrainedModel(model_id, config, micro_batch_size=self.config.micro_batch_size)
         self.models[model_id] = model
         self.queues[model_id] = OrderedQueue(model_id, self.config.gap_timeout_s)
         return model_id, model
+
+    def _add_model(self, session_id: str, row: ModelRow) -> None:
+        session = self.session(session_id)
+        if session.finished_at is not None:
+            raise UserError(f"session {session_id} is finished; create a new ServiceClient")
+        self.store.add(row)
 
     def setup_work(self, model: TrainedModel, load: tuple[Path, bool] | None, result: dict[str, Any]) -> Work:
         """The work that builds a new model (and loads a checkpoint into it)."""
@@ -326,30 +358,30 @@ class TinkerService:
                 if load is not None:
                     await self.run_training(model.load_state, *load)
             except Exception:
-                self.store.update(ModelRow, model.model_id, status="failed")
-                self.release_model(model.model_id)
+                await self.db(self.store.update, ModelRow, model.model_id, status="failed")
+                await self.release_model(model.model_id)
                 raise
-            self.store.update(ModelRow, model.model_id, status="ready")
+            await self.db(self.store.update, ModelRow, model.model_id, status="ready")
             return result
 
         return work
 
-    def create_model(self, body: dict[str, Any]) -> tuple[str, str]:
+    async def create_model(self, body: dict[str, Any]) -> tuple[str, str]:
         """(request id, model id); the future resolves when the model is built."""
         session_id, seq = str(body.get("session_id")), int(body.get("model_seq_id", 0))
         model_id = f"{session_id}:train:{seq}"
 
-        def prepare(request_id: str) -> Work:
+        async def prepare(request_id: str) -> Work:
             try:
                 config = self._model_config(body)
             except UserError:
                 raise
             except (TypeError, ValueError, AttributeError) as exc:  # e.g. a lora_config of the wrong shape
                 raise UserError(f"create_model: malformed request ({type(exc).__name__}: {exc})") from exc
-            _, model = self.new_model(session_id, seq, config, body.get("user_metadata"))
+            _, model = await self.new_model(session_id, seq, config, body.get("user_metadata"))
             return self.setup_work(model, None, {"model_id": model_id, "type": "create_model"})
 
-        request_id = self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
+        request_id = await self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
         return request_id, model_id
 
     def _model_config(self, body: dict[str, Any]) -> ModelConfig:
@@ -374,6 +406,7 @@ class TinkerService:
         return config
 
     def get_info(self, model_id: str) -> dict[str, Any]:
+        """Blocking (it reads the model's record)."""
         row = self.store.get(ModelRow, model_id)
         if row is None:
             raise NotFoundError(f"unknown model id {model_id!r}")
@@ -393,7 +426,7 @@ class TinkerService:
         }
 
     # ---------------------------------------------------------------- sampling
-    def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
+    async def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
         """(request id, sequence ids) of a sample request."""
         num = self.sampling.check_request(body)
         sampling_id, seq = body.get("sampling_session_id"), body.get("seq_id")
@@ -401,5 +434,9 @@ class TinkerService:
             f"sample:{sampling_id}:{seq}" if sampling_id and seq is not None else None,
             f"idem:{idem}" if idem else None,
         ]
-        request_id = self.submit("sample", None, keys, lambda rid: lambda: self.sampling.sample(body, rid))
+
+        async def prepare(request_id: str) -> Work:
+            return lambda: self.sampling.sample(body, request_id)
+
+        request_id = await self.submit("sample", None, keys, prepare)
         return request_id, [f"{request_id}:{i}" for i in range(num)]

@@ -7,6 +7,9 @@ session). None of them needs an inference engine. A named sampler save does not 
 recipes save sampler weights with every checkpoint of a pure SFT run (the cookbook's
 `supervised.train` does), and only a sampling session is a sign that sampling will follow; the
 ephemeral save creates one, so it asks the sampling side to warm up in the background.
+
+Each `fn` runs on the model's ordered queue; its store reads and writes go through `svc.db`
+(a worker thread), never on the event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from skylift.tinker.backend import TrainedModel, read_checkpoint_config
+from skylift.tinker.backend import ModelConfig, TrainedModel, read_checkpoint_config
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
@@ -28,14 +31,15 @@ if TYPE_CHECKING:
     from skylift.tinker.service import TinkerService
 
 
-def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | None) -> str:
+async def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | None) -> str:
     kind = "forward" if call.forward_only else "forward_backward"
 
     async def fn(model: TrainedModel) -> bytes:
         if call.error is not None:
             raise call.error
         if get_loss(call.loss_fn).needs_provenance:
-            _resolve_provenance(svc, model, call)
+            row = await svc.db(svc.store.get, ModelRow, model.model_id)
+            _resolve_provenance(svc, str(row.session_id), call)
         if any(d.needs_render for d in call.data):
             if model.image_token_id is None:  # refuse before starting a render server for nothing
                 raise UserError(
@@ -45,12 +49,12 @@ def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | 
             await svc.render_images(model.config.model_path, call.data)
         return await svc.run_training(model.forward_backward, call)
 
-    return svc.submit_model_op(kind, call.model_id, call.seq_id or None, fn, idem)
+    return await svc.submit_model_op(kind, call.model_id, call.seq_id or None, fn, idem)
 
 
-def _resolve_provenance(svc: TinkerService, model: TrainedModel, call: ForwardBackwardCall) -> None:
-    """Fill in the recorded sampler logprobs and sampled-position mask of every datum."""
-    row = svc.store.get(ModelRow, model.model_id)
+def _resolve_provenance(svc: TinkerService, session_id: str, call: ForwardBackwardCall) -> None:
+    """Fill in the recorded sampler logprobs and sampled-position mask of every datum (from the
+    stability records of the model's session)."""
     for i, datum in enumerate(call.data):
         where = f"datum {i}"
         if not datum.loss_spans:
@@ -62,12 +66,12 @@ def _resolve_provenance(svc: TinkerService, model: TrainedModel, call: ForwardBa
         if targets is None or advantages is None or targets.ndim != 1:
             raise UserError(f"{where}: {call.loss_fn} needs 1-D target_tokens and advantages")
         recorded, sampled = svc.records.resolve(
-            datum.loss_spans, targets.astype(np.int64), advantages, row.session_id, where
+            datum.loss_spans, targets.astype(np.int64), advantages, session_id, where
         )
         datum.inputs[RECORDED_LOGPROBS], datum.inputs[SAMPLED_MASK] = recorded, sampled
 
 
-def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+async def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
     params = body.get("adam_params")
     if params is None and body.get("optimizer_params") is not None:
         params = body["optimizer_params"]
@@ -81,7 +85,7 @@ def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> st
         metrics = await svc.run_training(model.optim_step, params)
         return {"metrics": metrics, "type": "optim_step"}
 
-    return svc.submit_model_op("optim_step", str(body.get("model_id")), body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("optim_step", str(body.get("model_id")), body.get("seq_id"), fn, idem)
 
 
 def _expiry(body: dict[str, Any]) -> dt.datetime | None:
@@ -109,7 +113,8 @@ async def _write_checkpoint(
     if directory.exists():
         shutil.rmtree(directory)
     size = await svc.run_training(writer, directory)
-    svc.store.put_checkpoint(
+    await svc.db(
+        svc.store.put_checkpoint,
         CheckpointRow(
             tinker_path=path,
             model_id=model_id,
@@ -119,25 +124,25 @@ async def _write_checkpoint(
             size_bytes=size,
             expires_at=expires_at,
             user_metadata=body.get("user_metadata"),
-        )
+        ),
     )
 
 
-def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+async def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
     model_id = str(body.get("model_id"))
 
     async def fn(model: TrainedModel) -> dict[str, Any]:
         name = check_name(body.get("path"), "save_weights")
         path = tinker_path(model_id, "training", name)
-        if svc.store.checkpoint(path) is not None and not body.get("overwrite"):
+        if await svc.db(svc.store.checkpoint, path) is not None and not body.get("overwrite"):
             raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
         await _write_checkpoint(svc, model.save_state, model_id, path, "training", "weights", name, body)
         return {"path": path, "type": "save_weights"}
 
-    return svc.submit_model_op("save_weights", model_id, body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("save_weights", model_id, body.get("seq_id"), fn, idem)
 
 
-def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
+async def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
     model_id = str(body.get("model_id"))
     name = body.get("path")
 
@@ -151,10 +156,10 @@ def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str
 
     async def ephemeral(model: TrainedModel) -> dict[str, Any]:
         seq = body.get("sampling_session_seq_id")
-        row = svc.store.get(ModelRow, model_id)
+        row = await svc.db(svc.store.get, ModelRow, model_id)
         sampling_id = f"{row.session_id}:sample:{int(seq)}"
         weights = await svc.run_training(model.snapshot_weights)
-        svc.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
+        await svc.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
         return {"sampling_session_id": sampling_id, "type": "save_weights_for_sampler"}
 
     fn = named if name is not None else ephemeral
@@ -163,10 +168,11 @@ def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str
         async def fn(model: TrainedModel) -> dict[str, Any]:
             raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
 
-    return svc.submit_model_op("save_weights_for_sampler", model_id, body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("save_weights_for_sampler", model_id, body.get("seq_id"), fn, idem)
 
 
-def _training_checkpoint(svc: TinkerService, path: str) -> CheckpointRow:
+def _training_checkpoint(svc: TinkerService, path: str) -> tuple[CheckpointRow, ModelConfig]:
+    """The training checkpoint at `path` and the model config saved with it (blocking)."""
     _, kind, _ = parse_tinker_path(path)
     if kind != "training":
         raise UserError(
@@ -175,18 +181,17 @@ def _training_checkpoint(svc: TinkerService, path: str) -> CheckpointRow:
     row = svc.store.checkpoint(path)
     if row is None:
         raise NotFoundError(f"checkpoint {path} does not exist")
-    return row
+    return row, read_checkpoint_config(svc.store_path(row))
 
 
-def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> tuple[str, str | None]:
+async def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> tuple[str, str | None]:
     """(request id, model id). With `session_id` a new model is created from the checkpoint."""
     path, optimizer = str(body.get("path")), bool(body.get("optimizer"))
     if body.get("session_id") is None:
         model_id = str(body.get("model_id"))
 
         async def fn(model: TrainedModel) -> dict[str, Any]:
-            row = _training_checkpoint(svc, path)
-            saved = read_checkpoint_config(svc.store_path(row))
+            row, saved = await svc.db(_training_checkpoint, svc, path)
             mine = model.config
             if (saved.model_path, saved.lora_rank) != (mine.model_path, mine.lora_rank):
                 raise UserError(
@@ -196,14 +201,13 @@ def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> 
             await svc.run_training(model.load_state, svc.store_path(row), optimizer)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return svc.submit_model_op("load_weights", model_id, body.get("seq_id"), fn, idem), model_id
+        return await svc.submit_model_op("load_weights", model_id, body.get("seq_id"), fn, idem), model_id
 
     session_id, seq = str(body["session_id"]), int(body.get("model_seq_id", 0))
     model_id = f"{session_id}:train:{seq}"
 
-    def prepare(request_id: str) -> Any:
-        row = _training_checkpoint(svc, path)
-        config = read_checkpoint_config(svc.store_path(row))
+    async def prepare(request_id: str) -> Any:
+        row, config = await svc.db(_training_checkpoint, svc, path)
         if body.get("base_model"):
             info = svc.base_models.get(body["base_model"])
             if info.path != config.model_path:
@@ -213,9 +217,9 @@ def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> 
             config.base_model = str(body["base_model"])
         else:
             svc.base_models.get(config.base_model)
-        _, model = svc.new_model(session_id, seq, config, body.get("user_metadata"))
+        _, model = await svc.new_model(session_id, seq, config, body.get("user_metadata"))
         result = {"path": path, "model_id": model_id, "type": "load_weights"}
         return svc.setup_work(model, (svc.store_path(row), optimizer), result)
 
-    request_id = svc.submit("load_weights", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
+    request_id = await svc.submit("load_weights", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
     return request_id, model_id

@@ -45,3 +45,12 @@ def test_user_kv_cache_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(o.startswith("generator.kv_cache_gb=") for o in overrides)
     assert len(overrides) == len(DEMO_OVERRIDES) - 1
     assert load_config(overrides).generator.kv_cache_gb is None
+
+
+def test_a_bad_override_is_a_clear_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from skylift.demo import run_demo
+
+    assert run_demo(["trainer.max_steps=0"]) == 2
+    err = capsys.readouterr().err
+    assert "skylift demo: configuration error" in err and "trainer.max_steps=0 must be >= 1" in err
+    assert "Traceback" not in err
