@@ -129,7 +129,7 @@ def test_packing_failure_reaches_the_broadcaster() -> None:
 
 def test_silent_sender_times_out_naming_both_ends(loopback_only: None) -> None:
     def send(group):  # type: ignore[no-untyped-def]
-        time.sleep(7.0)  # never broadcasts; the receiver's group timeout is 5 s
+        time.sleep(4.0)  # never broadcasts; the receiver's group timeout is 2 s
         return None
 
     def receive(group):  # type: ignore[no-untyped-def]
