@@ -417,6 +417,12 @@ class GeneratorConfig:
     weight_sync_timeout_s: float = _f(
         300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast", gt=0
     )
+    lora_sync_path: str | None = _f(
+        None,
+        "LoRA policy (trainer.policy.model.lora.rank > 0): directory, readable by every engine, through "
+        "which each sync hands the adapter over (/v1/load_lora_adapter); null = in memory over the "
+        "weight-update group",
+    )
 
 
 # -------------------------------------------------------------------------------------- environment

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
@@ -40,6 +40,8 @@ class GenerateBody(Body):
     sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
     prompt_logprobs: bool = False
     session_id: str | None = None
+    #: the LoRA adapter to sample with (None: the server's default adapter, if any; "": the base model)
+    lora_name: str | None = None
 
 
 class InitGroupBody(Body):
@@ -108,3 +110,28 @@ class ResetPrefixCacheBody(Body):
     """POST /reset_prefix_cache (optional; SkyRL 0.4 sends it)."""
 
     reset_running_requests: bool = False
+
+
+class LoadLoraAdapterBody(Body):
+    """POST /v1/load_lora_adapter (vLLM's fields; `activate` is skylift's: make it the default
+    adapter of /skylift/generate)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+    activate: bool = False
+
+
+class UnloadLoraAdapterBody(Body):
+    """POST /v1/unload_lora_adapter (vLLM's fields)."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
+class ReceiveLoraAdapterBody(UpdateWeightsBody):
+    """POST /skylift/receive_lora_adapter: the adapter's one bucket plus its name and PEFT config."""
+
+    name: str = Field(min_length=1)
+    peft_config: dict[str, Any]
+    activate: bool = True

@@ -206,3 +206,17 @@ def build_engine_args(
         worker_extension_cls=WORKER_EXTENSION_CLS,
         **extra,
     )
+
+
+#: Adapters an engine started for LoRA sync holds at once: the policy's current one and the one
+#: that replaces it (loaded before the old one is unloaded).
+LORA_SYNC_MAX_LORAS = 2
+
+
+def lora_engine_args(rank: int, max_loras: int = LORA_SYNC_MAX_LORAS) -> dict[str, Any]:
+    """vLLM engine arguments to serve LoRA adapters of `rank` ({} for rank 0: no LoRA)."""
+    if rank <= 0:
+        return {}
+    from skylift.weight_sync.lora import vllm_max_lora_rank
+
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(rank), "max_loras": max_loras}

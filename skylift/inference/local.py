@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
+from skylift.inference.lora_adapters import LoraAdapters
 from skylift.inference.types import (
     TEACHER_FORCING,
     EngineCapabilityError,
@@ -35,6 +36,7 @@ from skylift.inference.types import (
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
+from skylift.weight_sync.lora import LoraAdapterSpec
 from skylift.weight_sync.protocol import (
     RPC_DESTROY,
     RPC_HAS_GROUP,
@@ -93,6 +95,7 @@ class LocalVLLMEngine:
         generate_timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         update_timeout_s: float = 600.0,
+        lora_registry: Any = None,
     ) -> None:
         self._engine = engine
         self.name = name
@@ -107,6 +110,8 @@ class LocalVLLMEngine:
         #: The weight-update group the workers are in (None: none), as this engine's calls left it.
         self.group_name: str | None = None
         self.weight_version = 0
+        #: the LoRA adapters it serves (`lora_registry`: vLLM's OpenAIServingModels in the server)
+        self.lora = LoraAdapters(self, lora_registry)
 
     @classmethod
     async def create(
@@ -174,7 +179,12 @@ class LocalVLLMEngine:
     # ---- generation -------------------------------------------------------------------------
 
     async def _final_output(
-        self, prompt: list[int], vllm_params: Any, session_id: str | None, images: list[Any] | None = None
+        self,
+        prompt: list[int],
+        vllm_params: Any,
+        session_id: str | None,
+        images: list[Any] | None = None,
+        lora_request: Any = None,
     ) -> Any:
         from vllm.inputs import TokensPrompt
 
@@ -184,7 +194,10 @@ class LocalVLLMEngine:
             tokens["multi_modal_data"] = {"image": images}
         final = None
         try:
-            async for output in self._engine.generate(tokens, vllm_params, request_id, session_id=session_id):
+            stream = self._engine.generate(
+                tokens, vllm_params, request_id, session_id=session_id, lora_request=lora_request
+            )
+            async for output in stream:
                 final = output
         except (asyncio.CancelledError, TimeoutError):
             await self._engine.abort(request_id)
@@ -201,26 +214,29 @@ class LocalVLLMEngine:
         *,
         prompt_logprobs: bool = False,
         images: Sequence[list[Any] | None] | None = None,
+        lora_name: str | None = None,
     ) -> list[GenerateOutput]:
         """Sample `params.n` continuations of every prompt (token ids); prompts run concurrently.
 
         `prompt_logprobs` also scores every prompt token (`GenerateOutput.prompt_logprobs`).
         `images`: per prompt, the PIL images its image placeholder tokens stand for (a vision
         model's; the output's prompt is then vLLM's, placeholders expanded). `session_id` goes to
-        vLLM with each request (routing by session is the pool's concern).
+        vLLM with each request (routing by session is the pool's concern). `lora_name`: the LoRA
+        adapter to sample with (None: the engine's default adapter, if any; "": the base model).
         """
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise EngineRequestError(f"{self.name}: generate: prompt {i} is empty")
+        lora_request = self.lora.request_for(lora_name)
         try:
             vllm_params = to_vllm_params(params, prompt_logprobs=prompt_logprobs)
         except Exception as exc:
             raise EngineRequestError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
 
         async def one(prompt: list[int], imgs: list[Any] | None) -> GenerateOutput:
-            final = await self._final_output(prompt, vllm_params, session_id, imgs)
+            final = await self._final_output(prompt, vllm_params, session_id, imgs, lora_request)
             seen = list(final.prompt_token_ids or prompt) if imgs else prompt
             return to_generate_output(
                 final,
@@ -253,7 +269,7 @@ class LocalVLLMEngine:
         vllm_params = to_vllm_params(TEACHER_FORCING, prompt_top=k)
 
         async def one() -> list[list[tuple[int, float]]]:
-            final = await self._final_output(sequence, vllm_params, None)
+            final = await self._final_output(sequence, vllm_params, None, None, self.lora.request_for(None))
             return prompt_top_logprobs(final, sequence, k)
 
         return await self._call("prompt_top_logprobs", one(), self.generate_timeout_s)
@@ -395,6 +411,21 @@ class LocalVLLMEngine:
                 f"never loaded: {pending}"
             )
 
+    # ---- LoRA adapters (skylift.inference.lora_adapters) -------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
+    ) -> None:
+        """Load the PEFT adapter in directory `lora_path` as `lora_name` (`activate`: the default)."""
+        await self.lora.load(lora_name, lora_path, load_inplace=load_inplace, activate=activate)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.lora.unload(lora_name)
+
+    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
+        """Receive a LoRA adapter over the weight-update group (broadcast concurrently), load it."""
+        await self.lora.receive(bucket, adapter, self._weight_lock)
+
     async def has_weight_update_group(self) -> bool:
         """True when every worker is in a weight-update group (while a weight call is running:
         whether the last one left a group)."""
@@ -423,6 +454,7 @@ class LocalVLLMEngine:
         if self._closed:
             return
         self._closed = True
+        self.lora.close()
         engine, self._engine = self._engine, None
         # Stop reading outputs first: otherwise the reader reports the engine core's exit as an error.
         handler = getattr(engine, "output_handler", None)

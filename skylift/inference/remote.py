@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import aiohttp
@@ -30,6 +31,7 @@ from skylift.inference.types import (
     check_teacher_forcing,
     teacher_forced_logprobs,
 )
+from skylift.weight_sync.lora import LoraAdapterSpec
 
 logger = logging.getLogger("skylift.inference.remote")
 
@@ -169,12 +171,16 @@ class RemoteInferenceEngine:
         session_id: str | None = None,
         *,
         prompt_logprobs: bool = False,
+        lora_name: str | None = None,
     ) -> list[GenerateOutput]:
         """Sample `params.n` continuations of every prompt (token ids in, token ids out);
-        `prompt_logprobs` also scores every prompt token."""
+        `prompt_logprobs` also scores every prompt token; `lora_name` picks a LoRA adapter (None:
+        the server's default adapter, if any; "": the base model)."""
         if not prompts:
             return []
         body = generate_request(prompts, params, prompt_logprobs=prompt_logprobs, session_id=session_id)
+        if lora_name is not None:
+            body["lora_name"] = lora_name
         data = await self.request("POST", "/skylift/generate", "generate", json=body, retry=True)
         outputs = data["outputs"]
         if len(outputs) != len(prompts):
@@ -221,6 +227,29 @@ class RemoteInferenceEngine:
         """Receive one tensor (the seed's /update_weight route)."""
         body = {"name": name, "dtype": dtype, "shape": list(shape)}
         await self.request("POST", "/update_weight", "update_weight", json=body)
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
+    ) -> None:
+        """vLLM's /v1/load_lora_adapter (a directory the server can read); `activate`: skylift's
+        extension, make it the default adapter of /skylift/generate."""
+        body = {
+            "lora_name": lora_name,
+            "lora_path": lora_path,
+            "load_inplace": load_inplace,
+            "activate": activate,
+        }
+        await self.request("POST", "/v1/load_lora_adapter", "load_lora_adapter", json=body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.request(
+            "POST", "/v1/unload_lora_adapter", "unload_lora_adapter", json={"lora_name": lora_name}
+        )
+
+    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
+        """Receive a LoRA adapter over the weight-update group (the trainer broadcasts meanwhile)."""
+        body = {**bucket.to_dict(), **asdict(adapter)}
+        await self.request("POST", "/skylift/receive_lora_adapter", "receive_lora_adapter", json=body)
 
     async def destroy_weights_update_group(self) -> None:
         await self.request("POST", "/destroy_weights_update_group", "destroy_weights_update_group")

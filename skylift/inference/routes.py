@@ -52,6 +52,7 @@ from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.types import (
     EngineCapabilityError,
     EngineError,
+    EngineNotFoundError,
     EngineRequestError,
     EngineStateError,
     EngineUnavailableError,
@@ -93,9 +94,11 @@ def _error(status: HTTPStatus, message: str) -> HTTPException:
 
 
 def status_of(exc: EngineError) -> HTTPStatus:
-    """The HTTP status of an engine error: 400 bad request, 409 wrong state, 501 unsupported by
-    the backend, 503 engine gone or silent, 500 otherwise."""
+    """The HTTP status of an engine error: 404 something named that the engine does not have,
+    400 bad request, 409 wrong state, 501 unsupported by the backend, 503 engine gone or silent,
+    500 otherwise."""
     for cls, status in (
+        (EngineNotFoundError, HTTPStatus.NOT_FOUND),
         (EngineRequestError, HTTPStatus.BAD_REQUEST),
         (EngineStateError, HTTPStatus.CONFLICT),
         (EngineCapabilityError, HTTPStatus.NOT_IMPLEMENTED),
@@ -197,7 +200,11 @@ async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
     params = SamplingParams(**body.sampling_params.model_dump())
     outputs = await _engine(
         state.engine.generate(
-            body.prompt_token_ids, params, body.session_id, prompt_logprobs=body.prompt_logprobs
+            body.prompt_token_ids,
+            params,
+            body.session_id,
+            prompt_logprobs=body.prompt_logprobs,
+            lora_name=body.lora_name,
         )
     )
     return {

@@ -114,6 +114,7 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
+    from skylift.inference import lora_routes
     from skylift.inference.auth import hash_key
     from skylift.inference.limits import (
         CONTROL_RPC_TIMEOUT_S,
@@ -138,6 +139,8 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
         generate_timeout_s=SERVER_GENERATE_TIMEOUT_S,
         control_timeout_s=CONTROL_RPC_TIMEOUT_S,
         update_timeout_s=WEIGHT_RPC_TIMEOUT_S,
+        # adapters in vLLM's own table: its OpenAI routes serve them by name (`model`)
+        lora_registry=getattr(app.state, "openai_serving_models", None),
     )
     state = SkyliftState(
         engine=engine,
@@ -149,6 +152,7 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
         api_key_hashes=[hash_key(k) for k in keys],
     )
     install_routes(app, state)
+    lora_routes.install(app)
     return app
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "Completion",
     "EngineCapabilityError",
     "EngineError",
+    "EngineNotFoundError",
     "EngineRequestError",
     "EngineStateError",
     "EngineUnavailableError",
@@ -126,6 +127,10 @@ class EngineCapabilityError(EngineError):
 
 class EngineRequestError(EngineError, ValueError):
     """The request itself is invalid (e.g. sampling parameters vLLM refuses, an empty prompt)."""
+
+
+class EngineNotFoundError(EngineRequestError):
+    """The request names something the engine does not have (e.g. a LoRA adapter that is not loaded)."""
 
 
 #: Sampling parameters of a teacher-forcing pass: one token generated, only the prompt scored.

@@ -41,6 +41,8 @@ class EngineWeights:
         self.timeout_s = g.weight_sync_timeout_s
         self.master_address = g.weight_sync_master_address  # None: derived (see RLWorker.init_weight_sync)
         self.override_existing = _override_flag(g.override_existing_update_group)
+        # a LoRA policy's adapter goes through this directory instead of the group (None: in memory)
+        self.lora_sync_path = g.lora_sync_path
         self.version = 0
         self.asleep = False
         # pool indices of the engines in the weight-update group; None: no valid group (rebuild first)
@@ -86,7 +88,7 @@ class EngineWeights:
             if self.engines.live_indices != self._members and not self._rebuild():
                 return
             try:
-                self.policy.call_all("sync_weights", dtype=self.dtype)
+                self.policy.call_all("sync_weights", dtype=self.dtype, lora_sync_path=self.lora_sync_path)
                 break
             except WeightSyncError as exc:
                 if attempt == 2:

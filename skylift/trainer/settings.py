@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
+from skylift.inference.engine_args import lora_engine_args
 from skylift.training.worker import OptimizerSettings, WorkerSettings
 
 #: Environment variables the driver passes on to Ray workers and engines.
@@ -154,6 +155,8 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    # a LoRA policy: engines serve the base model plus the synced adapter (skylift.weight_sync.lora)
+    kwargs.update(lora_engine_args(t.policy.model.lora.rank))
     return kwargs
 
 

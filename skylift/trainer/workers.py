@@ -43,6 +43,7 @@ class RLWorker(TrainingWorker):
         self._loop = loop
         self._node_ip = node_ip
         self._sender: Any = None
+        self._lora: Any = None  # the LoRA adapter versions on the engines (LoraPublisher)
         self._engines: list[Any] = []
 
     def _run(self, coro: Any) -> Any:
@@ -88,12 +89,17 @@ class RLWorker(TrainingWorker):
         )
         return address
 
-    def sync_weights(self, bucket_mb: int = 256, dtype: str | None = None) -> dict[str, float]:
+    def sync_weights(
+        self, bucket_mb: int = 256, dtype: str | None = None, lora_sync_path: str | None = None
+    ) -> dict[str, float]:
         """Broadcast the full weights to every engine (all ranks call: gathering is collective).
 
         `dtype`: the engines' weight dtype (e.g. "bfloat16" engines of a float32 policy); floating
         tensors are cast to it before sending, so half the bytes travel. None sends them as they are.
+        A LoRA policy sends only its adapter (`sync_lora_adapter`).
         """
+        if self.settings.lora_rank > 0:
+            return self.sync_lora_adapter(dtype, lora_sync_path)
         started = time.perf_counter()
         weights = self.iter_full_weights()
         if self.rank != 0:
@@ -106,6 +112,35 @@ class RLWorker(TrainingWorker):
             raise RuntimeError("init_weight_sync() was not called before sync_weights()")
         self._run(self._sender.send_state_dict(weights, bucket_bytes=bucket_mb << 20))
         return {"timing/weight_sync_s": time.perf_counter() - started}
+
+    def sync_lora_adapter(self, dtype: str | None = None, sync_path: str | None = None) -> dict[str, float]:
+        """Send only the LoRA adapter; the engines load it as their default adapter under a new
+        name (`skylift.weight_sync.lora`): over the weight-update group, or through `sync_path`
+        (`generator.lora_sync_path`) when set. All ranks call (gathering is collective)."""
+        from skylift.weight_sync.lora import LoraPublisher, cast_floating
+
+        started = time.perf_counter()
+        tensors, peft_config = self.lora_adapter()
+        if self.rank != 0:
+            return {}
+        if self._sender is None:
+            raise RuntimeError("init_weight_sync() was not called before sync_weights()")
+        if self._lora is None:
+            self._lora = LoraPublisher()
+        stats = self._run(
+            self._lora.publish(
+                self._engines,
+                cast_floating(tensors, str_to_dtype(dtype) if dtype else None),
+                peft_config,
+                group=self._sender.group,
+                sync_path=sync_path,
+                timeout_s=self._sender.update_timeout_s,
+            )
+        )
+        return {
+            "timing/weight_sync_s": time.perf_counter() - started,
+            "weight_sync/bytes": float(stats.bytes),
+        }
 
     def rebuild_weight_sync(
         self,

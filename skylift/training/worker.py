@@ -362,6 +362,20 @@ class TrainingWorker:
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full.detach()
 
+    def lora_adapter(self) -> tuple[list[tuple[str, Tensor]], dict[str, Any]]:
+        """The policy's LoRA adapter as PEFT saves it: (tensor name, full tensor) pairs of
+        `adapter_model.safetensors` and the `adapter_config.json` dict. A collective."""
+        if self.settings.lora_rank <= 0:
+            raise RuntimeError("lora_adapter: this worker trains no LoRA adapter (lora_rank is 0)")
+        from peft import get_peft_model_state_dict
+
+        model = self._model()
+        state = get_peft_model_state_dict(model)
+        tensors = [
+            (k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()) for k, v in state.items()
+        ]
+        return tensors, model.peft_config["default"].to_dict()  # type: ignore[union-attr,index,operator]
+
     # ---------------------------------------------------------------- checkpoints
     def _dcp_state(self) -> dict[str, Any]:
         """{"model": ..., "optimizer": ...} state dicts in the form torch.distributed.checkpoint uses."""

@@ -1,0 +1,224 @@
+"""The LoRA adapters a `LocalVLLMEngine` serves: load, replace, unload, and pick one per request.
+
+An engine started with LoRA (`enable_lora`, `max_lora_rank`, `max_loras`; see
+`engine_args.lora_engine_args`) serves its base model plus named adapters. Semantics follow
+vLLM's `/v1/load_lora_adapter`: a name is loaded once (again only with `load_inplace`), from a
+directory in PEFT's layout; an unknown name or a path without an adapter is an error.
+
+Generation names an adapter with `lora_name`: None means the engine's default adapter (the one
+a LoRA weight sync loaded last with `activate`; none: the base model), "" the base model.
+Inside the HTTP server the table is vLLM's own (`OpenAIServingModels.lora_requests`), so vLLM's
+OpenAI routes serve the same adapters (`model` = the adapter's name) and list them in /v1/models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from skylift.inference.types import (
+    EngineNotFoundError,
+    EngineRequestError,
+    EngineStateError,
+    EngineUnavailableError,
+    WeightBucket,
+)
+from skylift.utils.calls import call_with_timeout
+from skylift.weight_sync.buckets import validate_bucket
+from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, RPC_RECEIVE_LORA, LoraAdapterSpec
+
+logger = logging.getLogger(__name__)
+
+
+class LoraAdapterNotFoundError(EngineNotFoundError):
+    """No adapter of that name is loaded, or no adapter lives at that path (HTTP 404)."""
+
+
+def adapter_scratch_root() -> str:
+    """Where an engine writes adapters received in memory: tmpfs (/dev/shm) when there is one."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+class LoraAdapters:
+    """The adapter table of one engine. `registry`: vLLM's `OpenAIServingModels` (server only)."""
+
+    def __init__(self, owner: Any, registry: Any = None) -> None:
+        self._owner = owner  # the LocalVLLMEngine: its vLLM engine, `_call` and `_rpc`
+        self._registry = registry
+        self._requests: dict[str, Any] = registry.lora_requests if registry is not None else {}
+        self._ids = itertools.count(1)
+        self._scratch: dict[str, str] = {}  # adapter name -> directory this engine wrote (ours to delete)
+        self.default: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        config = getattr(self._owner.vllm_engine, "vllm_config", None)
+        return getattr(config, "lora_config", None) is not None
+
+    def names(self) -> list[str]:
+        return list(self._requests)
+
+    def _require_enabled(self, operation: str) -> None:
+        if not self.enabled:
+            raise EngineStateError(
+                f"{self._owner.name}: {operation}: this engine was started without LoRA (engine args "
+                "enable_lora=True and max_lora_rank >= the adapter's rank; the server: --enable-lora "
+                "--max-lora-rank N)"
+            )
+
+    def request_for(self, lora_name: str | None) -> Any:
+        """vLLM's `LoRARequest` for a generation request (None: the base model)."""
+        name = self.default if lora_name is None else lora_name
+        if not name:
+            return None
+        found = self._requests.get(name)
+        if found is None:
+            raise LoraAdapterNotFoundError(
+                f"{self._owner.name}: generate: no LoRA adapter named {name!r} is loaded "
+                f"(loaded: {sorted(self._requests) or 'none'})"
+            )
+        return found
+
+    def _next_id(self) -> int:
+        if self._registry is not None:
+            return int(self._registry.lora_id_counter.inc(1))
+        return next(self._ids)
+
+    async def load(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
+    ) -> Any:
+        """Load the adapter at `lora_path` (a directory the engine can read) as `lora_name`."""
+        from vllm.lora.request import LoRARequest
+
+        operation = f"load_lora_adapter({lora_name!r})"
+        self._require_enabled(operation)
+        if not lora_name or not lora_path:
+            raise EngineRequestError(
+                f"{self._owner.name}: Both 'lora_name' and 'lora_path' must be provided."
+            )
+        if lora_name in self._requests and not load_inplace:
+            raise EngineRequestError(
+                f"{self._owner.name}: The lora adapter '{lora_name}' has already been loaded. If you want "
+                "to load the adapter in place, set 'load_inplace' to True."
+            )
+        if not os.path.isfile(os.path.join(lora_path, ADAPTER_CONFIG_FILE)):
+            raise LoraAdapterNotFoundError(
+                f"{self._owner.name}: {operation}: no LoRA adapter at {lora_path!r} (a directory with "
+                f"{ADAPTER_CONFIG_FILE} and adapter_model.safetensors, as PEFT saves it)"
+            )
+        previous = self._requests.get(lora_name)
+        request = LoRARequest(
+            lora_name=lora_name,
+            lora_int_id=previous.lora_int_id if previous is not None else self._next_id(),
+            lora_path=lora_path,
+            load_inplace=load_inplace,
+        )
+        await self._add(operation, request)
+        self._requests[lora_name] = request
+        old_scratch = self._scratch.pop(lora_name, None)
+        if old_scratch is not None and old_scratch != lora_path:
+            shutil.rmtree(old_scratch, ignore_errors=True)
+        if activate:
+            self.default = lora_name
+        if previous is not None:  # same name, new weights: cached prefixes were computed with the old
+            await self._owner.try_reset_prefix_cache()
+        logger.info("%s: loaded LoRA adapter %r from %s", self._owner.name, lora_name, lora_path)
+        return request
+
+    async def _add(self, operation: str, request: Any) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        path = request.lora_path
+
+        def failure(message: str, exc: Exception) -> Exception:
+            if isinstance(exc, EngineDeadError):
+                return EngineUnavailableError(f"{message}: the vLLM engine process died ({exc})")
+            return EngineRequestError(f"{message}: vLLM cannot load the adapter at {path}: {exc}")
+
+        await call_with_timeout(
+            self._owner.name,
+            operation,
+            self._owner.vllm_engine.add_lora(request),
+            self._owner.control_timeout_s,
+            timeout_error=EngineUnavailableError,
+            error=failure,
+        )
+
+    async def unload(self, lora_name: str) -> None:
+        """Unload `lora_name` (and delete the directory this engine wrote for it, if any)."""
+        if not lora_name:
+            raise EngineRequestError(
+                f"{self._owner.name}: 'lora_name' needs to be provided to unload a LoRA adapter."
+            )
+        request = self._requests.get(lora_name)
+        if request is None:
+            raise LoraAdapterNotFoundError(
+                f"{self._owner.name}: The lora adapter '{lora_name}' cannot be found."
+            )
+        if self.enabled:
+            await self._owner._call(
+                f"unload_lora_adapter({lora_name!r})",
+                self._owner.vllm_engine.remove_lora(request.lora_int_id),
+                self._owner.control_timeout_s,
+            )
+        del self._requests[lora_name]
+        if self.default == lora_name:
+            self.default = None
+        scratch = self._scratch.pop(lora_name, None)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    async def receive(
+        self, bucket: WeightBucket, adapter: LoraAdapterSpec, weight_lock: asyncio.Lock
+    ) -> None:
+        """Receive the adapter over the engine's weight-update group (under its `weight_lock`),
+        write it to a scratch directory on this host, and load it."""
+        try:
+            bucket = validate_bucket(bucket)
+        except ValueError as exc:
+            raise EngineRequestError(f"{self._owner.name}: receive_lora_adapter: {exc}") from exc
+        async with weight_lock:
+            if self._owner.group_name is None:
+                raise EngineStateError(
+                    f"{self._owner.name}: receive_lora_adapter: no weight-update group: call "
+                    "init_weight_update_communicator first"
+                )
+            await self._receive(bucket, adapter)
+
+    async def _receive(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
+        self._require_enabled("receive_lora_adapter")
+        if adapter.name in self._requests:
+            raise EngineRequestError(
+                f"{self._owner.name}: receive_lora_adapter: an adapter named {adapter.name!r} is already "
+                "loaded; a new version needs a new name"
+            )
+        directory = tempfile.mkdtemp(prefix="skylift-lora-", dir=adapter_scratch_root())
+        try:
+            args = (*bucket.rpc_args(), directory, adapter.peft_config)
+            results = await self._owner._rpc(
+                f"receive_lora_adapter({adapter.name!r}, {len(bucket.names)} tensors)",
+                RPC_RECEIVE_LORA,
+                args,
+                self._owner.update_timeout_s,
+            )
+            if directory not in results:
+                raise EngineStateError(
+                    f"{self._owner.name}: receive_lora_adapter: no worker wrote the adapter"
+                )
+            await self.load(adapter.name, directory, activate=adapter.activate)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self._scratch[adapter.name] = directory
+
+    def close(self) -> None:
+        """Delete the scratch directories (the engine is going away)."""
+        for directory in self._scratch.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self._scratch.clear()

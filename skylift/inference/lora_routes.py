@@ -1,0 +1,105 @@
+"""The server's LoRA routes, with vLLM's semantics (start the server with --enable-lora
+--max-lora-rank N; without, these answer 409):
+
+- POST `/v1/load_lora_adapter` `{"lora_name", "lora_path", "load_inplace"?}`: load (or with
+  `load_inplace`, replace) the PEFT adapter in the directory `lora_path` on the server's host.
+  400: a name or path missing, a name already loaded (without `load_inplace`) or the served
+  model's; 404: no adapter at that path; 400: one vLLM cannot load (e.g. a rank above
+  --max-lora-rank). skylift's `activate: true` also makes it the default of `/skylift/generate`;
+- POST `/v1/unload_lora_adapter` `{"lora_name"}`: 400 without a name, 404 for an unknown one;
+- POST `/skylift/receive_lora_adapter`: the in-memory LoRA sync (`skylift.weight_sync.lora`): the
+  adapter's bucket metadata, its `name` and `peft_config`; the tensors arrive over the weight-update
+  group while the request is open.
+
+Generation names an adapter as vLLM does: OpenAI `model` = the adapter's name on /v1/completions
+and /v1/chat/completions (the adapters live in vLLM's own table, listed by /v1/models), or
+`lora_name` on `/skylift/generate`. Success answers are vLLM's plain-text messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from http import HTTPStatus
+from typing import TypeVar
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import PlainTextResponse
+
+from skylift.inference.bodies import LoadLoraAdapterBody, ReceiveLoraAdapterBody, UnloadLoraAdapterBody
+from skylift.inference.routes import SkyliftState, status_of
+from skylift.inference.types import EngineError, WeightBucket
+from skylift.weight_sync.lora import LoraAdapterSpec
+
+logger = logging.getLogger("skylift.inference.lora_routes")
+
+T = TypeVar("T")
+
+router = APIRouter()
+
+
+def _state(request: Request) -> SkyliftState:
+    return request.app.state.skylift
+
+
+async def _engine(awaitable: Awaitable[T]) -> T:
+    """An engine call; its errors become HTTP statuses as `status_of` says (404: an unknown
+    adapter or a path without one)."""
+    try:
+        return await awaitable
+    except EngineError as exc:
+        status = status_of(exc)
+        if status >= 500:
+            logger.error("%s", exc)
+        raise HTTPException(int(status), str(exc)) from exc
+
+
+def _is_base_model(request: Request, name: str) -> bool:
+    if name == _state(request).model_name:
+        return True
+    models = getattr(request.app.state, "openai_serving_models", None)
+    return bool(models is not None and models.is_base_model(name))
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
+    """Load or replace a LoRA adapter from a directory on this host."""
+    if body.lora_name and _is_base_model(request, body.lora_name):
+        raise HTTPException(
+            int(HTTPStatus.BAD_REQUEST),
+            f"The lora adapter '{body.lora_name}' conflicts with a served base model.",
+        )
+    engine = _state(request).engine
+    await _engine(
+        engine.load_lora_adapter(
+            body.lora_name, body.lora_path, load_inplace=body.load_inplace, activate=body.activate
+        )
+    )
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> str:
+    """Unload a LoRA adapter by name."""
+    await _engine(_state(request).engine.unload_lora_adapter(body.lora_name))
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+
+@router.post("/skylift/receive_lora_adapter")
+async def receive_lora_adapter(body: ReceiveLoraAdapterBody, request: Request) -> dict[str, object]:
+    """Receive a LoRA adapter over the weight-update group (the trainer broadcasts meanwhile)."""
+    bucket = WeightBucket(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
+    adapter = LoraAdapterSpec(name=body.name, peft_config=body.peft_config, activate=body.activate)
+    engine = _state(request).engine
+    await _engine(engine.receive_lora_adapter(bucket, adapter))
+    return {"status": "ok", "lora_name": body.name, "default": engine.lora.default}
+
+
+def install(app: FastAPI) -> None:
+    """Attach these routes ahead of vLLM's own (it mounts its LoRA routes with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+    before = len(app.router.routes)
+    app.include_router(router)
+    ours = app.router.routes[before:]
+    del app.router.routes[before:]
+    app.router.routes[0:0] = ours

@@ -1,0 +1,273 @@
+"""LoRA-only weight sync: the policy's adapter, not the merged model, travels to the engines.
+
+With `trainer.policy.model.lora.rank > 0` the engines serve the base model plus a named LoRA
+adapter (vLLM's LoRA support), and a sync moves only the adapter's tensors, one of two ways:
+
+- in memory: one bucket (`WeightBucket` wire format) broadcast over the existing weight-update
+  group; each engine's workers receive it (`RPC_RECEIVE_LORA`, `lora_receiver`), worker 0 writes
+  it to a directory on the engine's host (tmpfs where there is one) and the engine loads it;
+- through a directory (`generator.lora_sync_path`, a path the engines can read): rank 0 writes
+  the adapter there in PEFT's layout (`adapter_model.safetensors` + `adapter_config.json`) and
+  every engine loads it (vLLM's `/v1/load_lora_adapter` semantics).
+
+Each sync publishes a new adapter under a new name (`LoraPublisher`), made the engines' default
+for generation: a prefix-cache entry is keyed by the adapter's name, so blocks computed with old
+adapter weights can never serve the new ones. The previous version stays loaded until the next
+sync (requests still running with it, e.g. kept across an in-flight update, can finish); older
+ones are unloaded first, so an engine holds at most two (`engine_args.LORA_SYNC_MAX_LORAS`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from skylift.utils.calls import call_with_timeout, gather_all
+from skylift.weight_sync.buckets import NamedTensor, pack_bucket, tensor_nbytes
+from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
+from skylift.weight_sync.protocol import WeightBucket
+
+logger = logging.getLogger(__name__)
+
+#: The receiver's method (on every vLLM worker, through ``collective_rpc``): receive one adapter.
+RPC_RECEIVE_LORA = "skylift_receive_lora_adapter"
+
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+#: vLLM accepts these values of `max_lora_rank` (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass
+class LoraAdapterSpec:
+    """An adapter to load: its name (what generation requests name) and PEFT's adapter config."""
+
+    name: str
+    peft_config: dict[str, Any] = field(default_factory=dict)
+    #: make it the engine's default adapter (generation that names none samples with it)
+    activate: bool = True
+
+
+@dataclass
+class LoraSyncStats:
+    """What one adapter sync moved and how long it took."""
+
+    name: str
+    tensors: int
+    bytes: int
+    seconds: float
+    mode: str  # "memory" | "directory"
+
+
+class LoraSyncTarget(Protocol):
+    """What a LoRA sync needs of an engine (every skylift engine client has these)."""
+
+    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
+        """Receive the adapter over the weight-update group (broadcast concurrently) and load it."""
+        ...
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
+    ) -> None: ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> None: ...
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
+
+
+def json_ready(config: dict[str, Any]) -> dict[str, Any]:
+    """PEFT's config dict with sets (e.g. the resolved target modules) as sorted lists."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, set | frozenset):
+            return sorted(value)
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [fix(v) for v in value]
+        if hasattr(value, "value") and type(value).__module__.startswith("peft"):
+            return value.value  # PEFT's enums (task type, ...)
+        return value
+
+    return {k: fix(v) for k, v in config.items()}
+
+
+def adapter_nbytes(named_tensors: Sequence[NamedTensor]) -> int:
+    return sum(tensor_nbytes(t) for _, t in named_tensors)
+
+
+def write_adapter_dir(
+    directory: str, named_tensors: Sequence[NamedTensor], peft_config: dict[str, Any]
+) -> str:
+    """Write an adapter in PEFT's layout (what vLLM's LoRA loader reads); returns `directory`."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
+    save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS_FILE))
+    with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
+        json.dump(json_ready(peft_config), f)
+    return directory
+
+
+def _describe(index: int, engine: Any) -> str:
+    return f"engine {index} ({engine!r})"
+
+
+async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
+    return await gather_all(tasks, fail_fast=True)
+
+
+async def broadcast_adapter(
+    group: WeightSyncGroup,
+    engines: Sequence[LoraSyncTarget],
+    named_tensors: Sequence[NamedTensor],
+    adapter: LoraAdapterSpec,
+    timeout_s: float,
+) -> int:
+    """Send the adapter as one bucket over `group` (rank 0 here) to every engine; returns bytes sent."""
+    import asyncio
+
+    bucket, buffers = pack_bucket(list(named_tensors), group.device)
+
+    def broadcast_all() -> None:
+        for buf in buffers:
+            group.broadcast(buf, src=0)
+
+    own = call_with_timeout(
+        "sender (rank 0)",
+        f"LoRA adapter broadcast ({adapter.name})",
+        asyncio.to_thread(broadcast_all),
+        timeout_s,
+        timeout_error=WeightSyncError,
+    )
+    calls = [
+        call_with_timeout(
+            _describe(i, e),
+            f"receive_lora_adapter ({adapter.name}, {len(bucket.names)} tensors)",
+            e.receive_lora_adapter(bucket, adapter),
+            timeout_s,
+            timeout_error=WeightSyncError,
+            error=WeightSyncError,
+        )
+        for i, e in enumerate(engines)
+    ]
+    await _all([own, *calls])
+    return sum(b.numel() * b.element_size() for b in buffers)
+
+
+async def load_from_directory(
+    engines: Sequence[LoraSyncTarget],
+    directory: str,
+    named_tensors: Sequence[NamedTensor],
+    adapter: LoraAdapterSpec,
+    timeout_s: float,
+) -> int:
+    """Write the adapter to `directory` and have every engine load it; returns the tensor bytes."""
+    write_adapter_dir(directory, named_tensors, adapter.peft_config)
+    calls = [
+        call_with_timeout(
+            _describe(i, e),
+            f"load_lora_adapter ({adapter.name} from {directory})",
+            e.load_lora_adapter(adapter.name, directory, activate=adapter.activate),
+            timeout_s,
+            timeout_error=WeightSyncError,
+            error=WeightSyncError,
+        )
+        for i, e in enumerate(engines)
+    ]
+    await _all(calls)
+    return adapter_nbytes(named_tensors)
+
+
+class LoraPublisher:
+    """The policy's adapter on the engines (trainer rank 0): one new name per sync.
+
+    Names are ``{prefix}-{run token}-v{n}``; the run token keeps a resumed run's names apart from
+    adapters an earlier run left on remote engines. `keep_previous` superseded versions stay
+    loaded (the rest are unloaded before a new one loads).
+    """
+
+    def __init__(self, prefix: str = "skylift-policy", keep_previous: int = 1) -> None:
+        self.prefix = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.keep_previous = keep_previous
+        self.version = 0
+        # loaded versions, oldest first: (name, its directory under lora_sync_path, ours to delete)
+        self._live: list[tuple[str, str | None]] = []
+
+    @property
+    def current(self) -> str | None:
+        """The name of the newest version (the engines' default adapter)."""
+        return self._live[-1][0] if self._live else None
+
+    async def publish(
+        self,
+        engines: Sequence[LoraSyncTarget],
+        named_tensors: Sequence[NamedTensor],
+        peft_config: dict[str, Any],
+        *,
+        group: WeightSyncGroup | None = None,
+        sync_path: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> LoraSyncStats:
+        """Load the adapter on every engine as their default under a new name (versions older
+        than `keep_previous` unloaded first). In memory over `group`, or through `sync_path`."""
+        if not engines:
+            raise WeightSyncError("LoRA sync: no engine to send the adapter to")
+        start = time.perf_counter()
+        while len(self._live) > self.keep_previous:
+            old, old_dir = self._live.pop(0)
+            await self._unload(engines, old, timeout_s)
+            if old_dir is not None:
+                shutil.rmtree(old_dir, ignore_errors=True)
+        self.version += 1
+        adapter = LoraAdapterSpec(f"{self.prefix}-v{self.version}", json_ready(peft_config), activate=True)
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        if sync_path:
+            directory = os.path.join(sync_path, adapter.name)
+            nbytes = await load_from_directory(engines, directory, tensors, adapter, timeout_s)
+            mode = "directory"
+        else:
+            if group is None:
+                raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_weight_sync)")
+            directory = None
+            nbytes = await broadcast_adapter(group, engines, tensors, adapter, timeout_s)
+            mode = "memory"
+        self._live.append((adapter.name, directory))
+        return LoraSyncStats(adapter.name, len(tensors), nbytes, time.perf_counter() - start, mode)
+
+    async def _unload(self, engines: Sequence[LoraSyncTarget], name: str, timeout_s: float) -> None:
+        """Unload a superseded adapter; an engine that cannot is logged, not raised."""
+        results = await gather_all(
+            [
+                call_with_timeout(
+                    _describe(i, e), f"unload_lora_adapter ({name})", e.unload_lora_adapter(name), timeout_s
+                )
+                for i, e in enumerate(engines)
+            ]
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("LoRA sync: the previous adapter stays loaded: %s", result)
+
+
+def cast_floating(named_tensors: Sequence[NamedTensor], dtype: torch.dtype | None) -> list[NamedTensor]:
+    if dtype is None:
+        return list(named_tensors)
+    return [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in named_tensors]

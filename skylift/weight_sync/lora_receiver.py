@@ -1,0 +1,51 @@
+"""The LoRA half of the receiver vLLM mixes into every worker (see `skylift.weight_sync.lora`).
+
+`LoraReceiverExtension.skylift_receive_lora_adapter` receives an adapter's one bucket over the
+weight-update group that `WeightSyncWorkerExtension` joined (every worker takes part in the
+broadcast); worker 0 writes it to the directory the engine chose on its own host, in PEFT's
+layout, and the engine then loads it from there with vLLM's `add_lora`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
+from skylift.weight_sync.lora import write_adapter_dir
+from skylift.weight_sync.process_group import WeightSyncError
+from skylift.weight_sync.protocol import WeightBucket
+
+logger = logging.getLogger(__name__)
+
+
+class LoraReceiverExtension:
+    """A mixin for vLLM's Worker beside `WeightSyncWorkerExtension` (uses its group)."""
+
+    def skylift_receive_lora_adapter(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        directory: str,
+        peft_config: dict[str, Any],
+    ) -> str | None:
+        """Receive the adapter from rank 0; worker 0 writes it to `directory` and returns it."""
+        group = getattr(self, "_skylift_group", None)
+        if group is None:
+            raise WeightSyncError(
+                "no weight-update group on this worker: call init_weight_update_communicator first"
+            )
+        bucket = validate_bucket(WeightBucket(names=list(names), dtypes=list(dtypes), shapes=list(shapes)))
+        start = time.perf_counter()
+        buffers = allocate_buffers(bucket, group.device)
+        for buffer in buffers:
+            group.broadcast(buffer, src=0)
+        if int(getattr(self, "rank", 0)) != 0:
+            return None
+        write_adapter_dir(directory, unpack_bucket(bucket, buffers), peft_config)
+        logger.debug(
+            "LoRA adapter of %d tensors received in %.1f ms", len(names), 1e3 * (time.perf_counter() - start)
+        )
+        return directory
