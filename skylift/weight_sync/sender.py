@@ -1,10 +1,12 @@
 """`WeightSender`: pushes a trainer's weights to any number of inference engines.
 
 It runs in one torch process (the policy's rank 0), which is rank 0 of the weight-update group;
-each engine's workers take the ranks after it. Per bucket, every engine is told the metadata
-(`WeightSyncTarget.update_weights`: an inference engine over HTTP, Ray or in process) while this
-process broadcasts the flat buffers; both happen concurrently because each side blocks until the
-other arrives.
+each engine's workers take the ranks after it. By default a sync is one weight stream
+(`weight_sync.stream`): each engine is called once (`receive_weight_stream`) while this process
+broadcasts every bucket with its metadata in band, packing bucket k+1 while bucket k is on the
+wire. The sequential path (`overlap=False`) tells every engine the metadata of one bucket at a
+time (`update_weights`) while it broadcasts that bucket's flat buffers; both happen concurrently
+because each side blocks until the other arrives.
 """
 
 from __future__ import annotations
