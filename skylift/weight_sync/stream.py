@@ -46,6 +46,12 @@ STREAM_DEPTH = 2
 Packed = tuple[WeightBucket, list[torch.Tensor]]
 
 
+def _use_device_in_thread(device: torch.device) -> None:
+    """A new thread's current CUDA device is 0: make it the group's (NCCL works on it)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def encode_header(bucket: WeightBucket) -> torch.Tensor:
     """A bucket's metadata as a uint8 tensor (UTF-8 JSON)."""
     raw = json.dumps(bucket.to_dict(), separators=(",", ":")).encode()
@@ -91,6 +97,7 @@ def packed_buckets(
 
     def produce() -> None:
         try:
+            _use_device_in_thread(arenas[0].device)
             for items in buckets:
                 arena = None
                 while arena is None:
@@ -190,6 +197,7 @@ class BucketStream:
     def _run(self) -> None:
         timeout_s = self.group.timeout_s
         try:
+            _use_device_in_thread(self.group.device)
             while True:
                 try:
                     arena = self._free.get(timeout=timeout_s)
