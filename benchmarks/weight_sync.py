@@ -4,14 +4,20 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
 
 - sync: `WeightSender.send_state_dict` of the whole (perturbed) state dict into a running
   `LocalVLLMEngine`, until every bucket is loaded and the prefix cache reset (the engine then
-  serves the new weights; checked afterwards against transformers);
+  serves the new weights; checked afterwards against transformers), by the overlapped weight
+  stream (`weight_sync.stream`, the default: one engine call per sync, bucket k+1 packed and
+  broadcast while the engine reloads bucket k) and by the sequential path it replaced
+  (`overlap=False`: one call, broadcast and reload per bucket), side by side;
 - raw_broadcast: ONE flat buffer of the same number of bytes broadcast over a gloo group between
   two plain processes (plus a one-element acknowledgement back, so the receiver has it all);
 - reload: the engine's own in-place `reload_weights` of the same tensors, already in the worker's
   memory (no transfer at all).
 
 Prints one line per model and, last, a JSON line for the last model (SmolLM2-135M by default):
-    {"ratio": sync_s / (raw_broadcast_s + reload_s), "vs_raw_broadcast": sync_s / raw_broadcast_s, ...}
+    {"ratio": sync_s / (raw_broadcast_s + reload_s), "sequential_ratio": sequential_sync_s / (...),
+     "vs_raw_broadcast": sync_s / raw_broadcast_s, ...}
+(goal: ratio <= 1.2 on a quiet machine). Rounds of the four measurements are interleaved, so that
+load from other processes affects them alike; medians are reported.
 
 Run inside a loopback-only network namespace (gloo's store listens on all interfaces):
     unshare -n sh -c 'ip link set lo up; .venv/bin/python benchmarks/weight_sync.py'
@@ -137,7 +143,7 @@ def _engine_vs_hf(engine_lp: list[float], model: Any) -> float:
     return max(abs(a - b) for a, b in zip(engine_lp, ref, strict=True))
 
 
-async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from skylift.inference.local import LocalVLLMEngine
@@ -155,7 +161,9 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, A
     params = sum(t.numel() for _, t in state)
 
     start = time.perf_counter()
-    engine = await LocalVLLMEngine.create(str(model_dir), max_model_len=512, dtype="float32", seed=0)
+    engine = await LocalVLLMEngine.create(
+        str(model_dir), max_model_len=512, dtype="float32", seed=0, enforce_eager=enforce_eager
+    )
     startup_s = time.perf_counter() - start
     raw = RawBroadcast(nbytes, rounds=repeats + 1)
     try:
@@ -169,12 +177,17 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, A
         # affects the three measurements alike
         raw.round()
         await rpc(_reload_in_worker, args=(str(model_dir),))
-        await sender.send_state_dict(state, bucket_bytes=bucket_bytes)
-        raw_times, reload_times, sync_times, buckets = [], [], [], 0
+        await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=False)
+        await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=True)
+        raw_times, reload_times, sync_times, seq_times, buckets = [], [], [], [], 0
         for _ in range(repeats):
             raw_times.append(raw.round())
             reload_times.append((await rpc(_reload_in_worker, args=(str(model_dir),)))[0])
-            stats = await sender.send_state_dict(state, bucket_bytes=bucket_bytes)
+            seq = await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=False)
+            seq_times.append(seq.seconds)
+            stats = await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=True)
+            if not stats.overlapped or stats.buckets != seq.buckets:
+                raise SystemExit(f"{name}: the overlapped path was not taken ({stats})")
             sync_times.append(stats.seconds)
             buckets = stats.buckets
         await rpc(_drop_reload_weights)
@@ -188,6 +201,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, A
     if not (err_after < err_before and err_after < 1e-2):
         raise SystemExit(f"{name}: the engine does not serve the synced weights ({err_before=} {err_after=})")
     sync_s = statistics.median(sync_times)
+    seq_s = statistics.median(seq_times)
     raw_s = statistics.median(raw_times)
     reload_s = statistics.median(reload_times)
     return {
@@ -197,6 +211,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, A
         "buckets": buckets,
         "bucket_bytes": bucket_bytes,
         "sync_s": round(sync_s, 4),
+        "sequential_sync_s": round(seq_s, 4),
         "raw_broadcast_s": round(raw_s, 4),
         "reload_s": round(reload_s, 4),
         "init_group_s": round(init_s, 4),
@@ -205,8 +220,11 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, A
         "raw_gb_per_s": round(nbytes / raw_s / 1e9, 3),
         "logprob_err_after_sync": err_after,
         "ratio": round(sync_s / (raw_s + reload_s), 3),
+        "sequential_ratio": round(seq_s / (raw_s + reload_s), 3),
+        "speedup_vs_sequential": round(seq_s / sync_s, 3),
         "vs_raw_broadcast": round(sync_s / raw_s, 3),
         "repeats": repeats,
+        "enforce_eager": enforce_eager,
     }
 
 
@@ -215,21 +233,42 @@ def main() -> None:
     parser.add_argument("--models", default="tiny-qwen2,smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="start the engine without compiling its model (faster start-up on a loaded machine; "
+        "the weight reload is the same)",
+    )
     args = parser.parse_args()
     results = []
     for name in args.models.split(","):
-        result = asyncio.run(bench_model(name.strip(), args.repeats, int(args.bucket_mb * 1024 * 1024)))
+        result = asyncio.run(
+            bench_model(name.strip(), args.repeats, int(args.bucket_mb * 1024 * 1024), args.enforce_eager)
+        )
         results.append(result)
         print(
             f"{result['model']}: {result['bytes'] / 1e6:.1f} MB in {result['buckets']} bucket(s): "
-            f"sync {1e3 * result['sync_s']:.1f} ms | raw broadcast {1e3 * result['raw_broadcast_s']:.1f} ms "
+            f"sync {1e3 * result['sync_s']:.1f} ms (sequential {1e3 * result['sequential_sync_s']:.1f} ms) "
+            f"| raw broadcast {1e3 * result['raw_broadcast_s']:.1f} ms "
             f"+ reload {1e3 * result['reload_s']:.1f} ms | ratio {result['ratio']:.2f} "
+            f"(sequential {result['sequential_ratio']:.2f}) "
             f"(vs raw broadcast {result['vs_raw_broadcast']:.2f}) | group init {1e3 * result['init_group_s']:.0f} ms",
             flush=True,
         )
     last = dict(results[-1])
     last["all"] = {
-        r["model"]: {k: r[k] for k in ("sync_s", "raw_broadcast_s", "reload_s", "ratio")} for r in results
+        r["model"]: {
+            k: r[k]
+            for k in (
+                "sync_s",
+                "sequential_sync_s",
+                "raw_broadcast_s",
+                "reload_s",
+                "ratio",
+                "sequential_ratio",
+            )
+        }
+        for r in results
     }
     print(json.dumps(last))
 

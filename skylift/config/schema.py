@@ -16,6 +16,7 @@ from typing import Any
 
 from skylift.config.algorithm import AlgorithmConfig
 from skylift.config.fields import _f, _group
+from skylift.config.fully_async import FullyAsyncConfig
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
@@ -286,6 +287,9 @@ class TrainerConfig:
         "async_training: most policy updates between sampling a rollout and training on it; above 1, "
         "weight syncs are skipped while this bound allows",
         ge=1,
+    )
+    fully_async: FullyAsyncConfig = _group(
+        FullyAsyncConfig, "fully asynchronous training (in-flight weight updates)"
     )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
 

@@ -1,10 +1,12 @@
 """Typed settings of the two servers, beside the training run's tree (``schema.py``).
 
 `ServerConfig` / `EngineSettings`: a Tinker server (``skylift tinker serve`` fills them from its
-flags). `InferenceServerLimits`: what one request to a skylift inference server (``skylift serve``)
-may ask and how long its weight RPCs may take; the server reads them once from the environment
-(``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``), as vLLM's own
-``VLLM_*`` tuning variables are read.
+flags). `InferenceServerSettings`: what skylift's own code of an inference server (``skylift
+serve``) reads, built once from vLLM's parsed flags (the command line stays vLLM's). Its
+`InferenceServerLimits`: what one request may ask and how long its weight RPCs may take, read once
+from the environment (``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``;
+every ``SKYLIFT_*`` variable is listed in ``environment.py``), as vLLM's own ``VLLM_*`` tuning
+variables are read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -68,6 +71,37 @@ class InferenceServerLimits:
             weight_rpc_timeout_s=_number(
                 environ, "SKYLIFT_WEIGHT_RPC_TIMEOUT_S", default.weight_rpc_timeout_s
             ),
+        )
+
+
+@dataclass(frozen=True)
+class InferenceServerSettings:
+    """One `skylift serve` process, as skylift's routes and checks see it."""
+
+    model_path: str  # --model, resolved (a registry name becomes its local directory)
+    model_name: str  # the served name: the first --served-model-name, else --model
+    host: str | None = None  # --host ("" or None: every interface)
+    uds: str | None = None  # --uds (a Unix socket instead of host and port)
+    api_keys: tuple[str, ...] = ()  # --api-key (repeatable), else $VLLM_API_KEY
+    limits: InferenceServerLimits = field(default_factory=InferenceServerLimits)
+
+    @classmethod
+    def from_args(
+        cls,
+        args: Any,
+        environ: Mapping[str, str] = os.environ,
+        limits: InferenceServerLimits | None = None,
+    ) -> InferenceServerSettings:
+        """From vLLM's parsed server flags (after skylift's conventions are applied to them);
+        `limits` default: read from `environ`."""
+        keys = tuple(k for k in (args.api_key or [environ.get("VLLM_API_KEY")]) if k)
+        return cls(
+            model_path=str(args.model),
+            model_name=str((args.served_model_name or [args.model])[0]),
+            host=args.host,
+            uds=getattr(args, "uds", None),
+            api_keys=keys,
+            limits=limits if limits is not None else InferenceServerLimits.from_env(environ),
         )
 
 

@@ -242,6 +242,34 @@ def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
             problems.append(f"generator.{group}.top_k={top_k} must be -1 (all tokens) or >= 0")
 
 
+def _check_fully_async(cfg: SkyliftConfig, problems: list[str]) -> None:
+    t = cfg.trainer
+    fa, p = t.fully_async, "trainer.fully_async"
+    if not fa.enabled:
+        return
+    if t.async_training:
+        problems.append(
+            f"{p}.enabled=true and trainer.async_training=true are mutually exclusive; enable one"
+        )
+    if t.placement.colocate_all:
+        problems.append(
+            f"{p}.enabled=true generates while training and cannot run with trainer.placement.colocate_all=true"
+        )
+    if not t.algorithm.use_tis:
+        problems.append(
+            f"{p}.enabled=true needs trainer.algorithm.use_tis=true (and tis_imp_ratio_cap > 0): truncated "
+            "importance sampling against the trainer's logprobs corrects the rollouts' staleness"
+        )
+    if t.algorithm.dynamic_sampling.type is not None:
+        problems.append(f"{p}.enabled=true does not run with trainer.algorithm.dynamic_sampling.type set")
+    workers, batch = fa.num_parallel_generation_workers, t.train_batch_size
+    if workers is not None and not batch <= workers <= batch * (fa.max_staleness_steps + 1):
+        problems.append(
+            f"{p}.num_parallel_generation_workers={workers} must be in [train_batch_size, train_batch_size * "
+            f"(max_staleness_steps + 1)] = [{batch}, {batch * (fa.max_staleness_steps + 1)}]"
+        )
+
+
 def _valid_url(url: str) -> bool:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     try:
@@ -268,5 +296,6 @@ _CHECKS: tuple[Callable[[SkyliftConfig, list[str]], None], ...] = (
     _check_models,
     _check_schedule,
     _check_generator,
+    _check_fully_async,
     _check_data,
 )

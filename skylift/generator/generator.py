@@ -58,6 +58,32 @@ class GeneratorSettings:
     batched: bool = True  # single-turn: one request for the batch (False: the agent loop per trajectory)
     conversation_multi_turn: bool = True  # observations as chat messages (False: as plain text)
     env_workers: int = 0  # threads for env.step; 0 = call it inline
+    #: a sample the engine aborted (a weight update with pause mode "abort") is resubmitted: its
+    #: prompt plus the tokens sampled so far, for the tokens left (at most `MAX_RESUBMITS` times)
+    resubmit_aborted: bool = False
+
+
+#: The most times one sample is resubmitted after an abort before it is kept as aborted.
+MAX_RESUBMITS = 32
+
+
+def join_completions(first: Completion, rest: Completion) -> Completion:
+    """A sample continued after an abort: `first`'s tokens then `rest`'s (versions and logprobs
+    kept when both have them), `rest`'s stop reason."""
+    logprobs = None if first.logprobs is None or rest.logprobs is None else first.logprobs + rest.logprobs
+    versions = (
+        None
+        if first.token_versions is None or rest.token_versions is None
+        else first.token_versions + rest.token_versions
+    )
+    return Completion(
+        token_ids=list(first.token_ids) + list(rest.token_ids),
+        logprobs=logprobs,
+        stop_reason=rest.stop_reason,
+        text=None,
+        matched_stop=rest.matched_stop,
+        token_versions=versions,
+    )
 
 
 class Generator:
@@ -68,6 +94,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.settings = settings
         self._env_pool: ThreadPoolExecutor | None = None  # during `generate` with env_workers > 0
+        self._env_users = 0  # `generate` calls running
 
     # ------------------------------------------------------------------ public
     async def generate(
@@ -86,7 +113,9 @@ class Generator:
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
         workers = self.settings.env_workers
-        self._env_pool = ThreadPoolExecutor(workers, thread_name_prefix="env") if workers > 0 else None
+        if workers > 0 and self._env_pool is None:  # shared by concurrent calls (fully async)
+            self._env_pool = ThreadPoolExecutor(workers, thread_name_prefix="env")
+        self._env_users += 1
         try:
             if self.settings.max_turns > 1 or not self.settings.batched:
                 params = replace(params, n=1)
@@ -98,9 +127,10 @@ class Generator:
                 return list(await asyncio.gather(*tasks))
             return await self._single_turn(rows, n, replace(params, n=n), policy_version, seeds)
         finally:
-            if self._env_pool is not None:
+            self._env_users -= 1
+            if self._env_pool is not None and self._env_users == 0:
                 self._env_pool.shutdown(wait=False)
-            self._env_pool = None
+                self._env_pool = None
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return _chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
@@ -145,8 +175,26 @@ class Generator:
                     f"engine returned {len(output.completions)} samples for {row.uid}, asked {n}"
                 )
             for env, completion in zip(envs, output.completions, strict=True):
-                scoring.append(self._score(row, env, prompt_ids, completion, policy_version))
+                scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params))
         return list(await asyncio.gather(*scoring))
+
+    async def _resubmitted(
+        self,
+        prompt_ids: list[int],
+        completion: Completion,
+        params: SamplingParams,
+        session_id: str | None = None,
+    ) -> Completion:
+        """`completion`, continued while the engine aborted it (see `resubmit_aborted`)."""
+        for _ in range(MAX_RESUBMITS):
+            left = params.max_tokens - len(completion.token_ids)
+            if not self.settings.resubmit_aborted or completion.stop_reason != "abort" or left <= 0:
+                break
+            seed = None if params.seed is None else params.seed + len(completion.token_ids)
+            again = replace(params, n=1, max_tokens=left, seed=seed)
+            out = await self.engine.generate([prompt_ids + list(completion.token_ids)], again, session_id)
+            completion = join_completions(completion, out[0].completions[0])
+        return completion
 
     async def _env_step(self, env: Any, text: str) -> Any:
         if self._env_pool is None:
@@ -154,8 +202,16 @@ class Generator:
         return await asyncio.get_running_loop().run_in_executor(self._env_pool, env.step, text)
 
     async def _score(
-        self, row: PromptRow, env: Any, prompt_ids: list[int], completion: Completion, policy_version: int
+        self,
+        row: PromptRow,
+        env: Any,
+        prompt_ids: list[int],
+        completion: Completion,
+        policy_version: int,
+        params: SamplingParams,
     ) -> Trajectory:
+        completion = await self._resubmitted(prompt_ids, completion, params)
+        versions = completion.token_versions
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await self._env_step(env, text)
         env.close()
@@ -176,7 +232,8 @@ class Generator:
             reward=reward,
             stop_reason=completion.stop_reason,
             data_source=row.data_source,
-            policy_version=policy_version,
+            policy_version=min(versions) if versions else policy_version,
+            token_versions=versions,
             env_metadata=dict(result.metadata),
             response_text=text,
         )
@@ -197,6 +254,7 @@ class Generator:
         logprobs: list[float] = []
         texts: list[str] = []
         reward, stop_reason, turns, metadata = 0.0, "length", 0, {}
+        versions: list[int] | None = []
         while turns < self.settings.max_turns:
             budget = min(
                 params.max_tokens,
@@ -207,11 +265,16 @@ class Generator:
                 stop_reason = "length"
                 break
             turn_seed = None if seed is None else seed + turns * TURN_SEED_STRIDE
-            out = await self.engine.generate(
-                [prompt_ids + response_ids], replace(params, max_tokens=budget, seed=turn_seed), session_id
+            turn_params = replace(params, max_tokens=budget, seed=turn_seed)
+            out = await self.engine.generate([prompt_ids + response_ids], turn_params, session_id)
+            completion = await self._resubmitted(
+                prompt_ids + response_ids, out[0].completions[0], turn_params, session_id
             )
-            completion = out[0].completions[0]
             turns += 1
+            if versions is not None and completion.token_versions is not None:
+                versions += completion.token_versions
+            else:
+                versions = None
             response_ids += completion.token_ids
             loss_mask += [1] * len(completion.token_ids)
             logprobs += completion.logprobs or [0.0] * len(completion.token_ids)
@@ -227,6 +290,8 @@ class Generator:
             response_ids += obs_ids
             loss_mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
+            if versions is not None:
+                versions += [versions[-1] if versions else policy_version] * len(obs_ids)
         env.close()
         if stop_reason != "stop" and self.settings.zero_reward_on_non_stop:
             reward = 0.0
@@ -242,7 +307,8 @@ class Generator:
             stop_reason=stop_reason,
             data_source=row.data_source,
             num_turns=turns,
-            policy_version=policy_version,
+            policy_version=min(versions) if versions else policy_version,
+            token_versions=versions or None,
             env_metadata=metadata,
             response_text="\n".join(texts),
         )

@@ -24,7 +24,10 @@ class Trajectory:
     stop_reason: str
     data_source: str = ""
     num_turns: int = 1
-    policy_version: int = 0
+    policy_version: int = 0  # the oldest policy version among its sampled tokens
+    #: per response token, the policy version that sampled it (observation tokens: the version
+    #: of the turn before); None when the engine does not label tokens (then all `policy_version`)
+    token_versions: list[int] | None = None
     env_metadata: dict[str, Any] = field(default_factory=dict)
     response_text: str = ""
 

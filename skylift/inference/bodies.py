@@ -112,6 +112,18 @@ class ResetPrefixCacheBody(Body):
     reset_running_requests: bool = False
 
 
+class PauseBody(Body):
+    """POST /skylift/pause: how requests in flight are treated (see `LocalVLLMEngine.pause_generation`)."""
+
+    mode: Literal["keep", "abort"] = "keep"
+
+
+class ResumeBody(Body):
+    """POST /skylift/resume: the policy version tokens sampled from now on are labelled with."""
+
+    policy_version: int | None = Field(None, ge=0)
+
+
 class LoadLoraAdapterBody(Body):
     """POST /v1/load_lora_adapter (vLLM's fields; `activate` is skylift's: make it the default
     adapter of /skylift/generate)."""

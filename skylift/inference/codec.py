@@ -3,7 +3,7 @@
 A request: ``{"prompt_token_ids": [[...]], "sampling_params": {...}, "prompt_logprobs": bool,
 "session_id"?: str}``. An answer: ``{"model", "weight_version", "outputs": [output...]}`` with one
 output per prompt: ``{"prompt_token_ids", "prompt_logprobs", "completions": [{"token_ids",
-"logprobs", "stop_reason", "matched_stop", "text"}]}``.
+"logprobs", "stop_reason", "matched_stop", "text", "token_versions"}]}``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def output_from_json(data: dict[str, Any]) -> GenerateOutput:
                 stop_reason=c["stop_reason"],
                 text=c.get("text"),
                 matched_stop=c.get("matched_stop"),
+                token_versions=None if c.get("token_versions") is None else list(c["token_versions"]),
             )
             for c in data["completions"]
         ],

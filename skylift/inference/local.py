@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.lora_adapters import LoraAdapters
 from skylift.inference.types import (
+    PAUSE_MODES,
     TEACHER_FORCING,
     EngineCapabilityError,
     EngineError,
@@ -27,6 +28,7 @@ from skylift.inference.types import (
     EngineStateError,
     EngineUnavailableError,
     GenerateOutput,
+    PauseMode,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
@@ -310,6 +312,20 @@ class LocalVLLMEngine:
         """Drop cached KV blocks (they were computed with the old weights)."""
         if not await self.try_reset_prefix_cache():
             logger.warning("%s: prefix cache not reset: requests are still running", self.name)
+
+    async def pause_generation(self, mode: PauseMode = "keep") -> None:
+        """Stop scheduling until `resume_generation`; requests in flight are frozen ("keep") or end
+        with their tokens so far ("abort"); caches dropped (running requests recompute their KV)."""
+        if mode not in PAUSE_MODES:
+            raise EngineRequestError(f"{self.name}: pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._call(f"pause ({mode})", self._engine.pause_generation(mode=mode), self.control_timeout_s)
+
+    async def resume_generation(self, policy_version: int | None = None) -> None:
+        """Resume scheduling; tokens sampled from now on are labelled `policy_version` if given."""
+        if policy_version is not None:
+            label = self._engine.update_weight_version(str(int(policy_version)))
+            await self._call("set weight version", label, self.control_timeout_s)
+        await self._call("resume", self._engine.resume_generation(), self.control_timeout_s)
 
     # ---- weight updates ---------------------------------------------------------------------
 

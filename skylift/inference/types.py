@@ -23,6 +23,8 @@ __all__ = [
     "EngineUnavailableError",
     "GenerateOutput",
     "InferenceEngine",
+    "PAUSE_MODES",
+    "PauseMode",
     "SamplingParams",
     "StopReason",
     "WeightBucket",
@@ -32,6 +34,11 @@ __all__ = [
 ]
 
 StopReason = Literal["stop", "length", "abort"]
+
+#: How a paused engine treats requests in flight: "keep" freezes them (they continue after the
+#: resume, with the new weights), "abort" ends them now with the tokens sampled so far.
+PauseMode = Literal["keep", "abort"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "abort")
 
 
 @dataclass
@@ -66,6 +73,9 @@ class Completion:
     text: str | None = None
     matched_stop: int | str | None = None  # the stop string or token id that ended it, if any
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per position, most likely first
+    #: per token, the policy version of the weights that sampled it (engines told the version with
+    #: `resume_generation(policy_version=...)`); None when the engine was never told one
+    token_versions: list[int] | None = None
 
 
 @dataclass

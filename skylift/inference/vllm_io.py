@@ -80,7 +80,23 @@ def _completion(output: Any, want_logprobs: bool, top: int = 0) -> Completion:
         text=output.text,
         matched_stop=output.stop_reason,
         top_logprobs=[_top(pos, top) for pos in output.logprobs or []] if top > 0 else None,
+        token_versions=token_versions(getattr(output, "weight_versions", None), len(token_ids)),
     )
+
+
+def token_versions(spans: Any, num_tokens: int) -> list[int] | None:
+    """Per token, the policy version vLLM labelled it with (its `WeightVersionSpan`s over the
+    output tokens), or None when a span has no integer label (vLLM's "default": never set)."""
+    if not spans:
+        return None
+    out: list[int] = []
+    for span in spans:
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):
+            return None
+        out.extend([version] * (int(span.end) - int(span.start)))
+    return out if len(out) == num_tokens else None
 
 
 def _prompt_logprobs(prompt: list[int], entries: Any) -> list[float | None]:

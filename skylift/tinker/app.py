@@ -24,17 +24,25 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from skylift.tinker import checkpoint_routes, ownership, runs, training_ops
 from skylift.tinker.auth import KeyRing
 from skylift.tinker.errors import UserError
 from skylift.tinker.futures import FutureHub
+from skylift.tinker.http_common import (
+    add_owned_route,
+    add_page_route,
+    install_auth,
+    install_error_handlers,
+    reading_request,
+)
+from skylift.tinker.http_common import caller as who
 from skylift.tinker.http_common import error_response as _error
-from skylift.tinker.http_common import install_auth, install_error_handlers, reading_request
 from skylift.tinker.http_common import read_json as _json
 from skylift.tinker.ownership import Owners
 from skylift.tinker.service import ServerConfig, TinkerService
@@ -82,9 +90,6 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     def idem(request: Request) -> str | None:
         return request.headers.get("x-idempotency-key")
-
-    def who(request: Request) -> str:
-        return str(request.state.user)
 
     def hub() -> FutureHub:
         return service.hub  # raises until the service started
@@ -360,27 +365,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     checkpoint_routes.add_routes(app, api, service, owners, who, idem, operation, model_refusal)
 
     # ---------------------------------------------------------------- REST: runs and checkpoints
-    @app.get(f"{api}/training_runs")
-    async def list_training_runs(
-        request: Request, limit: int = Query(20, ge=1), offset: int = Query(0, ge=0)
-    ) -> dict[str, Any]:
-        return await asyncio.to_thread(runs.list_training_runs, service, limit, offset, who(request))
-
-    @app.get(f"{api}/training_runs/{{run_id}}")
-    async def training_run(run_id: str, request: Request) -> dict[str, Any]:
-        def get() -> dict[str, Any]:
-            owners.run(who(request), run_id)
-            return runs.training_run(service, run_id)
-
-        return await asyncio.to_thread(get)
-
-    @app.get(f"{api}/training_runs/{{run_id}}/checkpoints")
-    async def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
-        def get() -> dict[str, Any]:
-            owners.run(who(request), run_id)
-            return runs.list_checkpoints(service, run_id)
-
-        return await asyncio.to_thread(get)
+    add_page_route(app, f"{api}/training_runs", partial(runs.list_training_runs, service))
+    add_owned_route(app, f"{api}/training_runs/{{key}}", owners.run, partial(runs.training_run, service))
+    add_owned_route(
+        app, f"{api}/training_runs/{{key}}/checkpoints", owners.run, partial(runs.list_checkpoints, service)
+    )
 
     @app.delete(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
@@ -394,11 +383,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         await asyncio.to_thread(delete)
         return {}
 
-    @app.get(f"{api}/checkpoints")
-    async def user_checkpoints(
-        request: Request, limit: int = Query(100, ge=1), offset: int = Query(0, ge=0)
-    ) -> dict[str, Any]:
-        return await asyncio.to_thread(runs.list_user_checkpoints, service, limit, offset, who(request))
+    add_page_route(app, f"{api}/checkpoints", partial(runs.list_user_checkpoints, service), default_limit=100)
 
     # ---------------------------------------------------------------- skylift extras
     @app.get("/skylift/status")

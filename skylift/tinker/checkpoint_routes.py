@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, Response
 
 from skylift.tinker import checkpoints, ownership
+from skylift.tinker.http_common import add_owned_route, add_page_route
 from skylift.tinker.http_common import error_response as _error
 from skylift.tinker.http_common import read_json as _json
 from skylift.tinker.ownership import Owners
@@ -123,16 +125,5 @@ def add_routes(
 
         return await asyncio.to_thread(copy)
 
-    @app.get(f"{api}/sessions")
-    async def list_sessions(
-        request: Request, limit: int = Query(20, ge=1), offset: int = Query(0, ge=0)
-    ) -> dict[str, Any]:
-        return await asyncio.to_thread(checkpoints.list_sessions, service, limit, offset, who(request))
-
-    @app.get(f"{api}/sessions/{{session_id}}")
-    async def get_session(session_id: str, request: Request) -> dict[str, Any]:
-        def get() -> dict[str, Any]:
-            owners.session(who(request), session_id)
-            return checkpoints.get_session(service, session_id)
-
-        return await asyncio.to_thread(get)
+    add_page_route(app, f"{api}/sessions", partial(checkpoints.list_sessions, service))
+    add_owned_route(app, f"{api}/sessions/{{key}}", owners.session, partial(checkpoints.get_session, service))

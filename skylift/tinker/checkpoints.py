@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
-from skylift.tinker.views import META_FILE, check_name, iso, parse_tinker_path, tinker_path
+from skylift.tinker.views import KIND_SEGMENT, META_FILE, check_name, iso, parse_tinker_path, tinker_path
 
 if TYPE_CHECKING:
     from skylift.tinker.backend import TrainedModel
@@ -40,10 +40,7 @@ def _checkpoint(svc: TinkerService, run_id: str, checkpoint_id: str) -> Checkpoi
     segment, _, name = checkpoint_id.partition("/")
     path = f"tinker://{run_id}/{segment}/{name}"
     parse_tinker_path(path)
-    row = svc.store.checkpoint(path)
-    if row is None:
-        raise NotFoundError(f"checkpoint {path} does not exist")
-    return row
+    return svc.store.require_checkpoint(path)
 
 
 def _by_path(svc: TinkerService, path: str) -> CheckpointRow:
@@ -59,6 +56,36 @@ def ttl_expiry(ttl: Any, lowest: int = 1) -> dt.datetime | None:
     return utcnow() + dt.timedelta(seconds=int(ttl))
 
 
+async def write_checkpoint(
+    svc: TinkerService,
+    writer: Any,
+    model_id: str,
+    kind: str,
+    name: str,
+    expires_at: dt.datetime | None,
+    user_metadata: Any = None,
+) -> tuple[str, int]:
+    """Write checkpoint `name` of kind `kind` afresh with `writer(directory) -> size` (on the
+    training thread) and record it; (its tinker path, its size)."""
+    path = tinker_path(model_id, kind, name)
+    directory = svc.run_dir(model_id, kind, name)
+    if directory.exists():
+        shutil.rmtree(directory)
+    size = await svc.run_training(writer, directory)
+    row = CheckpointRow(
+        tinker_path=path,
+        model_id=model_id,
+        checkpoint_id=f"{KIND_SEGMENT[kind]}/{name}",
+        kind=kind,
+        directory=str(directory),
+        size_bytes=size,
+        expires_at=expires_at,
+        user_metadata=user_metadata,
+    )
+    await svc.db(svc.store.put_checkpoint, row)
+    return path, size
+
+
 # ---------------------------------------------------------------- external weights
 async def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
     model_id = str(body.get("model_id"))
@@ -67,24 +94,8 @@ async def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: 
 
     async def fn(model: TrainedModel) -> dict[str, Any]:
         name = check_name(body.get("path"), "save_weights_external")
-        path = tinker_path(model_id, "external", name)
         expires_at = ttl_expiry(body.get("ttl_seconds"))
-        directory = svc.run_dir(model_id, "external", name)
-        if directory.exists():
-            shutil.rmtree(directory)
-        size = await svc.run_training(model.export_sampler, directory)
-        await svc.db(
-            svc.store.put_checkpoint,
-            CheckpointRow(
-                tinker_path=path,
-                model_id=model_id,
-                checkpoint_id=f"external_weights/{name}",
-                kind="external",
-                directory=str(directory),
-                size_bytes=size,
-                expires_at=expires_at,
-            ),
-        )
+        path, size = await write_checkpoint(svc, model.export_sampler, model_id, "external", name, expires_at)
         return {"path": path, "size_bytes": size, "type": "save_weights_external"}
 
     return await svc.submit_model_op("save_weights_external", model_id, body.get("seq_id"), fn, idem)

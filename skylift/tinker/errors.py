@@ -16,6 +16,16 @@ class NotFoundError(UserError):
     """A referenced id or path does not exist."""
 
 
+def unknown(what: str, key: object) -> NotFoundError:
+    """The error of an id that names nothing (or another user's record): "unknown <what> <key>"."""
+    return NotFoundError(f"unknown {what} {key!r}")
+
+
+def missing_checkpoint(path: object, what: str = "checkpoint") -> NotFoundError:
+    """The error of a `tinker://` path that names no checkpoint (or another user's)."""
+    return NotFoundError(f"{what} {path} does not exist")
+
+
 def error_category(exc: BaseException) -> str:
     """The Tinker error category of an exception."""
     return "user" if isinstance(exc, UserError) else "server"

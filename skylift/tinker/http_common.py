@@ -1,5 +1,6 @@
 """What every route of the Tinker app shares: the JSON error shape, reading a JSON body, the
-API-key middleware (which user is calling) and the mapping of exceptions to responses.
+API-key middleware (which user is calling), the mapping of exceptions to responses and the two
+shapes of the REST views (a page of the caller's records; one record the caller owns).
 
 Errors: `UserError` is a 400 (`NotFoundError` a 404). Any other exception is a server error
 with its message: a 500 on a direct route (operation routes turn it into a failed future of
@@ -10,11 +11,13 @@ skylift frame of the traceback holds the body) is the body's wrong shape, a 400.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
@@ -43,6 +46,40 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise UserError(f"{request.url.path}: expected a JSON object")
     return body
+
+
+def caller(request: Request) -> str:
+    """The user the request's API key belongs to (set by the middleware of `install_auth`)."""
+    return str(request.state.user)
+
+
+def add_page_route(
+    app: FastAPI, path: str, page: Callable[[int, int, str], dict[str, Any]], default_limit: int = 20
+) -> None:
+    """GET `path?limit=&offset=`: `page(limit, offset, user)` of the caller's records (a thread)."""
+
+    async def route(
+        request: Request, limit: int = Query(default_limit, ge=1), offset: int = Query(0, ge=0)
+    ) -> dict[str, Any]:
+        return await asyncio.to_thread(page, limit, offset, caller(request))
+
+    app.get(path)(route)
+
+
+def add_owned_route(
+    app: FastAPI, path: str, check: Callable[[str, str], None], view: Callable[[str], dict[str, Any]]
+) -> None:
+    """GET `path` (one parameter, `{key}`): `check(user, key)` (raises for another user's key),
+    then `view(key)`, both in a thread."""
+
+    async def route(key: str, request: Request) -> dict[str, Any]:
+        def get() -> dict[str, Any]:
+            check(caller(request), key)
+            return view(key)
+
+        return await asyncio.to_thread(get)
+
+    app.get(path)(route)
 
 
 def reading_request(exc: BaseException) -> bool:

@@ -8,33 +8,34 @@ its training run. Every method is blocking (one indexed query); the app calls th
 
 from __future__ import annotations
 
-from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.errors import NotFoundError, UserError, unknown
+from skylift.tinker.errors import missing_checkpoint as _missing
 from skylift.tinker.store import Store
 from skylift.tinker.views import is_public, parse_tinker_path
 
 
 def unknown_session(session_id: object) -> NotFoundError:
-    return NotFoundError(f"unknown session {session_id!r}")
+    return unknown("session", session_id)
 
 
 def unknown_model(model_id: object) -> NotFoundError:
-    return NotFoundError(f"unknown model id {model_id!r}")
+    return unknown("model id", model_id)
 
 
 def unknown_run(run_id: object) -> NotFoundError:
-    return NotFoundError(f"unknown training run {run_id!r}")
+    return unknown("training run", run_id)
 
 
 def unknown_sampler(sampler_id: object) -> NotFoundError:
-    return NotFoundError(f"unknown sampler {sampler_id!r}")
+    return unknown("sampler", sampler_id)
 
 
 def unknown_sampling_session(sampler_id: object) -> NotFoundError:
-    return NotFoundError(f"unknown sampling session {sampler_id!r}")
+    return unknown("sampling session", sampler_id)
 
 
 def missing_checkpoint(path: object, sampler: bool = False) -> NotFoundError:
-    return NotFoundError(f"{'sampler ' if sampler else ''}checkpoint {path} does not exist")
+    return _missing(path, "sampler checkpoint" if sampler else "checkpoint")
 
 
 class Owners:

@@ -13,10 +13,7 @@ if TYPE_CHECKING:
 
 
 def _model(svc: TinkerService, run_id: str) -> ModelRow:
-    row = svc.store.get(ModelRow, run_id)
-    if row is None:
-        raise NotFoundError(f"unknown training run {run_id!r}")
-    return row
+    return svc.store.require(ModelRow, run_id, "training run")
 
 
 def training_run(svc: TinkerService, run_id: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import torch
 
 from skylift.inference.limits import MAX_N
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
-from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.errors import UserError
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
 from skylift.tinker.sampling import EngineHost, EngineSettings, PromptScores, to_engine_params
@@ -162,9 +162,7 @@ class SamplingService:
                 return weights
 
             return ephemeral
-        ckpt = await asyncio.to_thread(self.store.checkpoint, tag)
-        if ckpt is None:
-            raise NotFoundError(f"sampler checkpoint {tag} does not exist (deleted?)")
+        ckpt = await asyncio.to_thread(self.store.require_checkpoint, tag, "sampler checkpoint")
         return lambda: load_safetensors_dir(ckpt.directory)
 
     def warm_up(self, model_path: str, tag: str) -> None:
@@ -203,7 +201,7 @@ class SamplingService:
     # ---------------------------------------------------------------- sessions
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         session_id = str(body.get("session_id"))
-        self._session(session_id)
+        self.store.require(SessionRow, session_id, "session")
         sampling_id = f"{session_id}:sample:{int(body.get('sampling_session_seq_id', 0))}"
         if self.store.get(SamplingSessionRow, sampling_id) is not None:
             return sampling_id
@@ -215,9 +213,7 @@ class SamplingService:
                     f"{model_path} is a training checkpoint; sample from a sampler checkpoint "
                     "(save_weights_for_sampler) instead"
                 )
-            ckpt = self.store.checkpoint(model_path)
-            if ckpt is None:
-                raise NotFoundError(f"sampler checkpoint {model_path} does not exist")
+            self.store.require_checkpoint(model_path, "sampler checkpoint")
             base_model = self._run_base_model(run_id)
             row = SamplingSessionRow(
                 id=sampling_id,
@@ -235,9 +231,7 @@ class SamplingService:
         return sampling_id
 
     def get_sampler(self, sampling_id: str) -> dict[str, Any]:
-        row = self.store.get(SamplingSessionRow, sampling_id)
-        if row is None:
-            raise NotFoundError(f"unknown sampler {sampling_id!r}")
+        row = self.store.require(SamplingSessionRow, sampling_id, "sampler")
         return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
 
     # ---------------------------------------------------------------- sampling
@@ -252,25 +246,14 @@ class SamplingService:
         _targets(body)
         return num
 
-    def _session(self, session_id: str) -> SessionRow:
-        row = self.store.get(SessionRow, session_id)
-        if row is None:
-            raise NotFoundError(f"unknown session {session_id!r}")
-        return row
-
     def _run_base_model(self, run_id: str) -> str:
-        row = self.store.get(ModelRow, run_id)
-        if row is None:
-            raise NotFoundError(f"unknown training run {run_id!r}")
-        return str(row.base_model)
+        return str(self.store.require(ModelRow, run_id, "training run").base_model)
 
     def _target(self, body: dict[str, Any]) -> tuple[str, BaseModelInfo]:
         """The weights tag a sample request names and its base model (blocking: reads records)."""
         sampling_id = body.get("sampling_session_id")
         if sampling_id:
-            row = self.store.get(SamplingSessionRow, sampling_id)
-            if row is None:
-                raise NotFoundError(f"unknown sampling session {sampling_id!r}")
+            row = self.store.require(SamplingSessionRow, sampling_id, "sampling session")
             info = self.base_models.get(row.base_model)
             tag = {"base": "base", "path": row.model_path, "ephemeral": f"ephemeral:{row.id}"}[row.source]
             return str(tag), info

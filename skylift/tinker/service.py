@@ -22,12 +22,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
-from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.errors import UserError
 from skylift.tinker.futures import FutureHub, OrderedQueue, Work
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.sampler_service import SamplingService
@@ -190,19 +190,17 @@ class TinkerService:
         async def prepare(request_id: str) -> Work:
             model = self.models.get(model_id)
             if model is None or model_id not in self.queues:
-                raise await self.db(self._not_loaded, model_id)
+                await self.db(self._refuse_unloaded, model_id)
             self.touch_model(model_id)
             return lambda: fn(model)
 
         queued = seq_id if model_id in self.queues else False
         return await self.submit(kind, model_id, keys, prepare, queue_seq=queued)
 
-    def _not_loaded(self, model_id: str) -> Exception:
-        """Why `model_id` takes no operation (blocking: it reads the model's record)."""
-        row = self.store.get(ModelRow, model_id)
-        if row is None:
-            return NotFoundError(f"unknown model id {model_id!r}")
-        return UserError(
+    def _refuse_unloaded(self, model_id: str) -> NoReturn:
+        """Raise why `model_id` takes no operation (blocking: it reads the model's record)."""
+        row = self.store.require(ModelRow, model_id, "model id")
+        raise UserError(
             f"model {model_id} is not loaded (status {row.status}: its session ended or the server "
             "restarted); create a training client from one of its checkpoints"
         )
@@ -270,10 +268,8 @@ class TinkerService:
         return session_id
 
     def session(self, session_id: str) -> SessionRow:
-        row = self.store.get(SessionRow, session_id)
-        if row is None:
-            raise NotFoundError(f"unknown session {session_id!r}")
-        return row
+        """A session's record (blocking)."""
+        return self.store.require(SessionRow, session_id, "session")
 
     def heartbeat(self, session_id: str) -> bool:
         """False when the session is finished (the SDK stops beating on 410)."""
@@ -407,9 +403,7 @@ class TinkerService:
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         """Blocking (it reads the model's record)."""
-        row = self.store.get(ModelRow, model_id)
-        if row is None:
-            raise NotFoundError(f"unknown model id {model_id!r}")
+        row = self.store.require(ModelRow, model_id, "model id")
         config = ModelConfig.from_json(row.config)
         info = self.base_models.find_path(config.model_path)
         return {

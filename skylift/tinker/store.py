@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import create_engine, delete, event, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -28,6 +28,7 @@ from skylift.tinker.db.models import (
     SessionRow,
     utcnow,
 )
+from skylift.tinker.errors import missing_checkpoint, unknown
 
 __all__ = [
     "Base",
@@ -39,6 +40,8 @@ __all__ = [
     "Store",
     "utcnow",
 ]
+
+R = TypeVar("R")
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -81,6 +84,13 @@ class Store:
     def get(self, cls: type, key: Any) -> Any:
         with self.tx() as s:
             return s.get(cls, key)
+
+    def require(self, cls: type[R], key: Any, what: str) -> R:
+        """The row of `cls` with primary key `key`; `NotFoundError` "unknown <what> <key>" if none."""
+        row = self.get(cls, key)
+        if row is None:
+            raise unknown(what, key)
+        return row  # type: ignore[no-any-return]
 
     def update(self, cls: type, key: Any, **values: Any) -> None:
         with self.tx() as s:
@@ -190,6 +200,13 @@ class Store:
     def checkpoint(self, tinker_path: str) -> CheckpointRow | None:
         with self.tx() as s:
             return s.scalars(select(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)).first()
+
+    def require_checkpoint(self, tinker_path: str, what: str = "checkpoint") -> CheckpointRow:
+        """The checkpoint at `tinker_path`; `NotFoundError` "<what> <path> does not exist" if none."""
+        row = self.checkpoint(tinker_path)
+        if row is None:
+            raise missing_checkpoint(tinker_path, what)
+        return row
 
     def put_checkpoint(self, row: CheckpointRow) -> None:
         with self.tx() as s:

@@ -15,13 +15,13 @@ Each `fn` runs on the model's ordered queue; its store reads and writes go throu
 from __future__ import annotations
 
 import datetime as dt
-import shutil
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from skylift.tinker.backend import ModelConfig, TrainedModel, read_checkpoint_config
-from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.checkpoints import write_checkpoint
+from skylift.tinker.errors import UserError
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
 from skylift.tinker.views import check_name, parse_tinker_path, tinker_path
@@ -97,35 +97,11 @@ def _expiry(body: dict[str, Any]) -> dt.datetime | None:
     return utcnow() + dt.timedelta(seconds=int(ttl))
 
 
-async def _write_checkpoint(
-    svc: TinkerService,
-    writer: Any,
-    model_id: str,
-    path: str,
-    kind: str,
-    id_prefix: str,
-    name: str,
-    body: dict[str, Any],
+async def _write(
+    svc: TinkerService, writer: Any, model_id: str, kind: str, name: str, body: dict[str, Any]
 ) -> None:
-    """Write a checkpoint directory afresh with `writer(directory) -> size` and record it."""
-    expires_at = _expiry(body)
-    directory = svc.run_dir(model_id, kind, name)
-    if directory.exists():
-        shutil.rmtree(directory)
-    size = await svc.run_training(writer, directory)
-    await svc.db(
-        svc.store.put_checkpoint,
-        CheckpointRow(
-            tinker_path=path,
-            model_id=model_id,
-            checkpoint_id=f"{id_prefix}/{name}",
-            kind=kind,
-            directory=str(directory),
-            size_bytes=size,
-            expires_at=expires_at,
-            user_metadata=body.get("user_metadata"),
-        ),
-    )
+    """Write and record a training or sampler checkpoint (`ttl_seconds`, `user_metadata` of `body`)."""
+    await write_checkpoint(svc, writer, model_id, kind, name, _expiry(body), body.get("user_metadata"))
 
 
 async def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
@@ -136,7 +112,7 @@ async def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | Non
         path = tinker_path(model_id, "training", name)
         if await svc.db(svc.store.checkpoint, path) is not None and not body.get("overwrite"):
             raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-        await _write_checkpoint(svc, model.save_state, model_id, path, "training", "weights", name, body)
+        await _write(svc, model.save_state, model_id, "training", name, body)
         return {"path": path, "type": "save_weights"}
 
     return await svc.submit_model_op("save_weights", model_id, body.get("seq_id"), fn, idem)
@@ -149,9 +125,7 @@ async def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], ide
     async def named(model: TrainedModel) -> dict[str, Any]:
         check_name(name, "save_weights_for_sampler")
         path = tinker_path(model_id, "sampler", name)
-        await _write_checkpoint(
-            svc, model.export_sampler, model_id, path, "sampler", "sampler_weights", name, body
-        )
+        await _write(svc, model.export_sampler, model_id, "sampler", name, body)
         return {"path": path, "type": "save_weights_for_sampler"}
 
     async def ephemeral(model: TrainedModel) -> dict[str, Any]:
@@ -178,9 +152,7 @@ def _training_checkpoint(svc: TinkerService, path: str) -> tuple[CheckpointRow, 
         raise UserError(
             f"{path} is a sampler checkpoint; load_weights needs a training checkpoint (…/weights/…)"
         )
-    row = svc.store.checkpoint(path)
-    if row is None:
-        raise NotFoundError(f"checkpoint {path} does not exist")
+    row = svc.store.require_checkpoint(path)
     return row, read_checkpoint_config(svc.store_path(row))
 
 

@@ -45,6 +45,9 @@ class EngineWeights:
         self.lora_sync_path = g.lora_sync_path
         self.version = 0
         self.asleep = False
+        fa = cfg.trainer.fully_async
+        #: fully async: generation runs during syncs, so the engines pause for each (None: they idle)
+        self.pause_mode = fa.pause_mode if fa.enabled else None
         # pool indices of the engines in the weight-update group; None: no valid group (rebuild first)
         self._members: list[int] | None = []
 
@@ -79,11 +82,37 @@ class EngineWeights:
         and retries once. With no engine left nothing is sent: the step still completes (its
         update is applied) and the next generation stops training with a checkpoint.
         """
-        from skylift.weight_sync import WeightSyncError
-
         if self.asleep:  # colocated on GPU: weights must be resident to be overwritten
             self.run(self.engines.wake_up())
             self.asleep = False
+        if self.pause_mode is None or not self.engines.live_indices:
+            self._broadcast()
+        else:  # requests in flight: no engine may sample while its weights change
+            self._paused_broadcast(self.pause_mode, policy_version)
+        self.version = policy_version
+
+    def _paused_broadcast(self, mode: str, policy_version: int) -> None:
+        """Pause the engines (requests in flight kept or aborted), broadcast, reset the prefix
+        cache, resume them labelling what they sample from now on with `policy_version`."""
+        self.run(self.engines.pause_generation(mode))  # type: ignore[arg-type]
+        try:
+            self._broadcast()
+            self.run(self.engines.reset_prefix_cache())
+        except BaseException:
+            try:  # let the engines go on with what they hold; the sync's error is the one raised
+                self.run(self.engines.resume_generation(self.version))
+            except Exception as exc:  # noqa: BLE001
+                self.say(f"resuming the engines after a failed sync: {type(exc).__name__}: {exc}")
+            raise
+        self.run(self.engines.resume_generation(policy_version))
+
+    def label(self) -> None:
+        """Tell the engines the version they hold, so that they label the tokens they sample."""
+        self.run(self.engines.resume_generation(self.version))
+
+    def _broadcast(self) -> None:
+        from skylift.weight_sync import WeightSyncError
+
         for attempt in (1, 2):
             if self.engines.live_indices != self._members and not self._rebuild():
                 return
@@ -96,7 +125,6 @@ class EngineWeights:
                 self.say(f"weight sync failed ({exc}); checking the engines and retrying once")
                 self.run(self.engines.probe())
                 self._members = None  # force a new group (or none, when no engine answers)
-        self.version = policy_version
 
     def _rebuild(self) -> bool:
         """A weight-update group of the live engines only; False when none is left."""

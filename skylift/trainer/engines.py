@@ -18,6 +18,8 @@ from skylift.utils.calls import call_with_timeout
 ENGINE_METHODS = frozenset(name for name in dir(InferenceEngine) if not name.startswith("_")) | {
     "prompt_logprobs",
     "has_weight_update_group",
+    "pause_generation",
+    "resume_generation",
     # LoRA weight sync (skylift.weight_sync.lora)
     "load_lora_adapter",
     "unload_lora_adapter",

@@ -65,17 +65,27 @@ class ExperienceSettings:
         t, alg = cfg.trainer, cfg.trainer.algorithm
         n_mini = t.train_batch_size // t.policy_mini_batch_size
         several_updates = t.update_epochs_per_batch > 1 or n_mini > 1 or alg.use_kl_in_reward
+        off_policy = t.async_training or t.fully_async.enabled
+        old_source = ppo_old_logprobs_source(off_policy, alg.use_tis, several_updates)
+        if t.fully_async.enabled and not several_updates:
+            # one update per batch: its own forward gives the trainer's logprobs before it (the
+            # ratio's anchor, detached) and TIS reweights against them; no extra forward pass
+            old_source = None
+        if t.fully_async.enabled:
+            max_staleness = t.fully_async.max_staleness_steps
+        else:
+            max_staleness = t.max_staleness_steps if t.async_training else 0
         return cls(
             advantage_estimator=alg.advantage_estimator,
             norm_by_std=alg.grpo_norm_by_std,
             gamma=alg.gamma,
             lambd=alg.lambd,
             batch_normalize=alg.advantage_batch_normalize,
-            old_logprobs_source=ppo_old_logprobs_source(t.async_training, alg.use_tis, several_updates),
+            old_logprobs_source=old_source,
             kl_in_reward=alg.use_kl_in_reward,
             kl_coef=alg.kl_loss_coef,
             kl_estimator=alg.kl_estimator_type,
-            max_staleness=t.max_staleness_steps if t.async_training else 0,
+            max_staleness=max_staleness,
             pad_token_id=pad_token_id,
         )
 

@@ -8,13 +8,16 @@ does not know the algorithm: advantages, losses and reductions are looked up by 
 `skylift.algorithms`.
 
 With `trainer.async_training=true` the generation of step t+1 overlaps the training of step t
-(one-step-off; design and off-policy correction in `skylift.trainer.async_rollouts`).
+(one-step-off; design and off-policy correction in `skylift.trainer.async_rollouts`). With
+`trainer.fully_async.enabled=true` generation never stops: it streams into a bounded buffer and
+every weight sync pauses the engines with requests in flight (`skylift.trainer.fully_async`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from skylift.trainer.dynamic_sampling import dynamic_sample, extra_round_rows
 from skylift.trainer.engine_weights import EngineWeights
 from skylift.trainer.evaluation import dump_eval, evaluate
 from skylift.trainer.experience import ExperienceSettings, make_experience
+from skylift.trainer.fully_async import FullyAsyncRollouts, LoopThread, PromptSource, rows_of
 from skylift.trainer.runtime import Runtime
 from skylift.trainer.sampling import rollout_seeds, sampling_params
 from skylift.trainer.update import UpdateSettings, policy_objective, train_critic, train_policy
@@ -98,27 +102,19 @@ class RLTrainer:
         if t.async_training:
             self.rollouts = BackgroundRollouts(rt.loop)
         try:
-            for (epoch, step_in_epoch, rows), upcoming in with_next(batches):
-                if self.state.global_step >= total_steps:
-                    break
-                tick = time.perf_counter()
-                if t.async_training:
-                    last = upcoming is None or self.state.global_step + 1 >= total_steps
-                    metrics = self.async_train_step(rows, None if last else upcoming[2])
-                else:
-                    metrics = self.train_step(rows)
-                self.state.global_step += 1
-                self.state.epoch, self.state.step_in_epoch = epoch, step_in_epoch + 1
-                step = self.state.global_step
-                if t.eval_interval > 0 and (step % t.eval_interval == 0 or step == total_steps):
-                    metrics.update(self.evaluate())
-                if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == total_steps):
-                    metrics["checkpoint"] = 1.0
-                    self.save_checkpoint()
-                if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
-                    self.export()
-                self._log(self._step_figures(metrics, tick))
-                self.console.step_done(step, total_steps, metrics)
+            if t.fully_async.enabled:
+                self._fit_fully_async(batches, total_steps)
+            else:
+                for (epoch, step_in_epoch, rows), upcoming in with_next(batches):
+                    if self.state.global_step >= total_steps:
+                        break
+                    tick = time.perf_counter()
+                    if t.async_training:
+                        last = upcoming is None or self.state.global_step + 1 >= total_steps
+                        metrics = self.async_train_step(rows, None if last else upcoming[2])
+                    else:
+                        metrics = self.train_step(rows)
+                    self._finish_step(metrics, tick, epoch, step_in_epoch, total_steps)
         except EngineUnavailableError as exc:
             raise self._stop_after_engine_loss(exc) from exc
         finally:
@@ -127,6 +123,79 @@ class RLTrainer:
                 self.rollouts = None
             self.console.close_progress()
         return self.history
+
+    def _finish_step(
+        self, metrics: dict[str, float], tick: float, epoch: int, step_in_epoch: int, total_steps: int
+    ) -> None:
+        """After a step's update and sync: count it, then evaluation, checkpoint, export, logging."""
+        t = self.cfg.trainer
+        self.state.global_step += 1
+        self.state.epoch, self.state.step_in_epoch = epoch, step_in_epoch + 1
+        step = self.state.global_step
+        if t.eval_interval > 0 and (step % t.eval_interval == 0 or step == total_steps):
+            metrics.update(self.evaluate())
+        if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == total_steps):
+            metrics["checkpoint"] = 1.0
+            self.save_checkpoint()
+        if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
+            self.export()
+        self._log(self._step_figures(metrics, tick))
+        self.console.step_done(step, total_steps, metrics)
+
+    def _fit_fully_async(
+        self, batches: Iterator[tuple[int, int, list[PromptSample]]], total_steps: int
+    ) -> None:
+        """Fully async (`trainer.fully_async`, design in `skylift.trainer.fully_async`): the batches'
+        rows are generated continuously on the loop's own thread; each step takes a batch of groups."""
+        t = self.cfg.trainer
+        assert self.weights is not None
+        self.weights.label()
+        loop = LoopThread(self.runtime.loop)
+        try:
+            stream = FullyAsyncRollouts(
+                loop,
+                PromptSource(rows_of(batches, self.state.global_step)),
+                self._group_rollout,
+                lambda: self.engine_version,
+                batch_size=t.train_batch_size,
+                max_staleness=t.fully_async.max_staleness_steps,
+                workers=t.fully_async.num_parallel_generation_workers or t.train_batch_size,
+                timeout_s=self.cfg.generator.http_timeout_s,
+            )
+        except BaseException:
+            loop.stop()
+            raise
+        try:
+            while self.state.global_step < total_steps:
+                tick = time.perf_counter()
+                epoch, step_in_epoch = self.runtime.train_data.locate(
+                    self.state.global_step, t.train_batch_size
+                )
+                metrics = self.fully_async_train_step(stream)
+                self._finish_step(metrics, tick, epoch, step_in_epoch, total_steps)
+        finally:
+            stream.close()
+
+    def fully_async_train_step(self, stream: FullyAsyncRollouts) -> dict[str, float]:
+        """One fully async step: take a batch of groups, update, sync (pausing the engines)."""
+        tick = time.perf_counter()
+        trajectories, stream_metrics = stream.take(self.state.policy_version)
+        metrics = self.update(trajectories)
+        metrics.update(self._sync_after_update())
+        stream.notify_version()
+        metrics.update(stream_metrics)
+        busy = time.perf_counter() - tick - metrics["timing/weight_sync_s"]  # engines paused only to sync
+        metrics.update(
+            {"timing/generate_s": max(0.0, busy), "timing/wait_s": stream_metrics["fully_async/wait_s"]}
+        )
+        return metrics
+
+    def _group_rollout(self, row: PromptSample, step: int, engine_version: int) -> Any:
+        """The generation coroutine of one prompt's group (fully async), seeded as at `step`."""
+        seeds = rollout_seeds(self.cfg, [row], step)
+        params = sampling_params(self.cfg, False)
+        n = self.cfg.generator.n_samples_per_prompt
+        return self.runtime.generator.generate([row], n, params, engine_version, seeds)
 
     def train_step(self, rows: list[PromptSample]) -> dict[str, float]:
         """One synchronous step: generate, update the policy on the rollouts, sync the weights."""

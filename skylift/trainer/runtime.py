@@ -36,6 +36,7 @@ from skylift.trainer.settings import (
 )
 from skylift.trainer.workers import WorkerGroup
 from skylift.training.worker import WorkerSettings
+from skylift.utils.calls import run_on_loop
 from skylift.utils.quiet import quiet_libraries
 
 T = TypeVar("T")
@@ -70,8 +71,9 @@ class Runtime:
         self.placement: Any = None  # PlacedGroups (skylift.trainer.placement) when the run uses Ray
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine on the run's event loop (the one the engines' clients live on)."""
-        return self.loop.run_until_complete(coro)
+        """Run a coroutine on the run's event loop (the one the engines' clients live on), also
+        while a thread of fully async training keeps that loop running."""
+        return run_on_loop(self.loop, coro)
 
     # ------------------------------------------------------------------ start
     def __enter__(self) -> Runtime:
@@ -151,6 +153,7 @@ class Runtime:
                 batched=g.batched,
                 conversation_multi_turn=g.use_conversation_multi_turn,
                 env_workers=cfg.environment.max_env_workers,
+                resubmit_aborted=t.fully_async.enabled and t.fully_async.pause_mode == "abort",
             ),
         )
 

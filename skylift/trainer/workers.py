@@ -22,6 +22,7 @@ from skylift.trainer.engines import EngineRef
 from skylift.trainer.placement import PlacedGroups
 from skylift.training.batch import SequenceBatch
 from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
+from skylift.utils.calls import run_on_loop
 from skylift.weight_sync.buckets import str_to_dtype
 
 logger = logging.getLogger("skylift.trainer.workers")
@@ -49,7 +50,7 @@ class RLWorker(TrainingWorker):
     def _run(self, coro: Any) -> Any:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(coro)
+        return run_on_loop(self._loop, coro)
 
     def node_ip(self) -> str:
         """The address of this rank's node as the cluster knows it (127.0.0.1 without Ray)."""

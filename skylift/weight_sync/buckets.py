@@ -211,3 +211,91 @@ def unpack_bucket(bucket: WeightBucket, buffers: Sequence[torch.Tensor]) -> list
         out.append((name, by_dtype[dtype][start : start + numel].view(shape)))
         offsets[dtype] = start + numel
     return out
+
+
+_ALIGN = 64  # bytes between the per-dtype buffers of an arena (any dtype's element size divides it)
+
+
+def _storage_users(tensor: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share `tensor`'s memory; None if torch cannot tell."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    return int(use_count(tensor.untyped_storage()._cdata))
+
+
+class BufferArena:
+    """Memory for the flat wire buffers of one bucket at a time, kept from bucket to bucket.
+
+    Fresh buffers for every bucket cost a page fault per page on CPU (about as much as the copy
+    itself); an arena is touched once and reused. Its memory is reused only while no view of the
+    previous bucket is alive (e.g. a tensor vLLM still holds for a module it has not completed):
+    otherwise the arena takes new memory and leaves the old to those views.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._memory: torch.Tensor | None = None
+        self._users: int | None = None  # storage users of the bare arena
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._memory is None else self._memory.numel()
+
+    def _reusable(self, total: int) -> bool:
+        if self._memory is None or self._memory.numel() < total:
+            return False
+        return self._users is not None and _storage_users(self._memory) == self._users
+
+    def buffers(self, bucket: WeightBucket) -> list[torch.Tensor]:
+        """Views of this arena, one 1-D buffer per dtype of `bucket` in wire order (contents are
+        whatever the previous bucket left)."""
+        layout = []
+        total = 0
+        for dtype, numel in buffer_numels(bucket).items():
+            torch_dtype = str_to_dtype(dtype)
+            nbytes = numel * torch_dtype.itemsize
+            layout.append((torch_dtype, total, numel, nbytes))
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        if not self._reusable(total):
+            self._memory = None
+            self._memory = torch.empty(total, dtype=torch.uint8, device=self.device)
+            self._users = _storage_users(self._memory)
+        memory = self._memory
+        assert memory is not None
+        return [memory[start : start + nbytes].view(dtype) for dtype, start, numel, nbytes in layout]
+
+    def release(self) -> None:
+        """Drop the memory (views still alive keep theirs)."""
+        self._memory = None
+
+
+def pack_bucket_into(
+    named_tensors: Sequence[NamedTensor], arena: BufferArena
+) -> tuple[WeightBucket, list[torch.Tensor]]:
+    """`pack_bucket` into `arena`'s memory: no allocation once the arena is big enough. A dtype
+    with a single contiguous tensor on the arena's device is sent as that tensor (no copy)."""
+    if not named_tensors:
+        raise ValueError("cannot pack an empty bucket")
+    if any(t.device != arena.device for _, t in named_tensors):
+        return pack_bucket(named_tensors, arena.device)
+    bucket = WeightBucket(
+        names=[name for name, _ in named_tensors],
+        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
+        shapes=[list(t.shape) for _, t in named_tensors],
+    )
+    order = dtype_order(bucket.dtypes)
+    parts = {
+        d: [t.detach().reshape(-1) for _, t in named_tensors if dtype_to_str(t.dtype) == d] for d in order
+    }
+    if all(len(p) == 1 for p in parts.values()):
+        return bucket, [p[0] for p in parts.values()]
+    buffers = arena.buffers(bucket)
+    out = []
+    for dtype, buf in zip(order, buffers, strict=True):
+        if len(parts[dtype]) == 1:
+            out.append(parts[dtype][0])
+        else:
+            torch.cat(parts[dtype], out=buf)
+            out.append(buf)
+    return bucket, out

@@ -29,11 +29,17 @@ from typing import Any
 
 import torch
 
-from skylift.weight_sync.buckets import NamedTensor, allocate_buffers, unpack_bucket, validate_bucket
+from skylift.weight_sync.buckets import (
+    BufferArena,
+    NamedTensor,
+    allocate_buffers,
+    unpack_bucket,
+    validate_bucket,
+)
 from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 from skylift.weight_sync.protocol import WeightBucket
-from skylift.weight_sync.stream import BucketStream
+from skylift.weight_sync.stream import STREAM_DEPTH, BucketStream
 from skylift.weight_sync.torch_group import join_torch_layout_group
 
 logger = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class WeightSyncWorkerExtension:
     _skylift_units: LoadUnits | None = None
     #: set for groups whose sender sends one tensor per update (SkyRL's protocol)
     _skylift_stager: FusedStager | None = None
+    _skylift_arenas: list[BufferArena] | None = None
 
     def _skylift_worker_rank(self) -> int:
         rank: Any = getattr(self, "rank", 0)
@@ -202,7 +209,9 @@ class WeightSyncWorkerExtension:
                 "a weight stream needs skylift's"
             )
         start = time.perf_counter()
-        stream = BucketStream(group)
+        if not self._skylift_arenas:  # receive memory kept from sync to sync, dropped with the group
+            self._skylift_arenas = [BufferArena(group.device) for _ in range(STREAM_DEPTH)]
+        stream = BucketStream(group, self._skylift_arenas)
         refused: str | None = None
 
         def weights() -> Iterator[NamedTensor]:
@@ -244,6 +253,7 @@ class WeightSyncWorkerExtension:
         was staged and never completed (nothing of it was loaded), or None."""
         group, self._skylift_group = self._skylift_group, None
         stager, self._skylift_stager = self._skylift_stager, None
+        self._skylift_arenas = None
         if group is not None:
             group.destroy()
         return stager.pending() if stager is not None else None

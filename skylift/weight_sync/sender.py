@@ -1,10 +1,12 @@
 """`WeightSender`: pushes a trainer's weights to any number of inference engines.
 
 It runs in one torch process (the policy's rank 0), which is rank 0 of the weight-update group;
-each engine's workers take the ranks after it. Per bucket, every engine is told the metadata
-(`WeightSyncTarget.update_weights`: an inference engine over HTTP, Ray or in process) while this
-process broadcasts the flat buffers; both happen concurrently because each side blocks until the
-other arrives.
+each engine's workers take the ranks after it. By default a sync is one weight stream
+(`weight_sync.stream`): each engine is called once (`receive_weight_stream`) while this process
+broadcasts every bucket with its metadata in band, packing bucket k+1 while bucket k is on the
+wire. The sequential path (`overlap=False`) tells every engine the metadata of one bucket at a
+time (`update_weights`) while it broadcasts that bucket's flat buffers; both happen concurrently
+because each side blocks until the other arrives.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from skylift.utils.calls import call_with_timeout, gather_all
 from skylift.utils.devices import Backend, default_backend
 from skylift.utils.network import route_address, url_host
-from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
+from skylift.weight_sync.buckets import BufferArena, NamedTensor, iter_buckets, pack_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
 from skylift.weight_sync.protocol import (
     DEFAULT_GROUP_NAME,
@@ -31,7 +33,7 @@ from skylift.weight_sync.protocol import (
     WeightSyncTarget,
     WeightUpdateGroupSpec,
 )
-from skylift.weight_sync.stream import StreamStats, broadcast_stream, packed_buckets
+from skylift.weight_sync.stream import STREAM_DEPTH, StreamStats, broadcast_stream, packed_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class WeightSender:
         self.overlap = overlap
         self._engines: list[WeightSyncTarget] = []
         self._group: WeightSyncGroup | None = None
+        #: pack memory of the weight stream, kept from sync to sync (dropped by `close`)
+        self._arenas: list[BufferArena] = []
 
     @property
     def group(self) -> WeightSyncGroup | None:
@@ -280,7 +284,9 @@ class WeightSender:
         self, group: WeightSyncGroup, named_tensors: Iterable[NamedTensor], bucket_bytes: int
     ) -> SyncStats:
         start = time.perf_counter()
-        packed = packed_buckets(named_tensors, bucket_bytes, group.device, self.update_timeout_s)
+        if not self._arenas:
+            self._arenas = [BufferArena(group.device) for _ in range(STREAM_DEPTH)]
+        packed = packed_buckets(named_tensors, bucket_bytes, self._arenas, self.update_timeout_s)
 
         def broadcast() -> StreamStats:
             try:
@@ -330,6 +336,7 @@ class WeightSender:
         """Destroy the group on every engine and here (engines first; errors are collected)."""
         group, self._group = self._group, None
         engines, self._engines = self._engines, []
+        self._arenas = []
         if group is None:
             return
         results = await gather_all(

@@ -11,28 +11,30 @@ bucket k+1 runs while the engine reloads bucket k:
 
 On the sender, `packed_buckets` packs (and casts) bucket k+1 in a thread while bucket k is
 broadcast (`broadcast_stream`). On the engine, `BucketStream` receives in a thread at most
-`depth` buckets ahead of the consumer, vLLM's ONE `reload_weights` of the sync, which loads each
-layer as soon as its tensors have arrived. vLLM's engine core runs no model step while a
+`STREAM_DEPTH` buckets ahead of the consumer, vLLM's ONE `reload_weights` of the sync, which loads
+each layer as soon as its tensors have arrived. Both ends keep two `BufferArena`s across syncs, so
+no bucket pays for fresh memory. vLLM's engine core runs no model step while a
 `collective_rpc` is executing, so no request is ever served by a half-updated model: requests
 wait for the whole swap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from skylift.weight_sync.buckets import (
+    BufferArena,
     NamedTensor,
-    allocate_buffers,
     iter_buckets,
-    pack_bucket,
+    pack_bucket_into,
     validate_bucket,
 )
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
@@ -42,6 +44,12 @@ from skylift.weight_sync.protocol import WeightBucket
 STREAM_DEPTH = 2
 
 Packed = tuple[WeightBucket, list[torch.Tensor]]
+
+
+def _use_device_in_thread(device: torch.device) -> None:
+    """A new thread's current CUDA device is 0: make it the group's (NCCL works on it)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def encode_header(bucket: WeightBucket) -> torch.Tensor:
@@ -69,28 +77,36 @@ class StreamStats:
 
 
 def packed_buckets(
-    named_tensors: Iterable[NamedTensor], bucket_bytes: int, device: torch.device, timeout_s: float
+    named_tensors: Iterable[NamedTensor],
+    bucket_bytes: int,
+    arenas: Sequence[BufferArena],
+    timeout_s: float,
 ) -> Iterator[Packed]:
     """The packed buckets of a state dict, each packed in a thread while the previous one is used.
 
     Pulling `named_tensors` (gathers, casts) happens in that thread too, off the broadcast's path.
+    Each bucket is packed into a free arena of `arenas`, freed again when the consumer asks for
+    the next bucket (with two: one is packed while the other is broadcast).
     """
     buckets = iter_buckets(named_tensors, bucket_bytes)
-    ready: queue.Queue[Packed | BaseException | None] = queue.Queue(maxsize=1)
+    free: queue.Queue[BufferArena] = queue.Queue()
+    for arena in arenas:
+        free.put(arena)
+    ready: queue.Queue[tuple[Packed, BufferArena] | BaseException | None] = queue.Queue()
     stop = threading.Event()
 
     def produce() -> None:
         try:
+            _use_device_in_thread(arenas[0].device)
             for items in buckets:
-                packed = pack_bucket(items, device)
-                while not stop.is_set():
-                    try:
-                        ready.put(packed, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
+                arena = None
+                while arena is None:
+                    if stop.is_set():
+                        return
+                    with contextlib.suppress(queue.Empty):
+                        arena = free.get(timeout=0.5)
+                ready.put((pack_bucket_into(items, arena), arena))
+                del items
             ready.put(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
@@ -109,14 +125,16 @@ def packed_buckets(
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            packed, arena = item
+            del item
+            try:
+                yield packed
+            finally:
+                del packed
+                free.put(arena)
     finally:
         stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                ready.get_nowait()
-            except queue.Empty:
-                thread.join(0.1)
+        thread.join(timeout_s)
 
 
 def broadcast_stream(group: WeightSyncGroup, packed: Iterable[Packed]) -> StreamStats:
@@ -140,19 +158,22 @@ _END = object()
 
 
 class BucketStream:
-    """Engine side: receives the buckets of one stream in a thread, at most `depth` ahead.
+    """Engine side: receives the buckets of one stream in a thread, at most `STREAM_DEPTH` ahead.
 
-    Iterate over it for `(bucket, buffers)`; a bucket's slot is freed when the consumer asks for
-    the next one. `drain()` receives whatever is left without handing it out (so rank 0's
-    broadcasts complete after the consumer gave up). Every wait is bounded by the group's timeout.
+    Iterate over it for `(bucket, buffers)`; each bucket is received into a free arena of
+    `arenas` (default: two for this stream alone), freed again when the consumer asks for the next
+    bucket. `drain()` receives whatever is left without handing it out (so rank 0's broadcasts
+    complete after the consumer gave up). Every wait is bounded by the group's timeout.
     """
 
-    def __init__(self, group: WeightSyncGroup, depth: int = STREAM_DEPTH) -> None:
+    def __init__(self, group: WeightSyncGroup, arenas: Sequence[BufferArena] | None = None) -> None:
         self.group = group
         self.stats = StreamStats()
         self.receive_s = 0.0
         self._queue: queue.Queue[object] = queue.Queue()
-        self._slots = threading.Semaphore(depth)
+        self._free: queue.Queue[BufferArena] = queue.Queue()
+        for arena in arenas or [BufferArena(group.device) for _ in range(STREAM_DEPTH)]:
+            self._free.put(arena)
         self._done = False
         self._thread = threading.Thread(target=self._run, name="skylift-weight-stream", daemon=True)
         self._thread.start()
@@ -176,30 +197,32 @@ class BucketStream:
     def _run(self) -> None:
         timeout_s = self.group.timeout_s
         try:
+            _use_device_in_thread(self.group.device)
             while True:
-                if not self._slots.acquire(timeout=timeout_s):
-                    raise WeightSyncError(
-                        f"{self._where()}: the reload held both buffers for {timeout_s:.0f} s"
-                    )
+                try:
+                    arena = self._free.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise WeightSyncError(f"the reload held every buffer for {timeout_s:.0f} s") from None
                 start = time.perf_counter()
                 bucket = self._receive_header()
                 if bucket is None:
                     self._queue.put(_END)
                     return
-                buffers = allocate_buffers(bucket, self.group.device)
+                buffers = arena.buffers(bucket)
                 for buf in buffers:
                     self.group.broadcast(buf)
                 self.receive_s += time.perf_counter() - start
                 self.stats.buckets += 1
                 self.stats.tensors += len(bucket.names)
                 self.stats.bytes += sum(b.numel() * b.element_size() for b in buffers)
-                self._queue.put((bucket, buffers))
+                self._queue.put((bucket, buffers, arena))
+                del buffers
         except WeightSyncError as exc:
             self._queue.put(WeightSyncError(f"{self._where()}: {exc}"))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self._queue.put(exc)
 
-    def _next(self) -> Packed | None:
+    def _next(self) -> tuple[WeightBucket, list[torch.Tensor], BufferArena] | None:
         wait_s = 2 * self.group.timeout_s + 10.0  # the thread's own waits are bounded by timeout_s
         try:
             item = self._queue.get(timeout=wait_s)
@@ -218,15 +241,18 @@ class BucketStream:
             item = self._next()
             if item is None:
                 return
+            bucket, buffers, arena = item
+            del item
             try:
-                yield item
+                yield bucket, buffers
             finally:
-                del item
-                self._slots.release()
+                del buffers
+                self._free.put(arena)
 
     def drain(self) -> None:
         """Receive the rest of the stream without handing it out; raises a receive failure."""
         while not self._done:
-            if self._next() is not None:
-                self._slots.release()
+            item = self._next()
+            if item is not None:
+                self._free.put(item[2])
         self._thread.join(self.group.timeout_s)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from skylift.weight_sync.buckets import unpack_bucket
+from skylift.weight_sync.buckets import BufferArena, unpack_bucket
 from skylift.weight_sync.process_group import WeightSyncError, create_weight_sync_group, find_free_port
 from skylift.weight_sync.stream import (
     BucketStream,
@@ -38,6 +38,10 @@ def state_dict() -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def arenas(group):  # type: ignore[no-untyped-def]
+    return [BufferArena(group.device) for _ in range(2)]
+
+
 def two_ranks(sender, receiver):  # type: ignore[no-untyped-def]
     port = find_free_port()
 
@@ -49,7 +53,7 @@ def two_ranks(sender, receiver):  # type: ignore[no-untyped-def]
             world_size=2,
             group_name="stream",
             backend="gloo",
-            timeout_s=TIMEOUT_S if rank == 0 else 5.0,
+            timeout_s=TIMEOUT_S if rank == 0 else 2.0,
         )
         try:
             return (sender if rank == 0 else receiver)(group)
@@ -75,7 +79,7 @@ def test_stream_arrives_bit_for_bit_and_bounded(loopback_only: None) -> None:
     ahead: list[int] = []
 
     def send(group):  # type: ignore[no-untyped-def]
-        return broadcast_stream(group, packed_buckets(state, 8 * 1024, group.device, TIMEOUT_S))
+        return broadcast_stream(group, packed_buckets(state, 8 * 1024, arenas(group), TIMEOUT_S))
 
     def receive(group):  # type: ignore[no-untyped-def]
         stream = BucketStream(group)
@@ -99,7 +103,7 @@ def test_consumer_that_stops_still_drains(loopback_only: None) -> None:
     state = state_dict()
 
     def send(group):  # type: ignore[no-untyped-def]
-        return broadcast_stream(group, packed_buckets(state, 8 * 1024, group.device, TIMEOUT_S))
+        return broadcast_stream(group, packed_buckets(state, 8 * 1024, arenas(group), TIMEOUT_S))
 
     def receive(group):  # type: ignore[no-untyped-def]
         stream = BucketStream(group)
@@ -117,7 +121,7 @@ def test_packing_failure_reaches_the_broadcaster() -> None:
         yield "model.layers.0.w", torch.zeros(4)
         raise RuntimeError("gather failed on rank 3")
 
-    packed = packed_buckets(tensors(), 1, torch.device("cpu"), TIMEOUT_S)
+    packed = packed_buckets(tensors(), 1, [BufferArena(torch.device("cpu"))], TIMEOUT_S)
     with pytest.raises(RuntimeError, match="gather failed on rank 3"):
         list(packed)
     assert not any(t.name == "skylift-weight-pack" for t in threading.enumerate())
@@ -125,7 +129,7 @@ def test_packing_failure_reaches_the_broadcaster() -> None:
 
 def test_silent_sender_times_out_naming_both_ends(loopback_only: None) -> None:
     def send(group):  # type: ignore[no-untyped-def]
-        time.sleep(7.0)  # never broadcasts; the receiver's group timeout is 5 s
+        time.sleep(4.0)  # never broadcasts; the receiver's group timeout is 2 s
         return None
 
     def receive(group):  # type: ignore[no-untyped-def]

@@ -163,6 +163,53 @@ def test_overlapped_sync_is_bit_identical_to_sequential(
     assert engine_view() == after_sequential
 
 
+def test_requests_during_a_stream_see_old_or_new_weights_only(
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
+) -> None:
+    """Requests scored while a weight stream is loading bucket after bucket come out of the old
+    model or of the new one, never of a mix (the engine core runs no step during the one call)."""
+    import asyncio
+
+    old = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
+    perturb(hf_model, seed=5)
+    new = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
+    state = list(hf_model.state_dict().items())
+
+    async def run() -> tuple[Any, list[list[float]]]:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
+        await sender.init_group([engine])
+        done = asyncio.Event()
+        seen: list[list[float]] = []
+
+        async def probe(seq: list[int]) -> None:
+            while not done.is_set():
+                seen.append((await engine.prompt_logprobs([seq]))[0])
+
+        probes = [asyncio.create_task(probe(s)) for s in SEQUENCES for _ in range(2)]
+        try:
+            while len(seen) < 2:  # the old model answered before the sync
+                await asyncio.sleep(0.01)
+            stats = await sender.send_state_dict(state, bucket_bytes=256 * 1024)
+            after = len(seen) + len(probes)
+            while len(seen) <= after:  # and the new one after it
+                await asyncio.sleep(0.01)
+        finally:
+            done.set()
+            await asyncio.gather(*probes)
+            await sender.close()
+        return stats, seen
+
+    stats, seen = loop.run(run())
+    assert stats.overlapped and stats.buckets > 2
+    kinds = []
+    for lp in seen:
+        i = 0 if len(lp) == len(old[0]) else 1
+        d_old, d_new = max_abs_diff([lp], [old[i]]), max_abs_diff([lp], [new[i]])
+        assert min(d_old, d_new) <= TOLERANCE, f"a request saw neither model ({d_old=:.3g}, {d_new=:.3g})"
+        kinds.append(d_new <= TOLERANCE)
+    assert not kinds[0] and kinds[-1]
+
+
 def test_second_group_needs_override(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:

@@ -153,3 +153,31 @@ def test_both_rendezvous_layouts_check_their_arguments_alike(layout: str) -> Non
     if layout == "torch":  # an engine never hosts the group
         with pytest.raises(WeightSyncError, match=r"rank 0 is outside 1\.\.1"):
             join(rank=0, world_size=2, backend="gloo", **args)  # type: ignore[arg-type]
+
+
+def test_buffer_arena_reuses_memory_only_when_no_view_is_left() -> None:
+    from skylift.weight_sync.buckets import BufferArena, pack_bucket, pack_bucket_into
+
+    arena = BufferArena(torch.device("cpu"))
+    items = [
+        ("model.layers.0.a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("model.layers.0.b", torch.arange(5, dtype=torch.bfloat16)),
+        ("model.layers.0.c", torch.ones(3)),
+        ("model.layers.0.d", torch.zeros(2, dtype=torch.bfloat16)),
+    ]
+    bucket, buffers = pack_bucket_into(items, arena)
+    ref_bucket, ref_buffers = pack_bucket(items)
+    assert bucket == ref_bucket
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(buffers, ref_buffers, strict=True))
+    first = buffers[0].data_ptr()
+    kept = unpack_bucket(bucket, buffers)[0][1]  # a view someone (vLLM) still holds
+    del buffers
+    _, again = pack_bucket_into(items, arena)
+    assert again[0].data_ptr() != first  # new memory: the held view keeps the old contents
+    assert torch.equal(kept, items[0][1])
+    ptr = again[0].data_ptr()
+    del again, kept
+    _, third = pack_bucket_into(items, arena)
+    assert third[0].data_ptr() == ptr  # nothing held: the same memory again
+    single = [("model.norm.weight", torch.ones(4))]
+    assert pack_bucket_into(single, arena)[1][0].data_ptr() == single[0][1].data_ptr()  # no copy

@@ -1,0 +1,327 @@
+"""Fully asynchronous training (`trainer.fully_async.enabled`): generation never waits for training.
+
+Design:
+
+1. `num_parallel_generation_workers` coroutines on the run's event loop (driven by a thread of
+   its own for the whole run, `LoopThread`) each take the next prompt, generate its group of
+   `n_samples_per_prompt` rollouts and put the group into a buffer; then take the next prompt.
+2. The trainer takes `train_batch_size` groups from the buffer as soon as that many are done
+   (the oldest first), trains on them and syncs the weights after every update. A sync pauses the
+   engines (`pause_mode`: "keep" freezes the requests in flight, "abort" ends them and the
+   generator resubmits prompt + tokens so far), broadcasts, resets the prefix cache and resumes
+   them, labelling the tokens they sample from then on with the new policy version.
+3. So one rollout may span several policy versions: every token records the version that sampled
+   it (`Trajectory.token_versions`, from vLLM's weight-version spans); a rollout's version is
+   its oldest token's. Its logprobs are those of the weights that sampled each token, and
+   truncated importance sampling against the trainer's logprobs (`trainer.algorithm.use_tis`)
+   corrects the gap.
+4. Staleness is bounded by admission (`StalenessGate`: a group may start only while at most
+   `(engine_version + max_staleness_steps + 1) * train_batch_size` groups were started, net of
+   dropped ones: the bounded buffer) and enforced when a batch is taken (`take_fresh`): a group
+   older than the bound is dropped and its prompt generated again. Every step logs the
+   staleness of its batch (`fully_async/*`, `async/staleness_*`); it never exceeds the bound.
+
+Checkpoints save the trainer's state only, not the buffer: a resumed run starts generating at
+the prompt after the last trained batch's position in the data order (`global_step *
+train_batch_size`) and refills the buffer; groups that were buffered or in flight when the
+checkpoint was taken are generated again (with the resumed weights), and groups trained out of
+data order may repeat or skip a few prompts around the resume point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from skylift.generator import Trajectory
+
+T = TypeVar("T")
+
+
+# ================================================================== pure parts (unit-tested)
+@dataclass
+class StalenessGate:
+    """Admission control: how many prompt groups may have started, given the engines' version.
+
+    A group started while the engines hold version v is trained at the earliest with the
+    `(k // batch_size)`-th update if it is the k-th group started; starting at most
+    `(v + max_staleness + 1) * batch_size` groups (dropped ones given back) keeps groups trained
+    in order within `max_staleness` versions of the weights that started them.
+    """
+
+    batch_size: int
+    max_staleness: int
+    max_in_flight: int
+    base_version: int = 0  # the engines' version when generation began (a resumed run's step)
+    started: int = 0
+    dropped: int = 0
+    in_flight: int = 0
+
+    def capacity(self, engine_version: int) -> int:
+        """Groups that may have started in total while the engines hold `engine_version`."""
+        ahead = engine_version - self.base_version + self.max_staleness + 1
+        return ahead * self.batch_size + self.dropped
+
+    def may_start(self, engine_version: int) -> bool:
+        return self.in_flight < self.max_in_flight and self.started < self.capacity(engine_version)
+
+    def start(self) -> None:
+        self.started += 1
+        self.in_flight += 1
+
+    def finish(self) -> None:
+        self.in_flight -= 1
+
+    def drop(self, count: int = 1) -> None:
+        """Groups taken out as too stale: their slots can be used again."""
+        self.dropped += count
+
+
+@dataclass
+class Group:
+    """The rollouts of one prompt, generated together."""
+
+    trajectories: list[Trajectory]
+    row: Any
+    step: int  # the data position's step (its seeds), not the step that trains it
+    finished_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def version(self) -> int:
+        """The oldest policy version among the group's tokens."""
+        return min(tr.policy_version for tr in self.trajectories)
+
+
+def take_fresh(
+    buffer: Sequence[Group], policy_version: int, max_staleness: int, batch_size: int
+) -> tuple[list[Group], list[Group], list[Group]]:
+    """Split the buffer for a batch trained at `policy_version`: (taken, dropped, kept).
+
+    Groups older than `max_staleness` versions are dropped; of the others, the `batch_size`
+    oldest (by version, then by completion) are taken, or none while fewer are ready.
+    """
+    fresh = [g for g in buffer if policy_version - g.version <= max_staleness]
+    dropped = [g for g in buffer if policy_version - g.version > max_staleness]
+    if len(fresh) < batch_size:
+        return [], dropped, fresh
+    order = sorted(range(len(fresh)), key=lambda i: (fresh[i].version, fresh[i].finished_at))
+    chosen = set(order[:batch_size])
+    taken = [fresh[i] for i in sorted(chosen, key=order.index)]
+    kept = [g for i, g in enumerate(fresh) if i not in chosen]
+    return taken, dropped, kept
+
+
+def token_version_metrics(trajectories: Sequence[Trajectory], policy_version: int) -> dict[str, float]:
+    """Per-token staleness of a batch trained at `policy_version` (sampled tokens only)."""
+    lags: list[int] = []
+    versions: set[int] = set()
+    spanning = 0
+    for tr in trajectories:
+        labels = tr.token_versions or [tr.policy_version] * len(tr.response_ids)
+        sampled = [v for v, m in zip(labels, tr.loss_mask, strict=False) if m] or [tr.policy_version]
+        versions.update(sampled)
+        spanning += len(set(sampled)) > 1
+        lags.extend(policy_version - v for v in sampled)
+    return {
+        "fully_async/token_staleness_mean": statistics.fmean(lags) if lags else 0.0,
+        "fully_async/token_staleness_max": float(max(lags)) if lags else 0.0,
+        "fully_async/versions_in_batch": float(len(versions)),
+        "fully_async/samples_spanning_versions": float(spanning),
+    }
+
+
+# ================================================================== the event loop on its own thread
+class LoopThread:
+    """Runs `loop` forever on a daemon thread until `stop()`; `run(coro)` from any other thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._thread = threading.Thread(target=self._main, name="skylift-fully-async-loop", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the event loop thread did not stop within {timeout_s:.0f} s")
+
+
+# ================================================================== the generation side
+@dataclass
+class PromptSource:
+    """Prompts to generate, in data order, each with its data step; dropped ones come first."""
+
+    rows: Iterator[tuple[Any, int]]
+    again: deque[tuple[Any, int]] = field(default_factory=deque)
+
+    def next(self) -> tuple[Any, int] | None:
+        if self.again:
+            return self.again.popleft()
+        return next(self.rows, None)
+
+
+def rows_of(batches: Iterator[tuple[int, int, list[Any]]], first_step: int) -> Iterator[tuple[Any, int]]:
+    """Every row of the training batches with the global step of its batch."""
+    for step, (_, _, rows) in enumerate(batches, start=first_step):
+        for row in rows:
+            yield row, step
+
+
+GroupFn = Callable[[Any, int, int], Coroutine[Any, Any, list[Trajectory]]]
+"""(row, data step, engine version) -> the group's trajectories."""
+
+
+class FullyAsyncRollouts:
+    """Generation workers filling a bounded buffer on a `LoopThread`; `take` blocks for a batch."""
+
+    def __init__(
+        self,
+        loop: LoopThread,
+        source: PromptSource,
+        generate_group: GroupFn,
+        engine_version: Callable[[], int],
+        *,
+        batch_size: int,
+        max_staleness: int,
+        workers: int,
+        timeout_s: float,
+    ) -> None:
+        self.loop = loop
+        self.source = source
+        self.generate_group = generate_group
+        self.engine_version = engine_version
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.timeout_s = timeout_s
+        self.gate = StalenessGate(batch_size, max_staleness, workers, base_version=engine_version())
+        self._lock = threading.Condition()
+        self._buffer: list[Group] = []
+        self._error: BaseException | None = None
+        self._exhausted = False
+        self._closing = False
+        self._wakeup: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        loop.submit(self._start(workers)).result(timeout=60)
+
+    async def _start(self, workers: int) -> None:
+        self._wakeup = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._worker()) for _ in range(workers)]
+
+    # ---- loop thread
+    async def _worker(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            self._wakeup.clear()
+            with self._lock:
+                if self._closing or self._error is not None:
+                    return
+                item = self.source.next() if self.gate.may_start(self.engine_version()) else False
+                if item is None:  # the data is exhausted
+                    self._exhausted = True
+                    self._lock.notify_all()
+                    return
+                if item is not False:
+                    self.gate.start()
+            if item is False:
+                await self._wakeup.wait()
+                continue
+            row, step = item
+            try:
+                trajectories = await self.generate_group(row, step, self.engine_version())
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread by take()
+                with self._lock:
+                    self._error = exc
+                    self.gate.finish()
+                    self._lock.notify_all()
+                return
+            with self._lock:
+                self.gate.finish()
+                self._buffer.append(Group(trajectories, row, step))
+                self._lock.notify_all()
+
+    def _wake_workers(self) -> None:
+        if self._wakeup is not None:
+            self.loop.loop.call_soon_threadsafe(self._wakeup.set)
+
+    # ---- trainer thread
+    def notify_version(self) -> None:
+        """The engines hold a newer version: more groups may start."""
+        self._wake_workers()
+
+    def take(self, policy_version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Block until `batch_size` groups within the staleness bound are done; their rollouts
+        (oldest groups first) and the buffer's figures. Too-stale groups are dropped and their
+        prompts generated again."""
+        started = time.perf_counter()
+        dropped_total = 0
+        deadline = started + self.timeout_s
+        with self._lock:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                taken, dropped, kept = take_fresh(
+                    self._buffer, policy_version, self.max_staleness, self.batch_size
+                )
+                if dropped:
+                    dropped_total += len(dropped)
+                    self.gate.drop(len(dropped))
+                    self.source.again.extend((g.row, g.step) for g in dropped)
+                    self._wake_workers()
+                self._buffer = kept
+                if taken:
+                    break
+                if self._exhausted and self.gate.in_flight == 0:
+                    raise RuntimeError(
+                        f"fully async: the data ran out with {len(self._buffer)} of {self.batch_size} "
+                        "groups of a batch generated"
+                    )
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"fully async: the trainer waited {self.timeout_s:.0f} s for {self.batch_size} groups "
+                        f"from the generation workers ({len(self._buffer)} ready, {self.gate.in_flight} in "
+                        "flight); generator.http_timeout_s bounds the wait"
+                    )
+                self._lock.wait(min(left, 1.0))
+            in_flight, buffered = self.gate.in_flight, len(self._buffer)
+        trajectories = [tr for g in taken for tr in g.trajectories]
+        metrics = {
+            "fully_async/wait_s": time.perf_counter() - started,
+            "fully_async/dropped_groups": float(dropped_total),
+            "fully_async/buffered_groups": float(buffered),
+            "fully_async/in_flight_groups": float(in_flight),
+            "fully_async/groups_started": float(self.gate.started),
+            **token_version_metrics(trajectories, policy_version),
+        }
+        return trajectories, metrics
+
+    def close(self) -> None:
+        """Cancel the generation in flight (the engines abort its requests) and stop the workers."""
+        with self._lock:
+            self._closing = True
+
+        async def cancel() -> None:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        try:
+            self.loop.submit(cancel()).result(timeout=120)
+        finally:
+            self.loop.stop()

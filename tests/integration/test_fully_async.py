@@ -1,0 +1,113 @@
+"""Fully async training end to end on the tiny model (in-process engine, placement "local"):
+four steps with a staleness bound of 2, then weight syncs while requests are in flight (pause
+modes keep and abort), after which the engine's logprobs match the trainer's."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from test_async_training import SEQUENCE, TOLERANCE, _train_rows
+from test_rl_trainer import _overrides, arithmetic_data  # noqa: F401 - the fixture is used by name
+
+from skylift.config import load_config
+from skylift.inference.types import SamplingParams
+from skylift.trainer.fully_async import LoopThread
+from skylift.trainer.loop import RLTrainer
+from skylift.training.batch import build_sequence_batch
+
+pytestmark = pytest.mark.integration
+
+BOUND = 2
+LONG = SamplingParams(max_tokens=360, ignore_eos=True, temperature=1.0, seed=3)
+
+
+def _versions_after_sync_in_flight(trainer: RLTrainer, loop: LoopThread, mode: str) -> list[int]:
+    """Start a long request, train one update meanwhile and sync (pausing the engine with `mode`)
+    while the request is still running; the token versions of what it sampled."""
+    assert trainer.engines is not None and trainer.weights is not None
+    prompt = SEQUENCE[:4]
+    rows = [trainer.runtime.train_data[i] for i in range(4)]
+    groups = [loop.submit(trainer._group_rollout(row, 0, trainer.engine_version)).result(120) for row in rows]
+    trainer.update([tr for g in groups for tr in g])  # the policy moves on: version + 1
+    request = loop.submit(trainer.engines.generate([prompt], LONG))
+    time.sleep(0.2)  # let it sample some tokens with the engine's weights
+    assert not request.done(), "the request finished before the sync: make it longer"
+    trainer.weights.pause_mode = mode
+    trainer.weights.sync(trainer.state.policy_version)
+    completion = request.result(300)[0].completions[0]
+    if mode == "abort":
+        assert completion.stop_reason == "abort"
+        generator = trainer.runtime.generator
+        generator.settings.resubmit_aborted = True
+        completion = loop.submit(generator._resubmitted(prompt, completion, LONG)).result(300)
+    assert len(completion.token_ids) == LONG.max_tokens
+    assert completion.token_versions is not None
+    return completion.token_versions
+
+
+def _engine_vs_trainer(trainer: RLTrainer, loop: LoopThread) -> float:
+    assert trainer.engines is not None and trainer.policy is not None
+    engine = loop.submit(trainer.engines.prompt_logprobs([SEQUENCE])).result(120)[0]
+    batch = build_sequence_batch([SEQUENCE[:1]], [SEQUENCE[1:]], pad_token_id=trainer.pad_id)
+    expected = trainer.policy.compute_logprobs(batch, 1, 1.0)[0].tolist()
+    return max(abs(a - b) for a, b in zip(engine, expected, strict=True))
+
+
+def test_fully_async_four_steps_and_syncs_in_flight(
+    arithmetic_data: Path,  # noqa: F811
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    overrides = _overrides(
+        arithmetic_data,
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "trainer.placement.backend": "local",
+            "trainer.fully_async.enabled": True,
+            "trainer.fully_async.max_staleness_steps": BOUND,
+            "trainer.fully_async.num_parallel_generation_workers": 4,
+            "generator.max_generate_length": 128,  # generation outlasts a tiny update: syncs hit requests in flight
+            "trainer.algorithm.use_tis": True,
+            "trainer.algorithm.tis_imp_ratio_cap": 2.0,
+            "trainer.max_steps": 4,
+            "trainer.max_prompt_length": 480,  # room for the long requests below
+            "trainer.eval_before_train": False,
+            "trainer.eval_interval": -1,
+            "trainer.ckpt_interval": -1,
+        },
+    )
+    trainer = RLTrainer(load_config(overrides), console=False)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+        loop = LoopThread(trainer.loop)
+        try:
+            keep = _versions_after_sync_in_flight(trainer, loop, "keep")
+            abort = _versions_after_sync_in_flight(trainer, loop, "abort")
+            diff = _engine_vs_trainer(trainer, loop)
+        finally:
+            loop.stop()
+    finally:
+        trainer.shutdown()
+
+    rows = _train_rows(history)
+    for h in rows:
+        print({k: v for k, v in h.items() if "async" in k or "timing" in k})
+    assert [h["step"] for h in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["async/policy_version"] == row["step"] - 1
+        assert 0 <= row["async/staleness_max"] <= BOUND
+        assert 0 <= row["fully_async/token_staleness_max"] <= BOUND
+        assert row["policy/tis_weight_mean"] > 0
+        assert row["timing/weight_sync_s"] > 0
+    # the groups started ahead of the first update are trained later, beside fresher ones
+    assert max(h["fully_async/versions_in_batch"] for h in rows) >= 2
+    assert max(h["async/staleness_max"] for h in rows) >= 1
+    # one request, two policy versions: the tokens before the sync and those after it
+    assert keep[0] == 4 and keep[-1] == 5 and sorted(keep) == keep, keep
+    assert abort[0] == 5 and abort[-1] == 6 and sorted(abort) == abort, abort
+    assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
+    assert trainer.engine_version == trainer.state.policy_version == 6
