@@ -2,6 +2,8 @@
 
 In one run, with in-process vLLM engines (fp32, as `benchmarks/weight_sync.py`):
 
+Both engines run eager (vLLM's CPU backend compiles nothing for a LoRA engine):
+
 1. an engine without LoRA: the full-model sync (`WeightSender.send_state_dict` of every tensor,
    until loaded and the prefix cache reset: what skylift did for a LoRA policy before, merged),
    and generation throughput of the base model;
@@ -10,7 +12,8 @@ In one run, with in-process vLLM engines (fp32, as `benchmarks/weight_sync.py`):
    a new named adapter, the previous one unloaded), checked against the PEFT model's logprobs,
    and generation throughput with the adapter (and of the base model on that engine).
 
-Warm-up round first, then `--repeats` rounds; medians. Last stdout line, one JSON object:
+A warm-up sync, then `--repeats` syncs (median); then a short warm-up generation and
+`--gen-rounds` generation rounds. Last stdout line, one JSON object:
     {"ratio": lora_sync_s / full_sync_s, "throughput_ratio": tok/s with adapter / tok/s without, ...}
 
 Run inside a loopback-only network namespace (gloo's store listens on all interfaces):
@@ -34,7 +37,15 @@ set_benchmark_env()
 import torch  # noqa: E402
 
 SEQUENCE = [5, 17, 230, 99, 42, 8, 77, 301, 12, 64, 7, 1000, 33]
-ENGINE_ARGS: dict[str, Any] = {"max_model_len": 512, "dtype": "float32", "seed": 0, "max_num_seqs": 16}
+# eager on both sides: vLLM's CPU backend turns compilation off for an engine with LoRA anyway, so
+# the throughput ratio compares like with like (and start-up skips minutes of compiling)
+ENGINE_ARGS: dict[str, Any] = {
+    "max_model_len": 512,
+    "dtype": "float32",
+    "seed": 0,
+    "max_num_seqs": 16,
+    "enforce_eager": True,
+}
 
 
 def peft_policy(model_dir: Any, rank: int) -> Any:
@@ -88,13 +99,13 @@ async def full_sync_round(args: argparse.Namespace, model_dir: Any, state: list)
         sender = WeightSender(timeout_s=120.0)
         await sender.init_group([engine])
         await sender.send_state_dict(state)  # warm-up
-        times, tput, stats = [], [], None
-        await throughput(engine, args.prompts, args.tokens)  # warm-up
+        times, stats = [], None
         for _ in range(args.repeats):
             stats = await sender.send_state_dict(state)
             times.append(stats.seconds)
-            tput.append(await throughput(engine, args.prompts, args.tokens))
         await sender.close()
+        await throughput(engine, 2, 4)  # warm-up
+        tput = [await throughput(engine, args.prompts, args.tokens) for _ in range(args.gen_rounds)]
     finally:
         await engine.close()
     assert stats is not None
@@ -125,11 +136,13 @@ async def lora_sync_round(args: argparse.Namespace, model_dir: Any, model: Any) 
             return await publisher.publish([engine], tensors, config, group=sender.group, timeout_s=300.0)
 
         await sync()  # warm-up
-        await throughput(engine, args.prompts, args.tokens)
-        times, with_adapter, base_on_lora_engine, stats = [], [], [], None
+        times, stats = [], None
         for _ in range(args.repeats):
             stats = await sync()
             times.append(stats.seconds)
+        await throughput(engine, 2, 4)  # warm-up
+        with_adapter, base_on_lora_engine = [], []
+        for _ in range(args.gen_rounds):
             with_adapter.append(await throughput(engine, args.prompts, args.tokens))
             base_on_lora_engine.append(await throughput(engine, args.prompts, args.tokens, lora_name=""))
         error = logprob_error((await engine.prompt_logprobs([SEQUENCE]))[0], model)
@@ -154,8 +167,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--gen-rounds", type=int, default=1, help="generation rounds per engine")
     args = parser.parse_args()
     from skylift.models import prepare_model
 
@@ -184,6 +198,7 @@ def main() -> None:
         "lora_engine_base_tok_s": round(lora["lora_engine_base_tok_s"], 1),
         "logprob_err_with_adapter": lora["logprob_err_with_adapter"],
         "repeats": args.repeats,
+        "gen_rounds": args.gen_rounds,
         "generation": f"{args.prompts} prompts x {args.tokens} tokens",
     }
     print(

@@ -176,6 +176,14 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
     lora = t.policy.model.lora
     if lora.rank > 0 and lora.alpha <= 0:
         problems.append(f"trainer.policy.model.lora.alpha={lora.alpha} must be > 0 when LoRA is on")
+    if cfg.generator.lora_sync_path and lora.rank == 0:
+        problems.append(
+            f"generator.lora_sync_path={cfg.generator.lora_sync_path!r} hands a LoRA adapter to the engines, "
+            "but trainer.policy.model.lora.rank is 0 (the full weights go over the weight-update group): "
+            "set a LoRA rank or drop lora_sync_path"
+        )
+    if lora.rank > 512:
+        problems.append(f"trainer.policy.model.lora.rank={lora.rank}: vLLM serves LoRA ranks up to 512")
     pl = t.placement
     for name in (
         "policy_num_nodes",

@@ -56,3 +56,14 @@ def test_ray_engine_actors_forward_the_lora_calls() -> None:
     from skylift.trainer.engines import ENGINE_METHODS
 
     assert {"load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"} <= ENGINE_METHODS
+
+
+def test_config_refuses_a_lora_sync_path_without_lora_and_a_rank_vllm_cannot_serve() -> None:
+    from skylift.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="lora_sync_path='/tmp/x' hands a LoRA adapter"):
+        load_config(["generator.lora_sync_path=/tmp/x"])
+    with pytest.raises(ConfigError, match="ranks up to 512"):
+        load_config(["trainer.policy.model.lora.rank=1024"])
+    cfg = load_config(["generator.lora_sync_path=/tmp/x", "trainer.policy.model.lora.rank=8"])
+    assert cfg.generator.lora_sync_path == "/tmp/x"
