@@ -60,3 +60,13 @@ def test_receiver_serves_the_protocol_rpc_names() -> None:
     assert len(names) == 5  # init, receive, receive stream, destroy, has group
     for name in names:
         assert callable(getattr(WeightSyncWorkerExtension, name, None)), name
+
+
+def test_test_module_basenames_are_unique() -> None:
+    # pytest imports test modules by basename (rootdir-relative, no packages): two files with one
+    # name in different test folders stop the whole run at collection
+    names: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not clashes, f"test modules sharing a basename: {clashes}"
