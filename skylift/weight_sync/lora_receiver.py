@@ -12,10 +12,9 @@ import logging
 import time
 from typing import Any
 
-from skylift.weight_sync.buckets import allocate_buffers, unpack_bucket, validate_bucket
+from skylift.weight_sync.buckets import unpack_bucket
 from skylift.weight_sync.lora import write_adapter_dir
-from skylift.weight_sync.process_group import WeightSyncError
-from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.process_group import receive_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +31,8 @@ class LoraReceiverExtension:
         peft_config: dict[str, Any],
     ) -> str | None:
         """Receive the adapter from rank 0; worker 0 writes it to `directory` and returns it."""
-        group = getattr(self, "_skylift_group", None)
-        if group is None:
-            raise WeightSyncError(
-                "no weight-update group on this worker: call init_weight_update_communicator first"
-            )
-        bucket = validate_bucket(WeightBucket(names=list(names), dtypes=list(dtypes), shapes=list(shapes)))
         start = time.perf_counter()
-        buffers = allocate_buffers(bucket, group.device)
-        for buffer in buffers:
-            group.broadcast(buffer, src=0)
+        bucket, buffers = receive_bucket(getattr(self, "_skylift_group", None), names, dtypes, shapes)
         if int(getattr(self, "rank", 0)) != 0:
             return None
         write_adapter_dir(directory, unpack_bucket(bucket, buffers), peft_config)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from skylift.utils.devices import Backend
 from skylift.utils.network import route_address
+from skylift.weight_sync.protocol import WeightBucket
 
 _HANDSHAKE_VALUE = 12345.0
 
@@ -196,3 +197,21 @@ def create_weight_sync_group(
         group.destroy()
         raise WeightSyncError(f"handshake in weight-sync {where} received {probe.item()}")
     return group
+
+
+def receive_bucket(
+    group: WeightSyncGroup | None, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> tuple[WeightBucket, list[torch.Tensor]]:
+    """An engine worker's half of one bucket's broadcast: the validated bucket and its flat buffers
+    (one per dtype) received from rank 0 of `group` (None: the worker joined no group)."""
+    from skylift.weight_sync.buckets import allocate_buffers, validate_bucket
+
+    if group is None:
+        raise WeightSyncError(
+            "no weight-update group on this worker: call init_weight_update_communicator first"
+        )
+    bucket = validate_bucket(WeightBucket(names=list(names), dtypes=list(dtypes), shapes=list(shapes)))
+    buffers = allocate_buffers(bucket, group.device)
+    for buffer in buffers:
+        group.broadcast(buffer, src=0)
+    return bucket, buffers

@@ -32,13 +32,15 @@ import torch
 from skylift.weight_sync.buckets import (
     BufferArena,
     NamedTensor,
-    allocate_buffers,
     unpack_bucket,
-    validate_bucket,
 )
 from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
-from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
-from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.process_group import (
+    WeightSyncError,
+    WeightSyncGroup,
+    create_weight_sync_group,
+    receive_bucket,
+)
 from skylift.weight_sync.stream import STREAM_DEPTH, BucketStream
 from skylift.weight_sync.torch_group import join_torch_layout_group
 
@@ -153,16 +155,8 @@ class WeightSyncWorkerExtension:
 
         Returns None, or (staging groups only) why nothing was loaded: a fused module left
         incomplete when the sender moved past its layer."""
-        group = self._skylift_group
-        if group is None:
-            raise WeightSyncError(
-                "no weight-update group on this worker: call init_weight_update_communicator first"
-            )
-        bucket = validate_bucket(WeightBucket(names=list(names), dtypes=list(dtypes), shapes=list(shapes)))
         start = time.perf_counter()
-        buffers = allocate_buffers(bucket, group.device)
-        for buffer in buffers:
-            group.broadcast(buffer, src=0)
+        bucket, buffers = receive_bucket(self._skylift_group, names, dtypes, shapes)
         received = time.perf_counter()
         weights = unpack_bucket(bucket, buffers)
         if self._skylift_stager is not None:
