@@ -61,6 +61,10 @@ class GeneratorSettings:
     #: a sample the engine aborted (a weight update with pause mode "abort") is resubmitted: its
     #: prompt plus the tokens sampled so far, for the tokens left (at most `MAX_RESUBMITS` times)
     resubmit_aborted: bool = False
+    #: label trajectories with the engines' per-token weight versions (fully async training, where
+    #: the engines are told each version); False: with the caller's `policy_version` (an engine's
+    #: labels may be left from another run or client of a shared server)
+    engine_versions: bool = False
 
 
 #: The most times one sample is resubmitted after an abort before it is kept as aborted.
@@ -211,7 +215,7 @@ class Generator:
         params: SamplingParams,
     ) -> Trajectory:
         completion = await self._resubmitted(prompt_ids, completion, params)
-        versions = completion.token_versions
+        versions = completion.token_versions if self.settings.engine_versions else None
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await self._env_step(env, text)
         env.close()
@@ -271,7 +275,11 @@ class Generator:
                 prompt_ids + response_ids, out[0].completions[0], turn_params, session_id
             )
             turns += 1
-            if versions is not None and completion.token_versions is not None:
+            if (
+                versions is not None
+                and completion.token_versions is not None
+                and self.settings.engine_versions
+            ):
                 versions += completion.token_versions
             else:
                 versions = None

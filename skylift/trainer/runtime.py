@@ -147,6 +147,7 @@ class Runtime:
                 max_turns=g.max_turns,
                 max_input_length=g.max_input_length,
                 zero_reward_on_non_stop=g.zero_reward_on_non_stop,
+                engine_versions=t.fully_async.enabled,
                 apply_overlong_filtering=g.apply_overlong_filtering,
                 env_kwargs=dict(cfg.environment.env_kwargs),
                 default_env_class=env_class,
