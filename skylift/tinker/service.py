@@ -397,6 +397,8 @@ class TinkerService:
             train_unembed=bool(lora.get("train_unembed", True)),
             seed=int(lora.get("seed") or 0),
         )
+        if config.lora_rank < 0:  # refused before a model record exists (the build checks it too)
+            raise UserError(f"lora_config.rank must be >= 0 (0 = full fine-tuning), got {config.lora_rank}")
         if config.is_lora:
             config.target_modules()  # validates the choice early
         return config
