@@ -21,6 +21,7 @@ final) is kept in memory until its result is written. A future is one of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -78,6 +79,7 @@ class FutureHub:
         self.store = store
         self.retention_s = retention_s
         self._live: dict[str, _Live] = {}
+        self._adding: dict[str, asyncio.Future[Any]] = {}  # records being written
         self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()  # dedup key -> (id, time)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-db-writer")
@@ -111,8 +113,19 @@ class FutureHub:
             self._keys[key] = (request_id, now)
         self._live[request_id] = _Live(owner=owner, model_id=model_id, event=asyncio.Event())
         row = FutureRow(request_id=request_id, kind=kind, model_id=model_id, owner=owner)
-        self._write(self.store.add, row).add_done_callback(self._log_write_error)
+        written = self._write(self.store.add, row)
+        written.add_done_callback(self._log_write_error)
+        self._adding[request_id] = written
+        written.add_done_callback(lambda _, rid=request_id: self._adding.pop(rid, None))
         return request_id, True
+
+    async def persisted(self, request_id: str) -> None:
+        """Wait until `request_id`'s record is written, so that a reply naming it survives a crash
+        right after (a failed write is logged by its callback)."""
+        written = self._adding.get(request_id)
+        if written is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(written)
 
     def _forget_old_keys(self) -> None:
         horizon = time.monotonic() - max(DEDUP_MEMORY_S, self.retention_s or 0.0)

@@ -161,16 +161,18 @@ class TinkerService:
             work = await prepare(request_id)
         except Exception as exc:
             hub.fail(request_id, exc)
+            await hub.persisted(request_id)
             return request_id
         if queue_seq is False:
             hub.start(request_id, work)
-            return request_id
-        queue = self.queues.get(str(model_id))
-        if queue is None:
-            hub.fail(request_id, RuntimeError(f"model {model_id} has no queue"))
-            return request_id
-        seq = None if queue_seq is None or queue_seq is True else int(queue_seq)
-        self.spawn(queue.put(seq, lambda: hub.execute(request_id, work)))
+        else:
+            queue = self.queues.get(str(model_id))
+            if queue is None:
+                hub.fail(request_id, RuntimeError(f"model {model_id} has no queue"))
+            else:
+                seq = None if queue_seq is None or queue_seq is True else int(queue_seq)
+                self.spawn(queue.put(seq, lambda: hub.execute(request_id, work)))
+        await hub.persisted(request_id)  # the reply names it: its record must survive a crash
         return request_id
 
     async def submit_model_op(
