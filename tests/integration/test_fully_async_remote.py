@@ -21,7 +21,7 @@ from skylift.weight_sync import WeightSender
 pytestmark = pytest.mark.integration
 
 SEQUENCE = [5, 17, 230, 999, 42, 8, 77, 301, 12, 64]
-LONG = SamplingParams(max_tokens=400, ignore_eos=True, temperature=1.0, seed=5)
+LONG = SamplingParams(max_tokens=500, ignore_eos=True, temperature=1.0, seed=5)
 
 
 def _post(url: str, body: dict) -> int:
@@ -61,7 +61,7 @@ def test_server_pause_keep_with_a_request_in_flight(tiny_server_url: str, tiny_m
         try:
             await engine.resume_generation(policy_version=10)
             request = asyncio.create_task(engine.generate([SEQUENCE[:4]], LONG))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)  # some tokens before the pause (a fast machine makes 500 in ~0.5 s)
             assert not request.done(), "the request finished before the pause: make it longer"
             await engine.pause_generation("keep")
             await sender.send_state_dict(moved)
