@@ -3,7 +3,7 @@ generation by adapter name, and the LoRA weight sync of a remote engine (in memo
 weight-update group, and through a directory).
 
 One server started with --enable-lora for the module. Run inside a loopback-only namespace:
-    /work/tools/wpytest tests/integration/test_lora_server.py
+    bash scripts/test.sh tests/integration/test_lora_server.py
 """
 
 from __future__ import annotations

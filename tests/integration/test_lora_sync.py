@@ -3,7 +3,7 @@
 The policy (an `RLWorker` with a rank-8 PEFT adapter on the tiny model, fp32) sends only its
 adapter, in memory over the weight-update group or through a directory; the engine then samples
 with it as its default adapter. Run inside a loopback-only namespace:
-    /work/tools/wpytest tests/integration/test_lora_sync.py   (or scripts/loopback.sh ...)
+    bash scripts/test.sh tests/integration/test_lora_sync.py
 """
 
 from __future__ import annotations
