@@ -237,6 +237,12 @@ class TrainerConfig:
         "padding-free: pack each micro-batch's sequences into one row (position ids restart per "
         "sequence; transformers builds the block-diagonal mask)",
     )
+    share_prefixes: bool = _f(
+        False,
+        "prefix sharing: each micro-batch as one row holding every distinct token prefix once (a "
+        "shared prompt or system message, identical samples), with a tree attention mask; same "
+        "numbers as the padded passes; sdpa or eager attention only; wins over remove_microbatch_padding",
+    )
     max_prompt_length: int = _f(
         512, "longest prompt in tokens; longer prompts are dropped from the data", ge=1
     )

@@ -113,6 +113,7 @@ def micro_batch_settings(cfg: SkyliftConfig) -> dict[str, Any]:
     return {
         "max_tokens_per_microbatch": budget if budget > 0 else None,
         "remove_microbatch_padding": t.remove_microbatch_padding,
+        "share_prefixes": t.share_prefixes,
     }
 
 
