@@ -152,6 +152,8 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
+    if g.kv_cache_block_size is not None:
+        kwargs["block_size"] = g.kv_cache_block_size
     if g.kv_cache_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
     if sleep_mode:
