@@ -66,6 +66,11 @@ class LoraConfig:
     target_modules: str | list[str] = _f(
         "all-linear", "modules that get adapters: 'all-linear' or a list of names"
     )
+    lora_sync_path: str | None = _f(
+        None,
+        "SkyRL's name for generator.lora_sync_path (the same effect; set both only to the same "
+        "directory): directory through which each sync hands the adapter to the engines",
+    )
 
 
 @dataclass

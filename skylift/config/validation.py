@@ -176,12 +176,27 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
     lora = t.policy.model.lora
     if lora.rank > 0 and lora.alpha <= 0:
         problems.append(f"trainer.policy.model.lora.alpha={lora.alpha} must be > 0 when LoRA is on")
-    if cfg.generator.lora_sync_path and lora.rank == 0:
-        problems.append(
-            f"generator.lora_sync_path={cfg.generator.lora_sync_path!r} hands a LoRA adapter to the engines, "
-            "but trainer.policy.model.lora.rank is 0 (the full weights go over the weight-update group): "
-            "set a LoRA rank or drop lora_sync_path"
+    sync_paths = {
+        key: path
+        for key, path in (
+            ("generator.lora_sync_path", cfg.generator.lora_sync_path),
+            ("trainer.policy.model.lora.lora_sync_path", lora.lora_sync_path),
         )
+        if path
+    }
+    if len(set(sync_paths.values())) > 1:
+        problems.append(
+            "generator.lora_sync_path and trainer.policy.model.lora.lora_sync_path (SkyRL's name for "
+            f"the same setting) name different directories ({sync_paths['generator.lora_sync_path']!r} "
+            f"and {sync_paths['trainer.policy.model.lora.lora_sync_path']!r}): set one of them"
+        )
+    for key, path in sync_paths.items():
+        if lora.rank == 0:
+            problems.append(
+                f"{key}={path!r} hands a LoRA adapter to the engines, but trainer.policy.model.lora.rank "
+                "is 0 (the full weights go over the weight-update group): set a LoRA rank or drop "
+                "lora_sync_path"
+            )
     if lora.rank > 512:
         problems.append(f"trainer.policy.model.lora.rank={lora.rank}: vLLM serves LoRA ranks up to 512")
     pl = t.placement

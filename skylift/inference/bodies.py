@@ -147,3 +147,5 @@ class ReceiveLoraAdapterBody(UpdateWeightsBody):
     name: str = Field(min_length=1)
     peft_config: dict[str, Any]
     activate: bool = True
+    #: loaded adapters it supersedes: unloaded in the same engine call
+    retire: list[str] = Field(default_factory=list)

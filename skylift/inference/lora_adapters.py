@@ -9,6 +9,11 @@ Generation names an adapter with `lora_name`: None means the engine's default ad
 a LoRA weight sync loaded last with `activate`; none: the base model), "" the base model.
 Inside the HTTP server the table is vLLM's own (`OpenAIServingModels.lora_requests`), so vLLM's
 OpenAI routes serve the same adapters (`model` = the adapter's name) and list them in /v1/models.
+
+An adapter received in memory (`receive`) is built in the workers from the received tensors
+(`skylift.weight_sync.lora_install`) and exists nowhere on disk: vLLM could not load it again if
+its LRU cache evicted it, so while the table holds one, loading beyond the cache's size
+(`max_cpu_loras`) is refused rather than letting vLLM evict.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import asyncio
 import itertools
 import logging
 import os
-import shutil
 import tempfile
 from typing import Any
 
 from skylift.inference.types import (
+    EngineError,
     EngineNotFoundError,
     EngineRequestError,
     EngineStateError,
@@ -39,10 +44,13 @@ class LoraAdapterNotFoundError(EngineNotFoundError):
     """No adapter of that name is loaded, or no adapter lives at that path (HTTP 404)."""
 
 
-def adapter_scratch_root() -> str:
-    """Where an engine writes adapters received in memory: tmpfs (/dev/shm) when there is one."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+#: the `lora_path` of an adapter received in memory (vLLM's request needs one; nothing is there)
+IN_MEMORY_PATH = "skylift-in-memory-lora"
+
+
+def in_memory_path(lora_name: str) -> str:
+    """A path that names the adapter and says where it lives, should vLLM ever try to read it."""
+    return os.path.join(tempfile.gettempdir(), IN_MEMORY_PATH, lora_name)
 
 
 class LoraAdapters:
@@ -53,8 +61,10 @@ class LoraAdapters:
         self._registry = registry
         self._requests: dict[str, Any] = registry.lora_requests if registry is not None else {}
         self._ids = itertools.count(1)
-        self._scratch: dict[str, str] = {}  # adapter name -> directory this engine wrote (ours to delete)
+        self._in_memory: set[str] = set()  # adapters received in memory (in no directory)
         self.default: str | None = None
+        #: seconds of each part of the last in-memory receive, per worker (`lora_install`)
+        self.last_receive: list[dict[str, float]] = []
 
     @property
     def enabled(self) -> bool:
@@ -85,6 +95,22 @@ class LoraAdapters:
             )
         return found
 
+    def capacity(self) -> int:
+        """How many adapters the workers' cache holds (vLLM's `max_cpu_loras`)."""
+        config = self._owner.vllm_engine.vllm_config.lora_config
+        return int(config.max_cpu_loras or config.max_loras)
+
+    def _require_room(self, operation: str, leaving: int = 0, in_memory: bool = False) -> None:
+        """Refuse a new adapter (`in_memory`: received in memory) that would make vLLM evict one
+        from its cache while the table holds an in-memory one (vLLM cannot reload it from disk)."""
+        held = len(self._requests) - leaving
+        if (self._in_memory or in_memory) and held + 1 > self.capacity():
+            raise EngineStateError(
+                f"{self._owner.name}: {operation}: the engine holds {held} LoRA adapters, as many as its "
+                f"cache (max_cpu_loras={self.capacity()}), and an adapter received in memory cannot be "
+                f"reloaded from disk (in memory: {sorted(self._in_memory) or 'the new one'}): unload one first"
+            )
+
     def _next_id(self) -> int:
         if self._registry is not None:
             return int(self._registry.lora_id_counter.inc(1))
@@ -113,6 +139,8 @@ class LoraAdapters:
                 f"{ADAPTER_CONFIG_FILE} and adapter_model.safetensors, as PEFT saves it)"
             )
         previous = self._requests.get(lora_name)
+        if previous is None:
+            self._require_room(operation)
         request = LoRARequest(
             lora_name=lora_name,
             lora_int_id=previous.lora_int_id if previous is not None else self._next_id(),
@@ -121,9 +149,7 @@ class LoraAdapters:
         )
         await self._add(operation, request)
         self._requests[lora_name] = request
-        old_scratch = self._scratch.pop(lora_name, None)
-        if old_scratch is not None and old_scratch != lora_path:
-            shutil.rmtree(old_scratch, ignore_errors=True)
+        self._in_memory.discard(lora_name)
         if activate:
             self.default = lora_name
         if previous is not None:  # same name, new weights: cached prefixes were computed with the old
@@ -167,18 +193,20 @@ class LoraAdapters:
                 self._owner.vllm_engine.remove_lora(request.lora_int_id),
                 self._owner.control_timeout_s,
             )
-        del self._requests[lora_name]
+        self._forget(lora_name)
+
+    def _forget(self, lora_name: str) -> None:
+        self._requests.pop(lora_name, None)
+        self._in_memory.discard(lora_name)
         if self.default == lora_name:
             self.default = None
-        scratch = self._scratch.pop(lora_name, None)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     async def receive(
         self, bucket: WeightBucket, adapter: LoraAdapterSpec, weight_lock: asyncio.Lock
     ) -> None:
-        """Receive the adapter over the engine's weight-update group (under its `weight_lock`),
-        write it to a scratch directory on this host, and load it."""
+        """Receive the adapter over the engine's weight-update group (under its `weight_lock`) and
+        install it from the received tensors; the adapters it supersedes (`adapter.retire`) leave
+        in the same engine call."""
         try:
             bucket = validate_bucket(bucket)
         except ValueError as exc:
@@ -192,33 +220,50 @@ class LoraAdapters:
             await self._receive(bucket, adapter)
 
     async def _receive(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        self._require_enabled("receive_lora_adapter")
-        if adapter.name in self._requests:
-            raise EngineRequestError(
-                f"{self._owner.name}: receive_lora_adapter: an adapter named {adapter.name!r} is already "
-                "loaded; a new version needs a new name"
-            )
-        directory = tempfile.mkdtemp(prefix="skylift-lora-", dir=adapter_scratch_root())
+        from vllm.lora.request import LoRARequest
+
+        operation = f"receive_lora_adapter({adapter.name!r}, {len(bucket.names)} tensors)"
+        retire = [name for name in dict.fromkeys(adapter.retire) if name in self._requests]
         try:
-            args = (*bucket.rpc_args(), directory, adapter.peft_config)
-            results = await self._owner._rpc(
-                f"receive_lora_adapter({adapter.name!r}, {len(bucket.names)} tensors)",
+            self._require_enabled("receive_lora_adapter")
+            if adapter.name in self._requests:
+                raise EngineRequestError(
+                    f"{self._owner.name}: receive_lora_adapter: an adapter named {adapter.name!r} is "
+                    "already loaded; a new version needs a new name"
+                )
+            self._require_room(operation, leaving=len(retire), in_memory=True)
+        except EngineError:
+            # the sender is broadcasting: take the bucket in and drop it, so the group stays usable
+            await self._owner._rpc(
+                f"{operation} (dropped)",
                 RPC_RECEIVE_LORA,
-                args,
+                (*bucket.rpc_args(), 0, {}, []),
                 self._owner.update_timeout_s,
             )
-            if directory not in results:
-                raise EngineStateError(
-                    f"{self._owner.name}: receive_lora_adapter: no worker wrote the adapter"
-                )
-            await self.load(adapter.name, directory, activate=adapter.activate)
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
             raise
-        self._scratch[adapter.name] = directory
+        request = LoRARequest(
+            lora_name=adapter.name, lora_int_id=self._next_id(), lora_path=in_memory_path(adapter.name)
+        )
+        retire_ids = [self._requests[name].lora_int_id for name in retire]
+        args = (*bucket.rpc_args(), request.lora_int_id, adapter.peft_config, retire_ids)
+        try:
+            self.last_receive = await self._owner._rpc(
+                operation, RPC_RECEIVE_LORA, args, self._owner.update_timeout_s
+            )
+        finally:  # the workers drop the superseded adapters before they receive
+            for name in retire:
+                self._forget(name)
+        self._requests[adapter.name] = request
+        self._in_memory.add(adapter.name)
+        if adapter.activate:
+            self.default = adapter.name
+        logger.info(
+            "%s: installed LoRA adapter %r received in memory%s",
+            self._owner.name,
+            adapter.name,
+            f" (unloaded {retire})" if retire else "",
+        )
 
     def close(self) -> None:
-        """Delete the scratch directories (the engine is going away)."""
-        for directory in self._scratch.values():
-            shutil.rmtree(directory, ignore_errors=True)
-        self._scratch.clear()
+        """Forget the adapters (the engine is going away)."""
+        self._in_memory.clear()

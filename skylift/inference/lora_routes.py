@@ -8,8 +8,9 @@
   --max-lora-rank). skylift's `activate: true` also makes it the default of `/skylift/generate`;
 - POST `/v1/unload_lora_adapter` `{"lora_name"}`: 400 without a name, 404 for an unknown one;
 - POST `/skylift/receive_lora_adapter`: the in-memory LoRA sync (`skylift.weight_sync.lora`): the
-  adapter's bucket metadata, its `name` and `peft_config`; the tensors arrive over the weight-update
-  group while the request is open.
+  adapter's bucket metadata, its `name` and `peft_config`, and the adapters it supersedes
+  (`retire`, unloaded in the same engine call); the tensors arrive over the weight-update group
+  while the request is open.
 
 Generation names an adapter as vLLM does: OpenAI `model` = the adapter's name on /v1/completions
 and /v1/chat/completions (the adapters live in vLLM's own table, listed by /v1/models), or
@@ -89,7 +90,9 @@ async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> 
 async def receive_lora_adapter(body: ReceiveLoraAdapterBody, request: Request) -> dict[str, object]:
     """Receive a LoRA adapter over the weight-update group (the trainer broadcasts meanwhile)."""
     bucket = WeightBucket(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
-    adapter = LoraAdapterSpec(name=body.name, peft_config=body.peft_config, activate=body.activate)
+    adapter = LoraAdapterSpec(
+        name=body.name, peft_config=body.peft_config, activate=body.activate, retire=body.retire
+    )
     engine = _state(request).engine
     await _engine(engine.receive_lora_adapter(bucket, adapter))
     return {"status": "ok", "lora_name": body.name, "default": engine.lora.default}

@@ -14,6 +14,7 @@ from skylift.config.schema import SkyliftConfig
 from skylift.inference.pool import EnginePool
 from skylift.trainer.async_rollouts import needs_weight_sync
 from skylift.trainer.engines import EngineRef
+from skylift.trainer.settings import lora_sync_path
 from skylift.trainer.workers import WorkerGroup
 
 
@@ -42,7 +43,7 @@ class EngineWeights:
         self.master_address = g.weight_sync_master_address  # None: derived (see RLWorker.init_weight_sync)
         self.override_existing = _override_flag(g.override_existing_update_group)
         # a LoRA policy's adapter goes through this directory instead of the group (None: in memory)
-        self.lora_sync_path = g.lora_sync_path
+        self.lora_sync_path = lora_sync_path(cfg)
         self.version = 0
         self.asleep = False
         fa = cfg.trainer.fully_async

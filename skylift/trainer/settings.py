@@ -269,3 +269,10 @@ def start_ray_run(cfg: SkyliftConfig) -> RayRun:
         f"placement: {placement.layout()} (ready in {time.perf_counter() - started_at:.1f} s with Ray start-up)"
     )
     return RayRun(started=started, placement=placement, lines=lines)
+
+
+def lora_sync_path(cfg: SkyliftConfig) -> str | None:
+    """The directory a LoRA policy's syncs hand the adapter over through (None: in memory):
+    `generator.lora_sync_path`, or SkyRL's `trainer.policy.model.lora.lora_sync_path` (validation
+    refuses the two naming different directories)."""
+    return cfg.generator.lora_sync_path or cfg.trainer.policy.model.lora.lora_sync_path or None

@@ -4,8 +4,8 @@ With `trainer.policy.model.lora.rank > 0` the engines serve the base model plus 
 adapter (vLLM's LoRA support), and a sync moves only the adapter's tensors, one of two ways:
 
 - in memory: one bucket (`WeightBucket` wire format) broadcast over the existing weight-update
-  group; each engine's workers receive it (`RPC_RECEIVE_LORA`, `lora_receiver`), worker 0 writes
-  it to a directory on the engine's host (tmpfs where there is one) and the engine loads it;
+  group; each engine's workers receive it (`RPC_RECEIVE_LORA`, `lora_receiver`) and build vLLM's
+  LoRA model from the received tensors (`lora_install`: no file), all in one engine round trip;
 - through a directory (`generator.lora_sync_path`, a path the engines can read): rank 0 writes
   the adapter there in PEFT's layout (`adapter_model.safetensors` + `adapter_config.json`) and
   every engine loads it (vLLM's `/v1/load_lora_adapter` semantics).
@@ -14,7 +14,8 @@ Each sync publishes a new adapter under a new name (`LoraPublisher`), made the e
 for generation: a prefix-cache entry is keyed by the adapter's name, so blocks computed with old
 adapter weights can never serve the new ones. The previous version stays loaded until the next
 sync (requests still running with it, e.g. kept across an in-flight update, can finish); older
-ones are unloaded first, so an engine holds at most two (`engine_args.LORA_SYNC_MAX_LORAS`).
+ones go first (in memory: in the same engine call that installs the new one, `retire`; through a
+directory: unloaded before), so an engine holds at most two (`engine_args.LORA_SYNC_MAX_LORAS`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from skylift.utils.calls import call_with_timeout, gather_all
-from skylift.weight_sync.buckets import NamedTensor, pack_bucket, tensor_nbytes
+from skylift.weight_sync.buckets import NamedTensor, dtype_order, dtype_to_str, pack_bucket, tensor_nbytes
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
 from skylift.weight_sync.protocol import WeightBucket
 
@@ -56,6 +57,8 @@ class LoraAdapterSpec:
     peft_config: dict[str, Any] = field(default_factory=dict)
     #: make it the engine's default adapter (generation that names none samples with it)
     activate: bool = True
+    #: adapters this one supersedes: unloaded in the same engine call (in-memory sync only)
+    retire: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -134,6 +137,37 @@ async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
     return await gather_all(tasks, fail_fast=True)
 
 
+def adapter_bucket(named_tensors: Sequence[NamedTensor]) -> WeightBucket:
+    """The wire metadata of an adapter's one bucket (what `pack_adapter` fills)."""
+    return WeightBucket(
+        names=[name for name, _ in named_tensors],
+        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
+        shapes=[list(t.shape) for _, t in named_tensors],
+    )
+
+
+def pack_adapter(named_tensors: Sequence[NamedTensor], device: torch.device) -> list[torch.Tensor]:
+    """The flat wire buffers of `adapter_bucket(named_tensors)`. On CPU each tensor is copied into
+    its dtype's buffer as bytes (numpy: one thread, no OpenMP): as fast as torch.cat on a quiet
+    machine and ~25x faster on a loaded one, where torch's threads wait on each other (measured:
+    40 ms against 1 s for 420 tensors, 39 MB, at load 10 on 2 cores)."""
+    if device.type != "cpu" or any(t.device.type != "cpu" for _, t in named_tensors):
+        return pack_bucket(list(named_tensors), device)[1]
+    buffers = []
+    for dtype in dtype_order([dtype_to_str(t.dtype) for _, t in named_tensors]):
+        parts = [
+            t.detach().contiguous().reshape(-1) for _, t in named_tensors if dtype_to_str(t.dtype) == dtype
+        ]
+        flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
+        out, offset = flat.view(torch.uint8).numpy(), 0
+        for part in parts:
+            raw = part.view(torch.uint8).numpy()
+            out[offset : offset + raw.size] = raw
+            offset += raw.size
+        buffers.append(flat)
+    return buffers
+
+
 async def broadcast_adapter(
     group: WeightSyncGroup,
     engines: Sequence[LoraSyncTarget],
@@ -141,10 +175,12 @@ async def broadcast_adapter(
     adapter: LoraAdapterSpec,
     timeout_s: float,
 ) -> int:
-    """Send the adapter as one bucket over `group` (rank 0 here) to every engine; returns bytes sent."""
+    """Send the adapter as one bucket over `group` (rank 0 here) to every engine; returns bytes
+    sent. Packed before the engines are called: they wait in the broadcast only for the wire."""
     import asyncio
 
-    bucket, buffers = pack_bucket(list(named_tensors), group.device)
+    bucket = adapter_bucket(named_tensors)
+    buffers = await asyncio.to_thread(pack_adapter, named_tensors, group.device)
 
     def broadcast_all() -> None:
         for buf in buffers:
@@ -168,7 +204,7 @@ async def broadcast_adapter(
         )
         for i, e in enumerate(engines)
     ]
-    await _all([own, *calls])
+    await _all([*calls, own])
     return sum(b.numel() * b.element_size() for b in buffers)
 
 
@@ -227,29 +263,32 @@ class LoraPublisher:
         timeout_s: float = 300.0,
     ) -> LoraSyncStats:
         """Load the adapter on every engine as their default under a new name (versions older
-        than `keep_previous` unloaded first). In memory over `group`, or through `sync_path`."""
+        than `keep_previous` leave). In memory over `group`, or through `sync_path`."""
         if not engines:
             raise WeightSyncError("LoRA sync: no engine to send the adapter to")
+        if not sync_path and group is None:
+            raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_weight_sync)")
         start = time.perf_counter()
-        while len(self._live) > self.keep_previous:
-            old, old_dir = self._live.pop(0)
-            await self._unload(engines, old, timeout_s)
-            if old_dir is not None:
-                shutil.rmtree(old_dir, ignore_errors=True)
+        superseded = self._live[: max(0, len(self._live) - self.keep_previous)]
+        del self._live[: len(superseded)]
         self.version += 1
         adapter = LoraAdapterSpec(f"{self.prefix}-v{self.version}", json_ready(peft_config), activate=True)
         tensors = [(name, t.detach()) for name, t in named_tensors]
+        directory: str | None = None
         if sync_path:
+            for old, _ in superseded:
+                await self._unload(engines, old, timeout_s)
             directory = os.path.join(sync_path, adapter.name)
             nbytes = await load_from_directory(engines, directory, tensors, adapter, timeout_s)
-            mode = "directory"
         else:
-            if group is None:
-                raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_weight_sync)")
-            directory = None
+            assert group is not None
+            adapter.retire = [old for old, _ in superseded]  # they leave in the engines' same call
             nbytes = await broadcast_adapter(group, engines, tensors, adapter, timeout_s)
-            mode = "memory"
+        for _, old_dir in superseded:
+            if old_dir is not None:
+                shutil.rmtree(old_dir, ignore_errors=True)
         self._live.append((adapter.name, directory))
+        mode = "directory" if sync_path else "memory"
         return LoraSyncStats(adapter.name, len(tensors), nbytes, time.perf_counter() - start, mode)
 
     async def _unload(self, engines: Sequence[LoraSyncTarget], name: str, timeout_s: float) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from skylift.utils.calls import call_with_timeout, gather_all
 from skylift.utils.devices import Backend, default_backend
+from skylift.utils.memory import release_free_heap
 from skylift.utils.network import route_address, url_host
 from skylift.weight_sync.buckets import BufferArena, NamedTensor, iter_buckets, pack_bucket
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup, create_weight_sync_group
@@ -243,6 +244,14 @@ class WeightSender:
         Returns when every engine has loaded every bucket (and reset its prefix cache).
         `overlap`: this sync's path (None: the sender's `overlap`; see the class).
         """
+        try:
+            return await self._send(named_tensors, bucket_bytes, overlap)
+        finally:
+            release_free_heap()  # the packed and cast copies of this sync (see release_free_heap)
+
+    async def _send(
+        self, named_tensors: Iterable[NamedTensor], bucket_bytes: int, overlap: bool | None
+    ) -> SyncStats:
         group = self._require_group()
         overlap = self.overlap if overlap is None else overlap
         if overlap and all(callable(getattr(e, "receive_weight_stream", None)) for e in self._engines):

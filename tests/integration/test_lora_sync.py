@@ -8,6 +8,8 @@ with it as its default adapter. Run inside a loopback-only namespace:
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,12 @@ from lora_helpers import RANK, SEQUENCES, TOLERANCE, adapter_bytes, perturb_adap
 from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.lora_adapters import LoraAdapterNotFoundError
-from skylift.inference.types import EngineRequestError
+from skylift.inference.types import EngineRequestError, EngineStateError
 from skylift.trainer.engines import EngineActor, EngineRef
 from skylift.trainer.workers import RLWorker
 from skylift.training.worker import WorkerSettings
+from skylift.weight_sync.lora import write_adapter_dir
+from skylift.weight_sync.process_group import WeightSyncError
 
 pytestmark = pytest.mark.integration
 
@@ -134,6 +138,52 @@ def test_load_refusals(lora_engine: LocalVLLMEngine, loop: Any, tmp_path: Path) 
         loop.run(lora_engine.load_lora_adapter(current, str(tmp_path)))
     with pytest.raises(LoraAdapterNotFoundError, match="cannot be found"):
         loop.run(lora_engine.unload_lora_adapter("never-loaded"))
+
+
+def test_an_adapter_received_in_memory_is_in_no_file_and_never_evicted(
+    lora_engine: LocalVLLMEngine, loop: Any, policy: RLWorker, tmp_path: Path
+) -> None:
+    for seed in (6, 7):
+        perturb_adapter(policy, seed=seed)
+        policy.sync_weights()
+    names = lora_engine.lora.names()
+    assert len(names) == 2 and lora_engine.lora.default == names[-1]
+    assert not any(os.path.exists(lora_engine.lora.request_for(n).lora_path) for n in names)
+    assert max_error(lora_engine, loop, policy) < TOLERANCE
+    # a third adapter would make vLLM's cache evict one it could not reload: refused
+    tensors, config = policy.lora_adapter()
+    write_adapter_dir(str(tmp_path / "extra"), tensors, config)
+    with pytest.raises(EngineStateError, match="max_cpu_loras=2"):
+        loop.run(lora_engine.load_lora_adapter("extra", str(tmp_path / "extra")))
+    assert lora_engine.lora.names() == names
+
+
+def test_refused_adapters_leave_the_group_usable_and_the_engine_serving(
+    lora_engine: LocalVLLMEngine, loop: Any, policy: RLWorker
+) -> None:
+    """An adapter refused before the workers are called (the engine's cache is full) or by them (a
+    rank above max_lora_rank): the broadcast is taken in all the same (no sender waits for its
+    timeout), the engine keeps serving the current adapter, and the next sync works."""
+    from skylift.weight_sync.lora import LoraPublisher
+
+    perturb_adapter(policy, seed=8)
+    policy.sync_weights()
+    current = lora_engine.lora.default
+    tensors, config = policy.lora_adapter()
+    group = policy._sender.group  # type: ignore[union-attr]
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match="max_cpu_loras=2"):  # a publisher retiring nothing
+        loop.run(LoraPublisher().publish([lora_engine], tensors, config, group=group, timeout_s=120.0))
+    with pytest.raises(WeightSyncError, match="max_lora_rank"):
+        publisher = policy._lora  # type: ignore[attr-defined]
+        loop.run(publisher.publish([lora_engine], tensors, {**config, "r": 64}, group=group, timeout_s=120.0))
+    assert time.monotonic() - started < 60.0
+    assert lora_engine.lora.default == current
+    assert max_error(lora_engine, loop, policy) < TOLERANCE
+    perturb_adapter(policy, seed=9)
+    policy.sync_weights()  # the group still carries the next sync
+    assert lora_engine.lora.default != current
+    assert max_error(lora_engine, loop, policy) < TOLERANCE
 
 
 def test_ray_engine_actor_forwards_the_lora_calls(lora_engine: LocalVLLMEngine, loop: Any) -> None:

@@ -67,3 +67,21 @@ def test_config_refuses_a_lora_sync_path_without_lora_and_a_rank_vllm_cannot_ser
         load_config(["trainer.policy.model.lora.rank=1024"])
     cfg = load_config(["generator.lora_sync_path=/tmp/x", "trainer.policy.model.lora.rank=8"])
     assert cfg.generator.lora_sync_path == "/tmp/x"
+
+
+def test_skyrl_lora_sync_path_key_has_the_same_effect() -> None:
+    from skylift.config import ConfigError, load_config
+    from skylift.trainer.settings import lora_sync_path
+
+    lora = ["trainer.policy.model.lora.rank=8"]
+    assert lora_sync_path(load_config(lora)) is None
+    skyrl = load_config([*lora, "trainer.policy.model.lora.lora_sync_path=/shared/adapters"])
+    assert lora_sync_path(skyrl) == "/shared/adapters"
+    ours = load_config([*lora, "generator.lora_sync_path=/shared/adapters"])
+    assert lora_sync_path(ours) == "/shared/adapters"
+    both = [*lora, "generator.lora_sync_path=/a", "trainer.policy.model.lora.lora_sync_path=/a"]
+    assert lora_sync_path(load_config(both)) == "/a"
+    with pytest.raises(ConfigError, match="name different directories"):
+        load_config([*lora, "generator.lora_sync_path=/a", "trainer.policy.model.lora.lora_sync_path=/b"])
+    with pytest.raises(ConfigError, match=r"trainer.policy.model.lora.lora_sync_path='/a'.*rank is 0"):
+        load_config(["trainer.policy.model.lora.lora_sync_path=/a"])
