@@ -64,7 +64,7 @@ for _key, _value in {
 
 MODEL = "smollm2-135m-instruct"
 #: skylift's two runs: every row trained (the headline `ratio`) and the default settings
-SKYLIFT_RUNS = ("skylift", "skylift-default")
+SKY_RUNS = ("skylift", "skylift-default")
 CHILD_TIMEOUT_S = 1800.0
 
 
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skylift-override", action="append", default=[], help="extra key=value for skylift's config"
     )
     parser.add_argument("--order", choices=["skylift-first", "trl-first"], default="skylift-first")
-    parser.add_argument("--side", choices=[*SKYLIFT_RUNS, "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=[*SKY_RUNS, "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as tmp:
         work = Path(tmp)
-        sides = [*SKYLIFT_RUNS, "trl"] if args.order == "skylift-first" else ["trl", *SKYLIFT_RUNS]
+        sides = [*SKY_RUNS, "trl"] if args.order == "skylift-first" else ["trl", *SKY_RUNS]
         results: dict[str, dict[str, Any]] = {}
         memory: dict[str, TreeMemorySampler] = {}
         for side in sides:
@@ -663,7 +663,7 @@ def report(
     Returns 0 when the rewards agree, else 1."""
     sides = list(results)
     sky, default, trl_res = results["skylift"], results["skylift-default"], results["trl"]
-    agreements = {run: check_agreement(results[run], trl_res) for run in SKYLIFT_RUNS}
+    agreements = {run: check_agreement(results[run], trl_res) for run in SKY_RUNS}
     ratio = sky["step_s"] / trl_res["step_s"]
     ratio_default = default["step_s"] / trl_res["step_s"]
     gib = 2**30
@@ -677,7 +677,7 @@ def report(
         f"one GRPO step, {MODEL} fp32, {args.num_prompts} prompts x {args.group_size} samples, "
         f"<= {args.max_new_tokens} new tokens, lr {args.lr:g}, no KL"
     )
-    for run, label in zip(SKYLIFT_RUNS, ("every row trained", "default settings"), strict=True):
+    for run, label in zip(SKY_RUNS, ("every row trained", "default settings"), strict=True):
         _skylift_lines(label, results[run], peak[run], peak_step[run], peak_pss[run])
     print(
         f"TRL {trl_res['trl_version']}: step {trl_res['step_s']:.1f} s ({_fmt_phases(trl_res['phases'])}); "
