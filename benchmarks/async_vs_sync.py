@@ -2,9 +2,10 @@
 
 Each mode runs in its own child process (fresh engine, same seed, same data): GRPO on the
 addition-demo task, in-process engine (placement backend "local"), no evaluation or checkpoints.
-The step time compared is the mean `timing/step_s` of steps 2..N-1, the steady state: step 1 of
-an async run has nothing to overlap with (it generates its own batch first) and step N has no
-next batch to generate, so both would flatter or penalise async unfairly. Also reported: the per-step phases (generate, wait, train, sync, idle)
+The step time compared is the mean `timing/step_s` of steps 2..N-1, the steady state
+(`_runs.step_figures`): step 1 of an async run has nothing to overlap with (it generates its own
+batch first) and step N has no next batch to generate, so both would flatter or penalise async
+unfairly. Also reported: the per-step phases (generate, wait, train, sync, idle)
 and the final sampled reward of both runs (async trains on rollouts one update old).
 
 Prints a table and, last, one JSON line:
@@ -19,14 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from _runs import run_child, run_overrides, step_figures, timed_fit
 from _servers import set_benchmark_env
 
 set_benchmark_env()
@@ -36,13 +34,10 @@ PHASES = ("generate_s", "wait_s", "logprobs_s", "train_s", "weight_sync_s", "idl
 
 def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str) -> list[str]:
     return [
+        *run_overrides(data, run_dir, f"async_vs_sync_{mode}", args.steps),
         f"trainer.policy.model.path={args.model}",
-        f"data.train_data=['{data / 'train.parquet'}']",
-        "data.val_data=[]",
-        f"trainer.run_name=async_vs_sync_{mode}",
         f"trainer.async_training={mode == 'async'}",
         "trainer.max_staleness_steps=1",
-        f"trainer.max_steps={args.steps}",
         f"trainer.train_batch_size={args.prompts}",
         f"trainer.policy_mini_batch_size={args.prompts}",
         f"generator.n_samples_per_prompt={args.samples}",
@@ -54,70 +49,28 @@ def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str) ->
         f"trainer.micro_forward_batch_size_per_gpu={args.prompts * args.samples}",
         "trainer.placement.backend=local",
         "trainer.gradient_checkpointing=false",
-        "trainer.eval_before_train=false",
-        "trainer.eval_interval=-1",
-        "trainer.ckpt_interval=-1",
-        "trainer.hf_save_interval=-1",
-        "trainer.resume_mode=none",
         "trainer.max_prompt_length=128",
-        f"trainer.ckpt_path={run_dir / 'ckpts'}",
-        f"trainer.export_path={run_dir / 'exports'}",
-        f"trainer.log_dir={run_dir / 'logs'}",
-        "trainer.logger=console",
     ]
 
 
 def child(args: argparse.Namespace) -> None:
     """Run one mode and write its figures as JSON to `args.out`."""
-    from skylift.config import load_config
-    from skylift.trainer.loop import RLTrainer
-
     run_dir = Path(args.out).parent / args.child
-    trainer = RLTrainer(load_config(overrides(args, Path(args.data), run_dir, args.child)), console=True)
-    try:
-        started = time.perf_counter()
-        trainer.setup()
-        setup_s = time.perf_counter() - started
-        started = time.perf_counter()
-        history = trainer.fit()
-        fit_s = time.perf_counter() - started
-    finally:
-        trainer.shutdown()
-    rows = [h for h in history if "reward/mean" in h]
-    timed = rows[1:-1] or rows
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "setup_s": setup_s,
-                "fit_s": fit_s,
-                "step_s": statistics.fmean(h["timing/step_s"] for h in timed),
-                "step_times": [h["timing/step_s"] for h in rows],
-                "phases": {p: statistics.fmean(h.get(f"timing/{p}", 0.0) for h in timed) for p in PHASES},
-                "rewards": [h["reward/mean"] for h in rows],
-                "final_reward": rows[-1]["reward/mean"],
-                "staleness_max": max(h["async/staleness_max"] for h in rows),
-            }
-        )
-    )
+    rows, figures = timed_fit(overrides(args, Path(args.data), run_dir, args.child))
+    Path(args.out).write_text(json.dumps({**figures, **step_figures(rows, PHASES)}))
 
 
 def run_mode(args: argparse.Namespace, mode: str, data: Path, work: Path) -> dict[str, Any]:
-    out = work / f"{mode}.json"
-    cmd = [
-        sys.executable,
+    return run_child(
         __file__,
-        "--child",
         mode,
-        "--out",
-        str(out),
-        "--data",
-        str(data),
-        *("--model", args.model, "--steps", str(args.steps), "--prompts", str(args.prompts)),
-        *("--samples", str(args.samples), "--max-tokens", str(args.max_tokens), "--lr", str(args.lr)),
-    ]
-    print(f"[bench] {mode}: {' '.join(cmd[2:4])} ...", flush=True)
-    subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())
+        work / f"{mode}.json",
+        [
+            *("--child", mode, "--data", str(data)),
+            *("--model", args.model, "--steps", str(args.steps), "--prompts", str(args.prompts)),
+            *("--samples", str(args.samples), "--max-tokens", str(args.max_tokens), "--lr", str(args.lr)),
+        ],
+    )
 
 
 def main() -> None:

@@ -2,12 +2,16 @@
 
 Four child processes (fresh engine, same seed, same data each): sync and fully async
 (`trainer.fully_async.enabled=true`, pause mode keep, TIS cap 2), each twice:
-- pinned: the engine's processes (and, in a fully async run, the thread driving its client's
-  event loop) on one core and the trainer on another (sync and async alike),
-  the shape of a disaggregated GPU run, where generation and training have their own devices;
-  on a 2-core machine that is the only way overlap can help: unpinned, both already share every
-  core, so fully async can only fill idle time;
-- unpinned: everything where the OS puts it (the engine gets every core, as in `skylift demo`).
+- pinned: the shape of a disaggregated GPU run, where generation and training have their own
+  devices (sync and async alike). Placement `ray`: the engine is a Ray actor that owns vLLM's
+  client (its per-step output processing in Python), the policy a Ray worker, so training runs
+  in a process of its own and no thread of another part waits for its GIL. The policy's worker
+  runs on one core; the engine's processes, the trainer's loop (rollouts, scoring, the buffer:
+  the engine side's front end) and Ray's daemons on the other. On a 2-core machine that is the
+  only way overlap can help: unpinned, both already share every core, so fully async can only
+  fill idle time;
+- unpinned: the demo's own settings, everything where the OS puts it (placement `local`, the
+  engine gets every core, as in `skylift demo`).
 
 The demo's settings (`skylift.demo.DEMO_OVERRIDES`: SmolLM2-135M-Instruct, 8 prompts x 4 samples,
 <= 64 tokens, lr 1e-5) with fewer steps, no evaluation and no checkpoints. The step time compared
@@ -27,14 +31,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from _runs import run_child, run_overrides, step_figures, timed_fit
 from _servers import set_benchmark_env
 
 set_benchmark_env()
@@ -43,23 +44,13 @@ PHASES = ("wait_s", "logprobs_s", "train_s", "weight_sync_s", "step_s")
 MODES = ("sync", "async")
 
 
-def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str) -> list[str]:
+def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str, pinned: bool) -> list[str]:
     from skylift.demo import demo_overrides
 
     base = [o for o in demo_overrides() if not o.startswith(("trainer.max_steps=", "trainer.eval"))]
-    extra = [
-        f"data.train_data=['{data / 'train.parquet'}']",
-        "data.val_data=[]",
-        f"trainer.run_name=fully_async_vs_sync_{mode}",
-        f"trainer.max_steps={args.steps}",
-        "trainer.eval_before_train=false",
-        "trainer.eval_interval=-1",
-        "trainer.hf_save_interval=-1",
-        f"trainer.ckpt_path={run_dir / 'ckpts'}",
-        f"trainer.export_path={run_dir / 'exports'}",
-        f"trainer.log_dir={run_dir / 'logs'}",
-        "trainer.logger=console",
-    ]
+    extra = run_overrides(data, run_dir, f"fully_async_vs_sync_{mode}", args.steps)
+    if pinned:  # the engine (and its client) in a Ray actor, the policy in a Ray worker
+        extra.append("trainer.placement.backend=ray")
     if mode == "async":
         extra += [
             "trainer.fully_async.enabled=true",
@@ -71,117 +62,94 @@ def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str) ->
     return base + extra
 
 
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
-
-
-def pin(trainer_cpu: int, engine_cpu: int) -> dict[str, Any]:
-    """Every thread of this process on `trainer_cpu`, every thread of its descendants (the
-    engine's core and worker processes) on `engine_cpu`."""
-    import psutil
-    import torch
-
-    children = psutil.Process().children(recursive=True)
-    for proc in children:
-        for tid in _threads(proc.pid):
-            try:
-                os.sched_setaffinity(tid, {engine_cpu})
-            except OSError:
-                pass
-    for tid in _threads(os.getpid()):
+def _set_affinity(pid: int, cpu: int) -> None:
+    """Every thread of process `pid` on `cpu` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            os.sched_setaffinity(tid, {trainer_cpu})
-        except OSError:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:  # a thread that just ended
             pass
-    torch.set_num_threads(1)
-    threading.Thread(target=_pin_engine_client, args=(engine_cpu,), daemon=True).start()
-    return {"trainer_cpu": trainer_cpu, "engine_cpu": engine_cpu, "engine_processes": len(children)}
 
 
-def _pin_engine_client(engine_cpu: int) -> None:
-    """The thread that drives the event loop of a fully async run (the engine client's output
-    processing, the generation workers, scoring) runs beside the engine, as an engine's front end
-    does on its own host; a sync run drives that loop from the trainer's thread between updates."""
-    pinned: set[int] = set()
-    while True:
-        for thread in threading.enumerate():
-            if thread.name.startswith("skylift-fully-async") and thread.native_id not in pinned:
-                try:
-                    os.sched_setaffinity(thread.native_id, {engine_cpu})  # type: ignore[arg-type]
-                    pinned.add(thread.native_id)  # type: ignore[arg-type]
-                except OSError:
-                    pass
-        time.sleep(0.2)
+def _cpus_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def pin_training(trainer: Any, trainer_cpu: int) -> dict[str, Any]:
+    """After set-up, which started everything on the engine's core: the training workers'
+    processes (policy, and reference or critic when the run has them) move to `trainer_cpu`.
+    Returns where each process of the run may run."""
+    import psutil
+    import ray
+
+    rt = trainer.runtime
+    workers = [w for group in (rt.policy, rt.ref, rt.critic) if group is not None for w in group.workers]
+    pids = [
+        int(p)
+        for p in ray.get([w.__ray_call__.remote(lambda _self: os.getpid()) for w in workers], timeout=60)
+    ]
+    for pid in pids:
+        _set_affinity(pid, trainer_cpu)
+    where: dict[str, list[str]] = {}
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            name = "trainer (driver)" if proc.pid == os.getpid() else proc.name()
+            where.setdefault(f"{name} on {_cpus_of(proc.pid)}", []).append(str(proc.pid))
+        except (psutil.Error, OSError):
+            pass
+    return {
+        "trainer_cpu": trainer_cpu,
+        "training_worker_pids": pids,
+        "processes": {key: len(pids) for key, pids in sorted(where.items())},
+    }
 
 
 def child(args: argparse.Namespace) -> None:
     """Run one mode and write its figures as JSON to `args.out`."""
     mode, pinned = args.child, args.pinned
-    if pinned:  # the engine's compute threads bind to their own core from the start
+    if pinned:
+        # Everything the run starts (Ray's daemons, the engine actor with vLLM's client and
+        # engine core, the policy's worker) inherits this process's core; the engine's compute
+        # threads bind to it; set-up then moves the training workers to the trainer's core.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.engine_cpu)
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    from skylift.config import load_config
-    from skylift.trainer.loop import RLTrainer
-
+        os.environ["OMP_NUM_THREADS"] = "1"  # one core each: one torch thread each
+        # Ray kills its largest worker (the policy's) at 95% of the machine's memory, which
+        # other users of a shared machine may fill; the kernel's own limit still applies
+        os.environ.setdefault("RAY_memory_usage_threshold", "0.99")
+        _set_affinity(os.getpid(), args.engine_cpu)
     run_dir = Path(args.out).parent / f"{mode}-{'pinned' if pinned else 'free'}"
-    trainer = RLTrainer(load_config(overrides(args, Path(args.data), run_dir, mode)), console=True)
-    placement: dict[str, Any] = {}
-    try:
-        started = time.perf_counter()
-        trainer.setup()
-        setup_s = time.perf_counter() - started
-        if pinned:
-            placement = pin(args.trainer_cpu, args.engine_cpu)
-        started = time.perf_counter()
-        history = trainer.fit()
-        fit_s = time.perf_counter() - started
-    finally:
-        trainer.shutdown()
-    rows = [h for h in history if "reward/mean" in h]
-    timed = rows[1:-1] or rows
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "setup_s": round(setup_s, 2),
-                "fit_s": round(fit_s, 2),
-                "step_s": statistics.fmean(h["timing/step_s"] for h in timed),
-                "step_times": [round(h["timing/step_s"], 3) for h in rows],
-                "phases": {p: statistics.fmean(h.get(f"timing/{p}", 0.0) for h in timed) for p in PHASES},
-                "rewards": [round(h["reward/mean"], 4) for h in rows],
-                "staleness_max": max(h["async/staleness_max"] for h in rows),
-                "token_staleness_mean": statistics.fmean(
-                    h.get("fully_async/token_staleness_mean", 0.0) for h in rows
-                ),
-                "samples_spanning_versions": sum(
-                    h.get("fully_async/samples_spanning_versions", 0.0) for h in rows
-                ),
-                "placement": placement,
-            }
-        )
+    rows, figures = timed_fit(
+        overrides(args, Path(args.data), run_dir, mode, pinned),
+        after_setup=(lambda trainer: {"placement": pin_training(trainer, args.trainer_cpu)})
+        if pinned
+        else None,
     )
+    figures.update(step_figures(rows, PHASES))
+    figures["token_staleness_mean"] = statistics.fmean(
+        h.get("fully_async/token_staleness_mean", 0.0) for h in rows
+    )
+    figures["samples_spanning_versions"] = sum(
+        h.get("fully_async/samples_spanning_versions", 0.0) for h in rows
+    )
+    Path(args.out).write_text(json.dumps(figures))
 
 
 def run_mode(args: argparse.Namespace, mode: str, pinned: bool, data: Path, work: Path) -> dict[str, Any]:
-    out = work / f"{mode}-{int(pinned)}.json"
-    cmd = [
-        sys.executable,
+    return run_child(
         __file__,
-        "--child",
-        mode,
-        "--out",
-        str(out),
-        "--data",
-        str(data),
-        *("--steps", str(args.steps), "--staleness", str(args.staleness)),
-        *("--trainer-cpu", str(args.trainer_cpu), "--engine-cpu", str(args.engine_cpu)),
-        *(["--pinned"] if pinned else []),
-    ]
-    print(f"[bench] {mode} ({'pinned' if pinned else 'unpinned'}) ...", flush=True)
-    subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())
+        f"{mode} ({'pinned' if pinned else 'unpinned'})",
+        work / f"{mode}-{int(pinned)}.json",
+        [
+            *("--child", mode, "--data", str(data)),
+            *("--steps", str(args.steps), "--staleness", str(args.staleness)),
+            *("--trainer-cpu", str(args.trainer_cpu), "--engine-cpu", str(args.engine_cpu)),
+            *(["--pinned"] if pinned else []),
+        ],
+    )
 
 
 def main() -> None:

@@ -11,10 +11,13 @@ With `trainer.async_training=true` the generation of step t+1 overlaps the train
 (one-step-off; design and off-policy correction in `skylift.trainer.async_rollouts`). With
 `trainer.fully_async.enabled=true` generation never stops: it streams into a bounded buffer and
 every weight sync pauses the engines with requests in flight (`skylift.trainer.fully_async`).
+Both run the rollouts on a thread beside training, so the GIL changes hands more often while they
+do (`skylift.utils.threads`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -39,6 +42,7 @@ from skylift.trainer.runtime import Runtime
 from skylift.trainer.sampling import rollout_seeds, sampling_params
 from skylift.trainer.update import UpdateSettings, policy_objective, train_critic, train_policy
 from skylift.trainer.workers import WorkerGroup
+from skylift.utils.threads import switch_interval
 
 
 class TrainingStoppedError(RuntimeError):
@@ -101,20 +105,10 @@ class RLTrainer:
         self.console.start_progress(total_steps, self.state.global_step)
         if t.async_training:
             self.rollouts = BackgroundRollouts(rt.loop)
+        overlapped = t.async_training or t.fully_async.enabled  # rollouts on a thread beside training
         try:
-            if t.fully_async.enabled:
-                self._fit_fully_async(batches, total_steps)
-            else:
-                for (epoch, step_in_epoch, rows), upcoming in with_next(batches):
-                    if self.state.global_step >= total_steps:
-                        break
-                    tick = time.perf_counter()
-                    if t.async_training:
-                        last = upcoming is None or self.state.global_step + 1 >= total_steps
-                        metrics = self.async_train_step(rows, None if last else upcoming[2])
-                    else:
-                        metrics = self.train_step(rows)
-                    self._finish_step(metrics, tick, epoch, step_in_epoch, total_steps)
+            with switch_interval() if overlapped else contextlib.nullcontext():
+                self._fit_steps(batches, total_steps)
         except EngineUnavailableError as exc:
             raise self._stop_after_engine_loss(exc) from exc
         finally:
@@ -123,6 +117,22 @@ class RLTrainer:
                 self.rollouts = None
             self.console.close_progress()
         return self.history
+
+    def _fit_steps(self, batches: Iterator[tuple[int, int, list[PromptSample]]], total_steps: int) -> None:
+        t = self.cfg.trainer
+        if t.fully_async.enabled:
+            self._fit_fully_async(batches, total_steps)
+            return
+        for (epoch, step_in_epoch, rows), upcoming in with_next(batches):
+            if self.state.global_step >= total_steps:
+                break
+            tick = time.perf_counter()
+            if t.async_training:
+                last = upcoming is None or self.state.global_step + 1 >= total_steps
+                metrics = self.async_train_step(rows, None if last else upcoming[2])
+            else:
+                metrics = self.train_step(rows)
+            self._finish_step(metrics, tick, epoch, step_in_epoch, total_steps)
 
     def _finish_step(
         self, metrics: dict[str, float], tick: float, epoch: int, step_in_epoch: int, total_steps: int

@@ -25,6 +25,13 @@ from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
 from skylift.utils.calls import run_on_loop
 from skylift.weight_sync.buckets import str_to_dtype
 
+# Bucket size of the policy's weight syncs. The weight stream keeps two buckets' worth of memory
+# at each end between syncs (`BufferArena`), so a smaller bucket keeps less resident while the
+# trainer trains: the demo's whole-run peak was 7.37 GiB PSS at 256 MB and 6.77 GiB at 64 MB
+# (SmolLM2-135M in bf16, 8 steps), with the same sync time (0.7-1.0 s), since the stream packs
+# and loads bucket k while bucket k+1 travels.
+SYNC_BUCKET_MB = 64
+
 logger = logging.getLogger("skylift.trainer.workers")
 
 
@@ -91,7 +98,7 @@ class RLWorker(TrainingWorker):
         return address
 
     def sync_weights(
-        self, bucket_mb: int = 256, dtype: str | None = None, lora_sync_path: str | None = None
+        self, bucket_mb: int = SYNC_BUCKET_MB, dtype: str | None = None, lora_sync_path: str | None = None
     ) -> dict[str, float]:
         """Broadcast the full weights to every engine (all ranks call: gathering is collective).
 

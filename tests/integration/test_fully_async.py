@@ -20,7 +20,7 @@ from skylift.training.batch import build_sequence_batch
 pytestmark = pytest.mark.integration
 
 BOUND = 2
-LONG = SamplingParams(max_tokens=360, ignore_eos=True, temperature=1.0, seed=3)
+LONG = SamplingParams(max_tokens=500, ignore_eos=True, temperature=1.0, seed=3)
 
 
 def _versions_after_sync_in_flight(trainer: RLTrainer, loop: LoopThread, mode: str) -> list[int]:
@@ -32,7 +32,7 @@ def _versions_after_sync_in_flight(trainer: RLTrainer, loop: LoopThread, mode: s
     groups = [loop.submit(trainer._group_rollout(row, 0, trainer.engine_version)).result(120) for row in rows]
     trainer.update([tr for g in groups for tr in g])  # the policy moves on: version + 1
     request = loop.submit(trainer.engines.generate([prompt], LONG))
-    time.sleep(0.2)  # let it sample some tokens with the engine's weights
+    time.sleep(0.1)  # some tokens with the engine's weights (a fast machine makes 500 in ~0.5 s)
     assert not request.done(), "the request finished before the sync: make it longer"
     trainer.weights.pause_mode = mode
     trainer.weights.sync(trainer.state.policy_version)
@@ -111,3 +111,53 @@ def test_fully_async_four_steps_and_syncs_in_flight(
     assert abort[0] == 5 and abort[-1] == 6 and sorted(abort) == abort, abort
     assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
     assert trainer.engine_version == trainer.state.policy_version == 6
+
+
+def test_fully_async_with_ray_engines(
+    arithmetic_data: Path,  # noqa: F811
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Placement "ray": the engine is a Ray actor (it owns vLLM's client) and the policy a Ray
+    worker, so the trainer's process only awaits their object refs; the pauses, the token
+    versions and the syncs go through the actor."""
+    overrides = _overrides(
+        arithmetic_data,
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "trainer.placement.backend": "ray",
+            "trainer.fully_async.enabled": True,
+            "trainer.fully_async.max_staleness_steps": BOUND,
+            "trainer.fully_async.num_parallel_generation_workers": 4,
+            "trainer.fully_async.pause_mode": "abort",  # the local test's runs pause with keep
+            "generator.max_generate_length": 128,  # syncs hit requests in flight
+            "trainer.algorithm.use_tis": True,
+            "trainer.algorithm.tis_imp_ratio_cap": 2.0,
+            "trainer.max_steps": 3,
+            "trainer.eval_before_train": False,
+            "trainer.eval_interval": -1,
+            "trainer.ckpt_interval": -1,
+        },
+    )
+    trainer = RLTrainer(load_config(overrides), console=False)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+        loop = LoopThread(trainer.loop)
+        try:
+            diff = _engine_vs_trainer(trainer, loop)
+        finally:
+            loop.stop()
+    finally:
+        trainer.shutdown()
+
+    rows = _train_rows(history)
+    assert [h["step"] for h in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["async/policy_version"] == row["step"] - 1
+        assert 0 <= row["fully_async/token_staleness_max"] <= BOUND
+        assert row["policy/tis_weight_mean"] > 0
+    assert max(h["fully_async/versions_in_batch"] for h in rows) >= 2
+    assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
+    assert trainer.engine_version == trainer.state.policy_version == 3
