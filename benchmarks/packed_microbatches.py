@@ -1,9 +1,10 @@
-"""Padding-free (packed) micro-batches against padded ones, side by side in one process.
+"""Padding-free (packed) and prefix-shared micro-batches against padded ones, side by side in one process.
 
 One training worker on SmolLM2-135M-Instruct (fp32, CPU) accumulates the gradients of the GRPO
 objective over one mini-batch, padded (row-count micro-batches; rows that share a prompt share one
-prompt forward) and packed (`remove_microbatch_padding` with a token budget), alternating, best of
-`REPEATS`. Two batch shapes:
+prompt forward), packed (`remove_microbatch_padding` with a token budget) and prefix-shared
+(`share_prefixes`: each micro-batch's distinct prefixes once, row-count micro-batches), alternating,
+best of `REPEATS`. Two batch shapes:
 
 - `grpo`: the demo's shape, 8 prompts x 4 samples, prompts of 120-160 tokens shared by each
   group, responses of 8-64 tokens. The padded path runs each prompt once per group; packing runs
@@ -11,8 +12,9 @@ prompt forward) and packed (`remove_microbatch_padding` with a token budget), al
 - `distinct`: 32 distinct prompts of 20-160 tokens, responses of 8-64 tokens (SFT-like or one
   sample per prompt): padding is what the padded path wastes, and packing removes it.
 
-ratio = packed / padded seconds on the `distinct` batch (lower is better); the `grpo` figures are
-printed beside it. Run: `python benchmarks/packed_microbatches.py` (a few minutes on 2 cores).
+ratio = packed / padded seconds on the `distinct` batch (lower is better); the `grpo` figures and
+the prefix-shared ones (`grpo_shared_ratio` = shared / padded on the `grpo` batch) are printed
+beside it. Run: `python benchmarks/packed_microbatches.py` (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
     for name, extra in (
         ("padded", {}),
         ("packed", {"remove_microbatch_padding": True, "max_tokens_per_microbatch": TOKEN_BUDGET}),
+        ("shared", {"share_prefixes": True}),
     ):
         settings = WorkerSettings(model_path=model, optimizer=OptimizerSettings(lr=1e-6), **extra)
         workers[name] = TrainingWorker(settings, init_method=f"file://{rdzv}/{name}")
@@ -92,11 +95,13 @@ def main() -> None:
         figures[f"{shape}_padded_cells"] = int(batch.attention_mask.numel())
         print(
             f"[bench] {shape}: {batch.batch_size} rows, {real} real tokens | padded {best['padded']:.2f} s, "
-            f"packed {best['packed']:.2f} s, packed/padded {best['packed'] / best['padded']:.2f}"
+            f"packed {best['packed']:.2f} s, packed/padded {best['packed'] / best['padded']:.2f}, "
+            f"prefix-shared {best['shared']:.2f} s, shared/padded {best['shared'] / best['padded']:.2f}"
         )
     for worker in workers.values():
         worker.shutdown()
     figures["grpo_ratio"] = round(figures["grpo_packed_s"] / figures["grpo_padded_s"], 3)
+    figures["grpo_shared_ratio"] = round(figures["grpo_shared_s"] / figures["grpo_padded_s"], 3)
     ratio = round(figures["distinct_packed_s"] / figures["distinct_padded_s"], 3)
     print(json.dumps({"ratio": ratio, **figures, "load_1min": os.getloadavg()[0]}))
 

@@ -242,6 +242,12 @@ class TrainerConfig:
         "padding-free: pack each micro-batch's sequences into one row (position ids restart per "
         "sequence; transformers builds the block-diagonal mask)",
     )
+    share_prefixes: bool = _f(
+        False,
+        "prefix sharing: each micro-batch as one row holding every distinct token prefix once (a "
+        "shared prompt or system message, identical samples), with a tree attention mask; same "
+        "numbers as the padded passes; sdpa or eager attention only; wins over remove_microbatch_padding",
+    )
     max_prompt_length: int = _f(
         512, "longest prompt in tokens; longer prompts are dropped from the data", ge=1
     )
@@ -384,6 +390,13 @@ class GeneratorConfig:
     max_num_seqs: int = _f(256, "most sequences a local engine batches at once", ge=1)
     max_num_batched_tokens: int = _f(8192, "most tokens a local engine processes per scheduler step", ge=1)
     enable_prefix_caching: bool = _f(True, "reuse KV cache of shared prompt prefixes")
+    kv_cache_block_size: int | None = _f(
+        None,
+        "tokens per KV-cache block of a local engine (vLLM's block_size): prefix caching reuses whole "
+        "blocks only, so prompts that share fewer tokens than a block share nothing; null = vLLM's "
+        "default (128 on CPU, 16 on GPU)",
+        ge=1,
+    )
     enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")
     enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
     async_engine: bool = _f(  # accepted without effect: see skylift.config.inert

@@ -113,6 +113,7 @@ def micro_batch_settings(cfg: SkyliftConfig) -> dict[str, Any]:
     return {
         "max_tokens_per_microbatch": budget if budget > 0 else None,
         "remove_microbatch_padding": t.remove_microbatch_padding,
+        "share_prefixes": t.share_prefixes,
     }
 
 
@@ -151,6 +152,8 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
+    if g.kv_cache_block_size is not None:
+        kwargs["block_size"] = g.kv_cache_block_size
     if g.kv_cache_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
     if sleep_mode:

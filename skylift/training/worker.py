@@ -29,6 +29,7 @@ from skylift.training.micro_batches import (
     packed_response_logprobs,
     packed_response_values,
 )
+from skylift.training.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
 from skylift.training.sharding import shard_model
 
 # loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics)
@@ -80,6 +81,8 @@ class WorkerSettings:
     max_tokens_per_microbatch: int | None = None
     # padding-free: each micro-batch's sequences packed into one row (skylift.training.micro_batches)
     remove_microbatch_padding: bool = False
+    # each micro-batch as one row holding every distinct prefix once (skylift.training.prefix_tree)
+    share_prefixes: bool = False
 
 
 def make_lr_scheduler(
@@ -210,24 +213,25 @@ class TrainingWorker:
     # ---------------------------------------------------------------- forward
     def _response_outputs(self, model: torch.nn.Module, micro: SequenceBatch, temperature: float) -> Tensor:
         """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
-        # the packed path scores the response tokens of text rows only
-        packed = (
-            self.settings.remove_microbatch_padding
-            and "target_ids" not in micro.extras
-            and micro.row_inputs is None
-        )
+        # the packed and prefix-shared paths score the response tokens of text rows only
+        text = "target_ids" not in micro.extras and micro.row_inputs is None
+        tree = text and self.settings.share_prefixes
+        packed = text and self.settings.remove_microbatch_padding and not tree
         with self._autocast():
             if self.settings.head == "value":
+                if tree:
+                    return prefix_tree_response_values(model, micro)
                 return (packed_response_values if packed else response_values)(model, micro)
+            if tree:
+                return prefix_tree_response_logprobs(model, micro, temperature)
             if packed:
                 return packed_response_logprobs(model, micro, temperature)
             return response_logprobs(model, micro, temperature)
 
     def _micro_batches(self, batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
         s = self.settings
-        return micro_batch_rows(
-            batch, micro_batch_size, s.max_tokens_per_microbatch, packed=s.remove_microbatch_padding
-        )
+        packed = s.remove_microbatch_padding or s.share_prefixes  # a budget of real tokens
+        return micro_batch_rows(batch, micro_batch_size, s.max_tokens_per_microbatch, packed=packed)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed precision (`compute_dtype`) for a forward pass and the backward pass it records."""

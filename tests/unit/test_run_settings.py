@@ -64,3 +64,6 @@ def test_local_engine_arguments() -> None:
     assert kwargs["generate_timeout_s"] == 42
     assert "enable_sleep_mode" not in kwargs
     assert local_engine_kwargs(cfg, sleep_mode=True)["enable_sleep_mode"] is True
+    assert "block_size" not in kwargs  # vLLM's default
+    blocks = load_config(["generator.kv_cache_block_size=32"])
+    assert local_engine_kwargs(blocks, sleep_mode=False)["block_size"] == 32
