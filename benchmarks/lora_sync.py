@@ -8,9 +8,12 @@ Both engines run eager (vLLM's CPU backend compiles nothing for a LoRA engine):
    until loaded and the prefix cache reset: what skylift did for a LoRA policy before, merged),
    and generation throughput of the base model;
 2. an engine started with LoRA (max_lora_rank 32): the adapter sync (`LoraPublisher.publish` in
-   memory over the weight-update group: broadcast, the engine writes it to tmpfs and loads it as
-   a new named adapter, the previous one unloaded), checked against the PEFT model's logprobs,
-   and generation throughput with the adapter (and of the base model on that engine).
+   memory over the weight-update group: packed, broadcast, and installed by the workers from the
+   received tensors as a new named adapter, the version two syncs old unloaded in the same call),
+   checked against the PEFT model's logprobs, and generation throughput with the adapter (and of
+   the base model on that engine). Its breakdown: the sender's packing (timed alone, the same
+   function), the worker's parts (receive = the broadcast, build, add, activate; reported by the
+   worker) and the rest (control round trip, threads, event loop).
 
 A warm-up sync, then `--repeats` syncs (median); then a short warm-up generation and
 `--gen-rounds` generation rounds. Last stdout line, one JSON object:
@@ -120,7 +123,7 @@ async def lora_sync_round(args: argparse.Namespace, model_dir: Any, model: Any) 
     from skylift.inference.engine_args import lora_engine_args
     from skylift.inference.local import LocalVLLMEngine
     from skylift.weight_sync import WeightSender
-    from skylift.weight_sync.lora import LoraPublisher
+    from skylift.weight_sync.lora import LoraPublisher, pack_adapter
 
     tensors, config = adapter_of(model)
     engine = await LocalVLLMEngine.create(
@@ -136,10 +139,16 @@ async def lora_sync_round(args: argparse.Namespace, model_dir: Any, model: Any) 
             return await publisher.publish([engine], tensors, config, group=sender.group, timeout_s=300.0)
 
         await sync()  # warm-up
-        times, stats = [], None
+        times, stats, parts = [], None, []
         for _ in range(args.repeats):
             stats = await sync()
             times.append(stats.seconds)
+            parts.append(engine.lora.last_receive[0])
+        packing = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            pack_adapter(tensors, torch.device("cpu"))
+            packing.append(time.perf_counter() - start)
         await throughput(engine, 2, 4)  # warm-up
         with_adapter, base_on_lora_engine = [], []
         for _ in range(args.gen_rounds):
@@ -152,7 +161,11 @@ async def lora_sync_round(args: argparse.Namespace, model_dir: Any, model: Any) 
     assert stats is not None
     if not error < 1e-3:
         raise SystemExit(f"the engine does not serve the synced adapter (max logprob error {error:.2e})")
+    breakdown = {"sender_pack": statistics.median(packing)}
+    breakdown.update({f"worker_{k[:-2]}": statistics.median(p[k] for p in parts) for k in parts[0]})
+    breakdown["rest"] = statistics.median(times) - sum(breakdown.values())
     return {
+        "lora_sync_breakdown_ms": {k: round(1e3 * v, 1) for k, v in breakdown.items()},
         "lora_sync_s": statistics.median(times),
         "lora_bytes": stats.bytes,
         "lora_tensors": stats.tensors,
@@ -193,6 +206,7 @@ def main() -> None:
         "lora_sync_s": round(lora["lora_sync_s"], 4),
         "lora_bytes": lora["lora_bytes"],
         "lora_tensors": lora["lora_tensors"],
+        "lora_sync_breakdown_ms": lora["lora_sync_breakdown_ms"],
         "base_tok_s": round(full["base_tok_s"], 1),
         "adapter_tok_s": round(lora["adapter_tok_s"], 1),
         "lora_engine_base_tok_s": round(lora["lora_engine_base_tok_s"], 1),
@@ -207,6 +221,11 @@ def main() -> None:
         f"{1e3 * result['full_sync_s']:.0f} ms (ratio {result['ratio']:.3f}); generation "
         f"{result['adapter_tok_s']:.0f} tok/s with the adapter vs {result['base_tok_s']:.0f} without "
         f"({result['throughput_ratio']:.2f}x; base model on the LoRA engine {result['lora_engine_base_tok_s']:.0f})",
+        flush=True,
+    )
+    print(
+        "adapter sync breakdown (ms, medians): "
+        + ", ".join(f"{k} {v}" for k, v in result["lora_sync_breakdown_ms"].items()),
         flush=True,
     )
     print(json.dumps(result))

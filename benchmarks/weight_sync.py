@@ -16,7 +16,8 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
 Prints one line per model and, last, a JSON line for the last model (SmolLM2-135M by default):
     {"ratio": sync_s / (raw_broadcast_s + reload_s), "sequential_ratio": sequential_sync_s / (...),
      "vs_raw_broadcast": sync_s / raw_broadcast_s, ...}
-(goal: ratio <= 1.2 on a quiet machine). Rounds of the four measurements are interleaved, so that
+(goal: ratio <= 1.2 on a quiet machine). Buckets are the trainer's own size
+(`skylift.trainer.workers.SYNC_BUCKET_MB`) unless `--bucket-mb` says otherwise. Rounds of the four measurements are interleaved, so that
 load from other processes affects them alike; medians are reported.
 
 Run inside a loopback-only network namespace (gloo's store listens on all interfaces):
@@ -44,6 +45,7 @@ set_benchmark_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")
 
 import torch  # noqa: E402
 
+from skylift.trainer.workers import SYNC_BUCKET_MB  # noqa: E402
 from skylift.weight_sync.process_group import create_weight_sync_group  # noqa: E402
 
 SEQUENCE = [5, 17, 230, 99, 42, 8, 77, 301, 12, 64]
@@ -232,7 +234,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny-qwen2,smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=float(SYNC_BUCKET_MB),
+        help=f"bucket size of the syncs (default: the trainer's own, {SYNC_BUCKET_MB} MB)",
+    )
     parser.add_argument(
         "--enforce-eager",
         action="store_true",

@@ -44,6 +44,9 @@ class EngineWeights:
         self.override_existing = _override_flag(g.override_existing_update_group)
         # a LoRA policy's adapter goes through this directory instead of the group (None: in memory)
         self.lora_sync_path = lora_sync_path(cfg)
+        # a LoRA sync loads the adapter under a new name, and vLLM keys cached blocks by that name
+        # (base-model blocks stay valid): no cached prefix is stale, so no reset after it
+        self.reset_prefix_cache = cfg.trainer.policy.model.lora.rank <= 0
         self.version = 0
         self.asleep = False
         fa = cfg.trainer.fully_async
@@ -94,11 +97,12 @@ class EngineWeights:
 
     def _paused_broadcast(self, mode: str, policy_version: int) -> None:
         """Pause the engines (requests in flight kept or aborted), broadcast, reset the prefix
-        cache, resume them labelling what they sample from now on with `policy_version`."""
+        cache (full weights), resume them labelling what they sample from now on with `policy_version`."""
         self.run(self.engines.pause_generation(mode))  # type: ignore[arg-type]
         try:
             self._broadcast()
-            self.run(self.engines.reset_prefix_cache())
+            if self.reset_prefix_cache:
+                self.run(self.engines.reset_prefix_cache())
         except BaseException:
             try:  # let the engines go on with what they hold; the sync's error is the one raised
                 self.run(self.engines.resume_generation(self.version))

@@ -250,10 +250,14 @@ class BufferArena:
     def buffers(self, bucket: WeightBucket) -> list[torch.Tensor]:
         """Views of this arena, one 1-D buffer per dtype of `bucket` in wire order (contents are
         whatever the previous bucket left)."""
+        return self.take([(str_to_dtype(dtype), numel) for dtype, numel in buffer_numels(bucket).items()])
+
+    def take(self, sizes: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+        """Views of this arena, one 1-D buffer of each `(dtype, numel)` in order (contents are
+        whatever the previous use left); the views of the previous use are given up."""
         layout = []
         total = 0
-        for dtype, numel in buffer_numels(bucket).items():
-            torch_dtype = str_to_dtype(dtype)
+        for torch_dtype, numel in sizes:
             nbytes = numel * torch_dtype.itemsize
             layout.append((torch_dtype, total, numel, nbytes))
             total += -(-nbytes // _ALIGN) * _ALIGN
@@ -299,3 +303,84 @@ def pack_bucket_into(
             torch.cat(parts[dtype], out=buf)
             out.append(buf)
     return bucket, out
+
+
+#: A tensor of at least this many bytes goes on the wire as it is, in a broadcast of its own; the
+#: smaller ones between two such are copied together into one piece (on loopback gloo one more
+#: broadcast costs about as much as copying a megabyte).
+DIRECT_BYTES = 1 << 20
+
+
+def wire_pieces(
+    named_tensors: Sequence[NamedTensor], arena: BufferArena, direct_bytes: int | None = None
+) -> tuple[WeightBucket, list[torch.Tensor]]:
+    """A bucket's metadata and the 1-D pieces it goes on the wire in: its per-dtype flat buffers
+    (wire format of `WeightBucket`) cut into consecutive pieces, in wire order.
+
+    A contiguous tensor of at least `direct_bytes` (None: `DIRECT_BYTES`) on the arena's device is a piece as it is (a
+    view: no copy); each run of other tensors of one dtype between two such is copied into one
+    piece of `arena`. A receiver receives every piece straight into its slice of the flat buffers
+    (`split_pieces` with the pieces' sizes)."""
+    if not named_tensors:
+        raise ValueError("cannot pack an empty bucket")
+    direct_bytes = DIRECT_BYTES if direct_bytes is None else direct_bytes
+    bucket = WeightBucket(
+        names=[name for name, _ in named_tensors],
+        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
+        shapes=[list(t.shape) for _, t in named_tensors],
+    )
+    plan: list[torch.Tensor | list[torch.Tensor]] = []  # a direct piece, or a run to copy
+    for dtype in dtype_order(bucket.dtypes):
+        run: list[torch.Tensor] = []
+        for (_, tensor), name in zip(named_tensors, bucket.dtypes, strict=True):
+            if name != dtype:
+                continue
+            flat = tensor.detach().reshape(-1)
+            if (
+                tensor.device == arena.device
+                and tensor.is_contiguous()
+                and tensor_nbytes(tensor) >= direct_bytes
+            ):
+                if run:
+                    plan.append(run)
+                    run = []
+                plan.append(flat)
+            elif flat.numel():
+                run.append(flat)
+        if run:
+            plan.append(run)
+    runs = [p for p in plan if isinstance(p, list)]
+    memory = iter(arena.take([(r[0].dtype, sum(t.numel() for t in r)) for r in runs]))
+    pieces = []
+    for part in plan:
+        if isinstance(part, list):
+            buf = next(memory)
+            torch.cat([t.to(arena.device) for t in part], out=buf)
+            pieces.append(buf)
+        else:
+            pieces.append(part)
+    return bucket, pieces
+
+
+def split_pieces(buffers: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Views of `buffers` (the flat buffers of a bucket, in wire order) cut into consecutive pieces
+    of `sizes` elements, as `wire_pieces` cut them; ValueError when the sizes do not tile the
+    buffers exactly (a piece across two buffers, too few or too many elements)."""
+    views = []
+    pieces = iter(sizes)
+    for buf in buffers:
+        offset = 0
+        while offset < buf.numel():
+            size = next(pieces, None)
+            if size is None:
+                raise ValueError(f"the pieces cover {sum(sizes)} elements, fewer than the bucket's buffers")
+            if size <= 0 or offset + size > buf.numel():
+                raise ValueError(
+                    f"a piece of {size} elements at offset {offset} does not fit the {buf.dtype} buffer of "
+                    f"{buf.numel()} elements"
+                )
+            views.append(buf[offset : offset + size])
+            offset += size
+    if next(pieces, None) is not None:
+        raise ValueError(f"the pieces cover {sum(sizes)} elements, more than the bucket's buffers")
+    return views

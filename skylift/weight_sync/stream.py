@@ -5,15 +5,22 @@ makes the engine reload bucket k before bucket k+1 goes on the wire. The stream 
 each bucket's metadata in band, so the engine is called once per sync and the broadcast of
 bucket k+1 runs while the engine reloads bucket k:
 
-    for each bucket:  int64[1] header length  ->  uint8[n] header (JSON names/dtypes/shapes)
-                      ->  the bucket's flat buffers (wire format of `WeightBucket`)
-    end of stream:    int64[1] = 0
+    for each bucket:  uint8[HEADER_BYTES] frame: an 8-byte little-endian length n, then the
+                      header (JSON names/dtypes/shapes/pieces), its rest (if n does not fit) in
+                      one more uint8 broadcast
+                      ->  the bucket's flat buffers (wire format of `WeightBucket`), cut into the
+                      `pieces` of the header: each tensor of 1 MB or more as it is (no copy on
+                      the sender), the smaller ones between them copied together
+                      (`buckets.wire_pieces`); the receiver receives each piece straight into
+                      its slice of the flat buffers
+    end of stream:    a frame of length 0
 
 On the sender, `packed_buckets` packs (and casts) bucket k+1 in a thread while bucket k is
 broadcast (`broadcast_stream`). On the engine, `BucketStream` receives in a thread at most
 `STREAM_DEPTH` buckets ahead of the consumer, vLLM's ONE `reload_weights` of the sync, which loads
 each layer as soon as its tensors have arrived. Both ends keep two `BufferArena`s across syncs, so
-no bucket pays for fresh memory. vLLM's engine core runs no model step while a
+no bucket pays for fresh memory (the sender's hold only the small tensors it copies together; the
+large ones go on the wire from where they are). vLLM's engine core runs no model step while a
 `collective_rpc` is executing, so no request is ever served by a half-updated model: requests
 wait for the whole swap.
 """
@@ -34,14 +41,19 @@ from skylift.weight_sync.buckets import (
     BufferArena,
     NamedTensor,
     iter_buckets,
-    pack_bucket_into,
+    split_pieces,
     validate_bucket,
+    wire_pieces,
 )
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
 from skylift.weight_sync.protocol import WeightBucket
 
 #: Buckets the engine holds at once: one being reloaded, one arriving (a double buffer).
 STREAM_DEPTH = 2
+
+#: Bytes of the one fixed-size broadcast that opens each bucket (length + header).
+HEADER_BYTES = 64 * 1024
+_LENGTH_BYTES = 8
 
 Packed = tuple[WeightBucket, list[torch.Tensor]]
 
@@ -52,19 +64,48 @@ def _use_device_in_thread(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def encode_header(bucket: WeightBucket) -> torch.Tensor:
-    """A bucket's metadata as a uint8 tensor (UTF-8 JSON)."""
-    raw = json.dumps(bucket.to_dict(), separators=(",", ":")).encode()
+def encode_header(bucket: WeightBucket, pieces: Sequence[int] | None = None) -> torch.Tensor:
+    """A bucket's metadata as a uint8 tensor (UTF-8 JSON); `pieces`: the numbers of elements of
+    the pieces its flat buffers travel in (None: one piece per buffer)."""
+    fields: dict[str, object] = bucket.to_dict()
+    if pieces is not None:
+        fields["pieces"] = list(pieces)
+    raw = json.dumps(fields, separators=(",", ":")).encode()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_frame(header: torch.Tensor) -> tuple[WeightBucket, list[int] | None]:
+    """The bucket a header describes and its pieces (None: one per buffer); `WeightSyncError`
+    when it is not a valid bucket."""
+    try:
+        fields = json.loads(bytes(header.numpy()).decode())
+        bucket = validate_bucket(WeightBucket(fields["names"], fields["dtypes"], fields["shapes"]))
+        pieces = fields.get("pieces")
+        if pieces is not None and not all(isinstance(p, int) for p in pieces):
+            raise ValueError(f"pieces must be integers, got {pieces[:5]}")
+        return bucket, pieces
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightSyncError(f"weight stream: invalid bucket header from rank 0: {exc}") from exc
 
 
 def decode_header(header: torch.Tensor) -> WeightBucket:
     """The bucket a header describes; `WeightSyncError` when it is not a valid bucket."""
-    try:
-        fields = json.loads(bytes(header.numpy()).decode())
-        return validate_bucket(WeightBucket(fields["names"], fields["dtypes"], fields["shapes"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise WeightSyncError(f"weight stream: invalid bucket header from rank 0: {exc}") from exc
+    return decode_frame(header)[0]
+
+
+def header_frames(header: torch.Tensor | None) -> list[torch.Tensor]:
+    """What rank 0 broadcasts for a header (None: the end of the stream): the fixed-size frame,
+    and the header's rest when it does not fit in it."""
+    n = 0 if header is None else header.numel()
+    frame = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    frame[:_LENGTH_BYTES] = torch.frombuffer(
+        bytearray(n.to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8
+    )
+    room = HEADER_BYTES - _LENGTH_BYTES
+    if header is None:
+        return [frame]
+    frame[_LENGTH_BYTES : _LENGTH_BYTES + min(n, room)] = header[:room]
+    return [frame] if n <= room else [frame, header[room:].clone()]
 
 
 @dataclass
@@ -105,7 +146,7 @@ def packed_buckets(
                         return
                     with contextlib.suppress(queue.Empty):
                         arena = free.get(timeout=0.5)
-                ready.put((pack_bucket_into(items, arena), arena))
+                ready.put((wire_pieces(items, arena), arena))
                 del items
             ready.put(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
@@ -138,19 +179,19 @@ def packed_buckets(
 
 
 def broadcast_stream(group: WeightSyncGroup, packed: Iterable[Packed]) -> StreamStats:
-    """Rank 0: broadcast every bucket with its header, then the end marker (blocking)."""
+    """Rank 0: broadcast every bucket (its header, then its pieces: `Packed` holds the pieces of
+    `wire_pieces` or a bucket's whole flat buffers), then the end marker (blocking)."""
     stats = StreamStats()
-    for bucket, buffers in packed:
-        header = encode_header(bucket)
-        group.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=group.device))
-        group.broadcast(header.to(group.device))
-        for buf in buffers:
-            group.broadcast(buf)
+    for bucket, pieces in packed:
+        for frame in header_frames(encode_header(bucket, [p.numel() for p in pieces])):
+            group.broadcast(frame.to(group.device))
+        for piece in pieces:
+            group.broadcast(piece)
         stats.buckets += 1
         stats.tensors += len(bucket.names)
-        stats.bytes += sum(b.numel() * b.element_size() for b in buffers)
-        del buffers
-    group.broadcast(torch.zeros(1, dtype=torch.int64, device=group.device))
+        stats.bytes += sum(p.numel() * p.element_size() for p in pieces)
+        del pieces
+    group.broadcast(header_frames(None)[0].to(group.device))
     return stats
 
 
@@ -182,17 +223,22 @@ class BucketStream:
         g = self.group
         return f"weight stream of group {g.group_name!r} from rank 0 to rank {g.rank}/{g.world_size}"
 
-    def _receive_header(self) -> WeightBucket | None:
-        size = torch.zeros(1, dtype=torch.int64, device=self.group.device)
-        self.group.broadcast(size)
-        n = int(size.item())
+    def _receive_header(self) -> tuple[WeightBucket, list[int] | None] | None:
+        frame = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.group.device)
+        self.group.broadcast(frame)
+        frame = frame.cpu()
+        n = int.from_bytes(bytes(frame[:_LENGTH_BYTES].numpy()), "little")
         if n == 0:
             return None
-        if n < 0 or n > 1 << 30:
+        if n > 1 << 30:
             raise WeightSyncError(f"{self._where()}: header of {n} bytes")
-        header = torch.empty(n, dtype=torch.uint8, device=self.group.device)
-        self.group.broadcast(header)
-        return decode_header(header.cpu())
+        room = HEADER_BYTES - _LENGTH_BYTES
+        header = frame[_LENGTH_BYTES : _LENGTH_BYTES + min(n, room)]
+        if n > room:
+            rest = torch.empty(n - room, dtype=torch.uint8, device=self.group.device)
+            self.group.broadcast(rest)
+            header = torch.cat([header, rest.cpu()])
+        return decode_frame(header)
 
     def _run(self) -> None:
         timeout_s = self.group.timeout_s
@@ -204,13 +250,19 @@ class BucketStream:
                 except queue.Empty:
                     raise WeightSyncError(f"the reload held every buffer for {timeout_s:.0f} s") from None
                 start = time.perf_counter()
-                bucket = self._receive_header()
-                if bucket is None:
+                head = self._receive_header()
+                if head is None:
                     self._queue.put(_END)
                     return
+                bucket, pieces = head
                 buffers = arena.buffers(bucket)
-                for buf in buffers:
-                    self.group.broadcast(buf)
+                try:
+                    views = buffers if pieces is None else split_pieces(buffers, pieces)
+                except ValueError as exc:
+                    raise WeightSyncError(f"invalid bucket header from rank 0: {exc}") from None
+                for view in views:
+                    self.group.broadcast(view)
+                del views
                 self.receive_s += time.perf_counter() - start
                 self.stats.buckets += 1
                 self.stats.tensors += len(bucket.names)

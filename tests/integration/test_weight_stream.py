@@ -141,3 +141,35 @@ def test_silent_sender_times_out_naming_both_ends(loopback_only: None) -> None:
         return True
 
     assert two_ranks(send, receive)[1] is True
+
+
+def test_large_tensors_and_a_long_header_arrive_bit_for_bit(loopback_only: None) -> None:
+    from skylift.weight_sync.buckets import pack_bucket
+    from skylift.weight_sync.stream import HEADER_BYTES
+
+    gen = torch.Generator().manual_seed(1)
+    state = [
+        ("model.embed_tokens.weight", torch.randn(600, 512, generator=gen)),  # > 1 MB: sent as it is
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(512, 520, generator=gen)),
+        ("model.layers.0.mlp.up_proj.bias", torch.randn(512, generator=gen).to(torch.bfloat16)),
+    ]
+    # a header longer than the first frame: its rest follows in one more broadcast
+    state += [
+        (f"model.layers.1.block_{i:05d}_with_a_long_name.weight", torch.full((2,), float(i)))
+        for i in range(2500)
+    ]
+
+    def send(group):  # type: ignore[no-untyped-def]
+        return broadcast_stream(group, packed_buckets(state, 64 << 20, arenas(group), TIMEOUT_S))
+
+    def receive(group):  # type: ignore[no-untyped-def]
+        stream = BucketStream(group)
+        got = [(n, t.clone()) for bucket, buffers in stream for n, t in unpack_bucket(bucket, buffers)]
+        stream.drain()
+        return got
+
+    assert encode_header(pack_bucket(state)[0]).numel() > HEADER_BYTES
+    sent, received = two_ranks(send, receive)
+    assert sent.buckets == 1 and [n for n, _ in received] == [n for n, _ in state]
+    for (_, a), (_, b) in zip(state, received, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -126,12 +126,22 @@ def test_bfloat16_sender_tensors_are_loaded(
     assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), expected) <= TOLERANCE
 
 
+@pytest.mark.parametrize("direct_bytes", [None, 64 * 1024], ids=["default", "direct-64k"])
 def test_overlapped_sync_is_bit_identical_to_sequential(
-    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
+    engine: LocalVLLMEngine,
+    loop: Any,
+    hf_model: Any,
+    original_weights: None,
+    direct_bytes: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The weight stream (one call, reload overlapping the next broadcast) leaves the engine with
     exactly the weights of the sequential path (one call and one reload per bucket): identical
-    logprobs, to the bit, of the top 20 tokens at every position."""
+    logprobs, to the bit, of the top 20 tokens at every position. `direct-64k`: the tiny model's
+    tensors of 64 KB and more go on the wire as they are (`buckets.wire_pieces`; by default only
+    tensors of 1 MB or more do, and the tiny model has none), received into slices of the arena."""
+    if direct_bytes is not None:
+        monkeypatch.setattr("skylift.weight_sync.buckets.DIRECT_BYTES", direct_bytes)
     original = list({k: v.clone() for k, v in hf_model.state_dict().items()}.items())
     perturb(hf_model, seed=4)
     state = [(k, v.to(torch.bfloat16) if "mlp" in k else v) for k, v in hf_model.state_dict().items()]

@@ -181,3 +181,34 @@ def test_buffer_arena_reuses_memory_only_when_no_view_is_left() -> None:
     assert third[0].data_ptr() == ptr  # nothing held: the same memory again
     single = [("model.norm.weight", torch.ones(4))]
     assert pack_bucket_into(single, arena)[1][0].data_ptr() == single[0][1].data_ptr()  # no copy
+
+
+def test_wire_pieces_send_large_tensors_as_they_are_and_tile_the_flat_buffers() -> None:
+    from skylift.weight_sync.buckets import BufferArena, pack_bucket, split_pieces, wire_pieces
+
+    big = torch.arange(300, dtype=torch.float32)  # 1200 bytes: direct at direct_bytes=1024
+    items = [
+        ("model.layers.0.a", torch.ones(2, 3)),
+        ("model.layers.0.b", torch.arange(5, dtype=torch.bfloat16)),
+        ("model.layers.0.big", big),
+        ("model.layers.0.c", torch.full((4,), 2.0)),
+        ("model.layers.0.d", torch.full((3,), 3.0)),
+        ("model.layers.0.t", torch.arange(400, dtype=torch.float32).reshape(20, 20).t()),  # not contiguous
+        ("model.layers.0.e", torch.zeros(0)),
+    ]
+    bucket, pieces = wire_pieces(items, BufferArena(torch.device("cpu")), direct_bytes=1024)
+    ref_bucket, ref_buffers = pack_bucket(items)
+    assert bucket == ref_bucket
+    # float32: [a], big as it is, [c, d, t copied], then bfloat16: [b]
+    assert [p.numel() for p in pieces] == [6, 300, 407, 5]
+    assert pieces[1].data_ptr() == big.data_ptr()  # no copy
+    received = [torch.empty_like(b) for b in ref_buffers]
+    for view, piece in zip(split_pieces(received, [p.numel() for p in pieces]), pieces, strict=True):
+        view.copy_(piece)  # what the receiver's broadcast into each slice does
+    assert all(torch.equal(a, b) for a, b in zip(received, ref_buffers, strict=True))
+    with pytest.raises(ValueError, match="does not fit the torch.float32 buffer"):
+        split_pieces(received, [6, 300, 400, 12])  # a piece across the two dtypes' buffers
+    with pytest.raises(ValueError, match="more than the bucket's buffers"):
+        split_pieces(received, [713, 5, 1])
+    with pytest.raises(ValueError, match="fewer than the bucket's buffers"):
+        split_pieces(received, [713])
