@@ -103,7 +103,7 @@ def pin_training(trainer: Any, trainer_cpu: int) -> dict[str, Any]:
     return {
         "trainer_cpu": trainer_cpu,
         "training_worker_pids": pids,
-        "processes": {key: len(pids) for key, pids in sorted(where.items())},
+        "processes": {key: len(members) for key, members in sorted(where.items())},
     }
 
 
