@@ -25,11 +25,11 @@ from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
 from skylift.utils.calls import run_on_loop
 from skylift.weight_sync.buckets import str_to_dtype
 
-# Bucket size of the policy's weight syncs. The weight stream keeps two buckets' worth of memory
-# at each end between syncs (`BufferArena`), so a smaller bucket keeps less resident while the
-# trainer trains: the demo's whole-run peak was 7.37 GiB PSS at 256 MB and 6.77 GiB at 64 MB
-# (SmolLM2-135M in bf16, 8 steps), with the same sync time (0.7-1.0 s), since the stream packs
-# and loads bucket k while bucket k+1 travels.
+# Bucket size of the policy's weight syncs. Each engine's worker keeps two buckets' worth of
+# receive memory between syncs (`BufferArena`; the sender's arenas hold only the small tensors it
+# coalesces), so a smaller bucket keeps less resident: the demo's whole-run peak was 7.37 GiB PSS
+# at 256 MB and 6.77 GiB at 64 MB (SmolLM2-135M in bf16, 8 steps), with the same sync time
+# (0.7-1.0 s), since the stream loads bucket k while bucket k+1 travels.
 SYNC_BUCKET_MB = 64
 
 logger = logging.getLogger("skylift.trainer.workers")
