@@ -274,37 +274,6 @@ class BufferArena:
         self._memory = None
 
 
-def pack_bucket_into(
-    named_tensors: Sequence[NamedTensor], arena: BufferArena
-) -> tuple[WeightBucket, list[torch.Tensor]]:
-    """`pack_bucket` into `arena`'s memory: no allocation once the arena is big enough. A dtype
-    with a single contiguous tensor on the arena's device is sent as that tensor (no copy)."""
-    if not named_tensors:
-        raise ValueError("cannot pack an empty bucket")
-    if any(t.device != arena.device for _, t in named_tensors):
-        return pack_bucket(named_tensors, arena.device)
-    bucket = WeightBucket(
-        names=[name for name, _ in named_tensors],
-        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
-        shapes=[list(t.shape) for _, t in named_tensors],
-    )
-    order = dtype_order(bucket.dtypes)
-    parts = {
-        d: [t.detach().reshape(-1) for _, t in named_tensors if dtype_to_str(t.dtype) == d] for d in order
-    }
-    if all(len(p) == 1 for p in parts.values()):
-        return bucket, [p[0] for p in parts.values()]
-    buffers = arena.buffers(bucket)
-    out = []
-    for dtype, buf in zip(order, buffers, strict=True):
-        if len(parts[dtype]) == 1:
-            out.append(parts[dtype][0])
-        else:
-            torch.cat(parts[dtype], out=buf)
-            out.append(buf)
-    return bucket, out
-
-
 #: A tensor of at least this many bytes goes on the wire as it is, in a broadcast of its own; the
 #: smaller ones between two such are copied together into one piece (on loopback gloo one more
 #: broadcast costs about as much as copying a megabyte).
@@ -332,8 +301,8 @@ def wire_pieces(
     plan: list[torch.Tensor | list[torch.Tensor]] = []  # a direct piece, or a run to copy
     for dtype in dtype_order(bucket.dtypes):
         run: list[torch.Tensor] = []
-        for (_, tensor), name in zip(named_tensors, bucket.dtypes, strict=True):
-            if name != dtype:
+        for (_, tensor), tensor_dtype in zip(named_tensors, bucket.dtypes, strict=True):
+            if tensor_dtype != dtype:
                 continue
             flat = tensor.detach().reshape(-1)
             if (

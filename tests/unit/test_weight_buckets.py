@@ -156,7 +156,7 @@ def test_both_rendezvous_layouts_check_their_arguments_alike(layout: str) -> Non
 
 
 def test_buffer_arena_reuses_memory_only_when_no_view_is_left() -> None:
-    from skylift.weight_sync.buckets import BufferArena, pack_bucket, pack_bucket_into
+    from skylift.weight_sync.buckets import BufferArena, pack_bucket, wire_pieces
 
     arena = BufferArena(torch.device("cpu"))
     items = [
@@ -165,22 +165,22 @@ def test_buffer_arena_reuses_memory_only_when_no_view_is_left() -> None:
         ("model.layers.0.c", torch.ones(3)),
         ("model.layers.0.d", torch.zeros(2, dtype=torch.bfloat16)),
     ]
-    bucket, buffers = pack_bucket_into(items, arena)
+    bucket, buffers = wire_pieces(items, arena)
     ref_bucket, ref_buffers = pack_bucket(items)
     assert bucket == ref_bucket
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(buffers, ref_buffers, strict=True))
     first = buffers[0].data_ptr()
     kept = unpack_bucket(bucket, buffers)[0][1]  # a view someone (vLLM) still holds
     del buffers
-    _, again = pack_bucket_into(items, arena)
+    _, again = wire_pieces(items, arena)
     assert again[0].data_ptr() != first  # new memory: the held view keeps the old contents
     assert torch.equal(kept, items[0][1])
     ptr = again[0].data_ptr()
     del again, kept
-    _, third = pack_bucket_into(items, arena)
+    _, third = wire_pieces(items, arena)
     assert third[0].data_ptr() == ptr  # nothing held: the same memory again
     single = [("model.norm.weight", torch.ones(4))]
-    assert pack_bucket_into(single, arena)[1][0].data_ptr() == single[0][1].data_ptr()  # no copy
+    assert wire_pieces(single, arena, direct_bytes=1)[1][0].data_ptr() == single[0][1].data_ptr()  # no copy
 
 
 def test_wire_pieces_send_large_tensors_as_they_are_and_tile_the_flat_buffers() -> None:
