@@ -149,6 +149,15 @@ def validate_bucket(bucket: WeightBucket) -> WeightBucket:
     return WeightBucket(names=list(names), dtypes=dtypes, shapes=[list(s) for s in bucket.shapes])
 
 
+def bucket_of(named_tensors: Sequence[NamedTensor]) -> WeightBucket:
+    """The wire metadata (names, dtypes, shapes) of `named_tensors`, in their order."""
+    return WeightBucket(
+        names=[name for name, _ in named_tensors],
+        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
+        shapes=[list(t.shape) for _, t in named_tensors],
+    )
+
+
 def buffer_numels(bucket: WeightBucket) -> dict[str, int]:
     """Number of elements of each flat buffer, keyed by dtype name, in wire order."""
     sizes = {dtype: 0 for dtype in dtype_order(bucket.dtypes)}
@@ -167,11 +176,7 @@ def pack_bucket(
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
     device = device or named_tensors[0][1].device
-    bucket = WeightBucket(
-        names=[name for name, _ in named_tensors],
-        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
-        shapes=[list(t.shape) for _, t in named_tensors],
-    )
+    bucket = bucket_of(named_tensors)
     buffers = []
     for dtype in dtype_order(bucket.dtypes):
         parts = [t.detach().reshape(-1) for _, t in named_tensors if dtype_to_str(t.dtype) == dtype]
@@ -293,11 +298,7 @@ def wire_pieces(
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
     direct_bytes = DIRECT_BYTES if direct_bytes is None else direct_bytes
-    bucket = WeightBucket(
-        names=[name for name, _ in named_tensors],
-        dtypes=[dtype_to_str(t.dtype) for _, t in named_tensors],
-        shapes=[list(t.shape) for _, t in named_tensors],
-    )
+    bucket = bucket_of(named_tensors)
     plan: list[torch.Tensor | list[torch.Tensor]] = []  # a direct piece, or a run to copy
     for dtype in dtype_order(bucket.dtypes):
         run: list[torch.Tensor] = []
