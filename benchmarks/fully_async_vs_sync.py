@@ -54,7 +54,11 @@ MODES = ("sync", "async")
 def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str, pinned: bool) -> list[str]:
     from skylift.demo import demo_overrides
 
-    base = [o for o in demo_overrides() if not o.startswith(("trainer.max_steps=", "trainer.eval"))]
+    base = [
+        o
+        for o in demo_overrides(dynamic_sampling=False)
+        if not o.startswith(("trainer.max_steps=", "trainer.eval"))
+    ]
     extra = run_overrides(data, run_dir, f"fully_async_vs_sync_{mode}", args.steps)
     if pinned:  # the engine (and its client) in a Ray actor, the policy in a Ray worker
         extra.append("trainer.placement.backend=ray")
