@@ -29,7 +29,7 @@ def skylift_overrides(args: argparse.Namespace, work: Path, every_row: bool) -> 
 
     train_file = write_data(work / "data", args.num_prompts)
     return [
-        *demo_overrides(fast_bf16=False),  # float32, as TRL
+        *demo_overrides(fast_bf16=False, dynamic_sampling=False),  # float32 and one round, as TRL
         f"trainer.policy.model.path={MODEL}",
         "trainer.run_name=bench_grpo_step_vs_trl",
         f"trainer.log_dir={work / 'skylift_logs'}",

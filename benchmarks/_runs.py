@@ -4,7 +4,8 @@ A benchmark that compares training modes (`async_vs_sync.py`, `fully_async_vs_sy
 each mode in a child process of its own (a fresh engine, the same seed and data): the parent
 calls `run_child`, the child `timed_fit` then `step_figures`. The step time compared is the mean
 `timing/step_s` of steps 2..N-1, the steady state: step 1 of an async run fills its pipeline and
-step N has nothing to overlap with.
+step N has nothing to overlap with (a benchmark whose pipeline takes longer to fill skips more
+first steps: `step_figures(warmup=...)`).
 
 Benchmarks run as `python benchmarks/NAME.py`, so this module is importable as `_runs`.
 """
@@ -64,10 +65,10 @@ def timed_fit(
     return [h for h in history if "reward/mean" in h], figures
 
 
-def step_figures(rows: Sequence[dict[str, float]], phases: Sequence[str]) -> dict[str, Any]:
-    """Mean step time and phases of steps 2..N-1 (all steps when there are fewer than 3), every
-    step's time and reward, and the largest staleness."""
-    timed = rows[1:-1] or rows
+def step_figures(rows: Sequence[dict[str, float]], phases: Sequence[str], warmup: int = 1) -> dict[str, Any]:
+    """Mean step time and phases of steps `warmup + 1`..N-1 (all steps when there are none such),
+    every step's time and reward, and the largest staleness."""
+    timed = rows[warmup:-1] or rows
     return {
         "step_s": statistics.fmean(h["timing/step_s"] for h in timed),
         "step_times": [round(h["timing/step_s"], 3) for h in rows],

@@ -1,22 +1,26 @@
 """Fully async vs sync GRPO on the demo's settings: mean step time and the reward curve of each.
 
 Four child processes (fresh engine, same seed, same data each): sync and fully async
-(`trainer.fully_async.enabled=true`, pause mode keep, TIS cap 2), each twice:
+(`trainer.fully_async.enabled=true`, pause mode keep, TIS cap 2, `--workers` prompt groups in
+flight, 16 by default: two batches, so the engine's batch stays full while groups finish), each
+twice:
 - pinned: the shape of a disaggregated GPU run, where generation and training have their own
-  devices (sync and async alike). Placement `ray`: the engine is a Ray actor that owns vLLM's
-  client (its per-step output processing in Python), the policy a Ray worker, so training runs
-  in a process of its own and no thread of another part waits for its GIL. The policy's worker
-  runs on one core; the engine's processes, the trainer's loop (rollouts, scoring, the buffer:
-  the engine side's front end) and Ray's daemons on the other. On a 2-core machine that is the
-  only way overlap can help: unpinned, both already share every core, so fully async can only
-  fill idle time;
+  devices and hosts (sync and async alike). Placement `ray`: the engine is a Ray actor that owns
+  vLLM's client (its per-step output processing in Python), the policy a Ray worker. The engine's
+  processes (its actor and vLLM's engine core) run on one core, the engine's host; everything else
+  on the other, the trainer's host: the policy's worker, the trainer's own process (the loop:
+  rollouts' orchestration, scoring, the buffer, experience) and Ray's daemons. On a 2-core
+  machine that is the only way overlap can help: unpinned, both already share every core, so
+  fully async can only fill idle time;
 - unpinned: the demo's own settings, everything where the OS puts it (placement `local`, the
   engine gets every core, as in `skylift demo`).
 
 The demo's settings (`skylift.demo.DEMO_OVERRIDES`: SmolLM2-135M-Instruct, 8 prompts x 4 samples,
-<= 64 tokens, lr 1e-5) with fewer steps, no evaluation and no checkpoints. The step time compared
-is the mean `timing/step_s` of steps 2..N-1 (step 1 of a fully async run fills the buffer; the
-last has nothing to overlap). Also reported: each run's per-step phases, staleness and rewards.
+<= 64 tokens, lr 1e-5) with fewer steps (8), no evaluation and no checkpoints. The step time
+compared is the mean `timing/step_s` of steps 3..N-1, the steady state (step 1 of a fully async
+run generates its first batch with nothing to overlap, step 2 still waits while the buffer fills
+up; the last has nothing to overlap), the same steps for both modes. Also reported: each run's
+per-step phases, staleness and rewards.
 
 Prints a table and, last, one JSON line:
     {"ratio": pinned async_step_s / sync_step_s, "ratio_unpinned": ..., "pinned": {...}, ...}
@@ -41,13 +45,20 @@ from _servers import set_benchmark_env
 set_benchmark_env()
 
 PHASES = ("wait_s", "logprobs_s", "train_s", "weight_sync_s", "step_s")
+#: steps left out of the mean before the steady state: step 1 of a fully async run generates its
+#: first batch with nothing to overlap, step 2 still waits while the buffer fills up
+WARMUP_STEPS = 2
 MODES = ("sync", "async")
 
 
 def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str, pinned: bool) -> list[str]:
     from skylift.demo import demo_overrides
 
-    base = [o for o in demo_overrides() if not o.startswith(("trainer.max_steps=", "trainer.eval"))]
+    base = [
+        o
+        for o in demo_overrides(dynamic_sampling=False)
+        if not o.startswith(("trainer.max_steps=", "trainer.eval"))
+    ]
     extra = run_overrides(data, run_dir, f"fully_async_vs_sync_{mode}", args.steps)
     if pinned:  # the engine (and its client) in a Ray actor, the policy in a Ray worker
         extra.append("trainer.placement.backend=ray")
@@ -55,6 +66,7 @@ def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str, pi
         extra += [
             "trainer.fully_async.enabled=true",
             f"trainer.fully_async.max_staleness_steps={args.staleness}",
+            f"trainer.fully_async.num_parallel_generation_workers={args.workers}",
             "trainer.fully_async.pause_mode=keep",
             "trainer.algorithm.use_tis=true",
             "trainer.algorithm.tis_imp_ratio_cap=2.0",
@@ -78,31 +90,41 @@ def _cpus_of(pid: int) -> str:
     return "?"
 
 
-def pin_training(trainer: Any, trainer_cpu: int) -> dict[str, Any]:
-    """After set-up, which started everything on the engine's core: the training workers'
-    processes (policy, and reference or critic when the run has them) move to `trainer_cpu`.
-    Returns where each process of the run may run."""
-    import psutil
+def _pid_of(actor: Any) -> int:
     import ray
 
+    return int(ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60))
+
+
+def pin_processes(trainer: Any, trainer_cpu: int) -> dict[str, Any]:
+    """After set-up, which started everything on the engine's core: only the engine side stays
+    there (each engine actor, which owns vLLM's client, and its engine core process); everything
+    else moves to `trainer_cpu`: the training workers (policy, and reference or critic when the
+    run has them), this driver process (the loop: rollouts' orchestration, scoring, the buffer,
+    experience; every thread, so threads it starts later follow) and Ray's daemons, as on the
+    trainer's host of a disaggregated run. Returns where each process of the run may run."""
+    import psutil
+
     rt = trainer.runtime
+    engine_pids: set[int] = set()
+    for ref in rt.engine_refs:
+        pid = _pid_of(ref.actor)
+        engine_pids |= {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
     workers = [w for group in (rt.policy, rt.ref, rt.critic) if group is not None for w in group.workers]
-    pids = [
-        int(p)
-        for p in ray.get([w.__ray_call__.remote(lambda _self: os.getpid()) for w in workers], timeout=60)
-    ]
-    for pid in pids:
-        _set_affinity(pid, trainer_cpu)
+    training_pids = [_pid_of(w) for w in workers]
     where: dict[str, list[str]] = {}
     for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
+            if proc.pid not in engine_pids:
+                _set_affinity(proc.pid, trainer_cpu)
             name = "trainer (driver)" if proc.pid == os.getpid() else proc.name()
             where.setdefault(f"{name} on {_cpus_of(proc.pid)}", []).append(str(proc.pid))
-        except (psutil.Error, OSError):
+        except (psutil.Error, OSError):  # a process that just ended
             pass
     return {
         "trainer_cpu": trainer_cpu,
-        "training_worker_pids": pids,
+        "engine_pids": sorted(engine_pids),
+        "training_worker_pids": training_pids,
         "processes": {key: len(members) for key, members in sorted(where.items())},
     }
 
@@ -124,11 +146,11 @@ def child(args: argparse.Namespace) -> None:
     run_dir = Path(args.out).parent / f"{mode}-{'pinned' if pinned else 'free'}"
     rows, figures = timed_fit(
         overrides(args, Path(args.data), run_dir, mode, pinned),
-        after_setup=(lambda trainer: {"placement": pin_training(trainer, args.trainer_cpu)})
+        after_setup=(lambda trainer: {"placement": pin_processes(trainer, args.trainer_cpu)})
         if pinned
         else None,
     )
-    figures.update(step_figures(rows, PHASES))
+    figures.update(step_figures(rows, PHASES, warmup=WARMUP_STEPS))
     figures["token_staleness_mean"] = statistics.fmean(
         h.get("fully_async/token_staleness_mean", 0.0) for h in rows
     )
@@ -146,6 +168,7 @@ def run_mode(args: argparse.Namespace, mode: str, pinned: bool, data: Path, work
         [
             *("--child", mode, "--data", str(data)),
             *("--steps", str(args.steps), "--staleness", str(args.staleness)),
+            *("--workers", str(args.workers)),
             *("--trainer-cpu", str(args.trainer_cpu), "--engine-cpu", str(args.engine_cpu)),
             *(["--pinned"] if pinned else []),
         ],
@@ -156,8 +179,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--staleness", type=int, default=4, help="trainer.fully_async.max_staleness_steps")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=16,
+        help="trainer.fully_async.num_parallel_generation_workers (prompt groups in flight; the batch is 8)",
+    )
     parser.add_argument("--trainer-cpu", type=int, default=0)
     parser.add_argument("--engine-cpu", type=int, default=1)
     parser.add_argument("--skip-unpinned", action="store_true", help="only the pinned pair (the ratio)")
@@ -166,8 +195,8 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.steps < 3:
-        parser.error("--steps must be >= 3 (steps 2..N-1 are timed)")
+    if args.steps < WARMUP_STEPS + 2:
+        parser.error(f"--steps must be >= {WARMUP_STEPS + 2} (steps {WARMUP_STEPS + 1}..N-1 are timed)")
     if args.child:
         child(args)
         return
@@ -189,7 +218,10 @@ def main() -> None:
             results[key] = {mode: run_mode(args, mode, pinned, work / "data", work) for mode in MODES}
 
     print(f"\nSmolLM2-135M demo settings (8 prompts x 4 samples, <= 64 tokens), {args.steps} steps; ")
-    print(f"mean of steps 2..{args.steps - 1} (seconds); fully async staleness bound {args.staleness}")
+    print(
+        f"mean of steps {WARMUP_STEPS + 1}..{args.steps - 1} (seconds); fully async staleness bound "
+        f"{args.staleness}, {args.workers} prompt groups in flight"
+    )
     print(f"{'run':<16} " + " ".join(f"{p.removesuffix('_s'):>9}" for p in PHASES) + "  rewards per step")
     for key, pair in results.items():
         for mode, r in pair.items():
@@ -208,6 +240,8 @@ def main() -> None:
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "steps": args.steps,
                 "max_staleness_steps": args.staleness,
+                "generation_workers": args.workers,
+                "timed_steps": [WARMUP_STEPS + 1, args.steps - 1],
                 **results,
             }
         )

@@ -7,7 +7,9 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
   serves the new weights; checked afterwards against transformers), by the overlapped weight
   stream (`weight_sync.stream`, the default: one engine call per sync, bucket k+1 packed and
   broadcast while the engine reloads bucket k) and by the sequential path it replaced
-  (`overlap=False`: one call, broadcast and reload per bucket), side by side;
+  (`overlap=False`: one call, broadcast and reload per bucket), side by side; and by the stream
+  with the engine loading through vLLM's generic reload instead of `weight_sync.direct_load`
+  (`stream_vllm_reload_s`: what the stream took before the direct load);
 - raw_broadcast: ONE flat buffer of the same number of bytes broadcast over a gloo group between
   two plain processes (plus a one-element acknowledgement back, so the receiver has it all);
 - reload: the engine's own in-place `reload_weights` of the same tensors, already in the worker's
@@ -17,7 +19,7 @@ Prints one line per model and, last, a JSON line for the last model (SmolLM2-135
     {"ratio": sync_s / (raw_broadcast_s + reload_s), "sequential_ratio": sequential_sync_s / (...),
      "vs_raw_broadcast": sync_s / raw_broadcast_s, ...}
 (goal: ratio <= 1.2 on a quiet machine). Buckets are the trainer's own size
-(`skylift.trainer.workers.SYNC_BUCKET_MB`) unless `--bucket-mb` says otherwise. Rounds of the four measurements are interleaved, so that
+(`skylift.trainer.workers.SYNC_BUCKET_MB`) unless `--bucket-mb` says otherwise. Rounds of the five measurements are interleaved, so that
 load from other processes affects them alike; medians are reported.
 
 Run inside a loopback-only network namespace (gloo's store listens on all interfaces):
@@ -134,6 +136,11 @@ def _drop_reload_weights(worker: Any) -> None:
     worker._bench_weights = None
 
 
+def _set_direct_load(worker: Any, enabled: bool) -> None:
+    """Runs inside the vLLM worker: let the stream load with `weight_sync.direct_load` or not."""
+    worker._skylift_direct_load = enabled
+
+
 # ---- the measured path -------------------------------------------------------------------------
 
 
@@ -181,7 +188,17 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
         await rpc(_reload_in_worker, args=(str(model_dir),))
         await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=False)
         await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=True)
-        raw_times, reload_times, sync_times, seq_times, buckets = [], [], [], [], 0
+
+        async def stream_with_vllm_reload() -> Any:
+            await rpc(_set_direct_load, args=(False,))
+            try:
+                return await sender.send_state_dict(state, bucket_bytes=bucket_bytes, overlap=True)
+            finally:
+                await rpc(_set_direct_load, args=(True,))
+
+        await stream_with_vllm_reload()
+        raw_times, reload_times, sync_times, seq_times, vllm_times, buckets = [], [], [], [], [], 0
+        direct = 0
         for _ in range(repeats):
             raw_times.append(raw.round())
             reload_times.append((await rpc(_reload_in_worker, args=(str(model_dir),)))[0])
@@ -192,6 +209,8 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
                 raise SystemExit(f"{name}: the overlapped path was not taken ({stats})")
             sync_times.append(stats.seconds)
             buckets = stats.buckets
+            direct = min(r.get("direct_buckets", 0) for r in stats.receipts)
+            vllm_times.append((await stream_with_vllm_reload()).seconds)
         await rpc(_drop_reload_weights)
         await sender.close()
         after = (await engine.prompt_logprobs([SEQUENCE]))[0]
@@ -204,6 +223,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
         raise SystemExit(f"{name}: the engine does not serve the synced weights ({err_before=} {err_after=})")
     sync_s = statistics.median(sync_times)
     seq_s = statistics.median(seq_times)
+    vllm_s = statistics.median(vllm_times)
     raw_s = statistics.median(raw_times)
     reload_s = statistics.median(reload_times)
     return {
@@ -214,6 +234,8 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
         "bucket_bytes": bucket_bytes,
         "sync_s": round(sync_s, 4),
         "sequential_sync_s": round(seq_s, 4),
+        "stream_vllm_reload_s": round(vllm_s, 4),
+        "direct_buckets": direct,
         "raw_broadcast_s": round(raw_s, 4),
         "reload_s": round(reload_s, 4),
         "init_group_s": round(init_s, 4),
@@ -223,6 +245,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
         "logprob_err_after_sync": err_after,
         "ratio": round(sync_s / (raw_s + reload_s), 3),
         "sequential_ratio": round(seq_s / (raw_s + reload_s), 3),
+        "stream_vllm_reload_ratio": round(vllm_s / (raw_s + reload_s), 3),
         "speedup_vs_sequential": round(seq_s / sync_s, 3),
         "vs_raw_broadcast": round(sync_s / raw_s, 3),
         "repeats": repeats,
@@ -255,7 +278,9 @@ def main() -> None:
         results.append(result)
         print(
             f"{result['model']}: {result['bytes'] / 1e6:.1f} MB in {result['buckets']} bucket(s): "
-            f"sync {1e3 * result['sync_s']:.1f} ms (sequential {1e3 * result['sequential_sync_s']:.1f} ms) "
+            f"sync {1e3 * result['sync_s']:.1f} ms ({result['direct_buckets']} loaded directly; stream with "
+            f"vLLM's reload {1e3 * result['stream_vllm_reload_s']:.1f} ms, "
+            f"sequential {1e3 * result['sequential_sync_s']:.1f} ms) "
             f"| raw broadcast {1e3 * result['raw_broadcast_s']:.1f} ms "
             f"+ reload {1e3 * result['reload_s']:.1f} ms | ratio {result['ratio']:.2f} "
             f"(sequential {result['sequential_ratio']:.2f}) "
@@ -269,6 +294,7 @@ def main() -> None:
             for k in (
                 "sync_s",
                 "sequential_sync_s",
+                "stream_vllm_reload_s",
                 "raw_broadcast_s",
                 "reload_s",
                 "ratio",

@@ -390,8 +390,9 @@ class LocalVLLMEngine:
         reload of a bucket overlaps the broadcast of the next), then reset the prefix cache.
 
         The engine core runs no model step during the call, so no request sees a half-updated
-        model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version,
-        prefix_cache_reset); a refused bucket is an `EngineStateError` (see the receiver)."""
+        model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version, prefix_cache_reset,
+        direct_buckets: loaded without vLLM's reload, `weight_sync.direct_load`); a refused bucket is
+        an `EngineStateError` (see the receiver)."""
         async with self._weight_lock:
             if self.group_name is None:
                 raise EngineStateError(
@@ -410,6 +411,7 @@ class LocalVLLMEngine:
         receipt.update(
             seconds=seconds,
             worker_seconds=max(r["seconds"] for r in results),
+            direct_buckets=min(r.get("direct_buckets", 0) for r in results),
             weight_version=self.weight_version,
             prefix_cache_reset=reset,
         )

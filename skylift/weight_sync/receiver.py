@@ -21,7 +21,6 @@ made with SkyRL's protocol (one tensor per update) stage such parts instead (`fu
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -34,6 +33,7 @@ from skylift.weight_sync.buckets import (
     NamedTensor,
     unpack_bucket,
 )
+from skylift.weight_sync.direct_load import DirectLoader
 from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 from skylift.weight_sync.process_group import (
     WeightSyncError,
@@ -41,6 +41,7 @@ from skylift.weight_sync.process_group import (
     create_weight_sync_group,
     receive_bucket,
 )
+from skylift.weight_sync.protocol import WeightBucket
 from skylift.weight_sync.stream import STREAM_DEPTH, BucketStream
 from skylift.weight_sync.torch_group import join_torch_layout_group
 
@@ -76,6 +77,9 @@ class WeightSyncWorkerExtension:
     #: set for groups whose sender sends one tensor per update (SkyRL's protocol)
     _skylift_stager: FusedStager | None = None
     _skylift_arenas: list[BufferArena] | None = None
+    #: the stream loads buckets with `direct_load` where it can (False: always vLLM's reload)
+    _skylift_direct_load: bool = True
+    _skylift_direct: DirectLoader | bool | None = None  # False: this model is not supported
 
     def _skylift_worker_rank(self) -> int:
         rank: Any = getattr(self, "rank", 0)
@@ -177,6 +181,30 @@ class WeightSyncWorkerExtension:
         )
         return None
 
+    def _skylift_direct_loader(self) -> DirectLoader | None:
+        """The loader that bypasses vLLM's generic reload for this model (None: not supported)."""
+        if not self._skylift_direct_load:
+            return None
+        if self._skylift_direct is None:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            loader = DirectLoader.for_model(model, self.vllm_config, self._skylift_load_units())  # type: ignore[attr-defined]
+            self._skylift_direct = loader if loader is not None else False
+        return self._skylift_direct or None
+
+    @contextlib.contextmanager
+    def _skylift_loading(self) -> Iterator[None]:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+            yield
+
+    def _skylift_reset_runner_caches(self) -> None:
+        """What vLLM's `reload_weights` resets after loading (LoRA state, encoder and multimodal caches)."""
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            method = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]
+            if callable(method):
+                method()
+
     def _skylift_reload(self, weights: Iterable[NamedTensor]) -> None:
         """vLLM's in-place reload of `weights` (Hugging Face names), pulled as it goes."""
         from vllm.config import set_current_vllm_config
@@ -188,10 +216,13 @@ class WeightSyncWorkerExtension:
         """Receive every bucket of one sync (`weight_sync.stream`) and load them in ONE reload
         that runs while the next bucket arrives.
 
-        Returns ``{"buckets", "tensors", "bytes", "receive_s", "seconds", "refused"}``; `refused`
-        (None or why) is set when a bucket covered a fused module only in part: that bucket and
-        the ones after it are received (so rank 0's broadcasts complete) and not loaded; the
-        buckets before it are loaded, as with `skylift_receive_weights` bucket by bucket."""
+        Returns ``{"buckets", "tensors", "bytes", "receive_s", "seconds", "refused",
+        "direct_buckets"}``; `refused` (None or why) is set when a bucket covered a fused module
+        only in part: that bucket and the ones after it are received (so rank 0's broadcasts
+        complete) and not loaded; the buckets before it are loaded, as with
+        `skylift_receive_weights` bucket by bucket. Buckets go straight into the model's modules
+        (`direct_load`; `direct_buckets` of them) while every tensor is one that path maps; from
+        the first bucket it does not, the rest of the stream is one vLLM reload."""
         group = self._skylift_group
         if group is None:
             raise WeightSyncError(
@@ -207,22 +238,44 @@ class WeightSyncWorkerExtension:
             self._skylift_arenas = [BufferArena(group.device) for _ in range(STREAM_DEPTH)]
         stream = BucketStream(group, self._skylift_arenas)
         refused: str | None = None
+        direct = self._skylift_direct_loader()
+        buckets = iter(stream)
+        loaded_directly = 0
 
-        def weights() -> Iterator[NamedTensor]:
+        def checked(bucket: WeightBucket) -> bool:
             nonlocal refused
-            for bucket, buffers in stream:
-                try:
-                    self._skylift_check_whole_units(bucket.names)
-                except WeightSyncError as exc:
-                    refused = str(exc)
-                    return
-                yield from unpack_bucket(bucket, buffers)
+            try:
+                self._skylift_check_whole_units(bucket.names)
+            except WeightSyncError as exc:
+                refused = str(exc)
+                return False
+            return True
 
+        def rest(first: WeightBucket, first_buffers: list[torch.Tensor]) -> Iterator[NamedTensor]:
+            """The tensors of `first` and of every bucket after it, for vLLM's reload."""
+            yield from unpack_bucket(first, first_buffers)
+            del first_buffers
+            for later, buffers in buckets:
+                if not checked(later):
+                    return
+                yield from unpack_bucket(later, buffers)
+
+        reloaded = False
         try:
-            loading = weights()
-            first = next(loading, None)  # nothing to load when the first bucket is refused
-            if first is not None:
-                self._skylift_reload(itertools.chain([first], loading))
+            with self._skylift_loading():
+                for bucket, buffers in buckets:
+                    if not checked(bucket):
+                        break
+                    loads = direct.plan(bucket) if direct is not None else None
+                    if loads is None:  # this bucket and the rest: vLLM's reload
+                        reloaded = True
+                        self._skylift_reload(rest(bucket, buffers))
+                        break
+                    direct.load(loads, unpack_bucket(bucket, buffers))
+                    loaded_directly += 1
+                    del buffers
+                if loaded_directly and not reloaded:
+                    self._skylift_reset_runner_caches()
         finally:
             stream.drain()  # the rest of a refused stream; raises when receiving failed
         seconds = time.perf_counter() - start
@@ -240,6 +293,7 @@ class WeightSyncWorkerExtension:
             "receive_s": stream.receive_s,
             "seconds": seconds,
             "refused": refused,
+            "direct_buckets": loaded_directly,
         }
 
     def skylift_destroy_weight_update_group(self) -> str | None:

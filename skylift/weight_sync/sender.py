@@ -51,6 +51,7 @@ class SyncStats:
     seconds: float = 0.0
     bucket_seconds: list[float] = field(default_factory=list)  # sequential path only
     overlapped: bool = False  # sent as one weight stream (`weight_sync.stream`)
+    receipts: list[Any] = field(default_factory=list)  # each engine's answer to the stream
 
 
 def weight_sync_master_address(override: str | None, remote_urls: Sequence[str], node_ip: str) -> str:
@@ -310,13 +311,14 @@ class WeightSender:
             self._engine_call(i, e, "receive_weight_stream", e.receive_weight_stream(), self.update_timeout_s)
             for i, e in enumerate(self._engines)
         ]
-        sent: StreamStats = (await self._all(tasks))[0]
+        sent, *receipts = await self._all(tasks)
         return SyncStats(
             buckets=sent.buckets,
             tensors=sent.tensors,
             bytes=sent.bytes,
             seconds=time.perf_counter() - start,
             overlapped=True,
+            receipts=receipts,
         )
 
     async def _send_bucket(

@@ -173,6 +173,45 @@ def test_overlapped_sync_is_bit_identical_to_sequential(
     assert engine_view() == after_sequential
 
 
+def test_stream_loads_directly_and_falls_back_to_vllms_reload(
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
+) -> None:
+    """The stream loads every bucket of the tiny Qwen2 straight into its modules
+    (`weight_sync.direct_load`), to the bit what vLLM's reload (the sequential path) gives; a
+    bucket with a tensor that path does not map (a rotary `inv_freq`, which vLLM's loader drops)
+    hands it and the buckets after it to vLLM's reload, with the same result."""
+    original = list({k: v.clone() for k, v in hf_model.state_dict().items()}.items())
+    perturb(hf_model, seed=6)
+    state = [(k, v.to(torch.bfloat16) if "mlp" in k else v) for k, v in hf_model.state_dict().items()]
+    last = max(i for i, (k, _) in enumerate(state) if k.startswith("model.layers.1."))
+    inv_freq = ("model.layers.1.self_attn.rotary_emb.inv_freq", torch.ones(8))
+    with_unmapped = [*state[: last + 1], inv_freq, *state[last + 1 :]]
+
+    async def sync(weights: list[tuple[str, torch.Tensor]], overlap: bool) -> Any:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
+        await sender.init_group([engine])
+        try:
+            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
+        finally:
+            await sender.close()
+
+    def engine_view() -> list[Any]:
+        return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
+
+    loop.run(sync(state, overlap=False))
+    reference = engine_view()
+    loop.run(sync(original, overlap=False))
+    assert engine_view() != reference
+    direct = loop.run(sync(state, overlap=True))
+    assert direct.overlapped and direct.buckets > 2
+    assert direct.receipts[0]["direct_buckets"] == direct.buckets
+    assert engine_view() == reference
+    loop.run(sync(original, overlap=False))
+    mixed = loop.run(sync(with_unmapped, overlap=True))
+    assert 0 < mixed.receipts[0]["direct_buckets"] < mixed.buckets
+    assert engine_view() == reference
+
+
 def test_requests_during_a_stream_see_old_or_new_weights_only(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
