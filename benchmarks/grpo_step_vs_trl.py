@@ -74,7 +74,6 @@ for _key, _value in {
 
 #: skylift's two runs: every row trained (the headline `ratio`) and the default settings
 SKY_RUNS = ("skylift", "skylift-default")
-CHILD_TIMEOUT_S = 1800.0
 
 
 # ---- shared helpers ---------------------------------------------------------------------------
@@ -104,11 +103,13 @@ def _run_child(side: str, args: argparse.Namespace, work: Path) -> tuple[dict[st
     sampler = TreeMemorySampler(proc.pid)
     sampler.start()
     try:
-        rc = proc.wait(timeout=CHILD_TIMEOUT_S)
+        rc = proc.wait(timeout=args.child_timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"the {side} side did not finish within {CHILD_TIMEOUT_S:.0f} s") from None
+        raise RuntimeError(
+            f"the {side} side did not finish within {args.child_timeout:.0f} s (--child-timeout)"
+        ) from None
     finally:
         sampler.stop()
         leftovers = sampler.reap_leftovers()
@@ -167,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="steps each side runs before the timed one, on the same prompts (0: time the first step "
         "after start-up, which pays one-time costs: vLLM's and torch's first use of each shape)",
+    )
+    parser.add_argument(
+        "--child-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds each side's child process may take, set-up included (a quiet run takes a few "
+        "minutes; a loaded 2-core machine can take 20+ minutes per step)",
     )
     parser.add_argument("--order", choices=["skylift-first", "trl-first"], default="skylift-first")
     parser.add_argument("--side", choices=[*SKY_RUNS, "trl"], help=argparse.SUPPRESS)
