@@ -208,6 +208,9 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
             train_started = time.perf_counter()
             history = trainer.fit()
             train_s = time.perf_counter() - train_started
+        except ConfigError as exc:  # one only this machine can judge (e.g. the engine's device)
+            print(f"skylift demo: configuration error: {exc}", file=sys.stderr)
+            return 2
         except TrainingStoppedError as exc:
             print(f"skylift demo: {exc}", file=sys.stderr)
             return 3
