@@ -71,6 +71,7 @@ def step_figures(rows: Sequence[dict[str, float]], phases: Sequence[str], warmup
     timed = rows[warmup:-1] or rows
     return {
         "step_s": statistics.fmean(h["timing/step_s"] for h in timed),
+        "step_s_median": statistics.median(h["timing/step_s"] for h in timed),
         "step_times": [round(h["timing/step_s"], 3) for h in rows],
         "phases": {p: statistics.fmean(h.get(f"timing/{p}", 0.0) for h in timed) for p in phases},
         "rewards": [round(h["reward/mean"], 4) for h in rows],
@@ -79,9 +80,22 @@ def step_figures(rows: Sequence[dict[str, float]], phases: Sequence[str], warmup
     }
 
 
-def run_child(script: str, label: str, out: Path, args: Sequence[str]) -> dict[str, Any]:
-    """Run `script --out OUT ARGS` in a child process (failing when it fails) and return the
-    JSON it wrote to `out`."""
-    print(f"[bench] {label} ...", flush=True)
-    subprocess.run([sys.executable, script, "--out", str(out), *args], check=True)
+def run_child(script: str, label: str, out: Path, args: Sequence[str], attempts: int = 1) -> dict[str, Any]:
+    """Run `script --out OUT ARGS` in a child process and return the JSON it wrote to `out`.
+
+    A child that fails runs again from the start, up to `attempts` runs in all (on a loaded
+    shared machine a run can die of its surroundings: Ray's fixed 30 s wait for its raylet, the
+    kernel's OOM killer); the last failure is raised."""
+    for attempt in range(1, attempts + 1):
+        print(
+            f"[bench] {label} ..." + (f" (attempt {attempt} of {attempts})" if attempt > 1 else ""),
+            flush=True,
+        )
+        try:
+            subprocess.run([sys.executable, script, "--out", str(out), *args], check=True)
+            break
+        except subprocess.CalledProcessError as exc:
+            if attempt == attempts:
+                raise
+            print(f"[bench] {label} failed ({exc}); running it again", flush=True)
     return dict(json.loads(out.read_text()))

@@ -17,6 +17,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+# dynamic sampling (DAPO `filter`): a step trains on 8 prompt groups whose 4 rewards differ, drawn
+# from up to 2 rounds of 8 prompts; without it only ~3 of 8 groups carry a signal
+DYNAMIC_SAMPLING_OVERRIDES = [
+    "trainer.algorithm.dynamic_sampling.type=filter",
+    "trainer.algorithm.dynamic_sampling.max_sample_batches=2",
+]
+
 DEMO_OVERRIDES = [
     "trainer.policy.model.path=smollm2-135m-instruct",
     "trainer.run_name=demo",
@@ -33,6 +40,7 @@ DEMO_OVERRIDES = [
     "trainer.policy.optimizer_config.scheduler=linear",
     "trainer.policy.optimizer_config.weight_decay=0.0",
     "trainer.max_steps=20",
+    *DYNAMIC_SAMPLING_OVERRIDES,
     # prefix sharing: each micro-batch computes its distinct prefixes once (the prompts' shared
     # system message and worked example, each group's prompt, identical samples); one SmolLM2
     # thread trains a step's 32 rows in 6.5-8.8 CPU s instead of 17-23 (benchmarks/RESULTS.md)
@@ -52,6 +60,10 @@ DEMO_OVERRIDES = [
     # 0.5 GiB of KV cache holds a step's sequences and the evaluation's 100 (their prompts share
     # a prefix); the 1 GiB default would add ~0.5 GiB to the engine's resident memory
     "generator.kv_cache_gb=0.5",
+    # vLLM's CPU KV blocks are 128 tokens by default, so a 90-token prompt fills no block the
+    # prefix cache could share; with 32-token blocks the prompts' shared 64 tokens and each group's
+    # prompt are prefilled once (a step's generation in about half the time: benchmarks/RESULTS.md)
+    "generator.kv_cache_block_size=32",
 ]
 
 # Where bf16 matrix instructions exist (CUDA, x86 AVX512-BF16 / AMX, Arm BF16), the engine samples
@@ -81,10 +93,13 @@ def has_fast_bf16(cpuinfo: str | None = None) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
-def demo_overrides(fast_bf16: bool | None = None) -> list[str]:
+def demo_overrides(fast_bf16: bool | None = None, dynamic_sampling: bool = True) -> list[str]:
     """`DEMO_OVERRIDES` plus bf16 where it is fast (`has_fast_bf16`), leaving the KV cache to
-    VLLM_CPU_KVCACHE_SPACE when the user set it."""
+    VLLM_CPU_KVCACHE_SPACE when the user set it. `dynamic_sampling=False` leaves out the demo's
+    dynamic sampling (benchmarks that time one plain GRPO step, or fully async, which refuses it)."""
     overrides = list(DEMO_OVERRIDES)
+    if not dynamic_sampling:
+        overrides = [o for o in overrides if o not in DYNAMIC_SAMPLING_OVERRIDES]
     if fast_bf16 if fast_bf16 is not None else has_fast_bf16():
         overrides += BF16_OVERRIDES
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -193,6 +208,9 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
             train_started = time.perf_counter()
             history = trainer.fit()
             train_s = time.perf_counter() - train_started
+        except ConfigError as exc:  # one only this machine can judge (e.g. the engine's device)
+            print(f"skylift demo: configuration error: {exc}", file=sys.stderr)
+            return 2
         except TrainingStoppedError as exc:
             print(f"skylift demo: {exc}", file=sys.stderr)
             return 3

@@ -394,7 +394,7 @@ class GeneratorConfig:
         None,
         "tokens per KV-cache block of a local engine (vLLM's block_size): prefix caching reuses whole "
         "blocks only, so prompts that share fewer tokens than a block share nothing; null = vLLM's "
-        "default (128 on CPU, 16 on GPU)",
+        "default (128 on CPU, 16 on GPU); a multiple of 32 on CPU",
         ge=1,
     )
     enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")

@@ -60,6 +60,9 @@ def run_train(
         trainer.fit()
         path = trainer.export()
         print(f"[skylift] exported Hugging Face weights to {path}")
+    except ConfigError as exc:  # one only the run's machine can judge (e.g. the engine's device)
+        print(f"skylift: configuration error: {exc}", file=sys.stderr)
+        return 2
     except TrainingStoppedError as exc:
         print(f"skylift: {exc}", file=sys.stderr)
         return 3

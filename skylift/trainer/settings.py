@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from skylift.config.errors import ConfigError
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.inference.engine_args import lora_engine_args
 from skylift.training.worker import OptimizerSettings, WorkerSettings
@@ -135,6 +136,11 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
     )
 
 
+#: vLLM's CPU attention backend takes KV-cache blocks of a multiple of this many tokens only (its
+#: engine dies at start-up with "No common block size" otherwise).
+CPU_BLOCK_MULTIPLE = 32
+
+
 def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
     """`LocalVLLMEngine.create` arguments of the run's local engines."""
     g, t = cfg.generator, cfg.trainer
@@ -153,6 +159,12 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
     if g.kv_cache_block_size is not None:
+        if not torch.cuda.is_available() and g.kv_cache_block_size % CPU_BLOCK_MULTIPLE:
+            raise ConfigError(
+                f"generator.kv_cache_block_size={g.kv_cache_block_size}: vLLM's CPU attention needs a "
+                f"multiple of {CPU_BLOCK_MULTIPLE} (e.g. 32, 64 or 128)",
+                key="generator.kv_cache_block_size",
+            )
         kwargs["block_size"] = g.kv_cache_block_size
     if g.kv_cache_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))

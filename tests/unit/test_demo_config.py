@@ -15,8 +15,30 @@ def test_demo_overrides_load(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.generator.kv_cache_gb == 0.5
     assert cfg.trainer.policy.optimizer_config.scheduler == "linear"
     assert cfg.generator.model_dtype == "bfloat16" and cfg.trainer.bf16
+    assert cfg.trainer.algorithm.dynamic_sampling.type == "filter"
+    assert cfg.trainer.algorithm.dynamic_sampling.max_sample_batches == 2
+    assert cfg.generator.kv_cache_block_size == 32
     cfg = load_config(demo_overrides(fast_bf16=False))
     assert cfg.generator.model_dtype == "float32" and not cfg.trainer.bf16
+
+
+def test_benchmarks_can_leave_out_dynamic_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One plain GRPO step (grpo_step_vs_trl) and fully async (which refuses dynamic sampling)
+    take the demo's settings without it; everything else stays."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    full = demo_overrides(fast_bf16=False)
+    plain = demo_overrides(fast_bf16=False, dynamic_sampling=False)
+    assert [o for o in full if "dynamic_sampling" not in o] == plain
+    assert load_config(plain).trainer.algorithm.dynamic_sampling.type is None
+    fully_async = load_config(
+        [
+            *plain,
+            "trainer.fully_async.enabled=true",
+            "trainer.algorithm.use_tis=true",
+            "trainer.algorithm.tis_imp_ratio_cap=2.0",
+        ]
+    )
+    assert fully_async.trainer.fully_async.enabled
 
 
 X86_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep avx2 avx512f avx512bw"

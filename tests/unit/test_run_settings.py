@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-from skylift.config import load_config
+import pytest
+import torch
+
+from skylift.config import ConfigError, load_config
 from skylift.trainer.settings import (
     critic_worker_settings,
     local_engine_kwargs,
@@ -67,3 +70,16 @@ def test_local_engine_arguments() -> None:
     assert "block_size" not in kwargs  # vLLM's default
     blocks = load_config(["generator.kv_cache_block_size=32"])
     assert local_engine_kwargs(blocks, sleep_mode=False)["block_size"] == 32
+
+
+def test_a_cpu_block_size_vllm_cannot_take_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU engine would die at start-up ("No common block size for 16"); skylift says why first."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ConfigError, match=r"kv_cache_block_size=16: vLLM's CPU attention needs a multiple of 32"
+    ):
+        local_engine_kwargs(load_config(["generator.kv_cache_block_size=16"]), sleep_mode=False)
+    assert (
+        local_engine_kwargs(load_config(["generator.kv_cache_block_size=64"]), sleep_mode=False)["block_size"]
+        == 64
+    )
