@@ -138,7 +138,7 @@ def _drop_reload_weights(worker: Any) -> None:
 
 def _set_direct_load(worker: Any, enabled: bool) -> None:
     """Runs inside the vLLM worker: let the stream load with `weight_sync.direct_load` or not."""
-    worker._skylift_direct_load = enabled
+    getattr(worker, "worker", worker)._skylift_direct_load = enabled  # the worker, not its wrapper
 
 
 # ---- the measured path -------------------------------------------------------------------------
@@ -210,7 +210,10 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
             sync_times.append(stats.seconds)
             buckets = stats.buckets
             direct = min(r.get("direct_buckets", 0) for r in stats.receipts)
-            vllm_times.append((await stream_with_vllm_reload()).seconds)
+            generic = await stream_with_vllm_reload()
+            if any(r.get("direct_buckets") for r in generic.receipts):
+                raise SystemExit(f"{name}: the stream with vLLM's reload loaded buckets directly ({generic})")
+            vllm_times.append(generic.seconds)
         await rpc(_drop_reload_weights)
         await sender.close()
         after = (await engine.prompt_logprobs([SEQUENCE]))[0]

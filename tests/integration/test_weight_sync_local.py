@@ -212,6 +212,55 @@ def test_stream_loads_directly_and_falls_back_to_vllms_reload(
     assert engine_view() == reference
 
 
+@pytest.fixture
+def bf16_engine(tiny_model_dir: Path, loop: Any) -> Iterator[LocalVLLMEngine]:
+    """The tiny model in a bfloat16 engine (the demo's engine dtype: on CPUs with AMX vLLM packs its
+    linear layers with the sgl kernels and keeps their biases in float32); closed after its one
+    test, so that it never runs beside the session's engine longer than needed."""
+    eng = loop.run(
+        LocalVLLMEngine.create(
+            str(tiny_model_dir),
+            max_model_len=512,
+            seed=0,
+            dtype="bfloat16",
+            max_num_seqs=4,
+            enforce_eager=True,
+        ),
+        timeout_s=600.0,
+    )
+    yield eng
+    loop.run(eng.close())
+
+
+def test_direct_load_into_a_bfloat16_engine_is_bit_identical(
+    bf16_engine: LocalVLLMEngine, loop: Any, hf_model: Any
+) -> None:
+    """The stream's direct load into a bfloat16 engine gives what vLLM's reload gives, to the bit."""
+    engine = bf16_engine
+    original = [(k, v.to(torch.bfloat16)) for k, v in hf_model.state_dict().items()]
+    perturb(hf_model, seed=7)
+    state = [(k, v.to(torch.bfloat16)) for k, v in hf_model.state_dict().items()]
+
+    async def sync(weights: list[tuple[str, torch.Tensor]], overlap: bool) -> Any:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
+        await sender.init_group([engine])
+        try:
+            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
+        finally:
+            await sender.close()
+
+    def engine_view() -> list[Any]:
+        return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
+
+    loop.run(sync(state, overlap=False))
+    reference = engine_view()
+    loop.run(sync(original, overlap=False))
+    assert engine_view() != reference
+    direct = loop.run(sync(state, overlap=True))
+    assert direct.receipts[0]["direct_buckets"] == direct.buckets > 2
+    assert engine_view() == reference
+
+
 def test_requests_during_a_stream_see_old_or_new_weights_only(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
