@@ -71,6 +71,27 @@ def perturb(model: Any, scale: float = 0.05, seed: int = 1) -> None:
             param.add_(torch.randn(param.shape, generator=gen) * scale)
 
 
+def sync_weights(
+    loop: Any, engine: LocalVLLMEngine, weights: list[tuple[str, torch.Tensor]], overlap: bool
+) -> Any:
+    """One sync of `weights` into `engine` over a fresh group (256 KB buckets), streamed or sequential."""
+
+    async def sync() -> Any:
+        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
+        await sender.init_group([engine])
+        try:
+            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
+        finally:
+            await sender.close()
+
+    return loop.run(sync())
+
+
+def engine_view(loop: Any, engine: LocalVLLMEngine) -> list[Any]:
+    """The engine's top-20 prompt logprobs of every test sequence: equal only for equal weights."""
+    return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
+
+
 def test_update_makes_engine_match_new_weights(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
@@ -146,31 +167,20 @@ def test_overlapped_sync_is_bit_identical_to_sequential(
     perturb(hf_model, seed=4)
     state = [(k, v.to(torch.bfloat16) if "mlp" in k else v) for k, v in hf_model.state_dict().items()]
 
-    async def sync(weights: list[tuple[str, torch.Tensor]], overlap: bool) -> Any:
-        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
-        await sender.init_group([engine])
-        try:
-            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
-        finally:
-            await sender.close()
-
-    def engine_view() -> list[Any]:
-        return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
-
-    sequential = loop.run(sync(state, overlap=False))
+    sequential = sync_weights(loop, engine, state, overlap=False)
     assert not sequential.overlapped and sequential.buckets > 2
-    after_sequential = engine_view()
-    loop.run(sync(original, overlap=False))
-    assert engine_view() != after_sequential  # the original weights are back
+    after_sequential = engine_view(loop, engine)
+    sync_weights(loop, engine, original, overlap=False)
+    assert engine_view(loop, engine) != after_sequential  # the original weights are back
     version = engine.weight_version
-    overlapped = loop.run(sync(state, overlap=True))
+    overlapped = sync_weights(loop, engine, state, overlap=True)
     assert overlapped.overlapped and (overlapped.buckets, overlapped.tensors, overlapped.bytes) == (
         sequential.buckets,
         sequential.tensors,
         sequential.bytes,
     )
     assert engine.weight_version == version + overlapped.buckets
-    assert engine_view() == after_sequential
+    assert engine_view(loop, engine) == after_sequential
 
 
 def test_stream_loads_directly_and_falls_back_to_vllms_reload(
@@ -187,29 +197,18 @@ def test_stream_loads_directly_and_falls_back_to_vllms_reload(
     inv_freq = ("model.layers.1.self_attn.rotary_emb.inv_freq", torch.ones(8))
     with_unmapped = [*state[: last + 1], inv_freq, *state[last + 1 :]]
 
-    async def sync(weights: list[tuple[str, torch.Tensor]], overlap: bool) -> Any:
-        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
-        await sender.init_group([engine])
-        try:
-            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
-        finally:
-            await sender.close()
-
-    def engine_view() -> list[Any]:
-        return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
-
-    loop.run(sync(state, overlap=False))
-    reference = engine_view()
-    loop.run(sync(original, overlap=False))
-    assert engine_view() != reference
-    direct = loop.run(sync(state, overlap=True))
+    sync_weights(loop, engine, state, overlap=False)
+    reference = engine_view(loop, engine)
+    sync_weights(loop, engine, original, overlap=False)
+    assert engine_view(loop, engine) != reference
+    direct = sync_weights(loop, engine, state, overlap=True)
     assert direct.overlapped and direct.buckets > 2
     assert direct.receipts[0]["direct_buckets"] == direct.buckets
-    assert engine_view() == reference
-    loop.run(sync(original, overlap=False))
-    mixed = loop.run(sync(with_unmapped, overlap=True))
+    assert engine_view(loop, engine) == reference
+    sync_weights(loop, engine, original, overlap=False)
+    mixed = sync_weights(loop, engine, with_unmapped, overlap=True)
     assert 0 < mixed.receipts[0]["direct_buckets"] < mixed.buckets
-    assert engine_view() == reference
+    assert engine_view(loop, engine) == reference
 
 
 @pytest.fixture
@@ -241,24 +240,13 @@ def test_direct_load_into_a_bfloat16_engine_is_bit_identical(
     perturb(hf_model, seed=7)
     state = [(k, v.to(torch.bfloat16)) for k, v in hf_model.state_dict().items()]
 
-    async def sync(weights: list[tuple[str, torch.Tensor]], overlap: bool) -> Any:
-        sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, overlap=overlap)
-        await sender.init_group([engine])
-        try:
-            return await sender.send_state_dict(weights, bucket_bytes=256 * 1024)
-        finally:
-            await sender.close()
-
-    def engine_view() -> list[Any]:
-        return [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]
-
-    loop.run(sync(state, overlap=False))
-    reference = engine_view()
-    loop.run(sync(original, overlap=False))
-    assert engine_view() != reference
-    direct = loop.run(sync(state, overlap=True))
+    sync_weights(loop, engine, state, overlap=False)
+    reference = engine_view(loop, engine)
+    sync_weights(loop, engine, original, overlap=False)
+    assert engine_view(loop, engine) != reference
+    direct = sync_weights(loop, engine, state, overlap=True)
     assert direct.receipts[0]["direct_buckets"] == direct.buckets > 2
-    assert engine_view() == reference
+    assert engine_view(loop, engine) == reference
 
 
 def test_requests_during_a_stream_see_old_or_new_weights_only(
