@@ -56,6 +56,13 @@ class DynamicSamplingConfig:
         "most rounds of prompts sampled for one step (the first included); -1 = until the data runs out",
         or_minus_one="for no limit",
     )
+    gen_batch_size: int = _f(
+        -1,
+        "prompts generated per sampling round; a value above train_batch_size oversamples: the first "
+        "round generates the batch's prompts and gen_batch_size - train_batch_size more of the data in "
+        "one call, which costs less than a second round (verl's data.gen_batch_size)",
+        or_minus_one="for train_batch_size",
+    )
     min_replace_ratio: float = _f(
         0.3,
         "replace: sample more rounds while fewer than this fraction of the batch's groups has a signal",

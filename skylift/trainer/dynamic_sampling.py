@@ -9,12 +9,18 @@ groups that carry a signal.
   than `min_replace_ratio` of the batch's groups (at least one) have a signal are more rounds
   sampled (up to `max_sample_batches`), and their signal groups are used before any copy.
 
+With `gen_batch_size` above `train_batch_size` the first round is oversampled: the step's batch
+and `gen_batch_size - train_batch_size` more prompts are generated in one call (one batched call
+costs about 0.6 of two calls of half its size on CPU), and later rounds take `gen_batch_size`
+prompts each.
+
 Pure: the caller passes the first round's trajectories and a `sample_round(round)` callable that
 generates another round, so this module needs no engine and is tested with hand-made groups.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -106,17 +112,21 @@ def dynamic_sample(
     return DynamicSample(_flat(batch), sampled, len(batch), rounds, len(signal) < need)
 
 
-def extra_round_rows(num_rows: int, seed: int, step: int, round_index: int, batch_size: int) -> list[int]:
-    """Dataset row indices of extra round `round_index` (1, 2, ...) of training step `step`: the
-    step's own seeded permutation of the data, `batch_size` rows a round, so a resumed run draws
-    the same prompts and no prompt comes twice in one step; [] once the data is used up."""
+def step_rows(
+    num_rows: int, seed: int, step: int, start: int, count: int, taken: Callable[[int], bool]
+) -> list[int]:
+    """Dataset row indices `start` to `start + count` of training step `step`'s own seeded
+    permutation of the data, leaving out the rows `taken` (already generated this step), so a
+    resumed run draws the same prompts and no prompt comes twice in one step; [] once the data is
+    used up. The oversampled first round takes rows 0.. of it, extra round r >= 1 the r-th
+    `gen_batch_size` rows after the first round."""
     order = list(range(num_rows))
     random.Random(f"{seed}:{step}").shuffle(order)
-    return order[(round_index - 1) * batch_size : round_index * batch_size]
+    return list(itertools.islice((i for i in order if not taken(i)), start, start + count))
 
 
 def _flat(groups: list[list[Trajectory]]) -> list[Trajectory]:
     return [tr for g in groups for tr in g]
 
 
-__all__ = ["DynamicSample", "dynamic_sample", "extra_round_rows", "has_signal", "split_groups"]
+__all__ = ["DynamicSample", "dynamic_sample", "step_rows", "has_signal", "split_groups"]

@@ -33,7 +33,7 @@ from skylift.inference.types import EngineUnavailableError
 from skylift.trainer import checkpoint as ckpt
 from skylift.trainer.async_rollouts import BackgroundRollouts, with_next
 from skylift.trainer.console import Console
-from skylift.trainer.dynamic_sampling import dynamic_sample, extra_round_rows
+from skylift.trainer.dynamic_sampling import dynamic_sample, step_rows
 from skylift.trainer.engine_weights import EngineWeights
 from skylift.trainer.evaluation import dump_eval, evaluate
 from skylift.trainer.experience import ExperienceSettings, make_experience
@@ -211,7 +211,7 @@ class RLTrainer:
         """One synchronous step: generate, update the policy on the rollouts, sync the weights."""
         assert self.weights is not None
         tick = time.perf_counter()
-        trajectories = self.generate(rows)
+        trajectories = self.generate(self.first_round(rows))
         trajectories, fill_metrics = self.fill_batch(trajectories)
         generate_s = time.perf_counter() - tick
         if self.runtime.colocation.sleep_engines:  # free the shared devices for training
@@ -228,14 +228,14 @@ class RLTrainer:
         assert self.rollouts is not None
         wait_s = generate_s = 0.0
         if not self.rollouts.pending:  # the first step: nothing was launched ahead
-            self.rollouts.launch(self._rollout(rows))
+            self.rollouts.launch(self._rollout(self.first_round(rows)))
             wait_s, generate_s = self.rollouts.join()
         trajectories = self.rollouts.take()
         tick = time.perf_counter()  # extra rounds of dynamic sampling run before the next launch
         trajectories, fill_metrics = self.fill_batch(trajectories)
         filled_s = time.perf_counter() - tick if fill_metrics else 0.0
         if next_rows is not None:
-            self.rollouts.launch(self._rollout(next_rows, ahead=1))
+            self.rollouts.launch(self._rollout(self.first_round(next_rows, ahead=1), ahead=1))
         metrics = self.update(trajectories)
         waited, generated = self.rollouts.join()  # no generation may be in flight during the sync
         metrics.update(self._sync_after_update())
@@ -248,6 +248,19 @@ class RLTrainer:
         )
         return metrics
 
+    def first_round(self, rows: list[PromptSample], ahead: int = 0) -> list[PromptSample]:
+        """The step's rows plus, when dynamic sampling oversamples (`gen_batch_size` above
+        `train_batch_size`), that many more of the step's own draw of the data (`ahead` steps on)."""
+        t = self.cfg.trainer
+        ds, data = t.algorithm.dynamic_sampling, self.runtime.train_data
+        extra = ds.gen_batch_size - t.train_batch_size
+        if ds.type is None or extra <= 0:
+            return rows
+        uids = {row.uid for row in rows}
+        step = self.state.global_step + ahead
+        index = step_rows(len(data), t.seed, step, 0, extra, lambda i: data[i].uid in uids)
+        return [*rows, *(data[i] for i in index)]
+
     def fill_batch(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """Dynamic sampling (`trainer.algorithm.dynamic_sampling`): the step's batch made of groups
         whose rewards differ, sampling extra rounds of prompts when needed (see `dynamic_sampling`)."""
@@ -256,9 +269,12 @@ class RLTrainer:
         if ds.type is None:
             return trajectories, {}
         data, step = self.runtime.train_data, self.state.global_step
+        per_round = t.train_batch_size if ds.gen_batch_size == -1 else ds.gen_batch_size
+        first = {tr.uid for tr in trajectories}
 
         def sample_round(round_index: int) -> list[Trajectory]:
-            index = extra_round_rows(len(data), t.seed, step, round_index, t.train_batch_size)
+            start = (round_index - 1) * per_round
+            index = step_rows(len(data), t.seed, step, start, per_round, lambda i: data[i].uid in first)
             return self.generate([data[i] for i in index]) if index else []
 
         out = dynamic_sample(

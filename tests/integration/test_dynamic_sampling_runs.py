@@ -75,6 +75,7 @@ def _run(
     }
     trainer = RLTrainer(load_config([f"{k}={v}" for k, v in keys.items()]), console=False)
     trained: list[list[Trajectory]] = []
+    round_sizes.clear()
     update = trainer.update
 
     def recording_update(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -82,12 +83,22 @@ def _run(
         return update(trajectories)
 
     trainer.update = recording_update  # type: ignore[method-assign]
+    generate = trainer.generate
+
+    def recording_generate(rows: list, evaluation: bool = False) -> list[Trajectory]:
+        round_sizes.append(len(rows))
+        return generate(rows, evaluation)
+
+    trainer.generate = recording_generate  # type: ignore[method-assign]
     try:
         trainer.setup()
         history = trainer.fit()
     finally:
         trainer.shutdown()
     return [h for h in history if "reward/mean" in h], trained
+
+
+round_sizes: list[int] = []  # the prompts of each generation call of the last `_run`
 
 
 def _row_index(uid: str) -> int:
@@ -101,15 +112,21 @@ def test_filter_trains_only_on_groups_with_a_signal(
         half_constant_data,
         tmp_path,
         tiny_model_dir,
-        **{"trainer.algorithm.dynamic_sampling.type": "filter"},
+        **{
+            "trainer.algorithm.dynamic_sampling.type": "filter",
+            # oversampled rounds of 6 prompts: 3 of them at most carry a signal, so a step takes 2+
+            "trainer.algorithm.dynamic_sampling.gen_batch_size": 6,
+        },
     )
     assert len(rows) == 2 and len(trained) == 2
+    rounds = [int(m["dynamic_sampling/rounds"]) for m in rows]
+    assert round_sizes[: rounds[0]] == [6] * rounds[0]  # every round of step 1, the first included
     for metrics, batch in zip(rows, trained, strict=True):
         uids = {tr.uid for tr in batch}
         assert uids and all(_row_index(u) % 2 == 1 for u in uids), uids  # no constant-reward prompt
+        assert sorted(tr.uid for tr in batch) == sorted(u for u in uids for _ in range(4))  # no prompt twice
         assert metrics["dynamic_sampling/groups_kept"] == len(uids)
-        # half of each round's prompts cannot carry a signal: at least 8 groups for 4 kept
-        assert metrics["dynamic_sampling/groups_sampled"] >= 2 * len(uids)
+        assert metrics["dynamic_sampling/groups_sampled"] == 6 * metrics["dynamic_sampling/rounds"]
         assert metrics["dynamic_sampling/rounds"] >= 2
         assert metrics["reward/mean"] < 1.0
 

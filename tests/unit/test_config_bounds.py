@@ -91,3 +91,17 @@ def test_dynamic_sampling_bounds() -> None:
         load_config(["trainer.algorithm.dynamic_sampling.type=null"]).trainer.algorithm.dynamic_sampling.type
         is None
     )
+    with pytest.raises(ConfigError) as info:
+        load_config(["trainer.algorithm.dynamic_sampling.gen_batch_size=16"])
+    assert info.value.problems == [
+        "trainer.algorithm.dynamic_sampling.gen_batch_size=16 oversamples for dynamic sampling and needs "
+        "trainer.algorithm.dynamic_sampling.type set"
+    ]
+    with pytest.raises(ConfigError, match=r"gen_batch_size=4 must be >= trainer.train_batch_size=8"):
+        load_config(
+            [
+                "trainer.train_batch_size=8",
+                "trainer.algorithm.dynamic_sampling.type=filter",
+                "trainer.algorithm.dynamic_sampling.gen_batch_size=4",
+            ]
+        )

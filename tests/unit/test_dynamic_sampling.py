@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from skylift.generator.trajectory import Trajectory
-from skylift.trainer.dynamic_sampling import dynamic_sample, has_signal, split_groups
+from skylift.trainer.dynamic_sampling import dynamic_sample, has_signal, split_groups, step_rows
 
 
 def _group(uid: str, rewards: list[float]) -> list[Trajectory]:
@@ -104,3 +104,23 @@ def test_no_limit_stops_when_the_data_runs_out() -> None:
     supply = iter([_round(("b", [1, 1])), _round(("a", [0, 0]))])
     out = dynamic_sample(_round(("a", [0, 1])), lambda n: next(supply, []), "filter", 3, None)
     assert (out.rounds, out.groups_kept, out.short) == (3, 1, True)
+
+
+def test_step_rows_are_the_steps_own_draw_without_the_rows_taken() -> None:
+    first = step_rows(20, 3, 5, 0, 4, lambda i: i < 10)
+    assert len(first) == 4 and all(i >= 10 for i in first)
+    assert step_rows(20, 3, 5, 0, 4, lambda i: i < 10) == first  # a resumed run draws the same
+    assert step_rows(20, 3, 6, 0, 4, lambda i: i < 10) != first  # another step, another draw
+    rest = step_rows(20, 3, 5, 4, 10, lambda i: i < 10)
+    assert len(rest) == 6 and not set(rest) & set(first)  # the data runs out after 10 free rows
+    assert step_rows(20, 3, 5, 10, 4, lambda i: i < 10) == []
+
+
+def test_filter_takes_an_oversampled_first_round_without_sampling_more() -> None:
+    def no_more(n: int) -> list[Trajectory]:
+        raise AssertionError("the oversampled first round already held the batch")
+
+    first = _round(("a", [1, 1]), ("b", [0, 1]), ("c", [1, 0]), ("d", [0, 1]))
+    out = dynamic_sample(first, no_more, "filter", 2, 2)
+    assert [tr.uid for tr in out.trajectories] == ["b", "b", "c", "c"]
+    assert (out.groups_sampled, out.groups_kept, out.rounds, out.short) == (4, 2, 1, False)
