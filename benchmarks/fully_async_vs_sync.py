@@ -16,11 +16,11 @@ twice:
   engine gets every core, as in `skylift demo`).
 
 The demo's settings (`skylift.demo.DEMO_OVERRIDES`: SmolLM2-135M-Instruct, 8 prompts x 4 samples,
-<= 64 tokens, lr 1e-5) with fewer steps (8), no evaluation and no checkpoints. The step time
-compared is the mean `timing/step_s` of steps 3..N-1, the steady state (step 1 of a fully async
-run generates its first batch with nothing to overlap, step 2 still waits while the buffer fills
-up; the last has nothing to overlap), the same steps for both modes. Also reported: each run's
-per-step phases, staleness and rewards.
+lr 1e-5) with <= 64 new tokens (the demo's cap when the figures were taken), fewer steps (8), no
+evaluation and no checkpoints. The step time compared is the mean `timing/step_s` of steps
+3..N-1, the steady state (step 1 of a fully async run generates its first batch with nothing to
+overlap, step 2 still waits while the buffer fills up; the last has nothing to overlap), the same
+steps for both modes. Also reported: each run's per-step phases, staleness and rewards.
 
 Prints a table and, last, one JSON line:
     {"ratio": pinned async_step_s / sync_step_s, "ratio_unpinned": ..., "pinned": {...}, ...}
@@ -57,9 +57,11 @@ def overrides(args: argparse.Namespace, data: Path, run_dir: Path, mode: str, pi
     base = [
         o
         for o in demo_overrides(dynamic_sampling=False)
-        if not o.startswith(("trainer.max_steps=", "trainer.eval"))
+        if not o.startswith(("trainer.max_steps=", "trainer.eval", "generator.max_generate_length="))
     ]
-    extra = run_overrides(data, run_dir, f"fully_async_vs_sync_{mode}", args.steps)
+    # 64 new tokens, the demo's rollout cap when the figures in RESULTS.md were taken
+    extra = ["generator.max_generate_length=64"]
+    extra += run_overrides(data, run_dir, f"fully_async_vs_sync_{mode}", args.steps)
     if pinned:  # the engine (and its client) in a Ray actor, the policy in a Ray worker
         extra.append("trainer.placement.backend=ray")
     if mode == "async":

@@ -90,16 +90,16 @@ def dynamic_sample(
         while len(signal) < train_batch_size and rounds < limit and not exhausted:
             more()
         kept = signal[:train_batch_size]
-        if not kept:  # no group has a signal: the first round as it is (zero advantages)
-            return DynamicSample(list(first_round), sampled, 0, rounds, True)
+        if not kept:  # no group has a signal: a batch of the first round (zero advantages)
+            return DynamicSample(_flat(groups[:train_batch_size]), sampled, 0, rounds, True)
         return DynamicSample(_flat(kept), sampled, len(kept), rounds, len(kept) < train_batch_size)
     need = max(1, math.ceil(min_replace_ratio * train_batch_size))
     while len(signal) < need and rounds < limit and not exhausted:
         more()
-    if not signal:  # nothing to copy: train on the first round as it is
-        return DynamicSample(list(first_round), sampled, 0, rounds, True)
+    if not signal:  # nothing to copy: train on a batch of the first round as it is
+        return DynamicSample(_flat(groups[:train_batch_size]), sampled, 0, rounds, True)
     rng = random.Random(seed)
-    batch = [g for g in groups if has_signal(g)]
+    batch = [g for g in groups if has_signal(g)][:train_batch_size]  # an oversampled round has more
     extra = iter(g for g in signal if g[0].uid not in {b[0].uid for b in batch})
     copies = 0
     while len(batch) < train_batch_size:

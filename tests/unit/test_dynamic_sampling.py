@@ -124,3 +124,13 @@ def test_filter_takes_an_oversampled_first_round_without_sampling_more() -> None
     out = dynamic_sample(first, no_more, "filter", 2, 2)
     assert [tr.uid for tr in out.trajectories] == ["b", "b", "c", "c"]
     assert (out.groups_sampled, out.groups_kept, out.rounds, out.short) == (4, 2, 1, False)
+
+
+def test_an_oversampled_round_gives_a_batch_of_train_batch_size_groups() -> None:
+    first = _round(("a", [1, 1]), ("b", [0, 1]), ("c", [1, 0]), ("d", [0, 1]))
+    out = dynamic_sample(first, lambda n: [], "replace", 2, 1)
+    assert [tr.uid for tr in out.trajectories] == ["b", "b", "c", "c"]
+    flat = _round(("a", [1, 1]), ("b", [0, 0]), ("c", [1, 1]))
+    for mode in ("filter", "replace"):  # no signal anywhere: one batch of the round, zero advantages
+        out = dynamic_sample(flat, lambda n: [], mode, 2, 1)
+        assert [tr.uid for tr in out.trajectories] == ["a", "a", "b", "b"] and out.short
