@@ -17,29 +17,34 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# dynamic sampling (DAPO `filter`): a step trains on 8 prompt groups whose 4 rewards differ, drawn
-# from up to 2 rounds of 8 prompts; without it only ~3 of 8 groups carry a signal
+# dynamic sampling (DAPO `filter`): each step generates 16 prompts x 4 samples in one call and
+# trains on up to 8 of the groups whose 4 rewards differ (without it only ~3 of 8 groups carry a
+# signal); one call of 64 sequences costs ~0.6 of two rounds of 32 (benchmarks/RESULTS.md)
 DYNAMIC_SAMPLING_OVERRIDES = [
     "trainer.algorithm.dynamic_sampling.type=filter",
-    "trainer.algorithm.dynamic_sampling.max_sample_batches=2",
+    "trainer.algorithm.dynamic_sampling.gen_batch_size=16",
+    "trainer.algorithm.dynamic_sampling.max_sample_batches=1",
 ]
 
 DEMO_OVERRIDES = [
     "trainer.policy.model.path=smollm2-135m-instruct",
     "trainer.run_name=demo",
     "trainer.algorithm.advantage_estimator=grpo",
-    # TRL's anchor batch: 8 prompts x 4 samples, 64 new tokens at most
+    # TRL's anchor batch: 8 prompts x 4 samples; evaluation answers in up to 64 new tokens as
+    # there, rollouts in up to 40 (a right answer takes ~17; a rare rambling sample no longer keeps
+    # the whole batch decoding, ~1 s a step)
     "trainer.train_batch_size=8",
     "trainer.policy_mini_batch_size=8",
     "generator.n_samples_per_prompt=4",
-    "generator.max_generate_length=64",
+    "generator.max_generate_length=40",
+    "generator.eval_sampling_params.max_generate_length=64",
     "generator.sampling_params.temperature=1.0",
-    # 20 steps at 1e-5 decaying linearly to 0 (the figures of these and other settings:
+    # 26 steps at 1e-5 decaying linearly to 0 (the figures of these and other settings:
     # benchmarks/RESULTS.md)
     "trainer.policy.optimizer_config.lr=1e-5",
     "trainer.policy.optimizer_config.scheduler=linear",
     "trainer.policy.optimizer_config.weight_decay=0.0",
-    "trainer.max_steps=20",
+    "trainer.max_steps=26",
     *DYNAMIC_SAMPLING_OVERRIDES,
     # prefix sharing: each micro-batch computes its distinct prefixes once (the prompts' shared
     # system message and worked example, each group's prompt, identical samples); one SmolLM2
@@ -57,9 +62,10 @@ DEMO_OVERRIDES = [
     "trainer.resume_mode=none",
     "trainer.max_prompt_length=128",
     "generator.max_num_seqs=128",
-    # 0.5 GiB of KV cache holds a step's sequences and the evaluation's 100 (their prompts share
-    # a prefix); the 1 GiB default would add ~0.5 GiB to the engine's resident memory
-    "generator.kv_cache_gb=0.5",
+    # 0.4 GiB of KV cache (18,600 tokens in bf16, 9,300 in float32) holds a step's 64 sequences
+    # (<= ~4,600 tokens, their prompts sharing a prefix) and the evaluation's 100 (<= ~9,500 at 64
+    # new tokens each); the cache is resident, so every 0.1 GiB less is 0.1 GiB less memory
+    "generator.kv_cache_gb=0.4",
     # vLLM's CPU KV blocks are 128 tokens by default, so a 90-token prompt fills no block the
     # prefix cache could share; with 32-token blocks the prompts' shared 64 tokens and each group's
     # prompt are prefilled once (a step's generation in about half the time: benchmarks/RESULTS.md)

@@ -12,11 +12,14 @@ def test_demo_overrides_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = load_config(demo_overrides(fast_bf16=True))
     assert cfg.trainer.policy.model.path == "smollm2-135m-instruct"
-    assert cfg.generator.kv_cache_gb == 0.5
+    assert cfg.generator.kv_cache_gb == 0.4
     assert cfg.trainer.policy.optimizer_config.scheduler == "linear"
     assert cfg.generator.model_dtype == "bfloat16" and cfg.trainer.bf16
     assert cfg.trainer.algorithm.dynamic_sampling.type == "filter"
-    assert cfg.trainer.algorithm.dynamic_sampling.max_sample_batches == 2
+    assert cfg.trainer.algorithm.dynamic_sampling.max_sample_batches == 1
+    assert cfg.trainer.algorithm.dynamic_sampling.gen_batch_size == 16
+    assert cfg.generator.max_generate_length == 40  # rollouts; evaluation answers in up to 64
+    assert cfg.generator.eval_sampling_params.max_generate_length == 64
     assert cfg.generator.kv_cache_block_size == 32
     cfg = load_config(demo_overrides(fast_bf16=False))
     assert cfg.generator.model_dtype == "float32" and not cfg.trainer.bf16
