@@ -161,16 +161,12 @@ def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(f"{p}.clip_ratio_c={a.clip_ratio_c} must be > 1 for policy_loss_type=dual_clip")
     if a.use_tis and a.tis_imp_ratio_cap <= 0:
         problems.append(f"{p}.use_tis=true needs {p}.tis_imp_ratio_cap > 0 (got {a.tis_imp_ratio_cap})")
-    ds, batch = a.dynamic_sampling, cfg.trainer.train_batch_size
-    if ds.gen_batch_size != -1 and ds.type is None:
-        problems.append(
-            f"{p}.dynamic_sampling.gen_batch_size={ds.gen_batch_size} oversamples for dynamic sampling "
-            f"and needs {p}.dynamic_sampling.type set"
-        )
-    elif ds.gen_batch_size != -1 and ds.gen_batch_size < batch:
-        problems.append(
-            f"{p}.dynamic_sampling.gen_batch_size={ds.gen_batch_size} must be >= trainer.train_batch_size={batch}"
-        )
+    size, batch = a.dynamic_sampling.gen_batch_size, cfg.trainer.train_batch_size
+    key = f"{p}.dynamic_sampling.gen_batch_size={size}"
+    if size != -1 and a.dynamic_sampling.type is None:
+        problems.append(f"{key} oversamples for dynamic sampling and needs {p}.dynamic_sampling.type set")
+    elif size != -1 and size < batch:
+        problems.append(f"{key} must be >= trainer.train_batch_size={batch}")
 
 
 def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:

@@ -251,15 +251,25 @@ class RLTrainer:
     def first_round(self, rows: list[PromptSample], ahead: int = 0) -> list[PromptSample]:
         """The step's rows plus, when dynamic sampling oversamples (`gen_batch_size` above
         `train_batch_size`), that many more of the step's own draw of the data (`ahead` steps on)."""
-        t = self.cfg.trainer
-        ds, data = t.algorithm.dynamic_sampling, self.runtime.train_data
-        extra = ds.gen_batch_size - t.train_batch_size
-        if ds.type is None or extra <= 0:
+        extra = self._prompts_per_round() - self.cfg.trainer.train_batch_size
+        if self.cfg.trainer.algorithm.dynamic_sampling.type is None or extra <= 0:
             return rows
-        uids = {row.uid for row in rows}
         step = self.state.global_step + ahead
-        index = step_rows(len(data), t.seed, step, 0, extra, lambda i: data[i].uid in uids)
-        return [*rows, *(data[i] for i in index)]
+        return [*rows, *self._step_draw(step, 0, extra, {row.uid for row in rows})]
+
+    def _prompts_per_round(self) -> int:
+        t = self.cfg.trainer
+        size = t.algorithm.dynamic_sampling.gen_batch_size
+        return t.train_batch_size if size == -1 else size
+
+    def _step_draw(self, step: int, start: int, count: int, taken: set[str]) -> list[PromptSample]:
+        """Rows `start..start + count` of step `step`'s seeded draw of the data, skipping the prompt
+        uids `taken` (see `dynamic_sampling.step_rows`)."""
+        data = self.runtime.train_data
+        index = step_rows(
+            len(data), self.cfg.trainer.seed, step, start, count, lambda i: data[i].uid in taken
+        )
+        return [data[i] for i in index]
 
     def fill_batch(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """Dynamic sampling (`trainer.algorithm.dynamic_sampling`): the step's batch made of groups
@@ -268,14 +278,12 @@ class RLTrainer:
         ds = t.algorithm.dynamic_sampling
         if ds.type is None:
             return trajectories, {}
-        data, step = self.runtime.train_data, self.state.global_step
-        per_round = t.train_batch_size if ds.gen_batch_size == -1 else ds.gen_batch_size
+        step, per_round = self.state.global_step, self._prompts_per_round()
         first = {tr.uid for tr in trajectories}
 
         def sample_round(round_index: int) -> list[Trajectory]:
-            start = (round_index - 1) * per_round
-            index = step_rows(len(data), t.seed, step, start, per_round, lambda i: data[i].uid in first)
-            return self.generate([data[i] for i in index]) if index else []
+            rows = self._step_draw(step, (round_index - 1) * per_round, per_round, first)
+            return self.generate(rows) if rows else []
 
         out = dynamic_sample(
             trajectories,

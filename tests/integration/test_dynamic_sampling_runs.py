@@ -53,7 +53,9 @@ def half_constant_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(
     data: Path, run_dir: Path, model: Path, **extra: object
-) -> tuple[list[dict], list[list[Trajectory]]]:
+) -> tuple[list[dict], list[list[Trajectory]], list[int]]:
+    """The steps' metrics, the trajectories each update trained on, and the prompts of each
+    generation call."""
     keys = {
         "trainer.policy.model.path": str(model),
         "data.train_data": f"['{data / 'train.parquet'}']",
@@ -75,7 +77,7 @@ def _run(
     }
     trainer = RLTrainer(load_config([f"{k}={v}" for k, v in keys.items()]), console=False)
     trained: list[list[Trajectory]] = []
-    round_sizes.clear()
+    round_sizes: list[int] = []
     update = trainer.update
 
     def recording_update(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -95,10 +97,7 @@ def _run(
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    return [h for h in history if "reward/mean" in h], trained
-
-
-round_sizes: list[int] = []  # the prompts of each generation call of the last `_run`
+    return [h for h in history if "reward/mean" in h], trained, round_sizes
 
 
 def _row_index(uid: str) -> int:
@@ -108,7 +107,7 @@ def _row_index(uid: str) -> int:
 def test_filter_trains_only_on_groups_with_a_signal(
     half_constant_data: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    rows, trained = _run(
+    rows, trained, round_sizes = _run(
         half_constant_data,
         tmp_path,
         tiny_model_dir,
@@ -134,7 +133,7 @@ def test_filter_trains_only_on_groups_with_a_signal(
 def test_replace_fills_the_batch_in_async_runs(
     half_constant_data: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    rows, trained = _run(
+    rows, trained, _ = _run(
         half_constant_data,
         tmp_path,
         tiny_model_dir,
