@@ -69,32 +69,32 @@ def run_skylift(args: argparse.Namespace, work: Path, every_row: bool) -> dict[s
     `every_row`: train the rows whose advantages are all zero too (not skipped)."""
     from skylift.config import load_config
     from skylift.generator import Trajectory
-    from skylift.trainer.loop import RLTrainer
+    from skylift.rl.build import build_trainer
 
     cfg = load_config(skylift_overrides(args, work, every_row))
-    trainer = RLTrainer(cfg)
+    tick = time.perf_counter()
+    trainer = build_trainer(cfg)
     recorded: dict[int, list[Trajectory]] = {}  # training step (0-based) -> its completions
-    original_generate = trainer.generate
-    original_train_step = trainer.train_step
+    sampler = trainer.source.sampler  # type: ignore[attr-defined]  # the training rollouts'
+    original_run = sampler.run
+    original_step = trainer.step
     probe = StepProbe()
 
-    def recording_generate(rows: list[Any], evaluation: bool = False) -> list[Trajectory]:
-        out = original_generate(rows, evaluation)
-        if not evaluation:
-            recorded.setdefault(trainer.state.global_step, []).extend(out)
+    def recording_run(rows: list[Any], step: int) -> list[Trajectory]:
+        out = original_run(rows, step)
+        recorded.setdefault(step, []).extend(out)
         return out
 
-    def probed_train_step(rows: list[Any]) -> dict[str, float]:
+    def probed_step() -> dict[str, float]:
         probe.mark()
         try:
-            return original_train_step(rows)
+            return original_step()
         finally:
             probe.mark()
 
-    trainer.generate = recording_generate  # type: ignore[method-assign]
-    trainer.train_step = probed_train_step  # type: ignore[method-assign]
+    sampler.run = recording_run
+    trainer.step = probed_step  # type: ignore[method-assign]
     try:
-        tick = time.perf_counter()
         trainer.setup()
         setup_s = time.perf_counter() - tick
         tick = time.perf_counter()

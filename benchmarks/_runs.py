@@ -44,19 +44,19 @@ def run_overrides(data: Path, run_dir: Path, run_name: str, steps: int) -> list[
 def timed_fit(
     overrides: Sequence[str], after_setup: Callable[[Any], dict[str, Any]] | None = None
 ) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Set up an `RLTrainer` from `overrides`, call `after_setup(trainer)` (its dict joins the
+    """Set up an `RLTrainer` from `overrides`, call `after_setup(runtime)` (its dict joins the
     figures), train and shut down: the training steps' history and the run's figures."""
     from skylift.config import load_config
-    from skylift.trainer.loop import RLTrainer
+    from skylift.rl.build import build_run
 
-    trainer = RLTrainer(load_config(list(overrides)), console=True)
+    started = time.perf_counter()
+    runtime, trainer = build_run(load_config(list(overrides)), console=True)
     figures: dict[str, Any] = {}
     try:
-        started = time.perf_counter()
         trainer.setup()
         figures["setup_s"] = round(time.perf_counter() - started, 2)
         if after_setup is not None:
-            figures.update(after_setup(trainer))
+            figures.update(after_setup(runtime))
         started = time.perf_counter()
         history = trainer.fit()
         figures["fit_s"] = round(time.perf_counter() - started, 2)

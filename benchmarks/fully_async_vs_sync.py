@@ -98,7 +98,7 @@ def _pid_of(actor: Any) -> int:
     return int(ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60))
 
 
-def pin_processes(trainer: Any, trainer_cpu: int) -> dict[str, Any]:
+def pin_processes(rt: Any, trainer_cpu: int) -> dict[str, Any]:
     """After set-up, which started everything on the engine's core: only the engine side stays
     there (each engine actor, which owns vLLM's client, and its engine core process); everything
     else moves to `trainer_cpu`: the training workers (policy, and reference or critic when the
@@ -107,7 +107,6 @@ def pin_processes(trainer: Any, trainer_cpu: int) -> dict[str, Any]:
     trainer's host of a disaggregated run. Returns where each process of the run may run."""
     import psutil
 
-    rt = trainer.runtime
     engine_pids: set[int] = set()
     for ref in rt.engine_refs:
         pid = _pid_of(ref.actor)
@@ -148,7 +147,7 @@ def child(args: argparse.Namespace) -> None:
     run_dir = Path(args.out).parent / f"{mode}-{'pinned' if pinned else 'free'}"
     rows, figures = timed_fit(
         overrides(args, Path(args.data), run_dir, mode, pinned),
-        after_setup=(lambda trainer: {"placement": pin_processes(trainer, args.trainer_cpu)})
+        after_setup=(lambda runtime: {"placement": pin_processes(runtime, args.trainer_cpu)})
         if pinned
         else None,
     )

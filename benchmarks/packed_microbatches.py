@@ -31,9 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from skylift.algorithms import mini_batch_totals  # noqa: E402
 from skylift.models import prepare_model  # noqa: E402
-from skylift.trainer.objective import PolicyObjective  # noqa: E402
-from skylift.training.batch import SequenceBatch, build_sequence_batch  # noqa: E402
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings  # noqa: E402
+from skylift.rl.objective import PolicyObjective  # noqa: E402
+from skylift.worker.batch import SequenceBatch, build_sequence_batch  # noqa: E402
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings  # noqa: E402
 
 REPEATS = 3
 MICRO_ROWS = 8

@@ -19,7 +19,7 @@ Prints one line per model and, last, a JSON line for the last model (SmolLM2-135
     {"ratio": sync_s / (raw_broadcast_s + reload_s), "sequential_ratio": sequential_sync_s / (...),
      "vs_raw_broadcast": sync_s / raw_broadcast_s, ...}
 (goal: ratio <= 1.2 on a quiet machine). Buckets are the trainer's own size
-(`skylift.trainer.workers.SYNC_BUCKET_MB`) unless `--bucket-mb` says otherwise. Rounds of the five measurements are interleaved, so that
+(`skylift.cluster.worker_group.SYNC_BUCKET_MB`) unless `--bucket-mb` says otherwise. Rounds of the five measurements are interleaved, so that
 load from other processes affects them alike; medians are reported.
 
 Run inside a loopback-only network namespace (gloo's store listens on all interfaces):
@@ -47,7 +47,7 @@ set_benchmark_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")
 
 import torch  # noqa: E402
 
-from skylift.trainer.workers import SYNC_BUCKET_MB  # noqa: E402
+from skylift.cluster.worker_group import SYNC_BUCKET_MB  # noqa: E402
 from skylift.weight_sync.process_group import create_weight_sync_group  # noqa: E402
 
 SEQUENCE = [5, 17, 230, 99, 42, 8, 77, 301, 12, 64]

@@ -11,9 +11,10 @@ Layers (an arrow may only point to a lower layer, or stay inside its package):
 
     cli                          (skylift/cli.py)
     demo, entrypoints            (skylift/demo.py, skylift/entrypoints/)
-    trainer, tinker
+    rl, tinker                   (the RL step; the Tinker service)
+    cluster                      (what a run is made of: Ray, engines, worker groups)
     generator, data
-    inference, training          (never import each other)
+    inference, worker            (never import each other)
     weight_sync
     config, models, algorithms, envs, tracking, utils, skylift (skylift/__init__.py: the version)
 
@@ -36,9 +37,10 @@ PACKAGE = "skylift"
 LAYERS: list[set[str]] = [
     {"cli"},
     {"demo", "entrypoints"},
-    {"trainer", "tinker"},
+    {"rl", "tinker"},
+    {"cluster"},
     {"generator", "data"},
-    {"inference", "training"},
+    {"inference", "worker"},
     {"weight_sync"},
     {"config", "models", "algorithms", "envs", "tracking", "utils", PACKAGE},
 ]

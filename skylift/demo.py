@@ -173,10 +173,11 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
+    from skylift.cluster.settings import RunPaths
     from skylift.config import ConfigError, load_config
     from skylift.data import write_addition_demo
-    from skylift.trainer.loop import RLTrainer, TrainingStoppedError
-    from skylift.trainer.settings import RunPaths
+    from skylift.rl.build import build_trainer
+    from skylift.rl.loop import TrainingStoppedError
 
     settings = demo_overrides()
     try:
@@ -206,9 +207,10 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engine down
     started = time.perf_counter()
-    trainer = RLTrainer(cfg, verbose=verbose)
+    trainer = None
     with PeakMemory() as memory:
         try:
+            trainer = build_trainer(cfg, verbose=verbose)
             trainer.setup()
             setup_s = time.perf_counter() - started
             train_started = time.perf_counter()
@@ -221,7 +223,8 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
             print(f"skylift demo: {exc}", file=sys.stderr)
             return 3
         finally:
-            trainer.shutdown()
+            if trainer is not None:
+                trainer.shutdown()
     total_s = time.perf_counter() - started
 
     evals = [h for h in history if "eval/accuracy" in h]

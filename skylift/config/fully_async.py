@@ -1,7 +1,7 @@
 """`trainer.fully_async.*`: fully asynchronous training with in-flight weight updates.
 
 SkyRL's key names (`max_staleness_steps`, `num_parallel_generation_workers`) plus `enabled` and
-`pause_mode`; what they do is described in `skylift.trainer.fully_async`.
+`pause_mode`; what they do is described in `skylift.rl.fully_async`.
 """
 
 from __future__ import annotations

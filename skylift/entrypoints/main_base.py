@@ -50,12 +50,14 @@ def run_train(
     if print_cfg:
         print(format_config(cfg, with_help=True))
         return 0
-    from skylift.trainer.loop import RLTrainer, TrainingStoppedError
+    from skylift.rl.build import build_trainer
+    from skylift.rl.loop import TrainingStoppedError
     from skylift.utils.processes import exit_cleanly_on_sigterm
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down
-    trainer = RLTrainer(cfg, verbose=verbose)
+    trainer = None
     try:
+        trainer = build_trainer(cfg, verbose=verbose)
         trainer.setup()
         trainer.fit()
         path = trainer.export()
@@ -67,7 +69,8 @@ def run_train(
         print(f"skylift: {exc}", file=sys.stderr)
         return 3
     finally:
-        trainer.shutdown()
+        if trainer is not None:
+            trainer.shutdown()
     return 0
 
 

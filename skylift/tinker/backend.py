@@ -25,7 +25,7 @@ from skylift.tinker.errors import UserError
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.tinker.rendering import check_token_range
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 logger = logging.getLogger(__name__)
 

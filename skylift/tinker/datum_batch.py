@@ -19,7 +19,7 @@ from torch import Tensor
 
 from skylift.tinker.losses import LossSpec
 from skylift.tinker.wire import WireDatum
-from skylift.training.batch import SequenceBatch
+from skylift.worker.batch import SequenceBatch
 
 ROW = "tinker_row"
 TARGETS = "target_ids"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from skylift.trainer.workers import RLWorker
+from skylift.cluster.worker_group import RLWorker
 
 SEQUENCES = [[5, 17, 230, 999, 42, 8, 77, 301, 12, 64], [900, 3, 3, 64, 512, 1000, 12]]
 RANK = 8

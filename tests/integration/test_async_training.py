@@ -11,8 +11,9 @@ import pytest
 from test_rl_trainer import _overrides, arithmetic_data  # noqa: F401 - the fixture is used by name
 
 from skylift.config import load_config
-from skylift.trainer.loop import RLTrainer
-from skylift.training.batch import build_sequence_batch
+from skylift.rl.build import build_trainer
+from skylift.rl.loop import RLTrainer
+from skylift.worker.batch import build_sequence_batch
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ def test_async_three_steps_staleness_bounded(
             "trainer.ckpt_interval": -1,
         },
     )
-    trainer = RLTrainer(load_config(overrides), console=False)
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         history = trainer.fit()
@@ -62,23 +63,23 @@ def test_async_three_steps_staleness_bounded(
     assert [h["async/staleness_max"] for h in rows] == [0.0, 1.0, 1.0]
     assert rows[0]["policy/logprob_diff_vs_rollout"] < TOLERANCE  # same weights at step 1
     assert "eval/accuracy" in rows[-1]
-    assert trainer.state.policy_version == 3 and trainer.engine_version == 3
+    assert trainer.state.policy_version == 3 and trainer.parts.weights.version == 3
 
 
 def _engine_logprobs(trainer: RLTrainer) -> list[list[float]]:
-    assert trainer.engines is not None
+    assert trainer.parts.engines is not None
 
     async def each() -> list[list[float]]:
-        outs = await asyncio.gather(*(e.prompt_logprobs([SEQUENCE]) for e in trainer.engines.engines))
+        outs = await asyncio.gather(*(e.prompt_logprobs([SEQUENCE]) for e in trainer.parts.engines.engines))
         return [out[0] for out in outs]
 
-    return trainer.loop.run_until_complete(each())
+    return trainer.parts.loop.run_until_complete(each())
 
 
 def _trainer_logprobs(trainer: RLTrainer) -> list[float]:
-    assert trainer.policy is not None
-    batch = build_sequence_batch([SEQUENCE[:1]], [SEQUENCE[1:]], pad_token_id=trainer.pad_id)
-    return trainer.policy.compute_logprobs(batch, 1, 1.0)[0].tolist()
+    assert trainer.parts.policy is not None
+    batch = build_sequence_batch([SEQUENCE[:1]], [SEQUENCE[1:]], pad_token_id=trainer.parts.pad_id)
+    return trainer.parts.policy.compute_logprobs(batch, 1, 1.0)[0].tolist()
 
 
 def test_two_engines_serve_rollouts_and_get_new_weights(
@@ -102,13 +103,13 @@ def test_two_engines_serve_rollouts_and_get_new_weights(
             "trainer.ckpt_interval": -1,
         },
     )
-    trainer = RLTrainer(load_config(overrides), console=False)
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         before = _engine_logprobs(trainer)
         history = trainer.fit()
-        assert trainer.engines is not None
-        served = list(trainer.engines.sequences_served)
+        assert trainer.parts.engines is not None
+        served = list(trainer.parts.engines.sequences_served)
         after = _engine_logprobs(trainer)
         expected = _trainer_logprobs(trainer)
     finally:
@@ -119,7 +120,7 @@ def test_two_engines_serve_rollouts_and_get_new_weights(
     assert all(0 < h["policy/tis_weight_mean"] <= 2.0 for h in rows)
     # 2 training batches of 4 prompts x 4 samples, spread over both engines
     assert len(served) == 2 and sum(served) == 32 and min(served) > 0, served
-    assert trainer.engine_version == 2
+    assert trainer.parts.weights.version == 2
     changed = max(abs(a - b) for a, b in zip(before[0], expected, strict=True))
     assert changed > 10 * TOLERANCE, "training did not move the logprobs: the check below would be vacuous"
     for index, engine_lp in enumerate(after):

@@ -21,8 +21,8 @@ from skylift.generator import Generator, GeneratorSettings
 from skylift.generator.generator import rollout_seed
 from skylift.inference.remote import RemoteInferenceEngine
 from skylift.inference.types import SamplingParams
-from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.loop import RLTrainer
+from skylift.rl import checkpoint as ckpt
+from skylift.rl.build import build_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -174,7 +174,7 @@ def test_adaptive_kl_controller_moves_the_reward_penalty(
         "trainer.export_path": str(tmp_path / "exports"),
         "trainer.log_dir": str(tmp_path / "logs"),
     }
-    trainer = RLTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
     try:
         trainer.setup()
         history = [h for h in trainer.fit() if "kl_in_reward/kl_coef" in h]

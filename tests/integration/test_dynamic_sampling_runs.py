@@ -5,6 +5,7 @@ the batch; `replace` (with one-step-off async training) fills it with copies of 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +15,7 @@ from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.envs import Environment, StepResult, register_env
 from skylift.generator import Trajectory
-from skylift.trainer.loop import RLTrainer
+from skylift.rl.build import build_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +76,7 @@ def _run(
         "trainer.log_dir": str(run_dir / "logs"),
         **extra,
     }
-    trainer = RLTrainer(load_config([f"{k}={v}" for k, v in keys.items()]), console=False)
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in keys.items()]), console=False)
     trained: list[list[Trajectory]] = []
     round_sizes: list[int] = []
     update = trainer.update
@@ -85,13 +86,14 @@ def _run(
         return update(trajectories)
 
     trainer.update = recording_update  # type: ignore[method-assign]
-    generate = trainer.generate
+    sampler = trainer.source.sampler  # type: ignore[attr-defined]  # every training generation
+    coroutine = sampler.coroutine
 
-    def recording_generate(rows: list, evaluation: bool = False) -> list[Trajectory]:
+    def recording_coroutine(rows: list, step: int) -> Any:
         round_sizes.append(len(rows))
-        return generate(rows, evaluation)
+        return coroutine(rows, step)
 
-    trainer.generate = recording_generate  # type: ignore[method-assign]
+    sampler.coroutine = recording_coroutine
     try:
         trainer.setup()
         history = trainer.fit()

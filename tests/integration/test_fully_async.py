@@ -13,9 +13,10 @@ from test_rl_trainer import _overrides, arithmetic_data  # noqa: F401 - the fixt
 
 from skylift.config import load_config
 from skylift.inference.types import SamplingParams
-from skylift.trainer.fully_async import LoopThread
-from skylift.trainer.loop import RLTrainer
-from skylift.training.batch import build_sequence_batch
+from skylift.rl.build import build_trainer
+from skylift.rl.fully_async import LoopThread
+from skylift.rl.loop import RLTrainer
+from skylift.worker.batch import build_sequence_batch
 
 pytestmark = pytest.mark.integration
 
@@ -26,20 +27,21 @@ LONG = SamplingParams(max_tokens=500, ignore_eos=True, temperature=1.0, seed=3)
 def _versions_after_sync_in_flight(trainer: RLTrainer, loop: LoopThread, mode: str) -> list[int]:
     """Start a long request, train one update meanwhile and sync (pausing the engine with `mode`)
     while the request is still running; the token versions of what it sampled."""
-    assert trainer.engines is not None and trainer.weights is not None
+    assert trainer.parts.engines is not None and trainer.parts.weights is not None
     prompt = SEQUENCE[:4]
-    rows = [trainer.runtime.train_data[i] for i in range(4)]
-    groups = [loop.submit(trainer._group_rollout(row, 0, trainer.engine_version)).result(120) for row in rows]
+    rows = [trainer.parts.train_data[i] for i in range(4)]
+    sampler = trainer.source.sampler  # type: ignore[attr-defined]
+    groups = [loop.submit(sampler.coroutine([row], 0)).result(120) for row in rows]
     trainer.update([tr for g in groups for tr in g])  # the policy moves on: version + 1
-    request = loop.submit(trainer.engines.generate([prompt], LONG))
+    request = loop.submit(trainer.parts.engines.generate([prompt], LONG))
     time.sleep(0.1)  # some tokens with the engine's weights (a fast machine makes 500 in ~0.5 s)
     assert not request.done(), "the request finished before the sync: make it longer"
-    trainer.weights.pause_mode = mode
-    trainer.weights.sync(trainer.state.policy_version)
+    trainer.parts.weights.pause_mode = mode  # type: ignore[attr-defined]
+    trainer.parts.weights.sync(trainer.state.policy_version)
     completion = request.result(300)[0].completions[0]
     if mode == "abort":
         assert completion.stop_reason == "abort"
-        generator = trainer.runtime.generator
+        generator = trainer.parts.generator
         generator.settings.resubmit_aborted = True
         completion = loop.submit(generator._resubmitted(prompt, completion, LONG)).result(300)
     assert len(completion.token_ids) == LONG.max_tokens
@@ -48,10 +50,10 @@ def _versions_after_sync_in_flight(trainer: RLTrainer, loop: LoopThread, mode: s
 
 
 def _engine_vs_trainer(trainer: RLTrainer, loop: LoopThread) -> float:
-    assert trainer.engines is not None and trainer.policy is not None
-    engine = loop.submit(trainer.engines.prompt_logprobs([SEQUENCE])).result(120)[0]
-    batch = build_sequence_batch([SEQUENCE[:1]], [SEQUENCE[1:]], pad_token_id=trainer.pad_id)
-    expected = trainer.policy.compute_logprobs(batch, 1, 1.0)[0].tolist()
+    assert trainer.parts.engines is not None and trainer.parts.policy is not None
+    engine = loop.submit(trainer.parts.engines.prompt_logprobs([SEQUENCE])).result(120)[0]
+    batch = build_sequence_batch([SEQUENCE[:1]], [SEQUENCE[1:]], pad_token_id=trainer.parts.pad_id)
+    expected = trainer.parts.policy.compute_logprobs(batch, 1, 1.0)[0].tolist()
     return max(abs(a - b) for a, b in zip(engine, expected, strict=True))
 
 
@@ -79,11 +81,11 @@ def test_fully_async_four_steps_and_syncs_in_flight(
             "trainer.ckpt_interval": -1,
         },
     )
-    trainer = RLTrainer(load_config(overrides), console=False)
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         history = trainer.fit()
-        loop = LoopThread(trainer.loop)
+        loop = LoopThread(trainer.parts.loop)
         try:
             keep = _versions_after_sync_in_flight(trainer, loop, "keep")
             abort = _versions_after_sync_in_flight(trainer, loop, "abort")
@@ -110,7 +112,7 @@ def test_fully_async_four_steps_and_syncs_in_flight(
     assert keep[0] == 4 and keep[-1] == 5 and sorted(keep) == keep, keep
     assert abort[0] == 5 and abort[-1] == 6 and sorted(abort) == abort, abort
     assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
-    assert trainer.engine_version == trainer.state.policy_version == 6
+    assert trainer.parts.weights.version == trainer.state.policy_version == 6
 
 
 def test_fully_async_with_ray_engines(
@@ -140,11 +142,11 @@ def test_fully_async_with_ray_engines(
             "trainer.ckpt_interval": -1,
         },
     )
-    trainer = RLTrainer(load_config(overrides), console=False)
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         history = trainer.fit()
-        loop = LoopThread(trainer.loop)
+        loop = LoopThread(trainer.parts.loop)
         try:
             diff = _engine_vs_trainer(trainer, loop)
         finally:
@@ -160,4 +162,4 @@ def test_fully_async_with_ray_engines(
         assert row["policy/tis_weight_mean"] > 0
     assert max(h["fully_async/versions_in_batch"] for h in rows) >= 2
     assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
-    assert trainer.engine_version == trainer.state.policy_version == 3
+    assert trainer.parts.weights.version == trainer.state.policy_version == 3

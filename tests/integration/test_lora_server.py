@@ -27,11 +27,11 @@ from server_helpers import (
     wait_healthy,
 )
 
+from skylift.cluster.engines import EngineRef
+from skylift.cluster.worker_group import RLWorker
 from skylift.inference.remote import RemoteInferenceEngine
 from skylift.inference.types import TEACHER_FORCING, teacher_forced_logprobs
-from skylift.trainer.engines import EngineRef
-from skylift.trainer.workers import RLWorker
-from skylift.training.worker import WorkerSettings
+from skylift.worker.training_worker import WorkerSettings
 
 pytestmark = pytest.mark.integration
 

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 from lora_helpers import RANK, SEQUENCES, TOLERANCE, adapter_bytes, perturb_adapter, trainer_logprobs
 
+from skylift.cluster.engines import EngineActor, EngineRef
+from skylift.cluster.worker_group import RLWorker
 from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.lora_adapters import LoraAdapterNotFoundError
 from skylift.inference.types import EngineRequestError, EngineStateError
-from skylift.trainer.engines import EngineActor, EngineRef
-from skylift.trainer.workers import RLWorker
-from skylift.training.worker import WorkerSettings
 from skylift.weight_sync.lora import write_adapter_dir
 from skylift.weight_sync.process_group import WeightSyncError
+from skylift.worker.training_worker import WorkerSettings
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,8 @@ from lora_helpers import SEQUENCES, TOLERANCE
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.envs import Environment, StepResult, register_env
-from skylift.trainer.loop import RLTrainer
+from skylift.rl.build import build_trainer
+from skylift.utils.calls import run_on_loop
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +84,7 @@ def test_lora_policy_two_steps_on_ray_engines(tiny_model_dir: Path, tmp_path: Pa
         "trainer.export_path": str(tmp_path / "exports"),
         "trainer.log_dir": str(tmp_path / "logs"),
     }
-    trainer = RLTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
     try:
         trainer.setup()
         history = trainer.fit()
@@ -91,8 +92,8 @@ def test_lora_policy_two_steps_on_ray_engines(tiny_model_dir: Path, tmp_path: Pa
         assert [h["step"] for h in rows] == [1, 2]
         # each step's rollouts came from the engine holding the adapter the trainer scores with
         assert all(h["policy/logprob_diff_vs_rollout"] < TOLERANCE for h in rows)
-        assert trainer.engines is not None
-        engine = trainer.runtime.run(trainer.engines.prompt_logprobs(SEQUENCES))
+        assert trainer.parts.engines is not None
+        engine = run_on_loop(trainer.parts.loop, trainer.parts.engines.prompt_logprobs(SEQUENCES))
         exported = trainer.export()  # the policy after step 2, the adapter merged
     finally:
         trainer.shutdown()

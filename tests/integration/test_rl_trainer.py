@@ -13,8 +13,9 @@ import pytest
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.envs import Environment, StepResult, register_env
-from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.loop import RLTrainer
+from skylift.rl import checkpoint as ckpt
+from skylift.rl.build import build_trainer
+from skylift.rl.loop import RLTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def _overrides(data: Path, run_dir: Path, tiny_model_dir: Path, **extra: object)
 
 
 def _run(overrides: list[str]) -> tuple[RLTrainer, list[dict], str]:
-    trainer = RLTrainer(load_config(overrides), console=False)
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         history = trainer.fit()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from skylift.algorithms import compute_advantages, mini_batch_totals, sequence_rewards_to_token_level
-from skylift.trainer.objective import PolicyObjective
-from skylift.training.batch import build_sequence_batch
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.rl.objective import PolicyObjective
+from skylift.worker.batch import build_sequence_batch
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 trl = pytest.importorskip("trl")
 

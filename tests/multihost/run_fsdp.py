@@ -17,11 +17,11 @@ def main(out: str, model_dir: str) -> int:
     import ray
     import torch
 
-    from skylift.trainer.placement import PlacedGroups, PlacementRequest, plan_placement
-    from skylift.trainer.settings import init_ray
-    from skylift.trainer.workers import RLWorker, WorkerGroup
-    from skylift.training.batch import build_sequence_batch
-    from skylift.training.worker import WorkerSettings
+    from skylift.cluster.placement import PlacedGroups, PlacementRequest, plan_placement
+    from skylift.cluster.settings import init_ray
+    from skylift.cluster.worker_group import RLWorker, WorkerGroup
+    from skylift.worker.batch import build_sequence_batch
+    from skylift.worker.training_worker import WorkerSettings
 
     report: dict = {"error": None}
     init_ray()

@@ -26,15 +26,15 @@ def _actor_nodes() -> list[dict[str, str]]:
 
 def main(out: str, overrides: list[str]) -> int:
     from skylift.config import load_config
-    from skylift.trainer.loop import RLTrainer
+    from skylift.rl.build import build_run
 
     report: dict = {"actors": [], "history": [], "error": None}
-    trainer = RLTrainer(load_config(overrides))
+    runtime, trainer = build_run(load_config(overrides))
     try:
         started = time.perf_counter()
         trainer.setup()
         report["setup_s"] = time.perf_counter() - started
-        if trainer.runtime.use_ray:
+        if runtime.use_ray:
             report["actors"] = _actor_nodes()
         report["history"] = trainer.fit()
     except Exception as exc:

@@ -206,7 +206,7 @@ def test_link_cut_during_a_step_stops_with_checkpoint_then_resumes(
     assert "trainer.resume_mode=latest" in final[-1]
     print(f"link cut noticed and run stopped in {noticed_s:.1f} s: {final[-1][:300]}")
     _assert_nothing_left(two_hosts)
-    from skylift.trainer import checkpoint as ckpt
+    from skylift.rl import checkpoint as ckpt
 
     latest = ckpt.latest_checkpoint(tmp_path / "ckpts")
     assert latest is not None

@@ -40,8 +40,9 @@ from skylift.envs import Environment, StepResult, register_env
 from skylift.inference.pool import EnginePool, NoHealthyEngineError
 from skylift.inference.remote import RemoteInferenceEngine
 from skylift.inference.types import SamplingParams
-from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.loop import RLTrainer, TrainingStoppedError
+from skylift.rl import checkpoint as ckpt
+from skylift.rl.build import build_trainer
+from skylift.rl.loop import TrainingStoppedError
 
 #: How long the killer waits for the engine to have work in flight before giving up.
 KILL_WAIT_S = 120.0
@@ -178,14 +179,14 @@ def test_training_survives_one_engine_and_stops_cleanly_without_any(
     a, b = servers(), servers()
     wait_healthy(a)
     wait_healthy(b)
-    trainer = RLTrainer(
+    trainer = build_trainer(
         load_config(_overrides(even_length_data, tmp_path, tiny_model_dir, [a.url, b.url])), console=False
     )
     try:
         trainer.setup()
         # engine 0 dies while step 2 generates; engine 1 dies while step 4 generates
-        first = _kill_when_busy(lambda: trainer.engines, 0, a, lambda: trainer.state.global_step == 1)
-        second = _kill_when_busy(lambda: trainer.engines, 1, b, lambda: trainer.state.global_step == 3)
+        first = _kill_when_busy(lambda: trainer.parts.engines, 0, a, lambda: trainer.state.global_step == 1)
+        second = _kill_when_busy(lambda: trainer.parts.engines, 1, b, lambda: trainer.state.global_step == 3)
         with pytest.raises(TrainingStoppedError) as info:
             trainer.fit()
         first.join(timeout=5)
@@ -205,7 +206,7 @@ def test_training_survives_one_engine_and_stops_cleanly_without_any(
 
     c = servers()
     wait_healthy(c)
-    resumed = RLTrainer(
+    resumed = build_trainer(
         load_config(
             _overrides(
                 even_length_data, tmp_path, tiny_model_dir, [c.url], **{"trainer.resume_mode": "latest"}

@@ -37,8 +37,8 @@ from server_helpers import (
 
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
-from skylift.trainer import checkpoint as ckpt
-from skylift.trainer.loop import RLTrainer
+from skylift.rl import checkpoint as ckpt
+from skylift.rl.build import build_trainer
 
 STEPS = 4
 #: Seconds the killed run may take to write the checkpoint it is killed after (start-up included).
@@ -92,7 +92,7 @@ def _overrides(data: Path, run_dir: Path, model: Path, url: str, **extra: object
 
 
 def _fit(overrides: list[str]) -> list[dict]:
-    trainer = RLTrainer(load_config(overrides), console=False)
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         return [h for h in trainer.fit() if "reward/mean" in h]

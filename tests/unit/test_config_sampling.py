@@ -13,7 +13,7 @@ from skylift.data import PromptSample
 from skylift.generator import Generator, GeneratorSettings
 from skylift.generator.generator import rollout_seed
 from skylift.inference.types import SamplingParams
-from skylift.trainer.sampling import sampling_params
+from skylift.rl.sampling import sampling_params
 
 OVERRIDES = [
     "generator.sampling_params.min_p=0.1",

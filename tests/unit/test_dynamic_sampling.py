@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from skylift.generator.trajectory import Trajectory
-from skylift.trainer.dynamic_sampling import dynamic_sample, has_signal, split_groups, step_rows
+from skylift.rl.dynamic_sampling import dynamic_sample, has_signal, split_groups, step_rows
 
 
 def _group(uid: str, rewards: list[float]) -> list[Trajectory]:

@@ -97,8 +97,8 @@ def test_engine_errors_map_to_http_statuses() -> None:
 def test_the_ray_proxy_offers_the_engine_interface_only() -> None:
     """Forwarding itself runs against real Ray actors in
     tests/integration/test_async_training.py::test_two_engines_serve_rollouts_and_get_new_weights."""
+    from skylift.cluster.engines import ENGINE_METHODS, RayEngineClient
     from skylift.inference.types import InferenceEngine
-    from skylift.trainer.engines import ENGINE_METHODS, RayEngineClient
 
     client = RayEngineClient(actor=None, name="engine-0", timeout_s=5.0)
     assert isinstance(client, InferenceEngine)

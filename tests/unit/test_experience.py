@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from skylift.generator import Trajectory
-from skylift.trainer.experience import ExperienceSettings, make_experience
-from skylift.training.batch import SequenceBatch
+from skylift.rl.experience import ExperienceSettings, make_experience
+from skylift.worker.batch import SequenceBatch
 
 
 def traj(

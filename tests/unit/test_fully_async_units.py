@@ -15,7 +15,7 @@ from skylift.generator import Trajectory
 from skylift.generator.generator import join_completions
 from skylift.inference.types import Completion
 from skylift.inference.vllm_io import token_versions
-from skylift.trainer.fully_async import (
+from skylift.rl.fully_async import (
     FullyAsyncRollouts,
     Group,
     LoopThread,

@@ -53,7 +53,7 @@ def test_the_worker_extension_serves_the_lora_rpc() -> None:
 
 
 def test_ray_engine_actors_forward_the_lora_calls() -> None:
-    from skylift.trainer.engines import ENGINE_METHODS
+    from skylift.cluster.engines import ENGINE_METHODS
 
     assert {"load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"} <= ENGINE_METHODS
 
@@ -70,8 +70,8 @@ def test_config_refuses_a_lora_sync_path_without_lora_and_a_rank_vllm_cannot_ser
 
 
 def test_skyrl_lora_sync_path_key_has_the_same_effect() -> None:
+    from skylift.cluster.settings import lora_sync_path
     from skylift.config import ConfigError, load_config
-    from skylift.trainer.settings import lora_sync_path
 
     lora = ["trainer.policy.model.lora.rank=8"]
     assert lora_sync_path(load_config(lora)) is None

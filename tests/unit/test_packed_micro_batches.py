@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from skylift.algorithms import mini_batch_totals
-from skylift.trainer.objective import PolicyObjective
-from skylift.training.batch import SequenceBatch, build_sequence_batch
-from skylift.training.micro_batches import micro_batch_rows, pack
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.rl.objective import PolicyObjective
+from skylift.worker.batch import SequenceBatch, build_sequence_batch
+from skylift.worker.micro_batches import micro_batch_rows, pack
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 
 def _grpo_batch(vocab: int = 500, prompts: int = 3, group: int = 4, seed: int = 0) -> SequenceBatch:
@@ -123,9 +123,9 @@ def test_packed_gradients_equal_padded_shared_prompt(tiny_model_dir: Path, tmp_p
 
 
 def test_config_keys_reach_the_workers() -> None:
+    from skylift.cluster.settings import critic_worker_settings, model_worker_settings
     from skylift.config import load_config
     from skylift.config.errors import ConfigError
-    from skylift.trainer.settings import critic_worker_settings, model_worker_settings
 
     cfg = load_config(["trainer.max_tokens_per_microbatch=256", "trainer.remove_microbatch_padding=true"])
     for settings in (model_worker_settings(cfg, True, 10), critic_worker_settings(cfg, 10)):

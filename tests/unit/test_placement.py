@@ -1,17 +1,17 @@
-"""Bundle layouts from SkyRL's placement keys (pure functions of skylift.trainer.placement)."""
+"""Bundle layouts from SkyRL's placement keys (pure functions of skylift.cluster.placement)."""
 
 from __future__ import annotations
 
 import pytest
 
-from skylift.config import load_config
-from skylift.trainer.placement import (
+from skylift.cluster.placement import (
     PlacementError,
     PlacementRequest,
     check_feasible,
     plan_placement,
     request_from_config,
 )
+from skylift.config import load_config
 from skylift.utils.network import interface_of, is_loopback, route_address, url_host
 from skylift.weight_sync.sender import weight_sync_master_address
 

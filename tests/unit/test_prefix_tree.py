@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from skylift.algorithms import mini_batch_totals
-from skylift.trainer.objective import PolicyObjective
-from skylift.training.batch import SequenceBatch, build_sequence_batch
-from skylift.training.logprobs import response_logprobs
-from skylift.training.prefix_tree import build_prefix_tree, prefix_tree_response_logprobs
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.rl.objective import PolicyObjective
+from skylift.worker.batch import SequenceBatch, build_sequence_batch
+from skylift.worker.logprobs import response_logprobs
+from skylift.worker.prefix_tree import build_prefix_tree, prefix_tree_response_logprobs
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 
 def _grpo_batch(vocab: int = 500, prompts: int = 3, group: int = 4, seed: int = 0) -> SequenceBatch:
@@ -137,8 +137,8 @@ def test_eager_attention_takes_an_additive_mask_and_flash_attention_is_refused(t
 
 
 def test_config_key_reaches_the_workers() -> None:
+    from skylift.cluster.settings import critic_worker_settings, model_worker_settings
     from skylift.config import load_config
-    from skylift.trainer.settings import critic_worker_settings, model_worker_settings
 
     cfg = load_config(["trainer.share_prefixes=true"])
     for settings in (model_worker_settings(cfg, True, 10), critic_worker_settings(cfg, 10)):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from skylift.rl.console import Console, step_summary
 from skylift.tracking.plot import accuracy_series, plot_run, run_title
-from skylift.trainer.console import Console, step_summary
 from skylift.utils.quiet import QUIET_ENV, quiet_libraries
 
 STEP = {

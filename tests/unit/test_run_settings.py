@@ -1,4 +1,4 @@
-"""The settings a run's workers and engines are built from (skylift.trainer.settings)."""
+"""The settings a run's workers and engines are built from (skylift.cluster.settings)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from skylift.config import ConfigError, load_config
-from skylift.trainer.settings import (
+from skylift.cluster.settings import (
     critic_worker_settings,
     local_engine_kwargs,
     model_worker_settings,
     policy_optimizer_steps_per_step,
 )
+from skylift.config import ConfigError, load_config
 
 
 def test_policy_and_reference_settings() -> None:

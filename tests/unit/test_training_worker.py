@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from skylift.algorithms import mini_batch_totals
-from skylift.trainer.objective import PolicyObjective
-from skylift.training.batch import SequenceBatch, build_sequence_batch
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.rl.objective import PolicyObjective
+from skylift.worker.batch import SequenceBatch, build_sequence_batch
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 
 def _batch(vocab: int, rows: int = 8, seed: int = 0) -> SequenceBatch:
@@ -134,7 +134,7 @@ def test_shared_prompt_forward_equals_full_forward(tiny_model_dir: Path) -> None
     """Rows sharing a prompt reuse one prompt pass: same logprobs and same gradients."""
     from transformers import AutoModelForCausalLM
 
-    from skylift.training.logprobs import response_logprobs, unique_prompts
+    from skylift.worker.logprobs import response_logprobs, unique_prompts
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -178,7 +178,7 @@ def test_shared_prompt_forward_equals_full_forward(tiny_model_dir: Path) -> None
     ],
 )
 def test_lr_schedules_by_hand(name: str, warmup: int, expected: list[float]) -> None:
-    from skylift.training.worker import OptimizerSettings, make_lr_scheduler
+    from skylift.worker.training_worker import OptimizerSettings, make_lr_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = make_lr_scheduler(
@@ -193,7 +193,7 @@ def test_lr_schedules_by_hand(name: str, warmup: int, expected: list[float]) -> 
 
 
 def test_lr_schedule_errors_are_clear() -> None:
-    from skylift.training.worker import OptimizerSettings, make_lr_scheduler
+    from skylift.worker.training_worker import OptimizerSettings, make_lr_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="decays over total_steps"):
@@ -206,7 +206,7 @@ def test_value_head_worker_reads_values_where_logits_would_predict(tiny_model_di
     """A critic (head="value") scores V(state before each response token) and learns toward targets."""
     from transformers import AutoModelForTokenClassification
 
-    from skylift.trainer.objective import ValueObjective
+    from skylift.rl.objective import ValueObjective
 
     critic = TrainingWorker(
         WorkerSettings(model_path=str(tiny_model_dir), head="value", optimizer=OptimizerSettings(lr=1e-3))
@@ -248,7 +248,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(
 ) -> None:
     """Rows whose advantages are all zero add nothing: training without them (normalised by the
     whole mini-batch's counts) gives the gradient of the whole mini-batch."""
-    from skylift.trainer.objective import rows_with_policy_gradient
+    from skylift.rl.objective import rows_with_policy_gradient
 
     batch = _batch(vocab=500, seed=3)
     advantages = batch.extras["advantages"].clone()
@@ -276,7 +276,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(
 
 
 def test_rows_with_policy_gradient_keeps_enough_rows() -> None:
-    from skylift.trainer.objective import rows_with_policy_gradient
+    from skylift.rl.objective import rows_with_policy_gradient
 
     adv = torch.zeros(4, 3)
     mask = torch.ones(4, 3)

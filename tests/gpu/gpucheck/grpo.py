@@ -3,8 +3,8 @@
 The reference phase samples the rollouts on CPU with the tiny model (4 prompts x 4 samples, its own
 sampling loop, so the rollout logprobs are those of the distribution sampled from) and saves them as
 `rollouts.json`; both phases then run the trainer's own pure steps on that file:
-`skylift.trainer.experience.make_experience` (batch, GRPO advantages from a rule-based reward, old
-and reference logprobs from the workers) and `skylift.trainer.update.train_policy` (one mini-batch,
+`skylift.rl.experience.make_experience` (batch, GRPO advantages from a rule-based reward, old
+and reference logprobs from the workers) and `skylift.rl.update.train_policy` (one mini-batch,
 PPO-clip + k3 KL loss, four micro-batches), then score the batch again.
 
 `skylift.config/__init__` imports omegaconf, which the GPU machine lacks; the trainer modules need
@@ -22,8 +22,8 @@ import torch
 from gpucheck.device import Context
 from gpucheck.env import import_skipping_package_init
 from gpucheck.report import TOLERANCES, Item, max_abs, scalar_rel
-from skylift.trainer.objective import PolicyObjective
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.rl.objective import PolicyObjective
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 PROMPTS = ("What is 2 + 3?", "Name a colour.", "Count to three.", "Say hello to Ada.")
 SAMPLES = 4
@@ -92,10 +92,10 @@ class _LossRecorder:
 
 
 def trainer_modules() -> tuple[Any, Any, str | None]:
-    """(skylift.trainer.experience, skylift.trainer.update, why skylift.config/__init__ was skipped)."""
+    """(skylift.rl.experience, skylift.rl.update, why skylift.config/__init__ was skipped)."""
     _, why = import_skipping_package_init("skylift.config.schema", "skylift.config")
-    import skylift.trainer.experience as experience
-    import skylift.trainer.update as update
+    import skylift.rl.experience as experience
+    import skylift.rl.update as update
 
     return experience, update, why
 

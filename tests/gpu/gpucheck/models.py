@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from skylift.training.batch import SequenceBatch, build_sequence_batch
+from skylift.worker.batch import SequenceBatch, build_sequence_batch
 
 # SmolLM2-135M-Instruct (llama architecture), from its GGUF: llama.block_count, embedding_length, ...
 SMOLLM2_135M = {

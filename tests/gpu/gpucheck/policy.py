@@ -20,8 +20,8 @@ from torch import Tensor
 from gpucheck.device import Context, peak_label, peak_memory_mb, reset_peak_memory
 from gpucheck.models import long_batch, policy_batch
 from gpucheck.report import Item, limit_for, max_abs, rel_err, scalar_rel
-from skylift.training.batch import SequenceBatch
-from skylift.training.worker import OptimizerSettings, TrainingWorker, WorkerSettings
+from skylift.worker.batch import SequenceBatch
+from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
 LR = 1e-4
 ADVANTAGES = (1.0, -0.5, 0.75, -0.25)

@@ -18,10 +18,10 @@ import torch
 
 from gpucheck.device import Context, synchronize
 from gpucheck.report import Item
-from skylift.training.worker import TrainingWorker, WorkerSettings
 from skylift.utils.devices import default_backend
 from skylift.weight_sync import create_weight_sync_group, iter_buckets, pack_bucket, unpack_bucket
 from skylift.weight_sync.process_group import find_free_port
+from skylift.worker.training_worker import TrainingWorker, WorkerSettings
 
 BUCKET_MB = 64
 ENGINE_DTYPE = torch.bfloat16

@@ -16,7 +16,7 @@ import torch
 from skylift.config.errors import ConfigError
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.inference.engine_args import lora_engine_args
-from skylift.training.worker import OptimizerSettings, WorkerSettings
+from skylift.worker.training_worker import OptimizerSettings, WorkerSettings
 
 #: Environment variables the driver passes on to Ray workers and engines.
 RAY_WORKER_ENV = (
@@ -56,6 +56,13 @@ class RunPaths:
             export=Path(t.export_path).expanduser() if t.export_path else root / "exports",
             logs=Path(t.log_dir).expanduser() if t.log_dir else root / "logs",
         )
+
+
+def total_steps(cfg: SkyliftConfig, batches_per_epoch: int) -> int:
+    """Training steps of the whole run: the batches of all epochs, at most `trainer.max_steps`."""
+    t = cfg.trainer
+    total = batches_per_epoch * t.epochs
+    return min(total, t.max_steps) if t.max_steps is not None else total
 
 
 def max_generate_length(cfg: SkyliftConfig) -> int:
@@ -225,7 +232,7 @@ def ray_cluster_line(joined: bool) -> str:
     """What the connected Ray sees: `Ray cluster ADDR (joined): 2 node(s): 10.0.0.1 {CPU: 8, GPU: 4}, ...`."""
     import ray
 
-    from skylift.trainer.placement import cluster_nodes, describe_cluster
+    from skylift.cluster.placement import cluster_nodes, describe_cluster
 
     ctx = ray.get_runtime_context()
     gcs = getattr(ctx, "gcs_address", None) or "?"
@@ -251,7 +258,7 @@ def start_ray_run(cfg: SkyliftConfig) -> RayRun:
 
     import ray
 
-    from skylift.trainer.placement import PlacedGroups, plan_placement, request_from_config
+    from skylift.cluster.placement import PlacedGroups, plan_placement, request_from_config
 
     started_at = time.perf_counter()
     address = ray_address(cfg.trainer.ray_address)

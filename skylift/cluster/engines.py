@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from skylift.cluster.placement import PlacedGroups, engine_role
 from skylift.inference.types import EngineError, EngineUnavailableError, InferenceEngine
-from skylift.trainer.placement import PlacedGroups, engine_role
 from skylift.utils.calls import call_with_timeout
 
 #: What a Ray engine forwards: the `InferenceEngine` interface plus the local engine's extras.

@@ -35,8 +35,8 @@ from skylift.algorithms import (
 )
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory
-from skylift.trainer.async_rollouts import check_staleness, ppo_old_logprobs_source, staleness_metrics
-from skylift.training.batch import SequenceBatch, build_sequence_batch
+from skylift.rl.one_step_off import check_staleness, ppo_old_logprobs_source, staleness_metrics
+from skylift.worker.batch import SequenceBatch, build_sequence_batch
 
 BatchFn = Callable[[SequenceBatch], Tensor]
 """A per-token quantity of a batch: `[batch, response_len]` (logprobs or values)."""

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skylift.algorithms import PolicyLossConfig, mini_batch_totals
+from skylift.cluster.settings import max_generate_length
 from skylift.config.schema import SkyliftConfig
-from skylift.trainer.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
-from skylift.trainer.settings import max_generate_length
-from skylift.training.batch import SequenceBatch
+from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
+from skylift.worker.batch import SequenceBatch
 
 
 class TrainsMiniBatches(Protocol):

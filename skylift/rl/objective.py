@@ -20,7 +20,7 @@ from skylift.algorithms import (
     masked_mean,
     reduce_loss,
 )
-from skylift.training.batch import SequenceBatch
+from skylift.worker.batch import SequenceBatch
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skylift.training.batch import SequenceBatch
+from skylift.worker.batch import SequenceBatch
 
 
 def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skylift.training.batch import SequenceBatch
+from skylift.worker.batch import SequenceBatch
 
 #: Attention implementations that take a dense 4D mask (flash-attention kernels do not).
 TREE_ATTENTION = ("sdpa", "eager")

@@ -15,29 +15,31 @@ from typing import Any, TypeVar
 
 import torch
 
-from skylift.config.schema import SkyliftConfig
-from skylift.data import PromptDataset
-from skylift.generator import Generator, GeneratorSettings
-from skylift.inference.pool import EnginePool
-from skylift.trainer.async_rollouts import ColocationPlan, colocation_plan
-from skylift.trainer.engines import (
+from skylift.cluster.colocation import ColocationPlan, colocation_plan
+from skylift.cluster.engine_weights import EngineWeights
+from skylift.cluster.engines import (
     EngineRef,
     remote_engine_refs,
     start_inprocess_engines,
     start_local_engines,
 )
-from skylift.trainer.settings import (
+from skylift.cluster.settings import (
     RunPaths,
     critic_worker_settings,
     local_engine_kwargs,
     max_generate_length,
     model_worker_settings,
     start_ray_run,
+    total_steps,
 )
-from skylift.trainer.workers import WorkerGroup
-from skylift.training.worker import WorkerSettings
+from skylift.cluster.worker_group import WorkerGroup
+from skylift.config.schema import SkyliftConfig
+from skylift.data import PromptDataset
+from skylift.generator import Generator, GeneratorSettings
+from skylift.inference.pool import EnginePool
 from skylift.utils.calls import run_on_loop
 from skylift.utils.quiet import quiet_libraries
+from skylift.worker.training_worker import WorkerSettings
 
 T = TypeVar("T")
 
@@ -68,7 +70,8 @@ class Runtime:
         self.colocation = ColocationPlan(sleep_engines=False)
         self.use_ray = False
         self._ray_started = False
-        self.placement: Any = None  # PlacedGroups (skylift.trainer.placement) when the run uses Ray
+        self.weights: EngineWeights | None = None
+        self.placement: Any = None  # PlacedGroups (skylift.cluster.placement) when the run uses Ray
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the run's event loop (the one the engines' clients live on), also
@@ -86,6 +89,7 @@ class Runtime:
         self.close()
 
     def start(self) -> None:
+        """Build every part in dependency order."""
         from transformers import AutoTokenizer
 
         from skylift.models import resolve_model_path
@@ -157,12 +161,13 @@ class Runtime:
                 resubmit_aborted=t.fully_async.enabled and t.fully_async.pause_mode == "abort",
             ),
         )
+        assert self.engines is not None
+        self.weights = EngineWeights(cfg, self.policy, self.engines, self.engine_refs, self.run, self.say)
+        self.weights.open()
 
     def total_steps(self) -> int:
         """Training steps of the whole run: the batches of all epochs, at most `trainer.max_steps`."""
-        t = self.cfg.trainer
-        total = self.train_data.num_batches(t.train_batch_size) * t.epochs
-        return min(total, t.max_steps) if t.max_steps is not None else total
+        return total_steps(self.cfg, self.train_data.num_batches(self.cfg.trainer.train_batch_size))
 
     def _worker_group(self, name: str, settings: WorkerSettings, world: int) -> WorkerGroup:
         gpu = torch.cuda.is_available()

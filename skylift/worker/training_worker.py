@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from skylift.training.batch import SequenceBatch
-from skylift.training.distributed import device_for_rank, init_training_group
-from skylift.training.logprobs import response_logprobs, response_values
-from skylift.training.micro_batches import (
+from skylift.worker.batch import SequenceBatch
+from skylift.worker.distributed import device_for_rank, init_training_group
+from skylift.worker.logprobs import response_logprobs, response_values
+from skylift.worker.micro_batches import (
     micro_batch_rows,
     packed_response_logprobs,
     packed_response_values,
 )
-from skylift.training.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
-from skylift.training.sharding import shard_model
+from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
+from skylift.worker.sharding import shard_model
 
 # loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics)
 LossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, dict[str, float]]]
@@ -68,7 +68,7 @@ class WorkerSettings:
     # FSDP2 sharding: None = when there is more than one rank (one rank gains nothing from
     # fully_shard and pays its gather/scatter copies: measured 30% slower on CPU), True = always
     fsdp: bool | None = None
-    reshard_after_forward: bool = True  # see skylift.training.sharding.shard_model
+    reshard_after_forward: bool = True  # see skylift.worker.sharding.shard_model
     cpu_offload: bool = False
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
@@ -79,9 +79,9 @@ class WorkerSettings:
     collective_timeout_s: float = 600.0
     # micro-batches by a token budget instead of a row count (None = `micro_batch_size` rows)
     max_tokens_per_microbatch: int | None = None
-    # padding-free: each micro-batch's sequences packed into one row (skylift.training.micro_batches)
+    # padding-free: each micro-batch's sequences packed into one row (skylift.worker.micro_batches)
     remove_microbatch_padding: bool = False
-    # each micro-batch as one row holding every distinct prefix once (skylift.training.prefix_tree)
+    # each micro-batch as one row holding every distinct prefix once (skylift.worker.prefix_tree)
     share_prefixes: bool = False
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from skylift.cluster.engines import EngineRef
+from skylift.cluster.settings import lora_sync_path
+from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.inference.pool import EnginePool
-from skylift.trainer.async_rollouts import needs_weight_sync
-from skylift.trainer.engines import EngineRef
-from skylift.trainer.settings import lora_sync_path
-from skylift.trainer.workers import WorkerGroup
 
 
 def _override_flag(value: str | bool) -> bool:
@@ -57,14 +56,9 @@ class EngineWeights:
 
     def open(self) -> None:
         """The weight-update group policy rank 0 -> every engine."""
-        address = self.policy.call_all(
-            "init_weight_sync",
-            self.engine_refs,
-            self.override_existing,
-            self.backend,
-            self.timeout_s,
-            self.master_address,
-        )[0]
+        address = self.policy.init_weight_sync(
+            self.engine_refs, self.override_existing, self.backend, self.timeout_s, self.master_address
+        )
         self.say(f"weight sync: {len(self.engine_refs)} engine(s) dial {address}")
         self._members = list(range(len(self.engine_refs)))
 
@@ -72,11 +66,6 @@ class EngineWeights:
         """Free the engines' memory for training (colocated engines on GPUs)."""
         self.run(self.engines.sleep())
         self.asleep = True
-
-    def sync_if_needed(self, policy_version: int, async_training: bool, max_staleness: int) -> None:
-        """Broadcast after an update unless async staleness lets the engines lag behind."""
-        if needs_weight_sync(policy_version, self.version, async_training, max_staleness):
-            self.sync(policy_version)
 
     def sync(self, policy_version: int) -> None:
         """Push the policy's weights (of `policy_version`) to every live engine.
@@ -122,7 +111,7 @@ class EngineWeights:
             if self.engines.live_indices != self._members and not self._rebuild():
                 return
             try:
-                self.policy.call_all("sync_weights", dtype=self.dtype, lora_sync_path=self.lora_sync_path)
+                self.policy.sync_weights(self.dtype, self.lora_sync_path)
                 break
             except WeightSyncError as exc:
                 if attempt == 2:
@@ -135,18 +124,14 @@ class EngineWeights:
         """A weight-update group of the live engines only; False when none is left."""
         live = self.engines.live_indices
         if not live:
-            self.policy.call_all("close_weight_sync")
+            self.policy.close_weight_sync()
             self._members = []
             return False
         self.say(
             f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engine_refs)}"
         )
-        self.policy.call_all(
-            "rebuild_weight_sync",
-            [self.engine_refs[i] for i in live],
-            self.backend,
-            self.timeout_s,
-            self.master_address,
+        self.policy.rebuild_weight_sync(
+            [self.engine_refs[i] for i in live], self.backend, self.timeout_s, self.master_address
         )
         self._members = live
         return True

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from skylift.cluster.settings import max_generate_length
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
 from skylift.generator.generator import rollout_seed
 from skylift.inference.types import SamplingParams
-from skylift.trainer.settings import max_generate_length
 
 
 def sampling_params(cfg: SkyliftConfig, evaluation: bool) -> SamplingParams:

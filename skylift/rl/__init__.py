@@ -1,0 +1,1 @@
+"""The RL step: take rollouts -> experience -> update -> sync -> evaluate -> checkpoint."""

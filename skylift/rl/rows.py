@@ -1,0 +1,99 @@
+"""Which prompts a training step generates, and how one generation is asked for.
+
+`StepRows` maps a global step to its rows (the seeded epoch order, resumable at any step) and,
+for dynamic sampling, to the step's own seeded draws of extra prompts. `Sampler` turns rows into
+the generator's coroutine with the run's sampling parameters and per-prompt seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from skylift.data import PromptSample
+from skylift.generator import Trajectory
+from skylift.inference.types import SamplingParams
+from skylift.rl.dynamic_sampling import step_rows
+from skylift.rl.parts import PromptData, RolloutGenerator
+from skylift.utils.calls import run_on_loop
+
+
+@dataclass
+class StepRows:
+    """The training data as steps: `batch(step)` is the step's `batch_size` rows."""
+
+    data: PromptData
+    batch_size: int
+    seed: int
+    shuffle: bool = True
+    epochs: int = 1
+    oversample: int = 0
+    """Extra prompts of the step's own draw generated with its first round (dynamic sampling's
+    `gen_batch_size - train_batch_size`)."""
+
+    @property
+    def per_epoch(self) -> int:
+        return self.data.num_batches(self.batch_size)
+
+    @property
+    def total(self) -> int:
+        """Steps in all epochs."""
+        return self.per_epoch * self.epochs
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of global step `step`."""
+        if self.per_epoch == 0:
+            raise ValueError(
+                f"a dataset of {len(self.data)} prompts gives no full batch of {self.batch_size}"
+            )
+        return divmod(step, self.per_epoch)
+
+    def batch(self, step: int) -> list[PromptSample]:
+        epoch, index = self.locate(step)
+        order = self.data.epoch_order(epoch, self.seed, self.shuffle)
+        return [self.data[int(i)] for i in order[index * self.batch_size : (index + 1) * self.batch_size]]
+
+    def first_round(self, step: int) -> list[PromptSample]:
+        """The step's batch plus `oversample` more prompts of its own draw."""
+        rows = self.batch(step)
+        if self.oversample <= 0:
+            return rows
+        return [*rows, *self.draw(step, 0, self.oversample, {row.uid for row in rows})]
+
+    def draw(self, step: int, start: int, count: int, taken: set[str]) -> list[PromptSample]:
+        """Rows `start..start + count` of step `step`'s seeded draw, skipping the prompt uids
+        `taken` (see `dynamic_sampling.step_rows`)."""
+        data = self.data
+        index = step_rows(len(data), self.seed, step, start, count, lambda i: data[i].uid in taken)
+        return [data[i] for i in index]
+
+    def stream(self, first_step: int) -> Iterator[tuple[PromptSample, int]]:
+        """Every row from step `first_step` on, with its step, through the last epoch."""
+        for step in range(first_step, self.total):
+            for row in self.batch(step):
+                yield row, step
+
+
+@dataclass
+class Sampler:
+    """Asks the generator for `n` samples per prompt, seeded per (step, prompt)."""
+
+    generator: RolloutGenerator
+    loop: asyncio.AbstractEventLoop
+    n: int
+    params: SamplingParams
+    seeds: Callable[[list[PromptSample], int], list[int] | None]
+    engine_version: Callable[[], int]
+
+    def coroutine(self, rows: list[PromptSample], step: int) -> Coroutine[Any, Any, list[Trajectory]]:
+        """The generation of `rows` as at training step `step` (-1: evaluation); its trajectories
+        record the engines' policy version now."""
+        return self.generator.generate(
+            rows, self.n, self.params, self.engine_version(), self.seeds(rows, step)
+        )
+
+    def run(self, rows: list[PromptSample], step: int) -> list[Trajectory]:
+        """Generate now, on the run's event loop (from a thread that is not the loop's)."""
+        return run_on_loop(self.loop, self.coroutine(rows, step))

@@ -1,0 +1,308 @@
+"""Rollout sources: where a training step's trajectories come from.
+
+The loop asks a `RolloutSource` for the step's batch (`take`), lets it start the next step's
+generation while the policy trains (`prefetch`), and tells it around every weight sync
+(`before_sync`, `needs_sync`, `after_sync`). Three schedules, one interface:
+
+- `SyncSource`: generate the step's prompts, then train (on-policy).
+- `OneStepOffSource`: step t+1 is generated while step t trains; syncs wait for that generation
+  (design in `skylift.rl.one_step_off`).
+- `FullyAsyncSource`: generation never stops; every sync pauses the engines with requests in flight
+  (design in `skylift.rl.fully_async`).
+
+`DynamicSampling` wraps any of them: it keeps the groups whose rewards differ and samples extra
+rounds of prompts until the batch is full (`skylift.rl.dynamic_sampling`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from skylift.generator import Trajectory
+from skylift.rl.dynamic_sampling import dynamic_sample
+from skylift.rl.fully_async import FullyAsyncRollouts, LoopThread, PromptSource
+from skylift.rl.one_step_off import BackgroundRollouts, needs_weight_sync
+from skylift.rl.rows import Sampler, StepRows
+
+
+@dataclass
+class RolloutTiming:
+    """A step's generation figures: seconds the engines generated its rollouts, and seconds the
+    trainer waited for them."""
+
+    generate_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add(self, generate_s: float, wait_s: float) -> None:
+        self.generate_s += generate_s
+        self.wait_s += wait_s
+
+    def metrics(self) -> dict[str, float]:
+        return {"timing/generate_s": self.generate_s, "timing/wait_s": self.wait_s}
+
+
+@dataclass
+class Rollouts:
+    """A step's batch of trajectories and what the source says about it."""
+
+    trajectories: list[Trajectory]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutSource(Protocol):
+    overlapped: bool
+    """Generation runs on a thread beside training (the GIL changes hands more often)."""
+
+    def take(self, step: int, policy_version: int) -> Rollouts:
+        """The trajectories step `step` (0-based) trains on; the policy is at `policy_version`."""
+        ...
+
+    def prefetch(self, step: int) -> None:
+        """Step `step`'s batch may be generated from now on (while the current step trains)."""
+        ...
+
+    def before_sync(self) -> None:
+        """A weight sync follows: no generation may read weights that are being replaced."""
+        ...
+
+    def needs_sync(self, policy_version: int, engine_version: int) -> bool:
+        """Whether the engines must get the policy's new weights now."""
+        ...
+
+    def after_sync(self, policy_version: int) -> None:
+        """The sync is done (or skipped); the engines hold their newest weights."""
+        ...
+
+    def timing(self) -> RolloutTiming:
+        """The step's generation figures, read once after its sync."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SyncSource:
+    """Generate the step's prompts with the current weights, then train on them."""
+
+    overlapped = False
+
+    def __init__(self, rows: StepRows, sampler: Sampler) -> None:
+        self.rows, self.sampler = rows, sampler
+        self._timing = RolloutTiming()
+
+    def take(self, step: int, policy_version: int) -> Rollouts:
+        tick = time.perf_counter()
+        trajectories = self.sampler.run(self.rows.first_round(step), step)
+        spent = time.perf_counter() - tick
+        self._timing.add(spent, spent)
+        return Rollouts(trajectories)
+
+    def prefetch(self, step: int) -> None:
+        pass
+
+    def before_sync(self) -> None:
+        pass
+
+    def needs_sync(self, policy_version: int, engine_version: int) -> bool:
+        return needs_weight_sync(policy_version, engine_version, False, 0)
+
+    def after_sync(self, policy_version: int) -> None:
+        pass
+
+    def timing(self) -> RolloutTiming:
+        timing, self._timing = self._timing, RolloutTiming()
+        return timing
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffSource(SyncSource):
+    """Step t+1's prompts are generated (with the weights before step t's update) while step t
+    trains; a sync waits for that generation and is skipped while the rollouts launched next would
+    stay within `max_staleness` versions."""
+
+    overlapped = True
+
+    def __init__(self, rows: StepRows, sampler: Sampler, total_steps: int, max_staleness: int) -> None:
+        super().__init__(rows, sampler)
+        self.total_steps, self.max_staleness = total_steps, max_staleness
+        self.background: BackgroundRollouts[list[Trajectory]] = BackgroundRollouts(sampler.loop)
+
+    def take(self, step: int, policy_version: int) -> Rollouts:
+        if not self.background.pending:  # the first step: nothing was launched ahead
+            self.prefetch(step)
+            self._timing.add(*reversed(self.background.join()))
+        return Rollouts(self.background.take())
+
+    def prefetch(self, step: int) -> None:
+        if step < self.total_steps:
+            self.background.launch(self.sampler.coroutine(self.rows.first_round(step), step))
+
+    def before_sync(self) -> None:
+        waited, generated = self.background.join()
+        self._timing.add(generated, waited)
+
+    def needs_sync(self, policy_version: int, engine_version: int) -> bool:
+        return needs_weight_sync(policy_version, engine_version, True, self.max_staleness)
+
+    def close(self) -> None:
+        self.background.close()
+
+
+class FullyAsyncSource:
+    """Prompt groups generated continuously into a bounded buffer on the loop's own thread; each
+    step takes `batch_size` groups within `max_staleness` versions, and each sync pauses the
+    engines with their requests in flight."""
+
+    overlapped = True
+
+    def __init__(
+        self,
+        rows: StepRows,
+        sampler: Sampler,
+        *,
+        label_engines: Callable[[], None],
+        max_staleness: int,
+        workers: int,
+        timeout_s: float,
+    ) -> None:
+        self.rows, self.sampler, self.label_engines = rows, sampler, label_engines
+        self.max_staleness, self.workers, self.timeout_s = max_staleness, workers, timeout_s
+        self.stream: FullyAsyncRollouts | None = None
+        self._step_started = self._paused_at = 0.0
+        self._paused_s = self._wait_s = 0.0
+
+    def _start(self, step: int) -> FullyAsyncRollouts:
+        """Start generating at step `step`'s rows (a resumed run's position in the data)."""
+        self.label_engines()  # the engines label the tokens they sample with their version
+        loop = LoopThread(self.sampler.loop)
+        try:
+            return FullyAsyncRollouts(
+                loop,
+                PromptSource(self.rows.stream(step)),
+                lambda row, at, _version: self.sampler.coroutine([row], at),
+                self.sampler.engine_version,
+                batch_size=self.rows.batch_size,
+                max_staleness=self.max_staleness,
+                workers=self.workers,
+                timeout_s=self.timeout_s,
+            )
+        except BaseException:
+            loop.stop()
+            raise
+
+    def take(self, step: int, policy_version: int) -> Rollouts:
+        self._step_started, self._paused_s = time.perf_counter(), 0.0
+        if self.stream is None:
+            self.stream = self._start(step)
+        trajectories, metrics = self.stream.take(policy_version)
+        self._wait_s = metrics["fully_async/wait_s"]
+        return Rollouts(trajectories, metrics)
+
+    def prefetch(self, step: int) -> None:
+        pass  # generation never stops
+
+    def before_sync(self) -> None:
+        self._paused_at = time.perf_counter()  # the sync pauses the engines
+
+    def needs_sync(self, policy_version: int, engine_version: int) -> bool:
+        return policy_version != engine_version
+
+    def after_sync(self, policy_version: int) -> None:
+        self._paused_s += time.perf_counter() - self._paused_at
+        if self.stream is not None:
+            self.stream.notify_version()  # more groups may start
+
+    def timing(self) -> RolloutTiming:
+        """The engines generated all step long except while paused for the sync."""
+        busy = time.perf_counter() - self._step_started - self._paused_s
+        return RolloutTiming(max(0.0, busy), self._wait_s)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+class DynamicSampling:
+    """Around any source: the step's batch made of prompt groups whose rewards differ, sampling
+    extra rounds of the step's own draw of prompts when needed (`filter` or `replace`)."""
+
+    def __init__(
+        self,
+        inner: RolloutSource,
+        rows: StepRows,
+        sampler: Sampler,
+        *,
+        mode: str,
+        batch_size: int,
+        per_round: int,
+        max_rounds: int | None,
+        min_replace_ratio: float,
+        seed: int,
+        say: Callable[[str], None],
+    ) -> None:
+        self.inner, self.rows, self.sampler = inner, rows, sampler
+        self.overlapped = inner.overlapped
+        self.mode, self.batch_size, self.per_round = mode, batch_size, per_round
+        self.max_rounds, self.min_replace_ratio, self.seed = max_rounds, min_replace_ratio, seed
+        self.say = say
+        self._extra_s = 0.0
+
+    def take(self, step: int, policy_version: int) -> Rollouts:
+        first = self.inner.take(step, policy_version)
+        tick = time.perf_counter()
+        taken = {tr.uid for tr in first.trajectories}
+
+        def sample_round(round_index: int) -> list[Trajectory]:
+            rows = self.rows.draw(step, (round_index - 1) * self.per_round, self.per_round, taken)
+            return self.sampler.run(rows, step) if rows else []
+
+        out = dynamic_sample(
+            first.trajectories,
+            sample_round,
+            self.mode,
+            self.batch_size,
+            self.max_rounds,
+            self.min_replace_ratio,
+            seed=self.seed + step,
+        )
+        self._extra_s += time.perf_counter() - tick
+        if out.short:
+            self.say(
+                f"step {step + 1}: dynamic sampling ({self.mode}) found {out.groups_kept} of "
+                f"{self.batch_size} prompt groups with mixed rewards in {out.rounds} round(s) "
+                f"({out.groups_sampled} groups sampled); training on what there is"
+            )
+        metrics = {
+            **first.metrics,
+            "dynamic_sampling/groups_sampled": float(out.groups_sampled),
+            "dynamic_sampling/groups_kept": float(out.groups_kept),
+            "dynamic_sampling/rounds": float(out.rounds),
+        }
+        return Rollouts(out.trajectories, metrics)
+
+    def prefetch(self, step: int) -> None:
+        self.inner.prefetch(step)
+
+    def before_sync(self) -> None:
+        self.inner.before_sync()
+
+    def needs_sync(self, policy_version: int, engine_version: int) -> bool:
+        return self.inner.needs_sync(policy_version, engine_version)
+
+    def after_sync(self, policy_version: int) -> None:
+        self.inner.after_sync(policy_version)
+
+    def timing(self) -> RolloutTiming:
+        """The inner source's figures; extra rounds are generated while the trainer waits."""
+        timing = self.inner.timing()
+        timing.add(self._extra_s, self._extra_s)
+        self._extra_s = 0.0
+        return timing
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,1 +1,0 @@
-"""The RL loop: generate -> score -> advantages -> policy update -> weight sync -> eval/checkpoint."""

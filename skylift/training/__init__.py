@@ -1,1 +1,0 @@
-"""Training: the policy/reference/critic workers and the tensors they consume."""
