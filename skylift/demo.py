@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # dynamic sampling (DAPO `filter`): each step generates 16 prompts x 4 samples in one call and
-# trains on up to 8 of the groups whose 4 rewards differ (without it only ~3 of 8 groups carry a
-# signal); one call of 64 sequences costs ~0.6 of two rounds of 32 (benchmarks/RESULTS.md)
+# trains on up to 8 of the groups whose 4 rewards differ (without it few groups carry a signal);
+# one call of 64 sequences costs less than two rounds of 32 (benchmarks/RESULTS.md)
 DYNAMIC_SAMPLING_OVERRIDES = [
     "trainer.algorithm.dynamic_sampling.type=filter",
     "trainer.algorithm.dynamic_sampling.gen_batch_size=16",
@@ -31,8 +31,8 @@ DEMO_OVERRIDES = [
     "trainer.run_name=demo",
     "trainer.algorithm.advantage_estimator=grpo",
     # TRL's anchor batch: 8 prompts x 4 samples; evaluation answers in up to 64 new tokens as
-    # there, rollouts in up to 40 (a right answer takes ~17; a rare rambling sample no longer keeps
-    # the whole batch decoding, ~1 s a step)
+    # there, rollouts in up to 40 (a right answer is shorter; a rare rambling sample no longer
+    # keeps the whole batch decoding: benchmarks/RESULTS.md)
     "trainer.train_batch_size=8",
     "trainer.policy_mini_batch_size=8",
     "generator.n_samples_per_prompt=4",
@@ -47,12 +47,12 @@ DEMO_OVERRIDES = [
     "trainer.max_steps=26",
     *DYNAMIC_SAMPLING_OVERRIDES,
     # prefix sharing: each micro-batch computes its distinct prefixes once (the prompts' shared
-    # system message and worked example, each group's prompt, identical samples); one SmolLM2
-    # thread trains a step's 32 rows in 6.5-8.8 CPU s instead of 17-23 (benchmarks/RESULTS.md)
+    # system message and worked example, each group's prompt, identical samples), so a step
+    # trains in less CPU time (benchmarks/RESULTS.md)
     "trainer.share_prefixes=true",
     "trainer.micro_train_batch_size_per_gpu=16",
     "trainer.micro_forward_batch_size_per_gpu=16",
-    # one process: no Ray daemons, the engine's client and the policy share memory (-1.5 GB)
+    # one process: no Ray daemons, the engine's client and the policy share memory
     "trainer.placement.backend=local",
     "trainer.gradient_checkpointing=false",
     "trainer.eval_before_train=true",
@@ -62,20 +62,20 @@ DEMO_OVERRIDES = [
     "trainer.resume_mode=none",
     "trainer.max_prompt_length=128",
     "generator.max_num_seqs=128",
-    # 0.4 GiB of KV cache (18,600 tokens in bf16, 9,300 in float32) holds a step's 64 sequences
-    # (<= ~4,600 tokens, their prompts sharing a prefix) and the evaluation's 100 (<= ~9,500 at 64
-    # new tokens each); the cache is resident, so every 0.1 GiB less is 0.1 GiB less memory
+    # 0.4 GiB of KV cache holds a step's 64 sequences (their prompts sharing a prefix) and the
+    # evaluation's 100 (the token counts: benchmarks/RESULTS.md); the cache is resident, so a
+    # smaller one is that much less memory
     "generator.kv_cache_gb=0.4",
     # vLLM's CPU KV blocks are 128 tokens by default, so a 90-token prompt fills no block the
     # prefix cache could share; with 32-token blocks the prompts' shared 64 tokens and each group's
-    # prompt are prefilled once (a step's generation in about half the time: benchmarks/RESULTS.md)
+    # prompt are prefilled once (a step generates faster: benchmarks/RESULTS.md)
     "generator.kv_cache_block_size=32",
 ]
 
 # Where bf16 matrix instructions exist (CUDA, x86 AVX512-BF16 / AMX, Arm BF16), the engine samples
-# in bfloat16 and training runs bf16 matmuls over float32 weights: on the 2-core AVX512-BF16
-# machine 1.8x faster generation and 1.5x faster logprobs than float32, at a rollout-trainer logprob
-# gap of ~1e-2. Elsewhere bf16 is emulated and slower, so the demo stays in float32.
+# in bfloat16 and training runs bf16 matmuls over float32 weights: faster generation and logprobs
+# than float32, at a larger rollout-trainer logprob gap (benchmarks/RESULTS.md). Elsewhere bf16 is
+# emulated and slower, so the demo stays in float32.
 BF16_OVERRIDES = ["generator.model_dtype=bfloat16", "trainer.bf16=true"]
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 

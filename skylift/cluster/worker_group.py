@@ -27,9 +27,8 @@ from skylift.worker.training_worker import LossFn, TrainingWorker, WorkerSetting
 
 # Bucket size of the policy's weight syncs. Each engine's worker keeps two buckets' worth of
 # receive memory between syncs (`BufferArena`; the sender's arenas hold only the small tensors it
-# coalesces), so a smaller bucket keeps less resident: the demo's whole-run peak was 7.37 GiB PSS
-# at 256 MB and 6.77 GiB at 64 MB (SmolLM2-135M in bf16, 8 steps), with the same sync time
-# (0.7-1.0 s), since the stream loads bucket k while bucket k+1 travels.
+# coalesces), so a smaller bucket keeps less resident, with the same sync time, since the stream
+# loads bucket k while bucket k+1 travels (the demo's figures: benchmarks/RESULTS.md).
 SYNC_BUCKET_MB = 64
 
 logger = logging.getLogger("skylift.cluster.worker_group")

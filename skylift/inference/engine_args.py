@@ -98,8 +98,8 @@ def apply_cpu_env_defaults(tensor_parallel_size: int = 1) -> None:
     ours = current is None or current in (_auto_binding, os.environ.get(AUTO_BINDING_MARKER))
     if 0 < len(cpus) <= SMALL_MACHINE_CPUS and ours:
         # vLLM reserves one core for its scheduler process and binds its compute threads to
-        # the rest: on 2 cores that halves generation speed (measured with SmolLM2-135M, 32
-        # sequences: 103 tok/s reserved vs 172 tok/s on both cores). Training and generation
+        # the rest: on 2 cores that costs much of the generation speed (benchmarks/RESULTS.md,
+        # engine generation speed). Training and generation
         # alternate, so on a small machine the engine gets every core; with tensor parallelism
         # vLLM wants one core list per rank, `|`-separated.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding

@@ -130,7 +130,7 @@ class LocalVLLMEngine:
 
         `engine_args` go to `build_engine_args` (max_model_len, seed, dtype, tensor_parallel_size,
         enable_sleep_mode, ..., then vLLM's `AsyncEngineArgs`); our worker extension is always
-        set. Start-up blocks this event loop (vLLM builds the engine synchronously; 20-70 s on CPU).
+        set. Start-up blocks this event loop (vLLM builds the engine synchronously).
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -11,7 +11,7 @@ groups that carry a signal.
 
 With `gen_batch_size` above `train_batch_size` the first round is oversampled: the step's batch
 and `gen_batch_size - train_batch_size` more prompts are generated in one call (one batched call
-costs about 0.6 of two calls of half its size on CPU), and later rounds take `gen_batch_size`
+costs less than two calls of half its size: benchmarks/RESULTS.md), and later rounds take `gen_batch_size`
 prompts each.
 
 Pure: the caller passes the first round's trajectories and a `sample_round(round)` callable that

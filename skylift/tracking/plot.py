@@ -25,9 +25,10 @@ def find_metrics_file(run_dir: str | Path) -> Path:
 
 def accuracy_series(rows: list[dict]) -> list[str]:
     """The `eval/*accuracy*` keys to draw: the per-data-source ones only when there are several
-    sources (with one, `eval/<source>/accuracy` is `eval/accuracy` again)."""
+    sources (with one, `eval/<source>/accuracy` is `eval/accuracy` again; a source's name may hold
+    slashes, e.g. `skylift/addition-demo`)."""
     keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "accuracy" in k})
-    per_source = [k for k in keys if k.count("/") == 2]
+    per_source = [k for k in keys if k != "eval/accuracy" and k.endswith("/accuracy")]
     if len(per_source) == 1 and "eval/accuracy" in keys:
         keys.remove(per_source[0])
     return keys

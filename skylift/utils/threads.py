@@ -4,10 +4,9 @@ Overlapped training (one-step-off and fully async) runs the rollouts on a thread
 trainer's process (with placement `local` also vLLM's client: its per-step output processing
 in Python) while the main thread trains. Every torch op releases the GIL and must take it back;
 while the other thread runs Python, that takes up to `sys.getswitchinterval()` (5 ms by
-default) per op, and a training pass of thousands of ops slows down several times. Measured on
-the 2-core machine (a one-core torch training loop beside a thread busy half the time with
-Python, on another core): 6.1x slower at 5 ms, 3.0x at 2 ms, 1.4x at 1 ms and 0.5 ms, against
-the training loop alone. A shorter interval costs the busy thread little: it gets the GIL back
+default) per op, and a training pass of thousands of ops slows down several times; a shorter
+interval brings it close to the training loop alone (benchmarks/RESULTS.md,
+fully_async_vs_sync.py). A shorter interval costs the busy thread little: it gets the GIL back
 as soon as the op has released it.
 """
 

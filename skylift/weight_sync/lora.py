@@ -147,8 +147,8 @@ async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
 def pack_adapter(named_tensors: Sequence[NamedTensor], device: torch.device) -> list[torch.Tensor]:
     """The flat wire buffers of `bucket_of(named_tensors)`. On CPU each tensor is copied into
     its dtype's buffer as bytes (numpy: one thread, no OpenMP): as fast as torch.cat on a quiet
-    machine and ~25x faster on a loaded one, where torch's threads wait on each other (measured:
-    40 ms against 1 s for 420 tensors, 39 MB, at load 10 on 2 cores)."""
+    machine and much faster on a loaded one, where torch's threads wait on each other
+    (benchmarks/RESULTS.md, lora_sync.py)."""
     if device.type != "cpu" or any(t.device.type != "cpu" for _, t in named_tensors):
         return pack_bucket(list(named_tensors), device)[1]
     buffers = []

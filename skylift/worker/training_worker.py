@@ -66,7 +66,7 @@ class WorkerSettings:
     lora_target_modules: list[str] | str = "all-linear"
     lora_dropout: float = 0.0
     # FSDP2 sharding: None = when there is more than one rank (one rank gains nothing from
-    # fully_shard and pays its gather/scatter copies: measured 30% slower on CPU), True = always
+    # fully_shard and pays its gather/scatter copies: slower on CPU), True = always
     fsdp: bool | None = None
     reshard_after_forward: bool = True  # see skylift.worker.sharding.shard_model
     cpu_offload: bool = False
@@ -199,9 +199,9 @@ class TrainingWorker:
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]
             o = s.optimizer
-            # The fused kernel (CPU and CUDA) steps 135M fp32 parameters in 0.17 s where the per-tensor
-            # loop takes 0.96 s and the multi-tensor (foreach) step 1.2 s plus temporaries the size of
-            # all parameters. Sharded (DTensor) parameters keep the per-tensor loop.
+            # The fused kernel (CPU and CUDA) is faster than the per-tensor loop and the multi-tensor
+            # (foreach) step, which also needs temporaries the size of all parameters
+            # (benchmarks/RESULTS.md). Sharded (DTensor) parameters keep the per-tensor loop.
             fused = {"fused": True} if not shard else {"foreach": False}
             self.optimizer = torch.optim.AdamW(
                 params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **fused

@@ -32,6 +32,25 @@ def test_one_data_source_draws_accuracy_once_several_draw_each() -> None:
     assert accuracy_series(two) == ["eval/a/accuracy", "eval/accuracy", "eval/b/accuracy"]
 
 
+def test_a_data_source_with_a_slash_is_still_one_source() -> None:
+    # the demo's data source is "skylift/addition-demo": its per-source key has three slashes
+    demo = [{"step": 0, "eval/accuracy": 0.34, "eval/skylift/addition-demo/accuracy": 0.34}]
+    assert accuracy_series(demo) == ["eval/accuracy"]
+    two = [
+        {
+            "step": 0,
+            "eval/accuracy": 0.5,
+            "eval/openai/gsm8k/accuracy": 0.4,
+            "eval/skylift/addition-demo/accuracy": 0.6,
+        }
+    ]
+    assert accuracy_series(two) == [
+        "eval/accuracy",
+        "eval/openai/gsm8k/accuracy",
+        "eval/skylift/addition-demo/accuracy",
+    ]
+
+
 def test_plot_is_titled_with_the_run(tmp_path: Path) -> None:
     logs = tmp_path / "my-run" / "logs"
     logs.mkdir(parents=True)
