@@ -23,13 +23,13 @@ from skylift.cluster.engines import (
     start_inprocess_engines,
     start_local_engines,
 )
+from skylift.cluster.ray_start import start_ray_run
 from skylift.cluster.settings import (
     RunPaths,
     critic_worker_settings,
     local_engine_kwargs,
     max_generate_length,
     model_worker_settings,
-    start_ray_run,
     total_steps,
 )
 from skylift.cluster.worker_group import WorkerGroup

@@ -18,7 +18,7 @@ def main(out: str, model_dir: str) -> int:
     import torch
 
     from skylift.cluster.placement import PlacedGroups, PlacementRequest, plan_placement
-    from skylift.cluster.settings import init_ray
+    from skylift.cluster.ray_start import init_ray
     from skylift.cluster.worker_group import RLWorker, WorkerGroup
     from skylift.worker.batch import build_sequence_batch
     from skylift.worker.training_worker import WorkerSettings
