@@ -177,7 +177,8 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
     from skylift.config import ConfigError, load_config
     from skylift.data import write_addition_demo
     from skylift.rl.build import build_trainer
-    from skylift.rl.loop import TrainingStoppedError
+    from skylift.rl.loop import RLTrainer
+    from skylift.rl.run import run_trainer
 
     settings = demo_overrides()
     try:
@@ -207,24 +208,19 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engine down
     started = time.perf_counter()
-    trainer = None
+    history: list[dict[str, float]] = []
+    setup_s = train_s = 0.0
+
+    def fit(trainer: RLTrainer) -> None:
+        nonlocal setup_s, train_s
+        setup_s = time.perf_counter() - started
+        history.extend(trainer.fit())
+        train_s = time.perf_counter() - started - setup_s
+
     with PeakMemory() as memory:
-        try:
-            trainer = build_trainer(cfg, verbose=verbose)
-            trainer.setup()
-            setup_s = time.perf_counter() - started
-            train_started = time.perf_counter()
-            history = trainer.fit()
-            train_s = time.perf_counter() - train_started
-        except ConfigError as exc:  # one only this machine can judge (e.g. the engine's device)
-            print(f"skylift demo: configuration error: {exc}", file=sys.stderr)
-            return 2
-        except TrainingStoppedError as exc:
-            print(f"skylift demo: {exc}", file=sys.stderr)
-            return 3
-        finally:
-            if trainer is not None:
-                trainer.shutdown()
+        code = run_trainer(lambda: build_trainer(cfg, verbose=verbose), fit, "skylift demo")
+    if code:
+        return code
     total_s = time.perf_counter() - started
 
     evals = [h for h in history if "eval/accuracy" in h]

@@ -217,8 +217,11 @@ def _group_index(group_ids: GroupIds | None, batch: int, estimator: str) -> tupl
     return torch.tensor(index, dtype=torch.long), len(dense)
 
 
-def _group_stats(scores: torch.Tensor, index: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, ...]:
+def _group_stats(
+    scores: torch.Tensor, group_ids: GroupIds | None, estimator: str
+) -> tuple[torch.Tensor, ...]:
     """Per-sequence group size, group sum and unbiased group std (std 0 for groups of size 1)."""
+    index, n_groups = _group_index(group_ids, scores.shape[0], estimator)
     index = index.to(scores.device)
     counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
         0, index, torch.ones_like(scores)
@@ -230,6 +233,12 @@ def _group_stats(scores: torch.Tensor, index: torch.Tensor, n_groups: int) -> tu
     )
     stds = torch.sqrt(sq_dev / (counts - 1).clamp(min=1))
     return counts[index], sums[index], stds[index]
+
+
+def _per_token(adv: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence-level advantage on each of its response tokens: (advantages, returns), equal."""
+    adv_tokens = adv.unsqueeze(-1) * response_mask
+    return adv_tokens, adv_tokens.clone()
 
 
 def _discounted_backward(
@@ -271,13 +280,11 @@ def grpo_advantages(
     """Group-relative advantage ``(score - group_mean) / (group_std + eps)`` (no division without
     `norm_by_std`), with the unbiased group std. A group of one sequence, or of equal scores, gives 0."""
     scores = sequence_rewards
-    index, n_groups = _group_index(group_ids, scores.shape[0], "grpo")
-    counts, sums, stds = _group_stats(scores, index, n_groups)
+    counts, sums, stds = _group_stats(scores, group_ids, "grpo")
     adv = scores - sums / counts
     if norm_by_std:
         adv = adv / (stds + eps)
-    adv_tokens = adv.unsqueeze(-1) * response_mask
-    return adv_tokens, adv_tokens.clone()
+    return _per_token(adv, response_mask)
 
 
 @register_advantage_estimator("rloo", sequence_level=True)
@@ -294,12 +301,10 @@ def rloo_advantages(
     A group of one sequence has no other member and gets advantage 0.
     """
     scores = sequence_rewards
-    index, n_groups = _group_index(group_ids, scores.shape[0], "rloo")
-    counts, sums, _ = _group_stats(scores, index, n_groups)
+    counts, sums, _ = _group_stats(scores, group_ids, "rloo")
     baseline = (sums - scores) / (counts - 1).clamp(min=1)
     adv = torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
-    adv_tokens = adv.unsqueeze(-1) * response_mask
-    return adv_tokens, adv_tokens.clone()
+    return _per_token(adv, response_mask)
 
 
 @register_advantage_estimator("reinforce++")

@@ -33,9 +33,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from skylift.algorithms._registry import Registry
 from skylift.algorithms.reductions import masked_mean, masked_sum
+
+LossAndMetrics = tuple[Tensor, dict[str, float]]
+"""What a policy loss returns: the per-token loss and float metrics."""
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-this before `exp`, so the ratio stays finite (exp(20) ~ 4.9e8)."""
@@ -166,8 +170,16 @@ def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(values.detach(), mask).item())
 
 
-def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+def _ratio(logprobs: Tensor, old_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """The clamped per-token log-ratio and the ratio."""
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio, torch.exp(log_ratio)
+
+
+def _metrics(mask: Tensor, ratio: Tensor, log_ratio: Tensor, **fractions: Tensor) -> dict[str, float]:
+    """Each named boolean tensor's fraction of valid tokens, then the ratio metrics."""
+    metrics = {name: _mean(flags.to(mask.dtype), mask) for name, flags in fractions.items()}
+    return metrics | _ratio_metrics(ratio, log_ratio.detach(), mask)
 
 
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -193,81 +205,66 @@ def _ppo_clip(
 
 @register_policy_loss("regular")
 def ppo_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
     config: PolicyLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> LossAndMetrics:
     """PPO clipped surrogate, per token."""
-    log_ratio = _log_ratio(logprobs, old_logprobs)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
     loss, clipped = _ppo_clip(ratio, advantages, config)
-    metrics = {"clip_frac": _mean(clipped.to(response_mask.dtype), response_mask)}
-    metrics.update(_ratio_metrics(ratio, log_ratio.detach(), response_mask))
-    return loss, metrics
+    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=clipped)
 
 
 @register_policy_loss("dual_clip")
 def dual_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
     config: PolicyLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> LossAndMetrics:
     """Dual-clip PPO: PPO clip, then ``min(., -A * clip_ratio_c)`` where ``A < 0``."""
-    log_ratio = _log_ratio(logprobs, old_logprobs)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
     ppo_loss, clipped = _ppo_clip(ratio, advantages, config)
     cap = -advantages * config.clip_ratio_c
     negative = advantages < 0
     dual_clipped = negative & (cap < ppo_loss)
     loss = torch.where(negative, torch.minimum(ppo_loss, cap), ppo_loss)
-    metrics = {
-        "clip_frac": _mean(clipped.to(response_mask.dtype), response_mask),
-        "dual_clip_frac": _mean(dual_clipped.to(response_mask.dtype), response_mask),
-    }
-    metrics.update(_ratio_metrics(ratio, log_ratio.detach(), response_mask))
-    return loss, metrics
+    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=clipped, dual_clip_frac=dual_clipped)
 
 
 @register_policy_loss("gspo")
 def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
     config: PolicyLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> LossAndMetrics:
     """GSPO: PPO clip on the sequence-level ratio (geometric mean of token ratios), GSPO-token form."""
     token_log_ratio = logprobs - old_logprobs
     lengths = response_mask.sum(dim=-1).clamp(min=1)
     seq_log_ratio = masked_sum(token_log_ratio, response_mask, dim=-1) / lengths  # [batch]
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss, clipped = _ppo_clip(ratio, advantages, config)
-    metrics = {"clip_frac": _mean(clipped.to(response_mask.dtype), response_mask)}
-    metrics.update(_ratio_metrics(ratio, token_log_ratio.detach(), response_mask))
-    return loss, metrics
+    return loss, _metrics(response_mask, ratio, token_log_ratio, clip_frac=clipped)
 
 
 @register_policy_loss("cispo")
 def cispo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
     config: PolicyLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> LossAndMetrics:
     """CISPO: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``."""
-    log_ratio = _log_ratio(logprobs, old_logprobs)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
     low, high = 1.0 - config.cispo_eps_clip_low, 1.0 + config.cispo_eps_clip_high
     weight = ratio.detach().clamp(low, high)
     loss = -weight * advantages * logprobs
     outside = (ratio.detach() < low) | (ratio.detach() > high)
-    metrics = {"clip_frac": _mean(outside.to(response_mask.dtype), response_mask)}
-    metrics.update(_ratio_metrics(ratio, log_ratio.detach(), response_mask))
-    return loss, metrics
+    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=outside)

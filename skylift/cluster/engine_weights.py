@@ -14,11 +14,8 @@ from skylift.cluster.engines import EngineRef
 from skylift.cluster.settings import lora_sync_path
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
+from skylift.config.validation import overrides_update_group
 from skylift.inference.pool import EnginePool
-
-
-def _override_flag(value: str | bool) -> bool:
-    return str(value).lower() in ("true", "enable", "1", "yes", "auto")
 
 
 class EngineWeights:
@@ -40,7 +37,7 @@ class EngineWeights:
         self.backend = None if g.weight_sync_backend == "auto" else g.weight_sync_backend
         self.timeout_s = g.weight_sync_timeout_s
         self.master_address = g.weight_sync_master_address  # None: derived (see RLWorker.init_weight_sync)
-        self.override_existing = _override_flag(g.override_existing_update_group)
+        self.override_existing = overrides_update_group(g.override_existing_update_group)
         # a LoRA policy's adapter goes through this directory instead of the group (None: in memory)
         self.lora_sync_path = lora_sync_path(cfg)
         # a LoRA sync loads the adapter under a new name, and vLLM keys cached blocks by that name

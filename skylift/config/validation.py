@@ -16,6 +16,11 @@ _TRUE = {"true", "yes", "on", "1", "enable", "enabled"}
 _FALSE = {"false", "no", "off", "0", "disable", "disabled"}
 
 
+def overrides_update_group(value: str | bool) -> bool:
+    """Whether ``generator.override_existing_update_group`` replaces an existing group: ``auto`` and yes-words do."""
+    return str(value).strip().lower() in _TRUE | {"auto"}
+
+
 def default_runs_dir() -> str:
     """``trainer.runs_dir`` when null: ``$SKYLIFT_RUNS_DIR`` if set, else ``~/skylift/runs``."""
     root = os.environ.get("SKYLIFT_RUNS_DIR")

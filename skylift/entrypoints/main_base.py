@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from skylift.rl.loop import RLTrainer
 
 TRAIN_EPILOG = """\
 examples:
@@ -51,27 +55,16 @@ def run_train(
         print(format_config(cfg, with_help=True))
         return 0
     from skylift.rl.build import build_trainer
-    from skylift.rl.loop import TrainingStoppedError
+    from skylift.rl.run import run_trainer
     from skylift.utils.processes import exit_cleanly_on_sigterm
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down
-    trainer = None
-    try:
-        trainer = build_trainer(cfg, verbose=verbose)
-        trainer.setup()
+
+    def fit_and_export(trainer: RLTrainer) -> None:
         trainer.fit()
-        path = trainer.export()
-        print(f"[skylift] exported Hugging Face weights to {path}")
-    except ConfigError as exc:  # one only the run's machine can judge (e.g. the engine's device)
-        print(f"skylift: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingStoppedError as exc:
-        print(f"skylift: {exc}", file=sys.stderr)
-        return 3
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-    return 0
+        print(f"[skylift] exported Hugging Face weights to {trainer.export()}")
+
+    return run_trainer(lambda: build_trainer(cfg, verbose=verbose), fit_and_export, "skylift")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

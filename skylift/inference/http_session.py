@@ -16,48 +16,39 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import aiohttp
 
 DEFAULT_CONNECTION_LIMIT = 256
 DEFAULT_KEEPALIVE_S = 4.0
 
+N = TypeVar("N", int, float)
 
-def _env_int(name: str, default: int) -> int:
+
+def _env_positive(name: str, default: N, parse: Callable[[str], N]) -> N:
+    """The variable `name` parsed by `parse` (int or float), `default` when unset; it must be > 0."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError as e:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from e
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from e
+        raise ValueError(f"{name} must be {'an integer' if parse is int else 'a number'}, got {raw!r}") from e
     if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ValueError(f"{name} must be {'>= 1' if parse is int else '> 0'}, got {value}")
     return value
 
 
 def connection_limit() -> int:
     """The connection limit per session (`SKYLIFT_HTTP_CONNECTION_LIMIT`, default 256)."""
-    return _env_int("SKYLIFT_HTTP_CONNECTION_LIMIT", DEFAULT_CONNECTION_LIMIT)
+    return _env_positive("SKYLIFT_HTTP_CONNECTION_LIMIT", DEFAULT_CONNECTION_LIMIT, int)
 
 
 def keepalive_s() -> float:
     """Idle keep-alive of pooled connections (`SKYLIFT_HTTP_KEEPALIVE_S`, default 4 s)."""
-    return _env_float("SKYLIFT_HTTP_KEEPALIVE_S", DEFAULT_KEEPALIVE_S)
+    return _env_positive("SKYLIFT_HTTP_KEEPALIVE_S", DEFAULT_KEEPALIVE_S, float)
 
 
 class SessionPool:

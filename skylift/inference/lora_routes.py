@@ -19,40 +19,22 @@ and /v1/chat/completions (the adapters live in vLLM's own table, listed by /v1/m
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable
 from http import HTTPStatus
-from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import PlainTextResponse
 
 from skylift.inference.bodies import LoadLoraAdapterBody, ReceiveLoraAdapterBody, UnloadLoraAdapterBody
-from skylift.inference.routes import SkyliftState, status_of
-from skylift.inference.types import EngineError, WeightBucket
+from skylift.inference.engine_http import engine_call
+from skylift.inference.routes import SkyliftState
+from skylift.inference.types import WeightBucket
 from skylift.weight_sync.lora import LoraAdapterSpec
-
-logger = logging.getLogger("skylift.inference.lora_routes")
-
-T = TypeVar("T")
 
 router = APIRouter()
 
 
 def _state(request: Request) -> SkyliftState:
     return request.app.state.skylift
-
-
-async def _engine(awaitable: Awaitable[T]) -> T:
-    """An engine call; its errors become HTTP statuses as `status_of` says (404: an unknown
-    adapter or a path without one)."""
-    try:
-        return await awaitable
-    except EngineError as exc:
-        status = status_of(exc)
-        if status >= 500:
-            logger.error("%s", exc)
-        raise HTTPException(int(status), str(exc)) from exc
 
 
 def _is_base_model(request: Request, name: str) -> bool:
@@ -71,7 +53,7 @@ async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
             f"The lora adapter '{body.lora_name}' conflicts with a served base model.",
         )
     engine = _state(request).engine
-    await _engine(
+    await engine_call(
         engine.load_lora_adapter(
             body.lora_name, body.lora_path, load_inplace=body.load_inplace, activate=body.activate
         )
@@ -82,7 +64,7 @@ async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> str:
     """Unload a LoRA adapter by name."""
-    await _engine(_state(request).engine.unload_lora_adapter(body.lora_name))
+    await engine_call(_state(request).engine.unload_lora_adapter(body.lora_name))
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
@@ -94,7 +76,7 @@ async def receive_lora_adapter(body: ReceiveLoraAdapterBody, request: Request) -
         name=body.name, peft_config=body.peft_config, activate=body.activate, retire=body.retire
     )
     engine = _state(request).engine
-    await _engine(engine.receive_lora_adapter(bucket, adapter))
+    await engine_call(engine.receive_lora_adapter(bucket, adapter))
     return {"status": "ok", "lora_name": body.name, "default": engine.lora.default}
 
 

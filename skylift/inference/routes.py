@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -51,15 +50,11 @@ from skylift.inference.bodies import (
     WakeUpBody,
 )
 from skylift.inference.codec import output_to_json
+from skylift.inference.engine_http import engine_call, status_of
 from skylift.inference.limits import MAX_N, MAX_PROMPTS
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.types import (
-    EngineCapabilityError,
     EngineError,
-    EngineNotFoundError,
-    EngineRequestError,
-    EngineStateError,
-    EngineUnavailableError,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
@@ -67,8 +62,6 @@ from skylift.inference.types import (
 from skylift.weight_sync.buckets import dtype_to_str, str_to_dtype, validate_bucket
 
 logger = logging.getLogger("skylift.inference.routes")
-
-T = TypeVar("T")
 
 __all__ = ["SamplingParamsBody", "SkyliftState", "install_routes", "router", "status_of"]
 
@@ -95,33 +88,6 @@ def _state(request: Request) -> SkyliftState:
 
 def _error(status: HTTPStatus, message: str) -> HTTPException:
     return HTTPException(status_code=int(status), detail=message)
-
-
-def status_of(exc: EngineError) -> HTTPStatus:
-    """The HTTP status of an engine error: 404 something named that the engine does not have,
-    400 bad request, 409 wrong state, 501 unsupported by the backend, 503 engine gone or silent,
-    500 otherwise."""
-    for cls, status in (
-        (EngineNotFoundError, HTTPStatus.NOT_FOUND),
-        (EngineRequestError, HTTPStatus.BAD_REQUEST),
-        (EngineStateError, HTTPStatus.CONFLICT),
-        (EngineCapabilityError, HTTPStatus.NOT_IMPLEMENTED),
-        (EngineUnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
-    ):
-        if isinstance(exc, cls):
-            return status
-    return HTTPStatus.INTERNAL_SERVER_ERROR
-
-
-async def _engine(awaitable: Awaitable[T]) -> T:
-    """Await an engine call; its `EngineError` becomes the matching HTTP error."""
-    try:
-        return await awaitable
-    except EngineError as exc:
-        status = status_of(exc)
-        if status >= 500:
-            logger.error("%s", exc)
-        raise _error(status, str(exc)) from exc
 
 
 async def require_api_key(request: Request) -> None:
@@ -202,7 +168,7 @@ async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
     state = _state(request)
     _check_generate(state, body)
     params = SamplingParams(**body.sampling_params.model_dump())
-    outputs = await _engine(
+    outputs = await engine_call(
         state.engine.generate(
             body.prompt_token_ids,
             params,
@@ -223,7 +189,7 @@ async def pause(request: Request) -> dict[str, Any]:
     """Stop scheduling for a weight update: `{"mode": "keep"|"abort"}` (keep: requests in flight
     wait and continue after /skylift/resume; abort: they end now with what they sampled)."""
     body = await _optional_body(request, PauseBody) or PauseBody()
-    await _engine(_state(request).engine.pause_generation(body.mode))
+    await engine_call(_state(request).engine.pause_generation(body.mode))
     return {"status": "paused", "mode": body.mode}
 
 
@@ -231,7 +197,7 @@ async def pause(request: Request) -> dict[str, Any]:
 async def resume(request: Request) -> dict[str, Any]:
     """Resume scheduling; `{"policy_version": v}` labels the tokens sampled from now on with v."""
     body = await _optional_body(request, ResumeBody) or ResumeBody()
-    await _engine(_state(request).engine.resume_generation(body.policy_version))
+    await engine_call(_state(request).engine.resume_generation(body.policy_version))
     return {"status": "running", "policy_version": body.policy_version}
 
 
@@ -242,7 +208,7 @@ async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
     level = level if level is not None else (body.level if body else 1)
     if level not in (1, 2):
         raise _error(HTTPStatus.BAD_REQUEST, f"sleep level must be 1 or 2, got {level}")
-    await _engine(_state(request).engine.sleep(level))
+    await engine_call(_state(request).engine.sleep(level))
     return {"status": "sleeping", "level": level}
 
 
@@ -251,7 +217,7 @@ async def wake_up(request: Request) -> dict[str, Any]:
     """Restore what /sleep released (optionally only some tags: ?tags=weights&tags=kv_cache)."""
     body = await _optional_body(request, WakeUpBody)
     tags = request.query_params.getlist("tags") or (body.tag_list() if body else None)
-    awake = await _engine(_state(request).engine.wake_up(tags))
+    awake = await engine_call(_state(request).engine.wake_up(tags))
     return {"status": "awake" if awake else "sleeping", "tags": tags}
 
 
@@ -269,7 +235,7 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
     fields = body.model_dump(exclude={"model_dtype_str", "protocol"})
     spec = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol())
     started = time.perf_counter()
-    await _engine(engine.init_weight_update_communicator(spec))
+    await engine_call(engine.init_weight_update_communicator(spec))
     state.group_dtype = dtype
     tp = await engine.tensor_parallel_size()
     return {
@@ -294,7 +260,7 @@ async def _receive_bucket(state: SkyliftState, bucket: WeightBucket) -> dict[str
                 f"tensor {bucket.names[wrong]!r} has dtype {bucket.dtypes[wrong]}, but the group was "
                 f"created with model_dtype_str={state.group_dtype}",
             )
-    receipt = await _engine(state.engine.receive_weights(bucket))
+    receipt = await engine_call(state.engine.receive_weights(bucket))
     return {
         "status": "ok",
         "num_tensors": receipt.num_tensors,
@@ -331,7 +297,7 @@ async def update_weights_stream(request: Request) -> dict[str, Any]:
             "this weight-update group was created with SkyRL's protocol (model_dtype_str): it sends one "
             "tensor per /update_weights request, not a weight stream",
         )
-    receipt = await _engine(state.engine.receive_weight_stream())
+    receipt = await engine_call(state.engine.receive_weight_stream())
     return {"status": "ok", **receipt}
 
 
@@ -348,7 +314,7 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     state = _state(request)
     existed = state.engine.group_name is not None
     state.group_dtype = None
-    await _engine(state.engine.destroy_weights_update_group())
+    await engine_call(state.engine.destroy_weights_update_group())
     return {"status": "ok", "destroyed": existed}
 
 
@@ -360,7 +326,7 @@ async def reset_prefix_cache(request: Request, reset_running_requests: bool | No
     if reset_running_requests is None:
         reset_running_requests = bool(body and body.reset_running_requests)
     engine = _state(request).engine
-    if not await _engine(engine.try_reset_prefix_cache(reset_running_requests=reset_running_requests)):
+    if not await engine_call(engine.try_reset_prefix_cache(reset_running_requests=reset_running_requests)):
         raise _error(HTTPStatus.CONFLICT, "prefix cache still in use by running requests; retry later")
     return {"status": "ok", "success": True}
 

@@ -19,39 +19,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from skylift.utils.dtypes import dtype_to_str, str_to_dtype
 from skylift.weight_sync.protocol import WeightBucket
 
 NamedTensor = tuple[str, torch.Tensor]
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-
-
-def dtype_to_str(dtype: torch.dtype) -> str:
-    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {dtype} cannot be sent (supported: {', '.join(_DTYPES)})")
-    return name
-
-
-def str_to_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a wire name (``"bfloat16"`` or ``"torch.bfloat16"``)."""
-    key = name.removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (supported: {', '.join(_DTYPES)})")
-    return _DTYPES[key]
 
 
 def load_unit(name: str) -> str:

@@ -34,3 +34,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
             return list(layers)
     return []
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded one (a `DTensor`; a collective), detached; a plain one as it is."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from skylift.utils.dtypes import FLOAT_DTYPES, str_to_dtype
 from skylift.worker.batch import SequenceBatch
 from skylift.worker.distributed import device_for_rank, init_training_group
 from skylift.worker.logprobs import response_logprobs, response_values
@@ -30,7 +31,7 @@ from skylift.worker.micro_batches import (
     packed_response_values,
 )
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
-from skylift.worker.sharding import shard_model
+from skylift.worker.sharding import full_tensor, shard_model
 
 # loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics)
 LossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, dict[str, float]]]
@@ -107,20 +108,6 @@ def make_lr_scheduler(
     )
 
 
-def _dtype(name: str) -> torch.dtype:
-    try:
-        return {
-            "float32": torch.float32,
-            "fp32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-            "float16": torch.float16,
-            "fp16": torch.float16,
-        }[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16") from None
-
-
 def is_vision_language(model_path: str) -> bool:
     """True for an image-text-to-text checkpoint (e.g. Qwen2-VL: its config has a vision_config)."""
     from transformers import AutoConfig
@@ -165,15 +152,16 @@ class TrainingWorker:
         self.device = device_for_rank(self.rank)
         torch.manual_seed(s.seed)
         path = resolve_model_path(s.model_path)
+        dtype = str_to_dtype(s.dtype, FLOAT_DTYPES)
         if s.head == "value":
             # the backbone's weights with a new scalar head (transformers initialises it; seeded above)
-            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=_dtype(s.dtype))
+            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
         elif is_vision_language(path):
             from transformers import AutoModelForImageTextToText
 
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=_dtype(s.dtype))
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(s.dtype))
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         model.config.use_cache = False
         if s.gradient_checkpointing and s.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -236,9 +224,12 @@ class TrainingWorker:
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed precision (`compute_dtype`) for a forward pass and the backward pass it records."""
         s = self.settings
-        if s.compute_dtype is None or _dtype(s.compute_dtype) == _dtype(s.dtype):
+        if s.compute_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=_dtype(s.compute_dtype))
+        compute_dtype = str_to_dtype(s.compute_dtype, FLOAT_DTYPES)
+        if compute_dtype == str_to_dtype(s.dtype, FLOAT_DTYPES):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=compute_dtype)
 
     def compute_logprobs(
         self, batch: SequenceBatch, micro_batch_size: int, temperature: float = 1.0
@@ -343,7 +334,7 @@ class TrainingWorker:
             max_norm = math.inf
         params = [p for p in model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm_value = float(full_tensor(grad_norm))
         if math.isfinite(grad_norm_value):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -363,8 +354,7 @@ class TrainingWorker:
             yield from _merged_lora_weights(model)
             return
         for name, tensor in model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
+            yield name, full_tensor(tensor)
 
     def lora_adapter(self) -> tuple[list[tuple[str, Tensor]], dict[str, Any]]:
         """The policy's LoRA adapter as PEFT saves it: (tensor name, full tensor) pairs of
@@ -375,9 +365,7 @@ class TrainingWorker:
 
         model = self._model()
         state = get_peft_model_state_dict(model)
-        tensors = [
-            (k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()) for k, v in state.items()
-        ]
+        tensors = [(k, full_tensor(v)) for k, v in state.items()]
         return tensors, model.peft_config["default"].to_dict()  # type: ignore[union-attr,index,operator]
 
     # ---------------------------------------------------------------- checkpoints
@@ -460,10 +448,7 @@ def _default_rendezvous_file() -> str:
 
 def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Base-model names with LoRA deltas merged in (what an inference engine needs)."""
-    state = {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-        for k, v in model.state_dict().items()
-    }
+    state = {k: full_tensor(v) for k, v in model.state_dict().items()}
     scaling: dict[str, float] = {}
     for name, module in model.named_modules():
         if hasattr(module, "scaling") and isinstance(module.scaling, dict):

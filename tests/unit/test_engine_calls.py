@@ -94,6 +94,29 @@ def test_engine_errors_map_to_http_statuses() -> None:
     assert isinstance(EngineRequestError("x"), ValueError)
 
 
+def test_an_engine_call_answers_or_raises_its_http_status(caplog: pytest.LogCaptureFixture) -> None:
+    from fastapi import HTTPException
+
+    from skylift.inference.engine_http import engine_call
+    from skylift.inference.types import EngineNotFoundError
+
+    async def answer() -> int:
+        return 7
+
+    async def fail(exc: EngineError) -> None:
+        raise exc
+
+    assert asyncio.run(engine_call(answer())) == 7
+    with pytest.raises(HTTPException) as not_found:
+        asyncio.run(engine_call(fail(EngineNotFoundError("no adapter 'a'"))))
+    assert (not_found.value.status_code, not_found.value.detail) == (404, "no adapter 'a'")
+    assert not caplog.records  # a client's mistake is not logged
+    with pytest.raises(HTTPException) as broken:
+        asyncio.run(engine_call(fail(EngineError("engine died"))))
+    assert broken.value.status_code == 500
+    assert [r.getMessage() for r in caplog.records] == ["engine died"]
+
+
 def test_the_ray_proxy_offers_the_engine_interface_only() -> None:
     """Forwarding itself runs against real Ray actors in
     tests/integration/test_async_training.py::test_two_engines_serve_rollouts_and_get_new_weights."""

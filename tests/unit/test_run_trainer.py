@@ -1,0 +1,65 @@
+"""`run_trainer`: the exit code of a command that trains, and the trainer shut down on every path."""
+
+from __future__ import annotations
+
+import pytest
+
+from skylift.config import ConfigError
+from skylift.rl.loop import TrainingStoppedError
+from skylift.rl.run import run_trainer
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def setup(self) -> None:
+        self.calls.append("setup")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def test_the_work_runs_between_setup_and_shutdown() -> None:
+    trainer = FakeTrainer()
+    assert run_trainer(lambda: trainer, lambda t: t.calls.append("work"), "prog") == 0
+    assert trainer.calls == ["setup", "work", "shutdown"]
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "said"),
+    [
+        (ConfigError("no GPU for the engine"), 2, "prog: configuration error: no GPU for the engine"),
+        (TrainingStoppedError("every engine is gone"), 3, "prog: every engine is gone"),
+    ],
+)
+def test_an_error_in_the_work_is_an_exit_code_and_the_trainer_is_shut_down(
+    error: Exception, code: int, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = FakeTrainer()
+
+    def work(t: FakeTrainer) -> None:
+        raise error
+
+    assert run_trainer(lambda: trainer, work, "prog") == code
+    assert trainer.calls == ["setup", "shutdown"]
+    assert said in capsys.readouterr().err
+
+
+def test_a_failed_build_has_nothing_to_shut_down(capsys: pytest.CaptureFixture[str]) -> None:
+    def build() -> FakeTrainer:
+        raise ConfigError("bad device")
+
+    assert run_trainer(build, lambda t: None, "prog") == 2
+    assert "prog: configuration error: bad device" in capsys.readouterr().err
+
+
+def test_another_error_propagates_after_shutdown() -> None:
+    trainer = FakeTrainer()
+
+    def work(t: FakeTrainer) -> None:
+        raise RuntimeError("bug")
+
+    with pytest.raises(RuntimeError, match="bug"):
+        run_trainer(lambda: trainer, work, "prog")
+    assert trainer.calls == ["setup", "shutdown"]
