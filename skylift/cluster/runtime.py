@@ -27,15 +27,15 @@ from skylift.cluster.ray_start import start_ray_run
 from skylift.cluster.settings import (
     RunPaths,
     critic_worker_settings,
+    generator_settings,
     local_engine_kwargs,
-    max_generate_length,
     model_worker_settings,
     total_steps,
 )
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset
-from skylift.generator import Generator, GeneratorSettings
+from skylift.generator import Generator
 from skylift.inference.pool import EnginePool
 from skylift.utils.calls import run_on_loop
 from skylift.utils.quiet import quiet_libraries
@@ -145,21 +145,7 @@ class Runtime:
         self.generator = Generator(
             self.engines,
             self.tokenizer,
-            GeneratorSettings(
-                max_prompt_length=t.max_prompt_length,
-                max_generate_length=max_generate_length(cfg),
-                max_turns=g.max_turns,
-                max_input_length=g.max_input_length,
-                zero_reward_on_non_stop=g.zero_reward_on_non_stop,
-                engine_versions=t.fully_async.enabled,
-                apply_overlong_filtering=g.apply_overlong_filtering,
-                env_kwargs=dict(cfg.environment.env_kwargs),
-                default_env_class=env_class,
-                batched=g.batched,
-                conversation_multi_turn=g.use_conversation_multi_turn,
-                env_workers=cfg.environment.max_env_workers,
-                resubmit_aborted=t.fully_async.enabled and t.fully_async.pause_mode == "abort",
-            ),
+            generator_settings(cfg),
         )
         assert self.engines is not None
         self.weights = EngineWeights(cfg, self.policy, self.engines, self.engine_refs, self.run, self.say)

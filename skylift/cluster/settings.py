@@ -14,6 +14,7 @@ import torch
 
 from skylift.config.errors import ConfigError
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
+from skylift.generator import GeneratorSettings
 from skylift.inference.engine_args import lora_engine_args
 from skylift.worker.training_worker import OptimizerSettings, WorkerSettings
 
@@ -54,6 +55,27 @@ def max_generate_length(cfg: SkyliftConfig) -> int:
 def policy_optimizer_steps_per_step(cfg: SkyliftConfig) -> int:
     t = cfg.trainer
     return max(1, t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+
+
+def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
+    """How the generator turns prompts into scored trajectories (`generator.*`, `environment.*`)."""
+    t, g = cfg.trainer, cfg.generator
+    env_class = cfg.environment.env_class
+    return GeneratorSettings(
+        max_prompt_length=t.max_prompt_length,
+        max_generate_length=max_generate_length(cfg),
+        max_turns=g.max_turns,
+        max_input_length=g.max_input_length,
+        zero_reward_on_non_stop=g.zero_reward_on_non_stop,
+        engine_versions=t.fully_async.enabled,
+        apply_overlong_filtering=g.apply_overlong_filtering,
+        env_kwargs=dict(cfg.environment.env_kwargs),
+        default_env_class=env_class,
+        batched=g.batched,
+        conversation_multi_turn=g.use_conversation_multi_turn,
+        env_workers=cfg.environment.max_env_workers,
+        resubmit_aborted=t.fully_async.enabled and t.fully_async.pause_mode == "abort",
+    )
 
 
 def optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSettings:
