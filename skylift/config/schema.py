@@ -22,7 +22,7 @@ DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
 RESUME_MODES = ("none", "latest", "from_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-STRATEGIES = ("fsdp2",)
+STRATEGIES = ("fsdp2", "fsdp")
 INFERENCE_BACKENDS = ("vllm",)
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -192,7 +192,8 @@ class TrainerConfig:
     )
     strategy: str = _f(  # accepted without effect: see skylift.config.inert
         "fsdp2",
-        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)})",
+        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)}; SkyRL's "
+        "fsdp means FSDP2)",
         choices=STRATEGIES,
     )
     policy: PolicyConfig = _group(PolicyConfig, "trained policy")
@@ -253,7 +254,7 @@ class TrainerConfig:
     )
     eval_batch_size: int = _f(64, "prompts per evaluation generation batch", ge=1)
     eval_before_train: bool = _f(True, "evaluate once before the first training step")
-    eval_interval: int = _f(5, "evaluate every N steps; -1 disables", or_minus_one="to disable")
+    eval_interval: int = _f(5, "evaluate every N steps; -1 or 0 disables", ge=-1)
     ckpt_path: str | None = _f(
         None, "resumable checkpoints directory; null = ~/skylift/runs/<run_name>/ckpts"
     )
@@ -303,6 +304,9 @@ class TrainerConfig:
         FullyAsyncConfig, "fully asynchronous training (in-flight weight updates)"
     )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
+    log_path: str | None = _f(
+        None, "also write skylift's log messages (INFO and up) to <log_path>/infra-<time>.log; null = off"
+    )
 
     def loggers(self) -> list[str]:
         """The configured trackers as a list (``logger`` may be one name or a list)."""
@@ -438,6 +442,12 @@ class GeneratorConfig:
     )
     weight_sync_timeout_s: float = _f(
         300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast", gt=0
+    )
+    engine_init_kwargs: dict[str, Any] = _f(
+        {}, "extra keyword arguments for each local vLLM engine (vLLM's engine args, e.g. max_model_len)"
+    )
+    chat_template_kwargs: dict[str, Any] = _f(
+        {}, "extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking=false)"
     )
     lora_sync_path: str | None = _f(
         None,
