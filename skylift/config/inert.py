@@ -82,6 +82,15 @@ _LORA_EXTRA = {
     "max_cpu_loras": None,
 }
 
+_LORA_ALL = {
+    "rank": 0,
+    "alpha": 16,
+    "dropout": 0,
+    "target_modules": "all-linear",
+    "lora_sync_path": "/tmp/skyrl_lora_sync",
+    **_LORA_EXTRA,
+}
+
 #: SkyRL key (``*`` matches one or more parts) -> (SkyRL's default, why it has no effect here).
 #: Set aside by the loader; a value other than the default logs a warning with the reason.
 SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
@@ -146,14 +155,14 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         f"trainer.policy.model.lora.{name}": (default, "not implemented: skylift's LoRA has no such setting")
         for name, default in _LORA_EXTRA.items()
     },
-    "trainer.critic.model.lora.*": (
-        ANY,
-        "not implemented yet (critic LoRA): the critic trains all its weights",
-    ),
-    "trainer.ref.model.lora.*": (
-        ANY,
-        "the reference model is frozen (SkyRL's schema shares its model group)",
-    ),
+    **{
+        f"trainer.{role}.model.lora.{name}": (default, reason)
+        for role, reason in (
+            ("critic", "not implemented yet (critic LoRA): the critic trains all its weights"),
+            ("ref", "the reference model is frozen (SkyRL's schema shares its model group)"),
+        )
+        for name, default in _LORA_ALL.items()
+    },
     "trainer.algorithm.temperature": (
         None,
         "logits are always divided by generator.sampling_params.temperature (SkyRL's default for it)",
