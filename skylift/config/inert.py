@@ -279,11 +279,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "generator.enable_http_endpoint": (False, "run `skylift serve` for an OpenAI-compatible endpoint"),
     "generator.http_endpoint_host": ("127.0.0.1", "run `skylift serve` for an OpenAI-compatible endpoint"),
     "generator.http_endpoint_port": (8000, "run `skylift serve` for an OpenAI-compatible endpoint"),
-    "environment.skyrl_gym.*": (
-        ANY,
-        "configures SkyRL-Gym's own environments, which skylift does not run yet; skylift's "
-        "environments take environment.env_kwargs",
-    ),
 }
 
 _ENGINE_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {

@@ -465,11 +465,17 @@ class EnvironmentConfig:
     """Reward environments."""
 
     env_class: str = _f(
-        "gsm8k", "default environment for rows without an env_class column (gsm8k, arithmetic, ...)"
+        "gsm8k",
+        "default environment for rows without an env_class column: a registered name (gsm8k, "
+        "arithmetic, SkyRL-Gym ids), or package.module:Class",
     )
     max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline", ge=0)
     env_kwargs: dict[str, Any] = _f(
         {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
+    )
+    skyrl_gym: dict[str, Any] = _f(
+        {},
+        "SkyRL-Gym environments' env_config by registered id, e.g. environment.skyrl_gym.text2sql.db_path=...",
     )
 
 

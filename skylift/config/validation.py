@@ -202,8 +202,8 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
             f"and {sync_paths['trainer.policy.model.lora.lora_sync_path']!r}): set one of them"
         )
     for key, path in sync_paths.items():
-        # SkyRL's schema always sets its own name of the key (it reads it only with LoRA on)
-        if lora.rank == 0 and key == "generator.lora_sync_path":
+        # SkyRL's YAML file always sets its name of the key to this default (read only with LoRA on)
+        if lora.rank == 0 and path != "/tmp/skyrl_lora_sync":
             problems.append(
                 f"{key}={path!r} hands a LoRA adapter to the engines, but trainer.policy.model.lora.rank "
                 "is 0 (the full weights go over the weight-update group): set a LoRA rank or drop "

@@ -17,6 +17,7 @@ import torch
 
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset
+from skylift.envs.skyrl_gym import configure as configure_skyrl_gym
 from skylift.generator import Generator, GeneratorSettings
 from skylift.inference.pool import EnginePool
 from skylift.trainer.async_rollouts import ColocationPlan, colocation_plan
@@ -138,6 +139,7 @@ class Runtime:
             critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
             self.critic = self._worker_group("critic", critic_worker_settings(cfg, total), critic_world)
             self.critic.setup()
+        configure_skyrl_gym(cfg.environment.skyrl_gym, g.max_turns)  # SkyRL-Gym envs' env_config
         self.generator = Generator(
             self.engines,
             self.tokenizer,
