@@ -473,6 +473,11 @@ class EnvironmentConfig:
     env_kwargs: dict[str, Any] = _f(
         {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
     )
+    import_modules: list[str] = _f(
+        [],
+        "modules imported before the run, for their register_env / skyrl_gym.register calls (then "
+        "env_class may name what they register)",
+    )
     skyrl_gym: dict[str, Any] = _f(
         {},
         "SkyRL-Gym environments' env_config by registered id, e.g. environment.skyrl_gym.text2sql.db_path=...",

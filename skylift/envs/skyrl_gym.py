@@ -7,7 +7,8 @@ not hold is looked up here (``skylift.envs.registry.get_env_factory`` asks `skyr
   calls, so rows naming those ids resolve too) and ``Class`` is used: a skylift `Environment` as
   is, a SkyRL-Gym ``BaseTextEnv`` through `SkyRLGymEnv`;
 - an id in SkyRL-Gym's registry (its built-ins ``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``lcb``,
-  ``search``, ``searchcode``, and every id a module imported before registered). A name skylift
+  ``search``, ``searchcode``, and every id registered by a module imported before, e.g. one listed in
+  ``environment.import_modules``). A name skylift
   registers itself (``gsm8k``) selects skylift's environment; SkyRL-Gym's is
   ``skyrl_gym.envs.gsm8k.env:GSM8kEnv``.
 
@@ -24,7 +25,7 @@ sampled); ``get_metrics()`` of a finished trajectory is in ``metadata["env_metri
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skylift.envs.base import Environment, EnvUsageError, Message, StepResult
@@ -33,8 +34,14 @@ from skylift.envs.base import Environment, EnvUsageError, Message, StepResult
 _RUN: dict[str, Any] = {"configs": {}, "max_turns": 1}
 
 
-def configure(configs: Mapping[str, Any], max_turns: int) -> None:
-    """The run's per-environment configs (``environment.skyrl_gym``) and turn limit."""
+def configure(configs: Mapping[str, Any], max_turns: int, import_modules: Sequence[str] = ()) -> None:
+    """The run's per-environment configs (``environment.skyrl_gym``) and turn limit; imports
+    ``environment.import_modules`` (their ``register_env`` / ``skyrl_gym.register`` calls)."""
+    for module in import_modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"environment.import_modules: cannot import {module!r}: {exc}") from exc
     _RUN["configs"] = {str(k): v for k, v in dict(configs).items()}
     _RUN["max_turns"] = int(max_turns)
 

@@ -139,7 +139,8 @@ class Runtime:
             critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
             self.critic = self._worker_group("critic", critic_worker_settings(cfg, total), critic_world)
             self.critic.setup()
-        configure_skyrl_gym(cfg.environment.skyrl_gym, g.max_turns)  # SkyRL-Gym envs' env_config
+        env = cfg.environment  # SkyRL-Gym envs' env_config; modules of registrations
+        configure_skyrl_gym(env.skyrl_gym, g.max_turns, env.import_modules)
         self.generator = Generator(
             self.engines,
             self.tokenizer,

@@ -88,7 +88,7 @@ def test_the_generator_rolls_out_a_multi_turn_skyrl_gym_env(tiny_model_dir: Path
         data_source="t",
         uid="0:0",
     )
-    make_env(CLASS)  # a run imports the module through environment.env_class=module:Class
+    configure({"skylift_test_multiply": {"bonus": 0.5}}, 2, ["tests.unit.skyrl_gym_example_env"])
     settings = GeneratorSettings(max_generate_length=8, max_turns=2, batched=False)
     gen = Generator(engine, tokenizer, settings)
     (traj,) = asyncio.run(gen.generate([row], 1, SamplingParams(max_tokens=8)))
@@ -97,3 +97,8 @@ def test_the_generator_rolls_out_a_multi_turn_skyrl_gym_env(tiny_model_dir: Path
     first = tokenizer.encode("41", add_special_tokens=False)
     assert traj.response_ids[: len(first)] == first
     assert 0 in traj.loss_mask and traj.loss_mask[0] == 1 and traj.loss_mask[-1] == 1  # observation masked
+
+
+def test_import_modules_must_exist() -> None:
+    with pytest.raises(ValueError, match="environment.import_modules: cannot import 'no_such_module_x'"):
+        configure({}, 1, ["no_such_module_x"])
