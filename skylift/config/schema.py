@@ -1,4 +1,5 @@
-"""The configuration schema: a tree of dataclasses with SkyRL-compatible key names.
+"""The configuration schema: a tree of dataclasses with SkyRL-compatible key names (the ``data`` and
+``environment`` groups are in ``inputs.py``, ``trainer.algorithm`` in ``algorithm.py``).
 
 Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``); it is
 what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. A field's own
@@ -17,6 +18,7 @@ from typing import Any
 from skylift.config.algorithm import AlgorithmConfig
 from skylift.config.fields import _f, _group
 from skylift.config.fully_async import FullyAsyncConfig
+from skylift.config.inputs import DataConfig, EnvironmentConfig
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
@@ -29,28 +31,6 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
 PLACEMENT_BACKENDS = ("auto", "ray", "local")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-
-
-# --------------------------------------------------------------------------------------------- data
-
-
-@dataclass
-class DataConfig:
-    """Where the prompts come from and how their rows are read."""
-
-    train_data: list[str] = _f(
-        ["~/data/gsm8k/train.parquet"], "training prompt files (parquet); a single path is accepted too"
-    )
-    val_data: list[str] = _f(
-        ["~/data/gsm8k/validation.parquet"], "evaluation prompt files (parquet); [] disables evaluation data"
-    )
-    prompt_key: str = _f("prompt", "column holding the prompt as a list of chat messages")
-    env_class_key: str = _f(
-        "env_class", "column naming each row's environment (falls back to environment.env_class)"
-    )
-    shuffle: bool = _f(True, "shuffle training prompts every epoch (seeded by trainer.seed)")
-    max_train_samples: int | None = _f(None, "use at most this many training prompts; null = all", ge=1)
-    max_val_samples: int | None = _f(None, "use at most this many evaluation prompts; null = all", ge=1)
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -454,33 +434,6 @@ class GeneratorConfig:
         "LoRA policy (trainer.policy.model.lora.rank > 0): directory, readable by every engine, through "
         "which each sync hands the adapter over (/v1/load_lora_adapter); null = in memory over the "
         "weight-update group",
-    )
-
-
-# -------------------------------------------------------------------------------------- environment
-
-
-@dataclass
-class EnvironmentConfig:
-    """Reward environments."""
-
-    env_class: str = _f(
-        "gsm8k",
-        "default environment for rows without an env_class column: a registered name (gsm8k, "
-        "arithmetic, SkyRL-Gym ids), or package.module:Class",
-    )
-    max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline", ge=0)
-    env_kwargs: dict[str, Any] = _f(
-        {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
-    )
-    import_modules: list[str] = _f(
-        [],
-        "modules imported before the run, for their register_env / skyrl_gym.register calls (then "
-        "env_class may name what they register)",
-    )
-    skyrl_gym: dict[str, Any] = _f(
-        {},
-        "SkyRL-Gym environments' env_config by registered id, e.g. environment.skyrl_gym.text2sql.db_path=...",
     )
 
 
