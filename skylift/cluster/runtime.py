@@ -35,6 +35,7 @@ from skylift.cluster.settings import (
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset
+from skylift.envs.skyrl_gym import configure as configure_skyrl_gym
 from skylift.generator import Generator
 from skylift.inference.pool import EnginePool
 from skylift.utils.calls import run_on_loop
@@ -142,6 +143,8 @@ class Runtime:
             critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
             self.critic = self._worker_group("critic", critic_worker_settings(cfg, total), critic_world)
             self.critic.setup()
+        env = cfg.environment  # SkyRL-Gym envs' env_config; modules of registrations
+        configure_skyrl_gym(env.skyrl_gym, g.max_turns, env.import_modules)
         self.generator = Generator(
             self.engines,
             self.tokenizer,

@@ -72,6 +72,21 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (SkyRL's DAPO example: ``overlong_buffer.len`` or
+    ``overlong_buffer_len``)."""
+
+    len: int = _f(
+        0,
+        "0 = off; else a response of L tokens longer than max_generate_length - len loses "
+        "(L - (max_generate_length - len)) / len * penalty_factor of its reward (over "
+        "max_generate_length: reward 0)",
+        ge=0,
+    )
+    penalty_factor: float = _f(1.0, "reward lost by a response of exactly max_generate_length tokens", ge=0)
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages, policy loss and KL."""
 
@@ -109,3 +124,10 @@ class AlgorithmConfig:
     use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
     tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
     dynamic_sampling: DynamicSamplingConfig = _group(DynamicSamplingConfig, "dynamic sampling (DAPO)")
+    overlong_buffer: OverlongBufferConfig = _group(OverlongBufferConfig, "soft overlong punishment (DAPO)")
+    max_seq_len: int | None = _f(
+        None,
+        "seq_mean_token_sum_norm (Dr. GRPO): the constant L each sequence's token sum is divided by; "
+        "null = the longest response (generator max_generate_length)",
+        ge=1,
+    )

@@ -19,6 +19,7 @@ from skylift.config.formatting import set_derived_keys
 from skylift.config.inert import warn_without_effect
 from skylift.config.keys import is_list_type, key_table, mapping_leaf_of, suggest_keys, type_name
 from skylift.config.schema import SkyliftConfig
+from skylift.config.skyrl import SKYRL_KEY_ALIASES, SkyRLKeys, refuse_backends
 from skylift.config.validation import finalize, validate_config
 
 # Keys of newer SkyRL releases (generator.inference_engine.*) mapped to the seed's flat keys.
@@ -40,8 +41,10 @@ _ENGINE_ALIASES = {
     "override_existing_update_group": "override_existing_update_group",
 }
 KEY_ALIASES: dict[str, str] = {
-    f"generator.inference_engine.{old}": f"generator.{new}" for old, new in _ENGINE_ALIASES.items()
+    **{f"generator.inference_engine.{old}": f"generator.{new}" for old, new in _ENGINE_ALIASES.items()},
+    **SKYRL_KEY_ALIASES,
 }
+_HYDRA_KEYS = ("defaults", "hydra")  # a Hydra config file's own entries, not settings
 
 
 def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> SkyliftConfig:
@@ -49,19 +52,24 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
 
     Returns real dataclass instances with derived defaults filled in (see
     ``skylift.config.validation.finalize``); a key of ``skylift.config.inert.WITHOUT_EFFECT`` set to
-    a non-default value logs a warning naming it. Raises ``ConfigError`` on an unknown key (with the
-    closest valid key), a value of the wrong type, a malformed override or an invalid combination.
+    a non-default value logs a warning naming it, and so does a SkyRL key declared without effect
+    (``inert.SKYRL_WITHOUT_EFFECT``; see ``skylift.config.skyrl``). Raises ``ConfigError`` on an
+    unknown key (with the closest valid key), a value of the wrong type, a malformed override, an
+    invalid combination, or a backend skylift does not have (Megatron, DeepSpeed).
     """
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'key=value' strings, not one string")
     cfg = OmegaConf.structured(SkyliftConfig)
-    if config_file is not None:
-        path = Path(config_file)
-        for key, value in _file_assignments(path):
-            _assign(cfg, key, value, source=str(path))
-    for override in overrides:
-        key, value = parse_override(override)
-        _assign(cfg, key, value, source=f"override {override!r}")
+    skyrl = SkyRLKeys()
+    file_items = list(_file_assignments(Path(config_file))) if config_file is not None else []
+    parsed = [(override, *parse_override(override)) for override in overrides]
+    refuse_backends([*file_items, *((key, value) for _, key, value in parsed)])
+    for key, value in file_items:
+        _assign(cfg, key, value, str(config_file), skyrl)
+    for override, key, value in parsed:
+        _assign(cfg, key, value, f"override {override!r}", skyrl)
+    for key, value in skyrl.translations():
+        _assign(cfg, key, value, "SkyRL's off_policy_correction / external server keys", skyrl)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -74,6 +82,7 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     validate_config(obj)
     set_derived_keys(obj, derived)
     warn_without_effect(obj)
+    skyrl.warn()
     return obj
 
 
@@ -90,8 +99,7 @@ def parse_override(override: str) -> tuple[str, Any]:
         )
     key, raw = override.split("=", 1)
     key = key.strip()
-    if key.startswith("+"):  # Hydra's "add a key" prefix: keys here either exist or are not allowed
-        key = key[1:]
+    key = key.lstrip("+")  # Hydra's "add a key" prefixes: keys here either exist or are not allowed
     if not key or any(not part for part in key.split(".")) or key.startswith(("~", "-")):
         raise ConfigError(f"malformed override {override!r}: {key!r} is not a dotted key like trainer.seed=1")
     try:
@@ -122,6 +130,8 @@ def _flatten(node: dict[Any, Any], prefix: str, source: str) -> Iterator[tuple[s
     """Walk nested groups down to (dotted leaf key, value) pairs; aliases are mapped on the way."""
     table = key_table()
     for name, value in node.items():
+        if not prefix and name in _HYDRA_KEYS:
+            continue
         key = _canonical(f"{prefix}{name}")
         info = table.get(key)
         is_group = (info is not None and info.is_group) or any(a.startswith(key + ".") for a in KEY_ALIASES)
@@ -138,7 +148,15 @@ def _flatten(node: dict[Any, Any], prefix: str, source: str) -> Iterator[tuple[s
 
 
 def _canonical(key: str) -> str:
-    return KEY_ALIASES.get(key, key)
+    """The skylift name of a key: an alias, or a key inside an aliased mapping (``...engine_init_kwargs.x``)."""
+    if key in KEY_ALIASES:
+        return KEY_ALIASES[key]
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        target = KEY_ALIASES.get(".".join(parts[:i]))
+        if target is not None:
+            return ".".join([target, *parts[i:]])
+    return key
 
 
 def _check_key(key: str, source: str) -> None:
@@ -155,10 +173,19 @@ def _check_key(key: str, source: str) -> None:
     raise ConfigError(f"unknown config key {key} (from {source}){hint}", key=key, suggestions=suggestions)
 
 
-def _assign(cfg: DictConfig, key: str, value: Any, source: str) -> None:
-    """Set one dotted key, checking the key and the value's type."""
+def _assign(cfg: DictConfig, key: str, value: Any, source: str, skyrl: SkyRLKeys) -> None:
+    """Set one dotted key, checking the key and the value's type (SkyRL-only keys go to `skyrl`)."""
     key = _canonical(key)
+    known = key in key_table() or mapping_leaf_of(key) is not None
+    if not known and isinstance(value, dict) and value:  # a group of SkyRL keys, e.g. from a file
+        for name, sub_value in value.items():
+            _assign(cfg, f"{key}.{name}", sub_value, source, skyrl)
+        return
+    value = skyrl.value(key, value)
+    if skyrl.take(key, value, source):
+        return
     _check_key(key, source)
+    skyrl.explicit.add(key)
     info = key_table().get(key)
     if info is not None and info.is_group:
         if not isinstance(value, dict):
@@ -166,7 +193,7 @@ def _assign(cfg: DictConfig, key: str, value: Any, source: str) -> None:
                 f"{key} is a group of keys; set its members, e.g. {key}.<name>=... (from {source})", key=key
             )
         for sub_key, sub_value in _flatten(value, key + ".", source):
-            _assign(cfg, sub_key, sub_value, source)
+            _assign(cfg, sub_key, sub_value, source, skyrl)
         return
     if (
         info is not None

@@ -1,4 +1,5 @@
-"""The configuration schema: a tree of dataclasses with SkyRL-compatible key names.
+"""The configuration schema: a tree of dataclasses with SkyRL-compatible key names (the ``data`` and
+``environment`` groups are in ``inputs.py``, ``trainer.algorithm`` in ``algorithm.py``).
 
 Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``); it is
 what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. A field's own
@@ -17,40 +18,19 @@ from typing import Any
 from skylift.config.algorithm import AlgorithmConfig
 from skylift.config.fields import _f, _group
 from skylift.config.fully_async import FullyAsyncConfig
+from skylift.config.inputs import DataConfig, EnvironmentConfig
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
 RESUME_MODES = ("none", "latest", "from_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-STRATEGIES = ("fsdp2",)
+STRATEGIES = ("fsdp2", "fsdp")
 INFERENCE_BACKENDS = ("vllm",)
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
 PLACEMENT_BACKENDS = ("auto", "ray", "local")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-
-
-# --------------------------------------------------------------------------------------------- data
-
-
-@dataclass
-class DataConfig:
-    """Where the prompts come from and how their rows are read."""
-
-    train_data: list[str] = _f(
-        ["~/data/gsm8k/train.parquet"], "training prompt files (parquet); a single path is accepted too"
-    )
-    val_data: list[str] = _f(
-        ["~/data/gsm8k/validation.parquet"], "evaluation prompt files (parquet); [] disables evaluation data"
-    )
-    prompt_key: str = _f("prompt", "column holding the prompt as a list of chat messages")
-    env_class_key: str = _f(
-        "env_class", "column naming each row's environment (falls back to environment.env_class)"
-    )
-    shuffle: bool = _f(True, "shuffle training prompts every epoch (seeded by trainer.seed)")
-    max_train_samples: int | None = _f(None, "use at most this many training prompts; null = all", ge=1)
-    max_val_samples: int | None = _f(None, "use at most this many evaluation prompts; null = all", ge=1)
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -192,7 +172,8 @@ class TrainerConfig:
     )
     strategy: str = _f(  # accepted without effect: see skylift.config.inert
         "fsdp2",
-        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)})",
+        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)}; SkyRL's "
+        "fsdp means FSDP2)",
         choices=STRATEGIES,
     )
     policy: PolicyConfig = _group(PolicyConfig, "trained policy")
@@ -253,7 +234,7 @@ class TrainerConfig:
     )
     eval_batch_size: int = _f(64, "prompts per evaluation generation batch", ge=1)
     eval_before_train: bool = _f(True, "evaluate once before the first training step")
-    eval_interval: int = _f(5, "evaluate every N steps; -1 disables", or_minus_one="to disable")
+    eval_interval: int = _f(5, "evaluate every N steps; -1 or 0 disables", ge=-1)
     ckpt_path: str | None = _f(
         None, "resumable checkpoints directory; null = ~/skylift/runs/<run_name>/ckpts"
     )
@@ -303,6 +284,9 @@ class TrainerConfig:
         FullyAsyncConfig, "fully asynchronous training (in-flight weight updates)"
     )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
+    log_path: str | None = _f(
+        None, "also write skylift's log messages (INFO and up) to <log_path>/infra-<time>.log; null = off"
+    )
 
     def loggers(self) -> list[str]:
         """The configured trackers as a list (``logger`` may be one name or a list)."""
@@ -439,27 +423,17 @@ class GeneratorConfig:
     weight_sync_timeout_s: float = _f(
         300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast", gt=0
     )
+    engine_init_kwargs: dict[str, Any] = _f(
+        {}, "extra keyword arguments for each local vLLM engine (vLLM's engine args, e.g. max_model_len)"
+    )
+    chat_template_kwargs: dict[str, Any] = _f(
+        {}, "extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking=false)"
+    )
     lora_sync_path: str | None = _f(
         None,
         "LoRA policy (trainer.policy.model.lora.rank > 0): directory, readable by every engine, through "
         "which each sync hands the adapter over (/v1/load_lora_adapter); null = in memory over the "
         "weight-update group",
-    )
-
-
-# -------------------------------------------------------------------------------------- environment
-
-
-@dataclass
-class EnvironmentConfig:
-    """Reward environments."""
-
-    env_class: str = _f(
-        "gsm8k", "default environment for rows without an env_class column (gsm8k, arithmetic, ...)"
-    )
-    max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline", ge=0)
-    env_kwargs: dict[str, Any] = _f(
-        {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
     )
 
 

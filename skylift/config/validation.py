@@ -166,6 +166,11 @@ def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(f"{p}.clip_ratio_c={a.clip_ratio_c} must be > 1 for policy_loss_type=dual_clip")
     if a.use_tis and a.tis_imp_ratio_cap <= 0:
         problems.append(f"{p}.use_tis=true needs {p}.tis_imp_ratio_cap > 0 (got {a.tis_imp_ratio_cap})")
+    buffer, budget = a.overlong_buffer.len, cfg.generator.sampling_params.max_generate_length
+    if buffer > budget:
+        problems.append(
+            f"{p}.overlong_buffer.len={buffer} must be <= the response budget max_generate_length={budget}"
+        )
     size, batch = a.dynamic_sampling.gen_batch_size, cfg.trainer.train_batch_size
     key = f"{p}.dynamic_sampling.gen_batch_size={size}"
     if size != -1 and a.dynamic_sampling.type is None:
@@ -202,7 +207,8 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
             f"and {sync_paths['trainer.policy.model.lora.lora_sync_path']!r}): set one of them"
         )
     for key, path in sync_paths.items():
-        if lora.rank == 0:
+        # SkyRL's YAML file always sets its name of the key to this default (read only with LoRA on)
+        if lora.rank == 0 and path != "/tmp/skyrl_lora_sync":
             problems.append(
                 f"{key}={path!r} hands a LoRA adapter to the engines, but trainer.policy.model.lora.rank "
                 "is 0 (the full weights go over the weight-update group): set a LoRA rank or drop "

@@ -8,7 +8,7 @@ from skylift.entrypoints.main_base import TRAIN_EPILOG, add_train_arguments, run
 
 
 def _train(args: argparse.Namespace) -> int:
-    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose)
+    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -1,14 +1,18 @@
 """Train with the RL loop: `python -m skylift.entrypoints.main_base key=value ...` (= `skylift train`).
 
 Every `key.sub=value` override is checked against the typed configuration (unknown keys get a
-suggestion). `--config FILE` reads a YAML file first; `--cfg job` prints the resolved tree and exits.
+suggestion). `--config FILE` reads a YAML file first; `--cfg job` prints the resolved tree with
+help and exits; `--dry-run` validates, prints the resolved values and exits without starting anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +24,7 @@ examples:
   skylift train generator.run_engines_locally=False \\
       generator.remote_inference_engine_urls="['127.0.0.1:8001']"
   skylift train --cfg job            # print every key with its value and meaning
+  skylift train --dry-run trainer.strategy=fsdp ...   # validate a (SkyRL) command line, start nothing
 """
 
 
@@ -32,14 +37,37 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--cfg", choices=["job"], default=None, help="print the resolved configuration (with help) and exit"
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the configuration, print the resolved values and exit without starting anything",
+    )
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="also print the libraries' own messages (vLLM, PyTorch, Ray, transformers)",
     )
 
 
+def log_to_file(log_path: str) -> Path:
+    """Also write skylift's log messages (INFO and up) to ``<log_path>/infra-YYMMDD_HHMMSS.log``."""
+    path = Path(log_path).expanduser() / time.strftime("infra-%y%m%d_%H%M%S.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("skylift")
+    root.addHandler(handler)
+    if root.getEffectiveLevel() > logging.INFO:
+        root.setLevel(logging.INFO)
+    return path
+
+
 def run_train(
-    overrides: Sequence[str], config_file: str | None = None, print_cfg: bool = False, verbose: bool = False
+    overrides: Sequence[str],
+    config_file: str | None = None,
+    print_cfg: bool = False,
+    verbose: bool = False,
+    dry_run: bool = False,
 ) -> int:
     from skylift.utils.quiet import quiet_libraries
 
@@ -54,6 +82,12 @@ def run_train(
     if print_cfg:
         print(format_config(cfg, with_help=True))
         return 0
+    if dry_run:
+        print(format_config(cfg))
+        print("skylift: dry run: the configuration is valid; nothing was started", file=sys.stderr)
+        return 0
+    if cfg.trainer.log_path:
+        print(f"[skylift] log messages also go to {log_to_file(cfg.trainer.log_path)}")
     from skylift.rl.build import build_trainer
     from skylift.rl.run import run_trainer
     from skylift.utils.processes import exit_cleanly_on_sigterm
@@ -76,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_train_arguments(parser)
     args = parser.parse_args(argv)
-    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose)
+    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
 
 
 if __name__ == "__main__":

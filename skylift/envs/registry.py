@@ -76,16 +76,22 @@ def list_envs() -> list[str]:
 
 
 def get_env_factory(name: str) -> EnvFactory:
-    """The class or factory registered under `name`; raises UnknownEnvironmentError naming the known ones."""
+    """The class or factory registered under `name`, else one of `skylift.envs.skyrl_gym` (``module:Class``
+    or a SkyRL-Gym id); raises UnknownEnvironmentError naming the known ones."""
     _load_builtins()
-    try:
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY)) or "(none)"
-        raise UnknownEnvironmentError(
-            f"unknown environment {name!r}; registered environments: {known}. "
-            "Register your own with @skylift.envs.register_env(name) and import its module first."
-        ) from None
+    from skylift.envs.skyrl_gym import skyrl_gym_factory  # module:Class, or a SkyRL-Gym id
+
+    factory = skyrl_gym_factory(name)
+    if factory is not None:
+        return factory
+    known = ", ".join(sorted(_REGISTRY)) or "(none)"
+    raise UnknownEnvironmentError(
+        f"unknown environment {name!r}; registered environments: {known}. Register your own with "
+        "@skylift.envs.register_env(name) and import its module first, or name it as package.module:Class "
+        "(a skylift Environment or a SkyRL-Gym BaseTextEnv)."
+    )
 
 
 def make_env(name: str, **config: Any) -> Environment:

@@ -33,6 +33,7 @@ from skylift.algorithms import (
     masked_whiten,
     sequence_rewards_to_token_level,
 )
+from skylift.algorithms.overlong import overlong_rewards
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory
 from skylift.rl.one_step_off import check_staleness, ppo_old_logprobs_source, staleness_metrics
@@ -59,6 +60,9 @@ class ExperienceSettings:
     kl_estimator: str = "k3"
     max_staleness: int = 0
     pad_token_id: int = 0
+    overlong_buffer_len: int = 0  # DAPO's soft overlong punishment (skylift.algorithms.overlong)
+    overlong_penalty_factor: float = 1.0
+    max_response_len: int = 0
 
     @classmethod
     def from_config(cls, cfg: SkyliftConfig, pad_token_id: int) -> ExperienceSettings:
@@ -87,6 +91,9 @@ class ExperienceSettings:
             kl_estimator=alg.kl_estimator_type,
             max_staleness=max_staleness,
             pad_token_id=pad_token_id,
+            overlong_buffer_len=alg.overlong_buffer.len,
+            overlong_penalty_factor=alg.overlong_buffer.penalty_factor,
+            max_response_len=cfg.generator.sampling_params.max_generate_length,
         )
 
 
@@ -129,7 +136,19 @@ def make_experience(
     metrics = staleness_metrics(policy_version, versions)
     batch = trajectory_batch(trajectories, settings.pad_token_id)
     mask = batch.response_mask
-    rewards = torch.tensor([tr.reward for tr in trajectories], dtype=torch.float32)
+    raw_rewards = [tr.reward for tr in trajectories]
+    shaped = overlong_rewards(
+        raw_rewards,
+        [len(tr.response_ids) for tr in trajectories],
+        settings.max_response_len,
+        settings.overlong_buffer_len,
+        settings.overlong_penalty_factor,
+    )
+    if settings.overlong_buffer_len > 0:
+        metrics["overlong/penalty_mean"] = sum(a - b for a, b in zip(raw_rewards, shaped, strict=True)) / len(
+            shaped
+        )
+    rewards = torch.tensor(shaped, dtype=torch.float32)
 
     tick = time.perf_counter()
     if settings.old_logprobs_source == "trainer":

@@ -77,7 +77,7 @@ def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
         use_kl_loss=alg.use_kl_loss,
         kl_loss_coef=alg.kl_loss_coef,
         kl_estimator=alg.kl_estimator_type,
-        max_len=max_generate_length(cfg),
+        max_len=alg.max_seq_len or max_generate_length(cfg),
     )
 
 

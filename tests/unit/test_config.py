@@ -301,7 +301,7 @@ def test_yaml_file_errors_name_file_and_key(tmp_path: Path) -> None:
             "clip_ratio_c=1.0 must be > 1",
         ),
         (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p=0.0 must be in (0, 1]"),
-        (["trainer.eval_interval=0"], "trainer.eval_interval=0 must be >= 1, or -1 to disable"),
+        (["trainer.eval_interval=-2"], "trainer.eval_interval=-2 must be >= -1"),
         (["trainer.async_training=true", "trainer.placement.colocate_all=true"], "cannot run with"),
         (
             ["trainer.async_training=true", "trainer.max_staleness_steps=0"],

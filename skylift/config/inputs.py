@@ -1,0 +1,56 @@
+"""The prompt data and environment groups of the schema (``data.*``, ``environment.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from skylift.config.fields import _f
+
+# --------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    """Where the prompts come from and how their rows are read."""
+
+    train_data: list[str] = _f(
+        ["~/data/gsm8k/train.parquet"], "training prompt files (parquet); a single path is accepted too"
+    )
+    val_data: list[str] = _f(
+        ["~/data/gsm8k/validation.parquet"], "evaluation prompt files (parquet); [] disables evaluation data"
+    )
+    prompt_key: str = _f("prompt", "column holding the prompt as a list of chat messages")
+    env_class_key: str = _f(
+        "env_class", "column naming each row's environment (falls back to environment.env_class)"
+    )
+    shuffle: bool = _f(True, "shuffle training prompts every epoch (seeded by trainer.seed)")
+    max_train_samples: int | None = _f(None, "use at most this many training prompts; null = all", ge=1)
+    max_val_samples: int | None = _f(None, "use at most this many evaluation prompts; null = all", ge=1)
+
+
+# -------------------------------------------------------------------------------------- environment
+
+
+@dataclass
+class EnvironmentConfig:
+    """Reward environments."""
+
+    env_class: str = _f(
+        "gsm8k",
+        "default environment for rows without an env_class column: a registered name (gsm8k, "
+        "arithmetic, SkyRL-Gym ids), or package.module:Class",
+    )
+    max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline", ge=0)
+    env_kwargs: dict[str, Any] = _f(
+        {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
+    )
+    import_modules: list[str] = _f(
+        [],
+        "modules imported before the run, for their register_env / skyrl_gym.register calls (then "
+        "env_class may name what they register)",
+    )
+    skyrl_gym: dict[str, Any] = _f(
+        {},
+        "SkyRL-Gym environments' env_config by registered id, e.g. environment.skyrl_gym.text2sql.db_path=...",
+    )

@@ -1,0 +1,176 @@
+"""SkyRL's command lines and config files on skylift: its other key names, its refused backends,
+and the settings that map onto several skylift keys.
+
+``load_config`` hands every assignment to `SkyRLKeys.take` before the schema sees it:
+
+- a Megatron key (``*.megatron_config.*``) or ``trainer.strategy=megatron`` / ``deepspeed`` stops the
+  load with `backend_refusal` (checked over the whole command line first, so that it is the one
+  message a Megatron command gets);
+- a SkyRL key declared without effect (``skylift.config.inert.SKYRL_WITHOUT_EFFECT``) is set aside
+  and warned about when its value is not SkyRL's default; one declared not implemented
+  (``inert.SKYRL_NOT_IMPLEMENTED``) is refused when set to anything but its default;
+- ``trainer.algorithm.off_policy_correction.{tis_ratio_type,token_tis_ratio_clip_high}`` and
+  ``generator.inference_engine.{external_proxy_url,external_server_urls}`` are collected and turned
+  into skylift's keys by `SkyRLKeys.translations` once every assignment is in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from skylift.config.errors import ConfigError
+from skylift.config.inert import is_default, skyrl_declaration
+
+logger = logging.getLogger("skylift.config")
+
+#: SkyRL's other names of skylift keys (both layouts); ``generator.inference_engine.*`` ones are in loading.py.
+SKYRL_KEY_ALIASES: dict[str, str] = {
+    "trainer.use_sample_packing": "trainer.remove_microbatch_padding",
+    "trainer.max_training_steps": "trainer.max_steps",
+    "environment.skyrl_gym.max_env_workers": "environment.max_env_workers",
+    "generator.inference_engine.engine_init_kwargs": "generator.engine_init_kwargs",
+    "trainer.algorithm.overlong_buffer_len": "trainer.algorithm.overlong_buffer.len",
+    "trainer.algorithm.overlong_buffer_penalty_factor": "trainer.algorithm.overlong_buffer.penalty_factor",
+}
+
+#: SkyRL values skylift reads as another value of the same key: key -> {SkyRL value: (skylift value, why)}.
+VALUE_ALIASES: dict[str, dict[Any, tuple[Any, str | None]]] = {
+    "trainer.strategy": {"fsdp": ("fsdp2", None)},  # SkyRL's name for FSDP2 since it dropped FSDP1
+    "trainer.algorithm.loss_reduction": {
+        "token_mean_legacy": (
+            "token_mean",
+            "skylift's token_mean divides by the mini-batch's token count; SkyRL's former "
+            "per-micro-batch average is not implemented",
+        )
+    },
+}
+
+REFUSED_STRATEGIES = {"megatron": "Megatron", "deepspeed": "DeepSpeed"}
+
+_COLLECTED = {
+    "trainer.algorithm.off_policy_correction.tis_ratio_type",
+    "trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high",
+    "generator.inference_engine.external_proxy_url",
+    "generator.inference_engine.external_server_urls",
+}
+SKYRL_TOKEN_TIS_CAP = 2.0  # SkyRL's default token_tis_ratio_clip_high
+
+
+def backend_refusal(key: str, value: Any = None) -> str | None:
+    """The one message for a key of a training backend skylift does not have, or None."""
+    parts = key.split(".")
+    if any(part.startswith("megatron") for part in parts):
+        name, what = "Megatron", key
+    elif key == "trainer.strategy" and str(value).lower() in REFUSED_STRATEGIES:
+        name, what = REFUSED_STRATEGIES[str(value).lower()], f"{key}={value}"
+    else:
+        return None
+    return (
+        f"skylift has no {name} backend ({what} is refused): it trains with FSDP2 only "
+        "(trainer.strategy=fsdp or fsdp2). For large models it offers LoRA "
+        "(trainer.policy.model.lora.rank), CPU offload (trainer.policy.fsdp_config.cpu_offload), "
+        "more FSDP2 workers (trainer.placement.policy_num_nodes / policy_num_gpus_per_node) and "
+        "tensor-parallel inference engines (generator.inference_engine.tensor_parallel_size)"
+    )
+
+
+def refuse_backends(assignments: Iterable[tuple[str, Any]]) -> None:
+    """Raise the backend refusal for the first Megatron or DeepSpeed assignment, if any."""
+    for key, value in assignments:
+        message = backend_refusal(key.lstrip("+"), value)
+        if message is not None:
+            raise ConfigError(message, key=key.lstrip("+"))
+
+
+@dataclass
+class SkyRLKeys:
+    """The SkyRL-only settings of one load: set aside (no effect) or waiting for `translations`."""
+
+    without_effect: dict[str, Any] = field(default_factory=dict)
+    collected: dict[str, Any] = field(default_factory=dict)
+    explicit: set[str] = field(default_factory=set)  # skylift keys the load set itself
+
+    def value(self, key: str, value: Any) -> Any:
+        """The skylift value of a SkyRL value (`VALUE_ALIASES`), warning when they differ in meaning."""
+        alias = VALUE_ALIASES.get(key, {}).get(value) if isinstance(value, str) else None
+        if alias is None:
+            return value
+        if alias[1] is not None:
+            logger.warning("%s=%s is read as %s: %s", key, value, alias[0], alias[1])
+        return alias[0]
+
+    def take(self, key: str, value: Any, source: str) -> bool:
+        """Whether ``key=value`` is a SkyRL-only setting handled here (else the schema takes it)."""
+        message = backend_refusal(key, value)
+        if message is not None:
+            raise ConfigError(f"{message} (from {source})", key=key)
+        if key in _COLLECTED:
+            self.collected[key] = value
+            return True
+        declared = skyrl_declaration(key)
+        if declared is None:
+            return False
+        default, reason, refused = declared
+        if refused and not is_default(value, default):
+            raise ConfigError(
+                f"{key}={value!r} is not implemented in skylift yet ({reason}); leave it at "
+                f"{default!r} (from {source})",
+                key=key,
+            )
+        self.without_effect[key] = value
+        return True
+
+    def translations(self) -> list[tuple[str, Any]]:
+        """The skylift assignments the collected SkyRL settings stand for."""
+        out: list[tuple[str, Any]] = []
+        c, p = self.collected, "trainer.algorithm.off_policy_correction."
+        ratio = c.get(p + "tis_ratio_type")
+        if ratio not in (None, "token"):
+            raise ConfigError(
+                f"{p}tis_ratio_type={ratio!r} is not implemented in skylift yet (only token-level "
+                "truncated importance sampling, 'token' or null)",
+                key=p + "tis_ratio_type",
+            )
+        if ratio == "token":
+            out.append(("trainer.algorithm.use_tis", True))
+            if "trainer.algorithm.tis_imp_ratio_cap" not in self.explicit:
+                out.append(
+                    (
+                        "trainer.algorithm.tis_imp_ratio_cap",
+                        c.get(p + "token_tis_ratio_clip_high", SKYRL_TOKEN_TIS_CAP),
+                    )
+                )
+        elif p + "token_tis_ratio_clip_high" in c:
+            self.without_effect[p + "token_tis_ratio_clip_high"] = c[p + "token_tis_ratio_clip_high"]
+        ie = "generator.inference_engine."
+        servers, proxy = c.get(ie + "external_server_urls"), c.get(ie + "external_proxy_url")
+        if isinstance(servers, str):
+            servers = [servers]
+        if servers or proxy:
+            out.append(("generator.run_engines_locally", False))
+            out.append(("generator.remote_inference_engine_urls", list(servers) if servers else [proxy]))
+        if servers and proxy:
+            logger.warning(
+                "%sexternal_proxy_url=%r is not used: skylift sends generation requests straight to "
+                "the servers of external_server_urls (balancing them itself) and weight syncs to each",
+                ie,
+                proxy,
+            )
+        return out
+
+    def warn(self) -> list[str]:
+        """Warn once per SkyRL key set aside with a value other than SkyRL's default; returns them."""
+        warned = []
+        for key, value in self.without_effect.items():
+            declared = skyrl_declaration(key)
+            assert declared is not None or key.endswith("token_tis_ratio_clip_high")
+            default, reason = (
+                (declared[0], declared[1]) if declared else (None, "only read with tis_ratio_type=token")
+            )
+            if not is_default(value, default):
+                logger.warning("%s=%r has no effect in skylift: %s", key, value, reason)
+                warned.append(key)
+        return warned

@@ -1,0 +1,142 @@
+"""SkyRL-Gym environments (``skyrl_gym.envs.base_text_env.BaseTextEnv`` subclasses) in skylift.
+
+An ``env_class`` (the dataset column or ``environment.env_class``) that skylift's own registry does
+not hold is looked up here (``skylift.envs.registry.get_env_factory`` asks `skyrl_gym_factory`):
+
+- ``package.module:Class``: the module is imported (which also runs its ``skyrl_gym.register``
+  calls, so rows naming those ids resolve too) and ``Class`` is used: a skylift `Environment` as
+  is, a SkyRL-Gym ``BaseTextEnv`` through `SkyRLGymEnv`;
+- an id in SkyRL-Gym's registry (its built-ins ``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``lcb``,
+  ``search``, ``searchcode``, and every id registered by a module imported before, e.g. one listed in
+  ``environment.import_modules``). A name skylift
+  registers itself (``gsm8k``) selects skylift's environment; SkyRL-Gym's is
+  ``skyrl_gym.envs.gsm8k.env:GSM8kEnv``.
+
+`SkyRLGymEnv` builds the SkyRL environment as SkyRL does, ``Env(env_config=..., extras=...)``, once
+per trajectory when the generator calls ``init``: ``env_config`` is
+``environment.skyrl_gym.<registered id>`` (an OmegaConf mapping, as SkyRL passes it) updated with
+``environment.env_kwargs``; ``extras`` is the row's ``reward_spec``, ``extra_info`` and
+``data_source`` plus ``max_turns`` (``generator.max_turns``). ``step``'s dict output becomes a
+`StepResult`: ``observations``, ``reward``, ``done`` and ``metadata`` as they are;
+``postprocessed_action`` is recorded in the metadata (the generator keeps the tokens the policy
+sampled); ``get_metrics()`` of a finished trajectory is in ``metadata["env_metrics"]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from skylift.envs.base import Environment, EnvUsageError, Message, StepResult
+
+#: Set by the trainer (`configure`): ``environment.skyrl_gym`` and ``generator.max_turns``.
+_RUN: dict[str, Any] = {"configs": {}, "max_turns": 1}
+
+
+def configure(configs: Mapping[str, Any], max_turns: int, import_modules: Sequence[str] = ()) -> None:
+    """The run's per-environment configs (``environment.skyrl_gym``) and turn limit; imports
+    ``environment.import_modules`` (their ``register_env`` / ``skyrl_gym.register`` calls)."""
+    for module in import_modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"environment.import_modules: cannot import {module!r}: {exc}") from exc
+    _RUN["configs"] = {str(k): v for k, v in dict(configs).items()}
+    _RUN["max_turns"] = int(max_turns)
+
+
+class SkyRLGymEnv(Environment):
+    """One trajectory of a SkyRL-Gym environment behind skylift's `Environment` interface."""
+
+    def __init__(self, creator: Callable[..., Any], env_id: str | None, **config: Any) -> None:
+        super().__init__(**config)
+        self.creator = creator
+        self.env_id = env_id
+        self.inner: Any = None
+
+    def init(self, prompt: list[Message], extras: dict[str, Any]) -> list[Message]:
+        from omegaconf import OmegaConf
+
+        super().init(prompt, extras)
+        base = _RUN["configs"].get(self.env_id or "", {}) or {}
+        env_config = OmegaConf.create({**dict(base), **self.config})
+        env_extras = {**self.extras, "max_turns": _RUN["max_turns"]}
+        self.inner = self.creator(env_config=env_config, extras=env_extras)
+        out = self.inner.init([dict(m) for m in prompt])
+        messages = out[0] if isinstance(out, tuple) else out
+        return [dict(m) for m in messages]
+
+    def step(self, action: str) -> StepResult:
+        self._begin_step()
+        if self.inner is None:
+            raise EnvUsageError(f"{type(self).__name__}.step() called before init()")
+        out = self.inner.step(action)
+        if not isinstance(out, Mapping):
+            raise TypeError(f"{type(self.inner).__name__}.step() returned {type(out).__name__}, not a dict")
+        metadata = dict(out.get("metadata") or {})
+        if out.get("postprocessed_action") is not None:
+            metadata["postprocessed_action"] = out["postprocessed_action"]
+        done = bool(out.get("done", True))
+        if done:
+            metrics = self.inner.get_metrics() if hasattr(self.inner, "get_metrics") else {}
+            if metrics:
+                metadata["env_metrics"] = dict(metrics)
+        return StepResult(
+            observations=[dict(m) for m in out.get("observations") or []],
+            reward=float(out.get("reward") or 0.0),
+            done=done,
+            metadata=metadata,
+        )
+
+    def close(self) -> None:
+        if self.inner is not None and hasattr(self.inner, "close"):
+            self.inner.close()
+        super().close()
+
+
+def _base_text_env() -> type | None:
+    try:
+        from skyrl_gym.envs.base_text_env import BaseTextEnv
+    except ImportError:
+        return None
+    return BaseTextEnv
+
+
+def _registered_id(target: Any) -> str | None:
+    """The SkyRL-Gym id whose entry point is `target` (a ``module:Class`` string or the class)."""
+    try:
+        from skyrl_gym.envs.registration import registry
+    except ImportError:
+        return None
+    for env_id, spec in registry.items():
+        entry = spec.entry_point
+        if entry is target or (isinstance(target, str) and entry == target):
+            return env_id
+        if isinstance(target, type) and entry == f"{target.__module__}:{target.__qualname__}":
+            return env_id
+    return None
+
+
+def skyrl_gym_factory(name: str) -> Callable[..., Environment] | None:
+    """A factory for ``make_env(name, **config)`` from ``module:Class`` or a SkyRL-Gym id, or None."""
+    base = _base_text_env()
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"environment {name!r}: cannot import {attr} from {module_name}: {exc}") from exc
+        if isinstance(obj, type) and issubclass(obj, Environment):
+            return obj
+        if base is not None and isinstance(obj, type) and issubclass(obj, base):
+            env_id = _registered_id(name) or _registered_id(obj)
+            return lambda **config: SkyRLGymEnv(obj, env_id, **config)
+        raise TypeError(f"environment {name!r} is neither a skylift Environment nor a SkyRL-Gym BaseTextEnv")
+    if base is None:
+        return None
+    import skyrl_gym
+
+    if name not in skyrl_gym.registry:
+        return None
+    return lambda **config: SkyRLGymEnv(lambda **kw: skyrl_gym.make(name, **kw), name, **config)

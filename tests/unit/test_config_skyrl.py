@@ -1,0 +1,268 @@
+"""SkyRL's configuration on skylift: every key of both schemas, and SkyRL's own example commands.
+
+- Both schemas (skyrl-train 0.3.1's YAML, skyrl 0.4.0's dataclasses) come from the wheels
+  scripts/setup.sh downloads (`tests/skyrl_schema.py`); those tests skip when the wheels are absent.
+- The example commands are the override lists of every shell script under SkyRL's ``examples/``
+  (at the head of its repository and at the ``skyrl_train-v0.4.0`` tag), stored in
+  ``tests/unit/data/skyrl_commands_*.txt`` by ``scripts/skyrl_example_overrides.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from skylift.config import ConfigError, load_config
+from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, skyrl_declaration
+from skylift.config.keys import key_table, mapping_leaf_of
+from skylift.config.loading import _canonical
+from skylift.config.skyrl import _COLLECTED, backend_refusal
+from tests.skyrl_schema import skyrl_keys, skyrl_train_keys
+
+DATA = Path(__file__).parent / "data"
+MEGATRON = "skylift has no Megatron backend"
+
+
+def _handled(key: str) -> bool:
+    """Implemented (a schema key, an alias or inside a mapping key), declared, or refused as Megatron."""
+    key = _canonical(key)
+    return (
+        key in key_table()
+        or mapping_leaf_of(key) is not None
+        or key in _COLLECTED
+        or skyrl_declaration(key) is not None
+        or backend_refusal(key) is not None
+    )
+
+
+@pytest.mark.parametrize("schema", [skyrl_train_keys, skyrl_keys], ids=["skyrl-train-0.3.1", "skyrl-0.4.0"])
+def test_every_key_of_skyrls_schema_is_implemented_declared_or_refused(schema) -> None:  # noqa: ANN001
+    keys = schema()
+    assert len(keys) > 200  # the whole schema was read, not an empty file
+    missing = sorted(k for k in keys if not _handled(k))
+    assert not missing, (
+        f"SkyRL keys skylift neither implements nor declares: {missing}; implement them or declare "
+        "them in skylift.config.inert.SKYRL_WITHOUT_EFFECT with the reason"
+    )
+
+
+def test_declared_skyrl_keys_are_not_schema_keys() -> None:
+    for pattern in [*SKYRL_WITHOUT_EFFECT, *SKYRL_NOT_IMPLEMENTED]:
+        key = pattern.rstrip("*").rstrip(".")
+        assert key not in key_table() and mapping_leaf_of(key) is None, pattern
+
+
+# ------------------------------------------------------------------------------ example commands
+
+
+def _commands(name: str) -> list[tuple[str, str, list[str]]]:
+    """(source path:index, entry point, overrides) of each command of a fixture."""
+    out: list[tuple[str, str, list[str]]] = []
+    for line in (DATA / name).read_text().splitlines():
+        if line.startswith("# "):
+            source, entry = line[2:].split(" ", 1)
+            out.append((source, entry, []))
+        elif line:
+            out[-1][2].append(line)
+    return out
+
+
+def _is_megatron(overrides: list[str]) -> bool:
+    keys = [o.split("=", 1)[0].lstrip("+") for o in overrides]
+    return any("megatron_config" in k for k in keys) or "trainer.strategy=megatron" in overrides
+
+
+def _is_training(entry: str) -> bool:
+    return not entry.endswith(("serve", "main_generate", "main_tbench_generate"))
+
+
+# Non-Megatron training commands skylift refuses, each with the words of its refusal. Built into
+# SkyRL's main_base: losses and estimators not implemented here, delta weight sync, a batch that
+# does not split over 8 workers, a key SkyRL's own schema lacks, an unset shell variable. Example
+# entry points with their own Python code (custom losses, estimators, generators: not main_base)
+# register names and keys skylift cannot know.
+EXPECTED_REFUSALS = {
+    "examples/train/algorithms/clip_cov_kl_cov/run_clip_cov.sh:1": "policy_loss_type='clip_cov' is not one of",
+    "examples/train/algorithms/clip_cov_kl_cov/run_kl_cov.sh:1": "policy_loss_type='kl_cov' is not one of",
+    "examples/train/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
+    "examples/train/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
+    "examples/train/algorithms/dapo/run_dapo_qwen3_1.7b_aime_fully_async.sh:1": "sequence_mask_metric='geometric'",
+    "examples/train/algorithms/dapo/run_dapo_qwen3_1.7b_aime_fully_async_onestep.sh:1": "sequence_mask_metric='geometric'",
+    "examples/train/algorithms/maxrl/run_maxrl_gsm8k.sh:1": "advantage_estimator='maxrl' is not one of",
+    "examples/train/algorithms/sapo/run_sapo_qwen3_4b_aime.sh:1": "policy_loss_type='sapo' is not one of",
+    "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "weight_sync_backend='delta' is not one of",
+    "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "weight_sync_backend='delta' is not one of",
+    "examples/train/fully_async/fully_async_run_gsm8k.sh:1": "sequence_mask_metric='geometric'",
+    "examples/train/fully_async/sim_trainer/run_fully_async_sim_gsm8k_e2e.sh:1": "policy_loss_type='rollout_is'",
+    "examples/train/fully_async/sim_trainer/run_fully_async_sim_gsm8k_external.sh:1": "policy_loss_type='rollout_is'",
+    "examples/train/livecodebench/run_lcb.sh:1": "must split evenly over 8 policy workers",
+    "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
+    "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
+    "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
+    "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_4b.sh:1": "advantage_estimator='no_op'",
+    "examples/train/rlm/run_multi_paper_rlm.sh:1": "unknown config key generator.enable_child_agents",
+    "examples/train/search/run_search_fully_async.sh:1": "sequence_mask_metric='geometric'",
+    "examples/train/text_to_sql/run_skyrl_sql_fp8.sh:1": "tis_ratio_type='sequence' is not implemented",
+    "examples/train/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
+    "examples/train/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
+    "skyrl-train/examples/algorithms/clip_cov_kl_cov/run_clip_cov.sh:1": "policy_loss_type='clip_cov' is not one of",
+    "skyrl-train/examples/algorithms/clip_cov_kl_cov/run_kl_cov.sh:1": "policy_loss_type='kl_cov' is not one of",
+    "skyrl-train/examples/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
+    "skyrl-train/examples/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
+    "skyrl-train/examples/algorithms/sapo/run_sapo_qwen3_4b_aime.sh:1": "policy_loss_type='sapo' is not one of",
+    "skyrl-train/examples/livecodebench/run_lcb.sh:1": "must split evenly over 8 policy workers",
+    "skyrl-train/examples/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
+    "skyrl-train/examples/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
+    "skyrl-train/examples/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
+    "skyrl-train/examples/on_policy_distillation/run_on_policy_distill_math_qwen3_4b.sh:1": "advantage_estimator='no_op'",
+    "skyrl-train/examples/step_wise/run_skyrl_sql_step_wise_qwen3.sh:1": "unknown config key generator.retokenize_chat_history",
+    "skyrl-train/examples/terminal_bench/run_codecontest.sh:1": "unknown config key hydra.searchpath",
+    "skyrl-train/examples/terminal_bench/run_otagent.sh:1": "unknown config key hydra.searchpath",
+    "skyrl-train/examples/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
+    "skyrl-train/examples/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
+}
+
+
+def _load(overrides: list[str]) -> str | None:
+    """None when the command loads and validates, else the error message."""
+    try:
+        load_config(overrides)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("fixture", ["skyrl_commands_head.txt", "skyrl_commands_0.4.0.txt"])
+def test_skyrls_example_commands_are_accepted_or_refused_clearly(fixture: str) -> None:
+    logging.getLogger("skylift.config").setLevel(logging.ERROR)  # the warnings are tested elsewhere
+    commands = [c for c in _commands(fixture) if _is_training(c[1])]
+    assert len(commands) >= 60
+    wrong: list[str] = []
+    accepted = megatron = 0
+    for source, _entry, overrides in commands:
+        error = _load(overrides)
+        if _is_megatron(overrides):
+            megatron += 1
+            if error is None or not error.startswith(MEGATRON):
+                wrong.append(f"{source}: a Megatron command got {error!r}")
+            continue
+        expected = EXPECTED_REFUSALS.get(source)
+        if expected is None and error is not None:
+            wrong.append(f"{source}: refused: {error}")
+        elif expected is not None and (error is None or expected not in error):
+            wrong.append(f"{source}: expected a refusal with {expected!r}, got {error!r}")
+        accepted += error is None
+    logging.getLogger("skylift.config").setLevel(logging.NOTSET)
+    assert not wrong, "\n".join(wrong)
+    print(f"{fixture}: {accepted} of {len(commands) - megatron} non-Megatron training commands accepted")
+
+
+def test_dapo_overlong_keys_both_spellings_and_dr_grpo_max_seq_len() -> None:
+    old = load_config(
+        ["+trainer.algorithm.overlong_buffer.len=64", "+trainer.algorithm.overlong_buffer.penalty_factor=0.5"]
+    )
+    new = load_config(
+        ["trainer.algorithm.overlong_buffer_len=64", "trainer.algorithm.overlong_buffer_penalty_factor=0.5"]
+    )
+    for cfg in (old, new):
+        assert (
+            cfg.trainer.algorithm.overlong_buffer.len,
+            cfg.trainer.algorithm.overlong_buffer.penalty_factor,
+        ) == (
+            64,
+            0.5,
+        )
+    with pytest.raises(ConfigError, match="overlong_buffer.len=512 must be <= the response budget"):
+        load_config(
+            ["trainer.algorithm.overlong_buffer_len=512", "generator.sampling_params.max_generate_length=256"]
+        )
+    cfg = load_config(
+        ["trainer.algorithm.loss_reduction=seq_mean_token_sum_norm", "trainer.algorithm.max_seq_len=1536"]
+    )
+    from skylift.rl.update import policy_objective
+
+    assert policy_objective(cfg).max_len == 1536
+    assert policy_objective(load_config()).max_len == 256  # default: the response budget
+
+
+def test_strategy_fsdp_is_fsdp2_and_megatron_or_deepspeed_is_refused_with_one_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):
+        assert load_config(["trainer.strategy=fsdp"]).trainer.strategy == "fsdp2"
+    assert not caplog.records
+    for override in (
+        "trainer.strategy=megatron",
+        "trainer.policy.megatron_config.tensor_model_parallel_size=2",
+        "+trainer.ref.megatron_config.context_parallel_size=2",
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config(["trainer.not_a_key=1", override])  # checked before any other key
+        assert str(info.value).startswith(MEGATRON) and "FSDP2" in str(info.value), override
+    with pytest.raises(ConfigError, match="skylift has no DeepSpeed backend"):
+        load_config(["trainer.strategy=deepspeed"])
+
+
+def test_skyrl_only_keys_warn_when_set_and_algorithm_changes_are_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):
+        load_config(
+            [
+                "trainer.flash_attn=true",
+                "trainer.policy.sequence_parallel_size=1",
+                "trainer.dump_data_batch=false",
+            ]
+        )
+    assert not caplog.records  # SkyRL's defaults: nothing to warn about
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):
+        load_config(["trainer.policy.sequence_parallel_size=2", "trainer.dump_data_batch=true"])
+    text = caplog.text
+    assert "trainer.policy.sequence_parallel_size=2 has no effect in skylift: not implemented yet" in text
+    assert "trainer.dump_data_batch=True has no effect in skylift" in text
+    with pytest.raises(ConfigError, match="use_entropy_loss=True is not implemented in skylift yet"):
+        load_config(["trainer.algorithm.use_entropy_loss=true"])
+
+
+def test_token_tis_and_external_servers_translate_to_skylift_keys() -> None:
+    p = "trainer.algorithm.off_policy_correction"
+    cfg = load_config([f"{p}.tis_ratio_type=token", f"{p}.token_tis_ratio_clip_high=3.0"])
+    assert cfg.trainer.algorithm.use_tis and cfg.trainer.algorithm.tis_imp_ratio_cap == 3.0
+    cfg = load_config([f"{p}.tis_ratio_type=token"])
+    assert cfg.trainer.algorithm.tis_imp_ratio_cap == 2.0  # SkyRL's default cap
+    with pytest.raises(ConfigError, match="tis_ratio_type='sequence' is not implemented"):
+        load_config([f"{p}.tis_ratio_type=sequence"])
+    ie = "generator.inference_engine"
+    cfg = load_config([f"{ie}.external_server_urls=['127.0.0.1:8001','127.0.0.1:8002']"])
+    assert not cfg.generator.run_engines_locally
+    assert cfg.generator.remote_inference_engine_urls == ["127.0.0.1:8001", "127.0.0.1:8002"]
+    cfg = load_config([f"{ie}.external_proxy_url=http://127.0.0.1:9000"])
+    assert cfg.generator.remote_inference_engine_urls == ["http://127.0.0.1:9000"]
+
+
+def test_engine_init_kwargs_reach_the_local_engines_under_both_names() -> None:
+    from skylift.cluster.settings import local_engine_kwargs
+
+    for key in ("generator.engine_init_kwargs", "generator.inference_engine.engine_init_kwargs"):
+        cfg = load_config([f"{key}.max_model_len=2048", f"+{key}.swap_space=1"])
+        kwargs = local_engine_kwargs(cfg, sleep_mode=False)
+        assert kwargs["max_model_len"] == 2048 and kwargs["swap_space"] == 1
+
+
+def test_skyrl_train_yaml_file_loads_as_a_config_file() -> None:
+    import zipfile
+
+    from tests.skyrl_schema import _wheel
+
+    with zipfile.ZipFile(_wheel("skyrl_train")) as zf:
+        text = zf.read("skyrl_train/config/ppo_base_config.yaml").decode()
+    path = Path(__file__).parent / "data" / "_ppo_base_config.yaml"
+    try:
+        path.write_text(text)
+        cfg = load_config(config_file=path)
+    finally:
+        path.unlink(missing_ok=True)
+    assert cfg.trainer.policy.model.path == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert cfg.trainer.placement.policy_num_gpus_per_node == 4 and cfg.generator.max_num_seqs == 1024
