@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.skyrl_clients import WHEELS, wheel_dir
+from skyrl_clients import WHEELS, wheel_dir
 
 
 def _wheel(name: str) -> Path:

@@ -19,7 +19,7 @@ from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, sk
 from skylift.config.keys import key_table, mapping_leaf_of
 from skylift.config.loading import _canonical
 from skylift.config.skyrl import _COLLECTED, backend_refusal
-from tests.skyrl_schema import skyrl_keys, skyrl_train_keys
+from skyrl_schema import skyrl_keys, skyrl_train_keys
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = "skylift has no Megatron backend"
@@ -254,7 +254,7 @@ def test_engine_init_kwargs_reach_the_local_engines_under_both_names() -> None:
 def test_skyrl_train_yaml_file_loads_as_a_config_file() -> None:
     import zipfile
 
-    from tests.skyrl_schema import _wheel
+    from skyrl_schema import _wheel
 
     with zipfile.ZipFile(_wheel("skyrl_train")) as zf:
         text = zf.read("skyrl_train/config/ppo_base_config.yaml").decode()
