@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from skyrl_clients import WHEELS, wheel_dir
 
 

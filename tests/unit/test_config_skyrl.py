@@ -13,13 +13,13 @@ import logging
 from pathlib import Path
 
 import pytest
+from skyrl_schema import skyrl_keys, skyrl_train_keys
 
 from skylift.config import ConfigError, load_config
 from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, skyrl_declaration
 from skylift.config.keys import key_table, mapping_leaf_of
 from skylift.config.loading import _canonical
 from skylift.config.skyrl import _COLLECTED, backend_refusal
-from skyrl_schema import skyrl_keys, skyrl_train_keys
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = "skylift has no Megatron backend"
