@@ -21,6 +21,7 @@ Paths that are bit-exact by design (copies, serialization, checkpoints) are comp
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -40,18 +41,41 @@ def sum_tolerance(magnitude: float, n_terms: int, dtype: torch.dtype = torch.flo
     return LAMBDA * math.sqrt(n_terms) * torch.finfo(dtype).eps * magnitude
 
 
-def assert_sums_close(got: torch.Tensor, want: torch.Tensor, n_terms: int, name: str = "") -> None:
+def assert_sums_close(
+    got: torch.Tensor, want: torch.Tensor, n_terms: int, name: str = "", magnitude: float | None = None
+) -> None:
     """`got` and `want` are the same sums of `n_terms` terms each, added in different orders.
 
-    The scale of the terms is the tensor's largest |value|: rounding errors enter every element
-    through shared upstream values (activations, gradients flowing back) whose size is the
-    tensor's, so an element that is small by cancellation still carries errors of that size and an
-    elementwise relative tolerance would demand more than float arithmetic gives."""
+    The scale of the terms (`magnitude`) defaults to the tensor's largest |value|: rounding errors
+    enter every element through shared upstream values (activations, gradients flowing back) whose
+    size is the tensor's, so an element that is small by cancellation still carries errors of that
+    size and an elementwise relative tolerance would demand more than float arithmetic gives."""
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    magnitude = max(float(want.abs().max()), float(got.abs().max())) if want.numel() else 0.0
+    if magnitude is None:
+        magnitude = max(float(want.abs().max()), float(got.abs().max())) if want.numel() else 0.0
     tol = sum_tolerance(magnitude, n_terms, want.dtype)
     worst = float((got - want).abs().max()) if want.numel() else 0.0
     assert worst <= tol, (
         f"{name}: max |difference| {worst:.3g} > tolerance {tol:.3g} "
         f"(n_terms={n_terms}, magnitude={magnitude:.3g}, dtype={want.dtype})"
     )
+
+
+def assert_gradients_close(
+    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], n_terms: int
+) -> None:
+    """Gradients of the same loss by parameter name, computed two ways; each sums `n_terms` terms
+    (one per token).
+
+    Each tensor is compared at the scale of its module's largest gradient: a bias sums the same
+    per-token terms as its weight (times 1 instead of the module's input, whose entries are ~1 after
+    normalisation), and can cancel to ~0 while its terms do not (a key projection's bias gets no
+    gradient through the softmax)."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    scale: dict[str, float] = {}
+    for name, grad in want.items():
+        module = name.rsplit(".", 1)[0]
+        size = max(float(grad.abs().max()), float(got[name].abs().max())) if grad.numel() else 0.0
+        scale[module] = max(scale.get(module, 0.0), size)
+    for name, grad in want.items():
+        assert_sums_close(got[name], grad, n_terms, name, magnitude=scale[name.rsplit(".", 1)[0]])
