@@ -301,7 +301,7 @@ class TrainerConfig:
 
 
 @dataclass
-class SamplingParams:
+class SamplingConfig:
     """Sampling parameters passed to the inference engines."""
 
     max_generate_length: int = _f(
@@ -319,7 +319,7 @@ class SamplingParams:
 
 
 @dataclass
-class EvalSamplingParams(SamplingParams):
+class EvalSamplingConfig(SamplingConfig):
     """Sampling parameters for evaluation: greedy by default, length defaults to training's."""
 
     max_generate_length: int | None = _f(
@@ -399,8 +399,8 @@ class GeneratorConfig:
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1
     )
-    sampling_params: SamplingParams = _group(SamplingParams, "sampling for training rollouts")
-    eval_sampling_params: EvalSamplingParams = _group(EvalSamplingParams, "sampling for evaluation")
+    sampling_params: SamplingConfig = _group(SamplingConfig, "sampling for training rollouts")
+    eval_sampling_params: EvalSamplingConfig = _group(EvalSamplingConfig, "sampling for evaluation")
     eval_n_samples_per_prompt: int = _f(1, "responses sampled per evaluation prompt", ge=1)
     zero_reward_on_non_stop: bool = _f(
         False, "reward 0 for responses that did not end with a stop (truncated)"
