@@ -411,6 +411,16 @@ class GeneratorConfig:
     use_conversation_multi_turn: bool = _f(
         True, "multi-turn: observations as chat messages (false = their text continues the assistant turn)"
     )
+    # agentic rollouts (issue 31)
+    chat_template_kwargs: dict[str, Any] = _f(
+        {},
+        "extra arguments of every apply_chat_template call, e.g. generator.chat_template_kwargs.enable_thinking=false",
+    )
+    append_eos_token_after_stop_str_in_multi_turn: bool = _f(
+        True,
+        "multi-turn: a turn that stopped on a stop string gets the template's end-of-turn tokens (EOS) "
+        "before the next observation, untrained (false = the observation follows the stop string)",
+    )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1
@@ -461,6 +471,18 @@ class EnvironmentConfig:
     env_kwargs: dict[str, Any] = _f(
         {}, "keyword arguments for the environment, e.g. environment.env_kwargs.x=1"
     )
+    # agentic environments (issue 31): the model an environment calls, and its tools
+    llm_base_url: str | None = _f(
+        None,
+        "OpenAI-compatible API root (http://host:port/v1) environments call as self.llm (a judge, a "
+        "user simulator); null = the policy's own engines",
+    )
+    llm_model: str = _f("default", "model name sent to environment.llm_base_url")
+    llm_timeout_s: float = _f(60.0, "timeout in seconds of one call to environment.llm_base_url", gt=0)
+    tool_timeout_s: float = _f(
+        10.0, "timeout in seconds of one tool call (the call fails, the rollout goes on)", gt=0
+    )
+    max_concurrent_tool_calls: int = _f(8, "tool calls running at once, over all trajectories", ge=1)
 
 
 # ---------------------------------------------------------------------------------------------- root
