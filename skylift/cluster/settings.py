@@ -74,6 +74,13 @@ def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
         batched=g.batched,
         conversation_multi_turn=g.use_conversation_multi_turn,
         env_workers=cfg.environment.max_env_workers,
+        chat_template_kwargs=dict(g.chat_template_kwargs),
+        append_eos_after_stop_str=g.append_eos_token_after_stop_str_in_multi_turn,
+        llm_base_url=cfg.environment.llm_base_url,
+        llm_model=cfg.environment.llm_model,
+        llm_timeout_s=cfg.environment.llm_timeout_s,
+        tool_timeout_s=cfg.environment.tool_timeout_s,
+        max_concurrent_tool_calls=cfg.environment.max_concurrent_tool_calls,
         resubmit_aborted=t.fully_async.enabled and t.fully_async.pause_mode == "abort",
     )
 

@@ -260,10 +260,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         None,
         "not implemented yet: prompts use the tokenizer's own chat template",
     ),
-    "generator.append_eos_token_after_stop_str_in_multi_turn": (
-        True,
-        "multi-turn responses keep the tokens the engine returned",
-    ),
     "generator.step_wise_trajectories": (False, "not implemented yet: one trajectory per prompt and sample"),
     "generator.merge_stepwise_output": (False, "not implemented yet: no step-wise trajectories"),
     "generator.use_cache_salt": (True, "not implemented: prefix caching is shared between requests"),

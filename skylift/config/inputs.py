@@ -54,3 +54,15 @@ class EnvironmentConfig:
         {},
         "SkyRL-Gym environments' env_config by registered id, e.g. environment.skyrl_gym.text2sql.db_path=...",
     )
+    # agentic environments (issue 31): the model an environment calls, and its tools
+    llm_base_url: str | None = _f(
+        None,
+        "OpenAI-compatible API root (http://host:port/v1) environments call as self.llm (a judge, a "
+        "user simulator); null = the policy's own engines",
+    )
+    llm_model: str = _f("default", "model name sent to environment.llm_base_url")
+    llm_timeout_s: float = _f(60.0, "timeout in seconds of one call to environment.llm_base_url", gt=0)
+    tool_timeout_s: float = _f(
+        10.0, "timeout in seconds of one tool call (the call fails, the rollout goes on)", gt=0
+    )
+    max_concurrent_tool_calls: int = _f(8, "tool calls running at once, over all trajectories", ge=1)

@@ -395,6 +395,16 @@ class GeneratorConfig:
     use_conversation_multi_turn: bool = _f(
         True, "multi-turn: observations as chat messages (false = their text continues the assistant turn)"
     )
+    # agentic rollouts (issue 31)
+    chat_template_kwargs: dict[str, Any] = _f(
+        {},
+        "extra arguments of every apply_chat_template call, e.g. generator.chat_template_kwargs.enable_thinking=false",
+    )
+    append_eos_token_after_stop_str_in_multi_turn: bool = _f(
+        True,
+        "multi-turn: a turn that stopped on a stop string gets the template's end-of-turn tokens (EOS) "
+        "before the next observation, untrained (false = the observation follows the stop string)",
+    )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1
@@ -425,9 +435,6 @@ class GeneratorConfig:
     )
     engine_init_kwargs: dict[str, Any] = _f(
         {}, "extra keyword arguments for each local vLLM engine (vLLM's engine args, e.g. max_model_len)"
-    )
-    chat_template_kwargs: dict[str, Any] = _f(
-        {}, "extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking=false)"
     )
     lora_sync_path: str | None = _f(
         None,

@@ -320,6 +320,9 @@ def _check_data(cfg: SkyliftConfig, problems: list[str]) -> None:
             problems.append(f"{key} contains an empty path")
     if not cfg.environment.env_class.strip():
         problems.append("environment.env_class must name an environment")
+    url = cfg.environment.llm_base_url
+    if url is not None and (not url.startswith(("http://", "https://")) or not _valid_url(url)):
+        problems.append(f"environment.llm_base_url={url!r} must be an http(s)://host:port URL")
 
 
 _CHECKS: tuple[Callable[[SkyliftConfig, list[str]], None], ...] = (

@@ -1,7 +1,8 @@
 """Environments that score the policy's responses: interface, registry and built-ins.
 
 Built-ins: ``gsm8k``, ``arithmetic`` (single turn) and ``arithmetic_multiturn`` (one retry with
-feedback). See `skylift.envs.base` for the protocol and `skylift.envs.rewards` for the answer rule.
+feedback). See `skylift.envs.base` for the protocol and `skylift.envs.rewards` for the answer rule;
+`skylift.envs.tools` for tool-calling environments, `skylift.envs.llm` for calling a model.
 """
 
 from skylift.envs.arithmetic import RETRY_FEEDBACK, ArithmeticEnv, ArithmeticMultiTurnEnv
@@ -24,6 +25,7 @@ from skylift.envs.rewards import (
     normalize_number,
     parse_final_answer,
 )
+from skylift.envs.tools import Tool, ToolEnvironment, ToolRunner
 
 __all__ = [
     "RETRY_FEEDBACK",
@@ -36,6 +38,9 @@ __all__ = [
     "Message",
     "ParsedAnswer",
     "StepResult",
+    "Tool",
+    "ToolEnvironment",
+    "ToolRunner",
     "UnknownEnvironmentError",
     "answers_equal",
     "extract_final_answer",

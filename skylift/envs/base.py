@@ -8,15 +8,26 @@ One `Environment` instance scores one trajectory. The generator calls, in order:
    ``done`` is False, ``observations`` are the new messages (e.g. a user turn) to append after the
    assistant's response before generating again (multi-turn);
 3. ``close()`` once the trajectory is finished.
+
+``init``, ``step`` and ``close`` may be ``async def``: the generator awaits them on its event loop
+(use this for environments that wait on I/O, e.g. a judge model through ``self.llm``). Plain
+methods run in the generator's thread pool when ``environment.max_env_workers > 0``, else inline.
+
+Before ``init`` the generator hands the environment what it may use while it runs:
+``self.llm`` (an `skylift.envs.llm.LLMClient`: the policy's own engines or a judge URL) and
+``self.tool_runner`` (a `skylift.envs.tools.ToolRunner` with the run's timeout and concurrency
+limit). ``tool_schemas()`` returns the JSON schemas of the tools the policy may call; the generator
+passes them to the chat template as ``tools=`` (see `skylift.envs.tools.ToolEnvironment`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 @dataclass
@@ -27,12 +38,15 @@ class StepResult:
     reward: the reward for this step (single-turn envs: the trajectory's reward).
     done: whether the trajectory is finished.
     metadata: free-form details for logging (e.g. what answer was parsed).
+    metrics: numbers to log (e.g. ``tool_calls``); the generator sums them over a trajectory's
+    steps and the trainer logs their means over the batch as ``env/<name>``.
     """
 
     observations: list[Message]
     reward: float
     done: bool
     metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class EnvUsageError(RuntimeError):
@@ -52,6 +66,12 @@ class Environment(ABC):
         self.extras: dict[str, Any] = {}
         self.turns = 0
         self.done = False
+        self.llm: Any = None  # an LLMClient, set by the generator before init
+        self.tool_runner: Any = None  # a ToolRunner, set by the generator before init
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """JSON schemas of the tools the policy may call (for the chat template), or None."""
+        return None
 
     def init(self, prompt: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Start a trajectory; return the prompt to send to the policy (a copy of `prompt` here)."""
@@ -62,8 +82,9 @@ class Environment(ABC):
         return [dict(m) for m in self.prompt]
 
     @abstractmethod
-    def step(self, action: str) -> StepResult:
-        """Consume the policy's response `action` and return the reward and what comes next."""
+    def step(self, action: str) -> StepResult | Awaitable[StepResult]:
+        """Consume the policy's response `action` and return the reward and what comes next
+        (may be ``async def``)."""
 
     def close(self) -> None:
         """Release whatever the environment holds (nothing here); ends the trajectory."""

@@ -3,28 +3,41 @@
 Single-turn (the default): one batched `generate` call for all prompts with `n` samples each,
 then one environment step per sample (with per-prompt `seeds`, one call per prompt, concurrently:
 each prompt's samples then depend only on its seed, not on how prompts are batched or routed).
-Multi-turn (`max_turns > 1`, or `batched=False`): an async agent loop per trajectory; environment
-observations are appended as chat messages tokenised with the chat template (or, with
-`conversation_multi_turn=False`, as plain text continuing the assistant's turn) and masked out of
-the loss. `env_workers > 0` runs the environments' `step` calls in that many threads.
+Multi-turn (`max_turns > 1`, or `batched=False`): an async agent loop per trajectory
+(`skylift.generator.multi_turn`), token-in/token-out with the chat template's turn boundaries.
+Environments may be sync or ``async``: plain ``init``/``step``/``close`` run in `env_workers`
+threads (inline when 0), coroutines are awaited. Each environment gets ``llm`` (the policy's
+engines, or an OpenAI-compatible URL) and a shared ``tool_runner`` before ``init``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import uuid
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from skylift.envs import make_env
+from skylift.envs.llm import OpenAIChatClient
+from skylift.envs.tools import ToolRunner
+from skylift.generator.chat import ChatFormat
+from skylift.generator.llm import EngineChatClient
+from skylift.generator.multi_turn import TurnLoop
+from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
-#: Seed offset between the turns of one multi-turn trajectory (samples of a row are 1 apart).
-TURN_SEED_STRIDE = 1_000_003
+__all__ = [
+    "MAX_RESUBMITS",
+    "TURN_SEED_STRIDE",
+    "Generator",
+    "GeneratorSettings",
+    "join_completions",
+    "rollout_seed",
+]
 
 
 def rollout_seed(base: int, step: int, prompt_uid: str) -> int:
@@ -43,32 +56,6 @@ class PromptRow(Protocol):
     extra_info: dict[str, Any]
     data_source: str
     uid: str
-
-
-@dataclass
-class GeneratorSettings:
-    max_prompt_length: int = 512
-    max_generate_length: int = 256
-    max_turns: int = 1
-    max_input_length: int | None = None  # multi-turn context cap; None = prompt + generate length
-    zero_reward_on_non_stop: bool = False
-    apply_overlong_filtering: bool = False
-    env_kwargs: dict[str, Any] | None = None
-    default_env_class: str = "gsm8k"
-    batched: bool = True  # single-turn: one request for the batch (False: the agent loop per trajectory)
-    conversation_multi_turn: bool = True  # observations as chat messages (False: as plain text)
-    env_workers: int = 0  # threads for env.step; 0 = call it inline
-    #: a sample the engine aborted (a weight update with pause mode "abort") is resubmitted: its
-    #: prompt plus the tokens sampled so far, for the tokens left (at most `MAX_RESUBMITS` times)
-    resubmit_aborted: bool = False
-    #: label trajectories with the engines' per-token weight versions (fully async training, where
-    #: the engines are told each version); False: with the caller's `policy_version` (an engine's
-    #: labels may be left from another run or client of a shared server)
-    engine_versions: bool = False
-
-
-#: The most times one sample is resubmitted after an abort before it is kept as aborted.
-MAX_RESUBMITS = 32
 
 
 def join_completions(first: Completion, rest: Completion) -> Completion:
@@ -97,8 +84,16 @@ class Generator:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
+        self.chat = ChatFormat(tokenizer, settings.chat_template_kwargs)
         self._env_pool: ThreadPoolExecutor | None = None  # during `generate` with env_workers > 0
         self._env_users = 0  # `generate` calls running
+        self.tool_runner = ToolRunner(settings.tool_timeout_s, settings.max_concurrent_tool_calls)
+        self.llm: OpenAIChatClient | EngineChatClient = (
+            EngineChatClient(engine, self.chat, settings.max_prompt_length + settings.max_generate_length)
+            if settings.llm_base_url is None
+            else OpenAIChatClient(settings.llm_base_url, settings.llm_model, timeout_s=settings.llm_timeout_s)
+        )
+        self._turns = TurnLoop(engine, self.chat, settings, self._call_env, self._resubmitted)
 
     # ------------------------------------------------------------------ public
     async def generate(
@@ -124,7 +119,14 @@ class Generator:
             if self.settings.max_turns > 1 or not self.settings.batched:
                 params = replace(params, n=1)
                 tasks = [
-                    self._multi_turn(row, params, policy_version, None if seeds is None else seeds[i] + j)
+                    self._turns.run(
+                        row,
+                        self._make_env(row),
+                        self._extras(row),
+                        params,
+                        policy_version,
+                        None if seeds is None else seeds[i] + j,
+                    )
                     for i, row in enumerate(rows)
                     for j in range(n)
                 ]
@@ -132,12 +134,14 @@ class Generator:
             return await self._single_turn(rows, n, replace(params, n=n), policy_version, seeds)
         finally:
             self._env_users -= 1
-            if self._env_pool is not None and self._env_users == 0:
-                self._env_pool.shutdown(wait=False)
-                self._env_pool = None
+            if self._env_users == 0:
+                if self._env_pool is not None:
+                    self._env_pool.shutdown(wait=False)
+                    self._env_pool = None
+                await self.llm.close()  # its HTTP session belongs to this event loop
 
-    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return _chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+        return self.chat.prompt_ids(messages, tools)
 
     # ------------------------------------------------------------------ single turn
     async def _single_turn(
@@ -152,8 +156,10 @@ class Generator:
         prompts: list[list[int]] = []
         for row in rows:
             envs = [self._make_env(row) for _ in range(n)]
-            messages = [env.init(row.prompt, self._extras(row)) for env in envs][0]
-            ids = self.encode_prompt(messages)
+            inits = await asyncio.gather(
+                *(self._call_env(env.init, row.prompt, self._extras(row)) for env in envs)
+            )
+            ids = self.encode_prompt(inits[0], envs[0].tool_schemas())
             if len(ids) > self.settings.max_prompt_length:
                 raise ValueError(
                     f"prompt {row.uid} has {len(ids)} tokens, more than max_prompt_length="
@@ -200,10 +206,18 @@ class Generator:
             completion = join_completions(completion, out[0].completions[0])
         return completion
 
-    async def _env_step(self, env: Any, text: str) -> Any:
+    async def _call_env(self, method: Callable[..., Any], *args: Any) -> Any:
+        """An environment's `init`/`step`/`close`: awaited when async, else in the env thread pool
+        (inline without one)."""
+        if inspect.iscoroutinefunction(method):
+            return await method(*args)
         if self._env_pool is None:
-            return env.step(text)
-        return await asyncio.get_running_loop().run_in_executor(self._env_pool, env.step, text)
+            result = method(*args)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(self._env_pool, method, *args)
+        if inspect.isawaitable(result):  # a plain method that returned a coroutine
+            result = await result
+        return result
 
     async def _score(
         self,
@@ -217,8 +231,8 @@ class Generator:
         completion = await self._resubmitted(prompt_ids, completion, params)
         versions = completion.token_versions if self.settings.engine_versions else None
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        result = await self._env_step(env, text)
-        env.close()
+        result = await self._call_env(env.step, text)
+        await self._call_env(env.close)
         reward = float(result.reward)
         loss_mask = [1] * len(completion.token_ids)
         if completion.stop_reason != "stop":
@@ -240,115 +254,16 @@ class Generator:
             token_versions=versions,
             env_metadata=dict(result.metadata),
             response_text=text,
+            metrics={name: float(value) for name, value in (result.metrics or {}).items()},
         )
-
-    # ------------------------------------------------------------------ multi turn
-    async def _multi_turn(
-        self, row: PromptRow, params: SamplingParams, policy_version: int, seed: int | None
-    ) -> Trajectory:
-        env = self._make_env(row)
-        messages = env.init(row.prompt, self._extras(row))
-        prompt_ids = self.encode_prompt(messages)
-        session_id = uuid.uuid4().hex
-        max_total = self.settings.max_input_length or (
-            self.settings.max_prompt_length + self.settings.max_generate_length * self.settings.max_turns
-        )
-        response_ids: list[int] = []
-        loss_mask: list[int] = []
-        logprobs: list[float] = []
-        texts: list[str] = []
-        reward, stop_reason, turns, metadata = 0.0, "length", 0, {}
-        versions: list[int] | None = []
-        while turns < self.settings.max_turns:
-            budget = min(
-                params.max_tokens,
-                self.settings.max_generate_length,
-                max_total - len(prompt_ids) - len(response_ids),
-            )
-            if budget <= 0:
-                stop_reason = "length"
-                break
-            turn_seed = None if seed is None else seed + turns * TURN_SEED_STRIDE
-            turn_params = replace(params, max_tokens=budget, seed=turn_seed)
-            out = await self.engine.generate([prompt_ids + response_ids], turn_params, session_id)
-            completion = await self._resubmitted(
-                prompt_ids + response_ids, out[0].completions[0], turn_params, session_id
-            )
-            turns += 1
-            if (
-                versions is not None
-                and completion.token_versions is not None
-                and self.settings.engine_versions
-            ):
-                versions += completion.token_versions
-            else:
-                versions = None
-            response_ids += completion.token_ids
-            loss_mask += [1] * len(completion.token_ids)
-            logprobs += completion.logprobs or [0.0] * len(completion.token_ids)
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            texts.append(text)
-            stop_reason = completion.stop_reason
-            result = await self._env_step(env, text)
-            reward += float(result.reward)
-            metadata = dict(result.metadata)
-            if result.done or not result.observations:
-                break
-            obs_ids = self._observation_ids(result.observations)
-            response_ids += obs_ids
-            loss_mask += [0] * len(obs_ids)
-            logprobs += [0.0] * len(obs_ids)
-            if versions is not None:
-                versions += [versions[-1] if versions else policy_version] * len(obs_ids)
-        env.close()
-        if stop_reason != "stop" and self.settings.zero_reward_on_non_stop:
-            reward = 0.0
-        if stop_reason != "stop" and self.settings.apply_overlong_filtering:
-            loss_mask = [0] * len(loss_mask)
-        return Trajectory(
-            uid=row.uid,
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            loss_mask=loss_mask,
-            rollout_logprobs=logprobs,
-            reward=reward,
-            stop_reason=stop_reason,
-            data_source=row.data_source,
-            num_turns=turns,
-            policy_version=min(versions) if versions else policy_version,
-            token_versions=versions or None,
-            env_metadata=metadata,
-            response_text="\n".join(texts),
-        )
-
-    def _observation_ids(self, observations: list[dict[str, str]]) -> list[int]:
-        """Tokens of observation messages as they continue a conversation, plus the next
-        assistant header: the chat template of (base + obs) minus that of (base). Without
-        `conversation_multi_turn`: the observations' text, continuing the assistant's turn."""
-        if not self.settings.conversation_multi_turn:
-            text = "".join(str(message["content"]) for message in observations)
-            return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
-        base = [{"role": "system", "content": "x"}]
-        with_obs = self.encode_prompt(base + list(observations))
-        without = _chat_token_ids(self.tokenizer, base, add_generation_prompt=False)
-        return with_obs[len(without) :]
 
     # ------------------------------------------------------------------ helpers
     def _make_env(self, row: PromptRow) -> Any:
-        return make_env(row.env_class or self.settings.default_env_class, **(self.settings.env_kwargs or {}))
+        env = make_env(row.env_class or self.settings.default_env_class, **(self.settings.env_kwargs or {}))
+        env.llm = self.llm
+        env.tool_runner = self.tool_runner
+        return env
 
     @staticmethod
     def _extras(row: PromptRow) -> dict[str, Any]:
         return {"reward_spec": row.reward_spec, "extra_info": row.extra_info, "data_source": row.data_source}
-
-
-def _chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of a chat rendered with the tokenizer's template (a plain list of ints)."""
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-    )
-    if hasattr(ids, "keys"):  # some versions return a BatchEncoding regardless
-        ids = ids["input_ids"]
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]

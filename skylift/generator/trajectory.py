@@ -30,6 +30,11 @@ class Trajectory:
     token_versions: list[int] | None = None
     env_metadata: dict[str, Any] = field(default_factory=dict)
     response_text: str = ""
+    #: multi-turn: (response index of the turn's last sampled token, the step's reward) per turn;
+    #: `reward` is their sum. Empty: the whole reward belongs to the last token.
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    #: the environment's step metrics summed over the turns (e.g. ``tool_calls``)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_generated_tokens(self) -> int:

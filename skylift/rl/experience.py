@@ -35,7 +35,7 @@ from skylift.algorithms import (
 )
 from skylift.algorithms.overlong import overlong_rewards
 from skylift.config.schema import SkyliftConfig
-from skylift.generator import Trajectory
+from skylift.generator import Trajectory, rollout_metrics, turn_reward_tensor
 from skylift.rl.one_step_off import check_staleness, ppo_old_logprobs_source, staleness_metrics
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
 
@@ -163,12 +163,14 @@ def make_experience(
         batch = batch.with_extras(values=values(batch))
     metrics["timing/logprobs_s"] = time.perf_counter() - tick
 
-    scores: Tensor = rewards  # per sequence, unless a KL penalty makes them per token
+    # per sequence, unless multi-turn rewards (at each turn's end) or a KL penalty make them per token
+    turn_rewards = turn_reward_tensor(trajectories, mask)
+    scores: Tensor = rewards if turn_rewards is None else turn_rewards
     if settings.kl_in_reward:
         if "old_logprobs" not in batch.extras or "ref_logprobs" not in batch.extras:
             raise ValueError("a KL penalty in the reward needs old logprobs and ref_logprobs")
         scores, kl_metrics = apply_kl_penalty(
-            sequence_rewards_to_token_level(rewards, mask),
+            sequence_rewards_to_token_level(rewards, mask) if turn_rewards is None else turn_rewards,
             batch.extras["old_logprobs"],
             batch.extras["ref_logprobs"],
             mask,
@@ -208,6 +210,7 @@ def _batch_metrics(
         "response_length/max": float(max(lengths)),
         "response/truncated_frac": sum(tr.stop_reason != "stop" for tr in trajectories) / len(trajectories),
         "advantages/abs_mean": float(batch.extras["advantages"].abs().sum() / mask.sum().clamp(min=1)),
+        **rollout_metrics(trajectories),
     }
     if old_source == "trainer":
         # how far the trainer's logprobs of the sampled tokens are from the engine's, before any

@@ -61,6 +61,16 @@ def test_multi_turn_masks_observations(rows: list, tiny_model_dir: Path, tiny_se
         assert all(tok in masked for tok in feedback)
         assert all(lp == 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask, strict=True) if m == 0)
         assert sum(t.loss_mask) <= 16
+        # between the turns, the template's tokens: the rest of the turn's end ("\n" after a sampled
+        # <|im_end|>, all of "<|im_end|>\n" after a truncated turn), the feedback, the next header
+        observation = "\n<|im_start|>user\nIncorrect, try again.<|im_end|>\n<|im_start|>assistant\n"
+        first_turn = t.loss_mask.index(0)
+        between = tokenizer.decode(masked)
+        if t.response_ids[first_turn - 1] == tokenizer.eos_token_id:
+            assert between == observation
+        else:
+            assert between == "<|im_end|>" + observation
+        assert [r for _, r in t.turn_rewards] == [0.0, 0.0]
 
 
 def test_seeded_rollouts_repeat_whatever_the_batching(

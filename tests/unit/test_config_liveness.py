@@ -26,10 +26,7 @@ SCHEMA_SOURCE = (PACKAGE / "config" / "schema.py").read_text()
 
 # Keys whose implementation is landing from another part of issue 14 (Ray placement groups). The
 # test below fails as soon as the code reads one, so that it is taken off this list.
-PENDING: dict[str, str] = {
-    # issue 28: the generator's apply_chat_template takes it (landing from the generator's side)
-    "generator.chat_template_kwargs": "issue 28 generator pass-through",
-}
+PENDING: dict[str, str] = {}
 
 
 def _sources() -> list[tuple[str, str]]:

@@ -1,0 +1,61 @@
+"""What the trainer logs of a batch's trajectories, and their per-turn rewards as a tensor.
+
+`turn_reward_tensor` puts each turn's reward on that turn's last sampled token (the estimators
+that walk tokens, GAE and REINFORCE++, then credit each turn with what came after it; GRPO and
+RLOO sum a row's token rewards, which gives back the trajectory's reward).
+`rollout_metrics`: per-turn reward means (``reward/turn_<t>_mean`` over the trajectories that
+reached turn t), turns per trajectory, and the means of the environments' step metrics
+(``env/<name>``, e.g. ``env/tool_calls`` per trajectory).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from skylift.generator.trajectory import Trajectory
+
+#: Per-turn reward means are logged for the first this many turns.
+MAX_LOGGED_TURNS = 8
+
+
+def turn_reward_tensor(trajectories: Sequence[Trajectory], response_mask: Tensor) -> Tensor | None:
+    """`[batch, response_len]` rewards with each turn's reward on its last sampled token, or None
+    when no trajectory has per-turn rewards (then the sequence rewards are used as they are).
+
+    A turn whose token is masked out (overlong filtering) gives its reward to the nearest trained
+    token before it, else after it; a row without a trained token gets no reward (as on the
+    sequence level).
+    """
+    if not any(len(tr.turn_rewards) > 1 for tr in trajectories):
+        return None
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    for row, tr in enumerate(trajectories):
+        valid = torch.nonzero(response_mask[row] != 0).flatten().tolist()
+        if not valid:
+            continue
+        pairs = tr.turn_rewards or [(len(tr.response_ids) - 1, tr.reward)]
+        for index, reward in pairs:
+            before = [i for i in valid if i <= index]
+            out[row, before[-1] if before else valid[0]] += reward
+    return out
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-turn reward means, turns per trajectory and the environments' metrics (means)."""
+    metrics: dict[str, float] = {}
+    if not trajectories:
+        return metrics
+    if any(tr.turn_rewards for tr in trajectories):
+        metrics["rollout/turns_mean"] = statistics.fmean(tr.num_turns for tr in trajectories)
+        for turn in range(MAX_LOGGED_TURNS):
+            rewards = [tr.turn_rewards[turn][1] for tr in trajectories if len(tr.turn_rewards) > turn]
+            if rewards:
+                metrics[f"reward/turn_{turn + 1}_mean"] = statistics.fmean(rewards)
+    names = sorted({name for tr in trajectories for name in tr.metrics})
+    for name in names:
+        metrics[f"env/{name}"] = statistics.fmean(tr.metrics.get(name, 0.0) for tr in trajectories)
+    return metrics
