@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from skylift.algorithms import make_kl_controller
+from skylift.algorithms.sample_support import TokenDistribution, as_distribution
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
@@ -311,12 +312,16 @@ class RLTrainer:
         """Experience (logprobs, values, advantages) -> critic and policy updates; the version goes up."""
         rt, t = self.runtime, self.cfg.trainer
         assert rt.policy is not None
+        sampling = as_distribution(self.update_settings.temperature)  # KLs: untruncated (full())
         experience = make_experience(
             trajectories,
             dataclasses.replace(self.experience_settings, kl_coef=self.kl_ctrl.value),
             self.state.policy_version,
-            policy_logprobs=self._logprobs_of(rt.policy),
-            ref_logprobs=self._logprobs_of(rt.ref) if rt.ref is not None else None,
+            policy_logprobs=self._logprobs_of(rt.policy, sampling),
+            ref_logprobs=self._logprobs_of(rt.ref, sampling.full()) if rt.ref is not None else None,
+            full_policy_logprobs=self._logprobs_of(rt.policy, sampling.full())
+            if sampling.truncates
+            else None,
             values=(
                 (lambda b: rt.critic.compute_values(b, t.micro_forward_batch_size_per_gpu))  # type: ignore[union-attr]
                 if rt.critic is not None
@@ -339,9 +344,9 @@ class RLTrainer:
         metrics.update(experience.metrics)
         return metrics
 
-    def _logprobs_of(self, group: WorkerGroup) -> Any:
+    def _logprobs_of(self, group: WorkerGroup, sampling: TokenDistribution) -> Any:
         forward_batch = self.cfg.trainer.micro_forward_batch_size_per_gpu
-        return lambda batch: group.compute_logprobs(batch, forward_batch, self.update_settings.temperature)
+        return lambda batch: group.compute_logprobs(batch, forward_batch, sampling)
 
     def _sync_after_update(self) -> dict[str, float]:
         """Broadcast the new weights unless async staleness allows the engines to lag behind."""

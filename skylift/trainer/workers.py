@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling
 from skylift.trainer.engines import EngineRef
 from skylift.trainer.placement import PlacedGroups
 from skylift.training.batch import SequenceBatch
@@ -334,7 +335,7 @@ class WorkerGroup:
     def setup(self) -> list[dict[str, Any]]:
         return self.call_all("setup")
 
-    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Any:
+    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: Sampling) -> Any:
         return self._per_token("compute_logprobs", batch, micro_batch_size, temperature)
 
     def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> Any:
@@ -360,7 +361,7 @@ class WorkerGroup:
         batch: SequenceBatch,
         loss_fn: LossFn,
         micro_batch_size: int,
-        temperature: float,
+        temperature: Sampling,
     ) -> dict[str, float]:
         shards = self.shards(batch) if self.world_size > 1 else [batch]
         results = self._call(
