@@ -329,3 +329,25 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         assert abs(metrics["kl_loss"]) < 1e-6  # policy == reference on the untruncated distribution
     finally:
         worker.shutdown()
+
+
+def test_the_kl_in_the_reward_reads_the_policys_untruncated_logprobs() -> None:
+    from skylift.generator import Trajectory
+    from skylift.trainer.experience import ExperienceSettings, make_experience
+
+    trajectories = [
+        Trajectory("a", [7], [1, 2], [1, 1], [-0.5, -0.5], reward=r, stop_reason="stop") for r in (1.0, 0.0)
+    ]
+    truncated = torch.full((2, 2), -0.5)  # old logprobs under the truncated distribution
+    untruncated = torch.full((2, 2), -2.0)
+    settings = ExperienceSettings(
+        old_logprobs_source="trainer", kl_in_reward=True, kl_coef=0.1, kl_estimator="k1"
+    )
+
+    def kl(**fns) -> float:
+        exp = make_experience(trajectories, settings, 0, policy_logprobs=lambda b: truncated, **fns)
+        assert torch.equal(exp.batch.extras["old_logprobs"], truncated)  # the PPO anchor stays truncated
+        return exp.metrics["kl_in_reward/kl"]
+
+    assert kl(ref_logprobs=lambda b: untruncated, full_policy_logprobs=lambda b: untruncated) == 0.0
+    assert kl(ref_logprobs=lambda b: untruncated) == pytest.approx(1.5)  # truncated vs untruncated
