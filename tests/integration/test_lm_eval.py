@@ -154,7 +154,7 @@ def _get(url: str) -> Any:
 def test_tokenizer_routes_serve_the_model_tokenizer(server_url: str, tiny_model_dir: Path) -> None:
     _, tokenizer = _hf(tiny_model_dir)
     info = _get(f"{server_url}/tokenizer_info")
-    assert info["eos_token"] == tokenizer.eos_token and info.get("chat_template")
+    assert info["eos_token"] == tokenizer.eos_token
     body = json.dumps({"prompt": "The sky is blue", "add_special_tokens": False}).encode()
     request = urllib.request.Request(
         f"{server_url}/tokenize", data=body, headers={"Content-Type": "application/json"}
@@ -220,7 +220,9 @@ def test_greedy_answers_through_local_chat_completions(
     samples = results["samples"]["skylift_gen"]
     prompts = []
     for sample in samples:
-        messages = json.loads(sample["arguments"][0][0])
+        context = sample["arguments"][0][0]  # lm-eval's JsonChatStr: the messages as JSON
+        messages = json.loads(getattr(context, "prompt", context))
+        assert messages == [{"role": "user", "content": f"Question: {sample['doc']['question']}\nAnswer:"}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     assert [s["resps"][0][0] for s in samples] == _engine_greedy(server_url, prompts)
