@@ -220,8 +220,8 @@ def test_greedy_answers_through_local_chat_completions(
     samples = results["samples"]["skylift_gen"]
     prompts = []
     for sample in samples:
-        context = sample["arguments"][0][0]  # lm-eval's JsonChatStr: the messages as JSON
-        messages = json.loads(getattr(context, "prompt", context))
+        context = sample["arguments"][0][0]  # lm-eval's JsonChatStr (a 1-tuple): the messages as JSON
+        messages = json.loads(context if isinstance(context, str) else context[0])
         assert messages == [{"role": "user", "content": f"Question: {sample['doc']['question']}\nAnswer:"}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
