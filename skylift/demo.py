@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from skylift.utils.eval_stats import format_accuracy
+
 # dynamic sampling (DAPO `filter`): each step generates 16 prompts x 4 samples in one call and
 # trains on up to 8 of the groups whose 4 rewards differ (without it few groups carry a signal);
 # one call of 64 sequences costs less than two rounds of 32 (benchmarks/RESULTS.md)
@@ -236,15 +238,13 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
         paths.logs, title=f"skylift demo '{cfg.trainer.run_name}': {cfg.trainer.policy.model.path}, GRPO"
     )
     print()
-    print("                                   before    after")
+    print(f"{'':35}{'before':>11}   {'after':>11}")
     if before and after:
-        print(
-            f"held-out greedy accuracy (100)     {before['eval/accuracy']:6.0%}   {after['eval/accuracy']:6.0%}"
-        )
+        print(f"held-out greedy accuracy (100)     {accuracy_cell(before):>11}   {accuracy_cell(after):>11}")
     if rewards:
         print(
-            f"mean sampled reward (first/last)   {statistics.fmean(first_rewards):6.3f}   "
-            f"{statistics.fmean(last_rewards):6.3f}"
+            f"mean sampled reward (first/last)   {statistics.fmean(first_rewards):11.3f}   "
+            f"{statistics.fmean(last_rewards):11.3f}"
         )
     print()
     eval_s = sum(h.get("timing/eval_s", 0.0) for h in history)
@@ -261,6 +261,11 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
     print(f"plot: {plot}")
     print(f"metrics: {paths.logs / 'metrics.jsonl'}")
     return 0
+
+
+def accuracy_cell(metrics: dict[str, float]) -> str:
+    """An evaluation's accuracy with its standard error, e.g. ``'70% ± 4.6'`` (points)."""
+    return format_accuracy(metrics["eval/accuracy"], metrics.get("eval/accuracy_stderr", 0.0))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling
 from skylift.cluster.engines import EngineRef
 from skylift.cluster.placement import PlacedGroups
 from skylift.utils.calls import run_on_loop
@@ -376,7 +377,7 @@ class WorkerGroup:
         """The model as a Hugging Face directory at `path` (LoRA merged); returns the path."""
         return str(self.call_all("export_hf", path)[0])
 
-    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Any:
+    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: Sampling) -> Any:
         return self._per_token("compute_logprobs", batch, micro_batch_size, temperature)
 
     def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> Any:
@@ -402,7 +403,7 @@ class WorkerGroup:
         batch: SequenceBatch,
         loss_fn: LossFn,
         micro_batch_size: int,
-        temperature: float,
+        temperature: Sampling,
     ) -> dict[str, float]:
         shards = self.shards(batch) if self.world_size > 1 else [batch]
         results = self._call(

@@ -121,6 +121,13 @@ class AlgorithmConfig:
     gamma: float = _f(1.0, "gae / reinforce++: discount factor", ge=0, le=1)
     lambd: float = _f(1.0, "gae: lambda of generalised advantage estimation", ge=0, le=1)
     value_clip: float = _f(0.2, "critic: value clip range", ge=0)
+    enable_sample_support_replay: bool | None = _f(
+        None,
+        "score rollout tokens under the distribution the engine sampled from: the sampling temperature "
+        "then generator.sampling_params' min_p, top_k and top_p with vLLM's rules, renormalised over "
+        "the tokens left (no mass and no gradient outside them); null = on whenever sampling truncates. "
+        "The KL to the reference stays on the untruncated distribution",
+    )
     use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
     tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
     dynamic_sampling: DynamicSamplingConfig = _group(DynamicSamplingConfig, "dynamic sampling (DAPO)")

@@ -315,7 +315,6 @@ SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
         False,
         "groups of equal rewards are not masked; with GRPO their advantages are 0 already",
     ),
-    "trainer.algorithm.enable_sample_support_replay": (False, "no sample-support replay"),
     **{
         f"trainer.algorithm.off_policy_correction.{name}": (None, "no sequence or token masks")
         for name in (

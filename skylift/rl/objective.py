@@ -2,7 +2,10 @@
 
 A `PolicyObjective` is a small picklable callable (it travels to Ray actors); the worker calls it
 on each micro-batch with the new logprobs. It reads the per-token tensors the trainer attached to
-the batch (`advantages`, `rollout_logprobs`, and optionally `old_logprobs`, `ref_logprobs`).
+the batch (`advantages`, `rollout_logprobs`, and optionally `old_logprobs`, `ref_logprobs`). With
+truncated sampling the new logprobs are those of the truncated distribution the engine sampled
+from, and the KL loss reads the untruncated ones (the worker's `full_logprobs` extra), as the
+reference's are.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class PolicyObjective:
     token_count: float = 1.0
     seq_count: float = 1.0
 
+    @property
+    def needs_full_logprobs(self) -> bool:
+        """The KL to the reference is taken on the untruncated distribution (see the worker)."""
+        return self.use_kl_loss
+
     def __call__(self, logprobs: Tensor, micro: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
         mask = micro.response_mask.to(logprobs.dtype)
         extras = micro.extras
@@ -53,7 +61,7 @@ class PolicyObjective:
             rollout_logprobs=rollout,
         )
         if self.use_kl_loss:
-            kl = compute_kl(logprobs, extras["ref_logprobs"], self.kl_estimator)
+            kl = compute_kl(extras.get("full_logprobs", logprobs), extras["ref_logprobs"], self.kl_estimator)
             per_token = per_token + self.kl_loss_coef * kl * mask
             metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
         loss = reduce_loss(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from skylift.algorithms.sample_support import Sampling
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
 from skylift.inference.types import SamplingParams
@@ -36,12 +37,12 @@ class ModelGroup(Protocol):
 
     world_size: int
 
-    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Any: ...
+    def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: Sampling) -> Any: ...
 
     def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> Any: ...
 
     def train_mini_batch(
-        self, batch: SequenceBatch, objective: Any, micro_batch_size: int, temperature: float
+        self, batch: SequenceBatch, objective: Any, micro_batch_size: int, temperature: Sampling
     ) -> dict[str, float]: ...
 
     def save_checkpoint(self, path: str) -> None: ...

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skylift.algorithms import PolicyLossConfig, mini_batch_totals
+from skylift.algorithms.sample_support import Sampling, TokenDistribution
 from skylift.cluster.settings import max_generate_length
 from skylift.config.schema import SkyliftConfig
 from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
@@ -24,7 +25,7 @@ class TrainsMiniBatches(Protocol):
     world_size: int
 
     def train_mini_batch(
-        self, batch: SequenceBatch, loss_fn: Any, micro_batch_size: int, temperature: float
+        self, batch: SequenceBatch, loss_fn: Any, micro_batch_size: int, temperature: Sampling
     ) -> dict[str, float]: ...
 
 
@@ -36,7 +37,7 @@ class UpdateSettings:
     critic_rows_per_mini_batch: int
     epochs: int = 1
     micro_batch_size: int = 1
-    temperature: float = 1.0
+    temperature: Sampling = 1.0  # the distribution the policy's logprobs are taken under
     skip_zero_advantage_rows: bool = False
     value_clip: float = 0.2
 
@@ -48,7 +49,7 @@ class UpdateSettings:
             critic_rows_per_mini_batch=t.critic_mini_batch_size * n,
             epochs=t.update_epochs_per_batch,
             micro_batch_size=t.micro_train_batch_size_per_gpu,
-            temperature=sampling_temperature(cfg),
+            temperature=training_distribution(cfg),
             skip_zero_advantage_rows=t.skip_zero_advantage_rows and not alg.use_kl_loss,
             value_clip=alg.value_clip,
         )
@@ -58,6 +59,23 @@ def sampling_temperature(cfg: SkyliftConfig) -> float:
     """The temperature the rollouts were sampled at (greedy counts as 1): logits are divided by it."""
     temp = cfg.generator.sampling_params.temperature
     return temp if temp > 0 else 1.0
+
+
+def training_distribution(cfg: SkyliftConfig) -> TokenDistribution:
+    """The distribution the policy's logprobs of rollout tokens are taken under: the sampling
+    temperature and, with sampling-support replay (`trainer.algorithm.enable_sample_support_replay`,
+    null = whenever the rollouts' sampling truncates), the engine's top-k, top-p and min-p."""
+    sp = cfg.generator.sampling_params
+    if sp.temperature <= 0:  # greedy: vLLM applies no truncation
+        return TokenDistribution()
+    dist = TokenDistribution(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        min_p=sp.min_p,
+    )
+    replay = cfg.trainer.algorithm.enable_sample_support_replay
+    return dist if (dist.truncates if replay is None else replay) else dist.full()
 
 
 def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:

@@ -24,10 +24,17 @@ def find_metrics_file(run_dir: str | Path) -> Path:
 
 
 def accuracy_series(rows: list[dict]) -> list[str]:
-    """The `eval/*accuracy*` keys to draw: the per-data-source ones only when there are several
-    sources (with one, `eval/<source>/accuracy` is `eval/accuracy` again; a source's name may hold
-    slashes, e.g. `skylift/addition-demo`)."""
-    keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "accuracy" in k})
+    """The `eval/*accuracy*` keys to draw (their `_stderr` become error bars): the per-data-source
+    ones only when there are several sources (with one, `eval/<source>/accuracy` is `eval/accuracy`
+    again; a source's name may hold slashes, e.g. `skylift/addition-demo`)."""
+    keys = sorted(
+        {
+            k
+            for r in rows
+            for k in r
+            if k.startswith("eval/") and "accuracy" in k and not k.endswith("_stderr")
+        }
+    )
     per_source = [k for k in keys if k != "eval/accuracy" and k.endswith("/accuracy")]
     if len(per_source) == 1 and "eval/accuracy" in keys:
         keys.remove(per_source[0])
@@ -61,8 +68,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     ax_reward.set_title("training reward")
     ax_reward.grid(alpha=0.3)
     for key in accuracy_series(rows):
-        series = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        ax_eval.plot(*zip(*series, strict=True), marker="s", label=key.removeprefix("eval/"))
+        series = [(r["step"], r[key], r.get(f"{key}_stderr", 0.0)) for r in rows if r.get(key) is not None]
+        steps, values, errors = zip(*series, strict=True)
+        label = key.removeprefix("eval/") + (" (± s.e.)" if any(errors) else "")
+        ax_eval.errorbar(steps, values, yerr=errors, marker="s", capsize=3, label=label)
     ax_eval.set_xlabel("step")
     ax_eval.set_ylabel("accuracy")
     ax_eval.set_ylim(0, 1)

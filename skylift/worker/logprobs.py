@@ -12,18 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch
-
-
-def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] without materialising the full log-softmax.
-
-    `targets` is `[..., T]` (one token per position) or `[..., T, K]` (K tokens per position)."""
-    logits = logits.float()
-    if targets.dim() == logits.dim():
-        return logits.gather(-1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
@@ -41,12 +31,16 @@ def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
 def response_logprobs(
     model: torch.nn.Module,
     batch: SequenceBatch,
-    temperature: float = 1.0,
+    temperature: Sampling = 1.0,
     share_prompts: bool = True,
+    with_full: bool = False,
 ) -> Tensor:
     """Logprobs `[B, R]` of `batch.response_ids` given everything before them.
 
-    Logits are divided by the sampling temperature so they match what the engine sampled from.
+    `temperature` is the sampling temperature, or the whole `TokenDistribution` the engine sampled
+    from (truncated sampling: skylift.algorithms.sample_support), so that the logprobs are those of
+    the distribution the tokens were drawn from. `with_full` adds a last dimension: (those logprobs,
+    the untruncated distribution's at the same temperature).
     Only response positions get logits (`logits_to_keep`). With `share_prompts`, rows that share a
     prompt share one prompt forward pass (see the module docstring). An extra ``target_ids``
     (`[B, R]` or `[B, R, K]`, long) scores those tokens at each response position instead of the
@@ -60,9 +54,8 @@ def response_logprobs(
         logits = _full_forward(model, batch)
     else:
         logits = _shared_prompt_forward(model, batch, first, inverse)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return gather_logprobs(logits, batch.extras.get("target_ids", batch.response_ids))
+    score = logprobs_with_full if with_full else token_logprobs
+    return score(logits, batch.extras.get("target_ids", batch.response_ids), temperature)
 
 
 def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:

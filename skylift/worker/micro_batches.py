@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch, split_rows
-from skylift.worker.logprobs import gather_logprobs, unique_prompts
+from skylift.worker.logprobs import unique_prompts
 
 
 def ordered_rows(batch: SequenceBatch) -> list[int]:
@@ -98,14 +99,16 @@ def pack(micro: SequenceBatch) -> PackedLayout:
 
 
 def _scatter(micro: SequenceBatch, layout: PackedLayout, flat: Tensor) -> Tensor:
-    out = torch.zeros(micro.batch_size, micro.response_len, dtype=flat.dtype, device=flat.device)
+    shape = (micro.batch_size, micro.response_len, *flat.shape[1:])
+    out = torch.zeros(shape, dtype=flat.dtype, device=flat.device)
     return out.index_put((layout.rows, layout.cols), flat)
 
 
 def packed_response_logprobs(
-    model: torch.nn.Module, micro: SequenceBatch, temperature: float = 1.0
+    model: torch.nn.Module, micro: SequenceBatch, temperature: Sampling = 1.0, with_full: bool = False
 ) -> Tensor:
-    """Logprobs `[b, R]` of `micro.response_ids` (zeros at padding), from one packed forward."""
+    """Logprobs `[b, R]` of `micro.response_ids` (zeros at padding), from one packed forward
+    (`temperature` and `with_full` as in `skylift.worker.logprobs.response_logprobs`)."""
     layout = pack(micro)
     out = model(
         input_ids=layout.input_ids,
@@ -114,10 +117,8 @@ def packed_response_logprobs(
         use_cache=False,
         logits_to_keep=layout.keep,
     )
-    logits = out.logits[0]
-    if temperature != 1.0:
-        logits = logits / temperature
-    return _scatter(micro, layout, gather_logprobs(logits, layout.targets))
+    score = logprobs_with_full if with_full else token_logprobs
+    return _scatter(micro, layout, score(out.logits[0], layout.targets, temperature))
 
 
 def packed_response_values(model: torch.nn.Module, micro: SequenceBatch) -> Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch
 
 #: Attention implementations that take a dense 4D mask (flash-attention kernels do not).
@@ -127,22 +128,21 @@ def _forward(model: torch.nn.Module, tree: PrefixTree, device: torch.device, **k
 
 
 def _scatter(micro: SequenceBatch, tree: PrefixTree, flat: Tensor) -> Tensor:
-    out = torch.zeros(micro.batch_size, micro.response_len, dtype=flat.dtype, device=flat.device)
+    shape = (micro.batch_size, micro.response_len, *flat.shape[1:])
+    out = torch.zeros(shape, dtype=flat.dtype, device=flat.device)
     return out.index_put((tree.rows.to(flat.device), tree.cols.to(flat.device)), flat)
 
 
 def prefix_tree_response_logprobs(
-    model: torch.nn.Module, micro: SequenceBatch, temperature: float = 1.0
+    model: torch.nn.Module, micro: SequenceBatch, temperature: Sampling = 1.0, with_full: bool = False
 ) -> Tensor:
-    """Logprobs `[b, R]` of `micro.response_ids` (zeros at padding), from one prefix-shared forward."""
+    """Logprobs `[b, R]` of `micro.response_ids` (zeros at padding), from one prefix-shared forward
+    (`temperature` and `with_full` as in `skylift.worker.logprobs.response_logprobs`)."""
     device = micro.input_ids.device
     tree = build_prefix_tree(micro)
-    logits = _forward(model, tree, device, logits_to_keep=tree.keep.to(device)).float()  # [K, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    index, targets = tree.index.to(device), tree.targets.to(device)
-    picked = logits[index, targets]
-    return _scatter(micro, tree, picked - torch.logsumexp(logits, dim=-1)[index])
+    logits = _forward(model, tree, device, logits_to_keep=tree.keep.to(device))  # [K, V]
+    score = logprobs_with_full if with_full else token_logprobs
+    return _scatter(micro, tree, score(logits, tree.targets.to(device), temperature, tree.index.to(device)))
 
 
 def prefix_tree_response_values(model: torch.nn.Module, micro: SequenceBatch) -> Tensor:

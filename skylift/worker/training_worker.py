@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling, as_distribution
 from skylift.utils.dtypes import FLOAT_DTYPES, str_to_dtype
 from skylift.worker.batch import SequenceBatch
 from skylift.worker.distributed import device_for_rank, init_training_group
@@ -33,7 +34,9 @@ from skylift.worker.micro_batches import (
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
 from skylift.worker.sharding import full_tensor, shard_model
 
-# loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics)
+# loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics). A loss function
+# with a true `needs_full_logprobs` attribute also finds, when the sampling distribution is
+# truncated, the untruncated distribution's logprobs as the micro-batch's "full_logprobs" extra.
 LossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, dict[str, float]]]
 
 
@@ -199,8 +202,11 @@ class TrainingWorker:
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
 
     # ---------------------------------------------------------------- forward
-    def _response_outputs(self, model: torch.nn.Module, micro: SequenceBatch, temperature: float) -> Tensor:
-        """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`."""
+    def _response_outputs(
+        self, model: torch.nn.Module, micro: SequenceBatch, temperature: Sampling, with_full: bool = False
+    ) -> Tensor:
+        """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`; `[b, R, 2]`
+        `with_full` (see `response_logprobs`)."""
         # the packed and prefix-shared paths score the response tokens of text rows only
         text = "target_ids" not in micro.extras and micro.row_inputs is None
         tree = text and self.settings.share_prefixes
@@ -211,10 +217,10 @@ class TrainingWorker:
                     return prefix_tree_response_values(model, micro)
                 return (packed_response_values if packed else response_values)(model, micro)
             if tree:
-                return prefix_tree_response_logprobs(model, micro, temperature)
+                return prefix_tree_response_logprobs(model, micro, temperature, with_full)
             if packed:
-                return packed_response_logprobs(model, micro, temperature)
-            return response_logprobs(model, micro, temperature)
+                return packed_response_logprobs(model, micro, temperature, with_full)
+            return response_logprobs(model, micro, temperature, with_full=with_full)
 
     def _micro_batches(self, batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
         s = self.settings
@@ -232,9 +238,10 @@ class TrainingWorker:
         return torch.autocast(device_type=self.device.type, dtype=compute_dtype)
 
     def compute_logprobs(
-        self, batch: SequenceBatch, micro_batch_size: int, temperature: float = 1.0
+        self, batch: SequenceBatch, micro_batch_size: int, temperature: Sampling = 1.0
     ) -> Tensor:
-        """Response-token logprobs `[B, R]` (zeros at padding) of a causal LM (head "lm")."""
+        """Response-token logprobs `[B, R]` (zeros at padding) of a causal LM (head "lm"), under
+        the sampling temperature or the whole `TokenDistribution` the tokens were sampled from."""
         self._require_head("lm", "compute_logprobs")
         return self._per_token_outputs(batch, micro_batch_size, temperature)
 
@@ -250,7 +257,9 @@ class TrainingWorker:
             )
 
     @torch.no_grad()
-    def _per_token_outputs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float) -> Tensor:
+    def _per_token_outputs(
+        self, batch: SequenceBatch, micro_batch_size: int, temperature: Sampling
+    ) -> Tensor:
         model = self._model()
         was_training = model.training
         model.eval()
@@ -272,7 +281,7 @@ class TrainingWorker:
         batch: SequenceBatch,
         loss_fn: LossFn,
         micro_batch_size: int,
-        temperature: float = 1.0,
+        temperature: Sampling = 1.0,
     ) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over micro-batches, clip, and take one optimizer step.
 
@@ -298,7 +307,7 @@ class TrainingWorker:
         batch: SequenceBatch,
         loss_fn: LossFn,
         micro_batch_size: int,
-        temperature: float = 1.0,
+        temperature: Sampling = 1.0,
     ) -> dict[str, float]:
         """Backpropagate `loss_fn` over micro-batches of `batch`, adding to the current gradients
         (no optimizer step). Returns the loss function's metrics averaged over micro-batches."""
@@ -307,9 +316,13 @@ class TrainingWorker:
         model.train()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
+        with_full = getattr(loss_fn, "needs_full_logprobs", False) and as_distribution(temperature).truncates
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp = self._response_outputs(model, micro, temperature)
+            logp = self._response_outputs(model, micro, temperature, with_full)
+            if with_full:
+                micro = micro.with_extras(full_logprobs=logp[..., 1])
+                logp = logp[..., 0]
             loss, metrics = loss_fn(logp, micro)
             if self.world_size > 1:
                 loss = loss * self.world_size  # FSDP averages gradients over ranks
