@@ -131,6 +131,16 @@ def warn_if_exposed(host: str, api_key: str | None, api_keys_file: str | None = 
     return True
 
 
+def private_data_dir(path: Path) -> Path:
+    """The data directory, private to the server's user: everything the process creates from now
+    on (checkpoints, the SQLite database) is too (umask 077)."""
+    os.umask(0o077)
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
 def _media_root(raw: str) -> Path:
     path = Path(os.path.abspath(raw))
     if not path.is_dir():
@@ -157,8 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if value <= 0:
             raise SystemExit(f"{flag} must be > 0, got {value}")
-    data_dir = Path(args.data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = private_data_dir(Path(args.data_dir))
     db = args.db or f"sqlite:///{data_dir / 'tinker.db'}"
     config = ServerConfig(
         base_models=list(args.base_models),

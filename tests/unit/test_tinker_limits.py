@@ -457,6 +457,21 @@ def test_futures_never_retrieved_are_pruned_after_their_maximum_age(tmp_path: Pa
     store.close()
 
 
+def test_the_data_directory_and_what_the_server_writes_are_private(tmp_path: Path) -> None:
+    import stat
+
+    from skylift.tinker.commands import private_data_dir
+
+    old = os.umask(0o022)
+    try:
+        data = private_data_dir(tmp_path / "data")
+        (data / "tinker.db").write_text("x")
+        for path in (data, data / "tinker.db"):
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, oct(path.stat().st_mode)
+    finally:
+        os.umask(old)
+
+
 def test_request_limits_come_from_the_server_flags(tmp_path: Path) -> None:
     import argparse
 
