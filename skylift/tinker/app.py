@@ -45,6 +45,7 @@ from skylift.tinker.http_common import caller as who
 from skylift.tinker.http_common import error_response as _error
 from skylift.tinker.http_common import read_json as _json
 from skylift.tinker.limits import RequestLimits, read_payload
+from skylift.tinker.openapi import install_sdk_bodies
 from skylift.tinker.ownership import Owners
 from skylift.tinker.service import ServerConfig, TinkerService
 from skylift.tinker.wire import WireLimits, decode_forward_backward
@@ -92,6 +93,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     install_auth(app, keyring, api)
     install_error_handlers(app)
+    install_sdk_bodies(app, api)
 
     def idem(request: Request) -> str | None:
         return request.headers.get("x-idempotency-key")

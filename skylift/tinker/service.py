@@ -261,15 +261,18 @@ class TinkerService:
     # ---------------------------------------------------------------- sessions
     def create_session(self, body: dict[str, Any]) -> str:
         tags, metadata = body.get("tags") or [], body.get("user_metadata") or {}
+        sdk_version = body.get("sdk_version")
         if not isinstance(tags, list) or not isinstance(metadata, dict):
             raise UserError("create_session: tags must be a list and user_metadata an object")
+        if sdk_version is not None and not isinstance(sdk_version, str):
+            raise UserError(f"create_session: sdk_version must be a string, got {type(sdk_version).__name__}")
         session_id = f"s{uuid.uuid4().hex[:16]}"
         self.store.add(
             SessionRow(
                 id=session_id,
                 tags=tags,
                 user_metadata=metadata,
-                sdk_version=body.get("sdk_version"),
+                sdk_version=sdk_version if sdk_version is None else sdk_version[:64],
             )
         )
         return session_id
