@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
+from skylift.tinker import durable
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import UserError
@@ -85,11 +86,22 @@ class TinkerService:
         self._hub = FutureHub(self.store, self.config.result_retention_s, self.config.future_max_age_s)
         lost = await asyncio.to_thread(self.store.mark_pending_lost)  # retrieve_future answers 410
         await asyncio.to_thread(self.store.mark_loaded_models_unloaded)
+        await asyncio.to_thread(self._sweep_unrecorded_versions)
         if lost:
             logger.warning(
                 "%d requests were pending when the server last stopped; clients resubmit them", lost
             )
         self._cleanup_task = asyncio.get_running_loop().create_task(self._cleanup_loop())
+
+    def _sweep_unrecorded_versions(self) -> None:
+        """Delete checkpoint versions a crash left behind: directories with a version tag
+        (`skylift.tinker.durable`) that no record names (a write that never got recorded, or an
+        overwritten version whose deletion did not happen)."""
+        recorded = {str(Path(c.directory)) for c in self.store.checkpoints()}
+        for directory in self.data_dir.glob(f"runs/*/*/*{durable.VERSION_SEP}*"):
+            if directory.is_dir() and str(directory) not in recorded:
+                logger.info("deleting %s: an unrecorded checkpoint version", directory)
+                shutil.rmtree(directory, ignore_errors=True)
 
     async def stop(self) -> None:
         if self._cleanup_task is not None:

@@ -404,6 +404,11 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint_whole_and_recorded(lab: Te
     assert (Path(row.directory) / "weights.bin").read_text() == "newer"
     siblings = sorted(p.name for p in Path(row.directory).parent.iterdir())
     assert len(siblings) == 1, siblings  # the old version and the failed one are gone
+    # a version a crash left behind (written, never recorded) is deleted at the next start
+    stray = Path(row.directory).parent / "c#0123456789ab"
+    stray.mkdir()
+    svc._sweep_unrecorded_versions()
+    assert not stray.exists() and Path(row.directory).is_dir()
 
 
 def test_copying_a_published_checkpoint_gives_the_copy_to_the_caller(lab: TestClient) -> None:
