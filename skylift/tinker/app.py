@@ -323,7 +323,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
         def refuse(user: str) -> Exception | None:
             sampling_id = body.get("sampling_session_id")
-            if sampling_id and not owners.owns_sampler(user, sampling_id):
+            if sampling_id and not owners.may_use_sampler(user, sampling_id):
                 return ownership.unknown_sampling_session(sampling_id)
             if (
                 not sampling_id

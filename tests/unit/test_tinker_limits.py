@@ -432,6 +432,32 @@ def test_copying_a_published_checkpoint_gives_the_copy_to_the_caller(lab: TestCl
     assert run_id in [r["training_run_id"] for r in mine], mine
 
 
+def test_a_sampler_loses_access_when_its_checkpoint_is_unpublished(lab: TestClient) -> None:
+    from skylift.tinker.checkpoints import write_checkpoint
+
+    svc = lab.app.state.service  # type: ignore[attr-defined]
+    _alice_run(svc, str(lab.tiny_model_dir), "run-shared")  # type: ignore[attr-defined]
+
+    async def write() -> tuple[str, int]:
+        return await write_checkpoint(svc, _writer("w", public=True), "run-shared", "sampler", "s", None)
+
+    path, _ = lab.portal.call(write)  # type: ignore[union-attr]
+    body = {"session_id": _session(lab, BOB), "sampling_session_seq_id": 0, "model_path": path}
+    sampler = lab.post(f"{API}/create_sampling_session", json=body, headers=BOB).json()["sampling_session_id"]
+    empty = {"sampling_session_id": sampler, "seq_id": 0, "num_samples": 1, "prompt": {"chunks": []}}
+
+    def sample_error() -> str:
+        empty["seq_id"] += 1  # type: ignore[operator]
+        resp = lab.post(f"{API}/asample", json=empty, headers=BOB)
+        assert resp.status_code == 200, resp.text
+        return str(_result(lab, resp.json()["request_id"], BOB)["error"])
+
+    assert sample_error() == "prompt is empty"  # the sampler works (an empty prompt starts no engine)
+    resp = lab.delete(f"{API}/training_runs/run-shared/checkpoints/sampler_weights/s/publish", headers=ALICE)
+    assert resp.status_code == 204, resp.text
+    assert sample_error() == f"unknown sampling session {sampler!r}"
+
+
 def test_futures_never_retrieved_are_pruned_after_their_maximum_age(tmp_path: Path) -> None:
     import datetime as dt
 
