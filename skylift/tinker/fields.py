@@ -18,6 +18,8 @@ def int_field(
     value = body.get(key)
     if value is None:
         return default
+    if isinstance(value, str):  # "3" is 3; "first" raises ValueError: a malformed request (400)
+        value = int(value)
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= highest:

@@ -413,7 +413,7 @@ class TinkerService:
         config = ModelConfig(
             base_model=str(body["base_model"]),
             model_path=info.path,
-            lora_rank=int_field(lora, "rank", 0, highest=MAX_LORA_RANK),
+            lora_rank=int_field(lora, "rank", 0, lowest=-MAX_LORA_RANK, highest=MAX_LORA_RANK),
             train_attn=bool(lora.get("train_attn", True)),
             train_mlp=bool(lora.get("train_mlp", True)),
             train_unembed=bool(lora.get("train_unembed", True)),

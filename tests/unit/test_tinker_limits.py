@@ -240,7 +240,13 @@ def test_target_prompt_logprobs_shape_is_checked_before_allocation(lab: TestClie
             400,
             "NaN is not a JSON number",
         ),
-        ("POST", "create_model", {"json": {"session_id": "S", "model_seq_id": "abc"}}, 400, "model_seq_id"),
+        (
+            "POST",
+            "create_model",
+            {"json": {"session_id": "S", "model_seq_id": "abc"}},
+            400,
+            "malformed request",
+        ),
         ("POST", "create_model", {"json": {"session_id": "S", "model_seq_id": 1e300}}, 400, "model_seq_id"),
         (
             "POST",
