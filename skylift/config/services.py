@@ -50,6 +50,11 @@ class ServerConfig:
     snapshot_memory_mb: float = 8192.0
     max_idle_snapshots: int = 4
     engine: EngineSettings = field(default_factory=EngineSettings)
+    # what one request may ask (skylift.tinker.limits; docs/security.md)
+    allowed_local_media_paths: list[Path] = field(default_factory=list)  # image pointer roots; none: refused
+    max_request_mb: float = 256.0  # a request body, before and after zstd decompression
+    max_request_cells: int = 16 * 1024 * 1024  # loss-input cells of one forward(_backward), padded
+    future_max_age_s: float = 86400.0  # a future never retrieved is deleted this long after it was made
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,11 @@ from skylift.tinker.http_common import (
 from skylift.tinker.http_common import caller as who
 from skylift.tinker.http_common import error_response as _error
 from skylift.tinker.http_common import read_json as _json
+from skylift.tinker.limits import RequestLimits, read_payload
+from skylift.tinker.openapi import install_sdk_bodies
 from skylift.tinker.ownership import Owners
 from skylift.tinker.service import ServerConfig, TinkerService
-from skylift.tinker.wire import decode_forward_backward
+from skylift.tinker.wire import WireLimits, decode_forward_backward
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +85,15 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="skylift Tinker-compatible service", lifespan=lifespan)
     app.state.service = service
     app.state.keyring = keyring
+    app.state.limits = limits = RequestLimits.from_config(config)
+    wire_limits = WireLimits(
+        max_tokens=max(b.max_model_len for b in service.base_models), max_cells=limits.max_cells
+    )
     api = "/api/v1"
 
     install_auth(app, keyring, api)
     install_error_handlers(app)
+    install_sdk_bodies(app, api)
 
     def idem(request: Request) -> str | None:
         return request.headers.get("x-idempotency-key")
@@ -215,21 +222,19 @@ def create_app(config: ServerConfig) -> FastAPI:
 
         return await asyncio.to_thread(info)
 
+    async def decoded_call(request: Request) -> Any:
+        """The protobuf body (size-limited, zstd allowed), decoded in a worker thread with the
+        server's shape limits."""
+        raw = await read_payload(request)
+        return await asyncio.to_thread(decode_forward_backward, raw, wire_limits)
+
     @app.post(f"{api}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if request.headers.get("content-encoding", "").lower() == "zstd":
-            import zstandard
-
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(raw)
-            except zstandard.ZstdError as exc:
-                raise UserError(f"forward_backward: the body is not valid zstd: {exc}") from exc
-        return await forward_call(request, decode_forward_backward(raw), "forward_backward")
+        return await forward_call(request, await decoded_call(request), "forward_backward")
 
     @app.post(f"{api}/forward")
     async def forward(request: Request) -> dict[str, Any]:
-        call = decode_forward_backward(await request.body())
+        call = await decoded_call(request)
         call.forward_only = True
         return await forward_call(request, call, "forward")
 
@@ -318,7 +323,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
         def refuse(user: str) -> Exception | None:
             sampling_id = body.get("sampling_session_id")
-            if sampling_id and not owners.owns_sampler(user, sampling_id):
+            if sampling_id and not owners.may_use_sampler(user, sampling_id):
                 return ownership.unknown_sampling_session(sampling_id)
             if (
                 not sampling_id

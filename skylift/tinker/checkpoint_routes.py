@@ -121,7 +121,7 @@ def add_routes(
                 raise ownership.missing_checkpoint(source)
             if body.get("session_id") is not None:
                 owners.session(user, body["session_id"])
-            return checkpoints.copy_weights(service, body)
+            return checkpoints.copy_weights(service, body, user)
 
         return await asyncio.to_thread(copy)
 

@@ -10,6 +10,7 @@ the credential, so plain downloaders such as `tinker checkpoint download` work u
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import hmac
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from skylift.tinker import durable
 from skylift.tinker.errors import NotFoundError, UserError
 from skylift.tinker.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
 from skylift.tinker.views import KIND_SEGMENT, META_FILE, check_name, iso, parse_tinker_path, tinker_path
@@ -66,12 +68,19 @@ async def write_checkpoint(
     user_metadata: Any = None,
 ) -> tuple[str, int]:
     """Write checkpoint `name` of kind `kind` afresh with `writer(directory) -> size` (on the
-    training thread) and record it; (its tinker path, its size)."""
+    training thread) and record it; (its tinker path, its size). Crash-safe: the new version is
+    written under a temporary name, fsynced and renamed, then recorded; an old version (an
+    overwrite) stays complete and recorded until then, and is deleted after."""
     path = tinker_path(model_id, kind, name)
-    directory = svc.run_dir(model_id, kind, name)
-    if directory.exists():
-        shutil.rmtree(directory)
-    size = await svc.run_training(writer, directory)
+    final = svc.run_dir(model_id, kind, name)
+    staging = durable.staging_dir(final)
+    try:
+        size = await svc.run_training(writer, staging)
+        directory = await asyncio.to_thread(durable.commit_dir, staging, final)
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, staging, True)
+        raise
+    old = await svc.db(svc.store.checkpoint, path)
     row = CheckpointRow(
         tinker_path=path,
         model_id=model_id,
@@ -83,6 +92,8 @@ async def write_checkpoint(
         user_metadata=user_metadata,
     )
     await svc.db(svc.store.put_checkpoint, row)
+    if old is not None and Path(old.directory) != directory:
+        await asyncio.to_thread(shutil.rmtree, old.directory, True)
     return path, size
 
 
@@ -128,7 +139,9 @@ def signed_file(svc: TinkerService, url_path: str, expires: int, sig: str) -> Pa
     is wrong or expired."""
     if expires < time.time():
         raise PermissionError("this download URL expired; ask for new ones (external_weights_urls)")
-    if not hmac.compare_digest(_signature(svc.url_secret, url_path, expires), sig):
+    if not hmac.compare_digest(
+        _signature(svc.url_secret, url_path, expires).encode(), sig.encode("utf-8", "replace")
+    ):
         raise PermissionError("invalid download URL signature")
     rest = url_path.removeprefix(SIGNED_PREFIX + "/")
     run_id, segment, name, rel = rest.split("/", 3)
@@ -149,7 +162,7 @@ def set_public(svc: TinkerService, run_id: str, checkpoint_id: str, public: bool
         state = "public" if public else "private"
         raise UserError(f"checkpoint {row.tinker_path} is already {state}")
     meta["public"] = public
-    meta_path.write_text(json.dumps(meta))
+    durable.write_text_atomic(meta_path, json.dumps(meta))
 
 
 def set_ttl(svc: TinkerService, run_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
@@ -172,22 +185,38 @@ def weights_info(svc: TinkerService, path: str) -> dict[str, Any]:
     }
 
 
-def copy_weights(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any]:
-    """Copy a checkpoint into a new training run (unloaded): `<session_id>:train:<model_seq_id>`
-    with a session, else `copy-<id>` in the source's session (this server has no projects: a
-    `destination_project_id` is accepted and only labels the copy)."""
+def copy_weights(svc: TinkerService, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
+    """Copy a checkpoint into a new training run (unloaded) of the caller (`owner`):
+    `<session_id>:train:<model_seq_id>` with a session of the caller, else `copy-<id>` in a new
+    session of the caller (this server has no projects: a `destination_project_id` is accepted
+    and only labels the copy). Never in the source's namespace: copying another user's
+    published checkpoint gives the caller the copy."""
     source = _by_path(svc, str(body.get("source_path")))
     src_model = svc.store.get(ModelRow, source.model_id)
     session_id, seq = body.get("session_id"), body.get("model_seq_id")
     if session_id is not None:
-        if seq is None:
-            raise UserError("copy_weights: send model_seq_id with session_id")
+        if seq is None or not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**31:
+            raise UserError(f"copy_weights: send model_seq_id (an integer >= 0) with session_id, got {seq!r}")
         svc.session(str(session_id))
-        run_id = f"{session_id}:train:{int(seq)}"
+        run_id = f"{session_id}:train:{seq}"
     elif body.get("destination_project_id"):
-        session_id, run_id = src_model.session_id, f"copy-{uuid.uuid4().hex[:12]}"
+        session_id, run_id = f"s{uuid.uuid4().hex[:16]}", f"copy-{uuid.uuid4().hex[:12]}"
+        svc.store.add(
+            SessionRow(
+                id=session_id,
+                tags=["copy_weights"],
+                user_metadata={},
+                owner=owner,
+                finished_at=utcnow(),
+                finish_reason="copy_weights",
+            )
+        )
     else:
         raise UserError("copy_weights: send destination_project_id, or session_id and model_seq_id")
+    _, kind, name = parse_tinker_path(source.tinker_path)
+    path = tinker_path(run_id, kind, name)
+    if svc.store.checkpoint(path) is not None:
+        raise UserError(f"copy_weights: {path} already exists")
     if svc.store.get(ModelRow, run_id) is None:
         svc.store.add(
             ModelRow(
@@ -202,17 +231,20 @@ def copy_weights(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any]:
                 },
             )
         )
-    _, kind, name = parse_tinker_path(source.tinker_path)
-    path = tinker_path(run_id, kind, name)
-    if svc.store.checkpoint(path) is not None:
-        raise UserError(f"copy_weights: {path} already exists")
-    directory = svc.run_dir(run_id, kind, name)
-    shutil.copytree(source.directory, directory)
-    meta_path = directory / META_FILE
-    if meta_path.is_file():  # a copy starts private
-        meta = json.loads(meta_path.read_text())
-        meta.pop("public", None)
-        meta_path.write_text(json.dumps(meta))
+    final = svc.run_dir(run_id, kind, name)
+    staging = durable.staging_dir(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copytree(source.directory, staging)
+        meta_path = staging / META_FILE
+        if meta_path.is_file():  # a copy starts private
+            meta = json.loads(meta_path.read_text())
+            meta.pop("public", None)
+            meta_path.write_text(json.dumps(meta))
+        directory = durable.commit_dir(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     svc.store.put_checkpoint(
         CheckpointRow(
             tinker_path=path,

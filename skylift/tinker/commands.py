@@ -81,6 +81,37 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
         default=4,
         help="snapshots of finished sessions kept for late samples (oldest dropped first)",
     )
+    serve.add_argument(
+        "--allowed-local-media-path",
+        action="append",
+        default=[],
+        dest="allowed_local_media_paths",
+        metavar="DIR",
+        help="image_asset_pointer chunks may name regular files under DIR (repeatable; default: none, "
+        "every pointer is refused)",
+    )
+    serve.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=256.0,
+        metavar="MB",
+        help="largest request body, also after zstd decompression (default: 256); larger ones get 413",
+    )
+    serve.add_argument(
+        "--max-request-cells",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="N",
+        help="most loss-input cells of one forward/forward_backward, padded to its longest datum "
+        "(default: 16777216)",
+    )
+    serve.add_argument(
+        "--future-max-age-s",
+        type=float,
+        default=86400.0,
+        metavar="S",
+        help="delete a future never retrieved this long after it was made (default: 86400)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
@@ -100,6 +131,23 @@ def warn_if_exposed(host: str, api_key: str | None, api_keys_file: str | None = 
     return True
 
 
+def private_data_dir(path: Path) -> Path:
+    """The data directory, private to the server's user: everything the process creates from now
+    on (checkpoints, the SQLite database) is too (umask 077)."""
+    os.umask(0o077)
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def _media_root(raw: str) -> Path:
+    path = Path(os.path.abspath(raw))
+    if not path.is_dir():
+        raise SystemExit(f"--allowed-local-media-path {raw}: not a directory")
+    return path
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -111,10 +159,15 @@ def _serve(args: argparse.Namespace) -> int:
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warn_if_exposed(args.host, args.api_key, args.api_keys_file)
-    if args.result_retention_s <= 0:
-        raise SystemExit(f"--result-retention-s must be > 0, got {args.result_retention_s}")
-    data_dir = Path(args.data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    for flag, value in (
+        ("--result-retention-s", args.result_retention_s),
+        ("--max-request-mb", args.max_request_mb),
+        ("--max-request-cells", args.max_request_cells),
+        ("--future-max-age-s", args.future_max_age_s),
+    ):
+        if value <= 0:
+            raise SystemExit(f"{flag} must be > 0, got {value}")
+    data_dir = private_data_dir(Path(args.data_dir))
     db = args.db or f"sqlite:///{data_dir / 'tinker.db'}"
     config = ServerConfig(
         base_models=list(args.base_models),
@@ -129,6 +182,10 @@ def _serve(args: argparse.Namespace) -> int:
         long_poll_s=args.long_poll,
         snapshot_memory_mb=args.snapshot_memory_mb,
         max_idle_snapshots=args.max_idle_snapshots,
+        allowed_local_media_paths=[_media_root(p) for p in args.allowed_local_media_paths],
+        max_request_mb=args.max_request_mb,
+        max_request_cells=args.max_request_cells,
+        future_max_age_s=args.future_max_age_s,
     )
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)

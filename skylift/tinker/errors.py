@@ -16,6 +16,11 @@ class NotFoundError(UserError):
     """A referenced id or path does not exist."""
 
 
+class TooLargeError(UserError):
+    """The request is larger than one of this server's limits (HTTP 413); the message names the
+    limit and the option that raises it."""
+
+
 def unknown(what: str, key: object) -> NotFoundError:
     """The error of an id that names nothing (or another user's record): "unknown <what> <key>"."""
     return NotFoundError(f"unknown {what} {key!r}")

@@ -11,7 +11,8 @@ final) is kept in memory until its result is written. A future is one of
 
 - pending: running or queued (in this process);
 - done / failed: final; retrieving it starts its retention clock (`retention_s`), after which
-  the row and its result are deleted;
+  the row and its result are deleted; one never retrieved is deleted `max_age_s` after it
+  finished (``--future-max-age-s``);
 - lost: pending when a previous server process stopped; `retrieve_future` answers HTTP 410, on
   which the SDK resubmits the original request (sampling does so on its own);
 - abandoned: a queued or running operation of a model that was released (its session
@@ -75,17 +76,20 @@ class _Live:
 class FutureHub:
     """Creates, resolves and waits for futures (see the module docstring for their states)."""
 
-    def __init__(self, store: Store, retention_s: float | None = None) -> None:
+    def __init__(
+        self, store: Store, retention_s: float | None = None, max_age_s: float | None = None
+    ) -> None:
         self.store = store
         self.retention_s = retention_s
+        self.max_age_s = max_age_s
         self._live: dict[str, _Live] = {}
         self._adding: dict[str, asyncio.Future[Any]] = {}  # records being written
         self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()  # dedup key -> (id, time)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-db-writer")
         self._prune_task: asyncio.Task[None] | None = None
-        if retention_s is not None:
-            self._prune_task = asyncio.get_running_loop().create_task(self._prune_loop(retention_s))
+        if retention_s is not None or max_age_s is not None:
+            self._prune_task = asyncio.get_running_loop().create_task(self._prune_loop())
 
     # ---------------------------------------------------------------- database, off the loop
     def _write(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
@@ -248,17 +252,29 @@ class FutureHub:
             self._write(self.store.mark_retrieved, request_id).add_done_callback(self._log_write_error)
         return outcome
 
-    async def _prune_loop(self, retention_s: float) -> None:
-        interval = max(0.5, min(retention_s / 4, 60.0))
+    async def _prune_loop(self) -> None:
+        ages = [a for a in (self.retention_s, self.max_age_s) if a is not None]
+        interval = max(0.5, min(min(ages) / 4, 60.0))
         while True:
             await asyncio.sleep(interval)
             try:
-                cutoff = utcnow() - dt.timedelta(seconds=retention_s)
-                pruned = await self._write(self.store.prune_retrieved, cutoff)
-                if pruned:
-                    logger.info("pruned %d retrieved futures older than %.0f s", pruned, retention_s)
+                await self.prune()
             except Exception:
-                logger.exception("pruning retrieved futures failed")
+                logger.exception("pruning futures failed")
+
+    async def prune(self) -> int:
+        """Delete futures retrieved more than `retention_s` ago and final futures never retrieved
+        that finished more than `max_age_s` ago (an abandoned client's results)."""
+        pruned = 0
+        if self.retention_s is not None:
+            cutoff = utcnow() - dt.timedelta(seconds=self.retention_s)
+            pruned += await self._write(self.store.prune_retrieved, cutoff)
+        if self.max_age_s is not None:
+            cutoff = utcnow() - dt.timedelta(seconds=self.max_age_s)
+            pruned += await self._write(self.store.prune_unretrieved, cutoff)
+        if pruned:
+            logger.info("pruned %d futures", pruned)
+        return pruned
 
     async def close(self) -> None:
         if self._prune_task is not None:

@@ -2,7 +2,7 @@
 API-key middleware (which user is calling), the mapping of exceptions to responses and the two
 shapes of the REST views (a page of the caller's records; one record the caller owns).
 
-Errors: `UserError` is a 400 (`NotFoundError` a 404). Any other exception is a server error
+Errors: `UserError` is a 400 (`NotFoundError` a 404, `TooLargeError` a 413). Any other exception is a server error
 with its message: a 500 on a direct route (operation routes turn it into a failed future of
 category "server" themselves, see `skylift.tinker.app`). The one exception: a ValueError /
 TypeError / KeyError / AttributeError raised while reading the request body (the innermost
@@ -25,12 +25,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import skylift
 from skylift.tinker.auth import DEFAULT_USER, KeyRing, current_user
-from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.errors import NotFoundError, TooLargeError, UserError
+from skylift.tinker.limits import parse_json, read_payload
 
 logger = logging.getLogger(__name__)
 
 _SKYLIFT_DIR = str(Path(skylift.__file__).resolve().parent)
-_SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+_SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, OverflowError)
+_PARSE_ON_LOOP_BYTES = 64 * 1024
 _REQUEST_LOCALS = ("body", "raw")
 
 
@@ -39,18 +41,21 @@ def error_response(status: int, message: str, category: str = "user") -> JSONRes
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except Exception as exc:
-        raise UserError(f"{request.url.path}: the body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise UserError(f"{request.url.path}: expected a JSON object")
-    return body
+    """The body as a JSON object: size-limited (413), zstd allowed, NaN/Infinity refused (400);
+    a large body is parsed in a worker thread."""
+    raw = await read_payload(request)
+    if len(raw) > _PARSE_ON_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json, raw, request.url.path)
+    return parse_json(raw, request.url.path)
 
 
 def caller(request: Request) -> str:
     """The user the request's API key belongs to (set by the middleware of `install_auth`)."""
     return str(request.state.user)
+
+
+#: Most records one page lists, and the largest offset (the database's integers are 64-bit).
+MAX_PAGE, MAX_OFFSET = 1000, 2**31 - 1
 
 
 def add_page_route(
@@ -59,7 +64,9 @@ def add_page_route(
     """GET `path?limit=&offset=`: `page(limit, offset, user)` of the caller's records (a thread)."""
 
     async def route(
-        request: Request, limit: int = Query(default_limit, ge=1), offset: int = Query(0, ge=0)
+        request: Request,
+        limit: int = Query(default_limit, ge=1, le=MAX_PAGE),
+        offset: int = Query(0, ge=0, le=MAX_OFFSET),
     ) -> dict[str, Any]:
         return await asyncio.to_thread(page, limit, offset, caller(request))
 
@@ -139,6 +146,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotFoundError)
     async def not_found(request: Request, exc: NotFoundError) -> Response:
         return error_response(404, str(exc))
+
+    @app.exception_handler(TooLargeError)
+    async def too_large(request: Request, exc: TooLargeError) -> Response:
+        return error_response(413, str(exc))
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from skylift.tinker.errors import NotFoundError, UserError, unknown
 from skylift.tinker.errors import missing_checkpoint as _missing
-from skylift.tinker.store import Store
+from skylift.tinker.store import SamplingSessionRow, Store
 from skylift.tinker.views import is_public, parse_tinker_path
 
 
@@ -64,6 +64,14 @@ class Owners:
             return True
         row = self.store.checkpoint(str(path))
         return row is not None and is_public(row)
+
+    def may_use_sampler(self, user: str, sampler_id: object) -> bool:
+        """The user's own sampler, and still allowed to read the checkpoint it samples from (one
+        of another user's that was unpublished since is no longer readable)."""
+        if not self.owns_sampler(user, sampler_id):
+            return False
+        row = self.store.get(SamplingSessionRow, str(sampler_id))
+        return row is None or not row.model_path or self.may_read_path(user, row.model_path)
 
     def may_write_path(self, user: str, path: object) -> bool:
         """Deleting or publishing: only the owner (a malformed path: the service explains)."""

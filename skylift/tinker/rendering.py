@@ -9,6 +9,7 @@ with images go through `skylift.tinker.vision.render` (a render server or the en
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from skylift.tinker.errors import UserError
@@ -19,8 +20,11 @@ IMAGE_CHUNK_TYPES = ("image", "image_asset_pointer")
 Part = list[int] | ImageInput
 
 
-def json_parts(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> list[Part]:
-    """The parts of a JSON `ModelInput.chunks` list, in order (images read and checked)."""
+def json_parts(
+    chunks: Sequence[dict[str, Any]], where: str = "model_input", media_roots: Sequence[Path] = ()
+) -> list[Part]:
+    """The parts of a JSON `ModelInput.chunks` list, in order (images read and checked; image
+    pointers only under `media_roots`). Blocking: images are decoded here."""
     if not isinstance(chunks, list):
         raise UserError(f"{where}: chunks must be a list of chunk objects, got {type(chunks).__name__}")
     parts: list[Part] = []
@@ -29,7 +33,7 @@ def json_parts(chunks: Sequence[dict[str, Any]], where: str = "model_input") -> 
             raise UserError(f"{where} chunk {i}: expected an object, got {type(chunk).__name__}")
         kind = chunk.get("type", "encoded_text")
         if kind in IMAGE_CHUNK_TYPES:
-            parts.append(image_from_json(chunk, f"{where} chunk {i}"))
+            parts.append(image_from_json(chunk, f"{where} chunk {i}", media_roots))
             continue
         if kind != "encoded_text":
             raise UserError(f"{where} chunk {i}: unsupported chunk type {kind!r}")

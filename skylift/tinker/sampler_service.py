@@ -14,7 +14,8 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ import torch
 from skylift.inference.limits import MAX_N
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import UserError
+from skylift.tinker.fields import int_field
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
 from skylift.tinker.sampling import EngineHost, EngineSettings, PromptScores, to_engine_params
@@ -45,6 +47,10 @@ MAX_NUM_SAMPLES = MAX_N
 MAX_TOPK = 20
 #: Most target_prompt_logprobs cells one request may ask for (each is a one-token engine prefill).
 MAX_TARGET_CELLS = 4096
+#: Most cells ([rows, K]) of a target_prompt_logprobs tensor, checked before it is made dense.
+MAX_TARGET_SHAPE_CELLS = 1 << 20
+#: Threads that read and decode prompt images (image pointers, base64 images).
+MEDIA_THREADS = 4
 
 
 def _topk(body: dict[str, Any], key: str) -> int:
@@ -65,6 +71,24 @@ def _targets(body: dict[str, Any]) -> np.ndarray | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
         raise UserError("target_prompt_logprobs must be a tensor {data, dtype, shape}")
     shape = raw.get("shape")
+    if shape is not None:
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise UserError(f"target_prompt_logprobs: shape must be [len(prompt) - 1, K], got {shape!r}")
+        if shape[0] * shape[1] > MAX_TARGET_SHAPE_CELLS:
+            raise UserError(
+                f"target_prompt_logprobs: shape {shape} has {shape[0] * shape[1]} cells; this server's "
+                f"cap is {MAX_TARGET_SHAPE_CELLS} (and at most {MAX_TARGET_CELLS} that ask for a token)"
+            )
+    elif raw.get("sparse_crow_indices") is not None:
+        raise UserError("target_prompt_logprobs: a sparse tensor needs its shape")
+    if raw.get("sparse_crow_indices") is not None and len(raw["data"]) > MAX_TARGET_CELLS:
+        raise UserError(
+            f"target_prompt_logprobs asks for {len(raw['data'])} cells; this server's cap is {MAX_TARGET_CELLS}"
+        )
     try:
         data = np.asarray(raw["data"], dtype=np.int64)
         if raw.get("sparse_crow_indices") is not None:
@@ -112,8 +136,12 @@ class SamplingService:
         records: StabilityRecords,
         render_hosts: RenderHosts,
         spawn: Callable[[Awaitable[Any]], None],
+        media_roots: Sequence[Path] = (),
     ) -> None:
         self.store = store
+        self.media_roots = tuple(media_roots)  # where image pointers may point (--allowed-local-media-path)
+        # reading and decoding prompt images: off the event loop, a few at a time
+        self.media = ThreadPoolExecutor(max_workers=MEDIA_THREADS, thread_name_prefix="tinker-media")
         self.base_models = base_models
         self.engine_settings = engine_settings
         self.snapshots = snapshots
@@ -126,6 +154,7 @@ class SamplingService:
     async def close(self) -> None:
         for host in self.engines.values():
             await asyncio.to_thread(host.close)
+        self.media.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- engines and weights
     def host(self, info: BaseModelInfo) -> EngineHost:
@@ -202,7 +231,7 @@ class SamplingService:
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         session_id = str(body.get("session_id"))
         self.store.require(SessionRow, session_id, "session")
-        sampling_id = f"{session_id}:sample:{int(body.get('sampling_session_seq_id', 0))}"
+        sampling_id = f"{session_id}:sample:{int_field(body, 'sampling_session_seq_id', 0)}"
         if self.store.get(SamplingSessionRow, sampling_id) is not None:
             return sampling_id
         model_path, base_model = body.get("model_path"), body.get("base_model")
@@ -275,7 +304,9 @@ class SamplingService:
         """The `SampleResponse` of one sample request (sequence ids `<request_id>:<i>`)."""
         tag, info = await asyncio.to_thread(self._target, body)
         record_session = await asyncio.to_thread(self._record_session, body)
-        parts = json_parts((body.get("prompt") or {}).get("chunks") or [], where="prompt")
+        chunks = (body.get("prompt") or {}).get("chunks") or []
+        loop = asyncio.get_running_loop()
+        parts = await loop.run_in_executor(self.media, json_parts, chunks, "prompt", self.media_roots)
         with_images = any(isinstance(p, ImageInput) for p in parts)
         host = self.host(info)
         if with_images:

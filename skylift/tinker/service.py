@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
+from skylift.tinker import durable
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import UserError
+from skylift.tinker.fields import int_field
 from skylift.tinker.futures import FutureHub, OrderedQueue, Work
+from skylift.tinker.limits import RequestLimits
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.sampler_service import SamplingService
 from skylift.tinker.snapshots import MIB, SnapshotStore
@@ -38,6 +41,8 @@ from skylift.tinker.vision.host import RenderHosts
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: Highest LoRA rank a client may ask for.
+MAX_LORA_RANK = 4096
 
 __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 
@@ -68,6 +73,7 @@ class TinkerService:
             self.records,
             self.render_hosts,
             self.spawn,
+            media_roots=RequestLimits.from_config(config).media_roots,
         )
         self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
         self._hub: FutureHub | None = None
@@ -77,14 +83,25 @@ class TinkerService:
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._hub = FutureHub(self.store, self.config.result_retention_s)
+        self._hub = FutureHub(self.store, self.config.result_retention_s, self.config.future_max_age_s)
         lost = await asyncio.to_thread(self.store.mark_pending_lost)  # retrieve_future answers 410
         await asyncio.to_thread(self.store.mark_loaded_models_unloaded)
+        await asyncio.to_thread(self._sweep_unrecorded_versions)
         if lost:
             logger.warning(
                 "%d requests were pending when the server last stopped; clients resubmit them", lost
             )
         self._cleanup_task = asyncio.get_running_loop().create_task(self._cleanup_loop())
+
+    def _sweep_unrecorded_versions(self) -> None:
+        """Delete checkpoint versions a crash left behind: directories with a version tag
+        (`skylift.tinker.durable`) that no record names (a write that never got recorded, or an
+        overwritten version whose deletion did not happen)."""
+        recorded = {str(Path(c.directory)) for c in self.store.checkpoints()}
+        for directory in self.data_dir.glob(f"runs/*/*/*{durable.VERSION_SEP}*"):
+            if directory.is_dir() and str(directory) not in recorded:
+                logger.info("deleting %s: an unrecorded checkpoint version", directory)
+                shutil.rmtree(directory, ignore_errors=True)
 
     async def stop(self) -> None:
         if self._cleanup_task is not None:
@@ -256,15 +273,18 @@ class TinkerService:
     # ---------------------------------------------------------------- sessions
     def create_session(self, body: dict[str, Any]) -> str:
         tags, metadata = body.get("tags") or [], body.get("user_metadata") or {}
+        sdk_version = body.get("sdk_version")
         if not isinstance(tags, list) or not isinstance(metadata, dict):
             raise UserError("create_session: tags must be a list and user_metadata an object")
+        if sdk_version is not None and not isinstance(sdk_version, str):
+            raise UserError(f"create_session: sdk_version must be a string, got {type(sdk_version).__name__}")
         session_id = f"s{uuid.uuid4().hex[:16]}"
         self.store.add(
             SessionRow(
                 id=session_id,
                 tags=tags,
                 user_metadata=metadata,
-                sdk_version=body.get("sdk_version"),
+                sdk_version=sdk_version if sdk_version is None else sdk_version[:64],
             )
         )
         return session_id
@@ -366,7 +386,7 @@ class TinkerService:
 
     async def create_model(self, body: dict[str, Any]) -> tuple[str, str]:
         """(request id, model id); the future resolves when the model is built."""
-        session_id, seq = str(body.get("session_id")), int(body.get("model_seq_id", 0))
+        session_id, seq = str(body.get("session_id")), int_field(body, "model_seq_id", 0)
         model_id = f"{session_id}:train:{seq}"
 
         async def prepare(request_id: str) -> Work:
@@ -393,11 +413,11 @@ class TinkerService:
         config = ModelConfig(
             base_model=str(body["base_model"]),
             model_path=info.path,
-            lora_rank=int(lora.get("rank", 0)),
+            lora_rank=int_field(lora, "rank", 0, lowest=-MAX_LORA_RANK, highest=MAX_LORA_RANK),
             train_attn=bool(lora.get("train_attn", True)),
             train_mlp=bool(lora.get("train_mlp", True)),
             train_unembed=bool(lora.get("train_unembed", True)),
-            seed=int(lora.get("seed") or 0),
+            seed=int_field(lora, "seed", 0, highest=2**63 - 1),
         )
         if config.lora_rank < 0:  # refused before a model record exists (the build checks it too)
             raise UserError(f"lora_config.rank must be >= 0 (0 = full fine-tuning), got {config.lora_rank}")

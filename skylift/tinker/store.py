@@ -196,6 +196,18 @@ class Store:
             done = s.execute(delete(FutureRow).where(FutureRow.retrieved_at < retrieved_before))
             return int(done.rowcount or 0)
 
+    def prune_unretrieved(self, finished_before: dt.datetime) -> int:
+        """Delete final futures nobody retrieved that finished before `finished_before`."""
+        with self.tx() as s:
+            done = s.execute(
+                delete(FutureRow).where(
+                    FutureRow.retrieved_at.is_(None),
+                    FutureRow.status.in_(("done", "failed", "lost")),
+                    FutureRow.finished_at < finished_before,
+                )
+            )
+            return int(done.rowcount or 0)
+
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(self, tinker_path: str) -> CheckpointRow | None:
         with self.tx() as s:

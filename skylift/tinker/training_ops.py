@@ -22,6 +22,7 @@ import numpy as np
 from skylift.tinker.backend import ModelConfig, TrainedModel, read_checkpoint_config
 from skylift.tinker.checkpoints import write_checkpoint
 from skylift.tinker.errors import UserError
+from skylift.tinker.fields import int_field
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
 from skylift.tinker.views import check_name, parse_tinker_path, tinker_path
@@ -31,8 +32,23 @@ if TYPE_CHECKING:
     from skylift.tinker.service import TinkerService
 
 
+def check_context(svc: TinkerService, call: ForwardBackwardCall) -> None:
+    """Refuse (a 400, before anything is queued) a datum longer than the model's context."""
+    model = svc.models.get(call.model_id)
+    info = svc.base_models.find_path(model.config.model_path) if model is not None else None
+    if info is None:
+        return
+    for i, datum in enumerate(call.data):
+        if len(datum.tokens) > info.max_model_len:
+            raise UserError(
+                f"datum {i}: model_input has {len(datum.tokens)} tokens; {info.name} trains on at most "
+                f"{info.max_model_len} (the server's --max-model-len)"
+            )
+
+
 async def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: str | None) -> str:
     kind = "forward" if call.forward_only else "forward_backward"
+    check_context(svc, call)
 
     async def fn(model: TrainedModel) -> bytes:
         if call.error is not None:
@@ -175,7 +191,7 @@ async def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | Non
 
         return await svc.submit_model_op("load_weights", model_id, body.get("seq_id"), fn, idem), model_id
 
-    session_id, seq = str(body["session_id"]), int(body.get("model_seq_id", 0))
+    session_id, seq = str(body["session_id"]), int_field(body, "model_seq_id", 0)
     model_id = f"{session_id}:train:{seq}"
 
     async def prepare(request_id: str) -> Any:

@@ -15,18 +15,29 @@ from skylift.tinker.store import CheckpointRow, ModelRow
 SCHEME = "tinker://"
 KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
-_NAME = re.compile(r"^[A-Za-z0-9._\-:=+@]+$")
+_NAME = re.compile(r"[A-Za-z0-9._\-:=+@]+")
+#: Longest checkpoint name or run id (a directory name on disk).
+MAX_NAME_CHARS = 200
 
 
 def _is_name(name: object) -> bool:
-    return isinstance(name, str) and bool(_NAME.match(name)) and name not in (".", "..")
+    return (
+        isinstance(name, str)
+        and len(name) <= MAX_NAME_CHARS
+        and _NAME.fullmatch(name) is not None
+        and name not in (".", "..")
+    )
 
 
 def check_name(name: str | None, what: str) -> str:
-    """A checkpoint name: non-empty, no `/`, not `.`/`..`."""
+    """A checkpoint name: 1 to `MAX_NAME_CHARS` of letters, digits and . _ - : = + @; not `.`/`..`."""
     if not _is_name(name):
+        shown = (
+            name if not isinstance(name, str) or len(name) <= 80 else f"{name[:80]}... ({len(name)} chars)"
+        )
         raise UserError(
-            f"{what}: invalid checkpoint name {name!r} (use letters, digits and . _ - : = + @; no '/')"
+            f"{what}: invalid checkpoint name {shown!r} (1 to {MAX_NAME_CHARS} letters, digits and "
+            ". _ - : = + @; no '/')"
         )
     return name
 

@@ -59,19 +59,50 @@ class ForwardBackwardCall:
     error: UserError | None = None  # a datum could not be rendered: the future fails with it
 
 
+@dataclass(frozen=True)
+class WireLimits:
+    """What one `ForwardBackwardRequest` may ask, checked before any tensor is allocated."""
+
+    max_tokens: int = 1 << 16  # tokens of one datum: the longest context this server serves
+    max_cells: int = 16 * 1024 * 1024  # loss-input cells of one request, padded (--max-request-cells)
+
+    def too_many_cells(self, where: str, cells: int) -> UserError:
+        return UserError(
+            f"{where}: {cells} loss-input cells are above this server's limit of {self.max_cells} per "
+            "request; send fewer or shorter datums (the operator raises it with --max-request-cells)"
+        )
+
+
 def _check_bytes(data: bytes, dtype: np.dtype, where: str) -> None:
     if len(data) % dtype.itemsize:
         raise UserError(f"{where}: {len(data)} bytes are not a whole number of {dtype.name} values")
 
 
-def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
-    """A proto `Tensor` as a dense numpy array (sparse CSR entries not listed are 0)."""
+def decode_tensor(
+    msg: pb.Tensor, where: str, max_rows: int | None = None, max_cells: int | None = None
+) -> np.ndarray:
+    """A proto `Tensor` as a dense numpy array (sparse CSR entries not listed are 0). Its shape
+    is checked before anything is allocated: 1-D or 2-D, at most `max_rows` rows (the longest
+    context served) and `max_cells` cells. Whether it fits its datum is the loss's check."""
     dtype = _NUMPY_OF_DTYPE.get(msg.dtype)
     if dtype is None:
         raise UserError(f"{where}: unsupported tensor dtype {msg.dtype}")
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
         raise UserError(f"{where}: negative dimension in shape {shape}")
+    if len(shape) > 2:
+        raise UserError(f"{where}: shape {shape} has {len(shape)} dimensions; loss inputs are [N] or [N, K]")
+    if max_rows is not None and shape and shape[0] > max_rows:
+        raise UserError(
+            f"{where}: shape {shape} has {shape[0]} rows, one per model_input token; the longest "
+            f"context served here is {max_rows} tokens"
+        )
+    cells = int(np.prod(shape, dtype=object)) if shape else 0
+    if max_cells is not None and cells > max_cells:
+        raise UserError(
+            f"{where}: shape {shape} has {cells} cells, above the {max_cells} this request has left "
+            "(--max-request-cells)"
+        )
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
         _check_bytes(csr.values, dtype, f"{where} (sparse values)")
@@ -105,8 +136,11 @@ def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     return flat
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
-    """Parse the protobuf body of `/forward_backward`."""
+def decode_forward_backward(body: bytes, limits: WireLimits | None = None) -> ForwardBackwardCall:
+    """Parse the protobuf body of `/forward_backward` (blocking: run it in a thread). Sizes are
+    checked against `limits` before tensors are made dense."""
+    limits = limits or WireLimits()
+    budget = limits.max_cells
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -140,13 +174,26 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
             parts = []
         has_image = any(isinstance(p, ImageInput) for p in parts)
         tokens = [] if has_image else [t for p in parts if not isinstance(p, ImageInput) for t in p]
-        inputs = {
-            name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
-            for name, tensor in datum.loss_fn_inputs.items()
-        }
+        if len(tokens) > limits.max_tokens:
+            raise UserError(
+                f"datum {i}: model_input has {len(tokens)} tokens; the longest context served here is "
+                f"{limits.max_tokens} tokens"
+            )
+        inputs = {}
+        for name, tensor in datum.loss_fn_inputs.items():
+            where = f"datum {i} loss_fn_inputs[{name!r}]"
+            inputs[name] = decode_tensor(tensor, where, limits.max_tokens, budget)
+            budget -= inputs[name].size
         spans = [_span(s) for s in datum.loss_fn_input_spans] or None
         data.append(
             WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None, loss_spans=spans)
+        )
+    longest = max((len(d.tokens) for d in data), default=0)
+    widest = max((d.inputs[n].shape[1] for d in data for n in d.inputs if d.inputs[n].ndim == 2), default=1)
+    padded = len(data) * longest * max(1, widest)
+    if padded > limits.max_cells:  # each loss input of the batch is padded to this many cells
+        raise limits.too_many_cells(
+            f"forward_backward with {len(data)} datums of up to {longest} tokens", padded
         )
     return ForwardBackwardCall(
         model_id=msg.model_id,

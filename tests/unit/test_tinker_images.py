@@ -49,9 +49,10 @@ def test_bad_images_are_user_errors_naming_the_chunk(data: bytes, fmt: str, mess
 def test_asset_pointers_read_local_paths_and_file_urls(tmp_path: Path) -> None:
     path = tmp_path / "cat image.png"
     path.write_bytes(_image("PNG"))
+    roots = [tmp_path.resolve()]
     for location in (str(path), path.as_uri()):
         chunk = {"type": "image_asset_pointer", "location": location, "format": "png"}
-        assert image_from_json(chunk, "prompt chunk 0").data == path.read_bytes()
+        assert image_from_json(chunk, "prompt chunk 0", roots).data == path.read_bytes()
     unreadable = [
         (str(tmp_path / "missing.png"), "cannot read image"),
         (str(tmp_path), "cannot read image"),
@@ -62,7 +63,7 @@ def test_asset_pointers_read_local_paths_and_file_urls(tmp_path: Path) -> None:
     for location, message in unreadable:
         chunk = {"type": "image_asset_pointer", "location": location, "format": "png"}
         with pytest.raises(UserError, match=f"prompt chunk 0: .*{message}"):
-            image_from_json(chunk, "prompt chunk 0")
+            image_from_json(chunk, "prompt chunk 0", roots)
 
 
 def test_json_chunks_split_into_text_and_images() -> None:

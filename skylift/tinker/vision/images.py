@@ -1,7 +1,8 @@
 """Image chunks of Tinker model inputs: reading, checking and turning them into data URLs.
 
 Two chunk kinds carry images: ``image`` (bytes, base64 in JSON, raw in protobuf) and
-``image_asset_pointer`` (a local path or a ``file://`` URL the server reads). Both declare a
+``image_asset_pointer`` (a local path or a ``file://`` URL the server reads, only under the
+directories the operator allows with ``--allowed-local-media-path``). Both declare a
 ``format`` (png or jpeg) and may state ``expected_tokens``. Anything wrong with one (bad base64,
 an unreadable pointer, bytes that are not a decodable PNG/JPEG, another format) is a `UserError`
 naming the datum and chunk.
@@ -12,8 +13,11 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
+import stat
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,9 @@ from skylift.tinker.errors import UserError
 
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
+#: Most pixels of one image, checked from its header before it is decoded (a small PNG can
+#: declare a huge canvas).
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,12 @@ def check_image(data: bytes, fmt: str, where: str, expected_tokens: int | None =
     try:
         with Image.open(io.BytesIO(data)) as image:
             actual = image.format
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise UserError(
+                    f"{where}: the image is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} pixels "
+                    "are accepted (resize it before sending)"
+                )
             image.load()  # decodes every pixel: truncated or corrupt data fails here
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise UserError(f"{where}: cannot decode the {fmt} image: {exc}") from exc
@@ -72,31 +85,91 @@ def check_image(data: bytes, fmt: str, where: str, expected_tokens: int | None =
     return ImageInput(data=data, format=fmt, expected_tokens=expected_tokens, where=where)
 
 
-def read_pointer(location: str, where: str) -> bytes:
-    """The bytes an ``image_asset_pointer`` names: a local path or a ``file://`` URL."""
-    if not isinstance(location, str) or not location:
-        raise UserError(f"{where}: image_asset_pointer needs a location (a path or file:// URL)")
+def _pointer_path(location: str, where: str) -> Path:
     parsed = urllib.parse.urlparse(location)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise UserError(f"{where}: file URL {location!r} names a remote host")
-        path = Path(urllib.request.url2pathname(parsed.path))
-    elif parsed.scheme == "":
-        path = Path(location)
-    else:
-        raise UserError(
-            f"{where}: cannot read image location {location!r}: only local paths and file:// URLs are supported"
-        )
+        return Path(urllib.request.url2pathname(parsed.path))
+    if parsed.scheme == "":
+        return Path(location)
+    raise UserError(
+        f"{where}: cannot read image location {location!r}: only local paths and file:// URLs are supported"
+    )
+
+
+def _open_under(root: Path, parts: tuple[str, ...]) -> int:
+    """A read-only descriptor of `root/parts...`, opened one component at a time without
+    following links (O_NOFOLLOW), the file itself without blocking (O_NONBLOCK: a FIFO answers
+    at once); OSError for anything else."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise UserError(f"{where}: {path} is larger than {MAX_IMAGE_BYTES} bytes")
-        return path.read_bytes()
-    except OSError as exc:
-        raise UserError(f"{where}: cannot read image {location!r}: {exc.strerror or exc}") from exc
+        for name in parts[:-1]:
+            step = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = step
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
+        return os.open(parts[-1], flags, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
-def image_from_json(chunk: dict[str, Any], where: str) -> ImageInput:
-    """A JSON ``image`` or ``image_asset_pointer`` chunk as a checked `ImageInput`."""
+def read_pointer(location: str, where: str, roots: Sequence[Path] = ()) -> bytes:
+    """The bytes an ``image_asset_pointer`` names: a local path or a ``file://`` URL of a regular
+    file under one of `roots` (the operator's ``--allowed-local-media-path``; none: every pointer
+    is refused), read up to `MAX_IMAGE_BYTES`. Blocking: call it off the event loop.
+
+    A path that is missing, outside the roots, reached through a link, or not a regular file
+    gets one and the same message (no existence oracle)."""
+    if not isinstance(location, str) or not location:
+        raise UserError(f"{where}: image_asset_pointer needs a location (a path or file:// URL)")
+    if not roots:
+        raise UserError(
+            f"{where}: image_asset_pointer chunks are refused: this server reads no local files "
+            "(the operator allows a directory with --allowed-local-media-path DIR); send the image "
+            "bytes in an image chunk instead"
+        )
+    path = _pointer_path(location, where)
+    unreadable = UserError(
+        f"{where}: cannot read image {location!r}: not a readable regular file under the allowed media "
+        "directories (--allowed-local-media-path)"
+    )
+    if not path.is_absolute() or "\x00" in str(path):
+        raise unreadable
+    normal = Path(os.path.normpath(path))
+    root = next((r for r in roots if normal.is_relative_to(r) and normal != r), None)
+    if root is None:
+        raise unreadable
+    try:
+        fd = _open_under(root, normal.relative_to(root).parts)
+    except (OSError, ValueError):
+        raise unreadable from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise unreadable
+        if info.st_size > MAX_IMAGE_BYTES:
+            raise UserError(f"{where}: {location!r} is larger than {MAX_IMAGE_BYTES} bytes")
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= MAX_IMAGE_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_IMAGE_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_IMAGE_BYTES:  # it grew since fstat
+            raise UserError(f"{where}: {location!r} is larger than {MAX_IMAGE_BYTES} bytes")
+        return b"".join(chunks)
+    except OSError:
+        raise unreadable from None
+    finally:
+        os.close(fd)
+
+
+def image_from_json(chunk: dict[str, Any], where: str, media_roots: Sequence[Path] = ()) -> ImageInput:
+    """A JSON ``image`` or ``image_asset_pointer`` chunk as a checked `ImageInput` (a pointer
+    only under `media_roots`; blocking: call it off the event loop)."""
     expected = _expected(chunk.get("expected_tokens"), where)
     fmt = _format(chunk.get("format"), where)
     if chunk.get("type") == "image":
@@ -108,7 +181,7 @@ def image_from_json(chunk: dict[str, Any], where: str) -> ImageInput:
         except (binascii.Error, ValueError) as exc:
             raise UserError(f"{where}: image data is not valid base64: {exc}") from exc
     else:
-        data = read_pointer(chunk.get("location", ""), where)
+        data = read_pointer(chunk.get("location", ""), where, media_roots)
     return check_image(data, fmt, where, expected)
 
 
