@@ -58,6 +58,9 @@ class InferenceServerLimits:
 
     max_n: int = 256  # samples per prompt (SKYLIFT_MAX_N)
     max_prompts: int = 4096  # prompts in one /skylift/generate request (SKYLIFT_MAX_PROMPTS)
+    max_sequences: int = 16384  # prompts x n in one /skylift/generate request (SKYLIFT_MAX_SEQUENCES)
+    # prompts x n x max_tokens in one /skylift/generate request (SKYLIFT_MAX_REQUEST_TOKENS)
+    max_request_tokens: int = 1 << 25
     weight_rpc_timeout_s: float = 600.0  # one weight-bucket receive (SKYLIFT_WEIGHT_RPC_TIMEOUT_S)
     control_rpc_timeout_s: float = 60.0  # small control RPCs (destroy, has-group)
 
@@ -68,6 +71,10 @@ class InferenceServerLimits:
         return cls(
             max_n=int(_number(environ, "SKYLIFT_MAX_N", default.max_n, minimum=1)),
             max_prompts=int(_number(environ, "SKYLIFT_MAX_PROMPTS", default.max_prompts, minimum=1)),
+            max_sequences=int(_number(environ, "SKYLIFT_MAX_SEQUENCES", default.max_sequences, minimum=1)),
+            max_request_tokens=int(
+                _number(environ, "SKYLIFT_MAX_REQUEST_TOKENS", default.max_request_tokens, minimum=1)
+            ),
             weight_rpc_timeout_s=_number(
                 environ, "SKYLIFT_WEIGHT_RPC_TIMEOUT_S", default.weight_rpc_timeout_s
             ),
