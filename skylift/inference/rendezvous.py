@@ -24,6 +24,8 @@ Rpc = Callable[[str, str, tuple, float], Awaitable[list[Any]]]
 
 #: Seconds between two connection attempts / two status polls.
 POLL_S = 0.2
+#: Seconds a background join may run beyond its two torch timeouts (store, rendezvous).
+JOIN_GRACE_S = 10.0
 
 
 def _where(spec: WeightUpdateGroupSpec) -> str:
@@ -70,7 +72,16 @@ async def join_in_background(rpc: Rpc, spec: WeightUpdateGroupSpec, control_time
             f"timeout ({_where(spec)} asked now)"
         )
     await rpc("start weight-update group join", RPC_START_JOIN, spec.rpc_args(), control_timeout_s)
-    deadline = time.monotonic() + 2 * spec.timeout_s + 10.0
+    try:
+        await _poll_join(rpc, spec, control_timeout_s)
+    except asyncio.CancelledError:  # the client left: leave the group whenever the join ends
+        await asyncio.shield(rpc("discard weight-update group join", RPC_DISCARD_JOIN, (), control_timeout_s))
+        raise
+
+
+async def _poll_join(rpc: Rpc, spec: WeightUpdateGroupSpec, control_timeout_s: float) -> None:
+    bound = 2 * spec.timeout_s + JOIN_GRACE_S
+    deadline = time.monotonic() + bound
     while True:
         statuses = await _statuses(rpc, control_timeout_s)
         failed = next((s["error"] for s in statuses if s["state"] == "failed"), None)
@@ -78,7 +89,7 @@ async def join_in_background(rpc: Rpc, spec: WeightUpdateGroupSpec, control_time
             return
         if failed is not None or time.monotonic() > deadline:
             await rpc("discard weight-update group join", RPC_DISCARD_JOIN, (), control_timeout_s)
-            reason = failed or f"not every rank arrived within {2 * spec.timeout_s + 10.0:g} s"
+            reason = failed or f"not every rank arrived within {bound:g} s"
             raise EngineRequestError(f"could not join the weight-update group at {_where(spec)}: {reason}")
         await asyncio.sleep(POLL_S)
 

@@ -301,7 +301,10 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
     fields = body.model_dump(exclude={"model_dtype_str", "protocol"})
     spec = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol())
     started = time.perf_counter()
-    await _engine(engine.init_weight_update_communicator(spec))
+    try:  # a client that leaves stops the wait for the rendezvous
+        await _engine(unless_disconnected(request, engine.init_weight_update_communicator(spec)))
+    except ClientDisconnected as exc:
+        raise HTTPException(status_code=CLIENT_CLOSED_REQUEST, detail=str(exc)) from exc
     state.group_dtype = dtype
     tp = await engine.tensor_parallel_size()
     return {
