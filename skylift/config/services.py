@@ -4,7 +4,8 @@
 flags). `InferenceServerSettings`: what skylift's own code of an inference server (``skylift
 serve``) reads, built once from vLLM's parsed flags (the command line stays vLLM's). Its
 `InferenceServerLimits`: what one request may ask and how long its weight RPCs may take, read once
-from the environment (``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``;
+from the environment (``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_MAX_SEQUENCES``,
+``SKYLIFT_MAX_REQUEST_TOKENS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``;
 every ``SKYLIFT_*`` variable is listed in ``environment.py``), as vLLM's own ``VLLM_*`` tuning
 variables are read.
 """
