@@ -38,7 +38,8 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     # enforce_eager skips torch.compile: start-up ~30 s instead of minutes on this CPU machine.
-    llm = LLM(model=sys.argv[1], max_model_len=512, seed=0, enforce_eager=True)
+    # float32 whatever the CPU offers: the greedy answer then matches transformers' (bf16 takes another path)
+    llm = LLM(model=sys.argv[1], max_model_len=512, seed=0, enforce_eager=True, dtype="float32")
     messages = json.loads(sys.argv[2])
     params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]))
     output = llm.chat(messages, params)[0].outputs[0]
