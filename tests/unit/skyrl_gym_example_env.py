@@ -43,4 +43,4 @@ class MultiplyEnv(BaseTextEnv):
         return {"turns": self.turns}
 
 
-skyrl_gym.register(id="skylift_test_multiply", entry_point="tests.unit.skyrl_gym_example_env:MultiplyEnv")
+skyrl_gym.register(id="skylift_test_multiply", entry_point="skyrl_gym_example_env:MultiplyEnv")

@@ -18,7 +18,7 @@ from skylift.envs.skyrl_gym import SkyRLGymEnv, configure  # noqa: E402
 from skylift.generator import Generator, GeneratorSettings  # noqa: E402
 from skylift.inference.types import Completion, GenerateOutput, SamplingParams  # noqa: E402
 
-CLASS = "tests.unit.skyrl_gym_example_env:MultiplyEnv"
+CLASS = "skyrl_gym_example_env:MultiplyEnv"
 EXTRAS = {"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {}, "data_source": "t"}
 
 
@@ -56,7 +56,7 @@ def test_skyrl_gyms_builtins_resolve_by_name_and_skylifts_own_names_win() -> Non
     skyrl_gsm8k.init([{"role": "user", "content": "q"}], {**EXTRAS, "reward_spec": {"ground_truth": "3"}})
     assert skyrl_gsm8k.step("#### 3").reward == 1.0
     with pytest.raises(ValueError, match="cannot import Nope"):
-        make_env("tests.unit.skyrl_gym_example_env:Nope")
+        make_env("skyrl_gym_example_env:Nope")
 
 
 class FakeEngine:
@@ -88,7 +88,7 @@ def test_the_generator_rolls_out_a_multi_turn_skyrl_gym_env(tiny_model_dir: Path
         data_source="t",
         uid="0:0",
     )
-    configure({"skylift_test_multiply": {"bonus": 0.5}}, 2, ["tests.unit.skyrl_gym_example_env"])
+    configure({"skylift_test_multiply": {"bonus": 0.5}}, 2, ["skyrl_gym_example_env"])
     settings = GeneratorSettings(max_generate_length=8, max_turns=2, batched=False)
     gen = Generator(engine, tokenizer, settings)
     (traj,) = asyncio.run(gen.generate([row], 1, SamplingParams(max_tokens=8)))
