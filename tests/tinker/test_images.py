@@ -183,11 +183,12 @@ def test_concurrent_renders_share_one_connection_pool(
 def vlm_server(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
     require_loopback_namespace()
     tmp = tmp_path_factory.mktemp("tinker-vlm")
+    (tmp / "media").mkdir()
     with TinkerServer(
         data_dir=tmp / "data",
         log_path=tmp / "server.log",
         base_model="tiny-qwen2-vl",
-        extra_args=["--max-model-len", "512"],
+        extra_args=["--max-model-len", "512", "--allowed-local-media-path", str(tmp / "media")],
     ) as server:
         yield server
 
@@ -309,8 +310,9 @@ def test_engine_start_moves_rendering_to_the_engine_and_stops_the_render_server(
     assert [len(s.tokens) for s in result.sequences] == [4, 4]
     assert all(s.logprobs is not None and np.all(np.isfinite(s.logprobs)) for s in result.sequences)
 
-    # prompts may point at image files (a path or a file:// URL)
-    path = tmp_path / "cat.png"
+    # prompts may point at image files (a path or a file:// URL) under the operator's media root
+    media = vlm_server.data_dir.parent / "media"
+    path = media / "cat.png"
     path.write_bytes(png(3))
     for location in (str(path), path.as_uri()):
         pointer = types.ImageAssetPointerChunk(location=location, format="png", expected_tokens=TOKENS)
@@ -320,11 +322,20 @@ def test_engine_start_moves_rendering_to_the_engine_and_stops_the_render_server(
         ).result()
         assert len(out.sequences[0].tokens) == 2
     missing = types.ImageAssetPointerChunk(
-        location=str(tmp_path / "nope.png"), format="png", expected_tokens=TOKENS
+        location=str(media / "nope.png"), format="png", expected_tokens=TOKENS
     )
     with pytest.raises(tinker.RequestFailedError, match="prompt chunk 1: cannot read image"):
         sampler.sample(
             types.ModelInput(chunks=[prompt.chunks[0], missing]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    outside = tmp_path / "cat.png"  # a readable file outside the media root is still refused
+    outside.write_bytes(png(3))
+    pointer = types.ImageAssetPointerChunk(location=str(outside), format="png", expected_tokens=TOKENS)
+    with pytest.raises(tinker.RequestFailedError, match="prompt chunk 1: cannot read image"):
+        sampler.sample(
+            types.ModelInput(chunks=[prompt.chunks[0], pointer, prompt.chunks[2]]),
+            1,
+            types.SamplingParams(max_tokens=2),
         ).result()
 
     # the engine renders now; the CPU render server is gone
