@@ -1,6 +1,8 @@
 """Fully async training end to end on the tiny model (in-process engine, placement "local"):
-four steps with a staleness bound of 2, then weight syncs while requests are in flight (pause
-modes keep and abort), after which the engine's logprobs match the trainer's."""
+two steps with a staleness bound of 2, then weight syncs while requests are in flight (pause
+modes keep and abort), after which the engine's logprobs match the trainer's. What the scheduler
+puts in each batch (versions, staleness) is asserted deterministically with fake parts in
+tests/unit/test_rl_loop.py; here the real engine, workers and syncs run it."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _engine_vs_trainer(trainer: RLTrainer, loop: LoopThread) -> float:
     return max(abs(a - b) for a, b in zip(engine, expected, strict=True))
 
 
-def test_fully_async_four_steps_and_syncs_in_flight(
+def test_fully_async_two_steps_and_syncs_in_flight(
     arithmetic_data: Path,  # noqa: F811
     tiny_model_dir: Path,
     tmp_path: Path,
@@ -74,7 +76,7 @@ def test_fully_async_four_steps_and_syncs_in_flight(
             "generator.max_generate_length": 128,  # generation outlasts a tiny update: syncs hit requests in flight
             "trainer.algorithm.use_tis": True,
             "trainer.algorithm.tis_imp_ratio_cap": 2.0,
-            "trainer.max_steps": 4,
+            "trainer.max_steps": 2,
             "trainer.max_prompt_length": 480,  # room for the long requests below
             "trainer.eval_before_train": False,
             "trainer.eval_interval": -1,
@@ -98,21 +100,18 @@ def test_fully_async_four_steps_and_syncs_in_flight(
     rows = _train_rows(history)
     for h in rows:
         print({k: v for k, v in h.items() if "async" in k or "timing" in k})
-    assert [h["step"] for h in rows] == [1, 2, 3, 4]
+    assert [h["step"] for h in rows] == [1, 2]
     for row in rows:
         assert row["async/policy_version"] == row["step"] - 1
         assert 0 <= row["async/staleness_max"] <= BOUND
         assert 0 <= row["fully_async/token_staleness_max"] <= BOUND
         assert row["policy/tis_weight_mean"] > 0
         assert row["timing/weight_sync_s"] > 0
-    # the groups started ahead of the first update are trained later, beside fresher ones
-    assert max(h["fully_async/versions_in_batch"] for h in rows) >= 2
-    assert max(h["async/staleness_max"] for h in rows) >= 1
     # one request, two policy versions: the tokens before the sync and those after it
-    assert keep[0] == 4 and keep[-1] == 5 and sorted(keep) == keep, keep
-    assert abort[0] == 5 and abort[-1] == 6 and sorted(abort) == abort, abort
+    assert keep[0] == 2 and keep[-1] == 3 and sorted(keep) == keep, keep
+    assert abort[0] == 3 and abort[-1] == 4 and sorted(abort) == abort, abort
     assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
-    assert trainer.parts.weights.version == trainer.state.policy_version == 6
+    assert trainer.parts.weights.version == trainer.state.policy_version == 4
 
 
 def test_fully_async_with_ray_engines(
@@ -136,7 +135,7 @@ def test_fully_async_with_ray_engines(
             "generator.max_generate_length": 128,  # syncs hit requests in flight
             "trainer.algorithm.use_tis": True,
             "trainer.algorithm.tis_imp_ratio_cap": 2.0,
-            "trainer.max_steps": 3,
+            "trainer.max_steps": 2,
             "trainer.eval_before_train": False,
             "trainer.eval_interval": -1,
             "trainer.ckpt_interval": -1,
@@ -155,11 +154,10 @@ def test_fully_async_with_ray_engines(
         trainer.shutdown()
 
     rows = _train_rows(history)
-    assert [h["step"] for h in rows] == [1, 2, 3]
+    assert [h["step"] for h in rows] == [1, 2]
     for row in rows:
         assert row["async/policy_version"] == row["step"] - 1
         assert 0 <= row["fully_async/token_staleness_max"] <= BOUND
         assert row["policy/tis_weight_mean"] > 0
-    assert max(h["fully_async/versions_in_batch"] for h in rows) >= 2
     assert diff < TOLERANCE, f"engine logprobs differ from the trainer's by {diff:.2e} after the syncs"
-    assert trainer.parts.weights.version == trainer.state.policy_version == 3
+    assert trainer.parts.weights.version == trainer.state.policy_version == 2

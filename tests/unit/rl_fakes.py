@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,7 @@ def decode(batch: SequenceBatch) -> list[tuple[int, int, int]]:
 class FakePolicy:
     world_size: int = 1
     events: list[str] | None = None
+    update_s: float = 0.0  # how long a mini-batch update takes (generation runs ahead meanwhile)
     trained: list[list[tuple[int, int, int]]] = field(default_factory=list)
     saved: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
@@ -128,6 +130,8 @@ class FakePolicy:
         self, batch: SequenceBatch, objective: Any, micro_batch_size: int, temperature: float
     ) -> dict[str, float]:
         self.trained.append(decode(batch))
+        if self.update_s:
+            time.sleep(self.update_s)
         if self.events is not None:
             self.events.append(f"train {len(self.trained)}")
         return {"loss": 0.0, "logprob_diff_vs_rollout": 0.0}
@@ -216,7 +220,11 @@ class FakeRun:
 
 
 def fake_run(
-    root: Path, *overrides: str, generator: FakeGenerator | None = None, num_train: int = 32
+    root: Path,
+    *overrides: str,
+    generator: FakeGenerator | None = None,
+    num_train: int = 32,
+    update_s: float = 0.0,
 ) -> FakeRun:
     """An `RLTrainer` over fake parts, with the rollout source the overrides ask for (built by
     the same `make_source` a real run uses)."""
@@ -225,7 +233,11 @@ def fake_run(
     events: list[str] = []
     generator = generator or FakeGenerator()
     generator.events = events
-    policy, weights, tracker = FakePolicy(events=events), FakeWeights(events=events), FakeTracker()
+    policy, weights, tracker = (
+        FakePolicy(events=events, update_s=update_s),
+        FakeWeights(events=events),
+        FakeTracker(),
+    )
     loop = asyncio.new_event_loop()
     parts = Parts(
         train_data=train,

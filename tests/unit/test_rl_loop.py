@@ -110,6 +110,7 @@ def test_fully_async_keeps_every_batch_within_the_staleness_bound(tmp_path: Path
         "trainer.algorithm.use_tis=true",
         "trainer.algorithm.tis_imp_ratio_cap=2.0",
         generator=FakeGenerator(delay_s=0.005),
+        update_s=0.05,  # generation runs ahead while the policy trains
     )
     history = _fit(run)
     assert run.weights.labels == 1  # the engines were told their version before generating
@@ -124,6 +125,9 @@ def test_fully_async_keeps_every_batch_within_the_staleness_bound(tmp_path: Path
     for h in history:
         assert h["fully_async/token_staleness_max"] <= 1
         assert h["timing/wait_s"] == h["fully_async/wait_s"]
+    # the groups started ahead of an update (the gate admits two batches at version 0) are trained
+    # a step later: stale by one version, never more
+    assert [h["async/staleness_max"] for h in history][:2] == [0.0, 1.0]
     assert run.trainer.source.stream is None  # type: ignore[attr-defined]  # closed by fit
 
 
@@ -156,11 +160,13 @@ def test_dynamic_sampling_filter_trains_only_groups_with_a_signal(tmp_path: Path
     assert any(h["dynamic_sampling/rounds"] > 1 for h in history)
 
 
-def test_dynamic_sampling_replace_fills_the_batch_with_copies(tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_step_off", [False, True])
+def test_dynamic_sampling_replace_fills_the_batch_with_copies(tmp_path: Path, one_step_off: bool) -> None:
     run = fake_run(
         tmp_path,
         "trainer.algorithm.dynamic_sampling.type=replace",
         "trainer.algorithm.dynamic_sampling.max_sample_batches=1",
+        f"trainer.async_training={str(one_step_off).lower()}",
         generator=FakeGenerator(reward=_even_prompts_are_solved),
     )
     history = _fit(run)
@@ -169,6 +175,7 @@ def test_dynamic_sampling_replace_fills_the_batch_with_copies(tmp_path: Path) ->
         assert len(trained) == BATCH * N
         assert all(p % 2 == 1 for p, _, _ in trained)  # solved groups replaced by copies of others
         assert h["dynamic_sampling/rounds"] == 1
+        assert h["dynamic_sampling/groups_kept"] == BATCH
 
 
 def test_dynamic_sampling_around_one_step_off_samples_extra_rounds_before_the_prefetch(
