@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,8 +33,9 @@ from skylift.inference.types import (
     WeightBucket,
     WeightUpdateGroupSpec,
     check_teacher_forcing,
-    teacher_forced_logprobs,
+    score_sequences,
 )
+from skylift.inference.vllm_fixes import quiet_teardown
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
@@ -134,7 +135,7 @@ class LocalVLLMEngine:
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        _quiet_teardown(AsyncLLM)
+        quiet_teardown(AsyncLLM)
         apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)))
         args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
@@ -260,9 +261,7 @@ class LocalVLLMEngine:
         """Log-probability of every token of each sequence given the tokens before it (teacher
         forcing); one value per token after the first. A local-engine extra, not in the interface.
         """
-        check_teacher_forcing(self.name, sequences)
-        outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
-        return teacher_forced_logprobs(self.name, outputs)
+        return await score_sequences(self, self.name, sequences)
 
     async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
         """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
@@ -355,6 +354,32 @@ class LocalVLLMEngine:
             )
             self.group_name = spec.group_name
 
+    async def _receive(
+        self,
+        operation: str,
+        rpc: tuple[str, str, tuple],
+        refusal_of: Callable[[Any], str | None],
+        buckets_of: Callable[[list[Any]], int],
+    ) -> tuple[list[Any], float, bool]:
+        """One receiving call to every worker (`rpc`: its label, method and args), with the group
+        checked first, a worker's refusal (`refusal_of` its result) an `EngineStateError`, the
+        weight version advanced by `buckets_of(results)` and the prefix cache reset after it.
+        Returns the workers' results, the seconds they took and whether the cache was reset."""
+        async with self._weight_lock:
+            if self.group_name is None:
+                raise EngineStateError(
+                    f"{self.name}: {operation}: no weight-update group: call "
+                    "init_weight_update_communicator first"
+                )
+            start = time.perf_counter()
+            results = await self._rpc(*rpc, self.update_timeout_s)
+            refusal = next((r for r in map(refusal_of, results) if r), None)
+            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
+                raise EngineStateError(f"{self.name}: {operation}: {refusal}")
+            seconds = time.perf_counter() - start
+            self.weight_version += buckets_of(results)
+            return results, seconds, await self.try_reset_prefix_cache()
+
     async def receive_weights(self, bucket: WeightBucket) -> BucketReceipt:
         """Receive one bucket over the group (the sender broadcasts concurrently), load it in
         place and reset the prefix cache. Bad metadata is an `EngineRequestError`, no group an
@@ -363,21 +388,13 @@ class LocalVLLMEngine:
             bucket = validate_bucket(bucket)
         except ValueError as exc:
             raise EngineRequestError(f"{self.name}: update_weights: {exc}") from exc
-        async with self._weight_lock:
-            if self.group_name is None:
-                raise EngineStateError(
-                    f"{self.name}: update_weights: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
-            start = time.perf_counter()
-            operation = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
-            results = await self._rpc(operation, RPC_RECEIVE, bucket.rpc_args(), self.update_timeout_s)
-            refusal = next((r for r in results if isinstance(r, str)), None)
-            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
-                raise EngineStateError(f"{self.name}: update_weights: {refusal}")
-            seconds = time.perf_counter() - start
-            self.weight_version += 1
-            reset = await self.try_reset_prefix_cache()
+        label = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
+        _, seconds, reset = await self._receive(
+            "update_weights",
+            (label, RPC_RECEIVE, bucket.rpc_args()),
+            lambda r: r if isinstance(r, str) else None,
+            lambda _: 1,
+        )
         logger.debug("%s: bucket of %d tensors in %.3fs", self.name, len(bucket.names), seconds)
         return BucketReceipt(len(bucket.names), self.weight_version, reset, seconds)
 
@@ -393,20 +410,12 @@ class LocalVLLMEngine:
         model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version, prefix_cache_reset,
         direct_buckets: loaded without vLLM's reload, `weight_sync.direct_load`); a refused bucket is
         an `EngineStateError` (see the receiver)."""
-        async with self._weight_lock:
-            if self.group_name is None:
-                raise EngineStateError(
-                    f"{self.name}: receive_weight_stream: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
-            start = time.perf_counter()
-            results = await self._rpc("receive_weight_stream", RPC_RECEIVE_STREAM, (), self.update_timeout_s)
-            refusal = next((r["refused"] for r in results if r.get("refused")), None)
-            if refusal is not None:
-                raise EngineStateError(f"{self.name}: receive_weight_stream: {refusal}")
-            seconds = time.perf_counter() - start
-            self.weight_version += results[0]["buckets"]
-            reset = await self.try_reset_prefix_cache()
+        results, seconds, reset = await self._receive(
+            "receive_weight_stream",
+            ("receive_weight_stream", RPC_RECEIVE_STREAM, ()),
+            lambda r: r.get("refused"),
+            lambda rs: int(rs[0]["buckets"]),
+        )
         receipt = {k: results[0][k] for k in ("buckets", "tensors", "bytes")}
         receipt.update(
             seconds=seconds,
@@ -481,20 +490,3 @@ class LocalVLLMEngine:
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
-
-
-def _quiet_teardown(cls: type) -> None:
-    """Make `cls.__del__` ignore errors: after `close()`, AsyncLLM's finaliser may still run during
-    interpreter teardown, when module globals are already None, and print a spurious TypeError."""
-    original = cls.__dict__.get("__del__")
-    if original is None or getattr(original, "_skylift_quiet", False):
-        return
-
-    def __del__(self: Any) -> None:
-        try:
-            original(self)
-        except Exception:  # noqa: BLE001 - nothing useful can happen in a finaliser at exit
-            pass
-
-    __del__._skylift_quiet = True  # type: ignore[attr-defined]
-    cls.__del__ = __del__  # type: ignore[attr-defined]

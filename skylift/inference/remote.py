@@ -20,7 +20,6 @@ import aiohttp
 from skylift.inference.codec import generate_request, output_from_json
 from skylift.inference.http_session import SessionPool, default_pool, error_text
 from skylift.inference.types import (
-    TEACHER_FORCING,
     EngineCapabilityError,
     EngineError,
     EngineUnavailableError,
@@ -29,8 +28,7 @@ from skylift.inference.types import (
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
-    check_teacher_forcing,
-    teacher_forced_logprobs,
+    score_sequences,
 )
 from skylift.weight_sync.lora import LoraAdapterSpec
 
@@ -194,9 +192,7 @@ class RemoteInferenceEngine:
         """Log-probability of every token of each sequence given the tokens before it (teacher
         forcing): one value per token after the first (same as `LocalVLLMEngine.prompt_logprobs`).
         """
-        check_teacher_forcing(self.url, sequences)
-        outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
-        return teacher_forced_logprobs(self.url, outputs)
+        return await score_sequences(self, self.url, sequences)
 
     # ---------------------------------------------------------------- control
 
