@@ -13,11 +13,12 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
+from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.lora_adapters import LoraAdapters
 from skylift.inference.types import (
     PAUSE_MODES,
@@ -29,11 +30,9 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
     check_teacher_forcing,
-    score_sequences,
 )
 from skylift.inference.vllm_fixes import quiet_teardown
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
@@ -81,7 +80,7 @@ class BucketReceipt:
     seconds: float
 
 
-class LocalVLLMEngine:
+class LocalVLLMEngine(EngineBase):
     """An in-process vLLM engine (``vllm.v1.engine.async_llm.AsyncLLM``) behind `InferenceEngine`.
 
     Build it with `LocalVLLMEngine.create`. Every call has a timeout; errors are `EngineError`s
@@ -209,59 +208,28 @@ class LocalVLLMEngine:
             raise EngineError(f"{self.name}: generate: request {request_id} ended without a final output")
         return final
 
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None = None,
-        *,
-        prompt_logprobs: bool = False,
-        images: Sequence[list[Any] | None] | None = None,
-        lora_name: str | None = None,
-    ) -> list[GenerateOutput]:
-        """Sample `params.n` continuations of every prompt (token ids); prompts run concurrently.
-
-        `prompt_logprobs` also scores every prompt token (`GenerateOutput.prompt_logprobs`).
-        `images`: per prompt, the PIL images its image placeholder tokens stand for (a vision
-        model's; the output's prompt is then vLLM's, placeholders expanded). `session_id` goes to
-        vLLM with each request (routing by session is the pool's concern). `lora_name`: the LoRA
-        adapter to sample with (None: the engine's default adapter, if any; "": the base model).
-        """
-        if not prompts:
-            return []
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise EngineRequestError(f"{self.name}: generate: prompt {i} is empty")
-        lora_request = self.lora.request_for(lora_name)
+    async def _generate(self, call: GenerateCall) -> list[GenerateOutput]:
+        """`generate` (`EngineBase`, which checked the request): the prompts run concurrently."""
+        lora_request = self.lora.request_for(call.lora_name)
         try:
-            vllm_params = to_vllm_params(params, prompt_logprobs=prompt_logprobs)
+            vllm_params = to_vllm_params(call.params, prompt_logprobs=call.prompt_logprobs)
         except Exception as exc:
             raise EngineRequestError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
 
         async def one(prompt: list[int], imgs: list[Any] | None) -> GenerateOutput:
-            final = await self._final_output(prompt, vllm_params, session_id, imgs, lora_request)
+            final = await self._final_output(prompt, vllm_params, call.session_id, imgs, lora_request)
             seen = list(final.prompt_token_ids or prompt) if imgs else prompt
             return to_generate_output(
                 final,
                 seen,
-                want_logprobs=params.logprobs,
-                prompt_logprobs=prompt_logprobs,
-                top_logprobs=params.top_logprobs,
+                want_logprobs=call.params.logprobs,
+                prompt_logprobs=call.prompt_logprobs,
+                top_logprobs=call.params.top_logprobs,
             )
 
-        per_prompt = list(images) if images is not None else [None] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise EngineRequestError(
-                f"{self.name}: generate: {len(per_prompt)} image lists for {len(prompts)} prompts"
-            )
-        jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)))
+        per_prompt = list(call.images) if call.images is not None else [None] * len(call.prompts)
+        jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(call.prompts, per_prompt, strict=True)))
         return await self._call("generate", jobs, self.generate_timeout_s)
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of every token of each sequence given the tokens before it (teacher
-        forcing); one value per token after the first. A local-engine extra, not in the interface.
-        """
-        return await score_sequences(self, self.name, sequences)
 
     async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
         """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
