@@ -144,3 +144,63 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     weights.sync(4)
     assert log == [("e0", "leave"), ("policy", "close")]
     assert weights.link.members == [] and weights.version == 4
+
+
+class LoraEngine(Engine):
+    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: Any) -> None:
+        self.log.append(
+            (self.name, "receive_lora", adapter.name[-2:], [r[-2:] for r in adapter.retire], bucket.names)
+        )
+
+    async def load_lora_adapter(
+        self, name: str, path: str, *, load_inplace: bool = False, activate: bool = False
+    ) -> None:
+        self.log.append((self.name, "load_lora", name[-2:], path.endswith(name), activate))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.log.append((self.name, "unload_lora", name[-2:]))
+
+
+class LoraPolicyRanks(Policy):
+    def stage_lora_adapter(self, dtype: str | None) -> tuple[WeightBucket, dict[str, Any]]:
+        self.log.append(("policy", "stage", dtype))
+        return WeightBucket(["a.lora_A.weight"], ["float32"], [[2, 4]]), {"r": 2}
+
+    def broadcast_lora_adapter(self) -> int:
+        self.log.append(("policy", "broadcast_lora"))
+        return 32
+
+    def write_lora_adapter(self, directory: str, dtype: str | None) -> tuple[int, int]:
+        self.log.append(("policy", "write", directory.rsplit("-", 1)[-1]))
+        return 1, 32
+
+
+def test_a_lora_policy_publishes_a_new_adapter_name_per_sync(
+    loop: asyncio.AbstractEventLoop, tmp_path: Any
+) -> None:
+    from skylift.cluster.policy_sync import PolicySync
+
+    log: list[tuple] = []
+    link = PolicySync(LoraPolicyRanks(log), lora=True)  # type: ignore[arg-type]
+    loop.run_until_complete(link.open([LoraEngine("e0", log)]))  # type: ignore[list-item]
+    log.clear()
+    # in memory: staged on rank 0, then broadcast while the engine receives; the version two
+    # syncs old leaves in the same engine call
+    for _ in range(3):
+        metrics = loop.run_until_complete(link.push("bfloat16"))
+        assert metrics["weight_sync/bytes"] == 32.0
+    received = [e for e in log if e[1] == "receive_lora"]
+    assert received == [
+        ("e0", "receive_lora", "v1", [], ["a.lora_A.weight"]),
+        ("e0", "receive_lora", "v2", [], ["a.lora_A.weight"]),
+        ("e0", "receive_lora", "v3", ["v1"], ["a.lora_A.weight"]),
+    ]
+    assert log.count(("policy", "stage", "bfloat16")) == 3 and log.count(("policy", "broadcast_lora")) == 3
+    # through a directory: the superseded version is unloaded first, rank 0 writes, the engine loads
+    log.clear()
+    loop.run_until_complete(link.push(None, str(tmp_path)))
+    assert log == [
+        ("e0", "unload_lora", "v2"),
+        ("policy", "write", "v4"),
+        ("e0", "load_lora", "v4", True, True),
+    ]
