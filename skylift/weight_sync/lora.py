@@ -243,7 +243,7 @@ class LoraPublisher:
         if not engines:
             raise WeightSyncError("LoRA sync: no engine to send the adapter to")
         if not sync_path and group is None:
-            raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_weight_sync)")
+            raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_group)")
         targets = EngineGroup(engines, timeout_s=timeout_s, update_timeout_s=timeout_s)  # type: ignore[arg-type]
         return await self.publish_from(targets, AdapterTensors(named_tensors, peft_config, group), sync_path)
 
