@@ -87,3 +87,21 @@ def trainer_logprobs(worker: RLWorker | LoraPolicy, tokens: list[int]) -> list[f
         logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)
     return [logp[i - 1, tok].item() for i, tok in enumerate(tokens) if i > 0]
+
+
+def max_error(engine: Any, loop: Any, policy: LoraPolicy, lora_name: str | None = None) -> float:
+    """The largest gap between `engine`'s teacher-forced logprobs of `SEQUENCES` (with adapter
+    `lora_name`) and the trainer's."""
+
+    async def engine_logprobs() -> list[list[float]]:
+        from skylift.inference.types import TEACHER_FORCING, teacher_forced_logprobs
+
+        outputs = await engine.generate(SEQUENCES, TEACHER_FORCING, prompt_logprobs=True, lora_name=lora_name)
+        return teacher_forced_logprobs(repr(engine), outputs)
+
+    got = loop.run(engine_logprobs())
+    return max(
+        abs(a - b)
+        for seq, lps in zip(SEQUENCES, got, strict=True)
+        for a, b in zip(lps, trainer_logprobs(policy, seq), strict=True)
+    )

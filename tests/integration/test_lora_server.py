@@ -19,13 +19,12 @@ import pytest
 import torch
 from lora_helpers import (
     RANK,
-    SEQUENCES,
     TOLERANCE,
     LoraPolicy,
     adapter_bytes,
     lora_policy,
+    max_error,
     perturb_adapter,
-    trainer_logprobs,
 )
 from server_helpers import (
     ServerHandle,
@@ -37,7 +36,6 @@ from server_helpers import (
 )
 
 from skylift.inference.remote import RemoteInferenceEngine
-from skylift.inference.types import TEACHER_FORCING, teacher_forced_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -156,17 +154,7 @@ def remote_policy(tiny_model_dir: Path, loop: Any, lora_server: ServerHandle) ->
 
 
 def remote_error(url: str, loop: Any, worker: LoraPolicy) -> float:
-    async def engine_logprobs() -> list[list[float]]:
-        engine = RemoteInferenceEngine(url)
-        outputs = await engine.generate(SEQUENCES, TEACHER_FORCING, prompt_logprobs=True)
-        return teacher_forced_logprobs(url, outputs)
-
-    got = loop.run(engine_logprobs())
-    return max(
-        abs(a - b)
-        for seq, lps in zip(SEQUENCES, got, strict=True)
-        for a, b in zip(lps, trainer_logprobs(worker, seq), strict=True)
-    )
+    return max_error(RemoteInferenceEngine(url), loop, worker)
 
 
 def test_remote_lora_sync(

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 from lora_helpers import (
     RANK,
-    SEQUENCES,
     TOLERANCE,
     LoraPolicy,
     adapter_bytes,
     lora_policy,
+    max_error,
     perturb_adapter,
-    trainer_logprobs,
 )
 
 from skylift.cluster.engines import EngineActor
@@ -64,21 +63,6 @@ def policy(tiny_model_dir: Path, loop: Any, lora_engine: LocalVLLMEngine) -> Ite
     """A LoRA policy rank 0 in this process, in a weight-update group with the engine."""
     with lora_policy(tiny_model_dir, loop, [lora_engine], override_existing=False) as policy:
         yield policy
-
-
-def max_error(engine: LocalVLLMEngine, loop: Any, worker: LoraPolicy, lora_name: str | None = None) -> float:
-    async def engine_logprobs() -> list[list[float]]:
-        from skylift.inference.types import TEACHER_FORCING, teacher_forced_logprobs
-
-        outputs = await engine.generate(SEQUENCES, TEACHER_FORCING, prompt_logprobs=True, lora_name=lora_name)
-        return teacher_forced_logprobs(engine.name, outputs)
-
-    got = loop.run(engine_logprobs())
-    return max(
-        abs(a - b)
-        for seq, lps in zip(SEQUENCES, got, strict=True)
-        for a, b in zip(lps, trainer_logprobs(worker, seq), strict=True)
-    )
 
 
 def test_in_memory_sync_sends_only_the_adapter(

@@ -6,7 +6,7 @@ test_lora_sync.py, test_async_training.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,14 +58,7 @@ class Policy:
     def __init__(self, log: list[tuple]) -> None:
         self.log = log
 
-    def host_weight_group(
-        self,
-        world_size: int,
-        remote_urls: Sequence[str],
-        backend: str | None,
-        timeout_s: float,
-        master: str | None,
-    ) -> tuple[str, int, str]:
+    def host_weight_group(self, world_size: int, *how: Any) -> tuple[str, int, str]:
         self.log.append(("policy", "host", world_size))
         return "10.0.0.7", 4242, "gloo"
 
