@@ -1,16 +1,19 @@
 """Which weights the inference engines hold, and pushing new ones, with failover.
 
-`EngineWeights` owns the policy -> engines weight-update group: it is built over every engine at
-start, rebuilt with the live ones after engines fail, and a failed broadcast is retried once over
-the engines that still answer. It also tracks the policy version the engines hold and whether
-colocated engines sleep (their memory freed for training).
+`EngineWeights` is the driver's view of the engines' weights. The weight-update group
+(`PolicySync`: the policy broadcasts, the driver tells the engines to receive) is built over the
+pool's live engines at start and rebuilt whenever the pool's live set no longer matches the group's
+members (the pool alone decides which engines are alive); a failed broadcast probes the engines
+and is retried once. It also tracks the policy version the engines hold and whether colocated
+engines sleep (their memory freed for training).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from skylift.cluster.engines import EngineRef
+from skylift.cluster.policy_sync import PolicySync
 from skylift.cluster.settings import lora_sync_path
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
@@ -26,17 +29,21 @@ class EngineWeights:
         cfg: SkyliftConfig,
         policy: WorkerGroup,
         engines: EnginePool,
-        engine_refs: list[EngineRef],
         run: Callable,
         say: Callable[[str], None],
     ) -> None:
         g = cfg.generator
-        self.policy, self.engines, self.engine_refs = policy, engines, engine_refs
+        self.engines = engines
         self.run, self.say = run, say
         self.dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
-        self.backend = None if g.weight_sync_backend == "auto" else g.weight_sync_backend
-        self.timeout_s = g.weight_sync_timeout_s
-        self.master_address = g.weight_sync_master_address  # None: derived (see RLWorker.init_weight_sync)
+        self.link = PolicySync(
+            policy,
+            lora=cfg.trainer.policy.model.lora.rank > 0,
+            backend=None if g.weight_sync_backend == "auto" else g.weight_sync_backend,
+            timeout_s=g.weight_sync_timeout_s,
+            # None: derived on the policy's rank 0 (see RLWorker.host_weight_group)
+            master_address=g.weight_sync_master_address,
+        )
         self.override_existing = overrides_update_group(g.override_existing_update_group)
         # a LoRA policy's adapter goes through this directory instead of the group (None: in memory)
         self.lora_sync_path = lora_sync_path(cfg)
@@ -48,16 +55,12 @@ class EngineWeights:
         fa = cfg.trainer.fully_async
         #: fully async: generation runs during syncs, so the engines pause for each (None: they idle)
         self.pause_mode = fa.pause_mode if fa.enabled else None
-        # pool indices of the engines in the weight-update group; None: no valid group (rebuild first)
-        self._members: list[int] | None = []
+        self._broken = False  # a broadcast failed: the group must be rebuilt before the next
 
     def open(self) -> None:
         """The weight-update group policy rank 0 -> every engine."""
-        address = self.policy.init_weight_sync(
-            self.engine_refs, self.override_existing, self.backend, self.timeout_s, self.master_address
-        )
-        self.say(f"weight sync: {len(self.engine_refs)} engine(s) dial {address}")
-        self._members = list(range(len(self.engine_refs)))
+        address = self.run(self.link.open(self.engines.engines, self.override_existing))
+        self.say(f"weight sync: {len(self.engines.engines)} engine(s) dial {address}")
 
     def sleep(self) -> None:
         """Free the engines' memory for training (colocated engines on GPUs)."""
@@ -101,34 +104,41 @@ class EngineWeights:
         """Tell the engines the version they hold, so that they label the tokens they sample."""
         self.run(self.engines.resume_generation(self.version))
 
+    def _live_engines(self) -> list[Any]:
+        return [self.engines.engines[i] for i in self.engines.live_indices]
+
     def _broadcast(self) -> None:
         from skylift.weight_sync import WeightSyncError
 
         for attempt in (1, 2):
-            if self.engines.live_indices != self._members and not self._rebuild():
+            stale = self._broken or self.link.group is None or self.link.members != self._live_engines()
+            if stale and not self._rebuild():
                 return
             try:
-                self.policy.sync_weights(self.dtype, self.lora_sync_path)
+                self.run(self.link.push(self.dtype, self.lora_sync_path))
                 break
             except WeightSyncError as exc:
                 if attempt == 2:
                     raise
                 self.say(f"weight sync failed ({exc}); checking the engines and retrying once")
                 self.run(self.engines.probe())
-                self._members = None  # force a new group (or none, when no engine answers)
+                self._broken = True  # a new group (or none, when no engine answers)
 
     def _rebuild(self) -> bool:
-        """A weight-update group of the live engines only; False when none is left."""
-        live = self.engines.live_indices
+        """A weight-update group of the pool's live engines only; False when none is left. The
+        old group is destroyed first (dead engines failing to answer are logged) and the live
+        engines replace their membership."""
+        self.run(self.link.close())
+        self._broken = False
+        live = self._live_engines()
         if not live:
-            self.policy.close_weight_sync()
-            self._members = []
             return False
         self.say(
-            f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engine_refs)}"
+            f"rebuilding the weight-update group with {len(live)} live engine(s) of {len(self.engines.engines)}"
         )
-        self.policy.rebuild_weight_sync(
-            [self.engine_refs[i] for i in live], self.backend, self.timeout_s, self.master_address
-        )
-        self._members = live
+        self.run(self.link.open(live, override_existing=True))
         return True
+
+    def close(self) -> None:
+        """Destroy the weight-update group (engines first, then the policy's rank 0)."""
+        self.run(self.link.close())

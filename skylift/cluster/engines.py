@@ -1,7 +1,7 @@
 """Inference engines for a training run: local (vLLM in Ray actors) or remote (HTTP servers).
 
-`EngineRef`s are small picklable descriptions that any process (the driver, a policy worker
-doing weight sync) turns into an `InferenceEngine` client with `connect()`.
+`EngineRef`s are small picklable descriptions that the driver turns into `InferenceEngine`
+clients with `connect()` (the pool's clients, which weight sync uses too: `cluster.policy_sync`).
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class Runtime:
             generator_settings(cfg),
         )
         assert self.engines is not None
-        self.weights = EngineWeights(cfg, self.policy, self.engines, self.engine_refs, self.run, self.say)
+        self.weights = EngineWeights(cfg, self.policy, self.engines, self.run, self.say)
         self.weights.open()
 
     def total_steps(self) -> int:
@@ -167,7 +167,6 @@ class Runtime:
             use_ray=self.use_ray,
             num_cpus_per_worker=1 if gpu else 0,
             num_gpus_per_worker=1 if gpu else 0,
-            loop=self.loop,
             timeout_s=self.cfg.trainer.worker_timeout_s,
             placement=self.placement,
         )
@@ -209,6 +208,11 @@ class Runtime:
         if self.loop.is_closed():
             return
         try:
+            if self.weights is not None:
+                try:  # the engines leave the weight-update group, then the policy's rank 0
+                    self.weights.close()
+                except Exception as exc:  # noqa: BLE001 - a dead engine must not keep the rest up
+                    self.say(f"closing the weight-update group: {type(exc).__name__}: {exc}")
             for name, group in (("policy", self.policy), ("ref", self.ref), ("critic", self.critic)):
                 if group is not None:
                     try:

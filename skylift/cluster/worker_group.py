@@ -1,28 +1,28 @@
 """Training workers of a run: FSDP2 ranks as Ray actors (or one in-process rank), plus weight sync.
 
-`RLWorker` adds to `TrainingWorker` the one RL-specific duty of the policy: pushing its weights
-to the inference engines. `WorkerGroup` starts the ranks, shards batches over them and calls
-them in lockstep.
+`RLWorker` adds to `TrainingWorker` the one RL-specific duty of the policy: producing and
+broadcasting its weights for the inference engines (the driver tells the engines to receive).
+`WorkerGroup` starts the ranks, shards batches over them and calls their methods in lockstep.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling
-from skylift.cluster.engines import EngineRef
 from skylift.cluster.placement import PlacedGroups
-from skylift.utils.calls import run_on_loop
+from skylift.weight_sync.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import str_to_dtype
+from skylift.weight_sync.process_group import WeightSyncError
+from skylift.weight_sync.protocol import WeightBucket
 from skylift.worker.batch import SequenceBatch
 from skylift.worker.training_worker import LossFn, TrainingWorker, WorkerSettings
 
@@ -34,30 +34,24 @@ SYNC_BUCKET_MB = 64
 
 logger = logging.getLogger("skylift.cluster.worker_group")
 
+R = TypeVar("R")
+
 
 class RLWorker(TrainingWorker):
-    """A training rank that can also broadcast its weights to inference engines (rank 0 sends)."""
+    """A training rank that also produces the policy's weights for the inference engines.
 
-    def __init__(
-        self,
-        *args: Any,
-        loop: asyncio.AbstractEventLoop | None = None,
-        node_ip: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """`loop`: the event loop in-process engines live on (placement backend "local");
-        `node_ip`: the IP of the node this rank runs on (None: Ray's, or 127.0.0.1 without Ray)."""
+    Every rank gathers (a collective); rank 0 alone is in the weight-update group and broadcasts
+    (`WeightBroadcaster`). No rank calls an engine: the driver (`cluster.policy_sync`) tells the
+    engines to join and to receive while rank 0 runs the matching call here.
+    """
+
+    def __init__(self, *args: Any, node_ip: str | None = None, **kwargs: Any) -> None:
+        """`node_ip`: the IP of the node this rank runs on (None: Ray's, or 127.0.0.1 without Ray)."""
         super().__init__(*args, **kwargs)
-        self._loop = loop
         self._node_ip = node_ip
-        self._sender: Any = None
-        self._lora: Any = None  # the LoRA adapter versions on the engines (LoraPublisher)
-        self._engines: list[Any] = []
-
-    def _run(self, coro: Any) -> Any:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return run_on_loop(self._loop, coro)
+        self.broadcaster: WeightBroadcaster | None = None
+        self._staged: list[Tensor] = []  # a LoRA adapter's packed buffers, until it is broadcast
+        self._peft_config: dict[str, Any] = {}
 
     def node_ip(self) -> str:
         """The address of this rank's node as the cluster knows it (127.0.0.1 without Ray)."""
@@ -67,121 +61,103 @@ class RLWorker(TrainingWorker):
             self._node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         return self._node_ip
 
-    def init_weight_sync(
+    def host_weight_group(
         self,
-        engine_refs: Sequence[EngineRef],
-        override_existing: bool,
+        world_size: int,
+        remote_urls: Sequence[str],
         backend: str | None = None,
         timeout_s: float = 120.0,
         master_address: str | None = None,
-    ) -> str | None:
-        """Create the weight-update group (rank 0 only); returns the address its store listens on.
-
-        `master_address`: `generator.weight_sync_master_address`; None = this node's IP for local
-        engines, or this host's address on the route to the first remote engine.
-        """
+    ) -> tuple[str, int, str] | None:
+        """Host the weight-update group's store (rank 0 only): (address, port, backend) for the
+        engines to dial. `master_address`: `generator.weight_sync_master_address`; None = this
+        node's IP for local engines, or this host's address on the route to the first remote
+        engine (`remote_urls`)."""
         if self.rank != 0:
             return None
-        from skylift.weight_sync import WeightSender
         from skylift.weight_sync.sender import weight_sync_master_address
 
-        address = weight_sync_master_address(
-            master_address, [ref.url for ref in engine_refs if ref.url], self.node_ip()
-        )
-        self._engines = [ref.connect() for ref in engine_refs]
-        self._sender = WeightSender(timeout_s=timeout_s, update_timeout_s=timeout_s)
-        self._run(
-            self._sender.init_group(
-                self._engines, master_address=address, backend=backend, override_existing=override_existing
-            )
-        )
-        return address
+        self.close_weight_group()
+        address = weight_sync_master_address(master_address, list(remote_urls), self.node_ip())
+        self.broadcaster = WeightBroadcaster(timeout_s=timeout_s, update_timeout_s=timeout_s)
+        port = self.broadcaster.host(address, world_size, backend)  # type: ignore[arg-type]
+        return address, port, self.broadcaster.backend
 
-    def sync_weights(
-        self, bucket_mb: int = SYNC_BUCKET_MB, dtype: str | None = None, lora_sync_path: str | None = None
+    def join_weight_group(self) -> None:
+        """Rank 0's rendezvous of the hosted group (blocks until the engines joined)."""
+        if self.rank == 0:
+            self._require_broadcaster().join()
+
+    def broadcast_weights(
+        self, bucket_mb: int = SYNC_BUCKET_MB, dtype: str | None = None
     ) -> dict[str, float]:
-        """Broadcast the full weights to every engine (all ranks call: gathering is collective).
+        """Gather the full weights (every rank: a collective) and broadcast them as one weight
+        stream (rank 0) while the engines receive it.
 
         `dtype`: the engines' weight dtype (e.g. "bfloat16" engines of a float32 policy); floating
         tensors are cast to it before sending, so half the bytes travel. None sends them as they are.
-        A LoRA policy sends only its adapter (`sync_lora_adapter`).
         """
-        if self.settings.lora_rank > 0:
-            return self.sync_lora_adapter(dtype, lora_sync_path)
         started = time.perf_counter()
         weights = self.iter_full_weights()
         if self.rank != 0:
             for _ in weights:
                 pass
             return {}
+        broadcaster = self._require_broadcaster()
         if dtype is not None:  # only the sending rank pays for the cast
             weights = _cast_floating(weights, str_to_dtype(dtype))
-        if self._sender is None:
-            raise RuntimeError("init_weight_sync() was not called before sync_weights()")
-        self._run(self._sender.send_state_dict(weights, bucket_bytes=bucket_mb << 20))
-        return {"timing/weight_sync_s": time.perf_counter() - started}
+        sent = broadcaster.broadcast_stream(weights, bucket_bytes=bucket_mb << 20)
+        return {"timing/weight_sync_s": time.perf_counter() - started, "weight_sync/bytes": float(sent.bytes)}
 
-    def sync_lora_adapter(self, dtype: str | None = None, sync_path: str | None = None) -> dict[str, float]:
-        """Send only the LoRA adapter; the engines load it as their default adapter under a new
-        name (`skylift.weight_sync.lora`): over the weight-update group, or through `sync_path`
-        (`generator.lora_sync_path`) when set. All ranks call (gathering is collective)."""
-        from skylift.weight_sync.lora import LoraPublisher, cast_floating
+    def _adapter(self, dtype: str | None) -> list[tuple[str, Tensor]] | None:
+        """The LoRA adapter's tensors (cast to `dtype`) on rank 0, None elsewhere (a collective)."""
+        from skylift.weight_sync.lora import cast_floating
 
-        started = time.perf_counter()
-        tensors, peft_config = self.lora_adapter()
+        tensors, self._peft_config = self.lora_adapter()
         if self.rank != 0:
-            return {}
-        if self._sender is None:
-            raise RuntimeError("init_weight_sync() was not called before sync_weights()")
-        if self._lora is None:
-            self._lora = LoraPublisher()
-        stats = self._run(
-            self._lora.publish(
-                self._engines,
-                cast_floating(tensors, str_to_dtype(dtype) if dtype else None),
-                peft_config,
-                group=self._sender.group,
-                sync_path=sync_path,
-                timeout_s=self._sender.update_timeout_s,
-            )
-        )
-        return {
-            "timing/weight_sync_s": time.perf_counter() - started,
-            "weight_sync/bytes": float(stats.bytes),
-        }
+            return None
+        return cast_floating(tensors, str_to_dtype(dtype) if dtype else None)
 
-    def rebuild_weight_sync(
-        self,
-        engine_refs: Sequence[EngineRef],
-        backend: str | None = None,
-        timeout_s: float = 120.0,
-        master_address: str | None = None,
-    ) -> None:
-        """A new group with `engine_refs` only (after engines failed): the old group is destroyed
-        (failures of dead engines to answer are expected and logged) and the live engines replace
-        their membership (`override_existing`)."""
+    def stage_lora_adapter(self, dtype: str | None = None) -> tuple[WeightBucket, dict[str, Any]] | None:
+        """Gather the LoRA adapter (every rank) and pack it for `broadcast_lora_adapter` (rank 0):
+        its bucket metadata and PEFT config, for the driver to hand to the engines."""
+        from skylift.weight_sync.buckets import bucket_of
+        from skylift.weight_sync.lora import pack_adapter
+
+        tensors = self._adapter(dtype)
+        if tensors is None:
+            return None
+        self._staged = pack_adapter(tensors, self._require_broadcaster().require_group().device)
+        return bucket_of(tensors), self._peft_config
+
+    def broadcast_lora_adapter(self) -> int:
+        """Broadcast the staged adapter (rank 0) while the engines receive it; the bytes sent."""
         if self.rank != 0:
-            return
-        self.close_weight_sync()
-        self.init_weight_sync(
-            engine_refs,
-            override_existing=True,
-            backend=backend,
-            timeout_s=timeout_s,
-            master_address=master_address,
-        )
+            return 0
+        staged, self._staged = self._staged, []
+        return self._require_broadcaster().broadcast_buffers(staged)
 
-    def close_weight_sync(self) -> None:
-        """Destroy the group; engines that cannot be reached any more are logged, not raised."""
-        if self._sender is not None:
-            from skylift.weight_sync import WeightSyncError
+    def write_lora_adapter(self, directory: str, dtype: str | None = None) -> tuple[int, int] | None:
+        """Gather the LoRA adapter (every rank) and write it to `directory` in PEFT's layout (rank
+        0): its tensor count and bytes."""
+        from skylift.weight_sync.lora import adapter_nbytes, write_adapter_dir
 
-            try:
-                self._run(self._sender.close())
-            except WeightSyncError as exc:
-                logger.warning("closing the weight-update group: %s", exc)
-            finally:
-                self._sender = None
+        tensors = self._adapter(dtype)
+        if tensors is None:
+            return None
+        write_adapter_dir(directory, tensors, self._peft_config)
+        return len(tensors), adapter_nbytes(tensors)
+
+    def close_weight_group(self) -> None:
+        """Leave the weight-update group (the engines left theirs first; idempotent)."""
+        broadcaster, self.broadcaster = self.broadcaster, None
+        if broadcaster is not None:
+            broadcaster.close()
+
+    def _require_broadcaster(self) -> WeightBroadcaster:
+        if self.broadcaster is None:
+            raise WeightSyncError("no weight-update group on the policy's rank 0: host it first")
+        return self.broadcaster
 
 
 def _cast_floating(weights: Iterator[tuple[str, Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
@@ -269,7 +245,6 @@ class WorkerGroup:
         use_ray: bool = True,
         num_cpus_per_worker: float = 1,
         num_gpus_per_worker: float = 0,
-        loop: asyncio.AbstractEventLoop | None = None,
         timeout_s: float = 3600.0,
         placement: PlacedGroups | None = None,
         role: str | None = None,
@@ -309,21 +284,35 @@ class WorkerGroup:
             init_method = _file_rendezvous(name)
             if world_size != 1:
                 raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
-            self.workers = [RLWorker(settings, 0, 1, init_method, loop=loop)]
+            self.workers = [RLWorker(settings, 0, 1, init_method)]
 
     def _call(
-        self, method: str, per_rank_args: Sequence[tuple] | None = None, *args: Any, **kwargs: Any
-    ) -> list[Any]:
+        self,
+        method: Callable[..., R],
+        per_rank_args: Sequence[tuple] | None = None,
+        *args: Any,
+        ranks: int | None = None,
+        **kwargs: Any,
+    ) -> list[R]:
+        """`method` (an `RLWorker` method) on the first `ranks` ranks (None: all), with
+        `per_rank_args[r]` or `args`; results in rank order."""
+        name = method.__name__
+        workers = self.workers[:ranks]
         if self.use_ray:
             refs = [
-                getattr(w, method).remote(*(per_rank_args[r] if per_rank_args else args), **kwargs)
-                for r, w in enumerate(self.workers)
+                getattr(w, name).remote(*(per_rank_args[r] if per_rank_args else args), **kwargs)
+                for r, w in enumerate(workers)
             ]
-            return wait_for_ranks(refs, f"{self.name} worker", method, self.timeout_s)
-        return [getattr(self.workers[0], method)(*(per_rank_args[0] if per_rank_args else args), **kwargs)]
+            return wait_for_ranks(refs, f"{self.name} worker", name, self.timeout_s)
+        return [method(workers[0], *(per_rank_args[0] if per_rank_args else args), **kwargs)]
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
+        """`method` (an `RLWorker` method, e.g. `RLWorker.setup`) on every rank, in lockstep."""
         return self._call(method, None, *args, **kwargs)
+
+    def call_rank0(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """`method` on rank 0 alone (what only the weight-update group's rank 0 does)."""
+        return self._call(method, None, *args, ranks=1, **kwargs)[0]
 
     def shards(self, batch: SequenceBatch) -> list[SequenceBatch]:
         """Rows of `batch` split into `world_size` contiguous, near-equal shards."""
@@ -332,58 +321,67 @@ class WorkerGroup:
         return [batch.select(list(range(bounds[r], bounds[r + 1]))) for r in range(self.world_size)]
 
     def setup(self) -> list[dict[str, Any]]:
-        return self.call_all("setup")
+        return self.call_all(RLWorker.setup)
 
-    # ---- the policy's weight-update group (rank 0 sends; every rank gathers)
-    def init_weight_sync(
+    # ---- the policy's side of weight sync (every rank gathers; rank 0 broadcasts; the driver,
+    # `cluster.policy_sync`, calls these while it tells the engines to join and receive)
+    def host_weight_group(
         self,
-        engine_refs: Sequence[EngineRef],
-        override_existing: bool,
+        world_size: int,
+        remote_urls: Sequence[str],
         backend: str | None,
         timeout_s: float,
         master_address: str | None,
-    ) -> str:
-        """The group rank 0 -> `engine_refs`; the address its store listens on."""
-        return self.call_all(
-            "init_weight_sync", engine_refs, override_existing, backend, timeout_s, master_address
-        )[0]
+    ) -> tuple[str, int, str]:
+        """Rank 0 hosts the group's store: (address, port, backend) the engines dial."""
+        hosted = self.call_rank0(
+            RLWorker.host_weight_group, world_size, remote_urls, backend, timeout_s, master_address
+        )
+        assert hosted is not None
+        return hosted
 
-    def sync_weights(self, dtype: str | None, lora_sync_path: str | None) -> None:
-        """Broadcast the weights (a LoRA policy: its adapter) to the group's engines."""
-        self.call_all("sync_weights", dtype=dtype, lora_sync_path=lora_sync_path)
+    def join_weight_group(self) -> None:
+        self.call_rank0(RLWorker.join_weight_group)
 
-    def rebuild_weight_sync(
-        self,
-        engine_refs: Sequence[EngineRef],
-        backend: str | None,
-        timeout_s: float,
-        master_address: str | None,
-    ) -> None:
-        """A new group of `engine_refs` only (after engines failed)."""
-        self.call_all("rebuild_weight_sync", engine_refs, backend, timeout_s, master_address)
+    def broadcast_weights(self, dtype: str | None) -> dict[str, float]:
+        """Every rank gathers the full weights, rank 0 broadcasts them (rank 0's metrics)."""
+        return self.call_all(RLWorker.broadcast_weights, dtype=dtype)[0]
 
-    def close_weight_sync(self) -> None:
-        self.call_all("close_weight_sync")
+    def stage_lora_adapter(self, dtype: str | None) -> tuple[WeightBucket, dict[str, Any]]:
+        staged = self.call_all(RLWorker.stage_lora_adapter, dtype)[0]
+        assert staged is not None
+        return staged
+
+    def broadcast_lora_adapter(self) -> int:
+        return self.call_rank0(RLWorker.broadcast_lora_adapter)
+
+    def write_lora_adapter(self, directory: str, dtype: str | None) -> tuple[int, int]:
+        written = self.call_all(RLWorker.write_lora_adapter, directory, dtype)[0]
+        assert written is not None
+        return written
+
+    def close_weight_group(self) -> None:
+        self.call_rank0(RLWorker.close_weight_group)
 
     # ---- checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Every rank writes its shard of the model and optimizer state under `path`."""
-        self.call_all("save_checkpoint", path)
+        self.call_all(RLWorker.save_checkpoint, path)
 
     def load_checkpoint(self, path: str) -> None:
-        self.call_all("load_checkpoint", path)
+        self.call_all(RLWorker.load_checkpoint, path)
 
     def export_hf(self, path: str) -> str:
         """The model as a Hugging Face directory at `path` (LoRA merged); returns the path."""
-        return str(self.call_all("export_hf", path)[0])
+        return str(self.call_all(RLWorker.export_hf, path)[0])
 
     def compute_logprobs(self, batch: SequenceBatch, micro_batch_size: int, temperature: Sampling) -> Any:
-        return self._per_token("compute_logprobs", batch, micro_batch_size, temperature)
+        return self._per_token(RLWorker.compute_logprobs, batch, micro_batch_size, temperature)
 
     def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> Any:
-        return self._per_token("compute_values", batch, micro_batch_size)
+        return self._per_token(RLWorker.compute_values, batch, micro_batch_size)
 
-    def _per_token(self, method: str, batch: SequenceBatch, *args: Any) -> Any:
+    def _per_token(self, method: Callable[..., Tensor], batch: SequenceBatch, *args: Any) -> Any:
         """`[B, R]` results of a per-token worker method, the batch sharded over the ranks."""
         import torch
 
@@ -407,7 +405,7 @@ class WorkerGroup:
     ) -> dict[str, float]:
         shards = self.shards(batch) if self.world_size > 1 else [batch]
         results = self._call(
-            "train_mini_batch", [(s, loss_fn, micro_batch_size, temperature) for s in shards]
+            RLWorker.train_mini_batch, [(s, loss_fn, micro_batch_size, temperature) for s in shards]
         )
         merged: dict[str, float] = {}
         for key in results[0]:
@@ -416,8 +414,8 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         try:
-            self.close_weight_sync()
-            self.call_all("shutdown")
+            self.close_weight_group()
+            self.call_all(RLWorker.shutdown)
         finally:
             if self.use_ray:
                 import ray

@@ -13,11 +13,12 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
+from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.lora_adapters import LoraAdapters
 from skylift.inference.types import (
     PAUSE_MODES,
@@ -29,12 +30,11 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
     check_teacher_forcing,
-    teacher_forced_logprobs,
 )
+from skylift.inference.vllm_fixes import quiet_teardown
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
@@ -80,7 +80,7 @@ class BucketReceipt:
     seconds: float
 
 
-class LocalVLLMEngine:
+class LocalVLLMEngine(EngineBase):
     """An in-process vLLM engine (``vllm.v1.engine.async_llm.AsyncLLM``) behind `InferenceEngine`.
 
     Build it with `LocalVLLMEngine.create`. Every call has a timeout; errors are `EngineError`s
@@ -134,7 +134,7 @@ class LocalVLLMEngine:
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        _quiet_teardown(AsyncLLM)
+        quiet_teardown(AsyncLLM)
         apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)))
         args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
@@ -208,61 +208,28 @@ class LocalVLLMEngine:
             raise EngineError(f"{self.name}: generate: request {request_id} ended without a final output")
         return final
 
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None = None,
-        *,
-        prompt_logprobs: bool = False,
-        images: Sequence[list[Any] | None] | None = None,
-        lora_name: str | None = None,
-    ) -> list[GenerateOutput]:
-        """Sample `params.n` continuations of every prompt (token ids); prompts run concurrently.
-
-        `prompt_logprobs` also scores every prompt token (`GenerateOutput.prompt_logprobs`).
-        `images`: per prompt, the PIL images its image placeholder tokens stand for (a vision
-        model's; the output's prompt is then vLLM's, placeholders expanded). `session_id` goes to
-        vLLM with each request (routing by session is the pool's concern). `lora_name`: the LoRA
-        adapter to sample with (None: the engine's default adapter, if any; "": the base model).
-        """
-        if not prompts:
-            return []
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise EngineRequestError(f"{self.name}: generate: prompt {i} is empty")
-        lora_request = self.lora.request_for(lora_name)
+    async def _generate(self, call: GenerateCall) -> list[GenerateOutput]:
+        """`generate` (`EngineBase`, which checked the request): the prompts run concurrently."""
+        lora_request = self.lora.request_for(call.lora_name)
         try:
-            vllm_params = to_vllm_params(params, prompt_logprobs=prompt_logprobs)
+            vllm_params = to_vllm_params(call.params, prompt_logprobs=call.prompt_logprobs)
         except Exception as exc:
             raise EngineRequestError(f"{self.name}: generate: invalid sampling params: {exc}") from exc
 
         async def one(prompt: list[int], imgs: list[Any] | None) -> GenerateOutput:
-            final = await self._final_output(prompt, vllm_params, session_id, imgs, lora_request)
+            final = await self._final_output(prompt, vllm_params, call.session_id, imgs, lora_request)
             seen = list(final.prompt_token_ids or prompt) if imgs else prompt
             return to_generate_output(
                 final,
                 seen,
-                want_logprobs=params.logprobs,
-                prompt_logprobs=prompt_logprobs,
-                top_logprobs=params.top_logprobs,
+                want_logprobs=call.params.logprobs,
+                prompt_logprobs=call.prompt_logprobs,
+                top_logprobs=call.params.top_logprobs,
             )
 
-        per_prompt = list(images) if images is not None else [None] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise EngineRequestError(
-                f"{self.name}: generate: {len(per_prompt)} image lists for {len(prompts)} prompts"
-            )
-        jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)))
+        per_prompt = list(call.images) if call.images is not None else [None] * len(call.prompts)
+        jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(call.prompts, per_prompt, strict=True)))
         return await self._call("generate", jobs, self.generate_timeout_s)
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of every token of each sequence given the tokens before it (teacher
-        forcing); one value per token after the first. A local-engine extra, not in the interface.
-        """
-        check_teacher_forcing(self.name, sequences)
-        outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
-        return teacher_forced_logprobs(self.name, outputs)
 
     async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
         """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
@@ -355,6 +322,32 @@ class LocalVLLMEngine:
             )
             self.group_name = spec.group_name
 
+    async def _receive(
+        self,
+        operation: str,
+        rpc: tuple[str, str, tuple],
+        refusal_of: Callable[[Any], str | None],
+        buckets_of: Callable[[list[Any]], int],
+    ) -> tuple[list[Any], float, bool]:
+        """One receiving call to every worker (`rpc`: its label, method and args), with the group
+        checked first, a worker's refusal (`refusal_of` its result) an `EngineStateError`, the
+        weight version advanced by `buckets_of(results)` and the prefix cache reset after it.
+        Returns the workers' results, the seconds they took and whether the cache was reset."""
+        async with self._weight_lock:
+            if self.group_name is None:
+                raise EngineStateError(
+                    f"{self.name}: {operation}: no weight-update group: call "
+                    "init_weight_update_communicator first"
+                )
+            start = time.perf_counter()
+            results = await self._rpc(*rpc, self.update_timeout_s)
+            refusal = next((r for r in map(refusal_of, results) if r), None)
+            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
+                raise EngineStateError(f"{self.name}: {operation}: {refusal}")
+            seconds = time.perf_counter() - start
+            self.weight_version += buckets_of(results)
+            return results, seconds, await self.try_reset_prefix_cache()
+
     async def receive_weights(self, bucket: WeightBucket) -> BucketReceipt:
         """Receive one bucket over the group (the sender broadcasts concurrently), load it in
         place and reset the prefix cache. Bad metadata is an `EngineRequestError`, no group an
@@ -363,21 +356,13 @@ class LocalVLLMEngine:
             bucket = validate_bucket(bucket)
         except ValueError as exc:
             raise EngineRequestError(f"{self.name}: update_weights: {exc}") from exc
-        async with self._weight_lock:
-            if self.group_name is None:
-                raise EngineStateError(
-                    f"{self.name}: update_weights: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
-            start = time.perf_counter()
-            operation = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
-            results = await self._rpc(operation, RPC_RECEIVE, bucket.rpc_args(), self.update_timeout_s)
-            refusal = next((r for r in results if isinstance(r, str)), None)
-            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
-                raise EngineStateError(f"{self.name}: update_weights: {refusal}")
-            seconds = time.perf_counter() - start
-            self.weight_version += 1
-            reset = await self.try_reset_prefix_cache()
+        label = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
+        _, seconds, reset = await self._receive(
+            "update_weights",
+            (label, RPC_RECEIVE, bucket.rpc_args()),
+            lambda r: r if isinstance(r, str) else None,
+            lambda _: 1,
+        )
         logger.debug("%s: bucket of %d tensors in %.3fs", self.name, len(bucket.names), seconds)
         return BucketReceipt(len(bucket.names), self.weight_version, reset, seconds)
 
@@ -393,20 +378,12 @@ class LocalVLLMEngine:
         model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version, prefix_cache_reset,
         direct_buckets: loaded without vLLM's reload, `weight_sync.direct_load`); a refused bucket is
         an `EngineStateError` (see the receiver)."""
-        async with self._weight_lock:
-            if self.group_name is None:
-                raise EngineStateError(
-                    f"{self.name}: receive_weight_stream: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
-            start = time.perf_counter()
-            results = await self._rpc("receive_weight_stream", RPC_RECEIVE_STREAM, (), self.update_timeout_s)
-            refusal = next((r["refused"] for r in results if r.get("refused")), None)
-            if refusal is not None:
-                raise EngineStateError(f"{self.name}: receive_weight_stream: {refusal}")
-            seconds = time.perf_counter() - start
-            self.weight_version += results[0]["buckets"]
-            reset = await self.try_reset_prefix_cache()
+        results, seconds, reset = await self._receive(
+            "receive_weight_stream",
+            ("receive_weight_stream", RPC_RECEIVE_STREAM, ()),
+            lambda r: r.get("refused"),
+            lambda rs: int(rs[0]["buckets"]),
+        )
         receipt = {k: results[0][k] for k in ("buckets", "tensors", "bytes")}
         receipt.update(
             seconds=seconds,
@@ -481,20 +458,3 @@ class LocalVLLMEngine:
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
-
-
-def _quiet_teardown(cls: type) -> None:
-    """Make `cls.__del__` ignore errors: after `close()`, AsyncLLM's finaliser may still run during
-    interpreter teardown, when module globals are already None, and print a spurious TypeError."""
-    original = cls.__dict__.get("__del__")
-    if original is None or getattr(original, "_skylift_quiet", False):
-        return
-
-    def __del__(self: Any) -> None:
-        try:
-            original(self)
-        except Exception:  # noqa: BLE001 - nothing useful can happen in a finaliser at exit
-            pass
-
-    __del__._skylift_quiet = True  # type: ignore[attr-defined]
-    cls.__del__ = __del__  # type: ignore[attr-defined]

@@ -18,19 +18,16 @@ from typing import Any
 import aiohttp
 
 from skylift.inference.codec import generate_request, output_from_json
+from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.http_session import SessionPool, default_pool, error_text
 from skylift.inference.types import (
-    TEACHER_FORCING,
     EngineCapabilityError,
     EngineError,
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
-    check_teacher_forcing,
-    teacher_forced_logprobs,
 )
 from skylift.weight_sync.lora import LoraAdapterSpec
 
@@ -77,7 +74,7 @@ _ERRORS_BY_STATUS: dict[int, type[RemoteEngineError]] = {
 }
 
 
-class RemoteInferenceEngine:
+class RemoteInferenceEngine(EngineBase):
     """One skylift server seen as an `InferenceEngine`."""
 
     def __init__(
@@ -105,6 +102,10 @@ class RemoteInferenceEngine:
 
     def __repr__(self) -> str:
         return f"RemoteInferenceEngine({self.url!r})"
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.url
 
     # ---------------------------------------------------------------- transport
 
@@ -165,38 +166,24 @@ class RemoteInferenceEngine:
 
     # ---------------------------------------------------------------- generation
 
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None = None,
-        *,
-        prompt_logprobs: bool = False,
-        lora_name: str | None = None,
-    ) -> list[GenerateOutput]:
-        """Sample `params.n` continuations of every prompt (token ids in, token ids out);
-        `prompt_logprobs` also scores every prompt token; `lora_name` picks a LoRA adapter (None:
-        the server's default adapter, if any; "": the base model)."""
-        if not prompts:
-            return []
-        body = generate_request(prompts, params, prompt_logprobs=prompt_logprobs, session_id=session_id)
-        if lora_name is not None:
-            body["lora_name"] = lora_name
+    async def _generate(self, call: GenerateCall) -> list[GenerateOutput]:
+        """`generate` (`EngineBase`, which checked the request) as one POST /skylift/generate."""
+        if call.images is not None and any(call.images):
+            raise RemoteEngineCapabilityError(
+                self.url, "generate", "images travel through the server's chat routes, not /skylift/generate"
+            )
+        body = generate_request(
+            call.prompts, call.params, prompt_logprobs=call.prompt_logprobs, session_id=call.session_id
+        )
+        if call.lora_name is not None:
+            body["lora_name"] = call.lora_name
         data = await self.request("POST", "/skylift/generate", "generate", json=body, retry=True)
         outputs = data["outputs"]
-        if len(outputs) != len(prompts):
+        if len(outputs) != len(call.prompts):
             raise RemoteEngineError(
-                self.url, "generate", f"asked for {len(prompts)} prompts, got {len(outputs)} outputs"
+                self.url, "generate", f"asked for {len(call.prompts)} prompts, got {len(outputs)} outputs"
             )
         return [output_from_json(o) for o in outputs]
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of every token of each sequence given the tokens before it (teacher
-        forcing): one value per token after the first (same as `LocalVLLMEngine.prompt_logprobs`).
-        """
-        check_teacher_forcing(self.url, sequences)
-        outputs = await self.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
-        return teacher_forced_logprobs(self.url, outputs)
 
     # ---------------------------------------------------------------- control
 

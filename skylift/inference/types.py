@@ -167,6 +167,14 @@ def teacher_forced_logprobs(who: str, outputs: list[GenerateOutput]) -> list[lis
     return out
 
 
+async def score_sequences(engine: Any, who: str, sequences: list[list[int]]) -> list[list[float]]:
+    """`engine.prompt_logprobs` of every engine: one `generate` under `TEACHER_FORCING` that
+    scores the prompt tokens; one value per token after the first of each sequence."""
+    check_teacher_forcing(who, sequences)
+    outputs = await engine.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
+    return teacher_forced_logprobs(who, outputs)
+
+
 class EngineStateError(EngineError):
     """The engine's state or settings forbid the request now (e.g. a weight-update group already
     exists, or none does yet; sleep on an engine started without sleep mode)."""

@@ -1,4 +1,5 @@
-"""Fixes to vLLM that skylift installs in every engine worker (imported by the worker extension).
+"""Fixes to vLLM: in every engine worker (`install`, imported by the worker extension), and a quiet
+finaliser for the driver's `AsyncLLM` (`quiet_teardown`).
 
 Seeded requests on CPU. When the scheduler splits a prompt across steps (chunked prefill, e.g. under
 load: the step's token budget runs out mid-prompt), vLLM samples a token for the partial prefill,
@@ -63,3 +64,20 @@ def install() -> bool:
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner._skylift_cpu_seed_fix = True
     return True
+
+
+def quiet_teardown(cls: type) -> None:
+    """Make `cls.__del__` ignore errors: after `close()`, AsyncLLM's finaliser may still run during
+    interpreter teardown, when module globals are already None, and print a spurious TypeError."""
+    original = cls.__dict__.get("__del__")
+    if original is None or getattr(original, "_skylift_quiet", False):
+        return
+
+    def __del__(self: Any) -> None:
+        try:
+            original(self)
+        except Exception:  # noqa: BLE001 - nothing useful can happen in a finaliser at exit
+            pass
+
+    __del__._skylift_quiet = True  # type: ignore[attr-defined]
+    cls.__del__ = __del__  # type: ignore[attr-defined]

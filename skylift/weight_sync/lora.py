@@ -20,19 +20,19 @@ directory: unloaded before), so an engine holds at most two (`engine_args.LORA_S
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from skylift.utils.calls import call_with_timeout, gather_all
 from skylift.weight_sync.buckets import (
     NamedTensor,
     bucket_of,
@@ -41,6 +41,7 @@ from skylift.weight_sync.buckets import (
     pack_bucket,
     tensor_nbytes,
 )
+from skylift.weight_sync.control import EngineGroup
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
 from skylift.weight_sync.protocol import WeightBucket
 
@@ -136,14 +137,6 @@ def write_adapter_dir(
     return directory
 
 
-def _describe(index: int, engine: Any) -> str:
-    return f"engine {index} ({engine!r})"
-
-
-async def _all(tasks: Sequence[Awaitable[Any]]) -> list[Any]:
-    return await gather_all(tasks, fail_fast=True)
-
-
 def pack_adapter(named_tensors: Sequence[NamedTensor], device: torch.device) -> list[torch.Tensor]:
     """The flat wire buffers of `bucket_of(named_tensors)`. On CPU each tensor is copied into
     its dtype's buffer as bytes (numpy: one thread, no OpenMP): as fast as torch.cat on a quiet
@@ -166,68 +159,54 @@ def pack_adapter(named_tensors: Sequence[NamedTensor], device: torch.device) -> 
     return buffers
 
 
-async def broadcast_adapter(
-    group: WeightSyncGroup,
-    engines: Sequence[LoraSyncTarget],
-    named_tensors: Sequence[NamedTensor],
-    adapter: LoraAdapterSpec,
-    timeout_s: float,
-) -> int:
-    """Send the adapter as one bucket over `group` (rank 0 here) to every engine; returns bytes
-    sent. Packed before the engines are called: they wait in the broadcast only for the wire."""
-    import asyncio
+class LoraSource(Protocol):
+    """Rank 0's half of an adapter sync: where the adapter's tensors are (`AdapterTensors` in this
+    process; the policy's rank 0 in a training run, `cluster.engine_weights`)."""
 
-    bucket = bucket_of(named_tensors)
-    buffers = await asyncio.to_thread(pack_adapter, named_tensors, group.device)
+    async def stage(self) -> tuple[WeightBucket, dict[str, Any]]:
+        """Gather and pack the adapter for `broadcast`: its bucket metadata and PEFT config."""
+        ...
 
-    def broadcast_all() -> None:
-        for buf in buffers:
-            group.broadcast(buf, src=0)
+    async def broadcast(self) -> int:
+        """Broadcast the staged adapter over the weight-update group; the bytes sent."""
+        ...
 
-    own = call_with_timeout(
-        "sender (rank 0)",
-        f"LoRA adapter broadcast ({adapter.name})",
-        asyncio.to_thread(broadcast_all),
-        timeout_s,
-        timeout_error=WeightSyncError,
-    )
-    calls = [
-        call_with_timeout(
-            _describe(i, e),
-            f"receive_lora_adapter ({adapter.name}, {len(bucket.names)} tensors)",
-            e.receive_lora_adapter(bucket, adapter),
-            timeout_s,
-            timeout_error=WeightSyncError,
-            error=WeightSyncError,
-        )
-        for i, e in enumerate(engines)
-    ]
-    await _all([*calls, own])
-    return sum(b.numel() * b.element_size() for b in buffers)
+    async def write(self, directory: str) -> tuple[int, int]:
+        """Write the adapter to `directory` in PEFT's layout: its tensor count and bytes."""
+        ...
 
 
-async def load_from_directory(
-    engines: Sequence[LoraSyncTarget],
-    directory: str,
-    named_tensors: Sequence[NamedTensor],
-    adapter: LoraAdapterSpec,
-    timeout_s: float,
-) -> int:
-    """Write the adapter to `directory` and have every engine load it; returns the tensor bytes."""
-    write_adapter_dir(directory, named_tensors, adapter.peft_config)
-    calls = [
-        call_with_timeout(
-            _describe(i, e),
-            f"load_lora_adapter ({adapter.name} from {directory})",
-            e.load_lora_adapter(adapter.name, directory, activate=adapter.activate),
-            timeout_s,
-            timeout_error=WeightSyncError,
-            error=WeightSyncError,
-        )
-        for i, e in enumerate(engines)
-    ]
-    await _all(calls)
-    return adapter_nbytes(named_tensors)
+class AdapterTensors:
+    """A `LoraSource` over tensors in this process, broadcast over `group` (rank 0 here)."""
+
+    def __init__(
+        self, named_tensors: Sequence[NamedTensor], peft_config: dict[str, Any], group: WeightSyncGroup | None
+    ) -> None:
+        self.tensors = [(name, t.detach()) for name, t in named_tensors]
+        self.peft_config = peft_config
+        self.group = group
+        self._buffers: list[torch.Tensor] = []
+
+    async def stage(self) -> tuple[WeightBucket, dict[str, Any]]:
+        """Packed before the engines are called: they wait in the broadcast only for the wire."""
+        assert self.group is not None
+        self._buffers = await asyncio.to_thread(pack_adapter, self.tensors, self.group.device)
+        return bucket_of(self.tensors), self.peft_config
+
+    async def broadcast(self) -> int:
+        assert self.group is not None
+        buffers, self._buffers = self._buffers, []
+        await asyncio.to_thread(broadcast_buffers, self.group, buffers)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    async def write(self, directory: str) -> tuple[int, int]:
+        write_adapter_dir(directory, self.tensors, self.peft_config)
+        return len(self.tensors), adapter_nbytes(self.tensors)
+
+
+def broadcast_buffers(group: WeightSyncGroup, buffers: Sequence[torch.Tensor]) -> None:
+    for buf in buffers:
+        group.broadcast(buf, src=0)
 
 
 class LoraPublisher:
@@ -260,44 +239,61 @@ class LoraPublisher:
         sync_path: str | None = None,
         timeout_s: float = 300.0,
     ) -> LoraSyncStats:
-        """Load the adapter on every engine as their default under a new name (versions older
-        than `keep_previous` leave). In memory over `group`, or through `sync_path`."""
+        """`publish_from` with the adapter's tensors in this process (rank 0 of `group` here)."""
         if not engines:
             raise WeightSyncError("LoRA sync: no engine to send the adapter to")
         if not sync_path and group is None:
-            raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_weight_sync)")
+            raise WeightSyncError("LoRA sync in memory needs the weight-update group (init_group)")
+        targets = EngineGroup(engines, timeout_s=timeout_s, update_timeout_s=timeout_s)  # type: ignore[arg-type]
+        return await self.publish_from(targets, AdapterTensors(named_tensors, peft_config, group), sync_path)
+
+    async def publish_from(
+        self, engines: EngineGroup, source: LoraSource, sync_path: str | None = None
+    ) -> LoraSyncStats:
+        """Load the adapter of `source` on every engine as their default under a new name
+        (versions older than `keep_previous` leave): in memory over the weight-update group (the
+        engines receive while `source` broadcasts), or through `sync_path` (`source` writes it)."""
         start = time.perf_counter()
         superseded = self._live[: max(0, len(self._live) - self.keep_previous)]
         del self._live[: len(superseded)]
         self.version += 1
-        adapter = LoraAdapterSpec(f"{self.prefix}-v{self.version}", json_ready(peft_config), activate=True)
-        tensors = [(name, t.detach()) for name, t in named_tensors]
+        name = f"{self.prefix}-v{self.version}"
         directory: str | None = None
         if sync_path:
             for old, _ in superseded:
-                await self._unload(engines, old, timeout_s)
-            directory = os.path.join(sync_path, adapter.name)
-            nbytes = await load_from_directory(engines, directory, tensors, adapter, timeout_s)
+                await self._unload(engines, old)
+            directory = os.path.join(sync_path, name)
+            tensors, nbytes = await source.write(directory)
+            await engines.each(
+                f"load_lora_adapter ({name} from {directory})",
+                lambda e: e.load_lora_adapter(name, directory, activate=True),  # type: ignore[attr-defined]
+            )
         else:
-            assert group is not None
-            adapter.retire = [old for old, _ in superseded]  # they leave in the engines' same call
-            nbytes = await broadcast_adapter(group, engines, tensors, adapter, timeout_s)
+            bucket, config = await source.stage()
+            # the superseded versions leave in the engines' same call
+            adapter = LoraAdapterSpec(
+                name, json_ready(config), activate=True, retire=[o for o, _ in superseded]
+            )
+            tensors = len(bucket.names)
+            nbytes, _ = await engines.with_rank_zero(
+                f"LoRA adapter broadcast ({name})",
+                source.broadcast(),
+                f"receive_lora_adapter ({name}, {tensors} tensors)",
+                lambda e: e.receive_lora_adapter(bucket, adapter),  # type: ignore[attr-defined]
+            )
         for _, old_dir in superseded:
             if old_dir is not None:
                 shutil.rmtree(old_dir, ignore_errors=True)
-        self._live.append((adapter.name, directory))
+        self._live.append((name, directory))
         mode = "directory" if sync_path else "memory"
-        return LoraSyncStats(adapter.name, len(tensors), nbytes, time.perf_counter() - start, mode)
+        return LoraSyncStats(name, tensors, nbytes, time.perf_counter() - start, mode)
 
-    async def _unload(self, engines: Sequence[LoraSyncTarget], name: str, timeout_s: float) -> None:
+    async def _unload(self, engines: EngineGroup, name: str) -> None:
         """Unload a superseded adapter; an engine that cannot is logged, not raised."""
-        results = await gather_all(
-            [
-                call_with_timeout(
-                    _describe(i, e), f"unload_lora_adapter ({name})", e.unload_lora_adapter(name), timeout_s
-                )
-                for i, e in enumerate(engines)
-            ]
+        results = await engines.each(
+            f"unload_lora_adapter ({name})",
+            lambda e: e.unload_lora_adapter(name),  # type: ignore[attr-defined]
+            fail_fast=False,
         )
         for result in results:
             if isinstance(result, BaseException):

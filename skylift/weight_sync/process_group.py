@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,10 @@ import torch.distributed as dist
 from skylift.utils.devices import Backend
 from skylift.utils.network import route_address
 from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.torch_group import torch_layout_stores
+
+#: How the group's stores are laid out: skylift's own, or torch's group helper's (SkyRL's trainer).
+Layout = Literal["skylift", "torch"]
 
 _HANDSHAKE_VALUE = 12345.0
 
@@ -151,19 +156,27 @@ def create_weight_sync_group(
     timeout_s: float,
     device: torch.device | None = None,
     store: dist.Store | None = None,
+    layout: Layout = "skylift",
 ) -> WeightSyncGroup:
-    """Join (rank > 0) or host (rank 0) the weight-update group and run the handshake.
+    """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks joined.
 
-    Blocks until all ranks joined. `store` lets rank 0 pass a `TCPStore` it already created (e.g.
-    on port 0, to learn a free port before telling the engines); otherwise rank 0 hosts one on
-    `master_port`. `device` defaults to `cuda:<current>` for nccl and `cpu` for gloo.
+    `layout` "skylift": rank 0 hosts a `TCPStore` (`store`: one it already created, e.g. on port 0
+    to learn a free port before telling the engines; else one on `master_port`) and a handshake
+    broadcast checks the group. "torch": join, as rank >= 1, a group rank 0 created with torch's
+    group helper (`weight_sync.torch_group`; no handshake). `device` defaults to `cuda:<current>`
+    for nccl and `cpu` for gloo.
     """
-    check_group_args(backend, rank, world_size)
-    timeout = timedelta(seconds=timeout_s)
-    where = f"group {group_name!r} at {master_address}:{master_port} as rank {rank}/{world_size}"
-    try:
-        if store is None:
-            store = dist.TCPStore(
+    torch_layout = layout == "torch"
+    check_group_args(backend, rank, world_size, first_rank=1 if torch_layout else 0)
+    if torch_layout:
+        where = f"the trainer's group {group_name!r} at tcp://{master_address}:{master_port}"
+        stores = torch_layout_stores(master_address, master_port, world_size, group_name, backend)
+        device = device if backend == "nccl" else None
+    else:
+        where = f"weight-sync group {group_name!r} at {master_address}:{master_port}"
+
+        def stores(timeout: timedelta) -> tuple[dist.Store, dist.Store]:
+            tcp = store or dist.TCPStore(
                 master_address,
                 master_port,
                 world_size,
@@ -171,31 +184,30 @@ def create_weight_sync_group(
                 timeout=timeout,
                 wait_for_workers=False,
             )
-        device = group_device(backend, device)
-        prefixed = dist.PrefixStore(group_name, store)
-        pg = new_backend(prefixed, rank, world_size, backend, timeout, master_address, device)
-    except Exception as exc:
-        raise WeightSyncError(f"could not join weight-sync {where}: {exc}") from exc
+            return tcp, dist.PrefixStore(group_name, tcp)
 
-    group = WeightSyncGroup(
-        group_name=group_name,
-        backend=backend,
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        timeout_s=timeout_s,
-        process_group=pg,
-        store=store,
-    )
+    where += f" as rank {rank}/{world_size}"
+    timeout = timedelta(seconds=timeout_s)
+    device = group_device(backend, device)
+    try:
+        tcp, backend_store = stores(timeout)
+        pg = new_backend(backend_store, rank, world_size, backend, timeout, master_address, device)
+        if torch_layout:  # number the collectives as torch's group helper does
+            pg._set_sequence_number_for_group()
+    except Exception as exc:
+        raise WeightSyncError(f"could not join {where}: {exc}") from exc
+    group = WeightSyncGroup(group_name, backend, rank, world_size, device, timeout_s, pg, tcp)
+    if torch_layout:
+        return group
     probe = torch.full((1,), _HANDSHAKE_VALUE if rank == 0 else 0.0, device=device)
     try:
         group.broadcast(probe)
     except WeightSyncError as exc:
         group.destroy()
-        raise WeightSyncError(f"handshake failed in weight-sync {where}: {exc}") from exc
+        raise WeightSyncError(f"handshake failed in {where}: {exc}") from exc
     if probe.item() != _HANDSHAKE_VALUE:
         group.destroy()
-        raise WeightSyncError(f"handshake in weight-sync {where} received {probe.item()}")
+        raise WeightSyncError(f"handshake in {where} received {probe.item()}")
     return group
 
 

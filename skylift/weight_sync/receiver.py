@@ -43,7 +43,6 @@ from skylift.weight_sync.process_group import (
 )
 from skylift.weight_sync.protocol import WeightBucket
 from skylift.weight_sync.stream import STREAM_DEPTH, BucketStream
-from skylift.weight_sync.torch_group import join_torch_layout_group
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +130,7 @@ class WeightSyncWorkerExtension:
             self.skylift_destroy_weight_update_group()
         device = torch.device(getattr(self, "device", None) or "cpu") if backend == "nccl" else None
         skyrl = protocol == "skyrl"  # SkyRL's trainer builds the group with torch's own helper
-        join = join_torch_layout_group if skyrl else create_weight_sync_group
-        self._skylift_group = join(
+        self._skylift_group = create_weight_sync_group(
             master_address=master_address,
             master_port=master_port,
             rank=rank,
@@ -141,6 +139,7 @@ class WeightSyncWorkerExtension:
             backend=backend,  # type: ignore[arg-type]
             timeout_s=timeout_s,
             device=device,
+            layout="torch" if skyrl else "skylift",
         )
         if skyrl:
             self._skylift_stager = FusedStager(self._skylift_load_units())

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from lora_helpers import RANK, SEQUENCES, TOLERANCE, adapter_bytes, perturb_adapter, trainer_logprobs
+from lora_helpers import (
+    RANK,
+    TOLERANCE,
+    LoraPolicy,
+    adapter_bytes,
+    lora_policy,
+    max_error,
+    perturb_adapter,
+)
 from server_helpers import (
     ServerHandle,
     require_loopback_namespace,
@@ -27,11 +35,7 @@ from server_helpers import (
     wait_healthy,
 )
 
-from skylift.cluster.engines import EngineRef
-from skylift.cluster.worker_group import RLWorker
 from skylift.inference.remote import RemoteInferenceEngine
-from skylift.inference.types import TEACHER_FORCING, teacher_forced_logprobs
-from skylift.worker.training_worker import WorkerSettings
 
 pytestmark = pytest.mark.integration
 
@@ -142,37 +146,19 @@ def test_load_generate_unload(lora_server: ServerHandle, saved_adapter: Path) ->
 
 
 @pytest.fixture(scope="module")
-def remote_policy(tiny_model_dir: Path, loop: Any, lora_server: ServerHandle) -> Iterator[RLWorker]:
-    worker = RLWorker(
-        WorkerSettings(model_path=str(tiny_model_dir), lora_rank=RANK, lora_alpha=16), loop=loop.loop
-    )
-    worker.setup()
-    worker.init_weight_sync(
-        [EngineRef(name=lora_server.url, url=lora_server.url)],
-        override_existing=True,
-        backend="gloo",
-        timeout_s=60.0,
-    )
-    yield worker
-    worker.close_weight_sync()
+def remote_policy(tiny_model_dir: Path, loop: Any, lora_server: ServerHandle) -> Iterator[LoraPolicy]:
+    engine = RemoteInferenceEngine(lora_server.url)
+    # the group's address is derived (the route to the server), as in a run with remote engines
+    with lora_policy(tiny_model_dir, loop, [engine], override_existing=True, master_address=None) as policy:
+        yield policy
 
 
-def remote_error(url: str, loop: Any, worker: RLWorker) -> float:
-    async def engine_logprobs() -> list[list[float]]:
-        engine = RemoteInferenceEngine(url)
-        outputs = await engine.generate(SEQUENCES, TEACHER_FORCING, prompt_logprobs=True)
-        return teacher_forced_logprobs(url, outputs)
-
-    got = loop.run(engine_logprobs())
-    return max(
-        abs(a - b)
-        for seq, lps in zip(SEQUENCES, got, strict=True)
-        for a, b in zip(lps, trainer_logprobs(worker, seq), strict=True)
-    )
+def remote_error(url: str, loop: Any, worker: LoraPolicy) -> float:
+    return max_error(RemoteInferenceEngine(url), loop, worker)
 
 
 def test_remote_lora_sync(
-    lora_server: ServerHandle, loop: Any, remote_policy: RLWorker, tmp_path: Path
+    lora_server: ServerHandle, loop: Any, remote_policy: LoraPolicy, tmp_path: Path
 ) -> None:
     url = lora_server.url
     for seed, sync_path in ((11, None), (12, None), (13, str(tmp_path))):

@@ -1,6 +1,6 @@
 """LoRA-only weight sync from a LoRA policy worker into an in-process vLLM engine started with LoRA.
 
-The policy (an `RLWorker` with a rank-8 PEFT adapter on the tiny model, fp32) sends only its
+The policy (an `RLWorker` with a rank-8 PEFT adapter, driven as the trainer's driver drives it, on the tiny model, fp32) sends only its
 adapter, in memory over the weight-update group or through a directory; the engine then samples
 with it as its default adapter. Run inside a loopback-only namespace:
     bash scripts/test.sh tests/integration/test_lora_sync.py
@@ -15,17 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_helpers import RANK, SEQUENCES, TOLERANCE, adapter_bytes, perturb_adapter, trainer_logprobs
+from lora_helpers import (
+    RANK,
+    TOLERANCE,
+    LoraPolicy,
+    adapter_bytes,
+    lora_policy,
+    max_error,
+    perturb_adapter,
+)
 
-from skylift.cluster.engines import EngineActor, EngineRef
-from skylift.cluster.worker_group import RLWorker
+from skylift.cluster.engines import EngineActor
 from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.lora_adapters import LoraAdapterNotFoundError
 from skylift.inference.types import EngineRequestError, EngineStateError
 from skylift.weight_sync.lora import write_adapter_dir
 from skylift.weight_sync.process_group import WeightSyncError
-from skylift.worker.training_worker import WorkerSettings
 
 pytestmark = pytest.mark.integration
 
@@ -53,41 +59,14 @@ def lora_engine(tiny_model_dir: Path, loop: Any) -> Iterator[LocalVLLMEngine]:
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model_dir: Path, loop: Any, lora_engine: LocalVLLMEngine) -> Iterator[RLWorker]:
+def policy(tiny_model_dir: Path, loop: Any, lora_engine: LocalVLLMEngine) -> Iterator[LoraPolicy]:
     """A LoRA policy rank 0 in this process, in a weight-update group with the engine."""
-    worker = RLWorker(
-        WorkerSettings(model_path=str(tiny_model_dir), lora_rank=RANK, lora_alpha=16), loop=loop.loop
-    )
-    worker.setup()
-    perturb_adapter(worker, seed=1)
-    worker.init_weight_sync(
-        [EngineRef(name="lora-engine", engine=lora_engine)],
-        override_existing=False,
-        backend="gloo",
-        timeout_s=60.0,
-        master_address="127.0.0.1",
-    )
-    yield worker
-    worker.close_weight_sync()
-
-
-def max_error(engine: LocalVLLMEngine, loop: Any, worker: RLWorker, lora_name: str | None = None) -> float:
-    async def engine_logprobs() -> list[list[float]]:
-        from skylift.inference.types import TEACHER_FORCING, teacher_forced_logprobs
-
-        outputs = await engine.generate(SEQUENCES, TEACHER_FORCING, prompt_logprobs=True, lora_name=lora_name)
-        return teacher_forced_logprobs(engine.name, outputs)
-
-    got = loop.run(engine_logprobs())
-    return max(
-        abs(a - b)
-        for seq, lps in zip(SEQUENCES, got, strict=True)
-        for a, b in zip(lps, trainer_logprobs(worker, seq), strict=True)
-    )
+    with lora_policy(tiny_model_dir, loop, [lora_engine], override_existing=False) as policy:
+        yield policy
 
 
 def test_in_memory_sync_sends_only_the_adapter(
-    lora_engine: LocalVLLMEngine, loop: Any, policy: RLWorker
+    lora_engine: LocalVLLMEngine, loop: Any, policy: LoraPolicy
 ) -> None:
     metrics = policy.sync_weights()
     assert metrics["weight_sync/bytes"] == adapter_bytes(policy)
@@ -114,7 +93,7 @@ def test_in_memory_sync_sends_only_the_adapter(
         max_error(lora_engine, loop, policy, lora_name=first)
 
 
-def test_directory_sync(lora_engine: LocalVLLMEngine, loop: Any, policy: RLWorker, tmp_path: Path) -> None:
+def test_directory_sync(lora_engine: LocalVLLMEngine, loop: Any, policy: LoraPolicy, tmp_path: Path) -> None:
     perturb_adapter(policy, seed=3)
     metrics = policy.sync_weights(lora_sync_path=str(tmp_path))
     assert metrics["weight_sync/bytes"] == adapter_bytes(policy)
@@ -141,7 +120,7 @@ def test_load_refusals(lora_engine: LocalVLLMEngine, loop: Any, tmp_path: Path) 
 
 
 def test_an_adapter_received_in_memory_is_in_no_file_and_never_evicted(
-    lora_engine: LocalVLLMEngine, loop: Any, policy: RLWorker, tmp_path: Path
+    lora_engine: LocalVLLMEngine, loop: Any, policy: LoraPolicy, tmp_path: Path
 ) -> None:
     for seed in (6, 7):
         perturb_adapter(policy, seed=seed)
@@ -159,7 +138,7 @@ def test_an_adapter_received_in_memory_is_in_no_file_and_never_evicted(
 
 
 def test_refused_adapters_leave_the_group_usable_and_the_engine_serving(
-    lora_engine: LocalVLLMEngine, loop: Any, policy: RLWorker
+    lora_engine: LocalVLLMEngine, loop: Any, policy: LoraPolicy
 ) -> None:
     """An adapter refused before the workers are called (the engine's cache is full) or by them (a
     rank above max_lora_rank): the broadcast is taken in all the same (no sender waits for its
@@ -170,12 +149,13 @@ def test_refused_adapters_leave_the_group_usable_and_the_engine_serving(
     policy.sync_weights()
     current = lora_engine.lora.default
     tensors, config = policy.lora_adapter()
-    group = policy._sender.group  # type: ignore[union-attr]
+    group = policy.worker.broadcaster.group  # type: ignore[union-attr]
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match="max_cpu_loras=2"):  # a publisher retiring nothing
         loop.run(LoraPublisher().publish([lora_engine], tensors, config, group=group, timeout_s=120.0))
     with pytest.raises(WeightSyncError, match="max_lora_rank"):
-        publisher = policy._lora  # type: ignore[attr-defined]
+        publisher = policy.link.lora
+        assert publisher is not None
         loop.run(publisher.publish([lora_engine], tensors, {**config, "r": 64}, group=group, timeout_s=120.0))
     assert time.monotonic() - started < 60.0
     assert lora_engine.lora.default == current

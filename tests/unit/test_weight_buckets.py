@@ -141,10 +141,11 @@ def test_dtype_names_round_trip() -> None:
 @pytest.mark.parametrize("layout", ["skylift", "torch"])
 def test_both_rendezvous_layouts_check_their_arguments_alike(layout: str) -> None:
     """Bad arguments are refused before any socket is opened, with the same messages."""
-    from skylift.weight_sync.process_group import WeightSyncError, create_weight_sync_group
-    from skylift.weight_sync.torch_group import join_torch_layout_group
+    import functools
 
-    join = create_weight_sync_group if layout == "skylift" else join_torch_layout_group
+    from skylift.weight_sync.process_group import WeightSyncError, create_weight_sync_group
+
+    join = functools.partial(create_weight_sync_group, layout=layout)
     args = dict(master_address="127.0.0.1", master_port=1, group_name="g", timeout_s=1.0)
     with pytest.raises(WeightSyncError, match="unknown weight-sync backend 'mpi'"):
         join(rank=1, world_size=2, backend="mpi", **args)  # type: ignore[arg-type]

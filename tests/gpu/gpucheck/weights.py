@@ -1,6 +1,6 @@
 """Item 3: the weight sender's side of a sync, on the device.
 
-SmolLM2's full weights come out of a `TrainingWorker` (`iter_full_weights`, what `RLWorker.sync_weights`
+SmolLM2's full weights come out of a `TrainingWorker` (`iter_full_weights`, what `RLWorker.broadcast_weights`
 streams), floating tensors are cast to bfloat16 on the device (an engine in bfloat16 fed by a float32
 policy), `iter_buckets` cuts them into buckets and `pack_bucket` packs each into flat buffers on the
 device, exactly as `WeightSender.send_state_dict` does. A weight-sync group of world size 1 (NCCL on
