@@ -15,8 +15,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat
 from skylift.generator.settings import TURN_SEED_STRIDE, GeneratorSettings
+from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
@@ -43,6 +45,8 @@ class TurnLoop:
         policy_version: int,
         seed: int | None,
     ) -> Trajectory:
+        if isinstance(env, TokenEnvironment):  # token ids in and out (tinker-cookbook's Env)
+            return await run_token_turns(self, row, env, extras, params, policy_version, seed)
         s = self.settings
         tokenizer = self.chat.tokenizer
         messages = await self.call_env(env.init, row.prompt, extras)
