@@ -184,7 +184,7 @@ class Generator:
                 )
             for env, completion in zip(envs, output.completions, strict=True):
                 scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params))
-        scored = list(await asyncio.gather(*scoring))
+        scored = [[tr] for tr in await asyncio.gather(*scoring)]
         finished = await asyncio.gather(
             *(self._finish_group(envs, scored[i * n : (i + 1) * n]) for i, envs in enumerate(envs_per_row))
         )
@@ -208,25 +208,28 @@ class Generator:
         if envs and type(envs[0]).setup_group is not Environment.setup_group:
             await self._call_env(envs[0].setup_group, envs, row.prompt, self._extras(row))
 
-    async def _finish_group(self, envs: list[Any], trajectories: list[Trajectory]) -> list[Trajectory]:
-        """`trajectories` with the group rewards (and metrics) of the first env's `finish_group`."""
+    async def _finish_group(self, envs: list[Any], rollouts: list[list[Trajectory]]) -> list[Trajectory]:
+        """The trajectories of `rollouts` (one list per env: the rollout, or its steps) with the group
+        rewards (and metrics) of the first env's `finish_group`, which sees each rollout's last one."""
+        flat = [tr for rollout in rollouts for tr in rollout]
         if not envs or type(envs[0]).finish_group is Environment.finish_group:
-            return trajectories
-        extra = await self._call_env(envs[0].finish_group, envs, trajectories)
+            return flat
+        extra = await self._call_env(envs[0].finish_group, envs, [rollout[-1] for rollout in rollouts])
         if extra is None:
-            return trajectories
-        if len(extra) != len(trajectories):
+            return flat
+        if len(extra) != len(rollouts):
             raise ValueError(
-                f"{type(envs[0]).__name__}.finish_group returned {len(extra)} rewards for {len(trajectories)}"
+                f"{type(envs[0]).__name__}.finish_group returned {len(extra)} rewards for {len(rollouts)}"
             )
-        for tr, item in zip(trajectories, extra, strict=True):
+        for rollout, item in zip(rollouts, extra, strict=True):
             reward, metrics = item if isinstance(item, tuple) else (item, {})
-            tr.reward += float(reward)
-            if tr.turn_rewards:
-                index, last = tr.turn_rewards[-1]
-                tr.turn_rewards[-1] = (index, last + float(reward))
-            tr.metrics.update({f"group/{k}": float(v) for k, v in (metrics or {}).items()})
-        return trajectories
+            for tr in rollout:  # the steps of a step-wise rollout all carry its reward
+                tr.reward += float(reward)
+                if tr.turn_rewards:
+                    index, last = tr.turn_rewards[-1]
+                    tr.turn_rewards[-1] = (index, last + float(reward))
+            rollout[-1].metrics.update({f"group/{k}": float(v) for k, v in (metrics or {}).items()})
+        return flat
 
     async def _resubmitted(
         self,

@@ -4,7 +4,8 @@ The environment gives the prompt as ids; each turn samples with the environment'
 added to the run's, hands the sampled ids to ``step_tokens`` and appends them (trained) and then
 the ids the environment put after them in the next context (untrained: `loss_mask` 0, logprob 0).
 A next context that is not the previous context plus the sampled ids plus more is refused:
-the environment rewrote earlier tokens, which one trajectory cannot hold.
+the environment rewrote earlier tokens, which one trajectory cannot hold (unless
+``generator.step_wise_trajectories``: then each turn is its own sample, its prompt the context).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
 from skylift.generator.settings import TURN_SEED_STRIDE
+from skylift.generator.step_wise import Step, step_trajectories
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
 
@@ -40,8 +42,9 @@ async def run_token_turns(
     params: SamplingParams,
     policy_version: int,
     seed: int | None,
-) -> Trajectory:
-    """One trajectory of `env`; `loop` is the generator's `TurnLoop` (engine, settings, env calls)."""
+) -> list[Trajectory]:
+    """One trajectory of `env` (or its steps, `generator.step_wise_trajectories`); `loop` is the
+    generator's `TurnLoop` (engine, settings, env calls)."""
     s = loop.settings
     first: TokenPrompt = await loop.call_env(env.init_tokens, row.prompt, extras)
     prompt_ids = [int(t) for t in first.ids]
@@ -62,6 +65,7 @@ async def run_token_turns(
     metadata: dict[str, Any] = {}
     versions: list[int] | None = []
     stop_reason, turns = "length", 0
+    steps: list[Step] = []
     while turns < s.max_turns:
         budget = min(params.max_tokens, s.max_generate_length, max_total - len(context))
         if budget <= 0:
@@ -78,11 +82,17 @@ async def run_token_turns(
         else:
             versions = None
         sampled_logprobs = list(completion.logprobs or [0.0] * len(sampled))
+        text = loop.chat.tokenizer.decode(sampled, skip_special_tokens=True)
+        if s.step_wise:
+            turn_versions = completion.token_versions if s.engine_versions else None
+            steps.append(
+                Step(list(context), sampled, sampled_logprobs, turn_versions, completion.stop_reason, text)
+            )
         response_ids += sampled
         loss_mask += [1] * len(sampled)
         logprobs += sampled_logprobs
         context += sampled
-        texts.append(loop.chat.tokenizer.decode(sampled, skip_special_tokens=True))
+        texts.append(text)
         stop_reason = completion.stop_reason
         result = await loop.call_env(env.step_tokens, sampled, stop_reason, completion.logprobs)
         turn_rewards.append((len(response_ids) - 1, float(result.reward)))
@@ -92,11 +102,15 @@ async def run_token_turns(
         if result.done:
             break
         following = [int(t) for t in result.next_ids]
+        if s.step_wise:  # the next step's prompt is the environment's context, whatever it is
+            context, stop = following, result.stop
+            continue
         if following[: len(context)] != context:
             raise HistoryRewriteError(
                 f"{type(env).__name__}: the next observation of turn {turns} does not start with the "
                 "previous context and the sampled tokens (the environment rewrote earlier tokens, e.g. "
-                "a renderer that strips thinking); one trajectory cannot hold it"
+                "a renderer that strips thinking); one trajectory cannot hold it: set "
+                "generator.step_wise_trajectories=true"
             )
         between = following[len(context) :]
         response_ids += between
@@ -109,9 +123,21 @@ async def run_token_turns(
     await loop.call_env(env.close)
     if stop_reason != "stop" and s.zero_reward_on_non_stop:
         turn_rewards = [(index, 0.0) for index, _ in turn_rewards]
+    if s.step_wise:
+        total = sum(reward for _, reward in turn_rewards)
+        return step_trajectories(
+            row,
+            steps,
+            total,
+            session_id,
+            policy_version,
+            overlong_filtering=s.apply_overlong_filtering,
+            metadata=metadata,
+            metrics=metrics,
+        )
     if stop_reason != "stop" and s.apply_overlong_filtering:
         loss_mask = [0] * len(loss_mask)
-    return Trajectory(
+    trajectory = Trajectory(
         uid=row.uid,
         prompt_ids=prompt_ids,
         response_ids=response_ids,
@@ -128,3 +154,4 @@ async def run_token_turns(
         turn_rewards=turn_rewards,
         metrics=metrics,
     )
+    return [trajectory]

@@ -180,10 +180,27 @@ def test_a_message_env_over_two_turns_keeps_the_sampled_ids(tokenizer: Any) -> N
 def test_a_renderer_that_rewrites_history_is_refused(tokenizer: Any) -> None:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     replies = [Reply(_ids(tokenizer, "<think>\nhm\n</think>\n\nhi") + [eos]), Reply([eos])]
-    module = sys.modules[MODULE]
-    module.two_questions_qwen3 = partial(two_questions, renderer="qwen3")  # type: ignore[attr-defined]
-    with pytest.raises(HistoryRewriteError, match="rewrote earlier tokens"):
-        _generate(tokenizer, f"tinker-cookbook:{MODULE}:two_questions_qwen3", replies, n=1, max_turns=3)
+    with pytest.raises(HistoryRewriteError, match="rewrote earlier tokens.*step_wise_trajectories=true"):
+        _generate(tokenizer, f"tinker-cookbook:{MODULE}:two_questions", replies, n=1, max_turns=3)
+
+
+def test_with_step_wise_trajectories_each_turn_is_a_sample_of_the_renderers_context(tokenizer: Any) -> None:
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    first = _ids(tokenizer, "<think>\nhm\n</think>\n\nhi") + [eos]
+    second = _ids(tokenizer, "hello") + [eos]
+    out, engine = _generate(
+        tokenizer,
+        f"tinker-cookbook:{MODULE}:two_questions",
+        [Reply(first), Reply(second)],
+        n=1,
+        max_turns=3,
+        step_wise=True,
+    )
+    assert [tr.response_ids for tr in out] == [first, second]
+    assert [tr.prompt_ids for tr in out] == engine.prompts
+    assert "hm" not in tokenizer.decode(out[1].prompt_ids)  # the renderer dropped the past thinking
+    assert [tr.reward for tr in out] == [1.25, 1.25] and [tr.last_step for tr in out] == [False, True]
+    assert out[0].trajectory_id == out[1].trajectory_id
 
 
 def test_group_rewards_and_metrics_are_added_and_the_builder_cleaned_up(tokenizer: Any) -> None:
