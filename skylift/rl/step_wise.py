@@ -3,10 +3,13 @@ is its own sample; the rollout's last step stands for the rollout in the estimat
 the prompt's rollouts), and every step of the rollout gets that advantage on its response tokens,
 as SkyRL does. Only sequence-level estimators (one score per rollout: ``grpo``, ``rloo``) apply;
 per-token estimators and a KL penalty in the reward would need one sequence per rollout.
+Mini-batches hold the steps of as many rollouts as they would hold samples without step-wise
+trajectories, so a training step makes as many optimizer steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +52,8 @@ def step_wise_advantages(
     `rewards`: one per sample (each step carries its rollout's). A sample without a rollout id is
     a rollout of its own. A rollout whose last step is missing from the batch is an error.
     """
-    ids = [tr.trajectory_id or f"#{i}" for i, tr in enumerate(trajectories)]
+    # a rollout is its prompt's uid and its id (dynamic sampling's copies of a group get new uids)
+    ids = [f"{tr.uid}|{tr.trajectory_id or f'#{i}'}" for i, tr in enumerate(trajectories)]
     last = {ids[i]: i for i, tr in enumerate(trajectories) if tr.last_step or tr.trajectory_id is None}
     missing = sorted({i for i in ids if i not in last})
     if missing:
@@ -69,3 +73,10 @@ def step_wise_advantages(
     value = dict(zip(last, per_rollout[:, 0].tolist(), strict=True))
     advantages = torch.tensor([value[i] for i in ids], dtype=rewards.dtype)[:, None] * mask
     return advantages, advantages.clone()
+
+
+def step_wise_rows_per_mini_batch(rows_per_mini_batch: int, trajectories: Sequence[Trajectory]) -> int:
+    """Mini-batch rows for step-wise samples: the steps of as many rollouts as `rows_per_mini_batch`
+    (so a step makes as many optimizer steps as it would with one sample per rollout)."""
+    rollouts = max(1, sum(tr.last_step or tr.trajectory_id is None for tr in trajectories))
+    return max(1, math.ceil(len(trajectories) * rows_per_mini_batch / rollouts))

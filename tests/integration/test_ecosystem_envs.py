@@ -92,6 +92,7 @@ def test_two_grpo_steps_on_tinker_cookbook_and_openenv_envs(
         "generator.n_samples_per_prompt": 4,
         "generator.max_generate_length": 12,
         "generator.max_turns": 2,
+        "generator.batched": False,
         "environment.env_kwargs.base_url": game_url,
         "trainer.train_batch_size": 4,
         "trainer.policy_mini_batch_size": 4,

@@ -6,11 +6,14 @@ template's only with them; the trainer gives each rollout's last-step GRPO advan
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from agentic_fakes import Reply, Row, ScriptedEngine, chatml_tokenizer
+from rl_fakes import FakeGenerator, fake_run
 
 from skylift.algorithms import compute_advantages
 from skylift.config import load_config
@@ -162,3 +165,30 @@ def test_the_config_key_is_live() -> None:
     from skylift.cluster.settings import generator_settings
 
     assert generator_settings(cfg).step_wise is True
+
+
+class StepWiseFake(FakeGenerator):
+    """The fake generator's rollouts, each cut into two step-wise samples."""
+
+    async def generate(
+        self, rows: Any, n: int, params: Any, policy_version: int = 0, seeds: Any = None
+    ) -> Any:
+        out = []
+        for k, tr in enumerate(await super().generate(rows, n, params, policy_version, seeds)):
+            first = dataclasses.replace(tr, trajectory_id=f"r{k}", last_step=False)
+            out += [first, dataclasses.replace(tr, trajectory_id=f"r{k}", last_step=True)]
+        return out
+
+
+def test_the_loop_trains_steps_in_as_many_mini_batches_as_rollouts_would_take(tmp_path: Path) -> None:
+    # 4 prompts x 2 samples, mini-batches of 2 prompts: 2 optimizer steps of 4 rollouts = 8 samples
+    run = fake_run(
+        tmp_path, "trainer.policy_mini_batch_size=2", "trainer.max_steps=2", generator=StepWiseFake()
+    )
+    try:
+        history = [h for h in run.trainer.fit() if "timing/step_s" in h]
+    finally:
+        run.close()
+    assert [h["step"] for h in history] == [1, 2]
+    assert [len(mini) for mini in run.policy.trained] == [8, 8, 8, 8]
+    assert all(h["advantages/abs_mean"] > 0 for h in history)  # alternating rewards: a signal
