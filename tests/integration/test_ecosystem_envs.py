@@ -98,6 +98,7 @@ def test_two_grpo_steps_on_tinker_cookbook_and_openenv_envs(
         "trainer.policy_mini_batch_size": 4,
         "trainer.max_prompt_length": 128,
         "trainer.max_steps": 2,
+        "trainer.epochs": 2,  # 4 prompts: one batch an epoch
         "trainer.eval_before_train": False,
         "trainer.eval_interval": -1,
         "trainer.ckpt_interval": -1,
