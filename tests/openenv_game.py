@@ -60,13 +60,15 @@ class GuessGame(Environment):
 
 
 def serve(max_concurrent_envs: int = 16) -> tuple[str, Callable[[], None]]:
-    """The game's OpenEnv server on an ephemeral port of 127.0.0.1: (its URL, a stop function)."""
+    """The game's OpenEnv server on an ephemeral port of 127.0.0.1: (its URL, a stop function).
+    Logs only critical errors: openenv-core's WebSocket handler logs a traceback whenever a client
+    closes its session first (as `EnvClient.close` does), which says nothing wrong."""
     import uvicorn
 
     app = create_fastapi_app(
         GuessGame, GuessAction, GuessObservation, max_concurrent_envs=max_concurrent_envs
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True, name="openenv-game")
     thread.start()
     deadline = time.monotonic() + 30.0
