@@ -76,6 +76,7 @@ def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
         env_workers=cfg.environment.max_env_workers,
         chat_template_kwargs=dict(g.chat_template_kwargs),
         append_eos_after_stop_str=g.append_eos_token_after_stop_str_in_multi_turn,
+        step_wise=g.step_wise_trajectories,
         llm_base_url=cfg.environment.llm_base_url,
         llm_model=cfg.environment.llm_model,
         llm_timeout_s=cfg.environment.llm_timeout_s,

@@ -260,8 +260,7 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         None,
         "not implemented yet: prompts use the tokenizer's own chat template",
     ),
-    "generator.step_wise_trajectories": (False, "not implemented yet: one trajectory per prompt and sample"),
-    "generator.merge_stepwise_output": (False, "not implemented yet: no step-wise trajectories"),
+    "generator.merge_stepwise_output": (False, "not implemented yet: step-wise samples stay separate"),
     "generator.use_cache_salt": (True, "not implemented: prefix caching is shared between requests"),
     "generator.vision_language_generator": (False, "skylift generates text only"),
     "generator.sampling_params.additional_kwargs*": (

@@ -405,6 +405,12 @@ class GeneratorConfig:
         "multi-turn: a turn that stopped on a stop string gets the template's end-of-turn tokens (EOS) "
         "before the next observation, untrained (false = the observation follows the stop string)",
     )
+    step_wise_trajectories: bool = _f(
+        False,
+        "multi-turn: each turn its own sample (prompt: the conversation as rendered for that turn), "
+        "sharing the rollout's advantage; for templates that rewrite earlier turns (Qwen3 thinking); "
+        "needs a sequence-level advantage estimator (grpo, rloo)",
+    )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1

@@ -18,6 +18,14 @@ Before ``init`` the generator hands the environment what it may use while it run
 ``self.tool_runner`` (a `skylift.envs.tools.ToolRunner` with the run's timeout and concurrency
 limit). ``tool_schemas()`` returns the JSON schemas of the tools the policy may call; the generator
 passes them to the chat template as ``tools=`` (see `skylift.envs.tools.ToolEnvironment`).
+``self.tokenizer`` is the policy's tokenizer (token-level environments: `skylift.envs.token_env`).
+
+Groups: the generator makes the `n` environments of one prompt's samples together and calls the
+first one's ``setup_group(group, prompt, extras)`` before any ``init``, and its
+``finish_group(group, trajectories)`` once the group's trajectories are done; what it returns, one
+reward or ``(reward, metrics)`` per trajectory, is added to the trajectories' rewards (rewards that
+compare the group's samples, as tinker-cookbook's ``EnvGroupBuilder.compute_group_rewards``; the
+metrics are logged as ``env/group/<name>``). Both may be ``async def``.
 """
 
 from __future__ import annotations
@@ -68,9 +76,23 @@ class Environment(ABC):
         self.done = False
         self.llm: Any = None  # an LLMClient, set by the generator before init
         self.tool_runner: Any = None  # a ToolRunner, set by the generator before init
+        self.tokenizer: Any = None  # the policy's tokenizer, set by the generator before init
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         """JSON schemas of the tools the policy may call (for the chat template), or None."""
+        return None
+
+    def setup_group(
+        self, group: list[Environment], prompt: list[Message], extras: dict[str, Any]
+    ) -> None | Awaitable[None]:
+        """Called on the first environment of a prompt's group (`group`, this one included) before
+        any of them is initialised; nothing here."""
+        return None
+
+    def finish_group(self, group: list[Environment], trajectories: list[Any]) -> Any:
+        """Called on the first environment of a group with the group's finished trajectories (in
+        `group`'s order); may return one reward (or ``(reward, metrics)``) per trajectory to add to
+        it (None here)."""
         return None
 
     def init(self, prompt: list[Message], extras: dict[str, Any]) -> list[Message]:

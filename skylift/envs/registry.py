@@ -24,7 +24,7 @@ EnvFactory = Callable[..., Environment]
 F = TypeVar("F", bound=EnvFactory)
 
 _REGISTRY: dict[str, EnvFactory] = {}
-_BUILTIN_MODULES = ("skylift.envs.gsm8k", "skylift.envs.arithmetic")
+_BUILTIN_MODULES = ("skylift.envs.gsm8k", "skylift.envs.arithmetic", "skylift.envs.openenv")
 
 
 class UnknownEnvironmentError(KeyError):
@@ -81,6 +81,10 @@ def get_env_factory(name: str) -> EnvFactory:
     _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
+    from skylift.envs.tinker_cookbook import PREFIX, cookbook_factory
+
+    if name.startswith(PREFIX):  # tinker-cookbook:package.module:factory (an EnvGroupBuilder's)
+        return cookbook_factory(name)
     from skylift.envs.skyrl_gym import skyrl_gym_factory  # module:Class, or a SkyRL-Gym id
 
     factory = skyrl_gym_factory(name)
@@ -90,7 +94,7 @@ def get_env_factory(name: str) -> EnvFactory:
     raise UnknownEnvironmentError(
         f"unknown environment {name!r}; registered environments: {known}. Register your own with "
         "@skylift.envs.register_env(name) and import its module first, or name it as package.module:Class "
-        "(a skylift Environment or a SkyRL-Gym BaseTextEnv)."
+        "(a skylift Environment or a SkyRL-Gym BaseTextEnv), or tinker-cookbook:package.module:factory."
     )
 
 

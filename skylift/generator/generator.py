@@ -3,8 +3,10 @@
 Single-turn (the default): one batched `generate` call for all prompts with `n` samples each,
 then one environment step per sample (with per-prompt `seeds`, one call per prompt, concurrently:
 each prompt's samples then depend only on its seed, not on how prompts are batched or routed).
-Multi-turn (`max_turns > 1`, or `batched=False`): an async agent loop per trajectory
-(`skylift.generator.multi_turn`), token-in/token-out with the chat template's turn boundaries.
+Multi-turn (`max_turns > 1`, `batched=False`, or a token-level environment): an async agent loop
+per trajectory (`skylift.generator.multi_turn`, `skylift.generator.token_turns`), token-in/token-out
+with the chat template's turn boundaries. A prompt's `n` environments are made together and their
+group hooks (``setup_group``/``finish_group``) run around their trajectories.
 Environments may be sync or ``async``: plain ``init``/``step``/``close`` run in `env_workers`
 threads (inline when 0), coroutines are awaited. Each environment gets ``llm`` (the policy's
 engines, or an OpenAI-compatible URL) and a shared ``tool_runner`` before ``init``.
@@ -20,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol
 
-from skylift.envs import make_env
+from skylift.envs import Environment, make_env
 from skylift.envs.llm import OpenAIChatClient
+from skylift.envs.token_env import TokenEnvironment
 from skylift.envs.tools import ToolRunner
 from skylift.generator.chat import ChatFormat
 from skylift.generator.llm import EngineChatClient
@@ -116,22 +119,16 @@ class Generator:
             self._env_pool = ThreadPoolExecutor(workers, thread_name_prefix="env")
         self._env_users += 1
         try:
-            if self.settings.max_turns > 1 or not self.settings.batched:
-                params = replace(params, n=1)
-                tasks = [
-                    self._turns.run(
-                        row,
-                        self._make_env(row),
-                        self._extras(row),
-                        params,
-                        policy_version,
-                        None if seeds is None else seeds[i] + j,
-                    )
-                    for i, row in enumerate(rows)
-                    for j in range(n)
+            groups = [[self._make_env(row) for _ in range(n)] for row in rows]
+            token_level = any(isinstance(envs[0], TokenEnvironment) for envs in groups if envs)
+            if self.settings.max_turns > 1 or not self.settings.batched or token_level:
+                one = replace(params, n=1)
+                runs = [
+                    self._turn_group(row, envs, one, policy_version, None if seeds is None else seeds[i])
+                    for i, (row, envs) in enumerate(zip(rows, groups, strict=True))
                 ]
-                return list(await asyncio.gather(*tasks))
-            return await self._single_turn(rows, n, replace(params, n=n), policy_version, seeds)
+                return [tr for group in await asyncio.gather(*runs) for tr in group]
+            return await self._single_turn(rows, groups, replace(params, n=n), policy_version, seeds)
         finally:
             self._env_users -= 1
             if self._env_users == 0:
@@ -147,15 +144,16 @@ class Generator:
     async def _single_turn(
         self,
         rows: Sequence[PromptRow],
-        n: int,
+        groups: list[list[Any]],
         params: SamplingParams,
         policy_version: int,
         seeds: Sequence[int] | None,
     ) -> list[Trajectory]:
+        n = params.n
         envs_per_row = []
         prompts: list[list[int]] = []
-        for row in rows:
-            envs = [self._make_env(row) for _ in range(n)]
+        for row, envs in zip(rows, groups, strict=True):
+            await self._setup_group(row, envs)
             inits = await asyncio.gather(
                 *(self._call_env(env.init, row.prompt, self._extras(row)) for env in envs)
             )
@@ -186,7 +184,52 @@ class Generator:
                 )
             for env, completion in zip(envs, output.completions, strict=True):
                 scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params))
-        return list(await asyncio.gather(*scoring))
+        scored = [[tr] for tr in await asyncio.gather(*scoring)]
+        finished = await asyncio.gather(
+            *(self._finish_group(envs, scored[i * n : (i + 1) * n]) for i, envs in enumerate(envs_per_row))
+        )
+        return [tr for group in finished for tr in group]
+
+    # ------------------------------------------------------------------ groups
+    async def _turn_group(
+        self, row: PromptRow, envs: list[Any], params: SamplingParams, policy_version: int, seed: int | None
+    ) -> list[Trajectory]:
+        """The agent loop for each of a prompt's environments, between the group's hooks."""
+        await self._setup_group(row, envs)
+        runs = [
+            self._turns.run(
+                row, env, self._extras(row), params, policy_version, None if seed is None else seed + j
+            )
+            for j, env in enumerate(envs)
+        ]
+        return await self._finish_group(envs, list(await asyncio.gather(*runs)))
+
+    async def _setup_group(self, row: PromptRow, envs: list[Any]) -> None:
+        if envs and type(envs[0]).setup_group is not Environment.setup_group:
+            await self._call_env(envs[0].setup_group, envs, row.prompt, self._extras(row))
+
+    async def _finish_group(self, envs: list[Any], rollouts: list[list[Trajectory]]) -> list[Trajectory]:
+        """The trajectories of `rollouts` (one list per env: the rollout, or its steps) with the group
+        rewards (and metrics) of the first env's `finish_group`, which sees each rollout's last one."""
+        flat = [tr for rollout in rollouts for tr in rollout]
+        if not envs or type(envs[0]).finish_group is Environment.finish_group:
+            return flat
+        extra = await self._call_env(envs[0].finish_group, envs, [rollout[-1] for rollout in rollouts])
+        if extra is None:
+            return flat
+        if len(extra) != len(rollouts):
+            raise ValueError(
+                f"{type(envs[0]).__name__}.finish_group returned {len(extra)} rewards for {len(rollouts)}"
+            )
+        for rollout, item in zip(rollouts, extra, strict=True):
+            reward, metrics = item if isinstance(item, tuple) else (item, {})
+            for tr in rollout:  # the steps of a step-wise rollout all carry its reward
+                tr.reward += float(reward)
+                if tr.turn_rewards:
+                    index, last = tr.turn_rewards[-1]
+                    tr.turn_rewards[-1] = (index, last + float(reward))
+            rollout[-1].metrics.update({f"group/{k}": float(v) for k, v in (metrics or {}).items()})
+        return flat
 
     async def _resubmitted(
         self,
@@ -262,6 +305,7 @@ class Generator:
         env = make_env(row.env_class or self.settings.default_env_class, **(self.settings.env_kwargs or {}))
         env.llm = self.llm
         env.tool_runner = self.tool_runner
+        env.tokenizer = self.tokenizer
         return env
 
     @staticmethod

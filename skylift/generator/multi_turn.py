@@ -5,7 +5,9 @@ between turns come the template's turn-closing tokens the model did not sample a
 observations as the template renders them (`skylift.generator.chat`), untrained (`loss_mask` 0,
 logprob 0). The prompt and observations are rendered with the environment's tools (``tools=``) and
 ``generator.chat_template_kwargs``. Each step's reward is kept at the turn's last sampled token
-(`Trajectory.turn_rewards`); the trajectory's reward is their sum.
+(`Trajectory.turn_rewards`); the trajectory's reward is their sum. With
+``generator.step_wise_trajectories`` each turn is its own sample instead, its prompt the
+conversation rendered afresh (`skylift.generator.step_wise`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat
 from skylift.generator.settings import TURN_SEED_STRIDE, GeneratorSettings
+from skylift.generator.step_wise import Step, step_trajectories
+from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
@@ -42,12 +47,17 @@ class TurnLoop:
         params: SamplingParams,
         policy_version: int,
         seed: int | None,
-    ) -> Trajectory:
+    ) -> list[Trajectory]:
+        """The rollout's trajectory, or its steps (`generator.step_wise_trajectories`)."""
+        if isinstance(env, TokenEnvironment):  # token ids in and out (tinker-cookbook's Env)
+            return await run_token_turns(self, row, env, extras, params, policy_version, seed)
         s = self.settings
         tokenizer = self.chat.tokenizer
         messages = await self.call_env(env.init, row.prompt, extras)
         tools = env.tool_schemas()
         prompt_ids = self.chat.prompt_ids(messages, tools)
+        conversation = [dict(m) for m in messages]  # step-wise: rendered afresh every turn
+        steps: list[Step] = []
         session_id = uuid.uuid4().hex
         max_total = s.max_input_length or (s.max_prompt_length + s.max_generate_length * s.max_turns)
         response_ids: list[int] = []
@@ -59,15 +69,16 @@ class TurnLoop:
         stop_reason, turns, metadata = "length", 0, {}
         versions: list[int] | None = []
         while turns < s.max_turns:
-            budget = min(
-                params.max_tokens, s.max_generate_length, max_total - len(prompt_ids) - len(response_ids)
-            )
+            if s.step_wise and turns > 0:
+                context = self.chat.prompt_ids(conversation, tools)
+            else:
+                context = prompt_ids + response_ids
+            budget = min(params.max_tokens, s.max_generate_length, max_total - len(context))
             if budget <= 0:
                 stop_reason = "length"
                 break
             turn_seed = None if seed is None else seed + turns * TURN_SEED_STRIDE
             turn_params = replace(params, max_tokens=budget, seed=turn_seed)
-            context = prompt_ids + response_ids
             out = await self.engine.generate([context], turn_params, session_id)
             completion = await self.resubmit(context, out[0].completions[0], turn_params, session_id)
             turns += 1
@@ -82,6 +93,10 @@ class TurnLoop:
             text = tokenizer.decode(sampled, skip_special_tokens=True)
             texts.append(text)
             stop_reason = completion.stop_reason
+            if s.step_wise:
+                turn_versions = completion.token_versions if s.engine_versions else None
+                turn_logprobs = list(completion.logprobs or [0.0] * len(sampled))
+                steps.append(Step(context, sampled, turn_logprobs, turn_versions, stop_reason, text))
             result = await self.call_env(env.step, text)
             turn_rewards.append((len(response_ids) - 1, float(result.reward)))
             for name, value in (result.metrics or {}).items():
@@ -89,6 +104,9 @@ class TurnLoop:
             metadata = dict(result.metadata)
             if result.done or not result.observations:
                 break
+            if s.step_wise:
+                conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
+                continue
             between = self._between_turns(sampled, completion.stop_reason, result.observations, tools)
             response_ids += between
             loss_mask += [0] * len(between)
@@ -98,9 +116,20 @@ class TurnLoop:
         await self.call_env(env.close)
         if stop_reason != "stop" and s.zero_reward_on_non_stop:
             turn_rewards = [(index, 0.0) for index, _ in turn_rewards]
+        if s.step_wise:
+            return step_trajectories(
+                row,
+                steps,
+                sum(reward for _, reward in turn_rewards),
+                session_id,
+                policy_version,
+                overlong_filtering=s.apply_overlong_filtering,
+                metadata=metadata,
+                metrics=metrics,
+            )
         if stop_reason != "stop" and s.apply_overlong_filtering:
             loss_mask = [0] * len(loss_mask)
-        return Trajectory(
+        trajectory = Trajectory(
             uid=row.uid,
             prompt_ids=prompt_ids,
             response_ids=response_ids,
@@ -117,6 +146,7 @@ class TurnLoop:
             turn_rewards=turn_rewards,
             metrics=metrics,
         )
+        return [trajectory]
 
     def _between_turns(
         self, sampled: list[int], stop_reason: str, observations: list[dict[str, Any]], tools: Any

@@ -31,6 +31,9 @@ class GeneratorSettings:
     #: multi-turn: after a turn that ended on a stop string (or was truncated) and goes on, add the
     #: template's turn-closing tokens (EOS) as untrained tokens; False: the observation follows directly
     append_eos_after_stop_str: bool = True
+    #: multi-turn: each turn its own sample (prompt: the context sent for it), sharing the rollout's
+    #: advantage (`skylift.generator.step_wise`), for templates that rewrite earlier turns
+    step_wise: bool = False
     llm_base_url: str | None = None  # environments' `llm`: this OpenAI-compatible URL, None = the policy
     llm_model: str = "default"  # the model name sent to llm_base_url
     llm_timeout_s: float = 60.0  # per call of an environment's `llm`

@@ -35,6 +35,11 @@ class Trajectory:
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     #: the environment's step metrics summed over the turns (e.g. ``tool_calls``)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: step-wise trajectories (`generator.step_wise_trajectories`): each turn is its own sample,
+    #: with the id of the rollout it belongs to (None: the whole rollout is this one sample), its
+    #: `reward` the rollout's; the advantage of the rollout's last step is every step's
+    trajectory_id: str | None = None
+    last_step: bool = True
 
     @property
     def num_generated_tokens(self) -> int:

@@ -23,6 +23,7 @@ from skylift.rl.sources import (
     RolloutSource,
     SyncSource,
 )
+from skylift.rl.step_wise import check_step_wise
 
 
 def samplers(cfg: SkyliftConfig, parts: Parts) -> tuple[Sampler, Sampler]:
@@ -138,6 +139,9 @@ def build_run(
 ) -> tuple[Runtime, RLTrainer]:
     """`build_trainer`, and the runtime behind it for tools that look at processes (benchmarks)."""
     started = time.perf_counter()
+    if cfg.generator.step_wise_trajectories:  # before anything starts: the estimator must fit
+        a = cfg.trainer.algorithm
+        check_step_wise(a.advantage_estimator, a.use_kl_in_reward)
     out = Console(console)
     runtime = Runtime(cfg, out.say, verbose)
     try:

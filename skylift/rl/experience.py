@@ -37,6 +37,7 @@ from skylift.algorithms.overlong import overlong_rewards
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory, rollout_metrics, turn_reward_tensor
 from skylift.rl.one_step_off import check_staleness, ppo_old_logprobs_source, staleness_metrics
+from skylift.rl.step_wise import check_step_wise, is_step_wise, step_wise_advantages
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
 
 BatchFn = Callable[[SequenceBatch], Tensor]
@@ -184,16 +185,22 @@ def make_experience(
             settings.kl_estimator,
         )
         metrics.update({f"kl_in_reward/{k}": v for k, v in kl_metrics.items()})
-    advantages, returns = compute_advantages(
-        settings.advantage_estimator,
-        scores,
-        mask,
-        group_ids=[tr.uid for tr in trajectories],
-        values=batch.extras.get("values"),
-        gamma=settings.gamma,
-        lambd=settings.lambd,
-        norm_by_std=settings.norm_by_std,
-    )
+    if is_step_wise(trajectories):  # each turn a sample: the rollout's last step's advantage for all
+        check_step_wise(settings.advantage_estimator, settings.kl_in_reward)
+        advantages, returns = step_wise_advantages(
+            settings.advantage_estimator, rewards, mask, trajectories, settings.norm_by_std
+        )
+    else:
+        advantages, returns = compute_advantages(
+            settings.advantage_estimator,
+            scores,
+            mask,
+            group_ids=[tr.uid for tr in trajectories],
+            values=batch.extras.get("values"),
+            gamma=settings.gamma,
+            lambd=settings.lambd,
+            norm_by_std=settings.norm_by_std,
+        )
     if settings.batch_normalize:
         advantages = masked_whiten(advantages, mask, 1e-6)
     batch = batch.with_extras(advantages=advantages)

@@ -31,6 +31,7 @@ from skylift.rl.experience import ExperienceSettings, make_experience
 from skylift.rl.parts import ModelGroup, Parts
 from skylift.rl.rows import Sampler
 from skylift.rl.sources import RolloutSource
+from skylift.rl.step_wise import is_step_wise, step_wise_rows_per_mini_batch
 from skylift.rl.update import UpdateSettings, policy_objective, train_critic, train_policy
 from skylift.utils.threads import switch_interval
 
@@ -142,7 +143,11 @@ class RLTrainer:
             metrics.update(train_critic(critic, experience.batch, self.update_settings))
             metrics["timing/critic_train_s"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        metrics.update(train_policy(policy, experience.batch, self.objective, self.update_settings))
+        settings = self.update_settings
+        if is_step_wise(trajectories):  # as many optimizer steps as with one sample per rollout
+            rows = step_wise_rows_per_mini_batch(settings.rows_per_mini_batch, trajectories)
+            settings = dataclasses.replace(settings, rows_per_mini_batch=rows)
+        metrics.update(train_policy(policy, experience.batch, self.objective, settings))
         metrics["timing/train_s"] = time.perf_counter() - tick
         self.state.policy_version += 1
         # last: the experience's rollout gap (trainer's old logprobs, before any update) wins

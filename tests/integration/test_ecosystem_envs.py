@@ -1,0 +1,150 @@
+"""Environments from the ecosystem in a real run: 2 GRPO steps of `skylift train`'s trainer on the
+tiny model (the shared `tiny_server`), over a dataset whose rows name a tinker-cookbook
+``EnvGroupBuilder`` (a real ``ProblemEnv``, token-level) and an OpenEnv environment (the real
+``openenv-core`` client against the game server of tests/openenv_game.py on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from skylift.config import load_config
+from skylift.data import write_arithmetic_dataset
+from skylift.generator import Trajectory
+from skylift.rl.build import build_trainer
+
+pytestmark = pytest.mark.integration
+
+pytest.importorskip("openenv.core")
+pytest.importorskip("tinker_cookbook")
+
+from openenv_game import serve  # noqa: E402
+from tinker_cookbook import renderers  # noqa: E402
+from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder  # noqa: E402
+from tinker_cookbook.rl.types import EnvGroupBuilder  # noqa: E402
+
+COOKBOOK = f"tinker-cookbook:{__name__}:even_length_group"
+
+
+class EvenLengthProblem(ProblemEnv):
+    """A cookbook ProblemEnv rewarding a response of even length: random for the untrained tiny
+    model, so GRPO groups get non-zero advantages."""
+
+    def __init__(self, renderer: renderers.Renderer, question: str) -> None:
+        super().__init__(renderer, format_coef=0.0)
+        self.question = question
+
+    def get_question(self) -> str:
+        return self.question
+
+    def check_answer(self, sample_str: str) -> bool:
+        return len(sample_str) % 2 == 0
+
+    def check_format(self, sample_str: str) -> bool:
+        return True
+
+    def get_reference_answer(self) -> str:
+        return "an even number of characters"
+
+
+def even_length_group(row: dict[str, Any], group_size: int, tokenizer: Any) -> EnvGroupBuilder:
+    renderer = renderers.get_renderer("role_colon", tokenizer)
+    question = str(row["prompt"][-1]["content"])
+    return ProblemGroupBuilder(env_thunk=partial(EvenLengthProblem, renderer, question), num_envs=group_size)
+
+
+@pytest.fixture(scope="module")
+def game_url() -> Iterator[str]:
+    url, stop = serve()
+    yield url
+    stop()
+
+
+@pytest.fixture(scope="module")
+def mixed_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ecosystem")
+    write_arithmetic_dataset(out, num_train=4, num_val=2, seed=0)
+    table = pq.read_table(out / "train.parquet")
+    column = pa.array([COOKBOOK if i % 2 == 0 else "openenv" for i in range(table.num_rows)])
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("env_class"), "env_class", column),
+        out / "train.parquet",
+    )
+    return out
+
+
+def test_two_grpo_steps_on_tinker_cookbook_and_openenv_envs(
+    mixed_data: Path, tiny_model_dir: Path, tiny_server_url: str, game_url: str, tmp_path: Path
+) -> None:
+    keys = {
+        "trainer.policy.model.path": str(tiny_model_dir),
+        "data.train_data": f"['{mixed_data / 'train.parquet'}']",
+        "data.val_data": "[]",
+        "generator.run_engines_locally": False,
+        "generator.remote_inference_engine_urls": f"['{tiny_server_url.removeprefix('http://')}']",
+        "generator.override_existing_update_group": True,
+        "generator.n_samples_per_prompt": 4,
+        "generator.max_generate_length": 12,
+        "generator.max_turns": 2,
+        "generator.batched": False,
+        "environment.env_kwargs.base_url": game_url,
+        "trainer.train_batch_size": 4,
+        "trainer.policy_mini_batch_size": 4,
+        "trainer.max_prompt_length": 128,
+        "trainer.max_steps": 2,
+        "trainer.epochs": 2,  # 4 prompts: one batch an epoch
+        "trainer.eval_before_train": False,
+        "trainer.eval_interval": -1,
+        "trainer.ckpt_interval": -1,
+        "trainer.resume_mode": "none",
+        "trainer.ckpt_path": str(tmp_path / "ckpts"),
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+    }
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in keys.items()]), console=False)
+    trained: list[list[Trajectory]] = []
+    update = trainer.update
+
+    def recording_update(trajectories: list[Trajectory]) -> dict[str, float]:
+        trained.append(list(trajectories))
+        return update(trajectories)
+
+    trainer.update = recording_update  # type: ignore[method-assign]
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    steps = [h for h in history if "reward/mean" in h]
+    assert [h["step"] for h in steps] == [1, 2] and len(trained) == 2
+    assert any(h["policy/grad_norm"] > 0 for h in steps)
+    assert all(h["policy/logprob_diff_vs_rollout"] < 1e-3 for h in steps)  # the sampled ids, kept
+    assert all("env/correct" in h for h in steps)  # the cookbook env's step metrics
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    renderer = renderers.get_renderer("role_colon", tokenizer)
+    for batch in trained:
+        cookbook = [tr for tr in batch if "observation" not in tr.env_metadata]
+        games = [tr for tr in batch if "observation" in tr.env_metadata]
+        assert len(cookbook) == 8 and len(games) == 8  # 2 prompts of each kind, 4 samples each
+        for tr in cookbook:
+            text = tokenizer.decode(tr.prompt_ids)
+            assert text.startswith("User: ") and text.endswith("\n\nAssistant:")
+            assert (
+                tr.prompt_ids
+                == renderer.build_generation_prompt(
+                    [{"role": "user", "content": text.removeprefix("User: ").removesuffix("\n\nAssistant:")}]
+                ).to_ints()
+            )
+            assert tr.reward in (0.0, 1.0) and tr.num_turns == 1
+        for tr in games:
+            assert 1 <= tr.num_turns <= 2
+            assert tr.env_metadata["observation"]["message"].startswith(("Right.", "Wrong."))
+            assert tr.reward == float(tr.env_metadata["observation"]["message"] == "Right.")
