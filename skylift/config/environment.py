@@ -16,6 +16,14 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SKYLIFT_API_KEY": ("skylift train", "API key sent to remote inference servers (generator.remote_inference_engine_urls)"),
     "SKYLIFT_MAX_N": ("skylift serve", "most samples per prompt on every route (default 256; InferenceServerLimits)"),
     "SKYLIFT_MAX_PROMPTS": ("skylift serve", "most prompts in one /skylift/generate request (default 4096)"),
+    "SKYLIFT_MAX_SEQUENCES": (
+        "skylift serve",
+        "most sequences (prompts x n) in one /skylift/generate request (default 16384)",
+    ),
+    "SKYLIFT_MAX_REQUEST_TOKENS": (
+        "skylift serve",
+        "most tokens (prompts x n x max_tokens) one /skylift/generate request may ask for (default 2^25)",
+    ),
     "SKYLIFT_WEIGHT_RPC_TIMEOUT_S": ("skylift serve", "timeout of one weight-bucket receive (default 600 s)"),
     "SKYLIFT_HTTP_CONNECTION_LIMIT": ("HTTP clients", "connections per client session, all hosts together (default 256)"),
     "SKYLIFT_HTTP_KEEPALIVE_S": ("HTTP clients", "idle keep-alive of pooled connections (default 4 s, below uvicorn's 5 s)"),
