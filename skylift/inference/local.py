@@ -335,10 +335,10 @@ class LocalVLLMEngine:
         return await self._call(operation, rpc, timeout_s + 5.0)
 
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous),
-        generation going on meanwhile (`skylift.inference.rendezvous`); an address nobody serves
-        is an `EngineRequestError` after `spec.timeout_s`. An existing group is an
-        `EngineStateError` unless `spec.override_existing`."""
+        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous)
+        once a store answers at its address (`skylift.inference.rendezvous`: an address where none
+        does is an `EngineRequestError` after `spec.timeout_s`, the engine untouched). An existing
+        group is an `EngineStateError` unless `spec.override_existing`."""
         last = spec.rank_offset + self._tp - 1
         if last >= spec.world_size:
             raise EngineRequestError(
@@ -352,7 +352,7 @@ class LocalVLLMEngine:
                     "pass override_existing=True to replace it"
                 )
             self.group_name = None
-            await join_weight_update_group(self._rpc, spec, RPC_INIT_GROUP, self.control_timeout_s)
+            await join_weight_update_group(self._rpc, spec, RPC_INIT_GROUP)
             self.group_name = spec.group_name
 
     async def receive_weights(self, bucket: WeightBucket) -> BucketReceipt:

@@ -269,10 +269,8 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
     fields = body.model_dump(exclude={"model_dtype_str", "protocol"})
     spec = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol())
     started = time.perf_counter()
-    try:  # a client that leaves stops the wait for the rendezvous
-        await engine_call(unless_disconnected(request, engine.init_weight_update_communicator(spec)))
-    except ClientDisconnected as exc:
-        raise HTTPException(status_code=CLIENT_CLOSED_REQUEST, detail=str(exc)) from exc
+    # not cancelled when the client leaves: the workers' join, once started, must end as it ends
+    await engine_call(engine.init_weight_update_communicator(spec))
     state.group_dtype = dtype
     tp = await engine.tensor_parallel_size()
     return {

@@ -12,16 +12,14 @@ from __future__ import annotations
 import logging
 
 from skylift.inference import vllm_fixes
-from skylift.inference.join_worker import BackgroundJoinExtension
 from skylift.weight_sync.lora_receiver import LoraReceiverExtension
 from skylift.weight_sync.receiver import WeightSyncWorkerExtension as _WeightReceiver
 
 __all__ = ["WeightSyncWorkerExtension"]
 
 
-class WeightSyncWorkerExtension(_WeightReceiver, LoraReceiverExtension, BackgroundJoinExtension):
-    """Full-weight and LoRA-adapter receiving, on one weight-update group per worker (joined off
-    the step loop for gloo: `skylift.inference.join_worker`)."""
+class WeightSyncWorkerExtension(_WeightReceiver, LoraReceiverExtension):
+    """Full-weight and LoRA-adapter receiving, on one weight-update group per worker."""
 
 
 if not vllm_fixes.install():

@@ -3,8 +3,10 @@
 On the keyed tiny-model server shared with the other reliability tests (`inference`):
 - a weight-update init naming a rendezvous nobody serves waits off the engine: completions are
   answered during the wait, the init fails with a 400 naming the address, and the engine serves
-  afterwards; the same for an address that accepts connections but never completes the group
-  (the workers' background join);
+  afterwards; the same for an address that accepts connections but is no store (torch's store
+  client would wait there forever);
+- a store that answers but whose other ranks never come: the workers' join ends with their own
+  timeout (a 400 naming the address), before the RPC's, and the engine serves afterwards;
 - `/skylift/generate` aborts its sequences when the client disconnects;
 - seeds are bounded to int64 as in vLLM's API (outside: 400; at the bounds: served).
 """
@@ -97,9 +99,9 @@ def test_init_with_a_rendezvous_nobody_serves_fails_with_a_400_and_completions_g
 
 
 @pytest.mark.timeout(300)
-def test_init_with_a_rendezvous_that_never_completes_fails_and_completions_go_on(inference: Api) -> None:
-    """Something accepts connections at the address but is no trainer: the probe passes, the
-    workers' join (in a thread each) times out, the engine serves throughout."""
+def test_init_at_a_listener_that_is_no_store_fails_and_completions_go_on(inference: Api) -> None:
+    """Something accepts connections at the address but never answers as a store: the server's
+    probe gives up after timeout_s, the engine is never asked and serves throughout."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
@@ -120,6 +122,31 @@ def test_init_with_a_rendezvous_that_never_completes_fails_and_completions_go_on
     assert f"127.0.0.1:{port}" in error_message(resp), error_message(resp)
     assert len(during) >= 3 and max(during) < COMPLETION_S
     completion_ok(inference)
+    no_group(inference)
+
+
+@pytest.mark.timeout(300)
+def test_init_whose_other_ranks_never_come_fails_with_a_400_and_the_engine_serves(inference: Api) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": int(store.port),
+        "rank_offset": 1,
+        "world_size": 3,  # ranks 0 and 2 never join
+        "timeout_s": 3,
+    }
+    started = time.monotonic()
+    resp = inference.request("POST", "/init_weight_update_communicator", body)
+    seconds = time.monotonic() - started
+    assert resp.status_code == 400, resp.text
+    assert f"127.0.0.1:{store.port}" in error_message(resp), error_message(resp)
+    assert 2.5 <= seconds < 30.0, seconds
+    for _ in range(3):
+        completion_ok(inference)
     no_group(inference)
 
 

@@ -1,8 +1,8 @@
-"""`skylift serve`'s request limits, disconnect aborts and off-loop rendezvous, without an engine.
+"""`skylift serve`'s request limits, disconnect aborts and rendezvous probe, without an engine.
 
 The routes run in a FastAPI app over `LocalVLLMEngine` wrapping a fake vLLM engine (no vLLM
-process); the rendezvous helpers meet real sockets on loopback and a fake worker pool driving
-the real worker-side join (`join_worker.BackgroundJoinExtension`).
+process); the rendezvous probe meets a real torch TCPStore, a listener that is no store and a
+closed port on loopback, and the join is driven through a fake worker RPC.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from skylift.inference import rendezvous, routes
+from skylift.inference import routes
 from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
-from skylift.inference.join_worker import BackgroundJoinExtension
 from skylift.inference.limits import MAX_REQUEST_TOKENS, MAX_SEQUENCES, SEED_MAX, SEED_MIN
 from skylift.inference.local import LocalVLLMEngine
-from skylift.inference.rendezvous import join_in_background, wait_for_listener
-from skylift.inference.types import EngineRequestError, EngineStateError, WeightUpdateGroupSpec
+from skylift.inference.rendezvous import join_rpc_timeout_s, join_weight_update_group, probe_store
+from skylift.inference.types import EngineError, EngineRequestError, WeightUpdateGroupSpec
 
 MAX_MODEL_LEN = 1 << 20  # large, so that the request limits, not the context, bind
 
@@ -169,116 +168,141 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.fixture
+def store() -> Any:
+    """A real torch TCPStore (the trainer's rank 0 hosts one) on a free loopback port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+def test_probe_of_a_live_store_returns_and_leaves_the_store_working(store: Any) -> None:
+    started = time.monotonic()
+    for _ in range(3):
+        asyncio.run(probe_store("127.0.0.1", int(store.port), 5.0))
+    assert time.monotonic() - started < 3.0
+    store.set("after-probe", "ok")
+    assert store.get("after-probe") == b"ok"
+
+
 def test_probe_of_an_address_nobody_serves_fails_naming_it_after_the_timeout() -> None:
     port = closed_port()
     started = time.monotonic()
     with pytest.raises(EngineRequestError, match=f"127.0.0.1:{port}.*timeout_s=0.6"):
-        asyncio.run(wait_for_listener("127.0.0.1", port, 0.6))
+        asyncio.run(probe_store("127.0.0.1", port, 0.6))
     assert 0.4 <= time.monotonic() - started < 5.0
 
 
+def test_probe_of_a_listener_that_is_no_store_fails_within_the_timeout() -> None:
+    """torch's own store client would wait forever on such a peer (its ping has no timeout)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(EngineRequestError, match=f"127.0.0.1:{port}.*timeout_s=0.8"):
+            asyncio.run(probe_store("127.0.0.1", port, 0.8))
+        assert time.monotonic() - started < 5.0
+
+
+def test_probe_of_a_peer_that_answers_garbage_is_refused() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        try:
+            with pytest.raises(EngineRequestError, match=f"127.0.0.1:{port}.*no torch TCPStore"):
+                asyncio.run(probe_store("127.0.0.1", port, 5.0))
+        finally:
+            thread.join()
+
+
 def test_probe_waits_for_a_store_that_comes_late() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     port = closed_port()
-    listener = socket.socket()
+    stores: list[Any] = []
 
     def late() -> None:
         time.sleep(0.5)
-        listener.bind(("127.0.0.1", port))
-        listener.listen()
+        stores.append(
+            dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+        )
 
     thread = threading.Thread(target=late)
     thread.start()
     try:
-        asyncio.run(wait_for_listener("127.0.0.1", port, 10.0))
+        asyncio.run(probe_store("127.0.0.1", port, 10.0))
     finally:
         thread.join()
-        listener.close()
+    assert stores
 
 
 def test_probe_of_a_name_that_does_not_resolve_fails_at_once() -> None:
     started = time.monotonic()
     with pytest.raises(EngineRequestError, match="cannot resolve"):
-        asyncio.run(wait_for_listener("no-such-host.invalid", 5, 30.0))
+        asyncio.run(probe_store("no-such-host.invalid", 5, 30.0))
     assert time.monotonic() - started < 20.0
 
 
-class FakeWorker(BackgroundJoinExtension):
-    """A worker whose group join takes `join_s` and then succeeds, or fails with `error`."""
+class FakeWorkers:
+    """The join RPC as `LocalVLLMEngine._rpc` makes it: records each call; fails with `error`."""
 
-    def __init__(self, join_s: float, error: str | None = None) -> None:
-        self.join_s, self.error = join_s, error
-        self.group: str | None = None
-        self.destroyed = 0
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.calls: list[tuple[str, tuple, float]] = []
 
-    def skylift_init_weight_update_group(self, *args: Any) -> None:
-        time.sleep(self.join_s)
-        if self.error:
-            raise RuntimeError(self.error)
-        self.group = args[4]
-
-    def skylift_destroy_weight_update_group(self) -> None:
-        self.group = None
-        self.destroyed += 1
+    async def __call__(self, operation: str, method: str, args: tuple, timeout_s: float) -> list[Any]:
+        self.calls.append((method, args, timeout_s))
+        if self.error is not None:
+            raise self.error
+        return [None]
 
 
-def pool(workers: list[FakeWorker]) -> Any:
-    async def rpc(operation: str, method: str, args: tuple, timeout_s: float) -> list[Any]:
-        return [getattr(w, method)(*args) for w in workers]
-
-    return rpc
-
-
-SPEC = WeightUpdateGroupSpec(
-    master_address="127.0.0.1", master_port=5, rank_offset=1, world_size=3, timeout_s=1.0
-)
-
-
-def test_background_join_polls_until_every_worker_joined_while_the_loop_runs() -> None:
-    workers = [FakeWorker(0.3), FakeWorker(0.5)]
-
-    async def run() -> int:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.02)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        await join_in_background(pool(workers), SPEC, 5.0)
-        task.cancel()
-        return ticks
-
-    assert asyncio.run(run()) >= 10  # the event loop (generation) went on during the join
-    assert [w.group for w in workers] == [SPEC.group_name] * 2
-
-
-def test_background_join_failure_names_the_address_and_leaves_the_joined_workers() -> None:
-    workers = [FakeWorker(0.05), FakeWorker(0.2, error="store timed out")]
-    with pytest.raises(EngineRequestError, match="127.0.0.1:5: store timed out"):
-        asyncio.run(join_in_background(pool(workers), SPEC, 5.0))
-    assert workers[0].group is None and workers[0].destroyed == 1
-
-
-def test_background_join_gives_up_after_its_bound_and_a_late_join_is_left(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(rendezvous, "JOIN_GRACE_S", 0.3)
-    spec = WeightUpdateGroupSpec(
-        master_address="127.0.0.1", master_port=5, rank_offset=1, world_size=2, timeout_s=0.01
+def spec_at(port: int, timeout_s: float = 2.0) -> WeightUpdateGroupSpec:
+    return WeightUpdateGroupSpec(
+        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, timeout_s=timeout_s
     )
-    worker = FakeWorker(1.5)
-    rpc = pool([worker])
 
-    async def run() -> None:
-        with pytest.raises(EngineRequestError, match="not every rank arrived"):
-            await join_in_background(rpc, spec, 5.0)
-        with pytest.raises(EngineStateError, match="still waiting"):
-            await join_in_background(rpc, spec, 5.0)
 
-    asyncio.run(run())
-    deadline = time.monotonic() + 15
-    while worker.skylift_join_status()["state"] == "running" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert worker.group is None and worker.destroyed == 1
+def test_join_reaches_the_workers_only_after_a_store_answered(store: Any) -> None:
+    workers = FakeWorkers()
+    asyncio.run(join_weight_update_group(workers, spec_at(int(store.port)), "join"))
+    [(method, args, timeout_s)] = workers.calls
+    assert method == "join" and args[:2] == ("127.0.0.1", int(store.port))
+    # the worker's own bounds (store, rendezvous, handshake) end before the RPC's
+    assert timeout_s == join_rpc_timeout_s(2.0) > 3 * 2.0
+
+    nobody = FakeWorkers()
+    with pytest.raises(EngineRequestError):
+        asyncio.run(join_weight_update_group(nobody, spec_at(closed_port(), 0.3), "join"))
+    assert nobody.calls == []
+
+
+def test_a_rendezvous_the_workers_could_not_complete_is_a_request_error_naming_the_address(
+    store: Any,
+) -> None:
+    port = int(store.port)
+    failed = EngineError(
+        f"local-vllm: init_weight_update_communicator: could not join weight-sync group 'g' at "
+        f"127.0.0.1:{port} as rank 1/2: wait timeout after 2000ms"
+    )
+    with pytest.raises(EngineRequestError, match=f"127.0.0.1:{port}.*wait timeout"):
+        asyncio.run(join_weight_update_group(FakeWorkers(failed), spec_at(port), "join"))
+    other = EngineError("local-vllm: init_weight_update_communicator: the worker ran out of memory")
+    with pytest.raises(EngineError) as info:
+        asyncio.run(join_weight_update_group(FakeWorkers(other), spec_at(port), "join"))
+    assert not isinstance(info.value, EngineRequestError)
