@@ -4,7 +4,8 @@
 flags). `InferenceServerSettings`: what skylift's own code of an inference server (``skylift
 serve``) reads, built once from vLLM's parsed flags (the command line stays vLLM's). Its
 `InferenceServerLimits`: what one request may ask and how long its weight RPCs may take, read once
-from the environment (``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``;
+from the environment (``SKYLIFT_MAX_N``, ``SKYLIFT_MAX_PROMPTS``, ``SKYLIFT_MAX_SEQUENCES``,
+``SKYLIFT_MAX_REQUEST_TOKENS``, ``SKYLIFT_WEIGHT_RPC_TIMEOUT_S``;
 every ``SKYLIFT_*`` variable is listed in ``environment.py``), as vLLM's own ``VLLM_*`` tuning
 variables are read.
 """
@@ -63,6 +64,9 @@ class InferenceServerLimits:
 
     max_n: int = 256  # samples per prompt (SKYLIFT_MAX_N)
     max_prompts: int = 4096  # prompts in one /skylift/generate request (SKYLIFT_MAX_PROMPTS)
+    max_sequences: int = 16384  # prompts x n in one /skylift/generate request (SKYLIFT_MAX_SEQUENCES)
+    # prompts x n x max_tokens in one /skylift/generate request (SKYLIFT_MAX_REQUEST_TOKENS)
+    max_request_tokens: int = 1 << 25
     weight_rpc_timeout_s: float = 600.0  # one weight-bucket receive (SKYLIFT_WEIGHT_RPC_TIMEOUT_S)
     control_rpc_timeout_s: float = 60.0  # small control RPCs (destroy, has-group)
 
@@ -73,6 +77,10 @@ class InferenceServerLimits:
         return cls(
             max_n=int(_number(environ, "SKYLIFT_MAX_N", default.max_n, minimum=1)),
             max_prompts=int(_number(environ, "SKYLIFT_MAX_PROMPTS", default.max_prompts, minimum=1)),
+            max_sequences=int(_number(environ, "SKYLIFT_MAX_SEQUENCES", default.max_sequences, minimum=1)),
+            max_request_tokens=int(
+                _number(environ, "SKYLIFT_MAX_REQUEST_TOKENS", default.max_request_tokens, minimum=1)
+            ),
             weight_rpc_timeout_s=_number(
                 environ, "SKYLIFT_WEIGHT_RPC_TIMEOUT_S", default.weight_rpc_timeout_s
             ),

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.lora_adapters import LoraAdapters
+from skylift.inference.rendezvous import join_weight_update_group
 from skylift.inference.types import (
     PAUSE_MODES,
     TEACHER_FORCING,
@@ -301,9 +302,10 @@ class LocalVLLMEngine(EngineBase):
         return await self._call(operation, rpc, timeout_s + 5.0)
 
     async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous).
-
-        An existing group is an `EngineStateError` unless `spec.override_existing`."""
+        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous)
+        once a store answers at its address (`skylift.inference.rendezvous`: an address where none
+        does is an `EngineRequestError` after `spec.timeout_s`, the engine untouched). An existing
+        group is an `EngineStateError` unless `spec.override_existing`."""
         last = spec.rank_offset + self._tp - 1
         if last >= spec.world_size:
             raise EngineRequestError(
@@ -317,9 +319,7 @@ class LocalVLLMEngine(EngineBase):
                     "pass override_existing=True to replace it"
                 )
             self.group_name = None
-            await self._rpc(
-                "init_weight_update_communicator", RPC_INIT_GROUP, spec.rpc_args(), spec.timeout_s
-            )
+            await join_weight_update_group(self._rpc, spec, RPC_INIT_GROUP)
             self.group_name = spec.group_name
 
     async def _receive(

@@ -28,16 +28,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
-from pydantic import ValidationError
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from starlette.middleware import Middleware
 
 from skylift.inference import skyrl_routes
 from skylift.inference.auth import ApiKeyMiddleware, api_key_problem
 from skylift.inference.bodies import (
-    Body,
+    MAX_STOPS,
     GenerateBody,
     InitGroupBody,
     PauseBody,
@@ -48,10 +47,12 @@ from skylift.inference.bodies import (
     UpdateWeightBody,
     UpdateWeightsBody,
     WakeUpBody,
+    WeightTransferUpdateBody,
 )
 from skylift.inference.codec import output_to_json
+from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
 from skylift.inference.engine_http import engine_call, status_of
-from skylift.inference.limits import MAX_N, MAX_PROMPTS
+from skylift.inference.limits import MAX_N, MAX_PROMPTS, MAX_REQUEST_TOKENS, MAX_SEQUENCES
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.types import (
     EngineError,
@@ -62,6 +63,11 @@ from skylift.inference.types import (
 from skylift.weight_sync.buckets import dtype_to_str, str_to_dtype, validate_bucket
 
 logger = logging.getLogger("skylift.inference.routes")
+
+T = TypeVar("T")
+
+#: The status of a request whose client left before the answer (nginx's 499; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
 
 __all__ = ["SamplingParamsBody", "SkyliftState", "install_routes", "router", "status_of"]
 
@@ -106,13 +112,33 @@ def _check_generate(state: SkyliftState, body: GenerateBody) -> None:
     if not prompts:
         raise _error(HTTPStatus.BAD_REQUEST, "prompt_token_ids must hold at least one prompt")
     if len(prompts) > MAX_PROMPTS:
-        raise _error(HTTPStatus.BAD_REQUEST, f"too many prompts: {len(prompts)} > {MAX_PROMPTS}")
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            f"too many prompts: {len(prompts)} > {MAX_PROMPTS} (the server's SKYLIFT_MAX_PROMPTS)",
+        )
     if sp.n > MAX_N:
-        raise _error(HTTPStatus.BAD_REQUEST, f"n={sp.n} is too large; this server allows n <= {MAX_N}")
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            f"n={sp.n} is too large; this server allows n <= {MAX_N} (its SKYLIFT_MAX_N)",
+        )
     if sp.max_tokens >= state.max_model_len:
         raise _error(
             HTTPStatus.BAD_REQUEST,
             f"max_tokens={sp.max_tokens} leaves no room for a prompt: max_model_len is {state.max_model_len}",
+        )
+    sequences = len(prompts) * sp.n
+    if sequences > MAX_SEQUENCES:
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            f"{len(prompts)} prompts x n={sp.n} = {sequences} sequences; this server allows at most "
+            f"{MAX_SEQUENCES} per request (its SKYLIFT_MAX_SEQUENCES): split the request",
+        )
+    if sequences * sp.max_tokens > MAX_REQUEST_TOKENS:
+        raise _error(
+            HTTPStatus.BAD_REQUEST,
+            f"{sequences} sequences x max_tokens={sp.max_tokens} = {sequences * sp.max_tokens} tokens; this "
+            f"server allows at most {MAX_REQUEST_TOKENS} per request (its SKYLIFT_MAX_REQUEST_TOKENS): "
+            "split the request or lower max_tokens",
         )
     for i, prompt in enumerate(prompts):
         if not prompt:
@@ -164,19 +190,23 @@ async def info(request: Request) -> dict[str, Any]:
 
 @router.post("/skylift/generate")
 async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
-    """Token ids in, sampled token ids + per-token logprobs + stop reasons out."""
+    """Token ids in, sampled token ids + per-token logprobs + stop reasons out. A client that
+    disconnects aborts its sequences."""
     state = _state(request)
     _check_generate(state, body)
     params = SamplingParams(**body.sampling_params.model_dump())
-    outputs = await engine_call(
-        state.engine.generate(
-            body.prompt_token_ids,
-            params,
-            body.session_id,
-            prompt_logprobs=body.prompt_logprobs,
-            lora_name=body.lora_name,
-        )
+    work = state.engine.generate(
+        body.prompt_token_ids,
+        params,
+        body.session_id,
+        prompt_logprobs=body.prompt_logprobs,
+        lora_name=body.lora_name,
     )
+    try:
+        outputs = await engine_call(unless_disconnected(request, work))
+    except ClientDisconnected as exc:  # nobody reads the answer
+        logger.info("/skylift/generate: %s (%d prompts)", exc, len(body.prompt_token_ids))
+        raise HTTPException(status_code=CLIENT_CLOSED_REQUEST, detail=str(exc)) from exc
     return {
         "model": state.model_name,
         "weight_version": state.engine.weight_version,
@@ -185,26 +215,27 @@ async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
 
 
 @router.post("/skylift/pause")
-async def pause(request: Request) -> dict[str, Any]:
+async def pause(request: Request, body: PauseBody | None = None) -> dict[str, Any]:
     """Stop scheduling for a weight update: `{"mode": "keep"|"abort"}` (keep: requests in flight
     wait and continue after /skylift/resume; abort: they end now with what they sampled)."""
-    body = await _optional_body(request, PauseBody) or PauseBody()
+    body = body or PauseBody()
     await engine_call(_state(request).engine.pause_generation(body.mode))
     return {"status": "paused", "mode": body.mode}
 
 
 @router.post("/skylift/resume")
-async def resume(request: Request) -> dict[str, Any]:
+async def resume(request: Request, body: ResumeBody | None = None) -> dict[str, Any]:
     """Resume scheduling; `{"policy_version": v}` labels the tokens sampled from now on with v."""
-    body = await _optional_body(request, ResumeBody) or ResumeBody()
+    body = body or ResumeBody()
     await engine_call(_state(request).engine.resume_generation(body.policy_version))
     return {"status": "running", "policy_version": body.policy_version}
 
 
 @router.post("/sleep")
-async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
+async def sleep(
+    request: Request, level: Annotated[int | None, Query(ge=1, le=2)] = None, body: SleepBody | None = None
+) -> dict[str, Any]:
     """Free engine memory (weights at level 1 offloaded, at level 2 discarded) and KV cache."""
-    body = await _optional_body(request, SleepBody)
     level = level if level is not None else (body.level if body else 1)
     if level not in (1, 2):
         raise _error(HTTPStatus.BAD_REQUEST, f"sleep level must be 1 or 2, got {level}")
@@ -213,10 +244,13 @@ async def sleep(request: Request, level: int | None = None) -> dict[str, Any]:
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request) -> dict[str, Any]:
+async def wake_up(
+    request: Request,
+    tags: Annotated[list[str] | None, Query(max_length=MAX_STOPS)] = None,
+    body: WakeUpBody | None = None,
+) -> dict[str, Any]:
     """Restore what /sleep released (optionally only some tags: ?tags=weights&tags=kv_cache)."""
-    body = await _optional_body(request, WakeUpBody)
-    tags = request.query_params.getlist("tags") or (body.tag_list() if body else None)
+    tags = tags or (body.tag_list() if body else None)
     awake = await engine_call(_state(request).engine.wake_up(tags))
     return {"status": "awake" if awake else "sleeping", "tags": tags}
 
@@ -235,6 +269,7 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
     fields = body.model_dump(exclude={"model_dtype_str", "protocol"})
     spec = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol())
     started = time.perf_counter()
+    # not cancelled when the client leaves: the workers' join, once started, must end as it ends
     await engine_call(engine.init_weight_update_communicator(spec))
     state.group_dtype = dtype
     tp = await engine.tensor_parallel_size()
@@ -271,18 +306,15 @@ async def _receive_bucket(state: SkyliftState, bucket: WeightBucket) -> dict[str
 
 
 @router.post("/update_weights")
-async def update_weights(request: Request) -> dict[str, Any]:
+async def update_weights(
+    request: Request, body: UpdateWeightsBody | WeightTransferUpdateBody
+) -> dict[str, Any]:
     """Receive one bucket over the group (the trainer broadcasts while this request is open).
 
     A body with `update_info` instead of `names`/`dtypes`/`shapes` is vLLM's weight-transfer
     protocol (SkyRL 0.4), handled by `skyrl_routes`."""
-    raw = await skyrl_routes.json_object(request)
-    if "update_info" in raw:
-        return await skyrl_routes.weight_transfer_update(request, raw)
-    try:
-        body = UpdateWeightsBody.model_validate(raw)
-    except ValidationError as e:
-        raise _error(HTTPStatus.BAD_REQUEST, f"invalid body for /update_weights: {e}") from e
+    if isinstance(body, WeightTransferUpdateBody):
+        return await skyrl_routes.weight_transfer_update(request, body.model_dump())
     return await _receive_bucket(_state(request), WeightBucket(**body.model_dump()))
 
 
@@ -319,29 +351,17 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request, reset_running_requests: bool | None = None) -> dict[str, Any]:
+async def reset_prefix_cache(
+    request: Request, reset_running_requests: bool | None = None, body: ResetPrefixCacheBody | None = None
+) -> dict[str, Any]:
     """Drop cached prefixes (needed after weights change). No body, or
     `{"reset_running_requests": bool}` (also a query parameter): preempt running requests too."""
-    body = await _optional_body(request, ResetPrefixCacheBody)
     if reset_running_requests is None:
         reset_running_requests = bool(body and body.reset_running_requests)
     engine = _state(request).engine
     if not await engine_call(engine.try_reset_prefix_cache(reset_running_requests=reset_running_requests)):
         raise _error(HTTPStatus.CONFLICT, "prefix cache still in use by running requests; retry later")
     return {"status": "ok", "success": True}
-
-
-_B = TypeVar("_B", bound=Body)
-
-
-async def _optional_body(request: Request, model: type[_B]) -> _B | None:
-    raw = await request.body()
-    if not raw.strip():
-        return None
-    try:
-        return model.model_validate_json(raw)
-    except Exception as e:
-        raise _error(HTTPStatus.BAD_REQUEST, f"invalid body for {request.url.path}: {e}") from e
 
 
 def install_routes(app: FastAPI, state: SkyliftState) -> None:

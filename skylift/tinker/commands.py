@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
+
+#: The Tinker server's single key, when neither --api-key nor --api-keys-file is given.
+API_KEY_ENV = "SKYLIFT_TINKER_API_KEY"
 
 
 def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +41,10 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
     )
     keys = serve.add_mutually_exclusive_group()
     keys.add_argument(
-        "--api-key", default=None, help="require this X-API-Key: one user (default: accept any)"
+        "--api-key",
+        default=None,
+        help=f"require this X-API-Key: one user (default: ${API_KEY_ENV}, else accept any; the variable "
+        "or --api-keys-file keeps the key out of `ps`)",
     )
     keys.add_argument(
         "--api-keys-file",
@@ -45,6 +52,12 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="users and their keys, one 'USER KEY' per line (# comments); each user sees only its own "
         "records; SIGHUP reloads the file",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --host beyond loopback without a key (anyone who reaches it may train, sample "
+        "and delete checkpoints)",
     )
     serve.add_argument(
         "--result-retention-s",
@@ -117,18 +130,31 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
 
 
-def warn_if_exposed(host: str, api_key: str | None, api_keys_file: str | None = None) -> bool:
-    """Log a warning (and return True) when the server would listen beyond loopback without a key."""
+def check_exposure(host: str, api_key: str | None, api_keys_file: str | None, insecure: bool) -> bool:
+    """`SystemExit` when the server would listen beyond loopback without a key, unless `insecure`
+    (then a warning, and True)."""
     from skylift.inference.server import is_loopback_host
 
     if api_key or api_keys_file or is_loopback_host(host):
         return False
-    logging.getLogger("skylift.tinker").warning(
-        "binding to %r without --api-key: anyone who can reach this host can train, sample, "
-        "and read or delete checkpoints",
-        host or "0.0.0.0",
+    exposure = (
+        f"binding to {host or '0.0.0.0'!r} without an API key: anyone who can reach this host can "
+        "train, sample, and read or delete checkpoints"
     )
+    if not insecure:
+        raise SystemExit(
+            f"refused: {exposure}; give --api-keys-file FILE or ${API_KEY_ENV} (or --api-key), or pass "
+            "--insecure to serve without a key"
+        )
+    logging.getLogger("skylift.tinker").warning("%s (--insecure)", exposure)
     return True
+
+
+def api_key_from(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    """--api-key, else $SKYLIFT_TINKER_API_KEY when no --api-keys-file is given."""
+    if args.api_key or args.api_keys_file:
+        return str(args.api_key) if args.api_key else None
+    return environ.get(API_KEY_ENV) or None
 
 
 def private_data_dir(path: Path) -> Path:
@@ -158,7 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warn_if_exposed(args.host, args.api_key, args.api_keys_file)
+    args.api_key = api_key_from(args)
+    check_exposure(args.host, args.api_key, args.api_keys_file, args.insecure)
     for flag, value in (
         ("--result-retention-s", args.result_retention_s),
         ("--max-request-mb", args.max_request_mb),

@@ -151,32 +151,47 @@ def test_both_servers_bind_loopback_by_default(
     for pid in (tiny_server_with_key.process.pid, reliability_tinker.process.pid):
         hosts = listening_hosts(pid)
         assert hosts and all(ipaddress.ip_address(h).is_loopback for h in hosts), hosts
-    assert "without --api-key" not in reliability_tinker.log_tail(400)
+    assert "without an API key" not in reliability_tinker.log_tail(400)
 
 
-def test_inference_server_warns_when_exposed_without_a_key(caplog: pytest.LogCaptureFixture) -> None:
+def test_inference_server_refuses_an_exposed_bind_without_a_key(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """vLLM's parser knows skylift's --insecure and --api-key-file (the logic: tests/unit/test_exposed_bind.py)."""
     from skylift.inference.server import make_parser, prepare_args
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
     def warnings_for(*argv: str) -> tuple[str, list[str]]:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="skylift.inference.server"):
             args = prepare_args(make_parser().parse_args(["--model", TINY_SERVED_NAME, *argv]))
-        return args.host, [r.getMessage() for r in caplog.records if "without --api-key" in r.getMessage()]
+        return args.host, [r.getMessage() for r in caplog.records if "without an API key" in r.getMessage()]
 
     host, warned = warnings_for()
     assert host == "127.0.0.1" and warned == []
-    host, warned = warnings_for("--host", "0.0.0.0")
+    with pytest.raises(ValueError, match="'0.0.0.0' without an API key.*--insecure"):
+        warnings_for("--host", "0.0.0.0")
+    host, warned = warnings_for("--host", "0.0.0.0", "--insecure")
     assert len(warned) == 1 and "'0.0.0.0'" in warned[0], warned
     assert warnings_for("--host", "0.0.0.0", "--api-key", "k")[1] == []
+    (tmp_path / "key").write_text("k\n")
+    assert warnings_for("--host", "0.0.0.0", "--api-key-file", str(tmp_path / "key"))[1] == []
     assert warnings_for("--host", "::1")[1] == []
 
 
 @pytest.mark.timeout(300)
-def test_tinker_server_warns_when_exposed_without_a_key(tmp_path, tiny_model_dir) -> None:
-    """A real server on 0.0.0.0: safe only where `lo` is the only interface, so never run elsewhere."""
+def test_tinker_server_binds_exposed_without_a_key_only_when_insecure(tmp_path, tiny_model_dir) -> None:
+    """A real server on 0.0.0.0 with --insecure: safe only where `lo` is the only interface, so
+    never run elsewhere (the refusal without it: tests/unit/test_exposed_bind.py)."""
     if not only_loopback_network():
         pytest.skip("binds 0.0.0.0: runs only in a loopback-only network namespace")
-    server = TinkerServer(data_dir=tmp_path / "data", log_path=tmp_path / "server.log", host="0.0.0.0")
+    server = TinkerServer(
+        data_dir=tmp_path / "data",
+        log_path=tmp_path / "server.log",
+        host="0.0.0.0",
+        extra_args=["--insecure"],
+    )
     server.start()
     try:
         assert server.process is not None
@@ -185,4 +200,4 @@ def test_tinker_server_warns_when_exposed_without_a_key(tmp_path, tiny_model_dir
         log = server.log_tail(400)
     finally:
         server.stop()
-    assert "binding to '0.0.0.0' without --api-key" in log, log
+    assert "binding to '0.0.0.0' without an API key" in log, log
