@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_main(args_list[1:]) or 0
 
-    if args_list and args_list[0] in ("train", "demo"):
+    if args_list and args_list[0] in ("train", "eval", "demo"):
         from skylift.utils.quiet import quiet_libraries
 
         quiet_libraries("--verbose" in args_list)  # before the parsers below import torch

@@ -45,6 +45,7 @@ class PlacementRequest:
     ref_per_node: int = 1
     critic_nodes: int = 1
     critic_per_node: int = 1
+    with_policy: bool = True  # False: an eval-only run (engines only)
     with_ref: bool = False
     with_critic: bool = False
     num_engines: int = 0  # local engines (0 with remote engines)
@@ -59,7 +60,11 @@ class PlacementRequest:
         return int(getattr(self, f"{role}_nodes")) * int(getattr(self, f"{role}_per_node"))
 
     def roles(self) -> list[str]:
-        return ["policy"] + (["ref"] if self.with_ref else []) + (["critic"] if self.with_critic else [])
+        return (
+            (["policy"] if self.with_policy else [])
+            + (["ref"] if self.with_ref else [])
+            + (["critic"] if self.with_critic else [])
+        )
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,11 @@ class RayRun:
     lines: list[str]
 
 
-def start_ray_run(cfg: SkyliftConfig) -> RayRun:
-    """Join (or start) Ray and reserve the run's placement groups; the lines say which cluster was
-    joined, what it has and where each group landed. Fails within `trainer.placement.timeout_s`
-    when the cluster cannot hold the request (the message has both sides)."""
+def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
+    """Join (or start) Ray and reserve the run's placement groups (`training=False`: the engines'
+    only); the lines say which cluster was joined, what it has and where each group landed. Fails
+    within `trainer.placement.timeout_s` when the cluster cannot hold the request (the message has
+    both sides)."""
     import time
 
     import ray
@@ -114,6 +115,8 @@ def start_ray_run(cfg: SkyliftConfig) -> RayRun:
     address = ray_address(cfg.trainer.ray_address)
     gpu = torch.cuda.is_available()
     request = request_from_config(cfg, gpu=gpu)
+    if not training:
+        request = dataclasses.replace(request, with_policy=False, with_ref=False, with_critic=False)
     plan = plan_placement(request)
     started = init_ray(
         address, min_cpus=plan.total().get("CPU", 0.0), object_store_gb=cfg.trainer.ray_object_store_gb

@@ -2,6 +2,8 @@
 
 `Runtime` is one context manager: `start()` (or `with`) builds the parts in dependency order,
 `close()` takes down whatever was built, also after a failed start. The RL loop only uses them.
+An eval-only runtime (`eval_only=True`, for `skylift eval`) builds the evaluation data, tracking,
+the engines and the generator: no training data, no worker groups, no weight sync.
 """
 
 from __future__ import annotations
@@ -53,10 +55,16 @@ class Runtime:
     """The parts of one run, built from a `SkyliftConfig`; `say` prints progress lines."""
 
     def __init__(
-        self, cfg: SkyliftConfig, say: Callable[[str], None] = _quiet, verbose: bool = False
+        self,
+        cfg: SkyliftConfig,
+        say: Callable[[str], None] = _quiet,
+        verbose: bool = False,
+        eval_only: bool = False,
     ) -> None:
-        """`verbose`: let the libraries print their own messages (see `skylift.utils.quiet`)."""
+        """`verbose`: let the libraries print their own messages (see `skylift.utils.quiet`);
+        `eval_only`: only what evaluation needs (see the module's docstring)."""
         self.cfg = cfg
+        self.eval_only = eval_only
         self.say = say
         self.verbose = verbose
         quiet_libraries(verbose)
@@ -102,8 +110,15 @@ class Runtime:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         env_class = cfg.environment.env_class
         columns = {"prompt_key": cfg.data.prompt_key, "env_class_key": cfg.data.env_class_key}
-        self.train_data = PromptDataset(
-            cfg.data.train_data, default_env_class=env_class, max_rows=cfg.data.max_train_samples, **columns
+        self.train_data: PromptDataset | None = (
+            None
+            if self.eval_only
+            else PromptDataset(
+                cfg.data.train_data,
+                default_env_class=env_class,
+                max_rows=cfg.data.max_train_samples,
+                **columns,
+            )
         )
         self.val_data = (
             PromptDataset(
@@ -114,24 +129,30 @@ class Runtime:
         )
         self.tracking = Tracking(t.loggers(), self.paths.logs, t.project_name, t.run_name)
         self.say(
-            f"run '{t.run_name}': model {t.policy.model.path}, {len(self.train_data)} train prompts, "
-            f"{len(self.val_data) if self.val_data else 0} eval prompts; outputs in {self.paths.root}"
+            f"run '{t.run_name}': model {t.policy.model.path}, "
+            + ("evaluation only, " if self.train_data is None else f"{len(self.train_data)} train prompts, ")
+            + f"{len(self.val_data) if self.val_data else 0} eval prompts; outputs in {self.paths.root}"
         )
 
-        world = t.policy_world_size()
+        world = 0 if self.eval_only else t.policy_world_size()
         backend = t.placement.backend
         self.use_ray = backend == "ray" or (backend == "auto" and (g.run_engines_locally or world > 1))
+        if self.eval_only and not g.run_engines_locally:
+            self.use_ray = False  # nothing to place: the remote engines are the whole run
         self.colocation = colocation_plan(
-            t.placement.colocate_all, torch.cuda.is_available(), g.run_engines_locally
+            t.placement.colocate_all and not self.eval_only, torch.cuda.is_available(), g.run_engines_locally
         )
         if self.colocation.message:
             self.say(self.colocation.message)
         if self.use_ray:  # join RAY_ADDRESS / trainer.ray_address or start one; reserve the placement
-            ray_run = start_ray_run(cfg)
+            ray_run = start_ray_run(cfg, training=not self.eval_only)
             self._ray_started, self.placement = ray_run.started, ray_run.placement
             for line in ray_run.lines:
                 self.say(line)
         self._start_engines()
+        if self.eval_only:
+            self._start_generator()
+            return
         total = self.total_steps()
         self.policy = self._worker_group("policy", model_worker_settings(cfg, True, total), world)
         self.policy.setup()
@@ -143,19 +164,19 @@ class Runtime:
             critic_world = t.placement.critic_num_nodes * t.placement.critic_num_gpus_per_node
             self.critic = self._worker_group("critic", critic_worker_settings(cfg, total), critic_world)
             self.critic.setup()
-        env = cfg.environment  # SkyRL-Gym envs' env_config; modules of registrations
-        configure_skyrl_gym(env.skyrl_gym, g.max_turns, env.import_modules)
-        self.generator = Generator(
-            self.engines,
-            self.tokenizer,
-            generator_settings(cfg),
-        )
+        self._start_generator()
         assert self.engines is not None
         self.weights = EngineWeights(cfg, self.policy, self.engines, self.run, self.say)
         self.weights.open()
 
+    def _start_generator(self) -> None:
+        env = self.cfg.environment  # SkyRL-Gym envs' env_config; modules of registrations
+        configure_skyrl_gym(env.skyrl_gym, self.cfg.generator.max_turns, env.import_modules)
+        self.generator = Generator(self.engines, self.tokenizer, generator_settings(self.cfg))
+
     def total_steps(self) -> int:
         """Training steps of the whole run: the batches of all epochs, at most `trainer.max_steps`."""
+        assert self.train_data is not None, "an eval-only runtime has no training steps"
         return total_steps(self.cfg, self.train_data.num_batches(self.cfg.trainer.train_batch_size))
 
     def _worker_group(self, name: str, settings: WorkerSettings, world: int) -> WorkerGroup:

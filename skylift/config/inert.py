@@ -104,13 +104,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     },
     "trainer.sequence_parallel_backend": ("ulysses", "sequence parallelism is not implemented yet"),
     **{
-        f"trainer.{r}.fsdp_config.fsdp_size": (
-            -1,
-            "not implemented yet (hybrid sharding): each worker group shards over all its ranks",
-        )
-        for r in _ROLES
-    },
-    **{
         f"trainer.{r}.fsdp_config.mixed_precision*": (
             ANY,
             "skylift's precision is trainer.bf16 (autocast over float32 weights)",

@@ -100,6 +100,11 @@ class FSDPConfig:
     reshard_after_forward: bool = _f(
         True, "sharded workers free gathered layers after forward (false: keep them until backward)"
     )
+    fsdp_size: int = _f(
+        -1,
+        "hybrid sharding: shard over groups of this many ranks and replicate across the groups "
+        "(-1 or >= the group's ranks: shard over all)",
+    )
 
 
 @dataclass

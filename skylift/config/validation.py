@@ -189,6 +189,18 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
             problems.append(
                 f"trainer.{role}.optimizer_config.adam_betas={betas} must be two numbers in [0, 1)"
             )
+    p = t.placement
+    for role, world in (
+        ("policy", t.policy_world_size()),
+        ("ref", p.ref_num_nodes * p.ref_num_gpus_per_node),
+        ("critic", p.critic_num_nodes * p.critic_num_gpus_per_node),
+    ):
+        size = getattr(t, role).fsdp_config.fsdp_size
+        if size == 0 or size < -1 or 0 < size < world and world % size:
+            problems.append(
+                f"trainer.{role}.fsdp_config.fsdp_size={size} must be -1 (shard over all ranks) or a "
+                f"size of shard groups that divides the {role}'s {world} workers"
+            )
     lora = t.policy.model.lora
     if lora.rank > 0 and lora.alpha <= 0:
         problems.append(f"trainer.policy.model.lora.alpha={lora.alpha} must be > 0 when LoRA is on")

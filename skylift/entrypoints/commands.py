@@ -1,10 +1,11 @@
-"""CLI subcommands of the trainer: `skylift train`, `skylift config`, `skylift plot`."""
+"""CLI subcommands of the trainer: `skylift train`, `skylift eval`, `skylift config`, `skylift plot`."""
 
 from __future__ import annotations
 
 import argparse
 
 from skylift.entrypoints.main_base import TRAIN_EPILOG, add_train_arguments, run_train
+from skylift.entrypoints.main_generate import add_eval_command
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -32,6 +33,7 @@ def add_trainer_commands(sub: argparse._SubParsersAction) -> None:
     )
     add_train_arguments(train)
     train.set_defaults(func=_train)
+    add_eval_command(sub)
 
     config = sub.add_parser("config", help="print the training configuration tree with defaults and help")
     config.add_argument("overrides", nargs="*", metavar="key.sub=value")

@@ -1,6 +1,7 @@
 """Evaluation: greedy (or `eval_sampling_params`) accuracy on the held-out prompts, with its standard
-error, and pass@n and majority voting when each prompt is sampled n > 1 times
-(skylift.utils.eval_stats)."""
+error, and pass@n and majority voting when each prompt is sampled n > 1 times; SkyRL's figures under
+SkyRL's names beside them (skylift.utils.eval_stats). The training loop and the eval-only command
+(`skylift eval`, `skylift.rl.eval_only`) both evaluate here."""
 
 from __future__ import annotations
 
@@ -13,30 +14,45 @@ from pathlib import Path
 
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
-from skylift.utils.eval_stats import Sample, accuracy_figures
+from skylift.utils.eval_stats import Sample, accuracy_figures, skyrl_figures, skyrl_source_name
 
 
 def evaluate(
     rows: Sequence[PromptSample],
     generate: Callable[[list[PromptSample]], list[Trajectory]],
     batch_size: int,
+    n_samples: int | None = None,
 ) -> tuple[dict[str, float], list[Trajectory]]:
-    """Metrics (accuracy overall and per data source, response length, time) and the trajectories,
-    generated `batch_size` prompts at a time."""
+    """Metrics and the trajectories, generated `batch_size` prompts at a time. The metrics, overall
+    and per data source (rows without one count as "unknown"): skylift's accuracy with its standard
+    error (and pass@n / maj@n), and SkyRL's `eval/all/avg_score`, `eval/all/pass_at_<n>`,
+    `eval/all/mean_positive_reward` with their `eval/<data_source>/...` counterparts; then the
+    response length and time. `n_samples`: the configured samples per prompt (SkyRL's `<n>`;
+    default: the most samples any prompt got)."""
     tick = time.perf_counter()
     rows = list(rows)
     trajectories: list[Trajectory] = []
     for start in range(0, len(rows), batch_size):
         trajectories += generate(rows[start : start + batch_size])
-    groups: dict[str, list[Sample]] = defaultdict(list)  # the samples of each prompt
-    sources: dict[str, set[str]] = defaultdict(set)
+    if not trajectories:
+        return {"timing/eval_s": time.perf_counter() - tick}, trajectories
+    groups: dict[str, list[Trajectory]] = defaultdict(list)  # the samples of each prompt
+    sources: dict[str | None, list[str]] = defaultdict(list)  # the prompts of each data source
     for tr in trajectories:
-        groups[tr.uid].append(Sample(tr.reward, answer_of(tr)))
-        sources[tr.data_source or "all"].add(tr.uid)
+        if tr.uid not in groups:
+            sources[tr.data_source or None].append(tr.uid)
+        groups[tr.uid].append(tr)
+    n = n_samples or max(len(g) for g in groups.values())
+
+    def figures(uids: Sequence[str], prefix: str, skyrl_prefix: str) -> dict[str, float]:
+        samples = [[Sample(tr.reward, answer_of(tr)) for tr in groups[u]] for u in uids]
+        rewards = [[tr.reward for tr in groups[u]] for u in uids]
+        return {**accuracy_figures(samples, prefix), **skyrl_figures(rewards, skyrl_prefix, n)}
+
     metrics: dict[str, float] = {}
     for src, uids in sources.items():
-        metrics.update(accuracy_figures([groups[u] for u in sorted(uids)], f"eval/{src}/"))
-    metrics.update(accuracy_figures(list(groups.values()), "eval/"))
+        metrics.update(figures(uids, f"eval/{src or 'unknown'}/", f"eval/{skyrl_source_name(src)}/"))
+    metrics.update(figures(list(groups), "eval/", "eval/all/"))
     metrics["eval/response_length"] = statistics.fmean(tr.num_generated_tokens for tr in trajectories)
     metrics["timing/eval_s"] = time.perf_counter() - tick
     return metrics, trajectories
@@ -52,12 +68,13 @@ def answer_of(tr: Trajectory) -> str | None:
 
 
 def dump_eval(path: Path, trajectories: Sequence[Trajectory]) -> None:
-    """One JSON line per trajectory: uid, response text, reward, stop reason."""
+    """One JSON line per trajectory: uid, data source, response text, reward, stop reason."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for tr in trajectories:
             row = {
                 "uid": tr.uid,
+                "data_source": tr.data_source,
                 "response": tr.response_text,
                 "reward": tr.reward,
                 "stop_reason": tr.stop_reason,

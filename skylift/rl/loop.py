@@ -173,7 +173,10 @@ class RLTrainer:
             self.parts.weights.sync(self.state.policy_version)
         sampler = self.eval_sampler
         metrics, trajectories = evaluate(
-            list(val), lambda rows: sampler.run(rows, -1), self.cfg.trainer.eval_batch_size
+            list(val),
+            lambda rows: sampler.run(rows, -1),
+            self.cfg.trainer.eval_batch_size,
+            self.cfg.generator.eval_n_samples_per_prompt,
         )
         if self.cfg.trainer.dump_eval_results:
             dump_eval(self.parts.logs_dir / "eval" / f"step_{self.state.global_step}.jsonl", trajectories)

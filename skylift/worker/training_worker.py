@@ -32,7 +32,7 @@ from skylift.worker.micro_batches import (
     packed_response_values,
 )
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
-from skylift.worker.sharding import full_tensor, shard_model
+from skylift.worker.sharding import full_tensor, hybrid_mesh, shard_model
 
 # loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics). A loss function
 # with a true `needs_full_logprobs` attribute also finds, when the sampling distribution is
@@ -74,6 +74,7 @@ class WorkerSettings:
     fsdp: bool | None = None
     reshard_after_forward: bool = True  # see skylift.worker.sharding.shard_model
     cpu_offload: bool = False
+    fsdp_size: int = -1  # hybrid sharding: shard groups of this size (see sharding.hybrid_mesh)
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
@@ -185,7 +186,10 @@ class TrainingWorker:
             model.eval()
         model.to(self.device)
         if shard and dist.is_initialized():
-            shard_model(model, reshard_after_forward=s.reshard_after_forward, cpu_offload=s.cpu_offload)
+            mesh = hybrid_mesh(self.world_size, s.fsdp_size, self.device.type)
+            shard_model(
+                model, reshard_after_forward=s.reshard_after_forward, cpu_offload=s.cpu_offload, mesh=mesh
+            )
         self.model = model
         if s.trainable:
             params = [p for p in model.parameters() if p.requires_grad]

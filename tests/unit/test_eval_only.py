@@ -1,0 +1,170 @@
+"""Evaluation as SkyRL users run it: SkyRL's metric names (eval/all/avg_score,
+eval/<data_source>/avg_score, eval/all/pass_at_<n>) beside skylift's eval/accuracy, per data
+source, in the training loop's evaluation and in the eval-only command (`skylift eval`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from rl_fakes import FakeGenerator, FakeTracker, fake_config, fake_run
+
+from skylift.cluster.placement import PlacementRequest, plan_placement
+from skylift.data import PromptSample
+from skylift.entrypoints.main_generate import run_eval
+from skylift.rl.eval_only import DUMP_NAME, eval_sampler, evaluate_once, summary
+from skylift.utils.eval_stats import skyrl_figures, skyrl_source_name, standard_error
+
+SOURCES = ["openai/gsm8k", "openai/gsm8k", "math", ""]  # the 4th row has no data source
+
+
+def _rows() -> list[PromptSample]:
+    return [
+        PromptSample([{"role": "user", "content": f"q{i}"}], "gsm8k", {}, {}, src, f"0:{i}")
+        for i, src in enumerate(SOURCES)
+    ]
+
+
+def _reward(row: int, sample: int, version: int) -> float:
+    """Rewards per prompt: [1, 0], [0, 0], [1, 1], [-1, -1] (with 2 samples)."""
+    if row == 2 or (row == 0 and sample == 0):
+        return 1.0
+    return -1.0 if row == 3 else 0.0
+
+
+def test_skyrl_figures_follow_skyrl_definitions() -> None:
+    groups = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [-1.0, -1.0]]
+    figures = skyrl_figures(groups, "eval/all/", 2)
+    assert figures == pytest.approx(
+        {"eval/all/avg_score": 1 / 8, "eval/all/pass_at_2": 2 / 4, "eval/all/mean_positive_reward": 3 / 8}
+    )
+    assert skyrl_figures([], "eval/all/", 2) == {}
+    assert skyrl_figures([[0.3]], "x/", 1)["x/pass_at_1"] == 1.0  # any positive reward passes
+    assert [skyrl_source_name(s) for s in ("openai/gsm8k", "", None)] == [
+        "openai_gsm8k",
+        "unknown",
+        "unknown",
+    ]
+
+
+def test_eval_only_logs_skyrl_and_skylift_figures_per_data_source(tmp_path: Path) -> None:
+    cfg = fake_config(
+        tmp_path,
+        "generator.eval_n_samples_per_prompt=2",
+        "trainer.eval_batch_size=3",
+        "trainer.dump_eval_results=true",
+    )
+    generator, tracker, loop = FakeGenerator(reward=_reward), FakeTracker(), asyncio.new_event_loop()
+    try:
+        sampler = eval_sampler(cfg, generator, loop)
+        metrics = evaluate_once(cfg, _rows(), sampler, tracker, tmp_path / "logs")
+    finally:
+        loop.close()
+    # prompts in batches of eval_batch_size, n samples each, engines at version 0
+    assert [(c.rows, c.n, c.version) for c in generator.calls] == [([0, 1, 2], 2, 0), ([3], 2, 0)]
+    assert tracker.logged == [(0, metrics)]  # logged once, at step 0, as SkyRL's main_generate
+    expected = {
+        "eval/all/avg_score": 1 / 8,
+        "eval/all/pass_at_2": 0.5,
+        "eval/all/mean_positive_reward": 3 / 8,
+        "eval/openai_gsm8k/avg_score": 0.25,
+        "eval/openai_gsm8k/pass_at_2": 0.5,
+        "eval/math/avg_score": 1.0,
+        "eval/math/pass_at_2": 1.0,
+        "eval/unknown/avg_score": -1.0,
+        "eval/unknown/pass_at_2": 0.0,
+        "eval/unknown/mean_positive_reward": 0.0,
+        # skylift's own figures, with the standard error over prompts
+        "eval/accuracy": 1 / 8,
+        "eval/accuracy_stderr": standard_error([0.5, 0.0, 1.0, -1.0]),
+        "eval/pass@2": 0.25,  # skylift's pass@n: the mean of each prompt's best reward
+        "eval/openai/gsm8k/accuracy": 0.25,
+        "eval/unknown/accuracy": -1.0,
+    }
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+    dumped = [json.loads(line) for line in (tmp_path / "logs" / "eval" / DUMP_NAME).read_text().splitlines()]
+    assert [(d["uid"], d["data_source"], d["reward"]) for d in dumped][:2] == [
+        ("0:0", "openai/gsm8k", 1.0),
+        ("0:0", "openai/gsm8k", 0.0),
+    ]
+    assert len(dumped) == 8
+    lines = summary(metrics, 2)
+    assert lines[0].startswith("eval accuracy 12% ± ") and "eval/all/pass_at_2 0.5000" in lines
+
+
+def test_training_evaluation_logs_skyrl_names_too(tmp_path: Path) -> None:
+    run = fake_run(
+        tmp_path,
+        "trainer.eval_interval=2",
+        "trainer.eval_before_train=true",
+        "generator.eval_n_samples_per_prompt=1",
+    )
+    history = run.trainer.fit()
+    run.close()
+    evals = [h for h in history if "eval/accuracy" in h]
+    assert [h["step"] for h in evals] == [0, 2, 4]
+    for h in evals:
+        assert h["eval/all/avg_score"] == pytest.approx(h["eval/accuracy"])
+        assert h["eval/skylift_addition-demo/avg_score"] == pytest.approx(h["eval/accuracy"])
+        assert "eval/all/pass_at_1" in h and "eval/all/mean_positive_reward" in h
+        assert "eval/pass@1" not in h  # skylift's pass@n only with several samples
+
+
+SKYRL_GENERATION_GSM8K = [  # SkyRL's examples/train/gsm8k/run_generation_gsm8k.sh (head)
+    "data.val_data=['/data/gsm8k/validation.parquet']",
+    "trainer.policy.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+    "trainer.logger=wandb",
+    "trainer.placement.colocate_all=false",
+    "generator.inference_engine.backend=vllm",
+    "generator.inference_engine.num_engines=1",
+    "generator.inference_engine.tensor_parallel_size=1",
+    "generator.inference_engine.gpu_memory_utilization=0.9",
+    "generator.eval_sampling_params.max_generate_length=1024",
+    "generator.eval_sampling_params.temperature=0.7",
+    "environment.env_class=gsm8k",
+]
+
+
+def test_skyrl_generation_command_is_accepted_and_no_eval_data_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_eval(SKYRL_GENERATION_GSM8K, dry_run=True) == 0
+    out = capsys.readouterr()
+    assert "dry run: the configuration is valid" in out.err
+    assert run_eval(["data.val_data=[]"], dry_run=True) == 2
+    assert "skylift eval needs evaluation prompts: set data.val_data" in capsys.readouterr().err
+    assert run_eval(["trainer.policy.megatron_config.tensor_model_parallel_size=2"], dry_run=True) == 2
+    assert "skylift has no Megatron backend" in capsys.readouterr().err
+
+
+def _generation_commands(fixture: str) -> list[list[str]]:
+    """The overrides of each `main_generate` command of a SkyRL example fixture."""
+    out: list[list[str]] = []
+    current: list[str] | None = None
+    for line in (Path(__file__).parent / "data" / fixture).read_text().splitlines():
+        if line.startswith("# "):
+            current = [] if line.endswith(".main_generate") else None
+            if current is not None:
+                out.append(current)
+        elif line and current is not None:
+            current.append(line)
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["skyrl_commands_head.txt", "skyrl_commands_0.4.0.txt"])
+def test_skyrls_generation_commands_run_as_skylift_eval(
+    fixture: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every `main_generate` command of SkyRL's examples is a valid `skylift eval` command line."""
+    commands = _generation_commands(fixture)
+    assert len(commands) == 1 and len(commands[0]) >= 8
+    for overrides in commands:
+        assert run_eval(overrides, dry_run=True) == 0, capsys.readouterr().err
+
+
+def test_eval_only_placement_reserves_the_engines_only() -> None:
+    plan = plan_placement(PlacementRequest(with_policy=False, num_engines=2, engine_tp=2))
+    assert [g.name for g in plan.groups] == ["engine-0", "engine-1"]
+    assert {role for role, _rank in plan.slots} == {"engine-0", "engine-1"}
