@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_helpers import require_loopback_namespace
 from tolerances import sum_tolerance
 
 from skylift.algorithms import mini_batch_totals
@@ -60,6 +61,7 @@ def _batch(vocab: int, rows: int = 8, seed: int = 3) -> SequenceBatch:
 
 
 def test_hybrid_sharding_update_equals_one_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    require_loopback_namespace()  # two gloo ranks listen on every interface
     batch = _batch(vocab=500)
     totals = mini_batch_totals(batch.response_mask)
     objective = dataclasses.replace(
