@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_sampler_reference import NEG_INF, reference_logprobs
 
 from skylift.algorithms import mini_batch_totals
 from skylift.algorithms.sample_support import (
@@ -28,8 +29,6 @@ from skylift.worker.batch import SequenceBatch, build_sequence_batch
 from skylift.worker.logprobs import response_logprobs
 from skylift.worker.micro_batches import packed_response_logprobs
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs
-from vllm_sampler_reference import NEG_INF, reference_logprobs
-
 
 DISTRIBUTIONS = [
     TokenDistribution(temperature=0.7, top_p=0.7),

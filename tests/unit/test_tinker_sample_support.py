@@ -102,7 +102,9 @@ def test_trainer_logprobs_equal_the_samplers(model: TrainedModel, name: str) -> 
         assert max(float(g.max()) for g in gaps) <= 1e-5, (name, loss, gaps)
         assert all(np.isfinite(row).all() for row in rows)  # prompt tokens outside the support join it
     plain = _logprobs(model, _call(data, "importance_sampling", {}, forward_only=True))
-    before = np.concatenate([row[len(p) - 1 :] - want for row, p, want in zip(plain, PROMPTS, sampled, strict=True)])
+    before = np.concatenate(
+        [row[len(p) - 1 :] - want for row, p, want in zip(plain, PROMPTS, sampled, strict=True)]
+    )
     assert float(np.abs(before).mean()) > 0.05, (name, before)  # the untruncated scoring is biased
 
 
