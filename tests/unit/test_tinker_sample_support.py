@@ -49,6 +49,8 @@ def _sample(model: TrainedModel, prompt: list[int], dist: TokenDistribution, n: 
     assert model.worker is not None
     net, gen = model.worker.model, torch.Generator().manual_seed(seed)
     ids, tokens, logprobs = list(prompt), [], []
+    was_training = net.training
+    net.eval()
     for _ in range(n):
         with torch.no_grad():
             logits = net(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
@@ -57,12 +59,22 @@ def _sample(model: TrainedModel, prompt: list[int], dist: TokenDistribution, n: 
         tokens.append(token)
         logprobs.append(float(processed[token]))
         ids.append(token)
+    net.train(was_training)
     return tokens, logprobs
+
+
+_SAMPLED: dict[TokenDistribution, tuple[list[WireDatum], list[np.ndarray]]] = {}
 
 
 def _data(model: TrainedModel, dist: TokenDistribution) -> tuple[list[WireDatum], list[np.ndarray]]:
     """One datum per prompt (prompt + sampled tokens, advantages on the sampled ones), and the
-    sampler's logprobs of those tokens."""
+    sampler's logprobs of those tokens (sampled once per distribution; the model never steps)."""
+    if dist not in _SAMPLED:
+        _SAMPLED[dist] = _sample_data(model, dist)
+    return _SAMPLED[dist]
+
+
+def _sample_data(model: TrainedModel, dist: TokenDistribution) -> tuple[list[WireDatum], list[np.ndarray]]:
     data, sampled = [], []
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs = _sample(model, prompt, dist, n=6 + 2 * i, seed=i)
