@@ -4,7 +4,8 @@ A LoRA `TrainedModel` (tiny model, fp32; no server) gets data sampled the way th
 (vLLM's processed distribution, transcribed in vllm_sampler_reference.py) and the sampling
 parameters in ``loss_fn_config``: its logprobs of the sampled tokens equal the sampler's, and the
 `importance_sampling` and `ppo` losses give no gradient to logits outside the support. Without the
-keys the trainer scores the plain softmax, as the Tinker API does, and both checks fail.
+keys the trainer scores the plain softmax, as the Tinker API does, and both checks fail. Recorded
+sequences (record_stability_info) carry their distribution, which the server fills in.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from vllm_sampler_reference import reference_logprobs
 from skylift.algorithms.sample_support import TokenDistribution, support_mask
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.errors import UserError
-from skylift.tinker.loss_sampling import loss_distribution
+from skylift.tinker.loss_sampling import loss_distribution, recorded_config, sampled_distribution
+from skylift.tinker.provenance import Span, StabilityRecords
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum
 
 PROMPTS = [[5, 17, 230, 999, 42, 8], [900, 3, 3, 64], [77, 12, 5]]
@@ -172,7 +174,7 @@ def test_no_gradient_outside_the_sampling_support(model: TrainedModel, loss: str
 def test_sampling_keys_are_checked_and_named_in_the_error() -> None:
     assert loss_distribution({}) == TokenDistribution()
     assert loss_distribution({"temperature": 0.0, "top_p": 0.5}) == TokenDistribution()  # greedy
-    assert loss_distribution({"top_k": 0.0, "temperature": 0.7}) == TokenDistribution(0.7, top_k=0)
+    assert loss_distribution({"top_k": 0.0, "temperature": 0.7}) == TokenDistribution(0.7)
     bad = [
         ({"top_p": 0.0}, r"top_p'\] must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p'\] must be in \(0, 1\]"),
@@ -196,3 +198,27 @@ def test_cross_entropy_refuses_sampling_keys(model: TrainedModel) -> None:
     data = [WireDatum(tokens=[5, 6, 7], inputs={"target_tokens": np.array([6, 7, 8]), **rl})]
     with pytest.raises(UserError, match=r"top_p'\] must be in \(0, 1\]"):
         model.forward_backward(_call(data, "ppo", {"top_p": 2.0}, forward_only=True))
+
+
+def test_records_remember_the_distribution_each_sequence_was_sampled_with() -> None:
+    cut = sampled_distribution(0.9, 20, 0.7)
+    records = StabilityRecords()
+    records.add("a:0", "s", [7, 8], [-0.1, -0.2], cut)
+    records.add("a:1", "s", [9], [-0.3], cut)
+    records.add("b:0", "s", [4], [-0.4])  # untruncated
+    both = [[Span(False, "a:0", 0, 2), Span(True, "a:0", 0, 2)], [Span(True, "a:1", 0, 1)]]
+    assert records.sampling_of(both, "s") == {cut}
+    assert records.sampling_of([*both, [Span(True, "b:0", 0, 1)]], "s") == {cut, TokenDistribution()}
+    assert records.sampling_of([*both, [Span(True, "c:0", 0, 1)]], "s") is None  # no record
+    assert records.sampling_of([*both, None], "s") is None  # a datum without provenance
+    assert records.sampling_of(both, "other-session") is None
+    # the server fills the keys in, and refuses keys or data that contradict the records
+    assert loss_distribution(recorded_config({"clip_low_threshold": 0.5}, {cut})) == cut
+    assert recorded_config({"top_k": 20, "top_p": 0.7, "temperature": 0.9}, {cut})["top_k"] == 20
+    assert recorded_config({"beta": 0.1}, None) == {"beta": 0.1}
+    with pytest.raises(UserError, match="were sampled with"):
+        recorded_config({"top_p": 0.7}, {cut})
+    with pytest.raises(UserError, match="different sampling parameters"):
+        recorded_config({}, {cut, TokenDistribution()})
+    assert sampled_distribution(0.0, 20, 0.5) == TokenDistribution()  # greedy: nothing cut
+    assert sampled_distribution(0.7, 0, 1.0) == sampled_distribution(0.7, -1, 1.0)
