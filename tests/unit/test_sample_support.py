@@ -273,8 +273,8 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
     tiny_model_dir: Path, tiny_lm: torch.nn.Module, tmp_path: Path
 ) -> None:
     """A LoRA worker (its adapter starts at zero: the base model's logits) gives the truncated
-    logprobs, and a KL loss trains against the untruncated ones (the worker hands them to the
-    objective)."""
+    logprobs, a KL loss trains against the untruncated ones (the worker hands them to the
+    objective), and the policy loss gives no gradient outside the support."""
     from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
     batch = _group_batch(seed=5)
@@ -300,6 +300,25 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         worker.zero_grad()
         metrics = worker.accumulate_gradients(batch, objective, micro_batch_size=4, temperature=DIST)
         assert abs(metrics["kl_loss"]) < 1e-6  # policy == reference on the untruncated distribution
+        # the policy loss alone (the KL reads the untruncated distribution by design) gives no
+        # gradient to logits outside the support, but for sampled tokens that joined it
+        policy_only = dataclasses.replace(objective, use_kl_loss=False)
+        worker.zero_grad()
+        grads = _logit_grads(worker.model, lambda: worker.accumulate_gradients(batch, policy_only, 4, DIST))
+        sampled = set(batch.response_ids[batch.response_mask.bool()].tolist())
+        reached = 0
+        for logits, grad in grads:
+            flat_logits, flat_grad = logits.reshape(-1, logits.shape[-1]), grad.reshape(-1, grad.shape[-1])
+            scored = flat_grad.abs().sum(-1) > 0
+            reached += int(scored.sum())
+            outside = ~support_mask(flat_logits[scored] / DIST.temperature, DIST)
+            nonzero_outside = (flat_grad[scored] != 0) & outside
+            assert int(outside.sum(-1).min()) > 900
+            # (the worker shares each prompt's forward pass: its last position scores the first
+            # token of the group's 4 responses)
+            assert int(nonzero_outside.sum(-1).max()) <= 4
+            assert set(nonzero_outside.nonzero()[:, 1].tolist()) <= sampled
+        assert reached > 20  # of 46 response tokens (shared prompt positions count once)
     finally:
         worker.shutdown()
 
