@@ -56,7 +56,7 @@ async def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: 
             raise call.error
         spec = get_loss(call.loss_fn)
         if spec.needs_provenance or (
-            SAMPLING_KEYS[0] in spec.config_keys and any(d.loss_spans for d in call.data)
+            set(SAMPLING_KEYS) <= set(spec.config_keys) and any(d.loss_spans for d in call.data)
         ):
             row = await svc.db(svc.store.get, ModelRow, model.model_id)
             session_id = str(row.session_id)
