@@ -22,6 +22,7 @@ import torch
 from skylift.tinker.checkpoint_meta import META_FILE
 from skylift.tinker.datum_batch import TinkerLoss, datums_to_batch
 from skylift.tinker.errors import UserError
+from skylift.tinker.loss_sampling import loss_distribution
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.tinker.rendering import check_token_range
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
@@ -123,9 +124,12 @@ class TrainedModel:
     def forward_backward(self, call: ForwardBackwardCall) -> bytes:
         """Run the loss over `call.data` on the worker; add gradients unless `forward_only`.
 
-        Gradients accumulate across calls until `optim_step`. Returns protobuf."""
+        The logprobs (those the loss reads and those returned) are taken under the sampling
+        distribution `loss_fn_config` names (`skylift.tinker.loss_sampling`; default: the plain
+        softmax). Gradients accumulate across calls until `optim_step`. Returns protobuf."""
         spec = get_loss(call.loss_fn)
         check_config(spec, call.loss_fn_config)
+        dist = loss_distribution(call.loss_fn_config)
         if not call.data:
             raise UserError("forward_backward: no data")
         two_d = any(
@@ -145,12 +149,12 @@ class TrainedModel:
         loss = TinkerLoss(spec, names, dict(call.loss_fn_config))
         worker = self._worker()
         if call.forward_only:
-            logp = worker.compute_logprobs(batch, self.micro_batch_size)
+            logp = worker.compute_logprobs(batch, self.micro_batch_size, dist)
             with torch.no_grad():
                 loss(logp, batch)
             metrics: dict[str, float] = {}
         else:
-            metrics = worker.accumulate_gradients(batch, loss, self.micro_batch_size)
+            metrics = worker.accumulate_gradients(batch, loss, self.micro_batch_size, dist)
         outputs = []
         for j, datum in enumerate(call.data):
             n = len(datum.tokens)

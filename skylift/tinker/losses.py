@@ -24,6 +24,10 @@ advantages), so gradients of chunks sent separately add up to the gradient of th
   (recorded sampling information, sequence ids, advantages only on sampled tokens), not a formula.
 
 The clip thresholds of ppo, cispo and gspo come from ``loss_fn_config`` (defaults 0.8 and 1.2).
+Every loss but cross_entropy also takes the sampling parameters the ``logprobs`` were sampled with
+(``temperature``, ``top_k``, ``top_p``, ``min_p``): ``logp`` is then taken under that processed,
+truncated distribution (`skylift.tinker.loss_sampling`), so ``r`` compares like with like and tokens
+outside the sampler's support get no gradient.
 PPO, CISPO, GSPO and stable_reinforce use `skylift.algorithms.compute_policy_loss` (``regular``
 and ``cispo``), the KL term `skylift.algorithms.compute_kl`.
 """
@@ -37,6 +41,7 @@ import torch
 
 from skylift.algorithms import PolicyLossConfig, compute_kl, compute_policy_loss
 from skylift.tinker.errors import UserError
+from skylift.tinker.loss_sampling import SAMPLING_KEYS
 
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
@@ -168,17 +173,17 @@ LOSSES: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
         LossSpec("cross_entropy", (), ("weights",), _cross_entropy, two_d_targets=True),
-        LossSpec("importance_sampling", _RL, (), _importance_sampling),
-        LossSpec("ppo", _RL, (), _policy("regular"), _CLIP),
-        LossSpec("cispo", _RL, (), _policy("cispo"), _CLIP),
-        LossSpec("gspo", _RL, ("sequence_ratio_mask",), _gspo, _CLIP),
-        LossSpec("dro", _RL, (), _dro, ("beta",)),
+        LossSpec("importance_sampling", _RL, (), _importance_sampling, SAMPLING_KEYS),
+        LossSpec("ppo", _RL, (), _policy("regular"), (*_CLIP, *SAMPLING_KEYS)),
+        LossSpec("cispo", _RL, (), _policy("cispo"), (*_CLIP, *SAMPLING_KEYS)),
+        LossSpec("gspo", _RL, ("sequence_ratio_mask",), _gspo, (*_CLIP, *SAMPLING_KEYS)),
+        LossSpec("dro", _RL, (), _dro, ("beta", *SAMPLING_KEYS)),
         LossSpec(
             "stable_reinforce",
             _RL,
             (),
             _stable_reinforce,
-            (*_CLIP, "kl_coeff"),
+            (*_CLIP, "kl_coeff", *SAMPLING_KEYS),
             needs_provenance=True,
         ),
     )

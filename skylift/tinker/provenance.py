@@ -1,8 +1,8 @@
 """Stability records of sampled sequences and the provenance spans that name them.
 
 A sampler created with ``record_stability_info=True`` records, for every sequence it returns, the
-sampled tokens and the logprobs the engine sampled them with, under the sequence's
-``sequence_id``. A training datum names them with provenance spans (``Datum.with_provenance``):
+sampled tokens, the logprobs the engine sampled them with and the distribution it sampled from
+(temperature, top-k, top-p), under the sequence's ``sequence_id``. A training datum names them with provenance spans (``Datum.with_provenance``):
 runs that tile its ``loss_fn_inputs`` positions, each either prompt tokens of a request or sampled
 tokens of a sequence. `resolve` turns the spans of a ``stable_reinforce`` datum into two
 per-position inputs: the recorded logprobs and a mask of the sampled positions.
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from skylift.algorithms.sample_support import TokenDistribution
 from skylift.tinker.errors import UserError
 
 DAY_S = 86400.0
+UNTRUNCATED = TokenDistribution()
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Record:
     tokens: np.ndarray  # int64 [n]
     logprobs: np.ndarray  # float32 [n]
     used_at: float
+    sampling: TokenDistribution = UNTRUNCATED
 
 
 class StabilityRecords:
@@ -54,7 +57,14 @@ class StabilityRecords:
     def __len__(self) -> int:
         return len(self._records)
 
-    def add(self, sequence_id: str, session_id: str, tokens: list[int], logprobs: list[float] | None) -> None:
+    def add(
+        self,
+        sequence_id: str,
+        session_id: str,
+        tokens: list[int],
+        logprobs: list[float] | None,
+        sampling: TokenDistribution = UNTRUNCATED,
+    ) -> None:
         if logprobs is None or len(logprobs) != len(tokens):
             raise UserError(f"sequence {sequence_id}: the engine returned no logprobs to record")
         record = Record(
@@ -62,6 +72,7 @@ class StabilityRecords:
             tokens=np.asarray(tokens, dtype=np.int64),
             logprobs=np.asarray(logprobs, dtype=np.float32),
             used_at=time.monotonic(),
+            sampling=sampling,
         )
         self._drop(sequence_id)
         self._records[sequence_id] = record
@@ -93,6 +104,22 @@ class StabilityRecords:
         record.used_at = time.monotonic()
         self._records.move_to_end(sequence_id)
         return record
+
+    def sampling_of(self, spans: list[list[Span] | None], session_id: str) -> set[TokenDistribution] | None:
+        """The distributions the sampled spans of several data were recorded with; None when a
+        datum has no spans or a sampled span names no record of `session_id`."""
+        found: set[TokenDistribution] = set()
+        for datum_spans in spans:
+            if not datum_spans:
+                return None
+            for span in datum_spans:
+                if not span.sampled or not span.length:
+                    continue
+                record = self._records.get(span.sequence_id)
+                if record is None or record.session_id != session_id:
+                    return None
+                found.add(record.sampling)
+        return found
 
     def resolve(
         self,

@@ -26,6 +26,7 @@ from skylift.inference.limits import MAX_N
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.errors import UserError
 from skylift.tinker.fields import int_field
+from skylift.tinker.loss_sampling import sampled_distribution
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
 from skylift.tinker.sampling import EngineHost, EngineSettings, PromptScores, to_engine_params
@@ -359,8 +360,9 @@ class SamplingService:
             if topk_prompt is not None:
                 topk_prompt = [None] * cut + topk_prompt[cut:]
         if record_session is not None:
+            sampling = sampled_distribution(params.temperature, params.top_k, params.top_p, params.min_p)
             for i, seq in enumerate(result.sequences):
-                self.records.add(f"{request_id}:{i}", record_session, seq.tokens, seq.logprobs)
+                self.records.add(f"{request_id}:{i}", record_session, seq.tokens, seq.logprobs, sampling)
         return encode_sample_response(
             result.sequences, plp, topk_prompt, result.target_prompt, prompt_k=prompt_k, sample_k=sample_k
         )

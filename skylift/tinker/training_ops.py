@@ -23,6 +23,7 @@ from skylift.tinker.backend import ModelConfig, TrainedModel, read_checkpoint_co
 from skylift.tinker.checkpoints import write_checkpoint
 from skylift.tinker.errors import UserError
 from skylift.tinker.fields import int_field
+from skylift.tinker.loss_sampling import SAMPLING_KEYS, recorded_config
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
 from skylift.tinker.views import check_name, parse_tinker_path, tinker_path
@@ -53,9 +54,17 @@ async def forward_backward(svc: TinkerService, call: ForwardBackwardCall, idem: 
     async def fn(model: TrainedModel) -> bytes:
         if call.error is not None:
             raise call.error
-        if get_loss(call.loss_fn).needs_provenance:
+        spec = get_loss(call.loss_fn)
+        if spec.needs_provenance or (
+            set(SAMPLING_KEYS) <= set(spec.config_keys) and any(d.loss_spans for d in call.data)
+        ):
             row = await svc.db(svc.store.get, ModelRow, model.model_id)
-            _resolve_provenance(svc, str(row.session_id), call)
+            session_id = str(row.session_id)
+            if spec.needs_provenance:
+                _resolve_provenance(svc, session_id, call)
+            # the sampling parameters of the sequences the data names, where the server recorded them
+            recorded = svc.records.sampling_of([d.loss_spans for d in call.data], session_id)
+            call.loss_fn_config = recorded_config(call.loss_fn_config, recorded)
         if any(d.needs_render for d in call.data):
             if model.image_token_id is None:  # refuse before starting a render server for nothing
                 raise UserError(

@@ -97,7 +97,7 @@ def test_trainer_logprobs_equal_the_engines_under_truncated_sampling(
         print(f"{name:32s} before {before[0]:.3g} ({before[1]:.3g})  after: {cells}")
     for name, before, after in rows:
         for path, (mean, worst) in after.items():
-            assert mean <= 1e-5 and worst <= 1e-4, (name, path, mean, worst)
+            assert worst <= 1e-5, (name, path, mean, worst)  # every token (issue 30)
         if name != "top_p=1":
             assert before[0] > 0.01, (name, before)  # the untruncated scoring was biased
 

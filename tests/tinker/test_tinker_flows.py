@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
-from tinker_helpers import logprobs_of, sft_dataset
+from tinker_helpers import datum, logprobs_of, sft_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +35,28 @@ def _flow(service_client, tinker_server, rank: int) -> None:
         assert 1 <= len(seq.tokens) <= 8 and seq.stop_reason in ("stop", "length")
         assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
         assert all(lp <= 0 for lp in seq.logprobs)
+
+    # Sampling-support replay: tokens sampled with top-p/top-k, scored under the same parameters
+    # (loss_fn_config), get the engine's logprobs; the plain softmax does not.
+    truncated = types.SamplingParams(max_tokens=8, seed=5, temperature=0.9, top_p=0.7, top_k=20)
+    seq = sampler.sample(prompt, num_samples=1, sampling_params=truncated).result().sequences[0]
+    p, sampled = prompt.to_ints(), list(seq.tokens)
+    zeros = [0.0] * (len(p) - 1)
+    rl = datum(
+        p + sampled,
+        logprobs=np.asarray(zeros + list(seq.logprobs), dtype=np.float32),
+        advantages=np.asarray(zeros + [1.0] * len(sampled), dtype=np.float32),
+    )
+    config = {"temperature": 0.9, "top_p": 0.7, "top_k": 20}
+    replayed = logprobs_of(tc.forward([rl], "importance_sampling", config).result())[len(zeros) :]
+    gap = np.abs(replayed - np.asarray(seq.logprobs))
+    plain = logprobs_of(tc.forward([rl], "importance_sampling").result())[len(zeros) :]
+    before = np.abs(plain - np.asarray(seq.logprobs))
+    print(
+        f"\ntinker, top_p=0.7 top_k=20: |engine - trainer| mean {before.mean():.3g} before, {gap.mean():.1e} (max {gap.max():.1e}) after"
+    )
+    assert gap.max() <= 1e-3, gap  # the tolerance of the teacher-forced check below (fp32, merged LoRA)
+    assert before.mean() > 0.05
 
     # The engine's teacher-forced logprobs equal the trainer's (same weights, fp32).
     full = data[0].model_input.to_ints() + [int(data[0].loss_fn_inputs["target_tokens"].data[-1])]

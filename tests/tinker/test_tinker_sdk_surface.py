@@ -155,6 +155,20 @@ def test_stable_reinforce_gspo_and_dro(trained) -> None:
         fwd = tc.forward(data, loss, loss_fn_config=config).result()
         assert math.isfinite(fwd.metrics["loss:sum"])
 
+    # The server remembers the sampling parameters of recorded sequences: the losses score tokens
+    # sampled with top-p/top-k under the truncated distribution without loss_fn_config keys.
+    recording = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    cut = types.SamplingParams(max_tokens=6, stop=[], temperature=0.9, top_p=0.7, top_k=20, seed=2)
+    seq = recording.sample(types.ModelInput.from_ints(PROMPT), 1, cut).result().sequences[0]
+    truncated = _provenance_datum(PROMPT, seq, 1.0)
+    for loss in ("stable_reinforce", "importance_sampling"):
+        fwd = tc.forward([truncated], loss).result()
+        np.testing.assert_allclose(logprobs_of(fwd)[len(PROMPT) - 1 :], seq.logprobs, atol=2e-3)
+    plain = logprobs_of(tc.forward([datum(PROMPT + seq.tokens)], "cross_entropy").result())
+    assert np.abs(plain[len(PROMPT) - 1 :] - np.asarray(seq.logprobs)).mean() > 0.05  # untruncated
+    with pytest.raises(Exception, match="were sampled with"):
+        tc.forward([truncated], "ppo", loss_fn_config={"top_p": 0.9}).result()
+
 
 def test_ephemeral_samplers_stay_usable_while_their_session_lives(trained) -> None:
     """DPO's reference sampler outlives many newer ephemeral samplers (it used to be evicted at the 5th)."""

@@ -1,9 +1,9 @@
 """Sampling-support replay (skylift.algorithms.sample_support): the trainer scores tokens under the
 truncated, renormalised distribution vLLM sampled them from, on every forward path.
 
-The reference below transcribes vLLM's sampler one row at a time (temperature, min-p, top-k, top-p
-in that order, torch's ascending sort for top-p as vLLM's PyTorch path does); the batched code must
-agree with it, ties included. tests/integration/test_sample_support.py checks both against vLLM.
+The reference (vllm_sampler_reference.py) transcribes vLLM's sampler one row at a time; the batched
+code must agree with it, ties included. tests/integration/test_server_sample_support.py checks both
+against vLLM.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_sampler_reference import NEG_INF, reference_logprobs
 
 from skylift.algorithms import mini_batch_totals
 from skylift.algorithms.sample_support import (
@@ -28,34 +29,6 @@ from skylift.worker.batch import SequenceBatch, build_sequence_batch
 from skylift.worker.logprobs import response_logprobs
 from skylift.worker.micro_batches import packed_response_logprobs
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs
-
-NEG_INF = float("-inf")
-
-
-def reference_logprobs(row: torch.Tensor, dist: TokenDistribution) -> torch.Tensor:
-    """vLLM's processed logprobs of one row of logits, `[V]` (-inf outside the support)."""
-    x = row.float() / dist.temperature
-    vocab = x.numel()
-    if dist.min_p > 0:
-        probs = x.softmax(-1)
-        threshold = float(probs.max()) * torch.tensor(dist.min_p, dtype=torch.float32)
-        x = torch.where(probs < threshold, NEG_INF, x)
-    k = dist.top_k if 0 < dist.top_k < vocab else None
-    if dist.top_p < 1:  # one ascending sort serves top-k and top-p (vLLM's PyTorch path)
-        ordered, order = x.sort(descending=False)
-        if k is not None:
-            kth = float(ordered[vocab - k])  # every logit tied with the k-th stays
-            ordered = torch.where(ordered < kth, NEG_INF, ordered)
-        cumulative = ordered.softmax(-1).cumsum(-1).tolist()
-        limit = float(1 - torch.tensor(dist.top_p, dtype=torch.float32))
-        cut = [i for i in range(vocab - 1) if cumulative[i] <= limit]  # the last token always stays
-        ordered[cut] = NEG_INF
-        x = torch.empty_like(x).scatter(0, order, ordered)
-    elif k is not None:
-        kth = sorted(x.tolist(), reverse=True)[k - 1]
-        x = torch.where(x < kth, NEG_INF, x)
-    return x.log_softmax(-1)
-
 
 DISTRIBUTIONS = [
     TokenDistribution(temperature=0.7, top_p=0.7),
@@ -300,8 +273,8 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
     tiny_model_dir: Path, tiny_lm: torch.nn.Module, tmp_path: Path
 ) -> None:
     """A LoRA worker (its adapter starts at zero: the base model's logits) gives the truncated
-    logprobs, and a KL loss trains against the untruncated ones (the worker hands them to the
-    objective)."""
+    logprobs, a KL loss trains against the untruncated ones (the worker hands them to the
+    objective), and the policy loss gives no gradient outside the support."""
     from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
     batch = _group_batch(seed=5)
@@ -327,6 +300,25 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         worker.zero_grad()
         metrics = worker.accumulate_gradients(batch, objective, micro_batch_size=4, temperature=DIST)
         assert abs(metrics["kl_loss"]) < 1e-6  # policy == reference on the untruncated distribution
+        # the policy loss alone (the KL reads the untruncated distribution by design) gives no
+        # gradient to logits outside the support, but for sampled tokens that joined it
+        policy_only = dataclasses.replace(objective, use_kl_loss=False)
+        worker.zero_grad()
+        grads = _logit_grads(worker.model, lambda: worker.accumulate_gradients(batch, policy_only, 4, DIST))
+        sampled = set(batch.response_ids[batch.response_mask.bool()].tolist())
+        reached = 0
+        for logits, grad in grads:
+            flat_logits, flat_grad = logits.reshape(-1, logits.shape[-1]), grad.reshape(-1, grad.shape[-1])
+            scored = flat_grad.abs().sum(-1) > 0
+            reached += int(scored.sum())
+            outside = ~support_mask(flat_logits[scored] / DIST.temperature, DIST)
+            nonzero_outside = (flat_grad[scored] != 0) & outside
+            assert int(outside.sum(-1).min()) > 900
+            # (the worker shares each prompt's forward pass: its last position scores the first
+            # token of the group's 4 responses)
+            assert int(nonzero_outside.sum(-1).max()) <= 4
+            assert set(nonzero_outside.nonzero()[:, 1].tolist()) <= sampled
+        assert reached > 20  # of 46 response tokens (shared prompt positions count once)
     finally:
         worker.shutdown()
 
