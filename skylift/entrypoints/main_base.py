@@ -101,15 +101,22 @@ def run_train(
     return run_trainer(lambda: build_trainer(cfg, verbose=verbose), fit_and_export, "skylift")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_run_arguments(
+    prog: str, description: str | None, epilog: str, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """The command line of a run entry point (`skylift train`, `skylift eval`): overrides and flags."""
     parser = argparse.ArgumentParser(
-        prog="skylift train",
-        description=__doc__,
-        epilog=TRAIN_EPILOG,
+        prog=prog,
+        description=description,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_run_arguments("skylift train", __doc__, TRAIN_EPILOG, argv)
     return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
 
 

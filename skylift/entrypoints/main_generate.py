@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from skylift.entrypoints.main_base import add_train_arguments, log_to_file
+from skylift.entrypoints.main_base import add_train_arguments, log_to_file, parse_run_arguments
 
 EVAL_EPILOG = """\
 examples:
@@ -77,14 +77,7 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="skylift eval",
-        description=__doc__,
-        epilog=EVAL_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_train_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_run_arguments("skylift eval", __doc__, EVAL_EPILOG, argv)
     return run_eval(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
 
 
