@@ -19,8 +19,9 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat
+from skylift.generator.rollout_end import append_untrained, finish_rollout
 from skylift.generator.settings import TURN_SEED_STRIDE, GeneratorSettings
-from skylift.generator.step_wise import Step, step_trajectories
+from skylift.generator.step_wise import Step
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
@@ -108,45 +109,26 @@ class TurnLoop:
                 conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
                 continue
             between = self._between_turns(sampled, completion.stop_reason, result.observations, tools)
-            response_ids += between
-            loss_mask += [0] * len(between)
-            logprobs += [0.0] * len(between)
-            if versions is not None:
-                versions += [versions[-1] if versions else policy_version] * len(between)
+            append_untrained(between, response_ids, loss_mask, logprobs, versions, policy_version)
         await self.call_env(env.close)
-        if stop_reason != "stop" and s.zero_reward_on_non_stop:
-            turn_rewards = [(index, 0.0) for index, _ in turn_rewards]
-        if s.step_wise:
-            return step_trajectories(
-                row,
-                steps,
-                sum(reward for _, reward in turn_rewards),
-                session_id,
-                policy_version,
-                overlong_filtering=s.apply_overlong_filtering,
-                metadata=metadata,
-                metrics=metrics,
-            )
-        if stop_reason != "stop" and s.apply_overlong_filtering:
-            loss_mask = [0] * len(loss_mask)
-        trajectory = Trajectory(
-            uid=row.uid,
+        return finish_rollout(
+            row,
+            s,
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             loss_mask=loss_mask,
-            rollout_logprobs=logprobs,
-            reward=sum(reward for _, reward in turn_rewards),
+            logprobs=logprobs,
+            versions=versions,
             stop_reason=stop_reason,
-            data_source=row.data_source,
-            num_turns=turns,
-            policy_version=min(versions) if versions else policy_version,
-            token_versions=versions or None,
-            env_metadata=metadata,
-            response_text="\n".join(texts),
             turn_rewards=turn_rewards,
+            turns=turns,
+            texts=texts,
+            steps=steps,
+            session_id=session_id,
+            policy_version=policy_version,
+            metadata=metadata,
             metrics=metrics,
         )
-        return [trajectory]
 
     def _between_turns(
         self, sampled: list[int], stop_reason: str, observations: list[dict[str, Any]], tools: Any

@@ -15,8 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
+from skylift.generator.rollout_end import append_untrained, finish_rollout
 from skylift.generator.settings import TURN_SEED_STRIDE
-from skylift.generator.step_wise import Step, step_trajectories
+from skylift.generator.step_wise import Step
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
 
@@ -112,46 +113,27 @@ async def run_token_turns(
                 "a renderer that strips thinking); one trajectory cannot hold it: set "
                 "generator.step_wise_trajectories=true"
             )
-        between = following[len(context) :]
-        response_ids += between
-        loss_mask += [0] * len(between)
-        logprobs += [0.0] * len(between)
-        if versions is not None:
-            versions += [versions[-1] if versions else policy_version] * len(between)
+        append_untrained(
+            following[len(context) :], response_ids, loss_mask, logprobs, versions, policy_version
+        )
         context = following
         stop = result.stop
     await loop.call_env(env.close)
-    if stop_reason != "stop" and s.zero_reward_on_non_stop:
-        turn_rewards = [(index, 0.0) for index, _ in turn_rewards]
-    if s.step_wise:
-        total = sum(reward for _, reward in turn_rewards)
-        return step_trajectories(
-            row,
-            steps,
-            total,
-            session_id,
-            policy_version,
-            overlong_filtering=s.apply_overlong_filtering,
-            metadata=metadata,
-            metrics=metrics,
-        )
-    if stop_reason != "stop" and s.apply_overlong_filtering:
-        loss_mask = [0] * len(loss_mask)
-    trajectory = Trajectory(
-        uid=row.uid,
+    return finish_rollout(
+        row,
+        s,
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         loss_mask=loss_mask,
-        rollout_logprobs=logprobs,
-        reward=sum(reward for _, reward in turn_rewards),
+        logprobs=logprobs,
+        versions=versions,
         stop_reason=stop_reason,
-        data_source=row.data_source,
-        num_turns=turns,
-        policy_version=min(versions) if versions else policy_version,
-        token_versions=versions or None,
-        env_metadata=metadata,
-        response_text="\n".join(texts),
         turn_rewards=turn_rewards,
+        turns=turns,
+        texts=texts,
+        steps=steps,
+        session_id=session_id,
+        policy_version=policy_version,
+        metadata=metadata,
         metrics=metrics,
     )
-    return [trajectory]
