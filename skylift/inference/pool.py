@@ -121,14 +121,17 @@ class EnginePool:
             try:
                 result = await call(self.engines[index])
             except EngineUnavailableError as exc:
-                self.mark_failed(index, exc)
-                index = self._pick(session_id)
-                logger.warning("retrying on engine %d (%r)", index, self.engines[index])
-                continue
+                failed = index
+                self.mark_failed(failed, exc)
+            else:
+                self.sequences_served[index] += weight
+                return result
             finally:
-                self.router.release(index, weight)
-            self.sequences_served[index] += weight
-            return result
+                self.router.release(index, weight)  # the engine this attempt acquired
+            index = self._pick(session_id)
+            logger.warning(
+                "retrying engine %d's request on engine %d (%r)", failed, index, self.engines[index]
+            )
 
     async def generate(
         self,
