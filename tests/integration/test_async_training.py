@@ -1,6 +1,7 @@
-"""Throughput features end to end on the tiny model: one-step-off async training (in-process
-engines, the generation driven by a background thread) and two local engines (Ray actors) that
-both serve rollouts and both receive every weight sync."""
+"""One-step-off async training end to end on the tiny model (in-process engine, the generation
+driven by a background thread), and the helpers the async tests share. Two engines (Ray actors)
+that both serve rollouts and both receive every weight sync run in
+tests/integration/test_fully_async.py::test_fully_async_with_ray_engines."""
 
 from __future__ import annotations
 
@@ -80,49 +81,3 @@ def _trainer_logprobs(trainer: RLTrainer) -> list[float]:
     assert trainer.parts.policy is not None
     batch = build_sequence_batch([SEQUENCE[:1]], [SEQUENCE[1:]], pad_token_id=trainer.parts.pad_id)
     return trainer.parts.policy.compute_logprobs(batch, 1, 1.0)[0].tolist()
-
-
-def test_two_engines_serve_rollouts_and_get_new_weights(
-    arithmetic_data: Path,  # noqa: F811
-    tiny_model_dir: Path,
-    tmp_path: Path,
-) -> None:
-    overrides = _overrides(
-        arithmetic_data,
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "generator.num_inference_engines": 2,
-            "trainer.placement.backend": "ray",
-            "trainer.async_training": True,  # with TIS: also the Ray path of async training
-            "trainer.algorithm.use_tis": True,
-            "trainer.algorithm.tis_imp_ratio_cap": 2.0,
-            "trainer.max_steps": 2,
-            "trainer.eval_before_train": False,
-            "trainer.eval_interval": -1,
-            "trainer.ckpt_interval": -1,
-        },
-    )
-    trainer = build_trainer(load_config(overrides), console=False)
-    try:
-        trainer.setup()
-        before = _engine_logprobs(trainer)
-        history = trainer.fit()
-        assert trainer.parts.engines is not None
-        served = list(trainer.parts.engines.sequences_served)
-        after = _engine_logprobs(trainer)
-        expected = _trainer_logprobs(trainer)
-    finally:
-        trainer.shutdown()
-    rows = _train_rows(history)
-    assert [h["step"] for h in rows] == [1, 2]
-    assert [h["async/staleness_max"] for h in rows] == [0.0, 1.0]
-    assert all(0 < h["policy/tis_weight_mean"] <= 2.0 for h in rows)
-    # 2 training batches of 4 prompts x 4 samples, spread over both engines
-    assert len(served) == 2 and sum(served) == 32 and min(served) > 0, served
-    assert trainer.parts.weights.version == 2
-    changed = max(abs(a - b) for a, b in zip(before[0], expected, strict=True))
-    assert changed > 10 * TOLERANCE, "training did not move the logprobs: the check below would be vacuous"
-    for index, engine_lp in enumerate(after):
-        diff = max(abs(a - b) for a, b in zip(engine_lp, expected, strict=True))
-        assert diff < TOLERANCE, f"engine {index}: logprobs differ from the trainer's by {diff:.2e}"
