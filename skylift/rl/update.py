@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from skylift.algorithms import PolicyLossConfig, mini_batch_totals
+from skylift.algorithms import OffPolicyCorrection, PolicyLossConfig, mini_batch_totals
 from skylift.algorithms.sample_support import Sampling, TokenDistribution
 from skylift.cluster.settings import max_generate_length
+from skylift.config.algorithm import OffPolicyCorrectionConfig
 from skylift.config.schema import SkyliftConfig
 from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
 from skylift.worker.batch import SequenceBatch
@@ -91,11 +92,37 @@ def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
             cispo_eps_clip_low=alg.cispo.cispo_eps_clip_low,
             cispo_eps_clip_high=alg.cispo.cispo_eps_clip_high,
             tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
+            sapo_tau_pos=alg.sapo.tau_pos,
+            sapo_tau_neg=alg.sapo.tau_neg,
+            clip_cov_ratio=alg.clip_cov.clip_ratio,
+            clip_cov_lb=alg.clip_cov.clip_cov_lb,
+            clip_cov_ub=alg.clip_cov.clip_cov_ub,
+            kl_cov_frac=alg.kl_cov.kl_cov_frac,
+            kl_cov_coef=alg.kl_cov.ppo_kl_coef,
+            off_policy=off_policy_correction(alg.off_policy_correction),
         ),
         use_kl_loss=alg.use_kl_loss,
         kl_loss_coef=alg.kl_loss_coef,
         kl_estimator=alg.kl_estimator_type,
         max_len=alg.max_seq_len or max_generate_length(cfg),
+    )
+
+
+def off_policy_correction(o: OffPolicyCorrectionConfig) -> OffPolicyCorrection:
+    """SkyRL's ``trainer.algorithm.off_policy_correction`` group as the loss's `OffPolicyCorrection`."""
+    return OffPolicyCorrection(
+        tis=o.tis_ratio_type,
+        token_tis_cap=o.token_tis_ratio_clip_high,
+        sequence_tis_cap=o.sequence_tis_ratio_clip_high,
+        sequence_mask=o.sequence_mask_metric,
+        geo_mask_low=o.geo_mask_low,
+        geo_mask_high=o.geo_mask_high,
+        product_mask_low=o.product_mask_low,
+        product_mask_high=o.product_mask_high,
+        outlier_token_low=o.outlier_token_is_threshold_low,
+        outlier_token_high=o.outlier_token_is_threshold_high,
+        token_mask_low=o.token_mask_is_threshold_low,
+        token_mask_high=o.token_mask_is_threshold_high,
     )
 
 

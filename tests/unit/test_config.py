@@ -270,7 +270,7 @@ def test_yaml_file_errors_name_file_and_key(tmp_path: Path) -> None:
         (["generator.n_samples_per_prompt=0"], "generator.n_samples_per_prompt=0 must be >= 1"),
         (
             ["trainer.algorithm.advantage_estimator=ppo"],
-            "advantage_estimator='ppo' is not one of grpo, rloo, reinforce++, gae",
+            "advantage_estimator='ppo' is not one of grpo, rloo, maxrl, reinforce++, gae",
         ),
         (
             ["trainer.algorithm.policy_loss_type=clip"],
