@@ -141,11 +141,19 @@ def _check_batches(cfg: SkyliftConfig, problems: list[str]) -> None:
             )
     world = t.policy_world_size()
     sequences = t.policy_mini_batch_size * g.n_samples_per_prompt
-    if world >= 1 and sequences >= 1 and sequences % world != 0:
+    workers = f"{world} policy workers (trainer.placement.policy_num_nodes * policy_num_gpus_per_node)"
+    if world >= 1 and sequences >= 1 and sequences < world:
+        # a mini-batch that is not a multiple of the workers is padded with rows without loss
+        # (skylift.rl.update.pad_rows, as SkyRL does); fewer rows than workers would be mostly padding
         problems.append(
             f"policy mini-batch of {sequences} sequences (trainer.policy_mini_batch_size * "
-            f"generator.n_samples_per_prompt) must split evenly over {world} policy workers "
-            "(trainer.placement.policy_num_nodes * policy_num_gpus_per_node)"
+            f"generator.n_samples_per_prompt) must hold at least one sequence for each of the {workers}"
+        )
+    batch = t.train_batch_size * g.n_samples_per_prompt
+    if world >= 1 and batch >= 1 and batch % world != 0:
+        problems.append(
+            f"training batch of {batch} sequences (trainer.train_batch_size * generator.n_samples_per_prompt) "
+            f"must split evenly over the {workers}: every worker runs the same forward passes"
         )
     if t.algorithm.advantage_estimator == "rloo" and g.n_samples_per_prompt < 2:
         problems.append(

@@ -133,6 +133,24 @@ def mini_batches(batch: SequenceBatch, rows: int, epochs: int) -> Iterator[Seque
             yield batch.select(list(range(start, min(start + rows, batch.batch_size))))
 
 
+def pad_rows(batch: SequenceBatch, multiple: int) -> SequenceBatch:
+    """`batch` with copies of its last row added up to a multiple of `multiple` rows, their response
+    masks zeroed: no loss, no gradient, and not counted (the mini-batch totals are taken before).
+
+    Every worker then gets the same number of rows, hence of micro-batches: FSDP's collectives
+    (all-gathers in each forward, reduce-scatters in each backward) must match across ranks. A
+    policy mini-batch that does not split evenly over the workers (SkyRL's livecodebench example:
+    20 sequences over 8 workers) trains as SkyRL trains it, padded with rows that carry no loss.
+    """
+    extra = -batch.batch_size % multiple
+    if extra == 0 or batch.batch_size == 0:
+        return batch
+    padded = batch.select([*range(batch.batch_size), *[batch.batch_size - 1] * extra])
+    mask = padded.response_mask.clone()
+    mask[batch.batch_size :] = 0
+    return dataclasses.replace(padded, response_mask=mask)
+
+
 def train_policy(
     policy: TrainsMiniBatches, batch: SequenceBatch, objective: PolicyObjective, s: UpdateSettings
 ) -> dict[str, float]:
@@ -150,6 +168,7 @@ def train_policy(
                 rows_with_policy_gradient(mini.extras["advantages"], mini.response_mask, policy.world_size)
             )
         trained_rows += mini.batch_size
+        mini = pad_rows(mini, policy.world_size)
         for k, v in policy.train_mini_batch(mini, step_objective, s.micro_batch_size, s.temperature).items():
             sums[k].append(v)
     metrics = {f"policy/{k}": statistics.fmean(v) for k, v in sums.items()}

@@ -79,8 +79,7 @@ def _is_training(entry: str) -> bool:
 
 
 # Non-Megatron training commands skylift refuses, each with the words of its refusal. Built into
-# SkyRL's main_base: losses and estimators not implemented here, delta weight sync, a batch that
-# does not split over 8 workers, a key SkyRL's own schema lacks, an unset shell variable. Example
+# SkyRL's main_base: delta weight sync, a key SkyRL's own schema lacks, an unset shell variable. Example
 # entry points with their own Python code (custom losses, estimators, generators: not main_base)
 # register names and keys skylift cannot know.
 EXPECTED_REFUSALS = {
@@ -88,7 +87,6 @@ EXPECTED_REFUSALS = {
     "examples/train/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
     "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "weight_sync_backend='delta' is not one of",
     "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "weight_sync_backend='delta' is not one of",
-    "examples/train/livecodebench/run_lcb.sh:1": "must split evenly over 8 policy workers",
     "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
@@ -98,7 +96,6 @@ EXPECTED_REFUSALS = {
     "examples/train/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
     "skyrl-train/examples/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
     "skyrl-train/examples/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
-    "skyrl-train/examples/livecodebench/run_lcb.sh:1": "must split evenly over 8 policy workers",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
     "skyrl-train/examples/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
