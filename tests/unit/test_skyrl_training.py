@@ -57,6 +57,8 @@ def test_sapo_maxrl_and_a_geometric_mask_train_through_the_loop(tmp_path: Path) 
     # whose tokens sapo gates at r = 1 with tau_neg: -A * (4 / 1.05) * sigmoid(0); sample 1 (ratio
     # 1.105 to its rollout, geometric mean > 1.01) is masked. Half the tokens: token_mean halves it.
     per_token = 0.5 / (0.5 + 1e-6) * 4 / 1.05 * 0.5
+    # float32: about 8 rounded operations per token (advantage, gate) and a mean over 32 tokens
+    # (a sum of 16 equal terms): within 64 ulps
     eps32 = torch.finfo(torch.float32).eps
     for h, loss in zip(history, policy.losses, strict=True):
         assert math.isclose(h["policy/policy_loss"], per_token / 2, rel_tol=64 * eps32)
