@@ -3,6 +3,7 @@
 Pure PyTorch, batch-first `[batch, response_len]` tensors with a float mask (1 = token counts).
 """
 
+from skylift.algorithms import covariance_losses as _covariance_losses  # registers clip_cov, kl_cov
 from skylift.algorithms._registry import UnknownNameError
 from skylift.algorithms.advantages import (
     AdvantageEstimator,
@@ -26,7 +27,9 @@ from skylift.algorithms.kl import (
     compute_kl,
     make_kl_controller,
 )
+from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
 from skylift.algorithms.policy_loss import (
+    ROLLOUT_ANCHORED,
     PolicyLoss,
     PolicyLossConfig,
     compute_policy_loss,
@@ -45,6 +48,8 @@ from skylift.algorithms.reductions import (
 )
 from skylift.algorithms.value_loss import compute_value_loss
 
+del _covariance_losses
+
 __all__ = [
     "KL_CTRL_TYPES",
     "KL_ESTIMATORS",
@@ -53,13 +58,16 @@ __all__ = [
     "AdvantageEstimator",
     "FixedKLController",
     "KLController",
+    "ROLLOUT_ANCHORED",
     "MiniBatchTotals",
+    "OffPolicyCorrection",
     "PolicyLoss",
     "PolicyLossConfig",
     "SequenceAdvantageEstimator",
     "UnknownNameError",
     "advantage_estimator_names",
     "apply_kl_penalty",
+    "apply_off_policy_correction",
     "compute_advantages",
     "compute_kl",
     "compute_policy_loss",

@@ -1,4 +1,4 @@
-"""Advantage estimators (`grpo`, `rloo`, `reinforce++`, `gae`) behind a registry users can extend.
+"""Advantage estimators (`grpo`, `rloo`, `maxrl`, `reinforce++`, `gae`) behind a registry users can extend.
 
 Conventions (all tensors batch-first):
 
@@ -304,6 +304,26 @@ def rloo_advantages(
     counts, sums, _ = _group_stats(scores, group_ids, "rloo")
     baseline = (sums - scores) / (counts - 1).clamp(min=1)
     adv = torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
+    return _per_token(adv, response_mask)
+
+
+@register_advantage_estimator("maxrl", sequence_level=True)
+def maxrl_advantages(
+    *,
+    sequence_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MaxRL (SkyRL's ``maxrl``): ``(score - group_mean) / (group_mean + eps)``, the group-centred
+    reward divided by the group's mean reward (its success rate with 0/1 rewards) instead of its
+    std. As in SkyRL, a group of one sequence keeps its score as its advantage; `norm_by_std` is
+    not read."""
+    scores = sequence_rewards
+    counts, sums, _ = _group_stats(scores, group_ids, "maxrl")
+    means = sums / counts
+    adv = torch.where(counts > 1, (scores - means) / (means + eps), scores)
     return _per_token(adv, response_mask)
 
 

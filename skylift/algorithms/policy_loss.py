@@ -1,4 +1,5 @@
-"""Policy losses (`regular`, `dual_clip`, `gspo`, `cispo`) behind a registry users can extend.
+"""Policy losses (`regular`, `dual_clip`, `gspo`, `cispo`, `sapo`, `rollout_is`; `clip_cov` and
+`kl_cov` in `skylift.algorithms.covariance_losses`) behind a registry users can extend.
 
 Every loss takes `[batch, response_len]` tensors: ``logprobs`` (current policy, with gradient),
 ``old_logprobs`` (the policy that is being optimised away from, usually the trainer's logprobs before
@@ -19,15 +20,25 @@ With ``r_t = exp(logp_t - old_logp_t)`` and advantage ``A_t``:
 - ``cispo``: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``: every
   token keeps a gradient, with its importance weight clipped and not differentiated. CISPO has its
   own bounds (default 0 and 5: the weight is kept at or above 1 - 0 and capped at 1 + 5), the PPO
-  ones do not apply to it.
+  ones do not apply to it;
+- ``sapo`` (Soft Adaptive Policy Optimization, arXiv 2511.20347): ``-A * (4 / tau) * sigmoid(tau (r - 1))``
+  with ``tau = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg``: a smooth gate instead of the
+  hard clip, whose gradient at ``r = 1`` equals PPO's and fades as ``r`` leaves 1 (SAPO's paper
+  reduces it with ``sequence_mean``);
+- ``rollout_is``: ``-sg(r') * A * logp`` with ``r' = exp(logp - rollout_logp)`` where it lies strictly
+  inside ``(1 - eps_clip_low, 1 + eps_clip_high)`` and 0 elsewhere: anchored on the engine's logprobs
+  of the sampled tokens instead of ``old_logprobs`` (`ROLLOUT_ANCHORED`; they are required).
 
-Truncated importance sampling (``tis_imp_ratio_cap``): when the rollouts were sampled by an engine
-whose logprobs (``rollout_logprobs``) differ from ``old_logprobs``, every per-token loss is multiplied
-by ``sg(min(exp(old_logp - rollout_logp), cap))``.
+Off-policy corrections (``off_policy``, `skylift.algorithms.off_policy`: truncated importance
+sampling per token or per sequence, outlier/token/sequence masks) compare ``old_logprobs`` with the
+engine's ``rollout_logprobs`` and reweight or mask every per-token loss. ``tis_imp_ratio_cap`` is
+skylift's older spelling of token TIS: every per-token loss is multiplied by
+``sg(min(exp(old_logp - rollout_logp), cap))``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,6 +47,7 @@ import torch
 from torch import Tensor
 
 from skylift.algorithms._registry import Registry
+from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
 from skylift.algorithms.reductions import masked_mean, masked_sum
 
 LossAndMetrics = tuple[Tensor, dict[str, float]]
@@ -57,7 +69,20 @@ class PolicyLossConfig:
     cispo_eps_clip_high: float = 5.0
     """CISPO's importance weights are clipped to ``[1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high]``."""
     tis_imp_ratio_cap: float | None = None
-    """Truncated importance sampling cap (None: off)."""
+    """Token-level truncated importance sampling cap (None: off); the same as
+    ``off_policy=OffPolicyCorrection(tis="token", token_tis_cap=cap)``."""
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperatures for tokens with positive, resp. zero or negative, advantages."""
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    """clip_cov: share of valid tokens dropped, drawn among those with covariance in (lb, ub)."""
+    kl_cov_frac: float = 0.2
+    kl_cov_coef: float = 1.0
+    """kl_cov: share of valid tokens (largest covariance) penalised by ``coef * |log r|``."""
+    off_policy: OffPolicyCorrection = OffPolicyCorrection()
+    """Corrections against the rollout engine's logprobs (`skylift.algorithms.off_policy`)."""
 
     def __post_init__(self) -> None:
         if self.eps_clip_low < 0 or self.eps_clip_high < 0:
@@ -73,6 +98,27 @@ class PolicyLossConfig:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         if self.tis_imp_ratio_cap is not None and self.tis_imp_ratio_cap <= 0:
             raise ValueError(f"tis_imp_ratio_cap must be > 0 or None, got {self.tis_imp_ratio_cap}")
+        if self.tis_imp_ratio_cap is not None and self.off_policy.tis is not None:
+            raise ValueError(
+                f"tis_imp_ratio_cap and off_policy.tis={self.off_policy.tis!r} both ask for truncated "
+                "importance sampling; set one"
+            )
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError(f"sapo taus must be > 0, got {self.sapo_tau_pos} and {self.sapo_tau_neg}")
+        if not 0 <= self.clip_cov_ratio <= 1 or not 0 <= self.kl_cov_frac <= 1:
+            raise ValueError(
+                f"clip_cov_ratio and kl_cov_frac must be in [0, 1], got {self.clip_cov_ratio} and {self.kl_cov_frac}"
+            )
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}")
+        if self.kl_cov_coef < 0:
+            raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+
+    def corrections(self) -> OffPolicyCorrection:
+        """`off_policy` with ``tis_imp_ratio_cap`` folded in as token TIS."""
+        if self.tis_imp_ratio_cap is None:
+            return self.off_policy
+        return dataclasses.replace(self.off_policy, tis="token", token_tis_cap=self.tis_imp_ratio_cap)
 
 
 class PolicyLoss(Protocol):
@@ -89,6 +135,10 @@ class PolicyLoss(Protocol):
 
 
 _LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+ROLLOUT_ANCHORED = {"rollout_is"}
+"""Losses whose ratio is taken against the rollout engine's logprobs: `compute_policy_loss` hands
+them ``rollout_logprobs`` as their ``old_logprobs``."""
 
 
 def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
@@ -120,11 +170,12 @@ def compute_policy_loss(
     config: PolicyLossConfig | None = None,
     rollout_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token loss and metrics of the loss registered as `name`, with the optional TIS correction.
+    """Per-token loss and metrics of the loss registered as `name`, with the configured off-policy
+    corrections (`PolicyLossConfig.corrections`).
 
     The per-token loss is 0 on masked positions. Metrics (over valid tokens): ``clip_frac``,
     ``ppo_kl`` (mean of ``old_logp - logp``), ``ratio_mean``/``ratio_min``/``ratio_max``, loss-specific
-    ones, and ``tis_weight_mean``/``tis_clip_frac`` when TIS is on.
+    ones, and those of the corrections (``tis_weight_mean``/``tis_clip_frac`` with token TIS).
     """
     config = config or PolicyLossConfig()
     shape = logprobs.shape
@@ -145,23 +196,26 @@ def compute_policy_loss(
     logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
     old_logprobs = torch.where(valid, old_logprobs.detach(), torch.zeros_like(logprobs))
     advantages = torch.where(valid, advantages.detach(), torch.zeros_like(logprobs))
-    if rollout_logprobs is not None and rollout_logprobs.shape == shape:
-        rollout_logprobs = torch.where(valid, rollout_logprobs.detach(), torch.zeros_like(logprobs))
-    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, mask, config)
-
-    if config.tis_imp_ratio_cap is not None:
-        if rollout_logprobs is None:
-            raise ValueError("tis_imp_ratio_cap is set but rollout_logprobs were not given")
-        if rollout_logprobs.shape != shape:
+    corrections = config.corrections()
+    needs_rollout = corrections.enabled or name in ROLLOUT_ANCHORED
+    if needs_rollout and rollout_logprobs is None:
+        what = f"policy loss {name!r}" if name in ROLLOUT_ANCHORED else "an off-policy correction"
+        raise ValueError(f"{what} needs the rollout engine's logprobs, but rollout_logprobs were not given")
+    if rollout_logprobs is not None and rollout_logprobs.shape != shape:
+        if needs_rollout:
             raise ValueError(
                 f"rollout_logprobs shape {tuple(rollout_logprobs.shape)} != logprobs shape {tuple(shape)}"
             )
-        with torch.no_grad():
-            raw = torch.exp((old_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            weight = raw.clamp(max=config.tis_imp_ratio_cap).to(loss.dtype)
-        loss = loss * weight
-        metrics["tis_weight_mean"] = _mean(weight, mask)
-        metrics["tis_clip_frac"] = _mean((raw > config.tis_imp_ratio_cap).to(mask.dtype), mask)
+        rollout_logprobs = None  # not read by this loss
+    if rollout_logprobs is not None:
+        rollout_logprobs = torch.where(valid, rollout_logprobs.detach(), torch.zeros_like(logprobs))
+    anchor = rollout_logprobs if name in ROLLOUT_ANCHORED and rollout_logprobs is not None else old_logprobs
+    loss, metrics = loss_fn(logprobs, anchor, advantages, mask, config)
+    if rollout_logprobs is not None:
+        loss, correction_metrics = apply_off_policy_correction(
+            loss, old_logprobs, rollout_logprobs, mask, corrections
+        )
+        metrics.update(correction_metrics)
     loss = torch.where(mask != 0, loss * mask, torch.zeros_like(loss))
     return loss, metrics
 
@@ -268,3 +322,39 @@ def cispo_loss(
     loss = -weight * advantages * logprobs
     outside = (ratio.detach() < low) | (ratio.detach() > high)
     return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=outside)
+
+
+@register_policy_loss("sapo")
+def sapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    config: PolicyLossConfig,
+) -> LossAndMetrics:
+    """SAPO: ``-A * (4 / tau) * sigmoid(tau * (r - 1))``, ``tau`` by the advantage's sign."""
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
+    tau = torch.where(
+        advantages > 0,
+        torch.full_like(ratio, config.sapo_tau_pos),
+        torch.full_like(ratio, config.sapo_tau_neg),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -advantages * gate, _metrics(response_mask, ratio, log_ratio)
+
+
+@register_policy_loss("rollout_is")
+def rollout_is_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    config: PolicyLossConfig,
+) -> LossAndMetrics:
+    """``-sg(r') * A * logp``, ``r'`` the ratio to the rollout logprobs (given as `old_logprobs`, see
+    `ROLLOUT_ANCHORED`) inside ``(1 - eps_clip_low, 1 + eps_clip_high)``, else 0."""
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
+    r = ratio.detach()
+    inside = (r > 1.0 - config.eps_clip_low) & (r < 1.0 + config.eps_clip_high)
+    weight = torch.where(inside, r, torch.zeros_like(r))
+    return -weight * advantages * logprobs, _metrics(response_mask, ratio, log_ratio, clip_frac=~inside)

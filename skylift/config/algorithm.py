@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from skylift.config.fields import _f, _group
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++", "gae")
-POLICY_LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "maxrl", "reinforce++", "gae")
+POLICY_LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "rollout_is")
+TIS_RATIO_TYPES = ("token", "sequence")
+SEQUENCE_MASK_METRICS = ("geometric", "product")
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATOR_TYPES = ("k1", "k2", "k3")
 KL_CTRL_TYPES = ("fixed", "adaptive")
@@ -38,6 +40,92 @@ class CISPOConfig:
     cispo_eps_clip_high: float = _f(
         5.0, "upper clip: weights above 1 + this are clipped (not eps_clip_high)", ge=0
     )
+
+
+@dataclass
+class SAPOConfig:
+    """SAPO's soft gate ``(4 / tau) * sigmoid(tau * (r - 1))`` (policy_loss_type=sapo)."""
+
+    tau_pos: float = _f(1.0, "sapo: gate temperature of tokens with a positive advantage", gt=0)
+    tau_neg: float = _f(1.05, "sapo: gate temperature of tokens with a zero or negative advantage", gt=0)
+
+
+@dataclass
+class ClipCovConfig:
+    """Clip-Cov (policy_loss_type=clip_cov): PPO clip, and a few mid-covariance tokens dropped."""
+
+    clip_ratio: float = _f(
+        0.0002,
+        "clip_cov: share of a micro-batch's valid tokens (at least 1) whose loss is dropped, drawn at "
+        "random among the unclipped tokens whose advantage-logprob covariance is in (clip_cov_lb, clip_cov_ub)",
+        ge=0,
+        le=1,
+    )
+    clip_cov_lb: float = _f(1.0, "clip_cov: lower bound (exclusive) of the covariance of dropped tokens")
+    clip_cov_ub: float = _f(5.0, "clip_cov: upper bound (exclusive) of the covariance of dropped tokens")
+
+
+@dataclass
+class KLCovConfig:
+    """KL-Cov (policy_loss_type=kl_cov): unclipped surrogate, |log r| penalty on high-covariance tokens."""
+
+    kl_cov_frac: float = _f(
+        0.2,
+        "kl_cov: share of a micro-batch's valid tokens (at least 1) of largest advantage-logprob "
+        "covariance that get the penalty",
+        ge=0,
+        le=1,
+    )
+    ppo_kl_coef: float = _f(1.0, "kl_cov: weight of the |log(pi / pi_old)| penalty", ge=0)
+
+
+@dataclass
+class OffPolicyCorrectionConfig:
+    """SkyRL's corrections of the gap between the trainer's logprobs and the rollout engine's
+    (ratio ``w = pi_old / pi_rollout`` per token; skylift.algorithms.off_policy)."""
+
+    tis_ratio_type: str | None = _f(
+        None,
+        "truncated importance sampling: null = off | token: each token's loss times "
+        "min(w, token_tis_ratio_clip_high) | sequence: each sequence's loss times min(prod w, "
+        "sequence_tis_ratio_clip_high) (exclusive with use_tis)",
+        choices=TIS_RATIO_TYPES,
+    )
+    token_tis_ratio_clip_high: float = _f(2.0, "tis_ratio_type=token: cap of the token weight", gt=0)
+    sequence_tis_ratio_clip_high: float = _f(5.0, "tis_ratio_type=sequence: cap of the sequence weight", gt=0)
+    sequence_mask_metric: str | None = _f(
+        None,
+        "null = off | geometric: drop sequences whose geometric mean of w is outside [geo_mask_low, "
+        "geo_mask_high] | product: whose product of w is outside [product_mask_low, product_mask_high]",
+        choices=SEQUENCE_MASK_METRICS,
+    )
+    geo_mask_high: float = _f(1.01, "sequence_mask_metric=geometric: upper bound", gt=0)
+    geo_mask_low: float = _f(0.99, "sequence_mask_metric=geometric: lower bound", ge=0)
+    product_mask_high: float = _f(2.0, "sequence_mask_metric=product: upper bound", gt=0)
+    product_mask_low: float = _f(0.5, "sequence_mask_metric=product: lower bound", ge=0)
+    outlier_token_is_threshold_low: float | None = _f(
+        None, "drop a whole sequence with any token's w below this (null = no bound)", ge=0
+    )
+    outlier_token_is_threshold_high: float | None = _f(
+        None, "drop a whole sequence with any token's w above this (null = no bound)", gt=0
+    )
+    token_mask_is_threshold_low: float | None = _f(
+        None, "with token_mask_is_threshold_high: drop tokens whose w is below this", ge=0
+    )
+    token_mask_is_threshold_high: float | None = _f(
+        None, "with token_mask_is_threshold_low: drop tokens whose w is above this", gt=0
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any correction is on (it needs the trainer's logprobs before the update)."""
+        return (
+            self.tis_ratio_type is not None
+            or self.sequence_mask_metric is not None
+            or self.outlier_token_is_threshold_low is not None
+            or self.outlier_token_is_threshold_high is not None
+            or self.token_mask_is_threshold_low is not None
+        )
 
 
 @dataclass
@@ -107,6 +195,9 @@ class AlgorithmConfig:
     eps_clip_high: float = _f(0.2, "PPO clip (not cispo): ratio upper bound is 1 + eps_clip_high", ge=0)
     clip_ratio_c: float = _f(3.0, "dual_clip: bound c (> 1) on the loss for negative advantages")
     cispo: CISPOConfig = _group(CISPOConfig, "cispo settings")
+    sapo: SAPOConfig = _group(SAPOConfig, "sapo settings")
+    clip_cov: ClipCovConfig = _group(ClipCovConfig, "clip_cov settings")
+    kl_cov: KLCovConfig = _group(KLCovConfig, "kl_cov settings")
     use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")
     kl_loss_coef: float = _f(0.001, "weight of the KL term (loss or reward)", ge=0)
     kl_estimator_type: str = _f(
@@ -130,6 +221,9 @@ class AlgorithmConfig:
     )
     use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
     tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
+    off_policy_correction: OffPolicyCorrectionConfig = _group(
+        OffPolicyCorrectionConfig, "SkyRL's off-policy corrections: TIS per token or sequence, masks"
+    )
     dynamic_sampling: DynamicSamplingConfig = _group(DynamicSamplingConfig, "dynamic sampling (DAPO)")
     overlong_buffer: OverlongBufferConfig = _group(OverlongBufferConfig, "soft overlong punishment (DAPO)")
     max_seq_len: int | None = _f(
@@ -138,3 +232,9 @@ class AlgorithmConfig:
         "null = the longest response (generator max_generate_length)",
         ge=1,
     )
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        """Whether the loss corrects the gap between the trainer's logprobs before the update and
+        the rollout logprobs: TIS (either spelling) or an off-policy mask."""
+        return self.use_tis or self.off_policy_correction.enabled

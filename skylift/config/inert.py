@@ -164,22 +164,11 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "trainer.algorithm.use_kl_estimator_k3": (False, "deprecated in SkyRL: set kl_estimator_type=k3"),
     "trainer.algorithm.use_abs_kl": (False, "deprecated in SkyRL; the abs estimator is not implemented"),
     **{
-        f"trainer.algorithm.{group}.{name}": (
+        f"trainer.algorithm.dppo.{name}": (
             default,
-            f"read only by policy_loss_type={group} (not implemented yet)",
+            "read only by policy_loss_type=dppo (not implemented yet)",
         )
-        for group, name, default in (
-            ("clip_cov", "clip_ratio", 0.0002),
-            ("clip_cov", "clip_cov_lb", 1.0),
-            ("clip_cov", "clip_cov_ub", 5.0),
-            ("kl_cov", "kl_cov_frac", 0.2),
-            ("kl_cov", "ppo_kl_coef", 1.0),
-            ("sapo", "tau_pos", 1.0),
-            ("sapo", "tau_neg", 1.05),
-            ("dppo", "dppo_type", "binary_tv"),
-            ("dppo", "delta_low", 0.2),
-            ("dppo", "delta_high", 0.2),
-        )
+        for name, default in (("dppo_type", "binary_tv"), ("delta_low", 0.2), ("delta_high", 0.2))
     },
     "trainer.algorithm.cispo.cispo_anchor": ("old", "skylift's cispo weights anchor on the old logprobs"),
     "trainer.algorithm.entropy_loss_coef": (0.01, "read only by use_entropy_loss (not implemented yet)"),
@@ -187,19 +176,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         1e-6,
         "read only by zero_variance_filter (not implemented yet)",
     ),
-    "trainer.algorithm.off_policy_correction.sequence_tis_ratio_clip_high": (
-        5.0,
-        "read only by tis_ratio_type=sequence (not implemented yet)",
-    ),
-    **{
-        f"trainer.algorithm.off_policy_correction.{name}": (default, "read only by masks not implemented yet")
-        for name, default in (
-            ("geo_mask_high", 1.01),
-            ("geo_mask_low", 0.99),
-            ("product_mask_high", 2.0),
-            ("product_mask_low", 0.5),
-        )
-    },
     "trainer.mtp.*": (ANY, "multi-token prediction is Megatron-only in SkyRL"),
     "trainer.fully_async.sample_full_batch": (False, "not implemented: batches are taken group by group"),
     "trainer.fully_async.clear_kv_cache_on_weight_sync": (
@@ -307,16 +283,6 @@ SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
         False,
         "groups of equal rewards are not masked; with GRPO their advantages are 0 already",
     ),
-    **{
-        f"trainer.algorithm.off_policy_correction.{name}": (None, "no sequence or token masks")
-        for name in (
-            "sequence_mask_metric",
-            "outlier_token_is_threshold_low",
-            "outlier_token_is_threshold_high",
-            "token_mask_is_threshold_low",
-            "token_mask_is_threshold_high",
-        )
-    },
 }
 
 

@@ -69,7 +69,7 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     for override, key, value in parsed:
         _assign(cfg, key, value, f"override {override!r}", skyrl)
     for key, value in skyrl.translations():
-        _assign(cfg, key, value, "SkyRL's off_policy_correction / external server keys", skyrl)
+        _assign(cfg, key, value, "SkyRL's external server keys", skyrl)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -185,7 +185,6 @@ def _assign(cfg: DictConfig, key: str, value: Any, source: str, skyrl: SkyRLKeys
     if skyrl.take(key, value, source):
         return
     _check_key(key, source)
-    skyrl.explicit.add(key)
     info = key_table().get(key)
     if info is not None and info.is_group:
         if not isinstance(value, dict):

@@ -9,9 +9,10 @@ and the settings that map onto several skylift keys.
 - a SkyRL key declared without effect (``skylift.config.inert.SKYRL_WITHOUT_EFFECT``) is set aside
   and warned about when its value is not SkyRL's default; one declared not implemented
   (``inert.SKYRL_NOT_IMPLEMENTED``) is refused when set to anything but its default;
-- ``trainer.algorithm.off_policy_correction.{tis_ratio_type,token_tis_ratio_clip_high}`` and
-  ``generator.inference_engine.{external_proxy_url,external_server_urls}`` are collected and turned
+- ``generator.inference_engine.{external_proxy_url,external_server_urls}`` are collected and turned
   into skylift's keys by `SkyRLKeys.translations` once every assignment is in.
+
+``trainer.algorithm.off_policy_correction.*`` is a group of skylift's schema (config/algorithm.py).
 """
 
 from __future__ import annotations
@@ -51,12 +52,9 @@ VALUE_ALIASES: dict[str, dict[Any, tuple[Any, str | None]]] = {
 REFUSED_STRATEGIES = {"megatron": "Megatron", "deepspeed": "DeepSpeed"}
 
 _COLLECTED = {
-    "trainer.algorithm.off_policy_correction.tis_ratio_type",
-    "trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high",
     "generator.inference_engine.external_proxy_url",
     "generator.inference_engine.external_server_urls",
 }
-SKYRL_TOKEN_TIS_CAP = 2.0  # SkyRL's default token_tis_ratio_clip_high
 
 
 def backend_refusal(key: str, value: Any = None) -> str | None:
@@ -91,7 +89,6 @@ class SkyRLKeys:
 
     without_effect: dict[str, Any] = field(default_factory=dict)
     collected: dict[str, Any] = field(default_factory=dict)
-    explicit: set[str] = field(default_factory=set)  # skylift keys the load set itself
 
     def value(self, key: str, value: Any) -> Any:
         """The skylift value of a SkyRL value (`VALUE_ALIASES`), warning when they differ in meaning."""
@@ -126,25 +123,7 @@ class SkyRLKeys:
     def translations(self) -> list[tuple[str, Any]]:
         """The skylift assignments the collected SkyRL settings stand for."""
         out: list[tuple[str, Any]] = []
-        c, p = self.collected, "trainer.algorithm.off_policy_correction."
-        ratio = c.get(p + "tis_ratio_type")
-        if ratio not in (None, "token"):
-            raise ConfigError(
-                f"{p}tis_ratio_type={ratio!r} is not implemented in skylift yet (only token-level "
-                "truncated importance sampling, 'token' or null)",
-                key=p + "tis_ratio_type",
-            )
-        if ratio == "token":
-            out.append(("trainer.algorithm.use_tis", True))
-            if "trainer.algorithm.tis_imp_ratio_cap" not in self.explicit:
-                out.append(
-                    (
-                        "trainer.algorithm.tis_imp_ratio_cap",
-                        c.get(p + "token_tis_ratio_clip_high", SKYRL_TOKEN_TIS_CAP),
-                    )
-                )
-        elif p + "token_tis_ratio_clip_high" in c:
-            self.without_effect[p + "token_tis_ratio_clip_high"] = c[p + "token_tis_ratio_clip_high"]
+        c = self.collected
         ie = "generator.inference_engine."
         servers, proxy = c.get(ie + "external_server_urls"), c.get(ie + "external_proxy_url")
         if isinstance(servers, str):
@@ -166,10 +145,8 @@ class SkyRLKeys:
         warned = []
         for key, value in self.without_effect.items():
             declared = skyrl_declaration(key)
-            assert declared is not None or key.endswith("token_tis_ratio_clip_high")
-            default, reason = (
-                (declared[0], declared[1]) if declared else (None, "only read with tis_ratio_type=token")
-            )
+            assert declared is not None
+            default, reason = declared[0], declared[1]
             if not is_default(value, default):
                 logger.warning("%s=%r has no effect in skylift: %s", key, value, reason)
                 warned.append(key)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.config.errors import ConfigError
 from skylift.config.schema import PLACEMENT_BACKENDS, SkyliftConfig
 
@@ -140,16 +141,53 @@ def _check_batches(cfg: SkyliftConfig, problems: list[str]) -> None:
             )
     world = t.policy_world_size()
     sequences = t.policy_mini_batch_size * g.n_samples_per_prompt
-    if world >= 1 and sequences >= 1 and sequences % world != 0:
+    workers = f"{world} policy workers (trainer.placement.policy_num_nodes * policy_num_gpus_per_node)"
+    if world >= 1 and sequences >= 1 and sequences < world:
+        # a mini-batch that is not a multiple of the workers is padded with rows without loss
+        # (skylift.rl.update.pad_rows, as SkyRL does); fewer rows than workers would be mostly padding
         problems.append(
             f"policy mini-batch of {sequences} sequences (trainer.policy_mini_batch_size * "
-            f"generator.n_samples_per_prompt) must split evenly over {world} policy workers "
-            "(trainer.placement.policy_num_nodes * policy_num_gpus_per_node)"
+            f"generator.n_samples_per_prompt) must hold at least one sequence for each of the {workers}"
+        )
+    batch = t.train_batch_size * g.n_samples_per_prompt
+    if world >= 1 and batch >= 1 and batch % world != 0:
+        problems.append(
+            f"training batch of {batch} sequences (trainer.train_batch_size * generator.n_samples_per_prompt) "
+            f"must split evenly over the {workers}: every worker runs the same forward passes"
         )
     if t.algorithm.advantage_estimator == "rloo" and g.n_samples_per_prompt < 2:
         problems.append(
             "trainer.algorithm.advantage_estimator=rloo needs generator.n_samples_per_prompt >= 2"
         )
+
+
+def _check_loss_settings(a: AlgorithmConfig, problems: list[str]) -> None:
+    """The clip_cov bounds and SkyRL's off-policy corrections (skylift.algorithms.off_policy)."""
+    p = "trainer.algorithm"
+    if a.clip_cov.clip_cov_lb >= a.clip_cov.clip_cov_ub:
+        problems.append(
+            f"{p}.clip_cov.clip_cov_lb={a.clip_cov.clip_cov_lb} must be < "
+            f"{p}.clip_cov.clip_cov_ub={a.clip_cov.clip_cov_ub}"
+        )
+    o, q = a.off_policy_correction, f"{p}.off_policy_correction"
+    if a.use_tis and o.tis_ratio_type is not None:
+        problems.append(
+            f"{p}.use_tis=true and {q}.tis_ratio_type={o.tis_ratio_type!r} both ask for truncated "
+            f"importance sampling; set one (use_tis is token-level TIS with cap {p}.tis_imp_ratio_cap)"
+        )
+    if (o.token_mask_is_threshold_low is None) != (o.token_mask_is_threshold_high is None):
+        problems.append(
+            f"{q}.token_mask_is_threshold_low and token_mask_is_threshold_high must be set together "
+            "(the token mask keeps tokens whose ratio lies between them)"
+        )
+    for name, low, high in (
+        ("geo_mask", o.geo_mask_low, o.geo_mask_high),
+        ("product_mask", o.product_mask_low, o.product_mask_high),
+        ("token_mask_is_threshold", o.token_mask_is_threshold_low, o.token_mask_is_threshold_high),
+        ("outlier_token_is_threshold", o.outlier_token_is_threshold_low, o.outlier_token_is_threshold_high),
+    ):
+        if low is not None and high is not None and low > high:
+            problems.append(f"{q}.{name}_low={low} must be <= {q}.{name}_high={high}")
 
 
 def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
@@ -166,6 +204,7 @@ def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(f"{p}.clip_ratio_c={a.clip_ratio_c} must be > 1 for policy_loss_type=dual_clip")
     if a.use_tis and a.tis_imp_ratio_cap <= 0:
         problems.append(f"{p}.use_tis=true needs {p}.tis_imp_ratio_cap > 0 (got {a.tis_imp_ratio_cap})")
+    _check_loss_settings(a, problems)
     buffer, budget = a.overlong_buffer.len, cfg.generator.sampling_params.max_generate_length
     if buffer > budget:
         problems.append(
@@ -299,10 +338,11 @@ def _check_fully_async(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(
             f"{p}.enabled=true generates while training and cannot run with trainer.placement.colocate_all=true"
         )
-    if not t.algorithm.use_tis:
+    if not (t.algorithm.corrects_off_policy or t.algorithm.policy_loss_type == "rollout_is"):
         problems.append(
-            f"{p}.enabled=true needs trainer.algorithm.use_tis=true (and tis_imp_ratio_cap > 0): truncated "
-            "importance sampling against the trainer's logprobs corrects the rollouts' staleness"
+            f"{p}.enabled=true needs a correction of the rollouts' staleness: trainer.algorithm.use_tis=true "
+            "(and tis_imp_ratio_cap > 0), a trainer.algorithm.off_policy_correction "
+            "(tis_ratio_type or sequence_mask_metric, ...), or policy_loss_type=rollout_is"
         )
     if t.algorithm.dynamic_sampling.type is not None:
         problems.append(f"{p}.enabled=true does not run with trainer.algorithm.dynamic_sampling.type set")

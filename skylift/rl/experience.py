@@ -71,7 +71,7 @@ class ExperienceSettings:
         n_mini = t.train_batch_size // t.policy_mini_batch_size
         several_updates = t.update_epochs_per_batch > 1 or n_mini > 1 or alg.use_kl_in_reward
         off_policy = t.async_training or t.fully_async.enabled
-        old_source = ppo_old_logprobs_source(off_policy, alg.use_tis, several_updates)
+        old_source = ppo_old_logprobs_source(off_policy, alg.corrects_off_policy, several_updates)
         if t.fully_async.enabled and not several_updates:
             # one update per batch: its own forward gives the trainer's logprobs before it (the
             # ratio's anchor, detached) and TIS reweights against them; no extra forward pass

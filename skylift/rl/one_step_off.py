@@ -24,9 +24,10 @@ has waited for that generation. This works for every kind of engine: in-process 
 
 Off-policy correction (`ppo_old_logprobs_source`): the rollout logprobs come from an older policy.
 Without TIS they are the PPO ratio's `old_logprobs`, so the clip acts on the real off-policy gap;
-with `trainer.algorithm.use_tis` the trainer's logprobs before the update are `old_logprobs`
-(the clip's anchor) and every token is reweighted by `min(pi_old / pi_rollout, tis_imp_ratio_cap)`
-(decoupled PPO with truncated importance sampling).
+with `trainer.algorithm.use_tis` (or any `trainer.algorithm.off_policy_correction`) the trainer's
+logprobs before the update are `old_logprobs` (the clip's anchor) and every token is reweighted by
+`min(pi_old / pi_rollout, tis_imp_ratio_cap)` (decoupled PPO with truncated importance sampling),
+or per sequence, or masked (skylift.algorithms.off_policy).
 """
 
 from __future__ import annotations
@@ -146,16 +147,17 @@ def check_staleness(policy_version: int, rollout_versions: Sequence[int], max_st
 
 
 def ppo_old_logprobs_source(
-    async_training: bool, use_tis: bool, multiple_updates: bool
+    async_training: bool, corrects: bool, multiple_updates: bool
 ) -> Literal["rollout", "trainer"] | None:
     """Where the PPO ratio's `old_logprobs` come from.
 
-    - "rollout": the engine's logprobs of the sampled tokens (async without TIS: the ratio and
-      its clip measure the real gap to the policy that sampled);
+    - "rollout": the engine's logprobs of the sampled tokens (async without a correction: the
+      ratio and its clip measure the real gap to the policy that sampled);
     - "trainer": a forward pass of the policy before this step's updates (several updates per
-      batch, a KL penalty in the reward, or async with TIS correcting the rollout gap);
+      batch, a KL penalty in the reward, or async with a correction (`corrects`: TIS, an
+      off-policy mask, rollout_is) of the gap between them and the rollout logprobs);
     - None: exactly on-policy, one update: the current logprobs, detached.
     """
     if async_training:
-        return "trainer" if use_tis else "rollout"
+        return "trainer" if corrects else "rollout"
     return "trainer" if multiple_updates else None

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from skylift.algorithms import PolicyLossConfig, mini_batch_totals
+from skylift.algorithms import OffPolicyCorrection, PolicyLossConfig, mini_batch_totals
 from skylift.algorithms.sample_support import Sampling, TokenDistribution
 from skylift.cluster.settings import max_generate_length
+from skylift.config.algorithm import OffPolicyCorrectionConfig
 from skylift.config.schema import SkyliftConfig
 from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
 from skylift.worker.batch import SequenceBatch
@@ -91,6 +92,14 @@ def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
             cispo_eps_clip_low=alg.cispo.cispo_eps_clip_low,
             cispo_eps_clip_high=alg.cispo.cispo_eps_clip_high,
             tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
+            sapo_tau_pos=alg.sapo.tau_pos,
+            sapo_tau_neg=alg.sapo.tau_neg,
+            clip_cov_ratio=alg.clip_cov.clip_ratio,
+            clip_cov_lb=alg.clip_cov.clip_cov_lb,
+            clip_cov_ub=alg.clip_cov.clip_cov_ub,
+            kl_cov_frac=alg.kl_cov.kl_cov_frac,
+            kl_cov_coef=alg.kl_cov.ppo_kl_coef,
+            off_policy=off_policy_correction(alg.off_policy_correction),
         ),
         use_kl_loss=alg.use_kl_loss,
         kl_loss_coef=alg.kl_loss_coef,
@@ -99,11 +108,47 @@ def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
     )
 
 
+def off_policy_correction(o: OffPolicyCorrectionConfig) -> OffPolicyCorrection:
+    """SkyRL's ``trainer.algorithm.off_policy_correction`` group as the loss's `OffPolicyCorrection`."""
+    return OffPolicyCorrection(
+        tis=o.tis_ratio_type,
+        token_tis_cap=o.token_tis_ratio_clip_high,
+        sequence_tis_cap=o.sequence_tis_ratio_clip_high,
+        sequence_mask=o.sequence_mask_metric,
+        geo_mask_low=o.geo_mask_low,
+        geo_mask_high=o.geo_mask_high,
+        product_mask_low=o.product_mask_low,
+        product_mask_high=o.product_mask_high,
+        outlier_token_low=o.outlier_token_is_threshold_low,
+        outlier_token_high=o.outlier_token_is_threshold_high,
+        token_mask_low=o.token_mask_is_threshold_low,
+        token_mask_high=o.token_mask_is_threshold_high,
+    )
+
+
 def mini_batches(batch: SequenceBatch, rows: int, epochs: int) -> Iterator[SequenceBatch]:
     """`epochs` passes over `batch` in order, `rows` rows at a time (the last one may be shorter)."""
     for _ in range(epochs):
         for start in range(0, batch.batch_size, rows):
             yield batch.select(list(range(start, min(start + rows, batch.batch_size))))
+
+
+def pad_rows(batch: SequenceBatch, multiple: int) -> SequenceBatch:
+    """`batch` with copies of its last row added up to a multiple of `multiple` rows, their response
+    masks zeroed: no loss, no gradient, and not counted (the mini-batch totals are taken before).
+
+    Every worker then gets the same number of rows, hence of micro-batches: FSDP's collectives
+    (all-gathers in each forward, reduce-scatters in each backward) must match across ranks. A
+    policy mini-batch that does not split evenly over the workers (SkyRL's livecodebench example:
+    20 sequences over 8 workers) trains as SkyRL trains it, padded with rows that carry no loss.
+    """
+    extra = -batch.batch_size % multiple
+    if extra == 0 or batch.batch_size == 0:
+        return batch
+    padded = batch.select([*range(batch.batch_size), *[batch.batch_size - 1] * extra])
+    mask = padded.response_mask.clone()
+    mask[batch.batch_size :] = 0
+    return dataclasses.replace(padded, response_mask=mask)
 
 
 def train_policy(
@@ -123,6 +168,7 @@ def train_policy(
                 rows_with_policy_gradient(mini.extras["advantages"], mini.response_mask, policy.world_size)
             )
         trained_rows += mini.batch_size
+        mini = pad_rows(mini, policy.world_size)
         for k, v in policy.train_mini_batch(mini, step_objective, s.micro_batch_size, s.temperature).items():
             sums[k].append(v)
     metrics = {f"policy/{k}": statistics.fmean(v) for k, v in sums.items()}

@@ -225,19 +225,19 @@ def fake_run(
     generator: FakeGenerator | None = None,
     num_train: int = 32,
     update_s: float = 0.0,
+    policy: FakePolicy | None = None,
 ) -> FakeRun:
     """An `RLTrainer` over fake parts, with the rollout source the overrides ask for (built by
-    the same `make_source` a real run uses)."""
+    the same `make_source` a real run uses); `policy` replaces the default `FakePolicy`."""
     cfg = fake_config(root, *overrides)
     train, val = demo_data(root / "data", num_train=num_train)
     events: list[str] = []
     generator = generator or FakeGenerator()
     generator.events = events
-    policy, weights, tracker = (
-        FakePolicy(events=events, update_s=update_s),
-        FakeWeights(events=events),
-        FakeTracker(),
-    )
+    if policy is None:
+        policy = FakePolicy(update_s=update_s)
+    policy.events = events
+    weights, tracker = FakeWeights(events=events), FakeTracker()
     loop = asyncio.new_event_loop()
     parts = Parts(
         train_data=train,

@@ -270,7 +270,7 @@ def test_yaml_file_errors_name_file_and_key(tmp_path: Path) -> None:
         (["generator.n_samples_per_prompt=0"], "generator.n_samples_per_prompt=0 must be >= 1"),
         (
             ["trainer.algorithm.advantage_estimator=ppo"],
-            "advantage_estimator='ppo' is not one of grpo, rloo, reinforce++, gae",
+            "advantage_estimator='ppo' is not one of grpo, rloo, maxrl, reinforce++, gae",
         ),
         (
             ["trainer.algorithm.policy_loss_type=clip"],
@@ -310,7 +310,13 @@ def test_yaml_file_errors_name_file_and_key(tmp_path: Path) -> None:
         (["generator.max_turns=3"], "generator.batched=true supports only max_turns=1"),
         (
             ["trainer.placement.policy_num_gpus_per_node=3"],
-            "policy mini-batch of 32 sequences",
+            "training batch of 32 sequences (trainer.train_batch_size * generator.n_samples_per_prompt) "
+            "must split evenly over the 3 policy workers",
+        ),
+        (
+            ["trainer.placement.policy_num_gpus_per_node=64"],
+            "policy mini-batch of 32 sequences (trainer.policy_mini_batch_size * generator.n_samples_per_prompt) "
+            "must hold at least one sequence for each of the 64 policy workers",
         ),
         (["trainer.algorithm.advantage_estimator=rloo", "generator.n_samples_per_prompt=1"], "rloo needs"),
         (

@@ -79,40 +79,23 @@ def _is_training(entry: str) -> bool:
 
 
 # Non-Megatron training commands skylift refuses, each with the words of its refusal. Built into
-# SkyRL's main_base: losses and estimators not implemented here, delta weight sync, a batch that
-# does not split over 8 workers, a key SkyRL's own schema lacks, an unset shell variable. Example
+# SkyRL's main_base: delta weight sync, a key SkyRL's own schema lacks, an unset shell variable. Example
 # entry points with their own Python code (custom losses, estimators, generators: not main_base)
 # register names and keys skylift cannot know.
 EXPECTED_REFUSALS = {
-    "examples/train/algorithms/clip_cov_kl_cov/run_clip_cov.sh:1": "policy_loss_type='clip_cov' is not one of",
-    "examples/train/algorithms/clip_cov_kl_cov/run_kl_cov.sh:1": "policy_loss_type='kl_cov' is not one of",
     "examples/train/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
     "examples/train/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
-    "examples/train/algorithms/dapo/run_dapo_qwen3_1.7b_aime_fully_async.sh:1": "sequence_mask_metric='geometric'",
-    "examples/train/algorithms/dapo/run_dapo_qwen3_1.7b_aime_fully_async_onestep.sh:1": "sequence_mask_metric='geometric'",
-    "examples/train/algorithms/maxrl/run_maxrl_gsm8k.sh:1": "advantage_estimator='maxrl' is not one of",
-    "examples/train/algorithms/sapo/run_sapo_qwen3_4b_aime.sh:1": "policy_loss_type='sapo' is not one of",
     "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "weight_sync_backend='delta' is not one of",
     "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "weight_sync_backend='delta' is not one of",
-    "examples/train/fully_async/fully_async_run_gsm8k.sh:1": "sequence_mask_metric='geometric'",
-    "examples/train/fully_async/sim_trainer/run_fully_async_sim_gsm8k_e2e.sh:1": "policy_loss_type='rollout_is'",
-    "examples/train/fully_async/sim_trainer/run_fully_async_sim_gsm8k_external.sh:1": "policy_loss_type='rollout_is'",
-    "examples/train/livecodebench/run_lcb.sh:1": "must split evenly over 8 policy workers",
     "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
     "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_4b.sh:1": "advantage_estimator='no_op'",
     "examples/train/rlm/run_multi_paper_rlm.sh:1": "unknown config key generator.enable_child_agents",
-    "examples/train/search/run_search_fully_async.sh:1": "sequence_mask_metric='geometric'",
-    "examples/train/text_to_sql/run_skyrl_sql_fp8.sh:1": "tis_ratio_type='sequence' is not implemented",
     "examples/train/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
     "examples/train/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
-    "skyrl-train/examples/algorithms/clip_cov_kl_cov/run_clip_cov.sh:1": "policy_loss_type='clip_cov' is not one of",
-    "skyrl-train/examples/algorithms/clip_cov_kl_cov/run_kl_cov.sh:1": "policy_loss_type='kl_cov' is not one of",
     "skyrl-train/examples/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
     "skyrl-train/examples/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
-    "skyrl-train/examples/algorithms/sapo/run_sapo_qwen3_4b_aime.sh:1": "policy_loss_type='sapo' is not one of",
-    "skyrl-train/examples/livecodebench/run_lcb.sh:1": "must split evenly over 8 policy workers",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
     "skyrl-train/examples/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
@@ -226,14 +209,111 @@ def test_skyrl_only_keys_warn_when_set_and_algorithm_changes_are_refused(
         load_config(["trainer.algorithm.use_entropy_loss=true"])
 
 
-def test_token_tis_and_external_servers_translate_to_skylift_keys() -> None:
+def test_off_policy_correction_and_skyrl_losses_reach_the_policy_loss() -> None:
+    from skylift.rl.update import policy_objective
+
     p = "trainer.algorithm.off_policy_correction"
-    cfg = load_config([f"{p}.tis_ratio_type=token", f"{p}.token_tis_ratio_clip_high=3.0"])
-    assert cfg.trainer.algorithm.use_tis and cfg.trainer.algorithm.tis_imp_ratio_cap == 3.0
-    cfg = load_config([f"{p}.tis_ratio_type=token"])
-    assert cfg.trainer.algorithm.tis_imp_ratio_cap == 2.0  # SkyRL's default cap
-    with pytest.raises(ConfigError, match="tis_ratio_type='sequence' is not implemented"):
-        load_config([f"{p}.tis_ratio_type=sequence"])
+    loss = policy_objective(load_config([f"{p}.tis_ratio_type=token", f"{p}.token_tis_ratio_clip_high=3.0"]))
+    c = loss.loss_config.corrections()
+    assert (c.tis, c.token_tis_cap) == ("token", 3.0)
+    assert (
+        policy_objective(load_config([f"{p}.tis_ratio_type=token"])).loss_config.corrections().token_tis_cap
+        == 2.0
+    )
+    cfg = load_config(
+        [
+            f"{p}.tis_ratio_type=sequence",
+            f"{p}.sequence_tis_ratio_clip_high=4.0",
+            f"{p}.sequence_mask_metric=geometric",
+            f"{p}.geo_mask_high=1.02",
+            f"{p}.geo_mask_low=0.98",
+            f"{p}.outlier_token_is_threshold_high=100",
+            f"{p}.token_mask_is_threshold_low=0.5",
+            f"{p}.token_mask_is_threshold_high=2",
+        ]
+    )
+    c = policy_objective(cfg).loss_config.corrections()
+    assert (c.tis, c.sequence_tis_cap, c.sequence_mask, c.geo_mask_low, c.geo_mask_high) == (
+        "sequence",
+        4.0,
+        "geometric",
+        0.98,
+        1.02,
+    )
+    assert (c.outlier_token_low, c.outlier_token_high, c.token_mask_low, c.token_mask_high) == (
+        None,
+        100,
+        0.5,
+        2,
+    )
+    a = "trainer.algorithm"
+    lc = policy_objective(
+        load_config(
+            [
+                f"{a}.policy_loss_type=clip_cov",
+                f"{a}.clip_cov.clip_ratio=0.01",
+                f"{a}.clip_cov.clip_cov_lb=0.5",
+                f"{a}.clip_cov.clip_cov_ub=4",
+                f"{a}.kl_cov.kl_cov_frac=0.1",
+                f"{a}.kl_cov.ppo_kl_coef=2",
+                f"{a}.sapo.tau_pos=0.9",
+                f"{a}.sapo.tau_neg=1.2",
+            ]
+        )
+    ).loss_config
+    assert (lc.clip_cov_ratio, lc.clip_cov_lb, lc.clip_cov_ub, lc.kl_cov_frac, lc.kl_cov_coef) == (
+        0.01,
+        0.5,
+        4,
+        0.1,
+        2,
+    )
+    assert (lc.sapo_tau_pos, lc.sapo_tau_neg) == (0.9, 1.2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [
+                "trainer.algorithm.use_tis=true",
+                "trainer.algorithm.tis_imp_ratio_cap=2",
+                "{p}.tis_ratio_type=token",
+            ],
+            "both ask for truncated importance sampling; set one",
+        ),
+        (["{p}.tis_ratio_type=tokens"], "tis_ratio_type='tokens' is not one of token, sequence"),
+        (
+            ["{p}.sequence_mask_metric=arithmetic"],
+            "sequence_mask_metric='arithmetic' is not one of geometric, product",
+        ),
+        (["{p}.token_mask_is_threshold_low=0.5"], "token_mask_is_threshold_high must be set together"),
+        (["{p}.geo_mask_low=1.05"], "geo_mask_low=1.05 must be <= {p}.geo_mask_high=1.01"),
+        (["{p}.token_tis_ratio_clip_high=0"], "token_tis_ratio_clip_high=0.0 must be > 0"),
+        (
+            ["trainer.algorithm.clip_cov.clip_cov_lb=6"],
+            "clip_cov_lb=6.0 must be < trainer.algorithm.clip_cov.clip_cov_ub=5.0",
+        ),
+        (["trainer.algorithm.sapo.tau_neg=0"], "sapo.tau_neg=0.0 must be > 0"),
+        (["trainer.algorithm.kl_cov.kl_cov_frac=1.5"], "kl_cov_frac=1.5 must be in [0, 1]"),
+        (["trainer.fully_async.enabled=true"], "needs a correction of the rollouts' staleness"),
+    ],
+)
+def test_skyrl_loss_and_correction_settings_are_validated(overrides: list[str], message: str) -> None:
+    p = "trainer.algorithm.off_policy_correction"
+    with pytest.raises(ConfigError) as info:
+        load_config([o.format(p=p) for o in overrides])
+    assert message.format(p=p) in str(info.value)
+
+
+def test_fully_async_accepts_skyrls_corrections_instead_of_use_tis() -> None:
+    fa = ["trainer.fully_async.enabled=true"]
+    load_config([*fa, "trainer.algorithm.off_policy_correction.sequence_mask_metric=geometric"])
+    load_config([*fa, "trainer.algorithm.policy_loss_type=rollout_is"])
+    load_config([*fa, "trainer.algorithm.off_policy_correction.tis_ratio_type=token"])
+
+
+def test_external_servers_translate_to_skylift_keys() -> None:
     ie = "generator.inference_engine"
     cfg = load_config([f"{ie}.external_server_urls=['127.0.0.1:8001','127.0.0.1:8002']"])
     assert not cfg.generator.run_engines_locally

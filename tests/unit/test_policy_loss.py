@@ -163,7 +163,8 @@ def test_masked_tokens_cannot_leak_nan_or_inf() -> None:
     mask = torch.tensor([[1.0, 0.0]])
     for name in policy_loss_names():
         logp.grad = None
-        loss, metrics = compute_policy_loss(name, logp, old, adv, mask)
+        rollout = torch.tensor([[-1.0, float("nan")]])  # read by rollout-anchored losses only
+        loss, metrics = compute_policy_loss(name, logp, old, adv, mask, rollout_logprobs=rollout)
         assert loss[0, 1].item() == 0.0, name
         assert torch.isfinite(loss).all(), name
         assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
@@ -176,7 +177,8 @@ def test_all_masked_batch_gives_zero_loss_and_finite_metrics() -> None:
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.zeros(2, 3)
     for name in policy_loss_names():
-        loss, metrics = compute_policy_loss(name, logp, torch.zeros(2, 3), torch.ones(2, 3), mask)
+        zeros = torch.zeros(2, 3)
+        loss, metrics = compute_policy_loss(name, logp, zeros, torch.ones(2, 3), mask, rollout_logprobs=zeros)
         assert reduce_loss(loss, mask, "token_mean").item() == 0.0
         assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
 
