@@ -1,4 +1,4 @@
-"""Dynamic sampling in a real run (tiny model, local engine): half of the prompts always score 1, so
+"""Dynamic sampling in a real run (tiny model, the session's shared `skylift serve`): half of the prompts always score 1, so
 their groups carry no signal. `filter` trains only on the others and samples extra rounds to fill
 the batch. `replace`, and either mode around one-step-off training, are asserted with fake parts
 in tests/unit/test_rl_loop.py."""
@@ -54,7 +54,7 @@ def half_constant_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(
-    data: Path, run_dir: Path, model: Path, **extra: object
+    data: Path, run_dir: Path, model: Path, server_url: str, **extra: object
 ) -> tuple[list[dict], list[list[Trajectory]], list[int]]:
     """The steps' metrics, the trajectories each update trained on, and the prompts of each
     generation call."""
@@ -75,6 +75,9 @@ def _run(
         "trainer.ckpt_path": str(run_dir / "ckpts"),
         "trainer.export_path": str(run_dir / "exports"),
         "trainer.log_dir": str(run_dir / "logs"),
+        "generator.run_engines_locally": False,
+        "generator.remote_inference_engine_urls": f"['{server_url.removeprefix('http://')}']",
+        "generator.override_existing_update_group": True,
         **extra,
     }
     trainer = build_trainer(load_config([f"{k}={v}" for k, v in keys.items()]), console=False)
@@ -108,12 +111,13 @@ def _row_index(uid: str) -> int:
 
 
 def test_filter_trains_only_on_groups_with_a_signal(
-    half_constant_data: Path, tiny_model_dir: Path, tmp_path: Path
+    half_constant_data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
 ) -> None:
     rows, trained, round_sizes = _run(
         half_constant_data,
         tmp_path,
         tiny_model_dir,
+        tiny_server_url,
         **{
             "trainer.algorithm.dynamic_sampling.type": "filter",
             # oversampled rounds of 6 prompts: 3 of them at most carry a signal, so a step takes 2+
