@@ -85,14 +85,16 @@ DEMO_OVERRIDES = [
 
 # `--task tools`, on top of the above: 3 turns (call the calculator, read its result, answer, or
 # one more call after an error), rollouts of up to 40 new tokens a turn in evaluation too (a call
-# takes ~20, an answer ~6), context up to 256 tokens (the figures of these and other settings:
+# takes ~20, an answer ~6), context up to 320 tokens (a 125-token prompt, 192 with the worked
+# example), a KV cache for the longer conversations (the figures of these and other settings:
 # benchmarks/RESULTS.md, "Tool-use demo")
 TOOL_TASK_OVERRIDES = [
     "trainer.run_name=demo-tools",
     "generator.batched=false",
     "generator.max_turns=3",
     "generator.eval_sampling_params.max_generate_length=40",
-    "trainer.max_prompt_length=256",
+    "trainer.max_prompt_length=320",
+    "generator.kv_cache_gb=0.6",
     "trainer.max_steps=20",
 ]
 

@@ -92,6 +92,7 @@ def test_the_tools_task_adds_a_multi_turn_run_on_top(monkeypatch: pytest.MonkeyP
     cfg = load_config(overrides)
     assert cfg.trainer.run_name == "demo-tools"
     assert cfg.generator.max_turns == 3 and not cfg.generator.batched
+    assert cfg.generator.kv_cache_gb == 0.6 and cfg.trainer.max_prompt_length == 320
     assert cfg.trainer.algorithm.dynamic_sampling.type == "filter"
     with pytest.raises(ValueError, match="unknown demo task 'chess'"):
         demo_overrides(task="chess")
