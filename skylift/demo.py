@@ -5,7 +5,7 @@
 the right sum.
 
 `--task tools`: agentic RL. Products of a two- and a three-digit number, which the model cannot
-work out in its head, with a calculator tool (`skylift.envs.calculator`, `skylift.data.tool_demo`):
+work out in its head, with a calculator tool (`skylift.envs.calculator`, `skylift.data.tool_demo`; the prompt shows one solved problem):
 multi-turn rollouts through the generator's agent loop, tool calls parsed and run by the
 environment, the result back as a `tool` message, then the answer.
 
@@ -85,8 +85,8 @@ DEMO_OVERRIDES = [
 
 # `--task tools`, on top of the above: 3 turns (call the calculator, read its result, answer, or
 # one more call after an error), rollouts of up to 40 new tokens a turn in evaluation too (a call
-# takes ~20, an answer ~6), context up to 320 tokens (a 125-token prompt, 192 with the worked
-# example), a KV cache for the longer conversations (the figures of these and other settings:
+# takes ~20, an answer ~6), context up to 320 tokens (136-token prompts with the worked example),
+# a KV cache for the longer conversations (the figures of these and other settings:
 # benchmarks/RESULTS.md, "Tool-use demo")
 TOOL_TASK_OVERRIDES = [
     "trainer.run_name=demo-tools",
@@ -219,8 +219,13 @@ def write_demo_data(task: str, data_dir: Path, worked_example: bool = False) -> 
 
 
 def run_demo(
-    overrides: Sequence[str] = (), verbose: bool = False, task: str = "addition", worked_example: bool = False
+    overrides: Sequence[str] = (),
+    verbose: bool = False,
+    task: str = "addition",
+    worked_example: bool | None = None,
 ) -> int:
+    """`worked_example` (`task` "tools" only; None: True there): the prompt holds one solved problem
+    as conversation turns (without it SmolLM2 drew no tool call in 64 samples: benchmarks/RESULTS.md)."""
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
@@ -230,9 +235,10 @@ def run_demo(
     from skylift.rl.loop import RLTrainer
     from skylift.rl.run import run_trainer
 
-    if worked_example and task != "tools":
-        print("skylift demo: --worked-example goes with --task tools", file=sys.stderr)
+    if worked_example is not None and task != "tools":
+        print("skylift demo: --no-worked-example goes with --task tools", file=sys.stderr)
         return 2
+    worked_example = task == "tools" and worked_example is not False
     settings = demo_overrides(task=task)
     try:
         paths = RunPaths.from_config(load_config([*settings, *overrides]))
@@ -360,9 +366,11 @@ def add_demo_arguments(parser: Any) -> None:
         help="addition: two-digit sums; tools: products with a calculator tool (agentic RL, multi-turn)",
     )
     parser.add_argument(
-        "--worked-example",
-        action="store_true",
-        help="--task tools: the prompt also shows one solved problem (a call, its result, the answer)",
+        "--no-worked-example",
+        dest="worked_example",
+        action="store_false",
+        default=None,
+        help="--task tools: the prompt describes the tool without showing one solved problem",
     )
     parser.add_argument(
         "--verbose",

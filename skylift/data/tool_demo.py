@@ -2,8 +2,8 @@
 calculator tool (the ``calculator`` environment, `skylift.envs.calculator`).
 
 A 135M model cannot multiply 47 by 382 in its head; it can learn to ask the calculator. The prompt
-is a system message that describes the tool and its call format with one example call
-(SmolLM2's chat template has no ``tools`` section, so the prompt teaches it), then the question. With ``worked_example`` the prompt
+is a system message that describes the tool and its call format (SmolLM2's chat template has no
+``tools`` section, so the prompt teaches it), then the question. With ``worked_example`` the prompt
 also holds one solved problem (23 * 456: the call, the tool's answer, ``#### 10488``). The held-out
 and train sets are disjoint sets of (A, B) pairs, neither holding the worked example's pair.
 """
@@ -28,9 +28,7 @@ TOOL_DEMO_NUM_HELDOUT = 100
 TOOL_DEMO_SYSTEM = (
     "You have a calculator. To use it, write "
     '<tool name="calculator">{"expression": "..."}</tool> and stop; its result comes back to you. '
-    "Then give the final answer after ####. "
-    'Example: for "What is 23 * 456?" write <tool name="calculator">{"expression": "23 * 456"}</tool>, '
-    "read 10488, then write #### 10488."
+    "Then give the final answer after ####."
 )
 _EXTRA_FIELDS: tuple[tuple[str, pa.DataType], ...] = (("a", pa.int64()), ("b", pa.int64()))
 

@@ -101,8 +101,8 @@ def test_the_tools_task_adds_a_multi_turn_run_on_top(monkeypatch: pytest.MonkeyP
 def test_the_demo_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     from skylift.demo import run_demo
 
-    assert run_demo([], worked_example=True) == 2  # only with --task tools
-    assert "--worked-example goes with --task tools" in capsys.readouterr().err
+    assert run_demo([], worked_example=False) == 2  # only with --task tools
+    assert "--no-worked-example goes with --task tools" in capsys.readouterr().err
     from skylift.cli import main
 
     with pytest.raises(SystemExit):
