@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentic_fakes import Reply, Row, ScriptedEngine, chatml_tokenizer
+from agentic_fakes import Reply, Row, ScriptedEngine, chatml_tokenizer, smollm2_tokenizer
 
 from skylift.data import load_prompt_file
 from skylift.data.tool_demo import (
@@ -58,8 +58,14 @@ def _tokenizer() -> Any:
     return _TOKENIZER[0]
 
 
-def _rollout(turns: list[str], env_kwargs: dict[str, Any] | None = None, a: int = 47, b: int = 382) -> Any:
-    tokenizer = _tokenizer()
+def _rollout(
+    turns: list[str],
+    env_kwargs: dict[str, Any] | None = None,
+    a: int = 47,
+    b: int = 382,
+    tokenizer: Any = None,
+) -> Any:
+    tokenizer = tokenizer or _tokenizer()
     row_dict = tool_demo_row(a, b, "train", 0)
     row = Row(row_dict["prompt"], row_dict["env_class"], reward_spec=row_dict["reward_spec"])
     engine = ScriptedEngine([Reply(_ids(tokenizer, text)) for text in turns])
@@ -69,10 +75,13 @@ def _rollout(turns: list[str], env_kwargs: dict[str, Any] | None = None, a: int 
     return trajectory, tokenizer, row
 
 
-def test_a_call_then_the_answer_scores_and_the_ids_are_the_templates() -> None:
+@pytest.mark.parametrize("template", ["chatml", "smollm2"])
+def test_a_call_then_the_answer_scores_and_the_ids_are_the_templates(template: str) -> None:
+    """The demo's model (SmolLM2: no tools section, a `tool` role turn) and ChatML."""
     assert "calculator" in list_envs()
     turns = [tool_call_text(47, 382), "#### 17954"]
-    trajectory, tokenizer, row = _rollout(turns)
+    tokenizer = smollm2_tokenizer() if template == "smollm2" else _tokenizer()
+    trajectory, tokenizer, row = _rollout(turns, tokenizer=tokenizer)
     assert trajectory.reward == 1.0 and trajectory.num_turns == 2
     assert trajectory.metrics == {
         "tool_calls": 1.0,
@@ -91,7 +100,7 @@ def test_a_call_then_the_answer_scores_and_the_ids_are_the_templates() -> None:
     rendered = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
     close = ChatFormat(tokenizer).turn_close_ids()
     assert trajectory.prompt_ids + trajectory.response_ids + close[1:] == list(rendered)
-    assert "tool\n17954" in tokenizer.decode(trajectory.response_ids)
+    assert "<|im_start|>tool\n17954<|im_end|>" in tokenizer.decode(trajectory.response_ids)
 
 
 def test_an_answer_without_the_tool_is_scored_and_counts_no_call() -> None:
