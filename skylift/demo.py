@@ -95,7 +95,7 @@ TOOL_TASK_OVERRIDES = [
     "generator.eval_sampling_params.max_generate_length=40",
     "trainer.max_prompt_length=320",
     "generator.kv_cache_gb=0.6",
-    "trainer.max_steps=20",
+    "trainer.max_steps=10",  # within 10 minutes of training on 2 cores (benchmarks/RESULTS.md)
 ]
 
 DEMO_TASKS = ("addition", "tools")
