@@ -14,10 +14,7 @@ from collections.abc import Sequence
 def _run_demo(args: argparse.Namespace) -> int:
     from skylift.demo import run_demo
 
-    return run_demo(args.overrides, args.verbose)
-
-
-VERBOSE_HELP = "also print the libraries' own messages (vLLM, PyTorch, Ray, transformers)"
+    return run_demo(args.overrides, args.verbose, args.task, args.worked_example)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -44,11 +41,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_trainer_commands(sub)
 
-    demo = sub.add_parser("demo", help="GRPO demo: SmolLM2-135M learns two-digit addition on CPU (minutes)")
-    demo.add_argument(
-        "overrides", nargs="*", metavar="key.sub=value", help="overrides of the demo's settings"
+    demo = sub.add_parser(
+        "demo",
+        help="GRPO demo: SmolLM2-135M learns two-digit addition (or, --task tools, to use a calculator) on CPU",
     )
-    demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    from skylift.demo import add_demo_arguments
+
+    add_demo_arguments(demo)
     demo.set_defaults(func=_run_demo)
 
     sub.add_parser(

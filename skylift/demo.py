@@ -1,14 +1,22 @@
-"""`skylift demo`: GRPO on SmolLM2-135M-Instruct learning two-digit addition, on CPU, in minutes.
+"""`skylift demo`: GRPO on SmolLM2-135M-Instruct learning a task on CPU, in minutes.
 
-The prompt is a chat with one worked example (23 + 45 = 68, then `#### 68`) followed by the
-question; the reward is 1 when the last `#### n` is the right sum. The demo evaluates greedy
-accuracy on 100 held-out problems before and after training, prints a before/after table and
-writes a plot of reward and accuracy per step. Any `key=value` override of `skylift train`
-applies on top of the demo's settings.
+`--task addition` (the default): two-digit addition. The prompt is a chat with one worked example
+(23 + 45 = 68, then `#### 68`) followed by the question; the reward is 1 when the last `#### n` is
+the right sum.
+
+`--task tools`: agentic RL. Products of a two- and a three-digit number, which the model cannot
+work out in its head, with a calculator tool (`skylift.envs.calculator`, `skylift.data.tool_demo`; the prompt shows one solved problem):
+multi-turn rollouts through the generator's agent loop, tool calls parsed and run by the
+environment, the result back as a `tool` message, then the answer.
+
+The demo evaluates greedy accuracy on 100 held-out problems before and after training, prints a
+before/after table (with the tool-call rate for `tools`) and writes a plot of reward and accuracy
+per step. Any `key=value` override of `skylift train` applies on top of the demo's settings.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -16,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from skylift.utils.eval_stats import format_accuracy
 
@@ -74,6 +83,25 @@ DEMO_OVERRIDES = [
     "generator.kv_cache_block_size=32",
 ]
 
+# `--task tools`, on top of the above: 3 turns (call the calculator, read its result, answer, or
+# one more call after an error), rollouts of up to 40 new tokens a turn in evaluation too (a call
+# takes ~20, an answer ~6), context up to 320 tokens (136-token prompts with the worked example),
+# a KV cache for the longer conversations (the figures of these and other settings:
+# benchmarks/RESULTS.md, "Tool-use demo")
+TOOL_TASK_OVERRIDES = [
+    "trainer.run_name=demo-tools",
+    "generator.batched=false",
+    "generator.max_turns=3",
+    "generator.eval_sampling_params.max_generate_length=40",
+    "trainer.max_prompt_length=320",
+    "generator.kv_cache_gb=0.6",
+    "trainer.max_steps=10",  # within 10 minutes of training on 2 cores (benchmarks/RESULTS.md)
+]
+
+DEMO_TASKS = ("addition", "tools")
+DEMO_NUM_HELDOUT = 100  # held-out problems of either task
+
+
 # Where bf16 matrix instructions exist (CUDA, x86 AVX512-BF16 / AMX, Arm BF16), the engine samples
 # in bfloat16 and training runs bf16 matmuls over float32 weights: faster generation and logprobs
 # than float32, at a larger rollout-trainer logprob gap (benchmarks/RESULTS.md). Elsewhere bf16 is
@@ -101,11 +129,16 @@ def has_fast_bf16(cpuinfo: str | None = None) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
-def demo_overrides(fast_bf16: bool | None = None, dynamic_sampling: bool = True) -> list[str]:
-    """`DEMO_OVERRIDES` plus bf16 where it is fast (`has_fast_bf16`), leaving the KV cache to
-    VLLM_CPU_KVCACHE_SPACE when the user set it. `dynamic_sampling=False` leaves out the demo's
-    dynamic sampling (benchmarks that time one plain GRPO step, or fully async, which refuses it)."""
-    overrides = list(DEMO_OVERRIDES)
+def demo_overrides(
+    fast_bf16: bool | None = None, dynamic_sampling: bool = True, task: str = "addition"
+) -> list[str]:
+    """`DEMO_OVERRIDES` (and `TOOL_TASK_OVERRIDES` for `task` "tools") plus bf16 where it is fast
+    (`has_fast_bf16`), leaving the KV cache to VLLM_CPU_KVCACHE_SPACE when the user set it.
+    `dynamic_sampling=False` leaves out the demo's dynamic sampling (benchmarks that time one plain
+    GRPO step, or fully async, which refuses it)."""
+    if task not in DEMO_TASKS:
+        raise ValueError(f"unknown demo task {task!r}; known: {', '.join(DEMO_TASKS)}")
+    overrides = list(DEMO_OVERRIDES) + (TOOL_TASK_OVERRIDES if task == "tools" else [])
     if not dynamic_sampling:
         overrides = [o for o in overrides if o not in DYNAMIC_SAMPLING_OVERRIDES]
     if fast_bf16 if fast_bf16 is not None else has_fast_bf16():
@@ -171,22 +204,46 @@ class PeakMemory:
         self._thread.join()
 
 
-def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
+def write_demo_data(task: str, data_dir: Path, worked_example: bool = False) -> None:
+    """The task's train and held-out prompts (`worked_example`: the tool prompt with a solved problem)."""
+    if task == "tools":
+        from skylift.data.tool_demo import write_tool_demo
+
+        write_tool_demo(
+            data_dir, num_train=2000, num_val=DEMO_NUM_HELDOUT, seed=0, worked_example=worked_example
+        )
+    else:
+        from skylift.data import write_addition_demo
+
+        write_addition_demo(data_dir, num_train=2000, num_val=DEMO_NUM_HELDOUT, seed=0)
+
+
+def run_demo(
+    overrides: Sequence[str] = (),
+    verbose: bool = False,
+    task: str = "addition",
+    worked_example: bool | None = None,
+) -> int:
+    """`worked_example` (`task` "tools" only; None: True there): the prompt holds one solved problem
+    as conversation turns (without it SmolLM2 drew no tool call in 64 samples: benchmarks/RESULTS.md)."""
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
     from skylift.cluster.settings import RunPaths
     from skylift.config import ConfigError, load_config
-    from skylift.data import write_addition_demo
     from skylift.rl.build import build_trainer
     from skylift.rl.loop import RLTrainer
     from skylift.rl.run import run_trainer
 
-    settings = demo_overrides()
+    if worked_example is not None and task != "tools":
+        print("skylift demo: --no-worked-example goes with --task tools", file=sys.stderr)
+        return 2
+    worked_example = task == "tools" and worked_example is not False
+    settings = demo_overrides(task=task)
     try:
         paths = RunPaths.from_config(load_config([*settings, *overrides]))
         data_dir = paths.root / "data"
-        write_addition_demo(data_dir, num_train=2000, num_val=100, seed=0)
+        write_demo_data(task, data_dir, worked_example)
         cfg = load_config(
             [
                 *settings,
@@ -241,6 +298,16 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
     print(f"{'':35}{'before':>11}   {'after':>11}")
     if before and after:
         print(f"held-out greedy accuracy (100)     {accuracy_cell(before):>11}   {accuracy_cell(after):>11}")
+        if task == "tools":
+            print(f"held-out tool-call rate            {rate_cell(before):>11}   {rate_cell(after):>11}")
+    if task == "tools":
+        calls = [h["env/used_tool"] if "env/used_tool" in h else 0.0 for h in history if "reward/mean" in h]
+        if calls:
+            first, last = calls[: max(1, len(calls) // 5)], calls[-max(1, len(calls) // 5) :]
+            print(
+                f"sampled tool-call rate (first/last) {statistics.fmean(first):10.0%}   "
+                f"{statistics.fmean(last):11.0%}"
+            )
     if rewards:
         print(
             f"mean sampled reward (first/last)   {statistics.fmean(first_rewards):11.3f}   "
@@ -264,14 +331,52 @@ def run_demo(overrides: Sequence[str] = (), verbose: bool = False) -> int:
 
 
 def accuracy_cell(metrics: dict[str, float]) -> str:
-    """An evaluation's accuracy with its standard error, e.g. ``'70% ± 4.6'`` (points)."""
+    """An evaluation's accuracy with its standard error, e.g. ``'70% ± 4.6'`` (points). Where the
+    environment reports whether each answer was right (``eval/env/correct``: the calculator, whose
+    reward may include shaping), that share is the accuracy."""
+    if "eval/env/correct" in metrics:
+        share = metrics["eval/env/correct"]
+        return format_accuracy(share, math.sqrt(share * (1 - share) / DEMO_NUM_HELDOUT))
     return format_accuracy(metrics["eval/accuracy"], metrics.get("eval/accuracy_stderr", 0.0))
 
 
+def rate_cell(metrics: dict[str, float]) -> str:
+    """The share of held-out problems where the model called the tool, e.g. ``'93%'``."""
+    return f"{metrics.get('eval/env/used_tool', 0.0):.0%}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    verbose = "--verbose" in args
-    return run_demo([a for a in args if a != "--verbose"], verbose)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="skylift demo")
+    add_demo_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run_demo(args.overrides, args.verbose, args.task, args.worked_example)
+
+
+def add_demo_arguments(parser: Any) -> None:
+    """`skylift demo`'s arguments (an `argparse` parser): overrides, --task, --worked-example, --verbose."""
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="overrides of the demo's settings"
+    )
+    parser.add_argument(
+        "--task",
+        choices=DEMO_TASKS,
+        default="addition",
+        help="addition: two-digit sums; tools: products with a calculator tool (agentic RL, multi-turn)",
+    )
+    parser.add_argument(
+        "--no-worked-example",
+        dest="worked_example",
+        action="store_false",
+        default=None,
+        help="--task tools: the prompt describes the tool without showing one solved problem",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print the libraries' own messages (vLLM, PyTorch, Ray, transformers)",
+    )
 
 
 if __name__ == "__main__":

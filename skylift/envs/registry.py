@@ -24,7 +24,12 @@ EnvFactory = Callable[..., Environment]
 F = TypeVar("F", bound=EnvFactory)
 
 _REGISTRY: dict[str, EnvFactory] = {}
-_BUILTIN_MODULES = ("skylift.envs.gsm8k", "skylift.envs.arithmetic", "skylift.envs.openenv")
+_BUILTIN_MODULES = (
+    "skylift.envs.gsm8k",
+    "skylift.envs.arithmetic",
+    "skylift.envs.calculator",
+    "skylift.envs.openenv",
+)
 
 
 class UnknownEnvironmentError(KeyError):

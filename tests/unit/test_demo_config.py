@@ -79,3 +79,32 @@ def test_a_bad_override_is_a_clear_error_not_a_traceback(capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert "skylift demo: configuration error" in err and "trainer.max_steps=0 must be >= 1" in err
     assert "Traceback" not in err
+
+
+def test_the_tools_task_adds_a_multi_turn_run_on_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`skylift demo --task tools`: the demo's settings, multi-turn with 3 turns, its own run name."""
+    from skylift.demo import TOOL_TASK_OVERRIDES
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    overrides = demo_overrides(fast_bf16=False, task="tools")
+    assert overrides[: len(DEMO_OVERRIDES)] == DEMO_OVERRIDES
+    assert overrides[len(DEMO_OVERRIDES) :] == TOOL_TASK_OVERRIDES
+    cfg = load_config(overrides)
+    assert cfg.trainer.run_name == "demo-tools"
+    assert cfg.generator.max_turns == 3 and not cfg.generator.batched
+    assert cfg.generator.kv_cache_gb == 0.6 and cfg.trainer.max_prompt_length == 320
+    assert cfg.trainer.algorithm.dynamic_sampling.type == "filter"
+    with pytest.raises(ValueError, match="unknown demo task 'chess'"):
+        demo_overrides(task="chess")
+
+
+def test_the_demo_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from skylift.demo import run_demo
+
+    assert run_demo([], worked_example=False) == 2  # only with --task tools
+    assert "--no-worked-example goes with --task tools" in capsys.readouterr().err
+    from skylift.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--task", "chess"])
+    assert "invalid choice: 'chess'" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""The task of ``skylift demo --task tools``: products of a two-digit and a three-digit number, with a
+calculator tool (the ``calculator`` environment, `skylift.envs.calculator`).
+
+A 135M model cannot multiply 47 by 382 in its head; it can learn to ask the calculator. The prompt
+is a system message that describes the tool and its call format (SmolLM2's chat template has no
+``tools`` section, so the prompt teaches it), then the question. With ``worked_example`` the prompt
+also holds one solved problem (23 * 456: the call, the tool's answer, ``#### 10488``). The held-out
+and train sets are disjoint sets of (A, B) pairs, neither holding the worked example's pair.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from skylift.data.schema import PreparedDataset, make_row, write_prompt_parquet
+
+TOOL_DEMO_DATA_SOURCE = "skylift/tool-demo"
+TOOL_DEMO_ENV_CLASS = "calculator"
+FIRST_FACTOR: tuple[int, int] = (10, 99)
+SECOND_FACTOR: tuple[int, int] = (100, 999)
+TOOL_DEMO_EXAMPLE_PAIR: tuple[int, int] = (23, 456)
+TOOL_DEMO_NUM_HELDOUT = 100
+TOOL_DEMO_SYSTEM = (
+    "You have a calculator. To use it, write "
+    '<tool name="calculator">{"expression": "..."}</tool> and stop; its result comes back to you. '
+    "Then give the final answer after ####."
+)
+_EXTRA_FIELDS: tuple[tuple[str, pa.DataType], ...] = (("a", pa.int64()), ("b", pa.int64()))
+
+
+def product_question(a: int, b: int) -> str:
+    """``"What is A * B?"``"""
+    return f"What is {a} * {b}?"
+
+
+def tool_call_text(a: int, b: int) -> str:
+    """The call the policy should make for A * B, in the ``xml`` tool-call format."""
+    return f'<tool name="calculator">{{"expression": "{a} * {b}"}}</tool>'
+
+
+def tool_demo_prompt(a: int, b: int, worked_example: bool = False) -> list[dict[str, str]]:
+    """The system message, (optionally) the worked example's four turns, the question."""
+    messages = [{"role": "system", "content": TOOL_DEMO_SYSTEM}]
+    if worked_example:
+        ex_a, ex_b = TOOL_DEMO_EXAMPLE_PAIR
+        messages += [
+            {"role": "user", "content": product_question(ex_a, ex_b)},
+            {"role": "assistant", "content": tool_call_text(ex_a, ex_b)},
+            {"role": "tool", "content": str(ex_a * ex_b)},
+            {"role": "assistant", "content": f"#### {ex_a * ex_b}"},
+        ]
+    return [*messages, {"role": "user", "content": product_question(a, b)}]
+
+
+def tool_demo_row(a: int, b: int, split: str, index: int, worked_example: bool = False) -> dict[str, Any]:
+    """The prompt-parquet row of the problem A * B."""
+    return make_row(
+        data_source=TOOL_DEMO_DATA_SOURCE,
+        prompt=tool_demo_prompt(a, b, worked_example),
+        env_class=TOOL_DEMO_ENV_CLASS,
+        ground_truth=str(a * b),
+        extra_info={
+            "split": split,
+            "index": index,
+            "question": product_question(a, b),
+            "answer": f"{tool_call_text(a, b)}\n#### {a * b}",
+            "a": a,
+            "b": b,
+        },
+    )
+
+
+def tool_demo_pairs(
+    num_train: int, num_heldout: int = TOOL_DEMO_NUM_HELDOUT, seed: int = 0
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Disjoint (train, held-out) lists of distinct (A, B) pairs, A two-digit and B three-digit,
+    drawn with `seed`; the worked example's pair is never drawn."""
+    size = (FIRST_FACTOR[1] - FIRST_FACTOR[0] + 1) * (SECOND_FACTOR[1] - SECOND_FACTOR[0] + 1) - 1
+    if num_train < 0 or num_heldout < 0 or num_train + num_heldout > size:
+        raise ValueError(
+            f"num_train ({num_train}) + num_heldout ({num_heldout}) must be between 0 and {size} "
+            "(the number of distinct product pairs)"
+        )
+    rng = random.Random(seed)
+    seen = {TOOL_DEMO_EXAMPLE_PAIR}
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < num_heldout + num_train:
+        pair = (rng.randint(*FIRST_FACTOR), rng.randint(*SECOND_FACTOR))
+        if pair not in seen:
+            seen.add(pair)
+            pairs.append(pair)
+    return pairs[num_heldout:], pairs[:num_heldout]
+
+
+def write_tool_demo(
+    out_dir: str | Path,
+    num_train: int = 2000,
+    num_val: int = TOOL_DEMO_NUM_HELDOUT,
+    seed: int = 0,
+    worked_example: bool = False,
+) -> PreparedDataset:
+    """Write the tool demo's ``train.parquet`` and ``validation.parquet`` (the held-out problems)."""
+    start = time.perf_counter()
+    train_pairs, heldout_pairs = tool_demo_pairs(num_train, num_val, seed)
+    out = Path(out_dir)
+    result = PreparedDataset(out_dir=out, source=f"synthetic:tool-demo(seed={seed})")
+    for split, pairs in (("train", train_pairs), ("validation", heldout_pairs)):
+        rows = [tool_demo_row(a, b, split, i, worked_example) for i, (a, b) in enumerate(pairs)]
+        result.files[split] = write_prompt_parquet(rows, out / f"{split}.parquet", _EXTRA_FIELDS)
+        result.num_rows[split] = len(rows)
+    result.seconds = time.perf_counter() - start
+    return result
