@@ -8,15 +8,15 @@ reader and an IDE can follow every call from the pool to the engine.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
+from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.types import (
     EngineError,
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
 )
@@ -53,23 +53,17 @@ class EngineActor:
             raise EngineError(f"engine actor: {operation} called before start() or after close()")
         return self.engine
 
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None = None,
-        *,
-        prompt_logprobs: bool = False,
-        images: Sequence[list[Any] | None] | None = None,
-        lora_name: str | None = None,
-    ) -> list[GenerateOutput]:
+    async def generate(self, call: GenerateCall) -> list[GenerateOutput]:
+        """One `generate` request, checked by the client (`EngineBase.generate`)."""
         engine = self._live("generate")
         return await engine.generate(
-            prompts, params, session_id, prompt_logprobs=prompt_logprobs, images=images, lora_name=lora_name
+            call.prompts,
+            call.params,
+            call.session_id,
+            prompt_logprobs=call.prompt_logprobs,
+            images=call.images,
+            lora_name=call.lora_name,
         )
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self._live("prompt_logprobs").prompt_logprobs(sequences)
 
     async def sleep(self, level: int = 1) -> None:
         await self._live("sleep").sleep(level)
@@ -134,8 +128,10 @@ def _actor_died(message: str, exc: Exception) -> Exception | None:
     return None
 
 
-class RayEngineClient:
-    """An `InferenceEngine` whose every call runs the `EngineActor` method of the same name.
+class RayEngineClient(EngineBase):
+    """An `InferenceEngine` whose every call runs the `EngineActor` method of the same name
+    (`generate` is checked here first and `prompt_logprobs` is a teacher-forced `generate`: the
+    shared front, `EngineBase`).
 
     Each call has the client's timeout; a dead actor (its process killed or crashed) or one that
     does not answer raises `EngineUnavailableError`, so an `EnginePool` moves the work elsewhere.
@@ -164,28 +160,8 @@ class RayEngineClient:
             error=_actor_died,
         )
 
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        session_id: str | None = None,
-        *,
-        prompt_logprobs: bool = False,
-        images: Sequence[list[Any] | None] | None = None,
-        lora_name: str | None = None,
-    ) -> list[GenerateOutput]:
-        return await self._call(
-            EngineActor.generate,
-            prompts,
-            params,
-            session_id,
-            prompt_logprobs=prompt_logprobs,
-            images=images,
-            lora_name=lora_name,
-        )
-
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self._call(EngineActor.prompt_logprobs, sequences)
+    async def _generate(self, call: GenerateCall) -> list[GenerateOutput]:
+        return await self._call(EngineActor.generate, call)
 
     async def sleep(self, level: int = 1) -> None:
         await self._call(EngineActor.sleep, level)

@@ -17,14 +17,27 @@ import pytest
 
 from skylift.cluster.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.local import LocalVLLMEngine
-from skylift.inference.types import EngineError, EngineUnavailableError, InferenceEngine
-
-#: The engine operations the actor offers (besides its own start-up).
-OPERATIONS = sorted(
-    name
-    for name, value in vars(EngineActor).items()
-    if inspect.iscoroutinefunction(value) and not name.startswith("_") and name != "start"
+from skylift.inference.types import (
+    TEACHER_FORCING,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailableError,
+    GenerateOutput,
+    InferenceEngine,
+    SamplingParams,
 )
+
+
+def operations(cls: type) -> list[str]:
+    """The public coroutine methods of `cls` (inherited ones too)."""
+    return sorted(
+        n for n, v in inspect.getmembers(cls) if inspect.iscoroutinefunction(v) and not n.startswith("_")
+    )
+
+
+#: What the actor forwards besides its own start-up; `generate` is tested on its own (the client
+#: checks the request and hands the actor a `GenerateCall`).
+FORWARDED = [name for name in operations(EngineActor) if name not in ("start", "generate")]
 
 
 class RecordingEngine:
@@ -77,33 +90,28 @@ def client_over(engine: Any, **kw: Any) -> tuple[RayEngineClient, EngineActor]:
 
 
 def test_actor_and_client_offer_the_same_operations_as_the_local_engine() -> None:
-    client_operations = sorted(
-        name
-        for name, value in vars(RayEngineClient).items()
-        if inspect.iscoroutinefunction(value) and not name.startswith("_")
-    )
-    assert client_operations == OPERATIONS
+    assert operations(RayEngineClient) == sorted([*FORWARDED, "generate", "prompt_logprobs"])
+    # what a Ray engine does not offer: start-up (the actor's `start`) and the in-process extras
+    extras = ["create", "prompt_top_logprobs", "receive_weights", "try_reset_prefix_cache"]
+    assert operations(LocalVLLMEngine) == sorted([*operations(RayEngineClient), *extras])
     protocol = {
-        name
-        for name in vars(InferenceEngine)
-        if not name.startswith("_") and callable(vars(InferenceEngine)[name])
+        n for n in vars(InferenceEngine) if not n.startswith("_") and callable(vars(InferenceEngine)[n])
     }
-    assert protocol <= set(OPERATIONS)
-    assert {"prompt_logprobs", "pause_generation", "resume_generation", "has_weight_update_group"} <= set(
-        OPERATIONS
-    )
-    assert {"load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"} <= set(OPERATIONS)
-    for operation in OPERATIONS:
+    assert protocol <= set(operations(RayEngineClient))
+    assert {"pause_generation", "resume_generation", "has_weight_update_group"} <= set(FORWARDED)
+    assert {"load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"} <= set(FORWARDED)
+    for operation in operations(RayEngineClient):
         local = parameters(getattr(LocalVLLMEngine, operation))
-        assert parameters(getattr(EngineActor, operation)) == local, operation
         assert parameters(getattr(RayEngineClient, operation)) == local, operation
+        if operation in FORWARDED:
+            assert parameters(getattr(EngineActor, operation)) == local, operation
     client = RayEngineClient(actor=None, name="engine-0", timeout_s=5.0)
     assert isinstance(client, InferenceEngine)
     with pytest.raises(AttributeError, match="no attribute 'vllm_engine'"):
         _ = client.vllm_engine  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("operation", OPERATIONS)
+@pytest.mark.parametrize("operation", FORWARDED)
 def test_each_call_reaches_the_engine_with_its_arguments_and_answers(operation: str) -> None:
     engine = RecordingEngine()
     client, actor = client_over(engine)
@@ -126,13 +134,48 @@ def test_each_call_reaches_the_engine_with_its_arguments_and_answers(operation: 
     assert (actor.engine is None) == (operation == "close")  # close forgets the engine
 
 
+class GeneratingEngine(RecordingEngine):
+    """Answers `generate` with one output per prompt whose prompt tokens are scored -0.5 each."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> list[GenerateOutput]:
+        self.calls.append(("generate", args, kwargs))
+        prompts = args[0]
+        return [
+            GenerateOutput(prompt_token_ids=p, prompt_logprobs=[None] + [-0.5] * (len(p) - 1))
+            for p in prompts
+        ]
+
+
+def test_generate_is_checked_by_the_client_and_prompt_logprobs_is_a_teacher_forced_generate() -> None:
+    engine = GeneratingEngine()
+    client, _ = client_over(engine)
+    params = SamplingParams(max_tokens=3, seed=7)
+    outputs = asyncio.run(
+        client.generate(
+            [[1, 2], [3]], params, "s-1", prompt_logprobs=True, images=[None, ["img"]], lora_name="a"
+        )
+    )
+    assert [o.prompt_token_ids for o in outputs] == [[1, 2], [3]]
+    args, kwargs = engine.calls[0][1:]
+    assert args == ([[1, 2], [3]], params, "s-1")
+    assert kwargs == {"prompt_logprobs": True, "images": [None, ["img"]], "lora_name": "a"}
+    assert asyncio.run(client.prompt_logprobs([[5, 6, 7]])) == [[-0.5, -0.5]]
+    args, kwargs = engine.calls[1][1:]
+    assert args == ([[5, 6, 7]], TEACHER_FORCING, None) and kwargs["prompt_logprobs"] is True
+    with pytest.raises(EngineRequestError, match="^engine-0: generate: prompt 1 is empty$"):
+        asyncio.run(client.generate([[1], []], params))
+    with pytest.raises(EngineRequestError, match="^engine-0: generate: 1 image lists for 2 prompts$"):
+        asyncio.run(client.generate([[1], [2]], params, images=[None]))
+    assert len(engine.calls) == 2  # a refused request never reached the actor
+
+
 def test_a_call_before_start_or_after_close_says_so_and_close_is_idempotent() -> None:
     client, actor = client_over(None)
     asyncio.run(client.close())  # nothing to close
     with pytest.raises(
         EngineError, match=r"^engine actor: generate called before start\(\) or after close\(\)$"
     ):
-        asyncio.run(client.generate([[1]], params=None))  # type: ignore[arg-type]
+        asyncio.run(client.generate([[1]], SamplingParams()))
     actor.engine = RecordingEngine()
     asyncio.run(client.close())
     with pytest.raises(EngineError, match="health called before start"):
@@ -152,7 +195,7 @@ def test_a_dead_or_silent_actor_is_an_unavailable_engine() -> None:
     with pytest.raises(
         EngineUnavailableError, match=r"^engine-0: generate failed: the engine actor died \(killed"
     ):
-        asyncio.run(client.generate([[1]], params=None))  # type: ignore[arg-type]
+        asyncio.run(client.generate([[1]], SamplingParams()))
     client, _ = client_over(RecordingEngine(), instead=silent)
     client.timeout_s = 0.05
     with pytest.raises(
