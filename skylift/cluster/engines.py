@@ -1,103 +1,18 @@
 """Inference engines for a training run: local (vLLM in Ray actors) or remote (HTTP servers).
 
+A Ray engine is an `EngineActor` reached through a `RayEngineClient` (`cluster.ray_engine`).
 `EngineRef`s are small picklable descriptions that the driver turns into `InferenceEngine`
 clients with `connect()` (the pool's clients, which weight sync uses too: `cluster.policy_sync`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from skylift.cluster.placement import PlacedGroups, engine_role
-from skylift.inference.types import EngineError, EngineUnavailableError, InferenceEngine
-from skylift.utils.calls import call_with_timeout
-
-#: What a Ray engine forwards: the `InferenceEngine` interface plus the local engine's extras.
-ENGINE_METHODS = frozenset(name for name in dir(InferenceEngine) if not name.startswith("_")) | {
-    "prompt_logprobs",
-    "has_weight_update_group",
-    "pause_generation",
-    "resume_generation",
-    # LoRA weight sync (skylift.weight_sync.lora)
-    "load_lora_adapter",
-    "unload_lora_adapter",
-    "receive_lora_adapter",
-}
-
-
-class EngineActor:
-    """A `LocalVLLMEngine` living in a Ray actor (made remote by `start_local_engines`)."""
-
-    def __init__(self) -> None:
-        self.engine: Any = None
-
-    async def start(self, model: str, engine_kwargs: dict[str, Any]) -> str:
-        from skylift.inference.local import LocalVLLMEngine
-
-        self.engine = await LocalVLLMEngine.create(model, **engine_kwargs)
-        return repr(self.engine)
-
-    def node_ip(self) -> str:
-        """The IP of the node this engine runs on (what its weight-sync receivers bind)."""
-        import ray
-
-        return str(ray.util.get_node_ip_address())
-
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`self.engine.<method>(*args, **kwargs)`; `close` also forgets the engine."""
-        if method not in ENGINE_METHODS:
-            raise AttributeError(f"{method!r} is not an engine method")
-        if self.engine is None:
-            if method == "close":
-                return None
-            raise EngineError(f"engine actor: {method} called before start() or after close()")
-        result = await getattr(self.engine, method)(*args, **kwargs)
-        if method == "close":
-            self.engine = None
-        return result
-
-
-class RayEngineClient:
-    """An `InferenceEngine` whose every call goes to an `EngineActor` (one generic proxy).
-
-    ``client.generate(...)`` awaits ``actor.call.remote("generate", ...)`` with a timeout. A dead
-    actor (its process killed or crashed) raises `EngineUnavailableError`, so an `EnginePool`
-    moves the work to another engine.
-    """
-
-    def __init__(self, actor: Any, name: str, timeout_s: float = 600.0) -> None:
-        self.actor = actor
-        self.name = name
-        self.timeout_s = timeout_s
-
-    def __repr__(self) -> str:
-        return self.name
-
-    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
-        if method not in ENGINE_METHODS:
-            raise AttributeError(f"{type(self).__name__} has no attribute {method!r}")
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            from ray.exceptions import RayActorError
-
-            def actor_died(message: str, exc: Exception) -> Exception | None:
-                if isinstance(exc, RayActorError):
-                    return EngineUnavailableError(f"{message}: the engine actor died ({exc})")
-                return None
-
-            return await call_with_timeout(
-                self.name,
-                method,
-                self.actor.call.remote(method, *args, **kwargs),
-                self.timeout_s,
-                timeout_error=EngineUnavailableError,
-                error=actor_died,
-            )
-
-        call.__name__ = method
-        return call
+from skylift.cluster.ray_engine import EngineActor, RayEngineClient
+from skylift.inference.types import EngineUnavailableError
 
 
 @dataclass

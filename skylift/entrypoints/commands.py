@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from skylift.entrypoints.main_base import TRAIN_EPILOG, add_train_arguments, run_train
+from skylift.entrypoints.main_base import TRAIN_EPILOG, RunOptions, add_train_arguments, run_train
 from skylift.entrypoints.main_generate import add_eval_command
 
 
 def _train(args: argparse.Namespace) -> int:
-    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
+    return run_train(RunOptions.of(args))
 
 
 def _config(args: argparse.Namespace) -> int:
-    return run_train(args.overrides, args.config_file, print_cfg=True)
+    return run_train(RunOptions(args.overrides, args.config_file, print_cfg=True))
 
 
 def _plot(args: argparse.Namespace) -> int:

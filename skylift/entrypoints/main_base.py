@@ -11,11 +11,13 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from skylift.config import SkyliftConfig
     from skylift.rl.loop import RLTrainer
 
 TRAIN_EPILOG = """\
@@ -62,48 +64,72 @@ def log_to_file(log_path: str) -> Path:
     return path
 
 
-def run_train(
-    overrides: Sequence[str],
-    config_file: str | None = None,
-    print_cfg: bool = False,
-    verbose: bool = False,
-    dry_run: bool = False,
-) -> int:
+@dataclass(frozen=True)
+class RunOptions:
+    """The command line of a run command (`add_train_arguments`)."""
+
+    overrides: Sequence[str] = ()
+    config_file: str | None = None
+    print_cfg: bool = False  # --cfg job
+    verbose: bool = False
+    dry_run: bool = False
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> RunOptions:
+        return cls(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
+
+
+def prepare_run(
+    prog: str, run: RunOptions, check: Callable[[SkyliftConfig], None] | None = None
+) -> SkyliftConfig | int:
+    """What every run command (`skylift train`, `skylift eval`) does before its run: the checked
+    configuration (`check`: the command's own checks), or the exit code when the command ends here
+    (2 a configuration error, 0 after printing it for `--cfg job` or `--dry-run`). A run also logs
+    to `trainer.log_path` and shuts down cleanly on SIGTERM."""
     from skylift.utils.quiet import quiet_libraries
 
-    quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
+    quiet_libraries(run.verbose)  # before vLLM and torch's C++ core print anything
     from skylift.config import ConfigError, format_config, load_config
 
     try:
-        cfg = load_config(list(overrides), config_file)
+        cfg = load_config(list(run.overrides), run.config_file)
+        if check is not None:
+            check(cfg)
     except ConfigError as exc:
-        print(f"skylift: configuration error: {exc}", file=sys.stderr)
+        print(f"{prog}: configuration error: {exc}", file=sys.stderr)
         return 2
-    if print_cfg:
+    if run.print_cfg:
         print(format_config(cfg, with_help=True))
         return 0
-    if dry_run:
+    if run.dry_run:
         print(format_config(cfg))
-        print("skylift: dry run: the configuration is valid; nothing was started", file=sys.stderr)
+        print(f"{prog}: dry run: the configuration is valid; nothing was started", file=sys.stderr)
         return 0
     if cfg.trainer.log_path:
         print(f"[skylift] log messages also go to {log_to_file(cfg.trainer.log_path)}")
-    from skylift.rl.build import build_trainer
-    from skylift.rl.run import run_trainer
     from skylift.utils.processes import exit_cleanly_on_sigterm
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down
+    return cfg
+
+
+def run_train(run: RunOptions) -> int:
+    cfg = prepare_run("skylift", run)
+    if isinstance(cfg, int):
+        return cfg
+    from skylift.rl.build import build_trainer
+    from skylift.rl.run import run_trainer
 
     def fit_and_export(trainer: RLTrainer) -> None:
         trainer.fit()
         print(f"[skylift] exported Hugging Face weights to {trainer.export()}")
 
-    return run_trainer(lambda: build_trainer(cfg, verbose=verbose), fit_and_export, "skylift")
+    return run_trainer(lambda: build_trainer(cfg, verbose=run.verbose), fit_and_export, "skylift")
 
 
 def parse_run_arguments(
     prog: str, description: str | None, epilog: str, argv: Sequence[str] | None
-) -> argparse.Namespace:
+) -> RunOptions:
     """The command line of a run entry point (`skylift train`, `skylift eval`): overrides and flags."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -112,12 +138,11 @@ def parse_run_arguments(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(parser)
-    return parser.parse_args(argv)
+    return RunOptions.of(parser.parse_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_run_arguments("skylift train", __doc__, TRAIN_EPILOG, argv)
-    return run_train(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
+    return run_train(parse_run_arguments("skylift train", __doc__, TRAIN_EPILOG, argv))
 
 
 if __name__ == "__main__":

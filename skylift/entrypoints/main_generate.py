@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from skylift.entrypoints.main_base import add_train_arguments, log_to_file, parse_run_arguments
+from skylift.entrypoints.main_base import RunOptions, add_train_arguments, parse_run_arguments, prepare_run
+
+if TYPE_CHECKING:
+    from skylift.config import SkyliftConfig
 
 EVAL_EPILOG = """\
 examples:
@@ -26,40 +30,22 @@ examples:
 """
 
 
-def run_eval(
-    overrides: Sequence[str],
-    config_file: str | None = None,
-    print_cfg: bool = False,
-    verbose: bool = False,
-    dry_run: bool = False,
-) -> int:
-    from skylift.utils.quiet import quiet_libraries
+def _check_eval_config(cfg: SkyliftConfig) -> None:
+    from skylift.rl.eval_only import check_eval_config  # after prepare_run quieted the libraries
 
-    quiet_libraries(verbose)
-    from skylift.config import ConfigError, format_config, load_config
-    from skylift.rl.eval_only import check_eval_config
+    check_eval_config(cfg)
 
-    try:
-        cfg = load_config(list(overrides), config_file)
-        check_eval_config(cfg)
-    except ConfigError as exc:
-        print(f"skylift eval: configuration error: {exc}", file=sys.stderr)
-        return 2
-    if print_cfg or dry_run:
-        print(format_config(cfg, with_help=print_cfg))
-        if dry_run:
-            print("skylift eval: dry run: the configuration is valid; nothing was started", file=sys.stderr)
-        return 0
-    if cfg.trainer.log_path:
-        print(f"[skylift] log messages also go to {log_to_file(cfg.trainer.log_path)}")
+
+def run_eval(run: RunOptions) -> int:
+    cfg = prepare_run("skylift eval", run, _check_eval_config)
+    if isinstance(cfg, int):
+        return cfg
     from skylift.rl.console import Console
     from skylift.rl.eval_only import EvalOnlyRun
     from skylift.rl.run import run_trainer
-    from skylift.utils.processes import exit_cleanly_on_sigterm
 
-    exit_cleanly_on_sigterm()
     say = Console(True).say
-    return run_trainer(lambda: EvalOnlyRun(cfg, say, verbose), EvalOnlyRun.evaluate, "skylift eval")
+    return run_trainer(lambda: EvalOnlyRun(cfg, say, run.verbose), EvalOnlyRun.evaluate, "skylift eval")
 
 
 def add_eval_command(sub: argparse._SubParsersAction) -> None:
@@ -71,14 +57,11 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(parser)
-    parser.set_defaults(
-        func=lambda a: run_eval(a.overrides, a.config_file, a.cfg == "job", a.verbose, a.dry_run)
-    )
+    parser.set_defaults(func=lambda args: run_eval(RunOptions.of(args)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_run_arguments("skylift eval", __doc__, EVAL_EPILOG, argv)
-    return run_eval(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
+    return run_eval(parse_run_arguments("skylift eval", __doc__, EVAL_EPILOG, argv))
 
 
 if __name__ == "__main__":

@@ -12,16 +12,14 @@ conversation rendered afresh (`skylift.generator.step_wise`).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat
-from skylift.generator.rollout_end import append_untrained, finish_rollout
-from skylift.generator.settings import TURN_SEED_STRIDE, GeneratorSettings
-from skylift.generator.step_wise import Step
+from skylift.generator.rollout_end import RolloutRecord
+from skylift.generator.settings import GeneratorSettings
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
@@ -53,82 +51,34 @@ class TurnLoop:
         if isinstance(env, TokenEnvironment):  # token ids in and out (tinker-cookbook's Env)
             return await run_token_turns(self, row, env, extras, params, policy_version, seed)
         s = self.settings
-        tokenizer = self.chat.tokenizer
         messages = await self.call_env(env.init, row.prompt, extras)
         tools = env.tool_schemas()
-        prompt_ids = self.chat.prompt_ids(messages, tools)
+        rollout = RolloutRecord(self.chat.prompt_ids(messages, tools), policy_version)
         conversation = [dict(m) for m in messages]  # step-wise: rendered afresh every turn
-        steps: list[Step] = []
-        session_id = uuid.uuid4().hex
-        max_total = s.max_input_length or (s.max_prompt_length + s.max_generate_length * s.max_turns)
-        response_ids: list[int] = []
-        loss_mask: list[int] = []
-        logprobs: list[float] = []
-        texts: list[str] = []
-        turn_rewards: list[tuple[int, float]] = []
-        metrics: dict[str, float] = {}
-        stop_reason, turns, metadata = "length", 0, {}
-        versions: list[int] | None = []
-        while turns < s.max_turns:
-            if s.step_wise and turns > 0:
+        while rollout.turns < s.max_turns:
+            if s.step_wise and rollout.turns > 0:
                 context = self.chat.prompt_ids(conversation, tools)
             else:
-                context = prompt_ids + response_ids
-            budget = min(params.max_tokens, s.max_generate_length, max_total - len(context))
-            if budget <= 0:
-                stop_reason = "length"
+                context = rollout.prompt_ids + rollout.response_ids
+            turn_params = rollout.turn_params(s, params, context, seed)
+            if turn_params is None:
                 break
-            turn_seed = None if seed is None else seed + turns * TURN_SEED_STRIDE
-            turn_params = replace(params, max_tokens=budget, seed=turn_seed)
-            out = await self.engine.generate([context], turn_params, session_id)
-            completion = await self.resubmit(context, out[0].completions[0], turn_params, session_id)
-            turns += 1
-            sampled = list(completion.token_ids)
-            if versions is not None and completion.token_versions is not None and s.engine_versions:
-                versions += completion.token_versions
-            else:
-                versions = None
-            response_ids += sampled
-            loss_mask += [1] * len(sampled)
-            logprobs += completion.logprobs or [0.0] * len(sampled)
-            text = tokenizer.decode(sampled, skip_special_tokens=True)
-            texts.append(text)
-            stop_reason = completion.stop_reason
-            if s.step_wise:
-                turn_versions = completion.token_versions if s.engine_versions else None
-                turn_logprobs = list(completion.logprobs or [0.0] * len(sampled))
-                steps.append(Step(context, sampled, turn_logprobs, turn_versions, stop_reason, text))
+            out = await self.engine.generate([context], turn_params, rollout.session_id)
+            completion = await self.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
+            text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            sampled = rollout.add_turn(s, context, completion, text)
             result = await self.call_env(env.step, text)
-            turn_rewards.append((len(response_ids) - 1, float(result.reward)))
-            for name, value in (result.metrics or {}).items():
-                metrics[name] = metrics.get(name, 0.0) + float(value)
-            metadata = dict(result.metadata)
+            rollout.add_answer(result.reward, result.metrics, result.metadata)
             if result.done or not result.observations:
                 break
             if s.step_wise:
                 conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
                 continue
-            between = self._between_turns(sampled, completion.stop_reason, result.observations, tools)
-            append_untrained(between, response_ids, loss_mask, logprobs, versions, policy_version)
+            rollout.add_untrained(
+                self._between_turns(sampled, completion.stop_reason, result.observations, tools)
+            )
         await self.call_env(env.close)
-        return finish_rollout(
-            row,
-            s,
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            loss_mask=loss_mask,
-            logprobs=logprobs,
-            versions=versions,
-            stop_reason=stop_reason,
-            turn_rewards=turn_rewards,
-            turns=turns,
-            texts=texts,
-            steps=steps,
-            session_id=session_id,
-            policy_version=policy_version,
-            metadata=metadata,
-            metrics=metrics,
-        )
+        return rollout.finish(row, s)
 
     def _between_turns(
         self, sampled: list[int], stop_reason: str, observations: list[dict[str, Any]], tools: Any

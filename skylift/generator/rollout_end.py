@@ -1,82 +1,129 @@
-"""How a multi-turn rollout ends, shared by the text (`multi_turn.py`) and token-level
-(`token_turns.py`) turn loops: untrained ids between turns, then the reward rules of a non-`stop`
+"""What a multi-turn rollout records turn by turn and how it ends, shared by the text
+(`multi_turn.py`) and token-level (`token_turns.py`) turn loops: each turn's sampled ids (trained)
+and the environment's answer, untrained ids between turns, then the reward rules of a non-`stop`
 ending and either one `Trajectory` or its steps (`generator.step_wise_trajectories`)."""
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from skylift.generator.settings import TURN_SEED_STRIDE
 from skylift.generator.step_wise import Step, step_trajectories
 from skylift.generator.trajectory import Trajectory
+from skylift.inference.types import Completion, SamplingParams
 
 
-def append_untrained(
-    ids: list[int],
-    response_ids: list[int],
-    loss_mask: list[int],
-    logprobs: list[float],
-    versions: list[int] | None,
-    policy_version: int,
-) -> None:
-    """Add `ids` after a turn without training on them (mask 0, logprob 0, the last version)."""
-    response_ids += ids
-    loss_mask += [0] * len(ids)
-    logprobs += [0.0] * len(ids)
-    if versions is not None:
-        versions += [versions[-1] if versions else policy_version] * len(ids)
+@dataclass
+class RolloutRecord:
+    """One rollout so far: the response after `prompt_ids`, its mask, logprobs and versions, the
+    turns' texts, rewards and steps, and the environment's last metadata and summed metrics."""
 
+    prompt_ids: list[int]
+    policy_version: int
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    #: per token, the engine's policy version (None once a turn came without them)
+    versions: list[int] | None = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str = "length"
+    turns: int = 0
 
-def finish_rollout(
-    row: Any,
-    s: Any,
-    *,
-    prompt_ids: list[int],
-    response_ids: list[int],
-    loss_mask: list[int],
-    logprobs: list[float],
-    versions: list[int] | None,
-    stop_reason: str,
-    turn_rewards: list[tuple[int, float]],
-    turns: int,
-    texts: list[str],
-    steps: list[Step],
-    session_id: str,
-    policy_version: int,
-    metadata: dict[str, Any],
-    metrics: dict[str, float],
-) -> list[Trajectory]:
-    """The rollout's trajectory (or steps); `s` is the generator's settings."""
-    if stop_reason != "stop" and s.zero_reward_on_non_stop:
-        turn_rewards = [(index, 0.0) for index, _ in turn_rewards]
-    total = sum(reward for _, reward in turn_rewards)
-    if s.step_wise:
-        return step_trajectories(
-            row,
-            steps,
-            total,
-            session_id,
-            policy_version,
-            overlong_filtering=s.apply_overlong_filtering,
-            metadata=metadata,
-            metrics=metrics,
+    def turn_params(
+        self, s: Any, params: SamplingParams, context: list[int], seed: int | None
+    ) -> SamplingParams | None:
+        """The next turn's sampling parameters (`s`: the generator's settings): the tokens left of
+        the turn's and the rollout's budgets, the turn's seed; None (the rollout ends at its
+        length) when no token is left."""
+        max_total = s.max_input_length or (s.max_prompt_length + s.max_generate_length * s.max_turns)
+        budget = min(params.max_tokens, s.max_generate_length, max_total - len(context))
+        if budget <= 0:
+            self.stop_reason = "length"
+            return None
+        turn_seed = None if seed is None else seed + self.turns * TURN_SEED_STRIDE
+        return replace(params, max_tokens=budget, seed=turn_seed)
+
+    def add_turn(self, s: Any, context: list[int], completion: Completion, text: str) -> list[int]:
+        """Append a turn's sampled ids (trained) and its text; with step-wise trajectories also
+        the turn as a step of prompt `context`. Returns the sampled ids."""
+        self.turns += 1
+        sampled = [int(t) for t in completion.token_ids]
+        if self.versions is not None and completion.token_versions is not None and s.engine_versions:
+            self.versions += completion.token_versions
+        else:
+            self.versions = None
+        sampled_logprobs = list(completion.logprobs or [0.0] * len(sampled))
+        self.stop_reason = completion.stop_reason
+        if s.step_wise:
+            turn_versions = completion.token_versions if s.engine_versions else None
+            self.steps.append(
+                Step(list(context), sampled, sampled_logprobs, turn_versions, self.stop_reason, text)
+            )
+        self.response_ids += sampled
+        self.loss_mask += [1] * len(sampled)
+        self.logprobs += sampled_logprobs
+        self.texts.append(text)
+        return sampled
+
+    def add_answer(self, reward: float, metrics: dict[str, Any] | None, metadata: dict[str, Any]) -> None:
+        """The environment's answer to the turn: its reward (kept at the turn's last sampled
+        token), its metrics (summed over turns) and its metadata (the last one kept)."""
+        self.turn_rewards.append((len(self.response_ids) - 1, float(reward)))
+        for name, value in (metrics or {}).items():
+            self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
+        self.metadata = dict(metadata)
+
+    def add_untrained(self, ids: list[int]) -> None:
+        """Add `ids` after a turn without training on them (mask 0, logprob 0, the last version)."""
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        if self.versions is not None:
+            self.versions += [self.versions[-1] if self.versions else self.policy_version] * len(ids)
+
+    def finish(self, row: Any, s: Any) -> list[Trajectory]:
+        """The rollout's trajectory (or steps); `s` is the generator's settings."""
+        turn_rewards = self.turn_rewards
+        if self.stop_reason != "stop" and s.zero_reward_on_non_stop:
+            turn_rewards = [(index, 0.0) for index, _ in turn_rewards]
+        total = sum(reward for _, reward in turn_rewards)
+        if s.step_wise:
+            return step_trajectories(
+                row,
+                self.steps,
+                total,
+                self.session_id,
+                self.policy_version,
+                overlong_filtering=s.apply_overlong_filtering,
+                metadata=self.metadata,
+                metrics=self.metrics,
+            )
+        loss_mask = self.loss_mask
+        if self.stop_reason != "stop" and s.apply_overlong_filtering:
+            loss_mask = [0] * len(loss_mask)
+        versions = self.versions
+        trajectory = Trajectory(
+            uid=row.uid,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            loss_mask=loss_mask,
+            rollout_logprobs=self.logprobs,
+            reward=total,
+            stop_reason=self.stop_reason,
+            data_source=row.data_source,
+            num_turns=self.turns,
+            policy_version=min(versions) if versions else self.policy_version,
+            token_versions=versions or None,
+            env_metadata=self.metadata,
+            response_text="\n".join(self.texts),
+            turn_rewards=turn_rewards,
+            metrics=self.metrics,
         )
-    if stop_reason != "stop" and s.apply_overlong_filtering:
-        loss_mask = [0] * len(loss_mask)
-    trajectory = Trajectory(
-        uid=row.uid,
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
-        loss_mask=loss_mask,
-        rollout_logprobs=logprobs,
-        reward=total,
-        stop_reason=stop_reason,
-        data_source=row.data_source,
-        num_turns=turns,
-        policy_version=min(versions) if versions else policy_version,
-        token_versions=versions or None,
-        env_metadata=metadata,
-        response_text="\n".join(texts),
-        turn_rewards=turn_rewards,
-        metrics=metrics,
-    )
-    return [trajectory]
+        return [trajectory]

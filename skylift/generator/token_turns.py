@@ -10,14 +10,11 @@ the environment rewrote earlier tokens, which one trajectory cannot hold (unless
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
-from skylift.generator.rollout_end import append_untrained, finish_rollout
-from skylift.generator.settings import TURN_SEED_STRIDE
-from skylift.generator.step_wise import Step
+from skylift.generator.rollout_end import RolloutRecord
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
 
@@ -26,13 +23,14 @@ class HistoryRewriteError(ValueError):
     """A token-level environment's next context does not extend the previous one."""
 
 
-def _turn_params(params: SamplingParams, stop: Any, budget: int, seed: int | None) -> SamplingParams:
+def _with_stop(params: SamplingParams, stop: Any) -> SamplingParams:
+    """`params` with the environment's stop condition added to the run's."""
     fields = stop_fields(stop)
     if "stop" in fields:
         fields["stop"] = [*(params.stop or []), *fields["stop"]]
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = [*(params.stop_token_ids or []), *fields["stop_token_ids"]]
-    return replace(params, max_tokens=budget, seed=seed, **fields)
+    return replace(params, **fields)
 
 
 async def run_token_turns(
@@ -55,51 +53,19 @@ async def run_token_turns(
         )
     stop = first.stop
     context = list(prompt_ids)
-    session_id = uuid.uuid4().hex
-    max_total = s.max_input_length or (s.max_prompt_length + s.max_generate_length * s.max_turns)
-    response_ids: list[int] = []
-    loss_mask: list[int] = []
-    logprobs: list[float] = []
-    texts: list[str] = []
-    turn_rewards: list[tuple[int, float]] = []
-    metrics: dict[str, float] = {}
-    metadata: dict[str, Any] = {}
-    versions: list[int] | None = []
-    stop_reason, turns = "length", 0
-    steps: list[Step] = []
-    while turns < s.max_turns:
-        budget = min(params.max_tokens, s.max_generate_length, max_total - len(context))
-        if budget <= 0:
-            stop_reason = "length"
+    rollout = RolloutRecord(prompt_ids, policy_version)
+    while rollout.turns < s.max_turns:
+        turn_params = rollout.turn_params(s, params, context, seed)
+        if turn_params is None:
             break
-        turn_seed = None if seed is None else seed + turns * TURN_SEED_STRIDE
-        turn_params = _turn_params(params, stop, budget, turn_seed)
-        out = await loop.engine.generate([context], turn_params, session_id)
-        completion = await loop.resubmit(context, out[0].completions[0], turn_params, session_id)
-        turns += 1
-        sampled = [int(t) for t in completion.token_ids]
-        if versions is not None and completion.token_versions is not None and s.engine_versions:
-            versions += completion.token_versions
-        else:
-            versions = None
-        sampled_logprobs = list(completion.logprobs or [0.0] * len(sampled))
-        text = loop.chat.tokenizer.decode(sampled, skip_special_tokens=True)
-        if s.step_wise:
-            turn_versions = completion.token_versions if s.engine_versions else None
-            steps.append(
-                Step(list(context), sampled, sampled_logprobs, turn_versions, completion.stop_reason, text)
-            )
-        response_ids += sampled
-        loss_mask += [1] * len(sampled)
-        logprobs += sampled_logprobs
+        turn_params = _with_stop(turn_params, stop)
+        out = await loop.engine.generate([context], turn_params, rollout.session_id)
+        completion = await loop.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
+        text = loop.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        sampled = rollout.add_turn(s, context, completion, text)
         context += sampled
-        texts.append(text)
-        stop_reason = completion.stop_reason
-        result = await loop.call_env(env.step_tokens, sampled, stop_reason, completion.logprobs)
-        turn_rewards.append((len(response_ids) - 1, float(result.reward)))
-        for name, value in (result.metrics or {}).items():
-            metrics[name] = metrics.get(name, 0.0) + float(value)
-        metadata = dict(result.metadata)
+        result = await loop.call_env(env.step_tokens, sampled, completion.stop_reason, completion.logprobs)
+        rollout.add_answer(result.reward, result.metrics, result.metadata)
         if result.done:
             break
         following = [int(t) for t in result.next_ids]
@@ -108,32 +74,13 @@ async def run_token_turns(
             continue
         if following[: len(context)] != context:
             raise HistoryRewriteError(
-                f"{type(env).__name__}: the next observation of turn {turns} does not start with the "
-                "previous context and the sampled tokens (the environment rewrote earlier tokens, e.g. "
-                "a renderer that strips thinking); one trajectory cannot hold it: set "
+                f"{type(env).__name__}: the next observation of turn {rollout.turns} does not start with "
+                "the previous context and the sampled tokens (the environment rewrote earlier tokens, "
+                "e.g. a renderer that strips thinking); one trajectory cannot hold it: set "
                 "generator.step_wise_trajectories=true"
             )
-        append_untrained(
-            following[len(context) :], response_ids, loss_mask, logprobs, versions, policy_version
-        )
+        rollout.add_untrained(following[len(context) :])
         context = following
         stop = result.stop
     await loop.call_env(env.close)
-    return finish_rollout(
-        row,
-        s,
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
-        loss_mask=loss_mask,
-        logprobs=logprobs,
-        versions=versions,
-        stop_reason=stop_reason,
-        turn_rewards=turn_rewards,
-        turns=turns,
-        texts=texts,
-        steps=steps,
-        session_id=session_id,
-        policy_version=policy_version,
-        metadata=metadata,
-        metrics=metrics,
-    )
+    return rollout.finish(row, s)

@@ -130,8 +130,12 @@ class OneStepOffSource(SyncSource):
         super().__init__(rows, sampler)
         self.total_steps, self.max_staleness = total_steps, max_staleness
         self.background: BackgroundRollouts[list[Trajectory]] = BackgroundRollouts(sampler.loop)
+        self._failed: Exception | None = None  # the next step's generation failed (raised by take)
 
     def take(self, step: int, policy_version: int) -> Rollouts:
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         if not self.background.pending:  # the first step: nothing was launched ahead
             self.prefetch(step)
             self._timing.add(*reversed(self.background.join()))
@@ -142,7 +146,13 @@ class OneStepOffSource(SyncSource):
             self.background.launch(self.sampler.coroutine(self.rows.first_round(step), step))
 
     def before_sync(self) -> None:
-        waited, generated = self.background.join()
+        """Wait for the next step's generation (the sync needs the loop). Its failure is raised
+        when that step takes it: this step's update still syncs, counts and can be saved."""
+        try:
+            waited, generated = self.background.join()
+        except Exception as exc:  # noqa: BLE001 - kept for take()
+            self._failed = exc
+            return
         self._timing.add(generated, waited)
 
     def needs_sync(self, policy_version: int, engine_version: int) -> bool:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
-#: Names of the receiver's methods, called on every vLLM worker through ``collective_rpc``. They
-#: carry a ``skylift_`` prefix because vLLM refuses an extension whose names clash with its Worker's.
+#: Names of the receiver's methods, called on every vLLM worker through ``collective_rpc``. Strings,
+#: not method references: vLLM's ``collective_rpc`` takes a method name (a callable would need its
+#: insecure pickle serialization). The ``skylift_`` prefix: vLLM refuses names clashing with its Worker's.
 RPC_INIT_GROUP = "skylift_init_weight_update_group"
 RPC_RECEIVE = "skylift_receive_weights"
 RPC_DESTROY = "skylift_destroy_weight_update_group"

@@ -25,7 +25,7 @@ from lora_helpers import (
     perturb_adapter,
 )
 
-from skylift.cluster.engines import EngineActor
+from skylift.cluster.ray_engine import EngineActor
 from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.lora_adapters import LoraAdapterNotFoundError
@@ -171,6 +171,6 @@ def test_ray_engine_actor_forwards_the_lora_calls(lora_engine: LocalVLLMEngine, 
     actor = EngineActor()
     actor.engine = lora_engine
     with pytest.raises(LoraAdapterNotFoundError):
-        loop.run(actor.call("unload_lora_adapter", "never-loaded"))
+        loop.run(actor.unload_lora_adapter("never-loaded"))
     for method in ("load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"):
         assert callable(getattr(lora_engine, method))

@@ -164,6 +164,8 @@ class FakeWeights:
 
     def sleep(self) -> None:
         self.sleeps += 1
+        if self.events is not None:
+            self.events.append("sleep")
 
     def label(self) -> None:
         self.labels += 1

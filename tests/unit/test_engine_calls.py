@@ -1,5 +1,6 @@
 """The engine boundary's shared pieces: one deadline wrapper, one fan-out, one finish-reason
-mapping, the server's error statuses and the generic Ray proxy (no vLLM or Ray started)."""
+mapping and the server's error statuses (no vLLM or Ray started; the Ray proxy:
+test_ray_engine_proxy.py)."""
 
 from __future__ import annotations
 
@@ -115,17 +116,3 @@ def test_an_engine_call_answers_or_raises_its_http_status(caplog: pytest.LogCapt
         asyncio.run(engine_call(fail(EngineError("engine died"))))
     assert broken.value.status_code == 500
     assert [r.getMessage() for r in caplog.records] == ["engine died"]
-
-
-def test_the_ray_proxy_offers_the_engine_interface_only() -> None:
-    """Forwarding itself runs against real Ray actors in
-    tests/integration/test_async_training.py::test_two_engines_serve_rollouts_and_get_new_weights."""
-    from skylift.cluster.engines import ENGINE_METHODS, RayEngineClient
-    from skylift.inference.types import InferenceEngine
-
-    client = RayEngineClient(actor=None, name="engine-0", timeout_s=5.0)
-    assert isinstance(client, InferenceEngine)
-    assert {"generate", "update_weights", "prompt_logprobs", "close"} <= ENGINE_METHODS
-    assert callable(client.generate)
-    with pytest.raises(AttributeError, match="no attribute 'vllm_engine'"):
-        _ = client.vllm_engine

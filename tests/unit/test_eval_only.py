@@ -13,6 +13,7 @@ from rl_fakes import FakeGenerator, FakeTracker, fake_config, fake_run
 
 from skylift.cluster.placement import PlacementRequest, plan_placement
 from skylift.data import PromptSample
+from skylift.entrypoints.main_base import RunOptions
 from skylift.entrypoints.main_generate import run_eval
 from skylift.rl.eval_only import DUMP_NAME, eval_sampler, evaluate_once, summary
 from skylift.utils.eval_stats import skyrl_figures, skyrl_source_name, standard_error
@@ -130,12 +131,15 @@ SKYRL_GENERATION_GSM8K = [  # SkyRL's examples/train/gsm8k/run_generation_gsm8k.
 def test_skyrl_generation_command_is_accepted_and_no_eval_data_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert run_eval(SKYRL_GENERATION_GSM8K, dry_run=True) == 0
+    assert run_eval(RunOptions(SKYRL_GENERATION_GSM8K, dry_run=True)) == 0
     out = capsys.readouterr()
     assert "dry run: the configuration is valid" in out.err
-    assert run_eval(["data.val_data=[]"], dry_run=True) == 2
+    assert run_eval(RunOptions(["data.val_data=[]"], dry_run=True)) == 2
     assert "skylift eval needs evaluation prompts: set data.val_data" in capsys.readouterr().err
-    assert run_eval(["trainer.policy.megatron_config.tensor_model_parallel_size=2"], dry_run=True) == 2
+    assert (
+        run_eval(RunOptions(["trainer.policy.megatron_config.tensor_model_parallel_size=2"], dry_run=True))
+        == 2
+    )
     assert "skylift has no Megatron backend" in capsys.readouterr().err
 
 
@@ -161,7 +165,7 @@ def test_skyrls_generation_commands_run_as_skylift_eval(
     commands = _generation_commands(fixture)
     assert len(commands) == 1 and len(commands[0]) >= 8
     for overrides in commands:
-        assert run_eval(overrides, dry_run=True) == 0, capsys.readouterr().err
+        assert run_eval(RunOptions(overrides, dry_run=True)) == 0, capsys.readouterr().err
 
 
 def test_eval_only_placement_reserves_the_engines_only() -> None:

@@ -52,12 +52,6 @@ def test_the_worker_extension_serves_the_lora_rpc() -> None:
     assert callable(getattr(WeightSyncWorkerExtension, RPC_RECEIVE_LORA, None))
 
 
-def test_ray_engine_actors_forward_the_lora_calls() -> None:
-    from skylift.cluster.engines import ENGINE_METHODS
-
-    assert {"load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"} <= ENGINE_METHODS
-
-
 def test_config_refuses_a_lora_sync_path_without_lora_and_a_rank_vllm_cannot_serve() -> None:
     from skylift.config import ConfigError, load_config
 

@@ -3,13 +3,14 @@ engine loss, each checked by what the steps generated, trained and synced."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from rl_fakes import FakeGenerator, FakeRun, fake_run, row_index
 
 from skylift.inference.pool import NoHealthyEngineError
-from skylift.rl.checkpoint import latest_checkpoint
+from skylift.rl.checkpoint import latest_checkpoint, load_trainer_state
 from skylift.rl.loop import TrainingStoppedError
 from skylift.rl.rows import StepRows
 from skylift.rl.sampling import rollout_seeds
@@ -101,11 +102,12 @@ def test_one_step_off_generates_the_next_step_while_training(
     assert [h["async/staleness_max"] for h in history] == [float(lag) for lag in lags]
 
 
-def test_fully_async_keeps_every_batch_within_the_staleness_bound(tmp_path: Path) -> None:
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_fully_async_keeps_every_batch_within_the_staleness_bound(tmp_path: Path, staleness: int) -> None:
     run = fake_run(
         tmp_path,
         "trainer.fully_async.enabled=true",
-        "trainer.fully_async.max_staleness_steps=1",
+        f"trainer.fully_async.max_staleness_steps={staleness}",
         "trainer.fully_async.num_parallel_generation_workers=6",
         "trainer.algorithm.use_tis=true",
         "trainer.algorithm.tis_imp_ratio_cap=2.0",
@@ -121,13 +123,15 @@ def test_fully_async_keeps_every_batch_within_the_staleness_bound(tmp_path: Path
     for step, trained in enumerate(run.policy.trained):
         groups = _groups(trained)
         assert len(groups) == BATCH
-        assert all(0 <= step - v <= 1 for versions in groups.values() for v in versions)
+        assert all(0 <= step - v <= staleness for versions in groups.values() for v in versions)
     for h in history:
-        assert h["fully_async/token_staleness_max"] <= 1
+        assert h["fully_async/token_staleness_max"] <= staleness
         assert h["timing/wait_s"] == h["fully_async/wait_s"]
-    # the groups started ahead of an update (the gate admits two batches at version 0) are trained
-    # a step later: stale by one version, never more
-    assert [h["async/staleness_max"] for h in history][:2] == [0.0, 1.0]
+    # the gate admits staleness + 1 batches at version 0 before the first update: those started
+    # ahead are trained later, stale by one version a step up to the bound, never more
+    lags = [h["async/staleness_max"] for h in history]
+    assert lags[: staleness + 1] == [float(lag) for lag in range(staleness + 1)]
+    assert max(lags) == staleness
     assert run.trainer.source.stream is None  # type: ignore[attr-defined]  # closed by fit
 
 
@@ -229,3 +233,105 @@ def test_losing_every_engine_saves_the_last_step_and_says_how_to_resume(tmp_path
     assert "during step 3" in str(stopped.value) and "saved step 2" in str(stopped.value).lower()
     assert latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "global_step_2"
     assert run.trainer.state.global_step == 2 and len(run.policy.trained) == 2
+
+
+def test_losing_every_engine_one_step_off_saves_the_last_counted_step(tmp_path: Path) -> None:
+    """Step 3's prompts are generated (and fail) while step 2 trains: step 2 still syncs, counts and
+    is saved with the policy of two updates; the stop names step 3."""
+    generator = FakeGenerator(fail_after_calls=2, fail_with=lambda: NoHealthyEngineError("engine 0: refused"))
+    run = fake_run(tmp_path, "trainer.async_training=true", generator=generator)
+    with pytest.raises(TrainingStoppedError, match="resume_mode=latest") as stopped:
+        run.trainer.fit()
+    run.close()
+    assert "during step 3" in str(stopped.value) and "saved step 2" in str(stopped.value).lower()
+    assert latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "global_step_2"
+    saved = load_trainer_state(tmp_path / "ckpts" / "global_step_2")
+    assert (
+        (saved.global_step, saved.policy_version)
+        == (2, 2)
+        == (len(run.policy.trained), run.weights.syncs[-1])
+    )
+
+
+def test_losing_every_engine_fully_async_saves_the_step_it_counted_last(tmp_path: Path) -> None:
+    """Generation runs ahead on its own thread; its failure stops the run when a step takes its
+    batch, so the saved step is the last counted one, with as many updates as steps."""
+    generator = FakeGenerator(
+        delay_s=0.005, fail_after_calls=2 * BATCH, fail_with=lambda: NoHealthyEngineError("engine 0: refused")
+    )
+    run = fake_run(
+        tmp_path,
+        "trainer.fully_async.enabled=true",
+        "trainer.fully_async.max_staleness_steps=1",
+        "trainer.algorithm.use_tis=true",
+        "trainer.algorithm.tis_imp_ratio_cap=2.0",
+        generator=generator,
+        update_s=0.02,
+    )
+    with pytest.raises(TrainingStoppedError, match="resume_mode=latest") as stopped:
+        run.trainer.fit()
+    run.close()
+    step = run.trainer.state.global_step
+    assert step in (1, 2)  # the failure reaches the trainer at step 2's or step 3's take
+    assert (
+        f"during step {step + 1}" in str(stopped.value) and f"saved step {step}" in str(stopped.value).lower()
+    )
+    saved = load_trainer_state(tmp_path / "ckpts" / f"global_step_{step}")
+    assert (saved.global_step, saved.policy_version, len(run.policy.trained)) == (step, step, step)
+    assert run.trainer.source.stream is None  # type: ignore[attr-defined]  # its workers stopped
+
+
+@dataclass
+class FakeEngines:
+    """The pool's health: engine 0 fails once the generator has served `healthy_calls` calls."""
+
+    generator: FakeGenerator
+    healthy_calls: int
+
+    @property
+    def failures(self) -> dict[int, str]:
+        return {0: "refused"} if len(self.generator.calls) > self.healthy_calls else {}
+
+    @property
+    def live_indices(self) -> list[int]:
+        return [1] if self.failures else [0, 1]
+
+
+def test_losing_one_engine_trains_on_and_reports_the_live_ones(tmp_path: Path) -> None:
+    run = fake_run(tmp_path)
+    run.trainer.parts.engines = FakeEngines(run.generator, healthy_calls=2)
+    history = _fit(run)
+    assert [h["step"] for h in history] == [1, 2, 3, 4] and run.weights.syncs == [1, 2, 3, 4]
+    assert ["engines/live" in h for h in history] == [False, False, True, True]
+    assert [h["engines/live"] for h in history[2:]] == [1.0, 1.0]
+
+
+def test_colocated_engines_sleep_between_generation_and_training(tmp_path: Path) -> None:
+    run = fake_run(tmp_path, "trainer.max_steps=2")
+    run.trainer.parts.sleep_engines = True
+    _fit(run)
+    assert run.weights.sleeps == 2
+    first = [c.rows[0] for c in run.generator.calls]
+    assert run.generator.events == [
+        *(f"generate {first[0]} v0", "sleep", "train 1", "sync v1"),
+        *(f"generate {first[1]} v1", "sleep", "train 2", "sync v2"),
+    ]
+
+
+def test_resumed_one_step_off_run_generates_the_same_prompts_on_policy_first(tmp_path: Path) -> None:
+    """Resuming drops the generation that was in flight: the first resumed step generates with
+    the checkpoint's weights, then one step off again; prompts and seeds are the uninterrupted run's."""
+    one_step_off = "trainer.async_training=true"
+    whole = fake_run(tmp_path / "whole", one_step_off)
+    _fit(whole)
+    _fit(fake_run(tmp_path / "resumed", one_step_off, "trainer.max_steps=2", "trainer.ckpt_interval=2"))
+    second = fake_run(tmp_path / "resumed", one_step_off, "trainer.max_steps=4", "trainer.resume_mode=latest")
+    second.trainer.setup()
+    assert second.weights.syncs == [2]
+    history = _fit(second)
+    assert [h["step"] for h in history] == [3, 4]
+    calls = second.generator.calls
+    assert [(c.rows, c.seeds) for c in calls] == [(c.rows, c.seeds) for c in whole.generator.calls[2:]]
+    assert [c.version for c in whole.generator.calls] == [0, 0, 1, 2]
+    assert [c.version for c in calls] == [2, 2]  # step 3 on policy, step 4 one version behind
+    assert [sorted({v for _, _, v in trained}) for trained in second.policy.trained] == [[2], [2]]
