@@ -142,6 +142,9 @@ def _attention(
     """A transformers attention function: `[b, H, s, d]` local query/key/value -> `[b, s, H, d]`."""
     if not _ACTIVE:
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside skylift's ulysses_attention()")
+    for name in ("sliding_window", "s_aux"):  # masks and sinks this attention does not apply
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"sequence parallelism does not support attention with {name}")
     active = _ACTIVE[-1]
     sp = dist.get_world_size(active.group)
     heads = query.shape[1]
