@@ -120,6 +120,7 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         reshard_after_forward=fsdp.reshard_after_forward,
         cpu_offload=fsdp.cpu_offload,
         fsdp_size=fsdp.fsdp_size,
+        sequence_parallel_size=(t.policy if trainable else t.ref).sequence_parallel_size,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
         **micro_batch_settings(cfg),
@@ -141,15 +142,21 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
     """The value model (the critic's model path, else the policy's backbone with a value head)."""
     t = cfg.trainer
     critic_steps = max(1, t.train_batch_size // t.critic_mini_batch_size) * t.update_epochs_per_batch
+    lora = t.critic.model.lora  # adapters on the backbone; the value head trains in full
     return WorkerSettings(
         model_path=t.critic.model.path or t.policy.model.path,
         head="value",
         compute_dtype="bfloat16" if t.bf16 else None,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=optimizer_settings(t.critic.optimizer_config, total_steps * critic_steps),
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_target_modules=lora.target_modules,
+        lora_dropout=lora.dropout,
         reshard_after_forward=t.critic.fsdp_config.reshard_after_forward,
         cpu_offload=t.critic.fsdp_config.cpu_offload,
         fsdp_size=t.critic.fsdp_config.fsdp_size,
+        sequence_parallel_size=t.critic.sequence_parallel_size,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
         **micro_batch_settings(cfg),

@@ -95,15 +95,6 @@ _LORA_ALL = {
 #: Set aside by the loader; a value other than the default logs a warning with the reason.
 SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     **{
-        f"trainer.{r}.sequence_parallel_size": (
-            1,
-            "not implemented yet (Ulysses sequence parallelism): every rank holds whole sequences; "
-            "the numbers are the same, the memory per rank is not",
-        )
-        for r in _ROLES
-    },
-    "trainer.sequence_parallel_backend": ("ulysses", "sequence parallelism is not implemented yet"),
-    **{
         f"trainer.{r}.fsdp_config.mixed_precision*": (
             ANY,
             "skylift's precision is trainer.bf16 (autocast over float32 weights)",
@@ -145,14 +136,18 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "trainer.policy.record_memory": (False, "not implemented: no CUDA memory snapshots"),
     "trainer.policy.torch_profiler_config.*": (ANY, "not implemented: no torch.profiler traces"),
     **{
-        f"trainer.policy.model.lora.{name}": (default, "not implemented: skylift's LoRA has no such setting")
+        f"trainer.{role}.model.lora.{name}": (default, "not implemented: skylift's LoRA has no such setting")
+        for role in ("policy", "critic")
         for name, default in _LORA_EXTRA.items()
     },
+    "trainer.critic.model.lora.lora_sync_path": (
+        "/tmp/skyrl_lora_sync",
+        "the critic's adapter stays with its workers (engines serve the policy only)",
+    ),
     **{
-        f"trainer.{role}.model.lora.{name}": (default, reason)
-        for role, reason in (
-            ("critic", "not implemented yet (critic LoRA): the critic trains all its weights"),
-            ("ref", "the reference model is frozen (SkyRL's schema shares its model group)"),
+        f"trainer.ref.model.lora.{name}": (
+            default,
+            "the reference model is frozen (SkyRL's schema shares its model group)",
         )
         for name, default in _LORA_ALL.items()
     },
@@ -278,6 +273,10 @@ for _name in ("pipeline_parallel_size", "expert_parallel_size", "data_parallel_s
 
 #: SkyRL keys that change what is trained and are not implemented: refused unless at their default.
 SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
+    "trainer.sequence_parallel_backend": (
+        "ulysses",
+        "Ulysses is skylift's sequence parallelism (trainer.<model>.sequence_parallel_size)",
+    ),
     "trainer.algorithm.use_entropy_loss": (False, "no entropy bonus in the policy loss"),
     "trainer.algorithm.zero_variance_filter": (
         False,

@@ -37,8 +37,8 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 @dataclass
-class LoraConfig:
-    """LoRA adapters on the policy (rank 0 trains all weights)."""
+class AdapterConfig:
+    """LoRA adapters on a trained model (rank 0 trains all weights)."""
 
     rank: int = _f(0, "LoRA rank; 0 disables LoRA and trains the full model", ge=0)
     alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / rank)")
@@ -46,6 +46,12 @@ class LoraConfig:
     target_modules: str | list[str] = _f(
         "all-linear", "modules that get adapters: 'all-linear' or a list of names"
     )
+
+
+@dataclass
+class LoraConfig(AdapterConfig):
+    """LoRA adapters on the policy (rank 0 trains all weights)."""
+
     lora_sync_path: str | None = _f(
         None,
         "SkyRL's name for generator.lora_sync_path (the same effect; set both only to the same "
@@ -71,6 +77,13 @@ class PolicyModelConfig(ModelConfig):
         "model: registry name (tiny-qwen2, smollm2-135m-instruct), local directory or Hub id",
     )
     lora: LoraConfig = _group(LoraConfig, "LoRA settings")
+
+
+@dataclass
+class CriticModelConfig(ModelConfig):
+    """The critic's weights, optionally trained through LoRA adapters (its value head in full)."""
+
+    lora: AdapterConfig = _group(AdapterConfig, "critic LoRA settings (the value head trains in full)")
 
 
 @dataclass
@@ -114,6 +127,9 @@ class PolicyConfig:
     model: PolicyModelConfig = _group(PolicyModelConfig, "policy weights")
     optimizer_config: OptimizerConfig = _group(OptimizerConfig, "policy optimizer")
     fsdp_config: FSDPConfig = _group(FSDPConfig, "policy FSDP2 settings")
+    sequence_parallel_size: int = _f(
+        1, "Ulysses sequence parallelism: groups of this many workers split each sequence", ge=1
+    )
 
 
 @dataclass
@@ -122,18 +138,24 @@ class RefConfig:
 
     model: ModelConfig = _group(ModelConfig, "reference weights; path null = same as the policy's")
     fsdp_config: FSDPConfig = _group(FSDPConfig, "reference FSDP2 settings", cpu_offload=True)
+    sequence_parallel_size: int = _f(
+        1, "Ulysses sequence parallelism: groups of this many workers split each sequence", ge=1
+    )
 
 
 @dataclass
 class CriticConfig:
     """The value model (used by the gae advantage estimator)."""
 
-    model: ModelConfig = _group(
-        ModelConfig,
+    model: CriticModelConfig = _group(
+        CriticModelConfig,
         "critic weights; path null = no critic, or the policy's weights when advantage_estimator=gae",
     )
     optimizer_config: OptimizerConfig = _group(OptimizerConfig, "critic optimizer", lr=5.0e-6)
     fsdp_config: FSDPConfig = _group(FSDPConfig, "critic FSDP2 settings")
+    sequence_parallel_size: int = _f(
+        1, "Ulysses sequence parallelism: groups of this many workers split each sequence", ge=1
+    )
 
 
 @dataclass

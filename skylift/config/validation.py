@@ -240,9 +240,17 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
                 f"trainer.{role}.fsdp_config.fsdp_size={size} must be -1 (shard over all ranks) or a "
                 f"size of shard groups that divides the {role}'s {world} workers"
             )
+        sp = getattr(t, role).sequence_parallel_size
+        if sp > 1 and world % sp:
+            problems.append(
+                f"trainer.{role}.sequence_parallel_size={sp} must divide the {role}'s {world} workers "
+                f"(trainer.placement.{role}_num_nodes x {role}_num_gpus_per_node)"
+            )
+    for role in ("policy", "critic"):
+        adapter = getattr(t, role).model.lora
+        if adapter.rank > 0 and adapter.alpha <= 0:
+            problems.append(f"trainer.{role}.model.lora.alpha={adapter.alpha} must be > 0 when LoRA is on")
     lora = t.policy.model.lora
-    if lora.rank > 0 and lora.alpha <= 0:
-        problems.append(f"trainer.policy.model.lora.alpha={lora.alpha} must be > 0 when LoRA is on")
     sync_paths = {
         key: path
         for key, path in (

@@ -26,32 +26,22 @@ from skylift.utils.dtypes import FLOAT_DTYPES, str_to_dtype
 from skylift.worker.batch import SequenceBatch
 from skylift.worker.distributed import device_for_rank, init_training_group
 from skylift.worker.logprobs import response_logprobs, response_values
+from skylift.worker.lora import add_lora, merged_lora_weights
 from skylift.worker.micro_batches import (
     micro_batch_rows,
     packed_response_logprobs,
     packed_response_values,
 )
+from skylift.worker.optim import OptimizerSettings, make_lr_scheduler
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
+from skylift.worker.sequence_parallel import SequenceSplit, pool_rows
 from skylift.worker.sharding import full_tensor, hybrid_mesh, shard_model
+from skylift.worker.ulysses import sequence_parallel_groups
 
 # loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics). A loss function
 # with a true `needs_full_logprobs` attribute also finds, when the sampling distribution is
 # truncated, the untruncated distribution's logprobs as the micro-batch's "full_logprobs" extra.
 LossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, dict[str, float]]]
-
-
-@dataclass
-class OptimizerSettings:
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    num_warmup_steps: int = 0
-    # learning-rate schedule (transformers' names): constant | constant_with_warmup | linear | cosine;
-    # linear and cosine decay to 0 at `total_steps` optimizer steps
-    scheduler: str = "constant_with_warmup"
-    total_steps: int | None = None
 
 
 @dataclass
@@ -75,6 +65,9 @@ class WorkerSettings:
     reshard_after_forward: bool = True  # see skylift.worker.sharding.shard_model
     cpu_offload: bool = False
     fsdp_size: int = -1  # hybrid sharding: shard groups of this size (see sharding.hybrid_mesh)
+    # Ulysses sequence parallelism: groups of this many consecutive ranks split each sequence
+    # (skylift.worker.sequence_parallel); 1 = every rank holds whole sequences
+    sequence_parallel_size: int = 1
     seed: int = 42
     num_threads: int | None = None  # torch intra-op threads (CPU); None = torch default
     # "lm": a causal LM scored by response-token logprobs (policy, reference); "value": the same
@@ -88,28 +81,6 @@ class WorkerSettings:
     remove_microbatch_padding: bool = False
     # each micro-batch as one row holding every distinct prefix once (skylift.worker.prefix_tree)
     share_prefixes: bool = False
-
-
-def make_lr_scheduler(
-    optimizer: torch.optim.Optimizer, o: OptimizerSettings
-) -> torch.optim.lr_scheduler.LRScheduler:
-    """The learning-rate schedule of `o` (transformers' implementations of the named schedules)."""
-    from transformers import get_scheduler
-
-    warmup = max(0, o.num_warmup_steps)
-    if o.scheduler in ("linear", "cosine"):
-        if not o.total_steps or o.total_steps < 1:
-            raise ValueError(f"scheduler {o.scheduler!r} decays over total_steps, which is not set")
-        return get_scheduler(
-            o.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=o.total_steps
-        )
-    if o.scheduler == "constant":
-        return get_scheduler("constant", optimizer)
-    if o.scheduler == "constant_with_warmup":
-        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
-    raise ValueError(
-        f"unknown scheduler {o.scheduler!r}; use constant, constant_with_warmup, linear or cosine"
-    )
 
 
 def is_vision_language(model_path: str) -> bool:
@@ -134,6 +105,7 @@ class TrainingWorker:
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.device = torch.device("cpu")
         self.global_step = 0
+        self.sp_group: Any = None  # this rank's sequence-parallel group (sequence_parallel_size > 1)
 
     # ---------------------------------------------------------------- set-up
     def setup(self) -> dict[str, Any]:
@@ -145,14 +117,19 @@ class TrainingWorker:
         s = self.settings
         if s.head not in ("lm", "value"):
             raise ValueError(f"unknown head {s.head!r}; use 'lm' (policy, reference) or 'value' (critic)")
-        if s.head == "value" and s.lora_rank > 0:
-            raise ValueError("a value model (critic) trains all its weights; LoRA is not supported for it")
+        if s.sequence_parallel_size < 1 or self.world_size % s.sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_size={s.sequence_parallel_size} must divide the {self.world_size} "
+                "ranks of the worker group"
+            )
         if s.num_threads:
             torch.set_num_threads(s.num_threads)
         shard = bool(s.fsdp) if s.fsdp is not None else self.world_size > 1
         if self.world_size > 1 or shard:
             init_method = self.init_method or f"file://{_default_rendezvous_file()}"
             init_training_group(self.rank, self.world_size, init_method, s.collective_timeout_s)
+        if s.sequence_parallel_size > 1:
+            self.sp_group = sequence_parallel_groups(self.world_size, s.sequence_parallel_size, self.rank)
         self.device = device_for_rank(self.rank)
         torch.manual_seed(s.seed)
         path = resolve_model_path(s.model_path)
@@ -170,16 +147,13 @@ class TrainingWorker:
         if s.gradient_checkpointing and s.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if s.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(
+            model = add_lora(
                 model,
-                LoraConfig(
-                    r=s.lora_rank,
-                    lora_alpha=s.lora_alpha,
-                    target_modules=s.lora_target_modules,
-                    lora_dropout=s.lora_dropout,
-                ),
+                rank=s.lora_rank,
+                alpha=s.lora_alpha,
+                target_modules=s.lora_target_modules,
+                dropout=s.lora_dropout,
+                value_head=s.head == "value",
             )
         if not s.trainable:
             model.requires_grad_(False)
@@ -207,10 +181,21 @@ class TrainingWorker:
 
     # ---------------------------------------------------------------- forward
     def _response_outputs(
-        self, model: torch.nn.Module, micro: SequenceBatch, temperature: Sampling, with_full: bool = False
+        self,
+        model: torch.nn.Module,
+        micro: SequenceBatch,
+        temperature: Sampling,
+        with_full: bool = False,
+        split: SequenceSplit | None = None,
     ) -> Tensor:
         """Per response token: logprobs (head "lm") or values (head "value"), `[b, R]`; `[b, R, 2]`
-        `with_full` (see `response_logprobs`)."""
+        `with_full` (see `response_logprobs`); from this rank's slice of the sequences with `split`
+        (sequence parallelism, inside `split.attention`)."""
+        if split is not None:
+            with self._autocast():
+                if self.settings.head == "value":
+                    return split.values(model)
+                return split.logprobs(model, temperature, with_full)
         # the packed and prefix-shared paths score the response tokens of text rows only
         text = "target_ids" not in micro.extras and micro.row_inputs is None
         tree = text and self.settings.share_prefixes
@@ -225,6 +210,23 @@ class TrainingWorker:
             if packed:
                 return packed_response_logprobs(model, micro, temperature, with_full)
             return response_logprobs(model, micro, temperature, with_full=with_full)
+
+    def _split(
+        self, micro: SequenceBatch
+    ) -> tuple[SequenceSplit | None, contextlib.AbstractContextManager[Any]]:
+        """A micro-batch's split over the sequence-parallel group and the context its forward and
+        backward passes run in; (None, a no-op) without sequence parallelism."""
+        if self.sp_group is None:
+            return None, contextlib.nullcontext()
+        split = SequenceSplit(micro, self.sp_group)
+        return split, split.attention(self._model())
+
+    def _pooled(self, batch: SequenceBatch) -> tuple[SequenceBatch, slice]:
+        """The sequence-parallel group's rows (every rank of the group gets the same) and this
+        rank's among them; the batch itself without sequence parallelism."""
+        if self.sp_group is None:
+            return batch, slice(0, batch.batch_size)
+        return pool_rows(batch, self.sp_group)
 
     def _micro_batches(self, batch: SequenceBatch, micro_batch_size: int) -> list[list[int]]:
         s = self.settings
@@ -268,16 +270,20 @@ class TrainingWorker:
         was_training = model.training
         model.eval()
         out: Tensor | None = None
+        width = batch.response_len
+        batch, own = self._pooled(batch)
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp = self._response_outputs(model, micro, temperature)
+            split, context = self._split(micro)
+            with context:
+                logp = self._response_outputs(model, micro, temperature, split=split)
             if out is None:  # [B, R] or, with [B, R, K] target_ids, [B, R, K]
                 out = torch.zeros(batch.batch_size, batch.response_len, *logp.shape[2:])
             mask = micro.response_mask.cpu().reshape(*micro.response_mask.shape, *([1] * (logp.dim() - 2)))
             out[rows, : micro.response_len] = logp.float().cpu() * mask
         model.train(was_training)
         assert out is not None
-        return out
+        return out[own, :width]
 
     # ---------------------------------------------------------------- training
     def train_mini_batch(
@@ -321,16 +327,21 @@ class TrainingWorker:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         with_full = getattr(loss_fn, "needs_full_logprobs", False) and as_distribution(temperature).truncates
+        batch, _ = self._pooled(batch)  # sequence parallelism: every rank of a group, the same rows
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            logp = self._response_outputs(model, micro, temperature, with_full)
-            if with_full:
-                micro = micro.with_extras(full_logprobs=logp[..., 1])
-                logp = logp[..., 0]
-            loss, metrics = loss_fn(logp, micro)
-            if self.world_size > 1:
-                loss = loss * self.world_size  # FSDP averages gradients over ranks
-            loss.backward()
+            split, context = self._split(micro)
+            with context:  # backward too: checkpointed layers recompute their forward in it
+                logp = self._response_outputs(model, micro, temperature, with_full, split)
+                if with_full:
+                    micro = micro.with_extras(full_logprobs=logp[..., 1])
+                    logp = logp[..., 0]
+                loss, metrics = loss_fn(logp, micro)
+                if self.world_size > 1:
+                    # FSDP averages gradients over ranks; the ranks of a sequence-parallel group
+                    # each hold their tokens' share of their pooled rows' gradient
+                    loss = loss * self.world_size
+                loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0) + 1
@@ -368,7 +379,7 @@ class TrainingWorker:
         """
         model = self._model()
         if self.settings.lora_rank > 0:
-            yield from _merged_lora_weights(model)
+            yield from merged_lora_weights(model)
             return
         for name, tensor in model.state_dict().items():
             yield name, full_tensor(tensor)
@@ -461,27 +472,3 @@ def _default_rendezvous_file() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"skylift-rdzv-{os.getpid()}")
-
-
-def _merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Base-model names with LoRA deltas merged in (what an inference engine needs)."""
-    state = {k: full_tensor(v) for k, v in model.state_dict().items()}
-    scaling: dict[str, float] = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "scaling") and isinstance(module.scaling, dict):
-            scaling[name] = float(next(iter(module.scaling.values())))
-    for key, value in state.items():
-        if "lora_" in key:
-            continue
-        clean = key.replace("base_model.model.", "", 1).replace(".base_layer", "")
-        if key.endswith(".base_layer.weight"):
-            prefix = key[: -len(".base_layer.weight")]
-            a = next(
-                (state[k] for k in state if k.startswith(prefix + ".lora_A.") and k.endswith("weight")), None
-            )
-            b = next(
-                (state[k] for k in state if k.startswith(prefix + ".lora_B.") and k.endswith("weight")), None
-            )
-            if a is not None and b is not None:
-                value = value + scaling.get(prefix, 1.0) * (b.float() @ a.float()).to(value.dtype)
-        yield clean, value

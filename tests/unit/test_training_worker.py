@@ -251,10 +251,51 @@ def test_value_head_worker_reads_values_where_logits_would_predict(tiny_model_di
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_value_head_refuses_lora(tiny_model_dir: Path) -> None:
-    worker = TrainingWorker(WorkerSettings(model_path=str(tiny_model_dir), head="value", lora_rank=4))
-    with pytest.raises(ValueError, match="LoRA is not supported"):
-        worker.setup()
+def test_critic_lora_trains_only_the_adapters_and_the_value_head(tiny_model_dir: Path) -> None:
+    """SkyRL's `trainer.critic.model.lora.*`: the backbone's weights stay as loaded, the adapters
+    and the (new) value head move, and the critic still learns its targets."""
+    from skylift.cluster.settings import critic_worker_settings
+    from skylift.config import load_config
+    from skylift.rl.objective import ValueObjective
+
+    cfg = load_config(
+        [
+            f"trainer.critic.model.path={tiny_model_dir}",
+            "trainer.critic.model.lora.rank=4",
+            "trainer.critic.model.lora.alpha=8",
+            "trainer.critic.model.lora.target_modules=[q_proj,v_proj]",
+            "trainer.critic.optimizer_config.lr=1e-2",
+            "trainer.algorithm.advantage_estimator=gae",
+        ]
+    )
+    settings = critic_worker_settings(cfg, total_steps=5)
+    assert (settings.lora_rank, settings.lora_alpha, settings.lora_target_modules) == (
+        4,
+        8,
+        ["q_proj", "v_proj"],
+    )
+    critic = TrainingWorker(settings)
+    critic.setup()
+    model = critic.model
+    assert model is not None
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(
+        ("lora_" in n and ("q_proj" in n or "v_proj" in n)) or ".score." in n for n in trainable
+    )
+    assert {n for n in trainable if ".score." in n} == {
+        "base_model.model.score.weight",
+        "base_model.model.score.bias",
+    }
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = _batch(vocab=500, rows=4)
+    values = critic.compute_values(batch, micro_batch_size=2)
+    targets = torch.full_like(values, 1.0) * batch.response_mask
+    fitted = batch.with_extras(values=values, returns=targets)
+    objective = ValueObjective(value_clip=0.0, token_count=float(batch.response_mask.sum()))
+    losses = [critic.train_mini_batch(fitted, objective, 2)["value_loss"] for _ in range(5)]
+    assert losses[-1] < 0.5 * losses[0]
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert moved == trainable  # every adapter and the head moved (lora_B starts at 0), nothing else
 
 
 @pytest.mark.parametrize("loss_type", ["regular", "dual_clip", "gspo", "cispo"])
