@@ -37,7 +37,8 @@ from fastapi.responses import JSONResponse
 from skylift.tinker import checkpoint_routes
 from skylift.tinker.auth import KeyRing
 from skylift.tinker.deps import RefusedOperation, failed_future
-from skylift.tinker.http_common import install_auth, install_error_handlers
+from skylift.tinker.fairness import QuotaError
+from skylift.tinker.http_common import error_response, install_auth, install_error_handlers
 from skylift.tinker.limits import RequestLimits
 from skylift.tinker.openapi import install_typed_bodies
 from skylift.tinker.ownership import Owners
@@ -76,7 +77,10 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RefusedOperation)
     async def refused(request: Request, exc: RefusedOperation) -> JSONResponse:
-        return JSONResponse({"request_id": failed_future(service, exc.kind, exc.error)})
+        try:
+            return JSONResponse({"request_id": failed_future(service, exc.kind, exc.error)})
+        except QuotaError as quota:
+            return error_response(429, str(quota))
 
     for router in (sessions.router, training.router, sampling.router, checkpoint_routes.router, runs.router):
         app.include_router(router, prefix=API)

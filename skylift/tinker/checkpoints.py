@@ -27,6 +27,7 @@ from sqlalchemy import select
 from skylift.tinker import durable
 from skylift.tinker.bodies import CopyWeightsBody, SaveWeightsExternalBody
 from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.fairness import QuotaError
 from skylift.tinker.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
 from skylift.tinker.views import KIND_SEGMENT, META_FILE, check_name, iso, parse_tinker_path, tinker_path
 
@@ -59,6 +60,21 @@ def ttl_expiry(ttl: Any, lowest: int = 1) -> dt.datetime | None:
     return utcnow() + dt.timedelta(seconds=int(ttl))
 
 
+def check_disk_quota(svc: TinkerService, owner: str | None, adding: int) -> None:
+    """Refuse (429) a new checkpoint of `owner` once its checkpoints use its share of the disk
+    (``--max-checkpoint-gb-per-user``); `adding` bytes known in advance count too (blocking:
+    reads records)."""
+    if owner is None:
+        return
+    used = sum(int(r.size_bytes or 0) for r in svc.store.checkpoints(owner=owner))
+    quota = int(svc.config.max_checkpoint_gb_per_user * 1024**3)
+    if used + adding > quota or (adding == 0 and used >= quota):
+        raise QuotaError(
+            f"your checkpoints use {used / 1024**3:.2f} GiB of the {quota / 1024**3:g} GiB this server allows "
+            "per user (--max-checkpoint-gb-per-user); delete checkpoints you no longer need"
+        )
+
+
 async def write_checkpoint(
     svc: TinkerService,
     writer: Any,
@@ -73,6 +89,7 @@ async def write_checkpoint(
     written under a temporary name, fsynced and renamed, then recorded; an old version (an
     overwrite) stays complete and recorded until then, and is deleted after."""
     path = tinker_path(model_id, kind, name)
+    await svc.db(lambda: check_disk_quota(svc, svc.store.model_owner(model_id), 0))
     final = svc.run_dir(model_id, kind, name)
     staging = durable.staging_dir(final)
     try:
@@ -216,6 +233,7 @@ def copy_weights(svc: TinkerService, body: CopyWeightsBody, owner: str | None = 
         raise UserError("copy_weights: send destination_project_id, or session_id and model_seq_id")
     _, kind, name = parse_tinker_path(source.tinker_path)
     path = tinker_path(run_id, kind, name)
+    check_disk_quota(svc, owner, int(source.size_bytes or 0))
     if svc.store.checkpoint(path) is not None:
         raise UserError(f"copy_weights: {path} already exists")
     if svc.store.get(ModelRow, run_id) is None:

@@ -2,7 +2,7 @@
 API-key middleware (which user is calling), the mapping of exceptions to responses and the two
 shapes of the REST views (a page of the caller's records; one record the caller owns).
 
-Errors: `UserError` is a 400 (`NotFoundError` a 404, `TooLargeError` a 413). Any other exception is a server error
+Errors: `UserError` is a 400 (`NotFoundError` a 404, `TooLargeError` a 413, `QuotaError` a 429). Any other exception is a server error
 with its message: a 500 on a direct route (operation routes turn it into a failed future of
 category "server" themselves, see `skylift.tinker.app`). The one exception: a ValueError /
 TypeError / KeyError / AttributeError raised while reading the request body (the innermost
@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import skylift
 from skylift.tinker.auth import DEFAULT_USER, KeyRing, current_user
 from skylift.tinker.errors import NotFoundError, TooLargeError, UserError
+from skylift.tinker.fairness import QuotaError
 from skylift.tinker.limits import parse_json, read_payload
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotFoundError)
     async def not_found(request: Request, exc: NotFoundError) -> Response:
         return error_response(404, str(exc))
+
+    @app.exception_handler(QuotaError)
+    async def over_quota(request: Request, exc: QuotaError) -> Response:
+        return error_response(429, str(exc))
 
     @app.exception_handler(TooLargeError)
     async def too_large(request: Request, exc: TooLargeError) -> Response:

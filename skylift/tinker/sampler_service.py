@@ -23,9 +23,11 @@ import numpy as np
 import torch
 
 from skylift.inference.limits import MAX_N
+from skylift.tinker.auth import current_user
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.bodies import MAX_TARGET_CELLS, CreateSamplingSessionBody, SampleBody, TargetTensor
 from skylift.tinker.errors import UserError
+from skylift.tinker.fairness import FairGate
 from skylift.tinker.loss_sampling import sampled_distribution
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
@@ -102,8 +104,12 @@ class SamplingService:
         render_hosts: RenderHosts,
         spawn: Callable[[Awaitable[Any]], None],
         media_roots: Sequence[Path] = (),
+        gate: tuple[int, float | None] = (4, 600.0),
     ) -> None:
         self.store = store
+        # each engine serves `slots` sample requests at once, the waiting ones round robin by user
+        self.gate_slots, self.gate_timeout_s = gate
+        self.gates: dict[str, FairGate] = {}
         self.media_roots = tuple(media_roots)  # where image pointers may point (--allowed-local-media-path)
         # reading and decoding prompt images: off the event loop, a few at a time
         self.media = ThreadPoolExecutor(max_workers=MEDIA_THREADS, thread_name_prefix="tinker-media")
@@ -122,6 +128,15 @@ class SamplingService:
         self.media.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- engines and weights
+    def gate(self, info: BaseModelInfo) -> FairGate:
+        """The fair gate in front of `info`'s engine (`skylift.tinker.fairness`)."""
+        if info.path not in self.gates:
+            what = f"the sampling engine of {info.name}"
+            self.gates[info.path] = FairGate(
+                self.gate_slots, self.gate_timeout_s, what, "--fair-wait-timeout-s"
+            )
+        return self.gates[info.path]
+
     def host(self, info: BaseModelInfo) -> EngineHost:
         host = self.engines.get(info.path)
         if host is None:
@@ -305,11 +320,12 @@ class SamplingService:
         last_n = body.prompt_logprobs_last_n
         if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
             raise UserError(f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}")
-        if with_images:
-            result = await host.sample_images(tag, await self._loader(tag, info), parts, params)
-        else:
-            scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
-            result = await host.sample(tag, await self._loader(tag, info), prompt, params, scores)
+        async with self.gate(info).slot(current_user.get()):
+            if with_images:
+                result = await host.sample_images(tag, await self._loader(tag, info), parts, params)
+            else:
+                scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
+                result = await host.sample(tag, await self._loader(tag, info), prompt, params, scores)
         plp, topk_prompt = result.prompt_logprobs, result.topk_prompt
         if last_n is not None:
             cut = len(prompt) - last_n

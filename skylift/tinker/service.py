@@ -26,10 +26,12 @@ from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
 from skylift.tinker import durable
+from skylift.tinker.auth import current_user
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.bodies import CreateModelBody, CreateSessionBody, LoraBody, SampleBody
 from skylift.tinker.errors import UserError
+from skylift.tinker.fairness import FairGate
 from skylift.tinker.futures import FutureHub, OrderedQueue, Work
 from skylift.tinker.limits import RequestLimits
 from skylift.tinker.provenance import StabilityRecords
@@ -61,8 +63,10 @@ class TinkerService:
         self.models: dict[str, TrainedModel] = {}
         self.queues: dict[str, OrderedQueue] = {}
         self.render_hosts = RenderHosts(self.data_dir, {b.path: b.max_model_len for b in self.base_models})
-        self.snapshots = SnapshotStore(int(config.snapshot_memory_mb * MIB), config.max_idle_snapshots)
-        self.records = StabilityRecords()
+        self.snapshots = SnapshotStore(
+            int(config.snapshot_memory_mb * MIB), config.max_idle_snapshots, config.max_snapshots_per_user
+        )
+        self.records = StabilityRecords(max_tokens_per_user=config.max_record_tokens_per_user)
         self.sampling = SamplingService(
             self.store,
             self.base_models,
@@ -72,16 +76,25 @@ class TinkerService:
             self.render_hosts,
             self.spawn,
             media_roots=RequestLimits.from_config(config).media_roots,
+            gate=(config.sampling_slots, config.fair_wait_timeout_s),
         )
         self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
         self._hub: FutureHub | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
+        self.train_gate = FairGate(
+            1, config.fair_wait_timeout_s, "the training thread", "--fair-wait-timeout-s"
+        )
         self._cleanup_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._hub = FutureHub(self.store, self.config.result_retention_s, self.config.future_max_age_s)
+        self._hub = FutureHub(
+            self.store,
+            self.config.result_retention_s,
+            self.config.future_max_age_s,
+            self.config.max_pending_per_user,
+        )
         lost = await asyncio.to_thread(self.store.mark_pending_lost)  # retrieve_future answers 410
         await asyncio.to_thread(self.store.mark_loaded_models_unloaded)
         await asyncio.to_thread(self._sweep_unrecorded_versions)
@@ -223,7 +236,10 @@ class TinkerService:
         )
 
     async def run_training(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """`fn(*args)` on the one training thread, when the calling user's turn comes (round robin
+        between users, `skylift.tinker.fairness`)."""
+        async with self.train_gate.slot(current_user.get()):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run `coro` in the background (cancelled at `stop`)."""
