@@ -43,8 +43,10 @@ from _servers import free_port, set_benchmark_env, start_server, stop_server
 #: Seconds of the soak beside the hostile client (issue 29 asks for 10 minutes);
 #: SKYLIFT_SOAK_S overrides it for a shorter run.
 DURATION_S = 600.0
-#: Seconds the well-behaved client runs alone first (its baseline).
+#: Seconds the well-behaved client runs alone first (its baseline); SKYLIFT_SOAK_ALONE_S overrides it.
 ALONE_S = 90.0
+#: Longest wait for one result of the well-behaved client (past it: an error).
+WAIT_S = 300.0
 BASE_MODEL = "tiny-qwen2"
 GOOD, BAD = ("good", "tml-soak-good"), ("bad", "tml-soak-bad")
 FLOOD_SAMPLES = 8  # hostile samples kept in flight
@@ -80,12 +82,12 @@ class GoodClient:
 
     def iteration(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.trainer.forward_backward(self.batch, "cross_entropy").result()
-        self.trainer.optim_step(self.types.AdamParams(learning_rate=1e-3)).result()
+        self.trainer.forward_backward(self.batch, "cross_entropy").result(timeout=WAIT_S)
+        self.trainer.optim_step(self.types.AdamParams(learning_rate=1e-3)).result(timeout=WAIT_S)
         t1 = time.perf_counter()
         prompt = self.types.ModelInput.from_ints([5, 8, 11, 14])
         params = self.types.SamplingParams(max_tokens=8, seed=0)
-        self.sampler.sample(prompt, 1, params).result()
+        self.sampler.sample(prompt, 1, params).result(timeout=WAIT_S)
         t2 = time.perf_counter()
         return {"step": t1 - t0, "sample": t2 - t1, "total": t2 - t0}
 
@@ -251,6 +253,7 @@ class HostileClient:
 
 def main() -> int:
     duration = float(os.environ.get("SKYLIFT_SOAK_S", DURATION_S))
+    alone_s = float(os.environ.get("SKYLIFT_SOAK_ALONE_S", ALONE_S))
     set_benchmark_env()
     work = Path(tempfile.mkdtemp(prefix="tinker-soak-"))
     keys = work / "keys.txt"
@@ -267,7 +270,7 @@ def main() -> int:
     try:
         good = GoodClient(url)
         good.iteration()  # warm-up: builds the model and starts the engine
-        alone = good.run(ALONE_S)
+        alone = good.run(alone_s)
         hostile = HostileClient(url, fifo, good.trainer.model_id)
         thread = threading.Thread(target=lambda: asyncio.run(hostile.run(duration)), daemon=True)
         began = time.monotonic()
@@ -281,7 +284,7 @@ def main() -> int:
         stop_server(proc)
     a, b = _summary(alone), _summary(attacked)
     ratio = (b["total_p99_s"] / a["total_p99_s"]) if a["total_p99_s"] and b["total_p99_s"] else None
-    print(f"alone ({ALONE_S:.0f} s): {a}")
+    print(f"alone ({alone_s:.0f} s): {a}")
     print(f"beside the hostile client ({elapsed:.0f} s): {b}")
     print(f"hostile status codes: {dict(hostile.codes)}; heavy requests done: {hostile.flood_done}")
     for failure in hostile.failures[:10]:
@@ -291,7 +294,7 @@ def main() -> int:
     result = {
         "ratio": round(ratio, 3) if ratio is not None else None,
         "duration_s": duration,
-        "alone_s": ALONE_S,
+        "alone_s": alone_s,
         "alone": a,
         "attacked": b,
         "good_errors": len(good.errors),
