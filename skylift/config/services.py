@@ -61,7 +61,7 @@ class ServerConfig:
     sampling_slots: int = 4  # sample requests one engine serves at once; the rest wait their user's turn
     # per-user quotas
     max_pending_per_user: int = 1024  # futures of one user pending (queued or running) at once
-    max_snapshots_per_user: int = 16  # sampler snapshots held by one user's live sessions
+    max_snapshot_mb_per_user: float = 4096.0  # memory of the sampler snapshots one user's live sessions hold
     max_record_tokens_per_user: int = 5_000_000  # stability-record tokens of one user (oldest dropped)
     max_checkpoint_gb_per_user: float = 1024.0  # checkpoint disk of one user
 

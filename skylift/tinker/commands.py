@@ -139,7 +139,12 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
             "sample requests one engine serves at once; the rest wait round robin by user",
         ),
         ("--max-pending-per-user", int, 1024, "futures one user may have pending at once (429 beyond)"),
-        ("--max-snapshots-per-user", int, 16, "sampler snapshots one user's live sessions may hold"),
+        (
+            "--max-snapshot-mb-per-user",
+            float,
+            4096.0,
+            "memory of the sampler snapshots one user's live sessions hold",
+        ),
         (
             "--max-record-tokens-per-user",
             int,
@@ -218,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("--fair-wait-timeout-s", args.fair_wait_timeout_s),
         ("--sampling-slots", args.sampling_slots),
         ("--max-pending-per-user", args.max_pending_per_user),
-        ("--max-snapshots-per-user", args.max_snapshots_per_user),
+        ("--max-snapshot-mb-per-user", args.max_snapshot_mb_per_user),
         ("--max-record-tokens-per-user", args.max_record_tokens_per_user),
         ("--max-checkpoint-gb-per-user", args.max_checkpoint_gb_per_user),
     ):
@@ -246,7 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
         fair_wait_timeout_s=args.fair_wait_timeout_s,
         sampling_slots=args.sampling_slots,
         max_pending_per_user=args.max_pending_per_user,
-        max_snapshots_per_user=args.max_snapshots_per_user,
+        max_snapshot_mb_per_user=args.max_snapshot_mb_per_user,
         max_record_tokens_per_user=args.max_record_tokens_per_user,
         max_checkpoint_gb_per_user=args.max_checkpoint_gb_per_user,
     )

@@ -64,7 +64,9 @@ class TinkerService:
         self.queues: dict[str, OrderedQueue] = {}
         self.render_hosts = RenderHosts(self.data_dir, {b.path: b.max_model_len for b in self.base_models})
         self.snapshots = SnapshotStore(
-            int(config.snapshot_memory_mb * MIB), config.max_idle_snapshots, config.max_snapshots_per_user
+            int(config.snapshot_memory_mb * MIB),
+            config.max_idle_snapshots,
+            int(config.max_snapshot_mb_per_user * MIB),
         )
         self.records = StabilityRecords(max_tokens_per_user=config.max_record_tokens_per_user)
         self.sampling = SamplingService(

@@ -6,9 +6,9 @@ reference, async RL several steps off-policy). Held snapshots are never evicted.
 ends its snapshots become *idle*: at most `max_idle` of them stay (a later sample from a finished
 session's sampler still works), oldest dropped first. All snapshots together stay within
 `max_bytes`; a new one that does not fit even after dropping every idle one is refused with an
-error naming the limit (``--snapshot-memory-mb``). One user's live sessions hold at most
-`max_held_per_user` snapshots (``--max-snapshots-per-user``; beyond it a 429): one user cannot
-take the whole memory from the others.
+error naming the limit (``--snapshot-memory-mb``). The snapshots one user's live
+sessions hold stay within `max_held_bytes_per_user` (``--max-snapshot-mb-per-user``; beyond it a
+429): one user cannot take the whole memory from the others.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def weights_nbytes(weights: dict[str, torch.Tensor]) -> int:
 class SnapshotStore:
     """Snapshots by tag (``ephemeral:<sampling session id>``)."""
 
-    def __init__(self, max_bytes: int, max_idle: int, max_held_per_user: int | None = None) -> None:
+    def __init__(self, max_bytes: int, max_idle: int, max_held_bytes_per_user: int | None = None) -> None:
         self.max_bytes = max_bytes
         self.max_idle = max_idle
-        self.max_held_per_user = max_held_per_user
+        self.max_held_bytes_per_user = max_held_bytes_per_user
         self._held: dict[str, Snapshot] = {}
         self._idle: OrderedDict[str, Snapshot] = OrderedDict()
 
@@ -62,11 +62,13 @@ class SnapshotStore:
     def add(self, tag: str, session_id: str, weights: dict[str, torch.Tensor]) -> None:
         owner = current_user.get()
         snap = Snapshot(weights, session_id, weights_nbytes(weights), owner)
-        mine = sum(1 for t, s in self._held.items() if s.owner == owner and t != tag)
-        if self.max_held_per_user is not None and mine >= self.max_held_per_user:
+        mine = sum(s.nbytes for t, s in self._held.items() if s.owner == owner and t != tag)
+        quota = self.max_held_bytes_per_user
+        if quota is not None and mine + snap.nbytes > quota:
             raise QuotaError(
-                f"your live sessions hold {mine} sampler snapshots, this server's limit per user "
-                "(--max-snapshots-per-user); finish sessions you no longer sample from, or save named "
+                f"no room for another sampler snapshot ({snap.nbytes / MIB:.1f} MiB): your live sessions "
+                f"hold {mine / MIB:.1f} MiB of the {quota / MIB:g} MiB this server allows per user "
+                "(--max-snapshot-mb-per-user); finish sessions you no longer sample from, or save named "
                 "sampler weights (save_weights_for_sampler(name)) instead"
             )
         self._held.pop(tag, None)

@@ -221,14 +221,14 @@ def test_outstanding_futures_have_a_per_user_quota(tmp_path: Path) -> None:
 def test_snapshots_have_a_per_user_quota() -> None:
     from skylift.tinker.snapshots import SnapshotStore
 
-    store = SnapshotStore(max_bytes=1 << 30, max_idle=4, max_held_per_user=2)
-    weights = {"w": torch.zeros(4)}
+    weights = {"w": torch.zeros(4)}  # 16 bytes
+    store = SnapshotStore(max_bytes=1 << 30, max_idle=4, max_held_bytes_per_user=32)
     token = current_user.set("alice")
     try:
         store.add("ephemeral:a1", "sa", weights)
         store.add("ephemeral:a2", "sa", weights)
         store.add("ephemeral:a2", "sa", weights)  # replacing one of hers is no new snapshot
-        with pytest.raises(QuotaError, match="--max-snapshots-per-user"):
+        with pytest.raises(QuotaError, match="--max-snapshot-mb-per-user"):
             store.add("ephemeral:a3", "sa", weights)
     finally:
         current_user.reset(token)
