@@ -187,7 +187,9 @@ class HostileClient:
         self.url, self.fifo, self.victim = url, fifo, victim_model
         self.codes: Counter[int] = Counter()
         self.flood_done = 0
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # 5xx answers
+        self.client_errors: list[str] = []  # the hostile client's own exceptions (timeouts, ...)
+        self.seq = 1
 
     async def _own_model(self, http: httpx.AsyncClient) -> str:
         sid = (await http.post(f"{API}/create_session", json={"tags": []})).json()["session_id"]
@@ -196,12 +198,22 @@ class HostileClient:
         await self._wait(http, resp["request_id"])
         return str(resp["model_id"])
 
-    async def _wait(self, http: httpx.AsyncClient, request_id: str) -> dict[str, Any]:
+    async def _wait(self, http: httpx.AsyncClient, request_id: str) -> None:
+        """Until the future is final (results may be protobuf: never decoded here)."""
         while True:
             resp = await http.post(f"{API}/retrieve_future", json={"request_id": request_id})
             if resp.status_code != 408:
                 self.codes[resp.status_code] += 1
-                return dict(resp.json()) if resp.status_code == 200 else {}
+                return
+
+    async def _forever(self, loop: Any, stop: float, *args: Any) -> None:
+        """`loop(*args, stop)` again until `stop`, an exception recorded and the loop restarted."""
+        while time.monotonic() < stop:
+            try:
+                await loop(*args, stop)
+            except Exception as exc:
+                self.client_errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                await asyncio.sleep(1.0)
 
     async def _bad_loop(self, http: httpx.AsyncClient, requests: list[Any], stop: float) -> None:
         while time.monotonic() < stop:
@@ -229,10 +241,9 @@ class HostileClient:
 
     async def _train_flood(self, http: httpx.AsyncClient, model_id: str, stop: float) -> None:
         rows = [5 + (j * 3) % 40 for j in range(48)]
-        seq = 1
         while time.monotonic() < stop:
-            resp = await http.post(f"{API}/forward_backward", content=_fb(model_id, rows, seq_id=seq))
-            seq += 1
+            resp = await http.post(f"{API}/forward_backward", content=_fb(model_id, rows, seq_id=self.seq))
+            self.seq += 1
             self.codes[resp.status_code] += 1
             if resp.status_code == 200:
                 await self._wait(http, resp.json()["request_id"])
@@ -245,9 +256,9 @@ class HostileClient:
             stop = time.monotonic() + seconds
             requests = _bad_requests(self.fifo, self.victim, own)
             await asyncio.gather(
-                self._bad_loop(http, requests, stop),
-                self._train_flood(http, own, stop),
-                *(self._sample_flood(http, stop) for _ in range(FLOOD_SAMPLES)),
+                self._forever(self._bad_loop, stop, http, requests),
+                self._forever(self._train_flood, stop, http, own),
+                *(self._forever(self._sample_flood, stop, http) for _ in range(FLOOD_SAMPLES)),
             )
 
 
@@ -288,7 +299,9 @@ def main() -> int:
     print(f"beside the hostile client ({elapsed:.0f} s): {b}")
     print(f"hostile status codes: {dict(hostile.codes)}; heavy requests done: {hostile.flood_done}")
     for failure in hostile.failures[:10]:
-        print("hostile 5xx:", failure)
+        print("hostile failure:", failure)
+    for error in hostile.client_errors[:5]:
+        print("hostile client error:", error)
     for error in good.errors[:10]:
         print("good client error:", error)
     result = {
@@ -301,6 +314,7 @@ def main() -> int:
         "hostile_codes": {str(k): v for k, v in sorted(hostile.codes.items())},
         "hostile_5xx": len(hostile.failures),
         "hostile_heavy_done": hostile.flood_done,
+        "hostile_client_errors": len(hostile.client_errors),
         "healthy_after": healthy,
     }
     print(json.dumps(result))
