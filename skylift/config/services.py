@@ -56,6 +56,14 @@ class ServerConfig:
     max_request_mb: float = 256.0  # a request body, before and after zstd decompression
     max_request_cells: int = 16 * 1024 * 1024  # loss-input cells of one forward(_backward), padded
     future_max_age_s: float = 86400.0  # a future never retrieved is deleted this long after it was made
+    # fair sharing between users (skylift.tinker.fairness; docs/serving_limits.md)
+    fair_wait_timeout_s: float = 600.0  # longest wait for a turn on the training thread or an engine
+    sampling_slots: int = 4  # sample requests one engine serves at once; the rest wait their user's turn
+    # per-user quotas
+    max_pending_per_user: int = 1024  # futures of one user pending (queued or running) at once
+    max_snapshot_mb_per_user: float = 4096.0  # memory of the sampler snapshots one user's live sessions hold
+    max_record_tokens_per_user: int = 5_000_000  # stability-record tokens of one user (oldest dropped)
+    max_checkpoint_gb_per_user: float = 1024.0  # checkpoint disk of one user
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from skylift.tinker import durable
+from skylift.tinker.bodies import CopyWeightsBody, SaveWeightsExternalBody
 from skylift.tinker.errors import NotFoundError, UserError
+from skylift.tinker.fairness import QuotaError
 from skylift.tinker.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
 from skylift.tinker.views import KIND_SEGMENT, META_FILE, check_name, iso, parse_tinker_path, tinker_path
 
@@ -58,6 +60,21 @@ def ttl_expiry(ttl: Any, lowest: int = 1) -> dt.datetime | None:
     return utcnow() + dt.timedelta(seconds=int(ttl))
 
 
+def check_disk_quota(svc: TinkerService, owner: str | None, adding: int) -> None:
+    """Refuse (429) a new checkpoint of `owner` once its checkpoints use its share of the disk
+    (``--max-checkpoint-gb-per-user``); `adding` bytes known in advance count too (blocking:
+    reads records)."""
+    if owner is None:
+        return
+    used = sum(int(r.size_bytes or 0) for r in svc.store.checkpoints(owner=owner))
+    quota = int(svc.config.max_checkpoint_gb_per_user * 1024**3)
+    if used + adding > quota or (adding == 0 and used >= quota):
+        raise QuotaError(
+            f"your checkpoints use {used / 1024**3:.2f} GiB of the {quota / 1024**3:g} GiB this server allows "
+            "per user (--max-checkpoint-gb-per-user); delete checkpoints you no longer need"
+        )
+
+
 async def write_checkpoint(
     svc: TinkerService,
     writer: Any,
@@ -72,6 +89,7 @@ async def write_checkpoint(
     written under a temporary name, fsynced and renamed, then recorded; an old version (an
     overwrite) stays complete and recorded until then, and is deleted after."""
     path = tinker_path(model_id, kind, name)
+    await svc.db(lambda: check_disk_quota(svc, svc.store.model_owner(model_id), 0))
     final = svc.run_dir(model_id, kind, name)
     staging = durable.staging_dir(final)
     try:
@@ -98,18 +116,18 @@ async def write_checkpoint(
 
 
 # ---------------------------------------------------------------- external weights
-async def save_weights_external(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
-    model_id = str(body.get("model_id"))
-    if body.get("age_encryption_recipients"):
+async def save_weights_external(svc: TinkerService, body: SaveWeightsExternalBody, idem: str | None) -> str:
+    model_id = body.model_id
+    if body.age_encryption_recipients:
         raise UserError("age_encryption_recipients: this server does not encrypt exports")
 
     async def fn(model: TrainedModel) -> dict[str, Any]:
-        name = check_name(body.get("path"), "save_weights_external")
-        expires_at = ttl_expiry(body.get("ttl_seconds"))
+        name = check_name(body.path, "save_weights_external")
+        expires_at = ttl_expiry(body.ttl_seconds)
         path, size = await write_checkpoint(svc, model.export_sampler, model_id, "external", name, expires_at)
         return {"path": path, "size_bytes": size, "type": "save_weights_external"}
 
-    return await svc.submit_model_op("save_weights_external", model_id, body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("save_weights_external", model_id, body.seq_id, fn, idem)
 
 
 def _signature(secret: bytes, path: str, expires: int) -> str:
@@ -165,9 +183,9 @@ def set_public(svc: TinkerService, run_id: str, checkpoint_id: str, public: bool
     durable.write_text_atomic(meta_path, json.dumps(meta))
 
 
-def set_ttl(svc: TinkerService, run_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
+def set_ttl(svc: TinkerService, run_id: str, checkpoint_id: str, ttl_seconds: float | None) -> None:
     row = _checkpoint(svc, run_id, checkpoint_id)
-    svc.store.update(CheckpointRow, row.id, expires_at=ttl_expiry(body.get("ttl_seconds")))
+    svc.store.update(CheckpointRow, row.id, expires_at=ttl_expiry(ttl_seconds))
 
 
 def weights_info(svc: TinkerService, path: str) -> dict[str, Any]:
@@ -185,21 +203,21 @@ def weights_info(svc: TinkerService, path: str) -> dict[str, Any]:
     }
 
 
-def copy_weights(svc: TinkerService, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
+def copy_weights(svc: TinkerService, body: CopyWeightsBody, owner: str | None = None) -> dict[str, Any]:
     """Copy a checkpoint into a new training run (unloaded) of the caller (`owner`):
     `<session_id>:train:<model_seq_id>` with a session of the caller, else `copy-<id>` in a new
     session of the caller (this server has no projects: a `destination_project_id` is accepted
     and only labels the copy). Never in the source's namespace: copying another user's
     published checkpoint gives the caller the copy."""
-    source = _by_path(svc, str(body.get("source_path")))
+    source = _by_path(svc, body.source_path)
     src_model = svc.store.get(ModelRow, source.model_id)
-    session_id, seq = body.get("session_id"), body.get("model_seq_id")
+    session_id, seq = body.session_id, body.model_seq_id
     if session_id is not None:
-        if seq is None or not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**31:
-            raise UserError(f"copy_weights: send model_seq_id (an integer >= 0) with session_id, got {seq!r}")
-        svc.session(str(session_id))
+        if seq is None:
+            raise UserError("copy_weights: send model_seq_id (an integer >= 0) with session_id")
+        svc.session(session_id)
         run_id = f"{session_id}:train:{seq}"
-    elif body.get("destination_project_id"):
+    elif body.destination_project_id:
         session_id, run_id = f"s{uuid.uuid4().hex[:16]}", f"copy-{uuid.uuid4().hex[:12]}"
         svc.store.add(
             SessionRow(
@@ -215,6 +233,7 @@ def copy_weights(svc: TinkerService, body: dict[str, Any], owner: str | None = N
         raise UserError("copy_weights: send destination_project_id, or session_id and model_seq_id")
     _, kind, name = parse_tinker_path(source.tinker_path)
     path = tinker_path(run_id, kind, name)
+    check_disk_quota(svc, owner, int(source.size_bytes or 0))
     if svc.store.checkpoint(path) is not None:
         raise UserError(f"copy_weights: {path} already exists")
     if svc.store.get(ModelRow, run_id) is None:
@@ -227,7 +246,7 @@ def copy_weights(svc: TinkerService, body: dict[str, Any], owner: str | None = N
                 status="unloaded",
                 user_metadata={
                     "copied_from": source.tinker_path,
-                    "project": body.get("destination_project_id"),
+                    "project": body.destination_project_id,
                 },
             )
         )
@@ -253,7 +272,7 @@ def copy_weights(svc: TinkerService, body: dict[str, Any], owner: str | None = N
             kind=source.kind,
             directory=str(directory),
             size_bytes=source.size_bytes,
-            expires_at=ttl_expiry(body.get("ttl_seconds"), lowest=MIN_TTL_S),
+            expires_at=ttl_expiry(body.ttl_seconds, lowest=MIN_TTL_S),
             user_metadata=source.user_metadata,
         )
     )

@@ -125,6 +125,35 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="delete a future never retrieved this long after it was made (default: 86400)",
     )
+    for flag, kind, default, text in (
+        (
+            "--fair-wait-timeout-s",
+            float,
+            600.0,
+            "longest wait for a turn on the training thread or an engine (429 after)",
+        ),
+        (
+            "--sampling-slots",
+            int,
+            4,
+            "sample requests one engine serves at once; the rest wait round robin by user",
+        ),
+        ("--max-pending-per-user", int, 1024, "futures one user may have pending at once (429 beyond)"),
+        (
+            "--max-snapshot-mb-per-user",
+            float,
+            4096.0,
+            "memory of the sampler snapshots one user's live sessions hold",
+        ),
+        (
+            "--max-record-tokens-per-user",
+            int,
+            5_000_000,
+            "stability-record tokens kept per user (oldest dropped)",
+        ),
+        ("--max-checkpoint-gb-per-user", float, 1024.0, "checkpoint disk one user may use (429 beyond)"),
+    ):
+        serve.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
@@ -191,6 +220,12 @@ def _serve(args: argparse.Namespace) -> int:
         ("--max-request-mb", args.max_request_mb),
         ("--max-request-cells", args.max_request_cells),
         ("--future-max-age-s", args.future_max_age_s),
+        ("--fair-wait-timeout-s", args.fair_wait_timeout_s),
+        ("--sampling-slots", args.sampling_slots),
+        ("--max-pending-per-user", args.max_pending_per_user),
+        ("--max-snapshot-mb-per-user", args.max_snapshot_mb_per_user),
+        ("--max-record-tokens-per-user", args.max_record_tokens_per_user),
+        ("--max-checkpoint-gb-per-user", args.max_checkpoint_gb_per_user),
     ):
         if value <= 0:
             raise SystemExit(f"{flag} must be > 0, got {value}")
@@ -213,6 +248,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_mb=args.max_request_mb,
         max_request_cells=args.max_request_cells,
         future_max_age_s=args.future_max_age_s,
+        fair_wait_timeout_s=args.fair_wait_timeout_s,
+        sampling_slots=args.sampling_slots,
+        max_pending_per_user=args.max_pending_per_user,
+        max_snapshot_mb_per_user=args.max_snapshot_mb_per_user,
+        max_record_tokens_per_user=args.max_record_tokens_per_user,
+        max_checkpoint_gb_per_user=args.max_checkpoint_gb_per_user,
     )
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)

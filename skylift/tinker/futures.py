@@ -37,6 +37,7 @@ from typing import Any
 
 from skylift.tinker.auth import current_user
 from skylift.tinker.errors import error_category, error_message
+from skylift.tinker.fairness import QuotaError
 from skylift.tinker.store import FutureRow, Store, utcnow
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,17 @@ class FutureHub:
     """Creates, resolves and waits for futures (see the module docstring for their states)."""
 
     def __init__(
-        self, store: Store, retention_s: float | None = None, max_age_s: float | None = None
+        self,
+        store: Store,
+        retention_s: float | None = None,
+        max_age_s: float | None = None,
+        max_pending_per_user: int | None = None,
     ) -> None:
         self.store = store
         self.retention_s = retention_s
         self.max_age_s = max_age_s
+        self.max_pending_per_user = max_pending_per_user
+        self._pending: dict[str | None, int] = {}  # owner -> futures not final yet
         self._live: dict[str, _Live] = {}
         self._adding: dict[str, asyncio.Future[Any]] = {}  # records being written
         self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()  # dedup key -> (id, time)
@@ -111,6 +118,13 @@ class FutureHub:
             known = self._keys.get(key)
             if known is not None:
                 return known[0], False
+        pending = self._pending.get(owner, 0)
+        if self.max_pending_per_user is not None and pending >= self.max_pending_per_user:
+            raise QuotaError(
+                f"{kind}: you have {pending} requests pending, this server's limit per user "
+                f"(--max-pending-per-user); retrieve their results, or wait for them, before sending more"
+            )
+        self._pending[owner] = pending + 1
         request_id = f"req-{uuid.uuid4().hex}"
         now = time.monotonic()
         for key in keys:
@@ -150,6 +164,11 @@ class FutureHub:
         if live is None or live.final is not None:
             return
         live.final = outcome
+        left = self._pending.get(live.owner, 1) - 1
+        if left > 0:
+            self._pending[live.owner] = left
+        else:
+            self._pending.pop(live.owner, None)
         try:
             await self._write(
                 functools.partial(

@@ -2,7 +2,7 @@
 API-key middleware (which user is calling), the mapping of exceptions to responses and the two
 shapes of the REST views (a page of the caller's records; one record the caller owns).
 
-Errors: `UserError` is a 400 (`NotFoundError` a 404, `TooLargeError` a 413). Any other exception is a server error
+Errors: `UserError` is a 400 (`NotFoundError` a 404, `TooLargeError` a 413, `QuotaError` a 429). Any other exception is a server error
 with its message: a 500 on a direct route (operation routes turn it into a failed future of
 category "server" themselves, see `skylift.tinker.app`). The one exception: a ValueError /
 TypeError / KeyError / AttributeError raised while reading the request body (the innermost
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import skylift
 from skylift.tinker.auth import DEFAULT_USER, KeyRing, current_user
 from skylift.tinker.errors import NotFoundError, TooLargeError, UserError
+from skylift.tinker.fairness import QuotaError
 from skylift.tinker.limits import parse_json, read_payload
 
 logger = logging.getLogger(__name__)
@@ -59,34 +60,41 @@ MAX_PAGE, MAX_OFFSET = 1000, 2**31 - 1
 
 
 def add_page_route(
-    app: FastAPI, path: str, page: Callable[[int, int, str], dict[str, Any]], default_limit: int = 20
+    router: APIRouter,
+    path: str,
+    page: Callable[[Any, int, int, str], dict[str, Any]],
+    default_limit: int = 20,
 ) -> None:
-    """GET `path?limit=&offset=`: `page(limit, offset, user)` of the caller's records (a thread)."""
+    """GET `path?limit=&offset=`: `page(service, limit, offset, user)` of the caller's records (a
+    thread; the service is the app's, `request.app.state.service`)."""
 
     async def route(
         request: Request,
         limit: int = Query(default_limit, ge=1, le=MAX_PAGE),
         offset: int = Query(0, ge=0, le=MAX_OFFSET),
     ) -> dict[str, Any]:
-        return await asyncio.to_thread(page, limit, offset, caller(request))
+        return await asyncio.to_thread(page, request.app.state.service, limit, offset, caller(request))
 
-    app.get(path)(route)
+    router.get(path)(route)
 
 
 def add_owned_route(
-    app: FastAPI, path: str, check: Callable[[str, str], None], view: Callable[[str], dict[str, Any]]
+    router: APIRouter,
+    path: str,
+    check: Callable[[Any, str, str], None],
+    view: Callable[[Any, str], dict[str, Any]],
 ) -> None:
-    """GET `path` (one parameter, `{key}`): `check(user, key)` (raises for another user's key),
-    then `view(key)`, both in a thread."""
+    """GET `path` (one parameter, `{key}`): `check(owners, user, key)` (raises for another user's
+    key), then `view(service, key)`, both in a thread."""
 
     async def route(key: str, request: Request) -> dict[str, Any]:
         def get() -> dict[str, Any]:
-            check(caller(request), key)
-            return view(key)
+            check(request.app.state.owners, caller(request), key)
+            return view(request.app.state.service, key)
 
         return await asyncio.to_thread(get)
 
-    app.get(path)(route)
+    router.get(path)(route)
 
 
 def reading_request(exc: BaseException) -> bool:
@@ -146,6 +154,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotFoundError)
     async def not_found(request: Request, exc: NotFoundError) -> Response:
         return error_response(404, str(exc))
+
+    @app.exception_handler(QuotaError)
+    async def over_quota(request: Request, exc: QuotaError) -> Response:
+        return error_response(429, str(exc))
 
     @app.exception_handler(TooLargeError)
     async def too_large(request: Request, exc: TooLargeError) -> Response:

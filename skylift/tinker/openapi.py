@@ -1,7 +1,8 @@
-"""The request bodies of the Tinker routes in the app's OpenAPI document, from the SDK's own
-request types (`tinker.types`), so that clients and fuzzers (schemathesis) see what each route
-takes. Bodies are still read by the routes themselves (`skylift.tinker.http_common.read_json`);
-this module only describes them.
+"""The request bodies of the Tinker routes in the app's OpenAPI document, from the typed models
+the routes parse them into (`skylift.tinker.bodies`: the SDK's request types with this server's
+limits), so that clients and fuzzers (schemathesis) see what each route takes and what it
+refuses. The routes read their bodies themselves (size limits, zstd), so FastAPI does not see
+them; a typed body's dependency names its model (`body_model`, see `skylift.tinker.deps`).
 """
 
 from __future__ import annotations
@@ -10,62 +11,46 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 
-#: route (under the API prefix) -> the SDK's request type of its JSON body
-SDK_BODIES = {
-    "client/config": "ClientConfigRequest",
-    "telemetry": "TelemetrySendRequest",
-    "create_session": "CreateSessionRequest",
-    "session_heartbeat": "SessionHeartbeatRequest",
-    "create_model": "CreateModelRequest",
-    "get_info": "GetInfoRequest",
-    "optim_step": "OptimStepRequest",
-    "save_weights": "SaveWeightsRequest",
-    "save_weights_for_sampler": "SaveWeightsForSamplerRequest",
-    "save_weights_external": "SaveWeightsExternalRequest",
-    "load_weights": "LoadWeightsRequest",
-    "create_sampling_session": "CreateSamplingSessionRequest",
-    "asample": "SampleRequest",
-    "retrieve_future": "FutureRetrieveRequest",
-    "copy_weights": "CopyWeightsRequest",
-}
 #: routes whose body is a protobuf `ForwardBackwardRequest` (described as raw bytes)
-PROTOBUF_ROUTES = ("forward_backward", "forward")
+PROTOBUF_ROUTES = ("/forward_backward", "/forward")
 _REF = "#/components/schemas/{model}"
 
 
-def _sdk_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(route -> body schema reference, every schema they refer to)."""
-    import tinker.types as sdk
-
-    refs: dict[str, Any] = {}
-    components: dict[str, Any] = {}
-    for route, name in SDK_BODIES.items():
-        schema = getattr(sdk, name).model_json_schema(ref_template=_REF)
-        components.update(schema.pop("$defs", {}))
-        components[name] = schema
-        refs[route] = {"$ref": _REF.format(model=name)}
-    return refs, components
+def _body_model(route: APIRoute) -> Any:
+    for dep in route.dependant.dependencies:
+        model = getattr(dep.call, "body_model", None)
+        if model is not None:
+            return model
+    return None
 
 
-def install_sdk_bodies(app: FastAPI, api: str) -> None:
-    """Describe the Tinker routes' bodies in `app.openapi()` (built once, on first request)."""
+def install_typed_bodies(app: FastAPI) -> None:
+    """Describe the routes' bodies in `app.openapi()` (built once, on first request)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        refs, components = _sdk_schemas()
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
-        for route, ref in refs.items():
-            post = doc["paths"].get(f"{api}/{route}", {}).get("post")
-            if post is not None:
-                post["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
-        for route in PROTOBUF_ROUTES:
-            post = doc["paths"].get(f"{api}/{route}", {}).get("post")
-            if post is not None:
-                binary = {"schema": {"type": "string", "format": "binary"}}
-                post["requestBody"] = {"required": True, "content": {"application/octet-stream": binary}}
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for route in app.routes:
+            if not isinstance(route, APIRoute):
+                continue
+            for method in route.methods:
+                op = doc["paths"].get(route.path_format, {}).get(method.lower())
+                model = _body_model(route)
+                if op is None:
+                    continue
+                if model is not None:
+                    schema = model.model_json_schema(ref_template=_REF)
+                    components.update(schema.pop("$defs", {}))
+                    components[model.__name__] = schema
+                    ref = {"$ref": _REF.format(model=model.__name__)}
+                    op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+                elif route.path_format.endswith(PROTOBUF_ROUTES):
+                    binary = {"schema": {"type": "string", "format": "binary"}}
+                    op["requestBody"] = {"required": True, "content": {"application/octet-stream": binary}}
         app.openapi_schema = doc
         return doc
 

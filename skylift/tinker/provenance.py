@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from skylift.algorithms.sample_support import TokenDistribution
+from skylift.tinker.auth import current_user
 from skylift.tinker.errors import UserError
 
 DAY_S = 86400.0
@@ -43,16 +44,27 @@ class Record:
     logprobs: np.ndarray  # float32 [n]
     used_at: float
     sampling: TokenDistribution = UNTRUNCATED
+    owner: str | None = None
 
 
 class StabilityRecords:
-    """Sampled sequences by sequence id, bounded in tokens and time."""
+    """Sampled sequences by sequence id, bounded in tokens and time; each user's records within
+    its own share (`max_tokens_per_user`, its oldest dropped first), so that one user's sampling
+    never pushes out another's records before the global bound does."""
 
-    def __init__(self, ttl_s: float = DAY_S, max_tokens: int = 20_000_000) -> None:
+    def __init__(
+        self, ttl_s: float = DAY_S, max_tokens: int = 20_000_000, max_tokens_per_user: int | None = None
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_tokens = max_tokens
+        self.max_tokens_per_user = max_tokens_per_user
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._tokens = 0
+        self._by_owner: dict[str | None, OrderedDict[str, None]] = {}  # owner -> its ids, oldest first
+        self._owner_tokens: dict[str | None, int] = {}
+
+    def tokens_of(self, owner: str | None) -> int:
+        return self._owner_tokens.get(owner, 0)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -73,16 +85,26 @@ class StabilityRecords:
             logprobs=np.asarray(logprobs, dtype=np.float32),
             used_at=time.monotonic(),
             sampling=sampling,
+            owner=current_user.get(),
         )
         self._drop(sequence_id)
         self._records[sequence_id] = record
         self._tokens += len(tokens)
+        self._by_owner.setdefault(record.owner, OrderedDict())[sequence_id] = None
+        self._owner_tokens[record.owner] = self.tokens_of(record.owner) + len(tokens)
+        mine = self._by_owner[record.owner]
+        while (
+            self.max_tokens_per_user is not None and self.tokens_of(record.owner) > self.max_tokens_per_user
+        ):
+            self._drop(next(iter(mine)))
         self._expire()
 
     def _drop(self, sequence_id: str) -> None:
         old = self._records.pop(sequence_id, None)
         if old is not None:
             self._tokens -= len(old.tokens)
+            self._owner_tokens[old.owner] = self.tokens_of(old.owner) - len(old.tokens)
+            self._by_owner.get(old.owner, OrderedDict()).pop(sequence_id, None)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -103,6 +125,8 @@ class StabilityRecords:
             )
         record.used_at = time.monotonic()
         self._records.move_to_end(sequence_id)
+        self._by_owner.get(record.owner, OrderedDict()).pop(sequence_id, None)
+        self._by_owner.setdefault(record.owner, OrderedDict())[sequence_id] = None
         return record
 
     def sampling_of(self, spans: list[list[Span] | None], session_id: str) -> set[TokenDistribution] | None:

@@ -23,9 +23,11 @@ import numpy as np
 import torch
 
 from skylift.inference.limits import MAX_N
+from skylift.tinker.auth import current_user
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
+from skylift.tinker.bodies import MAX_TARGET_CELLS, CreateSamplingSessionBody, SampleBody, TargetTensor
 from skylift.tinker.errors import UserError
-from skylift.tinker.fields import int_field
+from skylift.tinker.fairness import FairGate
 from skylift.tinker.loss_sampling import sampled_distribution
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
@@ -44,57 +46,21 @@ logger = logging.getLogger(__name__)
 
 #: Most samples one `asample` may ask for (the same cap as the inference server's default `n` limit).
 MAX_NUM_SAMPLES = MAX_N
-#: Most top-k logprobs per position (vLLM's default `max_logprobs`, which the engines keep).
-MAX_TOPK = 20
-#: Most target_prompt_logprobs cells one request may ask for (each is a one-token engine prefill).
-MAX_TARGET_CELLS = 4096
-#: Most cells ([rows, K]) of a target_prompt_logprobs tensor, checked before it is made dense.
-MAX_TARGET_SHAPE_CELLS = 1 << 20
 #: Threads that read and decode prompt images (image pointers, base64 images).
 MEDIA_THREADS = 4
 
 
-def _topk(body: dict[str, Any], key: str) -> int:
-    k = body.get(key) or 0
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise UserError(f"{key} must be a non-negative integer, got {k!r}")
-    if k > MAX_TOPK:
-        raise UserError(f"{key}={k} is above this server's cap of {MAX_TOPK} logprobs per position")
-    return k
-
-
-def _targets(body: dict[str, Any]) -> np.ndarray | None:
-    """`target_prompt_logprobs` (TensorData JSON, dense or sparse CSR) as an int64 [rows, K] array
-    with -1 in cells that ask nothing."""
-    raw = body.get("target_prompt_logprobs")
+def _targets(raw: TargetTensor | None) -> np.ndarray | None:
+    """`target_prompt_logprobs` (dense or sparse CSR; its shape bounded by the body's type) as an
+    int64 [rows, K] array with -1 in cells that ask nothing."""
     if raw is None:
         return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
-        raise UserError("target_prompt_logprobs must be a tensor {data, dtype, shape}")
-    shape = raw.get("shape")
-    if shape is not None:
-        if (
-            not isinstance(shape, list)
-            or len(shape) != 2
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
-            raise UserError(f"target_prompt_logprobs: shape must be [len(prompt) - 1, K], got {shape!r}")
-        if shape[0] * shape[1] > MAX_TARGET_SHAPE_CELLS:
-            raise UserError(
-                f"target_prompt_logprobs: shape {shape} has {shape[0] * shape[1]} cells; this server's "
-                f"cap is {MAX_TARGET_SHAPE_CELLS} (and at most {MAX_TARGET_CELLS} that ask for a token)"
-            )
-    elif raw.get("sparse_crow_indices") is not None:
-        raise UserError("target_prompt_logprobs: a sparse tensor needs its shape")
-    if raw.get("sparse_crow_indices") is not None and len(raw["data"]) > MAX_TARGET_CELLS:
-        raise UserError(
-            f"target_prompt_logprobs asks for {len(raw['data'])} cells; this server's cap is {MAX_TARGET_CELLS}"
-        )
+    shape = raw.shape
     try:
-        data = np.asarray(raw["data"], dtype=np.int64)
-        if raw.get("sparse_crow_indices") is not None:
-            crow = np.asarray(raw["sparse_crow_indices"], dtype=np.int64)
-            col = np.asarray(raw["sparse_col_indices"], dtype=np.int64)
+        data = np.asarray(raw.data, dtype=np.int64)
+        if raw.sparse_crow_indices is not None and shape is not None:
+            crow = np.asarray(raw.sparse_crow_indices, dtype=np.int64)
+            col = np.asarray(raw.sparse_col_indices or [], dtype=np.int64)
             dense = np.full(shape, -1, dtype=np.int64)
             for row in range(int(shape[0])):
                 dense[row, col[crow[row] : crow[row + 1]]] = data[crow[row] : crow[row + 1]]
@@ -138,8 +104,12 @@ class SamplingService:
         render_hosts: RenderHosts,
         spawn: Callable[[Awaitable[Any]], None],
         media_roots: Sequence[Path] = (),
+        gate: tuple[int, float | None] = (4, 600.0),
     ) -> None:
         self.store = store
+        # each engine serves `slots` sample requests at once, the waiting ones round robin by user
+        self.gate_slots, self.gate_timeout_s = gate
+        self.gates: dict[str, FairGate] = {}
         self.media_roots = tuple(media_roots)  # where image pointers may point (--allowed-local-media-path)
         # reading and decoding prompt images: off the event loop, a few at a time
         self.media = ThreadPoolExecutor(max_workers=MEDIA_THREADS, thread_name_prefix="tinker-media")
@@ -158,6 +128,15 @@ class SamplingService:
         self.media.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- engines and weights
+    def gate(self, info: BaseModelInfo) -> FairGate:
+        """The fair gate in front of `info`'s engine (`skylift.tinker.fairness`)."""
+        if info.path not in self.gates:
+            what = f"the sampling engine of {info.name}"
+            self.gates[info.path] = FairGate(
+                self.gate_slots, self.gate_timeout_s, what, "--fair-wait-timeout-s"
+            )
+        return self.gates[info.path]
+
     def host(self, info: BaseModelInfo) -> EngineHost:
         host = self.engines.get(info.path)
         if host is None:
@@ -229,13 +208,13 @@ class SamplingService:
             self.store.add(row)
 
     # ---------------------------------------------------------------- sessions
-    def create_sampling_session(self, body: dict[str, Any]) -> str:
-        session_id = str(body.get("session_id"))
+    def create_sampling_session(self, body: CreateSamplingSessionBody) -> str:
+        session_id = body.session_id
         self.store.require(SessionRow, session_id, "session")
-        sampling_id = f"{session_id}:sample:{int_field(body, 'sampling_session_seq_id', 0)}"
+        sampling_id = f"{session_id}:sample:{body.sampling_session_seq_id}"
         if self.store.get(SamplingSessionRow, sampling_id) is not None:
             return sampling_id
-        model_path, base_model = body.get("model_path"), body.get("base_model")
+        model_path, base_model = body.model_path, body.base_model
         if model_path:
             run_id, kind, _ = parse_tinker_path(model_path)
             if kind != "sampler":
@@ -266,32 +245,28 @@ class SamplingService:
 
     # ---------------------------------------------------------------- sampling
     @staticmethod
-    def check_request(body: dict[str, Any]) -> int:
-        """Refuse a sample request's bad sizes at once (a 400); returns num_samples."""
-        num = body.get("num_samples", 1)
-        if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= MAX_NUM_SAMPLES:
-            raise UserError(f"num_samples must be an integer in [1, {MAX_NUM_SAMPLES}], got {num!r}")
-        for key in ("topk_prompt_logprobs", "topk_sample_logprobs"):
-            _topk(body, key)
-        _targets(body)
-        return num
+    def check_request(body: SampleBody) -> int:
+        """Refuse a sample request's bad sizes at once (a 400; counts, top-k and the target
+        tensor's shape are bounded by the body's type); returns num_samples."""
+        _targets(body.target_prompt_logprobs)
+        return body.num_samples
 
     def _run_base_model(self, run_id: str) -> str:
         return str(self.store.require(ModelRow, run_id, "training run").base_model)
 
-    def _target(self, body: dict[str, Any]) -> tuple[str, BaseModelInfo]:
+    def _target(self, body: SampleBody) -> tuple[str, BaseModelInfo]:
         """The weights tag a sample request names and its base model (blocking: reads records)."""
-        sampling_id = body.get("sampling_session_id")
+        sampling_id = body.sampling_session_id
         if sampling_id:
             row = self.store.require(SamplingSessionRow, sampling_id, "sampling session")
             info = self.base_models.get(row.base_model)
             tag = {"base": "base", "path": row.model_path, "ephemeral": f"ephemeral:{row.id}"}[row.source]
             return str(tag), info
-        if body.get("model_path"):
-            path = str(body["model_path"])
+        if body.model_path:
+            path = body.model_path
             run_id, _, _ = parse_tinker_path(path)
             return path, self.base_models.get(self._run_base_model(run_id))
-        return "base", self.base_models.get(body.get("base_model"))
+        return "base", self.base_models.get(body.base_model)
 
     def _vocab_size(self, info: BaseModelInfo) -> int:
         """Blocking the first time (it reads the model's config file)."""
@@ -301,11 +276,11 @@ class SamplingService:
             self.vocab[info.path] = int(AutoConfig.from_pretrained(info.path).get_text_config().vocab_size)
         return self.vocab[info.path]
 
-    async def sample(self, body: dict[str, Any], request_id: str) -> bytes:
+    async def sample(self, body: SampleBody, request_id: str) -> bytes:
         """The `SampleResponse` of one sample request (sequence ids `<request_id>:<i>`)."""
         tag, info = await asyncio.to_thread(self._target, body)
         record_session = await asyncio.to_thread(self._record_session, body)
-        chunks = (body.get("prompt") or {}).get("chunks") or []
+        chunks = body.prompt.chunks
         loop = asyncio.get_running_loop()
         parts = await loop.run_in_executor(self.media, json_parts, chunks, "prompt", self.media_roots)
         with_images = any(isinstance(p, ImageInput) for p in parts)
@@ -313,7 +288,7 @@ class SamplingService:
         if with_images:
             if not host.vision:
                 raise UserError(f"{info.name} is not a vision-language model; the prompt has image chunks")
-            if body.get("prompt_logprobs"):
+            if body.prompt_logprobs:
                 raise UserError(
                     "prompt_logprobs for prompts with images are not supported by this server yet"
                 )
@@ -325,13 +300,11 @@ class SamplingService:
             raise UserError("prompt is empty")
         vocab = await asyncio.to_thread(self._vocab_size, info)
         check_token_range(prompt, vocab, "prompt")
-        num = int(body.get("num_samples", 1))
-        if num < 1:
-            raise UserError(f"num_samples must be >= 1, got {num}")
-        if int(body.get("prompt_alt_tokens_k") or 0) > 0:
+        num = body.num_samples
+        if body.prompt_alt_tokens_k:
             raise UserError("prompt_alt_tokens_k is not supported by this server")
-        prompt_k, sample_k = _topk(body, "topk_prompt_logprobs"), _topk(body, "topk_sample_logprobs")
-        targets = _targets(body)
+        prompt_k, sample_k = body.topk_prompt_logprobs or 0, body.topk_sample_logprobs or 0
+        targets = _targets(body.target_prompt_logprobs)
         if targets is not None and targets.shape[0] != len(prompt) - 1:
             raise UserError(
                 f"target_prompt_logprobs has {targets.shape[0]} rows; the prompt of {len(prompt)} tokens "
@@ -341,20 +314,21 @@ class SamplingService:
             raise UserError("top-k and target prompt logprobs for prompts with images are not supported")
         if targets is not None:
             check_token_range(targets[targets >= 0].tolist(), vocab, "target_prompt_logprobs")
-        params = to_engine_params(body.get("sampling_params") or {}, len(prompt), info.max_model_len, num)
+        params = to_engine_params(body.sampling_params, len(prompt), info.max_model_len, num)
         params.top_logprobs = sample_k
-        want_plp = bool(body.get("prompt_logprobs"))
-        last_n = body.get("prompt_logprobs_last_n")
-        if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
+        want_plp = bool(body.prompt_logprobs)
+        last_n = body.prompt_logprobs_last_n
+        if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
             raise UserError(f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}")
-        if with_images:
-            result = await host.sample_images(tag, await self._loader(tag, info), parts, params)
-        else:
-            scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
-            result = await host.sample(tag, await self._loader(tag, info), prompt, params, scores)
+        async with self.gate(info).slot(current_user.get()):
+            if with_images:
+                result = await host.sample_images(tag, await self._loader(tag, info), parts, params)
+            else:
+                scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
+                result = await host.sample(tag, await self._loader(tag, info), prompt, params, scores)
         plp, topk_prompt = result.prompt_logprobs, result.topk_prompt
         if last_n is not None:
-            cut = len(prompt) - int(last_n)
+            cut = len(prompt) - last_n
             if plp is not None:
                 plp = [math.nan] * cut + plp[cut:]
             if topk_prompt is not None:
@@ -367,12 +341,12 @@ class SamplingService:
             result.sequences, plp, topk_prompt, result.target_prompt, prompt_k=prompt_k, sample_k=sample_k
         )
 
-    def _record_session(self, body: dict[str, Any]) -> str | None:
+    def _record_session(self, body: SampleBody) -> str | None:
         """The session whose stability records this request adds to (None: it records nothing;
         blocking: reads the sampler's record)."""
-        if not body.get("record_stability_info"):
+        if not body.record_stability_info:
             return None
-        row = self.store.get(SamplingSessionRow, str(body.get("sampling_session_id")))
+        row = self.store.get(SamplingSessionRow, str(body.sampling_session_id))
         if row is None:
             raise UserError("record_stability_info needs a sampling client created by a session")
         return str(row.session_id)

@@ -26,10 +26,12 @@ from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
 from skylift.tinker import durable
+from skylift.tinker.auth import current_user
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
+from skylift.tinker.bodies import CreateModelBody, CreateSessionBody, LoraBody, SampleBody
 from skylift.tinker.errors import UserError
-from skylift.tinker.fields import int_field
+from skylift.tinker.fairness import FairGate
 from skylift.tinker.futures import FutureHub, OrderedQueue, Work
 from skylift.tinker.limits import RequestLimits
 from skylift.tinker.provenance import StabilityRecords
@@ -41,8 +43,6 @@ from skylift.tinker.vision.host import RenderHosts
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-#: Highest LoRA rank a client may ask for.
-MAX_LORA_RANK = 4096
 
 __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 
@@ -63,8 +63,12 @@ class TinkerService:
         self.models: dict[str, TrainedModel] = {}
         self.queues: dict[str, OrderedQueue] = {}
         self.render_hosts = RenderHosts(self.data_dir, {b.path: b.max_model_len for b in self.base_models})
-        self.snapshots = SnapshotStore(int(config.snapshot_memory_mb * MIB), config.max_idle_snapshots)
-        self.records = StabilityRecords()
+        self.snapshots = SnapshotStore(
+            int(config.snapshot_memory_mb * MIB),
+            config.max_idle_snapshots,
+            int(config.max_snapshot_mb_per_user * MIB),
+        )
+        self.records = StabilityRecords(max_tokens_per_user=config.max_record_tokens_per_user)
         self.sampling = SamplingService(
             self.store,
             self.base_models,
@@ -74,16 +78,25 @@ class TinkerService:
             self.render_hosts,
             self.spawn,
             media_roots=RequestLimits.from_config(config).media_roots,
+            gate=(config.sampling_slots, config.fair_wait_timeout_s),
         )
         self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
         self._hub: FutureHub | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
+        self.train_gate = FairGate(
+            1, config.fair_wait_timeout_s, "the training thread", "--fair-wait-timeout-s"
+        )
         self._cleanup_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._hub = FutureHub(self.store, self.config.result_retention_s, self.config.future_max_age_s)
+        self._hub = FutureHub(
+            self.store,
+            self.config.result_retention_s,
+            self.config.future_max_age_s,
+            self.config.max_pending_per_user,
+        )
         lost = await asyncio.to_thread(self.store.mark_pending_lost)  # retrieve_future answers 410
         await asyncio.to_thread(self.store.mark_loaded_models_unloaded)
         await asyncio.to_thread(self._sweep_unrecorded_versions)
@@ -225,7 +238,10 @@ class TinkerService:
         )
 
     async def run_training(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """`fn(*args)` on the one training thread, when the calling user's turn comes (round robin
+        between users, `skylift.tinker.fairness`)."""
+        async with self.train_gate.slot(current_user.get()):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run `coro` in the background (cancelled at `stop`)."""
@@ -271,19 +287,14 @@ class TinkerService:
         self.spawn(touch())
 
     # ---------------------------------------------------------------- sessions
-    def create_session(self, body: dict[str, Any]) -> str:
-        tags, metadata = body.get("tags") or [], body.get("user_metadata") or {}
-        sdk_version = body.get("sdk_version")
-        if not isinstance(tags, list) or not isinstance(metadata, dict):
-            raise UserError("create_session: tags must be a list and user_metadata an object")
-        if sdk_version is not None and not isinstance(sdk_version, str):
-            raise UserError(f"create_session: sdk_version must be a string, got {type(sdk_version).__name__}")
+    def create_session(self, body: CreateSessionBody) -> str:
         session_id = f"s{uuid.uuid4().hex[:16]}"
+        sdk_version = body.sdk_version
         self.store.add(
             SessionRow(
                 id=session_id,
-                tags=tags,
-                user_metadata=metadata,
+                tags=list(body.tags),
+                user_metadata=body.user_metadata or {},
                 sdk_version=sdk_version if sdk_version is None else sdk_version[:64],
             )
         )
@@ -384,40 +395,33 @@ class TinkerService:
 
         return work
 
-    async def create_model(self, body: dict[str, Any]) -> tuple[str, str]:
+    async def create_model(self, body: CreateModelBody) -> tuple[str, str]:
         """(request id, model id); the future resolves when the model is built."""
-        session_id, seq = str(body.get("session_id")), int_field(body, "model_seq_id", 0)
+        session_id, seq = body.session_id, body.model_seq_id
         model_id = f"{session_id}:train:{seq}"
 
         async def prepare(request_id: str) -> Work:
-            try:
-                config = self._model_config(body)
-            except UserError:
-                raise
-            except (TypeError, ValueError, AttributeError) as exc:  # e.g. a lora_config of the wrong shape
-                raise UserError(f"create_model: malformed request ({type(exc).__name__}: {exc})") from exc
-            _, model = await self.new_model(session_id, seq, config, body.get("user_metadata"))
+            config = self._model_config(body)
+            _, model = await self.new_model(session_id, seq, config, body.user_metadata)
             return self.setup_work(model, None, {"model_id": model_id, "type": "create_model"})
 
         request_id = await self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
         return request_id, model_id
 
-    def _model_config(self, body: dict[str, Any]) -> ModelConfig:
-        info = self.base_models.get(body.get("base_model"))
-        lora, optimizer_config = body.get("lora_config") or {}, body.get("optimizer_config") or {}
-        if not isinstance(lora, dict) or not isinstance(optimizer_config, dict):
-            raise UserError("create_model: lora_config and optimizer_config must be objects")
-        optimizer = optimizer_config.get("type", "adamw")
+    def _model_config(self, body: CreateModelBody) -> ModelConfig:
+        info = self.base_models.get(body.base_model)
+        lora = body.lora_config or LoraBody()
+        optimizer = body.optimizer_config.type if body.optimizer_config else "adamw"
         if optimizer != "adamw":
             raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with adamw")
         config = ModelConfig(
-            base_model=str(body["base_model"]),
+            base_model=str(body.base_model),
             model_path=info.path,
-            lora_rank=int_field(lora, "rank", 0, lowest=-MAX_LORA_RANK, highest=MAX_LORA_RANK),
-            train_attn=bool(lora.get("train_attn", True)),
-            train_mlp=bool(lora.get("train_mlp", True)),
-            train_unembed=bool(lora.get("train_unembed", True)),
-            seed=int_field(lora, "seed", 0, highest=2**63 - 1),
+            lora_rank=lora.rank,
+            train_attn=lora.train_attn,
+            train_mlp=lora.train_mlp,
+            train_unembed=lora.train_unembed,
+            seed=lora.seed or 0,
         )
         if config.lora_rank < 0:  # refused before a model record exists (the build checks it too)
             raise UserError(f"lora_config.rank must be >= 0 (0 = full fine-tuning), got {config.lora_rank}")
@@ -444,10 +448,10 @@ class TinkerService:
         }
 
     # ---------------------------------------------------------------- sampling
-    async def asample(self, body: dict[str, Any], idem: str | None) -> tuple[str, list[str]]:
+    async def asample(self, body: SampleBody, idem: str | None) -> tuple[str, list[str]]:
         """(request id, sequence ids) of a sample request."""
         num = self.sampling.check_request(body)
-        sampling_id, seq = body.get("sampling_session_id"), body.get("seq_id")
+        sampling_id, seq = body.sampling_session_id, body.seq_id
         keys = [
             f"sample:{sampling_id}:{seq}" if sampling_id and seq is not None else None,
             f"idem:{idem}" if idem else None,

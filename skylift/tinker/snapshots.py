@@ -6,7 +6,9 @@ reference, async RL several steps off-policy). Held snapshots are never evicted.
 ends its snapshots become *idle*: at most `max_idle` of them stay (a later sample from a finished
 session's sampler still works), oldest dropped first. All snapshots together stay within
 `max_bytes`; a new one that does not fit even after dropping every idle one is refused with an
-error naming the limit (``--snapshot-memory-mb``).
+error naming the limit (``--snapshot-memory-mb``). The snapshots one user's live
+sessions hold stay within `max_held_bytes_per_user` (``--max-snapshot-mb-per-user``; beyond it a
+429): one user cannot take the whole memory from the others.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from skylift.tinker.auth import current_user
 from skylift.tinker.errors import UserError
+from skylift.tinker.fairness import QuotaError
 
 MIB = 1024 * 1024
 
@@ -26,6 +30,7 @@ class Snapshot:
     weights: dict[str, torch.Tensor]
     session_id: str
     nbytes: int
+    owner: str | None = None
 
 
 def weights_nbytes(weights: dict[str, torch.Tensor]) -> int:
@@ -35,9 +40,10 @@ def weights_nbytes(weights: dict[str, torch.Tensor]) -> int:
 class SnapshotStore:
     """Snapshots by tag (``ephemeral:<sampling session id>``)."""
 
-    def __init__(self, max_bytes: int, max_idle: int) -> None:
+    def __init__(self, max_bytes: int, max_idle: int, max_held_bytes_per_user: int | None = None) -> None:
         self.max_bytes = max_bytes
         self.max_idle = max_idle
+        self.max_held_bytes_per_user = max_held_bytes_per_user
         self._held: dict[str, Snapshot] = {}
         self._idle: OrderedDict[str, Snapshot] = OrderedDict()
 
@@ -54,7 +60,17 @@ class SnapshotStore:
         }
 
     def add(self, tag: str, session_id: str, weights: dict[str, torch.Tensor]) -> None:
-        snap = Snapshot(weights, session_id, weights_nbytes(weights))
+        owner = current_user.get()
+        snap = Snapshot(weights, session_id, weights_nbytes(weights), owner)
+        mine = sum(s.nbytes for t, s in self._held.items() if s.owner == owner and t != tag)
+        quota = self.max_held_bytes_per_user
+        if quota is not None and mine + snap.nbytes > quota:
+            raise QuotaError(
+                f"no room for another sampler snapshot ({snap.nbytes / MIB:.1f} MiB): your live sessions "
+                f"hold {mine / MIB:.1f} MiB of the {quota / MIB:g} MiB this server allows per user "
+                "(--max-snapshot-mb-per-user); finish sessions you no longer sample from, or save named "
+                "sampler weights (save_weights_for_sampler(name)) instead"
+            )
         self._held.pop(tag, None)
         self._idle.pop(tag, None)
         while self._idle and self.nbytes + snap.nbytes > self.max_bytes:

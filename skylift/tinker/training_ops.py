@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from skylift.tinker.backend import ModelConfig, TrainedModel, read_checkpoint_config
+from skylift.tinker.bodies import LoadWeightsBody, OptimStepBody, SaveWeightsBody, SaveWeightsForSamplerBody
 from skylift.tinker.checkpoints import write_checkpoint
 from skylift.tinker.errors import UserError
-from skylift.tinker.fields import int_field
 from skylift.tinker.loss_sampling import SAMPLING_KEYS, recorded_config
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.store import CheckpointRow, ModelRow, utcnow
@@ -96,78 +96,66 @@ def _resolve_provenance(svc: TinkerService, session_id: str, call: ForwardBackwa
         datum.inputs[RECORDED_LOGPROBS], datum.inputs[SAMPLED_MASK] = recorded, sampled
 
 
-async def optim_step(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
-    params = body.get("adam_params")
-    if params is None and body.get("optimizer_params") is not None:
-        params = body["optimizer_params"]
-    if not isinstance(params or {}, dict):
-        raise UserError(f"optim_step: adam_params must be an object, got {type(params).__name__}")
-    params = dict(params or {})
+async def optim_step(svc: TinkerService, body: OptimStepBody, idem: str | None) -> str:
+    params = body.params()
 
     async def fn(model: TrainedModel) -> dict[str, Any]:
         if params.get("type", "adamw") not in ("adamw", "adam"):
             raise UserError(f"optimizer {params.get('type')!r} is not supported; send adam_params")
+        params.pop("type", None)
         metrics = await svc.run_training(model.optim_step, params)
         return {"metrics": metrics, "type": "optim_step"}
 
-    return await svc.submit_model_op("optim_step", str(body.get("model_id")), body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("optim_step", body.model_id, body.seq_id, fn, idem)
 
 
-def _expiry(body: dict[str, Any]) -> dt.datetime | None:
-    ttl = body.get("ttl_seconds")
-    if ttl is None:
-        return None
-    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 0 < ttl <= 10 * 365 * 86400:
-        raise UserError(f"ttl_seconds must be a number of seconds in (0, 10 years], got {ttl!r}")
-    return utcnow() + dt.timedelta(seconds=int(ttl))
+def _expiry(ttl: float | None) -> dt.datetime | None:
+    return None if ttl is None else utcnow() + dt.timedelta(seconds=int(ttl))
 
 
-async def _write(
-    svc: TinkerService, writer: Any, model_id: str, kind: str, name: str, body: dict[str, Any]
-) -> None:
-    """Write and record a training or sampler checkpoint (`ttl_seconds`, `user_metadata` of `body`)."""
-    await write_checkpoint(svc, writer, model_id, kind, name, _expiry(body), body.get("user_metadata"))
-
-
-async def save_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
-    model_id = str(body.get("model_id"))
+async def save_weights(svc: TinkerService, body: SaveWeightsBody, idem: str | None) -> str:
+    model_id = body.model_id
 
     async def fn(model: TrainedModel) -> dict[str, Any]:
-        name = check_name(body.get("path"), "save_weights")
+        name = check_name(body.path, "save_weights")
         path = tinker_path(model_id, "training", name)
-        if await svc.db(svc.store.checkpoint, path) is not None and not body.get("overwrite"):
+        if await svc.db(svc.store.checkpoint, path) is not None and not body.overwrite:
             raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-        await _write(svc, model.save_state, model_id, "training", name, body)
+        expiry = _expiry(body.ttl_seconds)
+        await write_checkpoint(svc, model.save_state, model_id, "training", name, expiry, body.user_metadata)
         return {"path": path, "type": "save_weights"}
 
-    return await svc.submit_model_op("save_weights", model_id, body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("save_weights", model_id, body.seq_id, fn, idem)
 
 
-async def save_weights_for_sampler(svc: TinkerService, body: dict[str, Any], idem: str | None) -> str:
-    model_id = str(body.get("model_id"))
-    name = body.get("path")
+async def save_weights_for_sampler(
+    svc: TinkerService, body: SaveWeightsForSamplerBody, idem: str | None
+) -> str:
+    model_id, name, seq = body.model_id, body.path, body.sampling_session_seq_id
 
     async def named(model: TrainedModel) -> dict[str, Any]:
-        check_name(name, "save_weights_for_sampler")
-        path = tinker_path(model_id, "sampler", name)
-        await _write(svc, model.export_sampler, model_id, "sampler", name, body)
+        checked = check_name(name, "save_weights_for_sampler")
+        path = tinker_path(model_id, "sampler", checked)
+        expiry = _expiry(body.ttl_seconds)
+        await write_checkpoint(
+            svc, model.export_sampler, model_id, "sampler", checked, expiry, body.user_metadata
+        )
         return {"path": path, "type": "save_weights_for_sampler"}
 
     async def ephemeral(model: TrainedModel) -> dict[str, Any]:
-        seq = body.get("sampling_session_seq_id")
         row = await svc.db(svc.store.get, ModelRow, model_id)
-        sampling_id = f"{row.session_id}:sample:{int(seq)}"
+        sampling_id = f"{row.session_id}:sample:{seq}"
         weights = await svc.run_training(model.snapshot_weights)
         await svc.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
         return {"sampling_session_id": sampling_id, "type": "save_weights_for_sampler"}
 
     fn = named if name is not None else ephemeral
-    if name is None and body.get("sampling_session_seq_id") is None:
+    if name is None and seq is None:
 
         async def fn(model: TrainedModel) -> dict[str, Any]:
             raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
 
-    return await svc.submit_model_op("save_weights_for_sampler", model_id, body.get("seq_id"), fn, idem)
+    return await svc.submit_model_op("save_weights_for_sampler", model_id, body.seq_id, fn, idem)
 
 
 def _training_checkpoint(svc: TinkerService, path: str) -> tuple[CheckpointRow, ModelConfig]:
@@ -181,11 +169,11 @@ def _training_checkpoint(svc: TinkerService, path: str) -> tuple[CheckpointRow, 
     return row, read_checkpoint_config(svc.store_path(row))
 
 
-async def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | None) -> tuple[str, str | None]:
+async def load_weights(svc: TinkerService, body: LoadWeightsBody, idem: str | None) -> tuple[str, str | None]:
     """(request id, model id). With `session_id` a new model is created from the checkpoint."""
-    path, optimizer = str(body.get("path")), bool(body.get("optimizer"))
-    if body.get("session_id") is None:
-        model_id = str(body.get("model_id"))
+    path, optimizer = body.path, body.optimizer
+    if body.session_id is None:
+        model_id = str(body.model_id)
 
         async def fn(model: TrainedModel) -> dict[str, Any]:
             row, saved = await svc.db(_training_checkpoint, svc, path)
@@ -198,23 +186,23 @@ async def load_weights(svc: TinkerService, body: dict[str, Any], idem: str | Non
             await svc.run_training(model.load_state, svc.store_path(row), optimizer)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return await svc.submit_model_op("load_weights", model_id, body.get("seq_id"), fn, idem), model_id
+        return await svc.submit_model_op("load_weights", model_id, body.seq_id, fn, idem), model_id
 
-    session_id, seq = str(body["session_id"]), int_field(body, "model_seq_id", 0)
+    session_id, seq = body.session_id, body.model_seq_id
     model_id = f"{session_id}:train:{seq}"
 
     async def prepare(request_id: str) -> Any:
         row, config = await svc.db(_training_checkpoint, svc, path)
-        if body.get("base_model"):
-            info = svc.base_models.get(body["base_model"])
+        if body.base_model:
+            info = svc.base_models.get(body.base_model)
             if info.path != config.model_path:
                 raise UserError(
-                    f"base_model {body['base_model']!r} does not match the checkpoint's {config.base_model!r}"
+                    f"base_model {body.base_model!r} does not match the checkpoint's {config.base_model!r}"
                 )
-            config.base_model = str(body["base_model"])
+            config.base_model = body.base_model
         else:
             svc.base_models.get(config.base_model)
-        _, model = await svc.new_model(session_id, seq, config, body.get("user_metadata"))
+        _, model = await svc.new_model(session_id, seq, config, body.user_metadata)
         result = {"path": path, "model_id": model_id, "type": "load_weights"}
         return svc.setup_work(model, (svc.store_path(row), optimizer), result)
 
