@@ -70,5 +70,5 @@ class EnvironmentConfig:
         {},
         "a verifiers 0.4 env server that plays the rows of env_class verifiers on the run's remote "
         "engines: address (tcp://host:port, required), model, renderer_model, client, sampling, "
-        "task_key, health_timeout_s, run_timeout_s (docs/verifiers.md)",
+        "task_key, health_timeout_s, run_timeout_s (docs/agentic.md)",
     )

@@ -33,7 +33,7 @@ ENV_CLASS = "verifiers"
 
 @dataclass
 class VerifiersSettings:
-    """``environment.verifiers.*`` (see docs/verifiers.md)."""
+    """``environment.verifiers.*`` (see docs/agentic.md, "verifiers")."""
 
     address: str
     model: str | None = None
