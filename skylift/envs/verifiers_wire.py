@@ -270,9 +270,12 @@ class VerifiersEnvClient:
                         if assembly is None:
                             raise MalformedEpisode(f"a delta for request {request_id}, which is not a run")
                         assembly.apply(_unpack(bytes(data), "a delta frame"))
-                    except MalformedEpisode as exc:
+                    except Exception as exc:  # noqa: BLE001 - a delta of an unexpected shape fails its run
                         future.set_exception(
-                            MalformedEpisode(f"verifiers env server at {self.address}: {exc}")
+                            MalformedEpisode(
+                                f"verifiers env server at {self.address}: a delta that does not follow the "
+                                f"protocol ({type(exc).__name__}: {exc})"
+                            )
                         )
                 else:
                     future.set_exception(

@@ -10,7 +10,7 @@ sampled token are the prompt, the rest the response (``loss_mask`` from the mask
 and user turns in between are not trained on), its reward the trace's (the sum of its weighted
 rewards). A path that is a dropped compaction attempt is skipped, as verifiers does.
 
-An episode that failed (``ok`` false, or errors on a trace) raises `EpisodeFailed` with the
+An episode that failed (``ok`` not true, or a trace's ``ok`` false) raises `EpisodeFailed` with the
 server's errors; one whose nodes carry no token ids (sampled with verifiers' ``eval`` client)
 or whose lengths disagree raises `MalformedEpisode`.
 """
@@ -162,8 +162,9 @@ def episode_trajectories(
     traces = episode.get("traces")
     if not isinstance(traces, list):
         raise MalformedEpisode(f"episode {episode_id}: 'traces' must be a list")
-    failed = [t for t in traces if isinstance(t, dict) and t.get("errors")]
-    if episode.get("errors") or failed or episode.get("ok") is False:
+    # `ok` is the verdict; `errors` also keeps those of earlier attempts of a retried episode
+    failed = [t for t in traces if isinstance(t, dict) and t.get("ok") is False]
+    if episode.get("ok") is not True or failed:
         errors = episode.get("errors") or (failed[0].get("errors") if failed else None)
         raise EpisodeFailed(f"verifiers episode {episode_id} of prompt {uid} failed: {_errors(errors)}")
     out: list[Trajectory] = []

@@ -87,9 +87,12 @@ def test_failed_episode_raises_with_the_servers_errors() -> None:
     episode["errors"] = [{"type": "SandboxError", "message": "runtime died"}]
     with pytest.raises(EpisodeFailed, match="ep1 of prompt p failed: SandboxError: runtime died"):
         episode_trajectories(episode, "p")
-    trace_error = two_turn_episode(errors=[{"type": "ProviderError", "message": "HTTP 400"}])
+    trace_error = two_turn_episode(ok=False, errors=[{"type": "ProviderError", "message": "HTTP 400"}])
     with pytest.raises(EpisodeFailed, match="ProviderError: HTTP 400"):
         episode_trajectories(trace_error, "p")
+    retried = two_turn_episode()  # a retried episode keeps its earlier attempts' errors
+    retried["errors"] = [{"type": "SandboxError", "message": "first attempt"}]
+    assert episode_trajectories(retried, "p")[0].reward == 1.0
 
 
 @pytest.mark.parametrize(
@@ -185,6 +188,10 @@ def _bad_counts(request_id: bytes, _m: bytes, _b: Any) -> list[list[bytes]]:
         (lambda rid, m, b: [[rid, b"reply", pack([1, 2])]], "is not {success, error, ...}"),
         (lambda rid, m, b: [[rid, b"delta", pack({"trace": "t0", "nodes": []})]], "has no 'open' header"),
         (lambda rid, m, b: [[rid, b"weird", pack({})]], "unknown frame kind"),
+        (
+            lambda rid, m, b: [[rid, b"delta", pack({"trace": "t", "open": {}, "links": [1]})]],
+            "AttributeError",
+        ),
         (
             lambda rid, m, b: [[rid, b"reply", pack({"success": True, "head": None, "traces": []})]],
             "no episode head",
