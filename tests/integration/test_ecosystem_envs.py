@@ -178,8 +178,9 @@ def test_two_grpo_steps_on_tinker_cookbook_and_openenv_envs(
 
 
 @pytest.fixture(scope="module")
-def verifiers_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """verifiers' env server on tests/integration/verifiers_taskset.py, on 127.0.0.1."""
+def verifiers_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """verifiers' env server on tests/integration/verifiers_taskset.py, on 127.0.0.1: its address
+    and its log."""
     pytest.importorskip("verifiers.v1")
     here = Path(__file__).resolve().parent
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -205,7 +206,7 @@ def verifiers_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
             asyncio.run(up())
         except Exception:
             pytest.fail(f"verifiers env server did not start: {log.read_text()[-3000:]}")
-        yield address
+        yield address, log
     finally:
         process.terminate()
         try:
@@ -216,17 +217,17 @@ def verifiers_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 
 
 def test_two_grpo_steps_on_a_verifiers_taskset(
-    verifiers_address: str, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
+    verifiers_server: tuple[str, Path], tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
 ) -> None:
+    address, log = verifiers_server
     data = data_with_env_class(tmp_path / "data", lambda i: "verifiers")
     keys = run_config(
-        data,
-        tiny_model_dir,
-        tiny_server_url,
-        tmp_path,
-        **{"environment.verifiers.address": verifiers_address},
+        data, tiny_model_dir, tiny_server_url, tmp_path, **{"environment.verifiers.address": address}
     )
-    _, trained = train_two_steps(keys)
+    try:
+        _, trained = train_two_steps(keys)
+    except Exception as exc:
+        pytest.fail(f"{type(exc).__name__}: {exc}\nenv server log:\n{log.read_text()[-6000:]}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

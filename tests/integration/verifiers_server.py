@@ -4,6 +4,7 @@ this host; the env server samples from the endpoint each run request names)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from verifiers.v1.serve import serve_env
@@ -11,6 +12,7 @@ from verifiers.v1.utils.loaders import resolve_env_config
 
 
 def main(address: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = resolve_env_config(
         {"taskset": {"id": "verifiers_taskset"}, "agent": {"runtime": {"type": "subprocess"}}}
     )

@@ -68,7 +68,8 @@ class TwoTurnChat(vf.Harness[TwoTurnChatConfig]):
                     headers={"Authorization": f"Bearer {secret}"},
                     json={"model": ctx.model, "messages": messages},
                 )
-                response.raise_for_status()
+                if response.status_code != 200:  # the interception's message names the cause
+                    raise RuntimeError(f"model call: HTTP {response.status_code}: {response.text[:2000]}")
                 reply = response.json()["choices"][0]["message"].get("content") or ""
                 messages.append({"role": "assistant", "content": reply})
                 if turn == 0:
