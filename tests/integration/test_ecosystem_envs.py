@@ -233,7 +233,8 @@ def test_two_grpo_steps_on_a_verifiers_taskset(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = pq.read_table(data / "train.parquet").column("prompt").to_pylist()
     templated = {
-        tuple(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in rows
+        tuple(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in rows
     }
     for version, batch in enumerate(trained):
         assert len(batch) == 16  # 4 prompts, 4 episodes each, one trace of one context each
