@@ -237,13 +237,25 @@ def test_two_grpo_steps_on_a_verifiers_taskset(
         for p in rows
     }
     for version, batch in enumerate(trained):
-        assert len(batch) == 16  # 4 prompts, 4 episodes each, one trace of one context each
+        episodes: dict[str, list[Trajectory]] = {}
         for tr in batch:
-            assert tr.num_turns == 2 and tr.reward in (0.0, 1.0) and tr.policy_version == version
-            assert tuple(tr.prompt_ids) in templated  # the chat template's rendering of the row
-            # sampled turn 1, the untrained "Again." user turn, sampled turn 2
+            episodes.setdefault(tr.env_metadata["verifiers_episode"], []).append(tr)
+            assert tr.reward in (0.0, 1.0) and tr.policy_version == version
+            # every context starts with the chat template's rendering of its row
+            assert any(tuple(tr.prompt_ids[: len(t)]) == t for t in templated)
             mask = tr.loss_mask
-            assert mask[0] == 1 and mask[-1] == 1 and 0 in mask
+            assert mask[0] == 1 and mask[-1] == 1  # the response starts and ends with sampled tokens
             assert len(tr.rollout_logprobs) == len(tr.response_ids) == len(mask)
             assert all(lp <= 0 for lp, m in zip(tr.rollout_logprobs, mask, strict=True) if m)
-            assert "Again." in tokenizer.decode(tr.response_ids)
+            assert all(lp == 0 for lp, m in zip(tr.rollout_logprobs, mask, strict=True) if not m)
+            if tr.num_turns == 2:  # one context: turn 1, the untrained "Again." turn, turn 2
+                assert 0 in mask and "Again." in tokenizer.decode(tr.response_ids)
+        # 4 prompts x 4 episodes; an episode is one context, or two when the second turn's prompt
+        # (the template's rendering of the decoded first reply) is not the first context's ids
+        assert len(episodes) == 16
+        for contexts in episodes.values():
+            assert sum(tr.num_turns for tr in contexts) == 2
+            assert len({tr.reward for tr in contexts}) == 1  # the trace's reward
+            assert "Again." in tokenizer.decode(
+                [t for tr in contexts for t in tr.prompt_ids + tr.response_ids]
+            )
