@@ -232,17 +232,16 @@ def test_two_grpo_steps_on_a_verifiers_taskset(
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = pq.read_table(data / "train.parquet").column("prompt").to_pylist()
-    templated = {
-        tuple(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
-        for p in rows
-    }
+    questions = [str(p[-1]["content"]) for p in rows]
     for version, batch in enumerate(trained):
         episodes: dict[str, list[Trajectory]] = {}
         for tr in batch:
             episodes.setdefault(tr.env_metadata["verifiers_episode"], []).append(tr)
             assert tr.reward in (0.0, 1.0) and tr.policy_version == version
-            # every context starts with the chat template's rendering of its row
-            assert any(tuple(tr.prompt_ids[: len(t)]) == t for t in templated)
+            # every context's prompt is the chat template's rendering of a row's question (verifiers
+            # may add its own notes to the task's prompt)
+            prompt = tokenizer.decode(tr.prompt_ids)
+            assert prompt.startswith("<|im_start|>") and any(q in prompt for q in questions)
             mask = tr.loss_mask
             assert mask[0] == 1 and mask[-1] == 1  # the response starts and ends with sampled tokens
             assert len(tr.rollout_logprobs) == len(tr.response_ids) == len(mask)
