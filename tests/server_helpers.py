@@ -156,6 +156,8 @@ def tiny_server_args() -> list[str]:
         "--max-num-seqs",
         "64",
         "--enforce-eager",  # no torch.compile warm-up: start-up in seconds, not minutes
+        # vLLM's /inference/v1/generate (a verifiers env server samples through it)
+        "--enable-scale-out",
     ]
 
 

@@ -39,6 +39,7 @@ from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset
 from skylift.envs.skyrl_gym import configure as configure_skyrl_gym
 from skylift.generator import Generator
+from skylift.generator.verifiers_rollouts import EpisodeLimits, VerifiersRollouts, VerifiersSettings
 from skylift.inference.pool import EnginePool
 from skylift.utils.calls import run_on_loop
 from skylift.utils.quiet import quiet_libraries
@@ -81,6 +82,9 @@ class Runtime:
         self._ray_started = False
         self.weights: EngineWeights | None = None
         self.placement: Any = None  # PlacedGroups (skylift.cluster.placement) when the run uses Ray
+        self.generator: Generator | VerifiersRollouts | None = None
+        #: ``environment.verifiers`` (rows of env_class verifiers played by a verifiers env server)
+        self.verifiers = VerifiersSettings.from_options(dict(cfg.environment.verifiers))
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the run's event loop (the one the engines' clients live on), also
@@ -172,7 +176,25 @@ class Runtime:
     def _start_generator(self) -> None:
         env = self.cfg.environment  # SkyRL-Gym envs' env_config; modules of registrations
         configure_skyrl_gym(env.skyrl_gym, self.cfg.generator.max_turns, env.import_modules)
-        self.generator = Generator(self.engines, self.tokenizer, generator_settings(self.cfg))
+        generator = Generator(self.engines, self.tokenizer, generator_settings(self.cfg))
+        if self.verifiers is None:
+            self.generator = generator
+            return
+        s = generator.settings
+        self.generator = VerifiersRollouts(
+            generator,
+            [ref.url for ref in self.engine_refs if ref.url],
+            self.verifiers,
+            EpisodeLimits(
+                s.max_prompt_length,
+                s.max_generate_length,
+                s.zero_reward_on_non_stop,
+                s.apply_overlong_filtering,
+            ),
+            default_env_class=env.env_class,
+            renderer_model=str(self.model_path),
+            api_key=os.environ.get("SKYLIFT_API_KEY"),
+        )
 
     def total_steps(self) -> int:
         """Training steps of the whole run: the batches of all epochs, at most `trainer.max_steps`."""
@@ -240,6 +262,8 @@ class Runtime:
                         group.shutdown()
                     except Exception as exc:  # noqa: BLE001 - a dead worker must not keep the engines up
                         self.say(f"shutting down the {name} workers: {type(exc).__name__}: {exc}")
+            if isinstance(self.generator, VerifiersRollouts):
+                self.run(self.generator.aclose())  # its env-server socket lives on this loop
             if self.engines is not None:
                 self.run(self.engines.close())
             from skylift.inference.http_session import close_default_pool

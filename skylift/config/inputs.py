@@ -66,3 +66,9 @@ class EnvironmentConfig:
         10.0, "timeout in seconds of one tool call (the call fails, the rollout goes on)", gt=0
     )
     max_concurrent_tool_calls: int = _f(8, "tool calls running at once, over all trajectories", ge=1)
+    verifiers: dict[str, Any] = _f(
+        {},
+        "a verifiers 0.4 env server that plays the rows of env_class verifiers on the run's remote "
+        "engines: address (tcp://host:port, required), model, renderer_model, client, sampling, "
+        "task_key, health_timeout_s, run_timeout_s (docs/agentic.md)",
+    )

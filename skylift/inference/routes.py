@@ -52,6 +52,7 @@ from skylift.inference.bodies import (
 from skylift.inference.codec import output_to_json
 from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
 from skylift.inference.engine_http import engine_call, status_of
+from skylift.inference.generate_compat import GenerateTokenLabels
 from skylift.inference.limits import MAX_N, MAX_PROMPTS, MAX_REQUEST_TOKENS, MAX_SEQUENCES
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.types import (
@@ -368,6 +369,9 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
     """Attach our routes to vLLM's app, ahead of any route vLLM registered on the same path, and
     (with API keys) the key check to every route but `PUBLIC_PATHS`."""
     app.state.skylift = state
+    # vLLM's /inference/v1/generate with the token labels verifiers' clients check
+    app.user_middleware.insert(0, Middleware(GenerateTokenLabels))
+    app.middleware_stack = app.build_middleware_stack()
     if state.api_key_hashes:
         # Outermost. Not app.add_middleware: vLLM's SageMaker bootstrap has already built the stack.
         app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, key_hashes=state.api_key_hashes))

@@ -108,6 +108,7 @@ def make_source(
 def parts_of(runtime: Runtime) -> Parts:
     """The loop's view of a started runtime."""
     assert runtime.policy is not None and runtime.weights is not None and runtime.train_data is not None
+    assert runtime.generator is not None
     return Parts(
         train_data=runtime.train_data,
         val_data=runtime.val_data,

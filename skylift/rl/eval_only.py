@@ -98,7 +98,7 @@ class EvalOnlyRun:
 
     def evaluate(self) -> dict[str, float]:
         rt = self.runtime
-        assert rt.val_data is not None
+        assert rt.val_data is not None and rt.generator is not None
         metrics = evaluate_once(
             self.cfg, rt.val_data, eval_sampler(self.cfg, rt.generator, rt.loop), rt.tracking, rt.paths.logs
         )
