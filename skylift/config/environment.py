@@ -32,6 +32,8 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SKYLIFT_TINKER_FAIL_ENGINE_START": ("skylift tinker serve (tests)", "1: every sampling-engine start-up fails (tests that must never start vLLM)"),
     "SKYLIFT_IN_NETNS": ("scripts (tests)", "1: already inside the loopback-only network namespace"),
     "SKYLIFT_TESTS_ALLOW_NETWORK": ("tests", "1: run server tests outside a loopback-only namespace"),
+    "SKYLIFT_SOAK_S": ("benchmarks/tinker_soak.py", "seconds of the attacked phase (default 600)"),
+    "SKYLIFT_SOAK_ALONE_S": ("benchmarks/tinker_soak.py", "seconds of the well-behaved client alone (default 90)"),
     "SKYLIFT_TEST_SERVER_STARTUP_S": ("tests", "how long the tests wait for a test server to start (default 420 s)"),
     "SKYLIFT_GSM8K_DIR": ("tests", "directory of the GSM8K jsonl files (default: shared/data/gsm8k)"),
     "SKYLIFT_GPU_CHECK_BLOCK": ("tests/gpu", "modules the GPU check makes unimportable (comma-separated)"),

@@ -78,9 +78,11 @@ class FakeActorHandle:
 
 
 def parameters(function: Any) -> list[tuple[str, Any, Any]]:
-    """Name, kind and default of each parameter after `self` (annotations aside)."""
+    """Name, kind and default of each parameter after `self` (annotations aside). Ray's actor
+    decorator adds `_ray_trace_ctx` to an actor class's method signatures in place once an actor of
+    it was created in this process (ray/util/tracing/tracing_helper.py): not ours, left out."""
     params = list(inspect.signature(function).parameters.values())[1:]
-    return [(p.name, p.kind, p.default) for p in params]
+    return [(p.name, p.kind, p.default) for p in params if p.name != "_ray_trace_ctx"]
 
 
 def client_over(engine: Any, **kw: Any) -> tuple[RayEngineClient, EngineActor]:
