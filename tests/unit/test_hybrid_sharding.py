@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_two_ranks
 from server_helpers import require_loopback_namespace
 from tolerances import sum_tolerance
 
@@ -68,17 +66,9 @@ def test_hybrid_sharding_update_equals_one_ranks(tiny_model_dir: Path, tmp_path:
         PolicyObjective(), token_count=totals.token_count, seq_count=totals.seq_count
     )
     torch.save((batch, objective), tmp_path / "inputs.pt")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     rdzv, out = f"file://{tmp_path / 'rdzv'}", str(tmp_path / "hybrid")
     args = [str(tiny_model_dir), str(tmp_path / "inputs.pt"), out]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), rdzv, *args], env=env, stderr=subprocess.PIPE, text=True
-        )
-        for r in range(2)
-    ]
-    errors = [p.communicate(timeout=300)[1] for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), "\n".join(e[-3000:] for e in errors)
+    run_two_ranks(RANK, rdzv, args)
     mesh = json.loads(Path(out + ".json").read_text())
     assert mesh == {"shape": [2, 1], "names": ["replicate", "shard"], "placements": ["Replicate", "Shard"]}
     hybrid = torch.load(out + ".pt")

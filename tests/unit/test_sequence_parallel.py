@@ -6,13 +6,11 @@ advantages, one optimizer step, no engine)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_two_ranks
 from server_helpers import require_loopback_namespace
 from tolerances import assert_gradients_close, assert_sums_close, sum_tolerance
 
@@ -110,17 +108,9 @@ def test_two_sequence_parallel_ranks_equal_one_rank(tiny_model_dir: Path, tmp_pa
     )
     odd_dir = _odd_heads_model(tmp_path / "odd")
     torch.save((batch, objective), tmp_path / "inputs.pt")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     rdzv, out = f"file://{tmp_path / 'rdzv'}", str(tmp_path / "sp")
     args = [str(tiny_model_dir), str(odd_dir), str(tmp_path / "inputs.pt"), out]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), rdzv, *args], env=env, stderr=subprocess.PIPE, text=True
-        )
-        for r in range(2)
-    ]
-    errors = [p.communicate(timeout=300)[1] for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), "\n".join(e[-3000:] for e in errors)
+    run_two_ranks(RANK, rdzv, args)
     results = [torch.load(f"{out}{r}.pt") for r in range(2)]
 
     def both(key: str) -> torch.Tensor:  # the two ranks' rows, back in batch order
