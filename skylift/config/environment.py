@@ -31,6 +31,7 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SKYLIFT_TINKER_API_KEY": ("skylift tinker serve", "the server's single X-API-Key when neither --api-key nor --api-keys-file is given (kept out of `ps`)"),
     "SKYLIFT_TINKER_FAIL_ENGINE_START": ("skylift tinker serve (tests)", "1: every sampling-engine start-up fails (tests that must never start vLLM)"),
     "SKYLIFT_IN_NETNS": ("scripts (tests)", "1: already inside the loopback-only network namespace"),
+    "SKYLIFT_TEST_SPLIT": ("scripts/test.sh", "0: run the suite in one pytest process instead of two halves pinned to one core each"),
     "SKYLIFT_TESTS_ALLOW_NETWORK": ("tests", "1: run server tests outside a loopback-only namespace"),
     "SKYLIFT_SOAK_S": ("benchmarks/tinker_soak.py", "seconds of the attacked phase (default 600)"),
     "SKYLIFT_SOAK_ALONE_S": ("benchmarks/tinker_soak.py", "seconds of the well-behaved client alone (default 90)"),

@@ -31,7 +31,7 @@ import skyrl_clients
 import torch
 from server_helpers import ServerHandle, free_port, start_server, stop_server, tiny_server_args, wait_healthy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.whole_machine]  # tensor parallelism 2: both cores
 
 TOLERANCE = 1e-4
 PROMPTS = [[5, 17, 230, 999, 42, 8, 77], [900, 3, 3, 64, 512]]

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The whole suite on a machine with 2+ cores, as scripts/test.sh runs it with no arguments:
+# two pytest processes side by side, each pinned to one core (`taskset`), so that one engine's
+# single-threaded start-up never leaves the other core idle, and two engines' OpenMP threads never
+# share a core. Tests marked `whole_machine` (they need every core: tensor parallelism 2) run
+# first, alone. Each half's lines are prefixed ([a], [b]); the run fails if any part fails.
+# SKYLIFT_TEST_SPLIT=0 runs everything in one pytest process instead (scripts/test.sh).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTEST=(.venv/bin/pytest -p no:cacheprovider)
+TMP=$(mktemp -d -t skylift-tests-XXXXXX)
+# the halves: directories with most engine start-ups in one, the rest in the other
+HALF_A=(tests/integration tests/multihost)
+HALF_B=(tests/unit tests/tinker tests/reliability tests/gpu)
+START=$(date +%s)
+
+ok() {  # a part passed (0), or a part that may select nothing selected nothing (5)
+  [[ $1 -eq 0 || ( $1 -eq 5 && ${2:-} == may_be_empty ) ]]
+}
+
+echo "[test] tests that need every core, alone"
+"${PYTEST[@]}" -m whole_machine --basetemp="$TMP/w" 2>&1 | sed -u 's/^/[w] /'
+rc_w=${PIPESTATUS[0]}
+
+echo "[test] two halves side by side, one core each: [a] ${HALF_A[*]}, [b] ${HALF_B[*]}"
+half() {  # NAME CORE DIR...: one half on one core; prints when it ends, exits with pytest's code
+  local name=$1 core=$2; shift 2
+  taskset -c "$core" "${PYTEST[@]}" -m "not whole_machine" --basetemp="$TMP/$name" "$@" 2>&1 | sed -u "s/^/[$name] /"
+  local rc=${PIPESTATUS[0]}
+  echo "[test] half $name finished after $(( $(date +%s) - START )) s (exit $rc)"
+  return "$rc"
+}
+half a 0 "${HALF_A[@]}" &
+pid_a=$!
+half b 1 "${HALF_B[@]}" &
+pid_b=$!
+wait $pid_a; rc_a=$?
+wait $pid_b; rc_b=$?
+rm -rf "$TMP"
+
+echo "[test] exit codes: whole-machine $rc_w, half a $rc_a, half b $rc_b"
+if ok $rc_w may_be_empty && ok $rc_a && ok $rc_b; then
+  exit 0
+fi
+for rc in $rc_a $rc_b; do
+  [[ $rc -eq 5 ]] && echo "[test] a half collected no tests: failing" >&2
+done
+exit 1
