@@ -97,6 +97,11 @@ class VllmSamplingParamsBody(Lenient):
     trace_decode_token_ids: list[int] | None = Field(None, min_length=1)
 
 
+class StreamOptionsBody(Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
 class VllmGenerateBody(Lenient):
     """The fields of vLLM's ``GenerateRequest``."""
 
@@ -112,7 +117,7 @@ class VllmGenerateBody(Lenient):
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text"] = "tokens"
     stream: bool | None = False
-    stream_options: dict[str, bool | None] | None = None
+    stream_options: StreamOptionsBody | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
     priority: Int64 = 0
     kv_transfer_params: dict[str, Any] | None = None
