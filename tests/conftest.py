@@ -55,12 +55,9 @@ def gsm8k_dir() -> Path:
     pytest.skip("GSM8K jsonl not found (set SKYLIFT_GSM8K_DIR)")
 
 
-def _serve(
-    model_dir: Path, log_path: Path, api_key: str | None, host: str | None, scale_out: bool = True
-) -> Iterator[ServerHandle]:
+def _serve(model_dir: Path, log_path: Path, api_key: str | None, host: str | None) -> Iterator[ServerHandle]:
     require_loopback_namespace()
-    args = [a for a in tiny_server_args() if scale_out or a != "--enable-scale-out"]
-    handle = start_server(model_dir, log_path, args, api_key=api_key, host=host)
+    handle = start_server(model_dir, log_path, tiny_server_args(), api_key=api_key, host=host)
     try:
         wait_healthy(handle)
         yield handle
@@ -87,7 +84,6 @@ def tiny_server_with_key(
 ) -> Iterator[ServerHandle]:
     """A second tiny-model server that requires `TEST_API_KEY`; started without --host (default bind)."""
     log = tmp_path_factory.mktemp("tiny_server_key") / "server.log"
-    # without vLLM's scale-out routes: tests/reliability/test_fuzz_server.py fuzzes this server, and
-    # vLLM's own /inference/v1/generate still answers some malformed bodies with a 500
-    # (notes/issue29_serve_note.md); the verifiers test uses `tiny_server`, which has them
-    yield from _serve(tiny_model_dir, log, api_key=TEST_API_KEY, host=None, scale_out=False)
+    # with vLLM's scale-out routes, like `tiny_server`: tests/reliability/test_fuzz_server.py fuzzes
+    # vLLM's /inference/v1/generate behind skylift's guard (skylift/inference/generate_guard.py)
+    yield from _serve(tiny_model_dir, log, api_key=TEST_API_KEY, host=None)

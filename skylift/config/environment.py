@@ -24,6 +24,7 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
         "skylift serve",
         "most tokens (prompts x n x max_tokens) one /skylift/generate request may ask for (default 2^25)",
     ),
+    "SKYLIFT_MAX_GENERATE_BODY_MB": ("skylift serve", "largest body of vLLM's /inference/v1/generate, in MiB (default 32)"),
     "SKYLIFT_WEIGHT_RPC_TIMEOUT_S": ("skylift serve", "timeout of one weight-bucket receive (default 600 s)"),
     "SKYLIFT_HTTP_CONNECTION_LIMIT": ("HTTP clients", "connections per client session, all hosts together (default 256)"),
     "SKYLIFT_HTTP_KEEPALIVE_S": ("HTTP clients", "idle keep-alive of pooled connections (default 4 s, below uvicorn's 5 s)"),

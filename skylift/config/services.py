@@ -75,6 +75,8 @@ class InferenceServerLimits:
     max_sequences: int = 16384  # prompts x n in one /skylift/generate request (SKYLIFT_MAX_SEQUENCES)
     # prompts x n x max_tokens in one /skylift/generate request (SKYLIFT_MAX_REQUEST_TOKENS)
     max_request_tokens: int = 1 << 25
+    # bytes of one body of vLLM's /inference/v1/generate (SKYLIFT_MAX_GENERATE_BODY_MB)
+    max_generate_body_mb: float = 32.0
     weight_rpc_timeout_s: float = 600.0  # one weight-bucket receive (SKYLIFT_WEIGHT_RPC_TIMEOUT_S)
     control_rpc_timeout_s: float = 60.0  # small control RPCs (destroy, has-group)
 
@@ -88,6 +90,9 @@ class InferenceServerLimits:
             max_sequences=int(_number(environ, "SKYLIFT_MAX_SEQUENCES", default.max_sequences, minimum=1)),
             max_request_tokens=int(
                 _number(environ, "SKYLIFT_MAX_REQUEST_TOKENS", default.max_request_tokens, minimum=1)
+            ),
+            max_generate_body_mb=_number(
+                environ, "SKYLIFT_MAX_GENERATE_BODY_MB", default.max_generate_body_mb, minimum=1
             ),
             weight_rpc_timeout_s=_number(
                 environ, "SKYLIFT_WEIGHT_RPC_TIMEOUT_S", default.weight_rpc_timeout_s

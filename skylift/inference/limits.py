@@ -19,6 +19,8 @@ MAX_SEQUENCES = LIMITS.max_sequences
 #: Most tokens one /skylift/generate request may ask to sample, prompts x n x max_tokens
 #: (`SKYLIFT_MAX_REQUEST_TOKENS`).
 MAX_REQUEST_TOKENS = LIMITS.max_request_tokens
+#: Largest body of vLLM's /inference/v1/generate, in bytes (`SKYLIFT_MAX_GENERATE_BODY_MB`).
+MAX_GENERATE_BODY_BYTES = int(LIMITS.max_generate_body_mb * (1 << 20))
 #: Timeout of one weight-bucket receive (`SKYLIFT_WEIGHT_RPC_TIMEOUT_S`).
 WEIGHT_RPC_TIMEOUT_S = LIMITS.weight_rpc_timeout_s
 #: Timeout of small control RPCs (destroy, has-group).

@@ -53,7 +53,14 @@ from skylift.inference.codec import output_to_json
 from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
 from skylift.inference.engine_http import engine_call, status_of
 from skylift.inference.generate_compat import GenerateTokenLabels
-from skylift.inference.limits import MAX_N, MAX_PROMPTS, MAX_REQUEST_TOKENS, MAX_SEQUENCES
+from skylift.inference.generate_guard import GenerateGuard
+from skylift.inference.limits import (
+    MAX_GENERATE_BODY_BYTES,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_REQUEST_TOKENS,
+    MAX_SEQUENCES,
+)
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.types import (
     EngineError,
@@ -61,6 +68,7 @@ from skylift.inference.types import (
     WeightBucket,
     WeightUpdateGroupSpec,
 )
+from skylift.inference.vllm_generate_body import GenerateLimits
 from skylift.weight_sync.buckets import dtype_to_str, str_to_dtype, validate_bucket
 
 logger = logging.getLogger("skylift.inference.routes")
@@ -84,6 +92,8 @@ class SkyliftState:
     vocab_size: int
     platform: str
     api_key_hashes: list[bytes] = field(default_factory=list)
+    #: whether the model takes multimodal input (vLLM's /inference/v1/generate `features`)
+    multimodal: bool = False
     #: the dtype every tensor of the group must have (SkyRL's `model_dtype_str`), if it says
     group_dtype: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -369,8 +379,15 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
     """Attach our routes to vLLM's app, ahead of any route vLLM registered on the same path, and
     (with API keys) the key check to every route but `PUBLIC_PATHS`."""
     app.state.skylift = state
-    # vLLM's /inference/v1/generate with the token labels verifiers' clients check
+    # vLLM's /inference/v1/generate with the token labels verifiers' clients check, its bodies
+    # checked before vLLM reads them (the guard is outside the labels, inside the key check)
     app.user_middleware.insert(0, Middleware(GenerateTokenLabels))
+    limits = GenerateLimits(
+        vocab_size=state.vocab_size, max_model_len=state.max_model_len, multimodal=state.multimodal
+    )
+    app.user_middleware.insert(
+        0, Middleware(GenerateGuard, limits=limits, max_body_bytes=MAX_GENERATE_BODY_BYTES)
+    )
     app.middleware_stack = app.build_middleware_stack()
     if state.api_key_hashes:
         # Outermost. Not app.add_middleware: vLLM's SageMaker bootstrap has already built the stack.

@@ -194,6 +194,7 @@ async def build_skylift_app(
         model_path=settings.model_path,
         max_model_len=int(model_config.max_model_len),
         vocab_size=int(model_config.get_vocab_size()),
+        multimodal=bool(getattr(model_config, "is_multimodal_model", False)),
         platform=_platform_name(),
         api_key_hashes=[hash_key(k) for k in settings.api_keys],
     )

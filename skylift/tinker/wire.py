@@ -3,7 +3,9 @@
 Requests: `ForwardBackwardRequest` (forward and forward_backward). Results: `ForwardBackwardOutput`
 and `SampleResponse`. The schema is the SDK's own (`tinker.proto.tinker_public_pb2`). Token ids are
 int32 little-endian bytes, tensors dense bytes or sparse CSR, per-datum outputs a `BatchedTensor`
-(concatenated bytes plus n+1 int64 byte offsets).
+(concatenated bytes plus n+1 int64 byte offsets). A request is parsed once into the typed models
+of `skylift.tinker.wire_bodies` (a 400 naming the field), then made dense within the server's
+limits.
 """
 
 from __future__ import annotations
@@ -15,15 +17,11 @@ import numpy as np
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
+from skylift.tinker.bodies import parse_body
 from skylift.tinker.errors import UserError
 from skylift.tinker.provenance import Span
 from skylift.tinker.vision.images import ImageInput, image_from_proto
-
-_NUMPY_OF_DTYPE = {
-    pb.DTYPE_FLOAT32: np.dtype(np.float32),
-    pb.DTYPE_INT64: np.dtype(np.int64),
-    pb.DTYPE_INT32: np.dtype(np.int32),
-}
+from skylift.tinker.wire_bodies import ForwardBackwardBody, TensorBody
 
 
 @dataclass
@@ -73,25 +71,13 @@ class WireLimits:
         )
 
 
-def _check_bytes(data: bytes, dtype: np.dtype, where: str) -> None:
-    if len(data) % dtype.itemsize:
-        raise UserError(f"{where}: {len(data)} bytes are not a whole number of {dtype.name} values")
-
-
 def decode_tensor(
-    msg: pb.Tensor, where: str, max_rows: int | None = None, max_cells: int | None = None
+    msg: TensorBody, where: str, max_rows: int | None = None, max_cells: int | None = None
 ) -> np.ndarray:
-    """A proto `Tensor` as a dense numpy array (sparse CSR entries not listed are 0). Its shape
-    is checked before anything is allocated: 1-D or 2-D, at most `max_rows` rows (the longest
-    context served) and `max_cells` cells. Whether it fits its datum is the loss's check."""
-    dtype = _NUMPY_OF_DTYPE.get(msg.dtype)
-    if dtype is None:
-        raise UserError(f"{where}: unsupported tensor dtype {msg.dtype}")
-    shape = list(msg.shape)
-    if any(d < 0 for d in shape):
-        raise UserError(f"{where}: negative dimension in shape {shape}")
-    if len(shape) > 2:
-        raise UserError(f"{where}: shape {shape} has {len(shape)} dimensions; loss inputs are [N] or [N, K]")
+    """A validated `TensorBody` as a dense numpy array (sparse CSR entries not listed are 0). Its
+    shape is checked before anything is allocated: at most `max_rows` rows (the longest context
+    served) and `max_cells` cells. Whether it fits its datum is the loss's check."""
+    dtype, shape = msg.numpy_dtype, list(msg.shape)
     if max_rows is not None and shape and shape[0] > max_rows:
         raise UserError(
             f"{where}: shape {shape} has {shape[0]} rows, one per model_input token; the longest "
@@ -103,13 +89,8 @@ def decode_tensor(
             f"{where}: shape {shape} has {cells} cells, above the {max_cells} this request has left "
             "(--max-request-cells)"
         )
-    if msg.HasField("sparse_csr"):
-        csr = msg.sparse_csr
-        _check_bytes(csr.values, dtype, f"{where} (sparse values)")
-        _check_bytes(csr.crow_indices, np.dtype(np.int64), f"{where} (sparse crow_indices)")
-        _check_bytes(csr.col_indices, np.dtype(np.int64), f"{where} (sparse col_indices)")
-        if len(shape) != 2:
-            raise UserError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+    csr = msg.sparse_csr
+    if csr is not None:
         values = np.frombuffer(csr.values, dtype=dtype)
         crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
         col = np.frombuffer(csr.col_indices, dtype=np.int64)
@@ -127,7 +108,6 @@ def decode_tensor(
             lo, hi = int(crow[row]), int(crow[row + 1])
             dense[row, col[lo:hi]] = values[lo:hi]
         return dense
-    _check_bytes(msg.dense, dtype, where)
     flat = np.frombuffer(msg.dense, dtype=dtype).copy()
     if shape:
         if int(np.prod(shape)) != flat.size:
@@ -148,27 +128,23 @@ def decode_forward_backward(body: bytes, limits: WireLimits | None = None) -> Fo
         raise UserError(
             f"forward_backward: the body is not a ForwardBackwardRequest protobuf: {exc}"
         ) from exc
-    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
-    for key, value in msg.loss_fn_config_v2.items():
-        config[key] = value.text if value.WhichOneof("value") == "text" else float(value.number)
+    call = parse_body(ForwardBackwardBody, ForwardBackwardBody.fields_of(msg), "forward_backward")
     data: list[WireDatum] = []
     error: UserError | None = None
-    for i, datum in enumerate(msg.data):
+    for i, datum in enumerate(call.data):
         parts: list[list[int] | ImageInput] = []
         try:
             for j, chunk in enumerate(datum.model_input):
-                kind = chunk.WhichOneof("chunk")
-                if kind == "encoded_text":
-                    parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").astype(int).tolist())
-                elif kind == "image":
-                    image = chunk.image
+                if chunk.kind == "encoded_text":
+                    parts.append(np.frombuffer(chunk.tokens, dtype="<i4").astype(int).tolist())
+                elif chunk.kind == "image":
                     parts.append(
                         image_from_proto(
-                            image.data, image.format, image.expected_tokens, f"datum {i} chunk {j}"
+                            chunk.data, chunk.format, chunk.expected_tokens, f"datum {i} chunk {j}"
                         )
                     )
                 else:
-                    raise UserError(f"datum {i} chunk {j}: unsupported chunk type {kind!r}")
+                    raise UserError(f"datum {i} chunk {j}: unsupported chunk type {chunk.kind!r}")
         except UserError as exc:
             error = error or exc
             parts = []
@@ -184,7 +160,10 @@ def decode_forward_backward(body: bytes, limits: WireLimits | None = None) -> Fo
             where = f"datum {i} loss_fn_inputs[{name!r}]"
             inputs[name] = decode_tensor(tensor, where, limits.max_tokens, budget)
             budget -= inputs[name].size
-        spans = [_span(s) for s in datum.loss_fn_input_spans] or None
+        spans = [
+            Span(sampled=s.sampled, sequence_id=s.sequence_id, offset=s.offset, length=s.length)
+            for s in datum.loss_fn_input_spans
+        ] or None
         data.append(
             WireDatum(tokens=tokens, inputs=inputs, parts=parts if has_image else None, loss_spans=spans)
         )
@@ -196,24 +175,13 @@ def decode_forward_backward(body: bytes, limits: WireLimits | None = None) -> Fo
             f"forward_backward with {len(data)} datums of up to {longest} tokens", padded
         )
     return ForwardBackwardCall(
-        model_id=msg.model_id,
-        seq_id=int(msg.seq_id),
-        loss_fn=msg.loss_fn,
-        forward_only=bool(msg.forward_only),
+        model_id=call.model_id,
+        seq_id=call.seq_id,
+        loss_fn=call.loss_fn,
+        forward_only=call.forward_only,
         data=data,
-        loss_fn_config=config,
+        loss_fn_config=dict(call.loss_fn_config),
         error=error,
-    )
-
-
-def _span(msg: pb.ProvenanceSpan) -> Span:
-    kind = msg.WhichOneof("span")
-    arm = msg.sampled_tokens if kind == "sampled_tokens" else msg.prompt_tokens
-    return Span(
-        sampled=kind == "sampled_tokens",
-        sequence_id=arm.sequence_id,
-        offset=int(arm.offset),
-        length=int(arm.length),
     )
 
 

@@ -87,7 +87,8 @@ def bound_case(case: Any) -> None:
         timeout = body.get("timeout_s")
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout > RENDEZVOUS_S:
             body["timeout_s"] = RENDEZVOUS_S
-    sampling = body.get("sampling_params") if case.path == "/skylift/generate" else body
+    nested = case.path in ("/skylift/generate", "/inference/v1/generate")
+    sampling = body.get("sampling_params") if nested else body
     if isinstance(sampling, dict):
         for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = sampling.get(key)
@@ -149,12 +150,40 @@ def test_no_request_gets_a_5xx_or_hangs(inference_schema: Any, inference: Api) -
         except Exception as exc:  # noqa: BLE001 - every operation is fuzzed, failures listed at the end
             failures[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         seconds[label] = round(time.monotonic() - op_started, 1)
+    assert counts.get("POST /inference/v1/generate"), "vLLM's /inference/v1/generate was not fuzzed"
     slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:8]
     print(
         f"fuzzed {len(counts)} operations, {sum(counts.values())} requests in "
         f"{time.monotonic() - started:.0f} s; slowest: {slowest}"
     )
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+
+
+def test_vllm_generate_refuses_the_fuzzed_500_body_and_serves_a_good_one(inference: Api) -> None:
+    """The body with which vLLM's /inference/v1/generate once answered a 500 is a 400 naming its
+    fields (skylift's guard); a well-formed one is served."""
+    fuzzed = {
+        "Ù/Í": -60978034837507,
+        "token_ids": [3, 7],
+        "sampling_params": {
+            "": [[]],
+            "max_tokens": 11904,
+            "output_kind": 2,
+            "trace_decode_token_ids": [19522, 133, -35645400373, 75412730411],
+        },
+    }
+    resp = inference.request("POST", "/inference/v1/generate", fuzzed)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "sampling_params.max_tokens" in message and "sampling_params.trace_decode_token_ids" in message
+    good = {
+        "model": TINY_SERVED_NAME,
+        "token_ids": [3, 7],
+        "sampling_params": {"max_tokens": 4, "logprobs": 1, "ignore_eos": True},
+    }
+    resp = inference.request("POST", "/inference/v1/generate", good)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"][0]["token_ids"]) == 4
 
 
 def test_server_is_healthy_and_answers_correctly_after_fuzzing(
