@@ -6,6 +6,7 @@ per-environment metrics are aggregated as SkyRL aggregates them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -190,3 +191,45 @@ def test_metrics_are_logged_per_environment_as_skyrl_aggregates_them() -> None:
         "calls": 2.0,
         "ok": 0.5,
     }
+
+
+def test_the_generator_rolls_out_all_three_builtins_on_garbage(
+    tmp_path: Path, retrieval: RetrievalServer, tiny_model_dir: Path
+) -> None:
+    """What tests/integration/test_skyrl_gym_builtins.py runs on the tiny model, with scripted
+    replies: each env's rows by their id, 2 turns, the env's own observation untrained, its reward."""
+    from test_skyrl_gym_envs import FakeEngine
+    from transformers import AutoTokenizer
+
+    from skylift.data import PromptDataset
+    from skylift.generator import GeneratorSettings
+    from skylift.inference.types import SamplingParams
+    from skyrl_gym_data import gsm8k_multi_turn_rows
+
+    db_path = make_sql_databases(tmp_path / "dbs")
+    files = [
+        write_rows(tmp_path / "gsm.parquet", gsm8k_multi_turn_rows(2)),
+        write_rows(tmp_path / "sql.parquet", text2sql_rows()),
+        write_rows(tmp_path / "search.parquet", search_rows()),
+    ]
+    rows = list(PromptDataset(files))
+    configure({"text2sql": {"db_path": str(db_path)}, "search": {"search_url": retrieval.url}}, 2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = FakeEngine(tokenizer, ["qq zz <sq", "blah ####"] * len(rows))
+    settings = GeneratorSettings(max_generate_length=8, max_turns=2, batched=False, max_input_length=400)
+    out = asyncio.run(Generator(engine, tokenizer, settings).generate(rows, 1, SamplingParams(max_tokens=8)))
+    by_env = {tr.env_class: tr for tr in out[::2]}  # the first row of each file
+    assert sorted(tr.env_class for tr in out) == sorted(["gsm8k_multi_turn", "text2sql", "search"] * 2)
+    observations = {
+        "gsm8k_multi_turn": "Now provide only the final numeric answer",
+        "text2sql": "Your previous action is invalid",
+        "search": "<information></information>",
+    }
+    rewards = {"gsm8k_multi_turn": 0.0, "text2sql": -1.0, "search": 0.0}
+    for env_class, tr in by_env.items():
+        assert tr.num_turns == 2 and observations[env_class] in tokenizer.decode(tr.response_ids)
+        assert tr.reward == rewards[env_class]
+    metrics = rollout_metrics(out)
+    assert metrics["environment/gsm8k_multi_turn/avg_steps"] == 2.0
+    assert metrics["environment/text2sql/reward_mean"] == -1.0
+    assert retrieval.queries == []
