@@ -198,13 +198,13 @@ def test_the_generator_rolls_out_all_three_builtins_on_garbage(
 ) -> None:
     """What tests/integration/test_skyrl_gym_builtins.py runs on the tiny model, with scripted
     replies: each env's rows by their id, 2 turns, the env's own observation untrained, its reward."""
+    from skyrl_gym_data import gsm8k_multi_turn_rows
     from test_skyrl_gym_envs import FakeEngine
     from transformers import AutoTokenizer
 
     from skylift.data import PromptDataset
     from skylift.generator import GeneratorSettings
     from skylift.inference.types import SamplingParams
-    from skyrl_gym_data import gsm8k_multi_turn_rows
 
     db_path = make_sql_databases(tmp_path / "dbs")
     files = [
