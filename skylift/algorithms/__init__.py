@@ -4,6 +4,7 @@ Pure PyTorch, batch-first `[batch, response_len]` tensors with a float mask (1 =
 """
 
 from skylift.algorithms import covariance_losses as _covariance_losses  # registers clip_cov, kl_cov
+from skylift.algorithms import divergence_losses as _divergence_losses  # registers dppo
 from skylift.algorithms._registry import UnknownNameError
 from skylift.algorithms.advantages import (
     AdvantageEstimator,
@@ -30,6 +31,7 @@ from skylift.algorithms.kl import (
 from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
 from skylift.algorithms.policy_loss import (
     ROLLOUT_ANCHORED,
+    ROLLOUT_PREFERRED,
     PolicyLoss,
     PolicyLossConfig,
     compute_policy_loss,
@@ -48,7 +50,7 @@ from skylift.algorithms.reductions import (
 )
 from skylift.algorithms.value_loss import compute_value_loss
 
-del _covariance_losses
+del _covariance_losses, _divergence_losses
 
 __all__ = [
     "KL_CTRL_TYPES",
@@ -59,6 +61,7 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "ROLLOUT_ANCHORED",
+    "ROLLOUT_PREFERRED",
     "MiniBatchTotals",
     "OffPolicyCorrection",
     "PolicyLoss",

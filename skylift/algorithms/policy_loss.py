@@ -1,5 +1,6 @@
 """Policy losses (`regular`, `dual_clip`, `gspo`, `cispo`, `sapo`, `rollout_is`; `clip_cov` and
-`kl_cov` in `skylift.algorithms.covariance_losses`) behind a registry users can extend.
+`kl_cov` in `skylift.algorithms.covariance_losses`, `dppo` in `skylift.algorithms.divergence_losses`)
+behind a registry users can extend.
 
 Every loss takes `[batch, response_len]` tensors: ``logprobs`` (current policy, with gradient),
 ``old_logprobs`` (the policy that is being optimised away from, usually the trainer's logprobs before
@@ -27,7 +28,10 @@ With ``r_t = exp(logp_t - old_logp_t)`` and advantage ``A_t``:
   reduces it with ``sequence_mean``);
 - ``rollout_is``: ``-sg(r') * A * logp`` with ``r' = exp(logp - rollout_logp)`` where it lies strictly
   inside ``(1 - eps_clip_low, 1 + eps_clip_high)`` and 0 elsewhere: anchored on the engine's logprobs
-  of the sampled tokens instead of ``old_logprobs`` (`ROLLOUT_ANCHORED`; they are required).
+  of the sampled tokens instead of ``old_logprobs`` (`ROLLOUT_ANCHORED`; they are required);
+- ``dppo``: ``-A r`` with ``r`` taken against the rollout logprobs when given, else ``old_logprobs``
+  (`ROLLOUT_PREFERRED`), and the tokens whose probability moved past ``dppo_delta_low/high`` in the
+  advantage's direction dropped (`skylift.algorithms.divergence_losses`).
 
 Off-policy corrections (``off_policy``, `skylift.algorithms.off_policy`: truncated importance
 sampling per token or per sequence, outlier/token/sequence masks) compare ``old_logprobs`` with the
@@ -81,6 +85,11 @@ class PolicyLossConfig:
     kl_cov_frac: float = 0.2
     kl_cov_coef: float = 1.0
     """kl_cov: share of valid tokens (largest covariance) penalised by ``coef * |log r|``."""
+    dppo_type: str = "binary_tv"
+    dppo_delta_low: float = 0.2
+    dppo_delta_high: float = 0.2
+    """dppo: divergence (``binary_tv`` or ``binary_kl``) and its bounds for negative, resp. positive,
+    advantages."""
     off_policy: OffPolicyCorrection = OffPolicyCorrection()
     """Corrections against the rollout engine's logprobs (`skylift.algorithms.off_policy`)."""
 
@@ -113,6 +122,12 @@ class PolicyLossConfig:
             raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}")
         if self.kl_cov_coef < 0:
             raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+        if self.dppo_type not in ("binary_tv", "binary_kl"):
+            raise ValueError(f"dppo_type must be binary_tv or binary_kl, got {self.dppo_type!r}")
+        if self.dppo_delta_low < 0 or self.dppo_delta_high < 0:
+            raise ValueError(
+                f"dppo deltas must be >= 0, got {self.dppo_delta_low} and {self.dppo_delta_high}"
+            )
 
     def corrections(self) -> OffPolicyCorrection:
         """`off_policy` with ``tis_imp_ratio_cap`` folded in as token TIS."""
@@ -139,6 +154,10 @@ _LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 ROLLOUT_ANCHORED = {"rollout_is"}
 """Losses whose ratio is taken against the rollout engine's logprobs: `compute_policy_loss` hands
 them ``rollout_logprobs`` as their ``old_logprobs``."""
+
+ROLLOUT_PREFERRED = {"dppo"}
+"""Losses whose ratio is taken against the rollout engine's logprobs when they are given, else
+against ``old_logprobs`` (SkyRL's choice for DPPO)."""
 
 
 def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
@@ -209,7 +228,8 @@ def compute_policy_loss(
         rollout_logprobs = None  # not read by this loss
     if rollout_logprobs is not None:
         rollout_logprobs = torch.where(valid, rollout_logprobs.detach(), torch.zeros_like(logprobs))
-    anchor = rollout_logprobs if name in ROLLOUT_ANCHORED and rollout_logprobs is not None else old_logprobs
+    on_rollout = name in ROLLOUT_ANCHORED or name in ROLLOUT_PREFERRED
+    anchor = rollout_logprobs if on_rollout and rollout_logprobs is not None else old_logprobs
     loss, metrics = loss_fn(logprobs, anchor, advantages, mask, config)
     if rollout_logprobs is not None:
         loss, correction_metrics = apply_off_policy_correction(

@@ -7,7 +7,18 @@ from dataclasses import dataclass
 from skylift.config.fields import _f, _group
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "maxrl", "reinforce++", "gae")
-POLICY_LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "rollout_is")
+POLICY_LOSS_TYPES = (
+    "regular",
+    "dual_clip",
+    "gspo",
+    "cispo",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+    "rollout_is",
+    "dppo",
+)
+DPPO_TYPES = ("binary_tv", "binary_kl")
 TIS_RATIO_TYPES = ("token", "sequence")
 SEQUENCE_MASK_METRICS = ("geometric", "product")
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
@@ -77,6 +88,25 @@ class KLCovConfig:
         le=1,
     )
     ppo_kl_coef: float = _f(1.0, "kl_cov: weight of the |log(pi / pi_old)| penalty", ge=0)
+
+
+@dataclass
+class DPPOConfig:
+    """DPPO (policy_loss_type=dppo): ``-A r`` against the rollout policy, tokens whose probability
+    moved too far in the advantage's direction dropped (skylift.algorithms.divergence_losses)."""
+
+    dppo_type: str = _f(
+        "binary_tv",
+        "dppo: binary_tv drops a token whose probability moved past the bound in its advantage's "
+        "direction | binary_kl: one whose Bernoulli KL to the rollout policy's exceeds the bound",
+        choices=DPPO_TYPES,
+    )
+    delta_low: float = _f(
+        0.2, "dppo: bound for tokens with a negative advantage (0.05 suits binary_kl)", ge=0
+    )
+    delta_high: float = _f(
+        0.2, "dppo: bound for tokens with a positive advantage (0.05 suits binary_kl)", ge=0
+    )
 
 
 @dataclass
@@ -198,6 +228,7 @@ class AlgorithmConfig:
     sapo: SAPOConfig = _group(SAPOConfig, "sapo settings")
     clip_cov: ClipCovConfig = _group(ClipCovConfig, "clip_cov settings")
     kl_cov: KLCovConfig = _group(KLCovConfig, "kl_cov settings")
+    dppo: DPPOConfig = _group(DPPOConfig, "dppo settings")
     use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(policy || ref) to the policy loss")
     kl_loss_coef: float = _f(0.001, "weight of the KL term (loss or reward)", ge=0)
     kl_estimator_type: str = _f(

@@ -22,7 +22,7 @@ class FullyAsyncConfig:
         "fully async: rollouts are generated continuously into a bounded buffer, the trainer takes a "
         "batch when one is ready, and every weight sync pauses the engines with requests in flight "
         "(needs a correction of the off-policy gap: trainer.algorithm.use_tis, an "
-        "off_policy_correction, or policy_loss_type=rollout_is)",
+        "off_policy_correction, or policy_loss_type=rollout_is or dppo)",
     )
     max_staleness_steps: int = _f(
         4,

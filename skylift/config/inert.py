@@ -158,13 +158,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "trainer.algorithm.value_head_prefix": ("value_head", "skylift's critic names its own value head"),
     "trainer.algorithm.use_kl_estimator_k3": (False, "deprecated in SkyRL: set kl_estimator_type=k3"),
     "trainer.algorithm.use_abs_kl": (False, "deprecated in SkyRL; the abs estimator is not implemented"),
-    **{
-        f"trainer.algorithm.dppo.{name}": (
-            default,
-            "read only by policy_loss_type=dppo (not implemented yet)",
-        )
-        for name, default in (("dppo_type", "binary_tv"), ("delta_low", 0.2), ("delta_high", 0.2))
-    },
     "trainer.algorithm.cispo.cispo_anchor": ("old", "skylift's cispo weights anchor on the old logprobs"),
     "trainer.algorithm.entropy_loss_coef": (0.01, "read only by use_entropy_loss (not implemented yet)"),
     "trainer.algorithm.zero_variance_filter_tol": (

@@ -346,11 +346,11 @@ def _check_fully_async(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(
             f"{p}.enabled=true generates while training and cannot run with trainer.placement.colocate_all=true"
         )
-    if not (t.algorithm.corrects_off_policy or t.algorithm.policy_loss_type == "rollout_is"):
+    if not (t.algorithm.corrects_off_policy or t.algorithm.policy_loss_type in ("rollout_is", "dppo")):
         problems.append(
             f"{p}.enabled=true needs a correction of the rollouts' staleness: trainer.algorithm.use_tis=true "
             "(and tis_imp_ratio_cap > 0), a trainer.algorithm.off_policy_correction "
-            "(tis_ratio_type or sequence_mask_metric, ...), or policy_loss_type=rollout_is"
+            "(tis_ratio_type or sequence_mask_metric, ...), or policy_loss_type=rollout_is or dppo"
         )
     if t.algorithm.dynamic_sampling.type is not None:
         problems.append(f"{p}.enabled=true does not run with trainer.algorithm.dynamic_sampling.type set")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, overload
 
@@ -30,6 +30,8 @@ class PromptSample:
 
     uid: ``"<file index>:<row index>"``, unique within the dataset (used to group the samples of
     one prompt).
+    columns: the row's other columns (e.g. text2sql's ``db_id`` and ``data``), which SkyRL passes
+    to environments among their extras.
     """
 
     prompt: list[dict[str, str]]
@@ -38,10 +40,12 @@ class PromptSample:
     extra_info: dict[str, Any]
     data_source: str
     uid: str
+    columns: dict[str, Any] = field(default_factory=dict)
 
     def env_extras(self) -> dict[str, Any]:
         """The extras an environment's ``init(prompt, extras)`` expects."""
         return {
+            **self.columns,
             "reward_spec": dict(self.reward_spec),
             "extra_info": dict(self.extra_info),
             "data_source": self.data_source,
@@ -102,8 +106,8 @@ def load_prompt_file(
     missing = [c for c in required if c not in names]
     if missing:
         raise DataFileError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(names)})")
-    columns = list(dict.fromkeys(c for c in wanted if c in names))
-    rows = pq.read_table(path, columns=columns).to_pylist()
+    rows = pq.read_table(path).to_pylist()
+    own = set(wanted)
     samples = []
     for row_index, row in enumerate(rows):
         where = f"{path} row {row_index}"
@@ -123,6 +127,7 @@ def load_prompt_file(
                 extra_info=dict(row.get("extra_info") or {}),
                 data_source=data_source,
                 uid=f"{file_index}:{row_index}",
+                columns={k: v for k, v in row.items() if k not in own},
             )
         )
     return samples

@@ -13,13 +13,18 @@ not hold is looked up here (``skylift.envs.registry.get_env_factory`` asks `skyr
   ``skyrl_gym.envs.gsm8k.env:GSM8kEnv``.
 
 `SkyRLGymEnv` builds the SkyRL environment as SkyRL does, ``Env(env_config=..., extras=...)``, once
-per trajectory when the generator calls ``init``: ``env_config`` is
-``environment.skyrl_gym.<registered id>`` (an OmegaConf mapping, as SkyRL passes it) updated with
-``environment.env_kwargs``; ``extras`` is the row's ``reward_spec``, ``extra_info`` and
-``data_source`` plus ``max_turns`` (``generator.max_turns``). ``step``'s dict output becomes a
-`StepResult`: ``observations``, ``reward``, ``done`` and ``metadata`` as they are;
-``postprocessed_action`` is recorded in the metadata (the generator keeps the tokens the policy
-sampled); ``get_metrics()`` of a finished trajectory is in ``metadata["env_metrics"]``.
+per trajectory when the generator calls ``init``: ``env_config`` is SkyRL's defaults for the id
+(``text2sql``'s ``db_path``; ``search``'s ``search_url``, ``topk``, ``timeout``, ``log_requests``:
+skyrl-gym's own config dataclasses, which SkyRL's schema embeds) updated with
+``environment.skyrl_gym.<registered id>`` and ``environment.env_kwargs`` (an OmegaConf mapping, as
+SkyRL passes it); ``extras`` is the row's other columns (e.g. text2sql's ``db_id`` and ``data``),
+``reward_spec``, ``extra_info`` and ``data_source`` plus ``max_turns`` (``generator.max_turns``), as
+SkyRL's generator builds them. ``step``'s dict output becomes a `StepResult`: ``observations``,
+``reward``, ``done`` and ``metadata`` as they are; ``postprocessed_action`` is recorded in the
+metadata (the generator keeps the tokens the policy sampled); ``get_metrics()`` after each step is in
+``metadata["env_metrics"]`` (the trajectory keeps the last step's), and `aggregate_env_metrics`
+combines a batch's with the class's ``aggregate_metrics`` (logged per environment by
+`skylift.generator.metrics.rollout_metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,23 @@ from skylift.envs.base import Environment, EnvUsageError, Message, StepResult
 
 #: Set by the trainer (`configure`): ``environment.skyrl_gym`` and ``generator.max_turns``.
 _RUN: dict[str, Any] = {"configs": {}, "max_turns": 1}
+
+#: SkyRL's schema defaults of ``environment.skyrl_gym.<id>``: skyrl-gym's config dataclasses.
+DEFAULT_CONFIGS = {
+    "text2sql": "skyrl_gym.envs.sql.env:Text2SQLEnvConfig",
+    "search": "skyrl_gym.envs.search.env:SearchEnvConfig",
+}
+
+
+def _defaults(env_id: str | None) -> dict[str, Any]:
+    """SkyRL's default ``env_config`` of a built-in id (empty for others)."""
+    target = DEFAULT_CONFIGS.get(env_id or "")
+    if target is None:
+        return {}
+    import dataclasses
+
+    module_name, _, name = target.partition(":")
+    return dataclasses.asdict(getattr(importlib.import_module(module_name), name)())
 
 
 def configure(configs: Mapping[str, Any], max_turns: int, import_modules: Sequence[str] = ()) -> None:
@@ -60,7 +82,7 @@ class SkyRLGymEnv(Environment):
 
         super().init(prompt, extras)
         base = _RUN["configs"].get(self.env_id or "", {}) or {}
-        env_config = OmegaConf.create({**dict(base), **self.config})
+        env_config = OmegaConf.create({**_defaults(self.env_id), **dict(base), **self.config})
         env_extras = {**self.extras, "max_turns": _RUN["max_turns"]}
         self.inner = self.creator(env_config=env_config, extras=env_extras)
         out = self.inner.init([dict(m) for m in prompt])
@@ -78,10 +100,9 @@ class SkyRLGymEnv(Environment):
         if out.get("postprocessed_action") is not None:
             metadata["postprocessed_action"] = out["postprocessed_action"]
         done = bool(out.get("done", True))
-        if done:
-            metrics = self.inner.get_metrics() if hasattr(self.inner, "get_metrics") else {}
-            if metrics:
-                metadata["env_metrics"] = dict(metrics)
+        metrics = self.inner.get_metrics() if hasattr(self.inner, "get_metrics") else {}
+        if metrics:  # SkyRL asks once the rollout ends, however it ends: the last step's is kept
+            metadata["env_metrics"] = dict(metrics)
         return StepResult(
             observations=[dict(m) for m in out.get("observations") or []],
             reward=float(out.get("reward") or 0.0),
@@ -140,3 +161,43 @@ def skyrl_gym_factory(name: str) -> Callable[..., Environment] | None:
     if name not in skyrl_gym.registry:
         return None
     return lambda **config: SkyRLGymEnv(lambda **kw: skyrl_gym.make(name, **kw), name, **config)
+
+
+def _env_type(env_class: str) -> type | None:
+    """The SkyRL-Gym class behind `env_class` (a ``module:Class`` or a SkyRL-Gym id), or None. Only
+    SkyRL-Gym environments leave ``env_metrics`` in their metadata, so a name skylift registers
+    itself as well (gsm8k) never gets here with episodes."""
+    base = _base_text_env()
+    if base is None:
+        return None
+    target: Any = None
+    if ":" in env_class:
+        target = env_class
+    else:
+        from skyrl_gym.envs.registration import registry
+
+        spec = registry.get(env_class)
+        target = None if spec is None else spec.entry_point
+    if isinstance(target, str):
+        module_name, _, attr = target.partition(":")
+        try:
+            target = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            return None
+    return target if isinstance(target, type) and issubclass(target, base) else None
+
+
+def aggregate_env_metrics(env_class: str, episodes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The episodes' ``get_metrics()`` dicts combined as SkyRL does: the SkyRL-Gym class's
+    ``aggregate_metrics`` (by default the mean of each numeric field), else the numeric means."""
+    env_type = _env_type(env_class)
+    if env_type is not None:
+        out = env_type.aggregate_metrics([dict(m) for m in episodes])
+    else:
+        values: dict[str, list[float]] = {}
+        for episode in episodes:
+            for key, value in episode.items():
+                if isinstance(value, bool | int | float):
+                    values.setdefault(key, []).append(float(value))
+        out = {key: sum(v) / len(v) for key, v in values.items()}
+    return {str(k): float(v) for k, v in (out or {}).items() if isinstance(v, bool | int | float)}

@@ -127,8 +127,13 @@ class Generator:
                     self._turn_group(row, envs, one, policy_version, None if seeds is None else seeds[i])
                     for i, (row, envs) in enumerate(zip(rows, groups, strict=True))
                 ]
-                return [tr for group in await asyncio.gather(*runs) for tr in group]
-            return await self._single_turn(rows, groups, replace(params, n=n), policy_version, seeds)
+                out = [tr for group in await asyncio.gather(*runs) for tr in group]
+            else:
+                out = await self._single_turn(rows, groups, replace(params, n=n), policy_version, seeds)
+            names = {row.uid: row.env_class or self.settings.default_env_class for row in rows}
+            for tr in out:
+                tr.env_class = names.get(tr.uid, "")
+            return out
         finally:
             self._env_users -= 1
             if self._env_users == 0:
@@ -310,4 +315,11 @@ class Generator:
 
     @staticmethod
     def _extras(row: PromptRow) -> dict[str, Any]:
-        return {"reward_spec": row.reward_spec, "extra_info": row.extra_info, "data_source": row.data_source}
+        """The row's other dataset columns (`PromptSample.columns`, as SkyRL passes them), then its
+        ``reward_spec``, ``extra_info`` and ``data_source``."""
+        return {
+            **(getattr(row, "columns", None) or {}),
+            "reward_spec": row.reward_spec,
+            "extra_info": row.extra_info,
+            "data_source": row.data_source,
+        }

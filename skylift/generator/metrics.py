@@ -5,7 +5,11 @@ that walk tokens, GAE and REINFORCE++, then credit each turn with what came afte
 RLOO sum a row's token rewards, which gives back the trajectory's reward).
 `rollout_metrics`: per-turn reward means (``reward/turn_<t>_mean`` over the trajectories that
 reached turn t), turns per trajectory, and the means of the environments' step metrics
-(``env/<name>``, e.g. ``env/tool_calls`` per trajectory).
+(``env/<name>``, e.g. ``env/tool_calls`` per trajectory); per environment class (when the batch's
+trajectories name theirs), ``environment/<env_class>/reward_mean`` and its episodes' metrics
+(a SkyRL-Gym env's ``get_metrics``, in ``env_metadata["env_metrics"]``) combined as SkyRL does,
+``environment/<env_class>/<key>``, e.g. ``environment/gsm8k_multi_turn/avg_steps``; with one
+environment class in the batch also under SkyRL's own name, ``environment/<key>``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from skylift.envs.skyrl_gym import aggregate_env_metrics
 from skylift.generator.trajectory import Trajectory
 
 #: Per-turn reward means are logged for the first this many turns.
@@ -58,4 +63,24 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     names = sorted({name for tr in trajectories for name in tr.metrics})
     for name in names:
         metrics[f"env/{name}"] = statistics.fmean(tr.metrics.get(name, 0.0) for tr in trajectories)
+    metrics.update(per_environment_metrics(trajectories))
+    return metrics
+
+
+def per_environment_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Reward means and aggregated episode metrics per environment class (see the module)."""
+    by_env: dict[str, list[Trajectory]] = {}
+    for tr in trajectories:
+        if tr.env_class and tr.last_step:  # a step-wise rollout counts once, by its last step
+            by_env.setdefault(tr.env_class, []).append(tr)
+    metrics: dict[str, float] = {}
+    for env_class, group in sorted(by_env.items()):
+        metrics[f"environment/{env_class}/reward_mean"] = statistics.fmean(tr.reward for tr in group)
+        episodes = [tr.env_metadata["env_metrics"] for tr in group if tr.env_metadata.get("env_metrics")]
+        if not episodes:
+            continue
+        aggregated = aggregate_env_metrics(env_class, episodes)
+        metrics.update({f"environment/{env_class}/{key}": value for key, value in aggregated.items()})
+        if len(by_env) == 1:
+            metrics.update({f"environment/{key}": value for key, value in aggregated.items()})
     return metrics

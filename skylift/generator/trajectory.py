@@ -40,6 +40,8 @@ class Trajectory:
     #: `reward` the rollout's; the advantage of the rollout's last step is every step's
     trajectory_id: str | None = None
     last_step: bool = True
+    #: the environment that scored it (the row's ``env_class``, else the default one)
+    env_class: str = ""
 
     @property
     def num_generated_tokens(self) -> int:

@@ -310,6 +310,7 @@ def test_fully_async_accepts_skyrls_corrections_instead_of_use_tis() -> None:
     fa = ["trainer.fully_async.enabled=true"]
     load_config([*fa, "trainer.algorithm.off_policy_correction.sequence_mask_metric=geometric"])
     load_config([*fa, "trainer.algorithm.policy_loss_type=rollout_is"])
+    load_config([*fa, "trainer.algorithm.policy_loss_type=dppo"])
     load_config([*fa, "trainer.algorithm.off_policy_correction.tis_ratio_type=token"])
 
 

@@ -93,6 +93,7 @@ def test_the_generator_rolls_out_a_multi_turn_skyrl_gym_env(tiny_model_dir: Path
     gen = Generator(engine, tokenizer, settings)
     (traj,) = asyncio.run(gen.generate([row], 1, SamplingParams(max_tokens=8)))
     assert traj.reward == 1.5 and traj.num_turns == 2
+    assert traj.env_class == "skylift_test_multiply"  # what the per-environment metrics group by
     assert traj.env_metadata["env_metrics"] == {"turns": 2}
     first = tokenizer.encode("41", add_special_tokens=False)
     assert traj.response_ids[: len(first)] == first
