@@ -14,13 +14,17 @@ trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample to
 from __future__ import annotations
 
 import asyncio
+import copy
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from skylift.cluster.runtime import Runtime
+from skylift.cluster.settings import RunPaths
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
+from skylift.rl.eval_weights import export_for_engines, push_to_engines, resolve_eval_weights
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.parts import RolloutGenerator, Tracker
 from skylift.rl.rows import Sampler
@@ -88,13 +92,42 @@ class EvalOnlyRun:
     """`setup()` starts the engines (or connects to remote ones), `evaluate()` runs the evaluation,
     `shutdown()` takes everything down (the `skylift.rl.run.run_trainer` protocol)."""
 
-    def __init__(self, cfg: SkyliftConfig, say: Callable[[str], None], verbose: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: SkyliftConfig,
+        say: Callable[[str], None],
+        verbose: bool = False,
+        checkpoint: str | Path | None = None,
+    ) -> None:
+        """`checkpoint`: the weights to evaluate (`skylift.rl.eval_weights`: a trainer checkpoint
+        or a Hugging Face directory); None: the engines' own (local engines: the model's)."""
         check_eval_config(cfg)
         self.cfg, self.say = cfg, say
+        self.weights = resolve_eval_weights(checkpoint, cfg.trainer.policy.model.path) if checkpoint else None
+        self.engine_model: Path | None = None  # local engines: the directory they start on
+        if self.weights is not None and cfg.generator.run_engines_locally:
+            self.engine_model = (
+                self.weights.path
+                if self.weights.kind == "hf"
+                else RunPaths.from_config(cfg).root / "eval_exports" / self.weights.path.name
+            )
+            cfg = copy.deepcopy(cfg)
+            cfg.trainer.policy.model.path = str(self.engine_model)
         self.runtime = Runtime(cfg, say, verbose, eval_only=True)
 
     def setup(self) -> None:
-        self.runtime.start()
+        weights, rt = self.weights, self.runtime
+        if weights is not None:
+            self.say(f"evaluating the {weights.describe()}")
+        if weights is not None and self.engine_model is not None and weights.kind == "checkpoint":
+            self.say(f"converting it for the local engines into {self.engine_model}")
+            export_for_engines(self.cfg, weights, self.engine_model)
+        rt.start()
+        if weights is not None and self.engine_model is None:
+            assert rt.engines is not None
+            tick = time.perf_counter()
+            push_to_engines(self.cfg, weights, rt.engines, rt.run, self.say)
+            self.say(f"weights pushed to the engines in {time.perf_counter() - tick:.1f} s")
 
     def evaluate(self) -> dict[str, float]:
         rt = self.runtime
