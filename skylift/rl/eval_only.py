@@ -2,13 +2,16 @@
 
 The same configuration as training: the engines serve `trainer.policy.model.path` (a Hugging Face
 directory, e.g. an export of a training run) or are the servers of
-`generator.remote_inference_engine_urls`; the prompts of `data.val_data` are sampled with
-`generator.eval_sampling_params`, `eval_n_samples_per_prompt` times each, and scored by their
+`generator.remote_inference_engine_urls`; with `checkpoint` (`skylift eval --checkpoint PATH`) they
+hold a trainer checkpoint's or an export's weights instead (`skylift.rl.eval_weights`: remote
+engines get them by the training run's weight sync). The prompts of `data.val_data` are sampled
+with `generator.eval_sampling_params`, `eval_n_samples_per_prompt` times each, and scored by their
 environments. The figures are the training loop's evaluation figures (`skylift.rl.evaluation`:
 skylift's `eval/accuracy` with its standard error, SkyRL's `eval/all/avg_score`,
-`eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`), logged once at step 0 to the run's
-trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample to
-`<log_dir>/eval/eval_only.jsonl`.
+`eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`, `timing/eval_generate`), logged once at
+step 0 to the run's trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample
+to `<log_dir>/eval/eval_only.jsonl` and SkyRL's dump to `<export_path>/dumped_evals/eval_only/`
+(`skylift.rl.eval_dump`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from skylift.cluster.settings import RunPaths
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
+from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
 from skylift.rl.eval_weights import export_for_engines, push_to_engines, resolve_eval_weights
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.parts import RolloutGenerator, Tracker
@@ -52,8 +56,11 @@ def evaluate_once(
     sampler: Sampler,
     tracker: Tracker,
     logs_dir: Path,
+    skyrl_dump: tuple[Path, Callable[[list[int]], str]] | None = None,
 ) -> dict[str, float]:
-    """Evaluate `rows` with `sampler`, log the figures at step 0 and dump the samples if asked."""
+    """Evaluate `rows` with `sampler`, log the figures at step 0 and dump the samples if asked:
+    to `<logs_dir>/eval/eval_only.jsonl` and, given `skyrl_dump` (the export directory, token ids
+    to text), as SkyRL dumps them (`skylift.rl.eval_dump`)."""
     metrics, trajectories = evaluate(
         list(rows),
         lambda batch: sampler.run(batch, -1),
@@ -62,6 +69,9 @@ def evaluate_once(
     )
     if cfg.trainer.dump_eval_results:
         dump_eval(logs_dir / "eval" / DUMP_NAME, trajectories)
+        if skyrl_dump is not None:
+            export_dir, decode = skyrl_dump
+            dump_skyrl_eval(skyrl_dump_dir(export_dir, None), list(rows), trajectories, metrics, decode)
     tracker.log(metrics, 0)
     return metrics
 
@@ -133,7 +143,12 @@ class EvalOnlyRun:
         rt = self.runtime
         assert rt.val_data is not None and rt.generator is not None
         metrics = evaluate_once(
-            self.cfg, rt.val_data, eval_sampler(self.cfg, rt.generator, rt.loop), rt.tracking, rt.paths.logs
+            self.cfg,
+            rt.val_data,
+            eval_sampler(self.cfg, rt.generator, rt.loop),
+            rt.tracking,
+            rt.paths.logs,
+            (rt.paths.export, rt.tokenizer.decode),
         )
         for line in summary(metrics, self.cfg.generator.eval_n_samples_per_prompt):
             self.say(line)
