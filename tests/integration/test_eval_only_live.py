@@ -4,7 +4,8 @@ eval-only from the step-1 trainer checkpoint and from the step-2 export, each pu
 by weight sync, gives the figures the run logged at that step, exactly (seeded sampling: the same
 seeds, the same weights, the same batches). The server holds the other step's weights before each
 eval-only run, and the two steps' evaluations differ, so a run that did not load its weights fails.
-Also: the figures under skylift's and SkyRL's names, logged at step 0, each sample dumped."""
+Also: the figures under skylift's and SkyRL's names, logged at step 0, each sample dumped (skylift's
+and SkyRL's layouts: SkyRL's files of the eval-only run equal the run's own)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from skylift.config import load_config
 from skylift.data import write_addition_demo
 from skylift.envs import Environment, StepResult, register_env
 from skylift.rl.build import build_trainer
+from skylift.rl.eval_dump import AGGREGATED
 from skylift.rl.eval_only import DUMP_NAME, EvalOnlyRun
 
 pytestmark = pytest.mark.integration
@@ -125,6 +127,10 @@ def test_eval_only_reproduces_the_runs_evaluations_from_its_checkpoint_and_expor
     from_ckpt = _eval_only(eval_keys, tmp_path / "train" / "ckpts" / "global_step_1", said)
     assert _figures(from_ckpt) == trained[1]
     assert _responses(tmp_path / "eval" / "logs" / "eval" / DUMP_NAME) == step1
+    skyrl_dumps = tmp_path / "train" / "exports" / "dumped_evals"  # SkyRL's dump_eval_results layout
+    for name in (AGGREGATED, "skylift_addition-demo.jsonl"):
+        eval_only, at_step_1 = (skyrl_dumps / d / name for d in ("eval_only", "global_step_1_evals"))
+        assert eval_only.read_text() == at_step_1.read_text(), name
     # now it holds step 1's: the step-2 export must be pushed
     from_export = _eval_only(eval_keys, tmp_path / "train" / "exports" / "global_step_2", said)
     assert _figures(from_export) == trained[2]
