@@ -35,8 +35,9 @@ def checkpoint_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
 def model_mismatch(
     saved: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], model: str
 ) -> str | None:
-    """None when the checkpoint's tensors (`saved`) are the model's (`expected`), else a message
-    naming the missing, unexpected and differently shaped weights (`model`: the config's model)."""
+    """None when the checkpoint (`saved`) holds every tensor of the model (`expected`) with its
+    shape, else a message naming the missing, unexpected and differently shaped weights (`model`:
+    the config's model)."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     shapes = sorted(
@@ -44,7 +45,7 @@ def model_mismatch(
         for name in set(saved) & set(expected)
         if tuple(saved[name]) != tuple(expected[name])
     )
-    if not (missing or unexpected or shapes):
+    if not (missing or shapes):  # extra tensors alone: torch's loader skips them, as it always did
         return None
     parts = []
     for label, names in (

@@ -164,3 +164,17 @@ def test_the_command_refuses_a_bad_path_before_starting_anything(
     assert eval_main(["--dry-run", "--checkpoint", str(tmp_path / "nowhere"), *args]) == 2
     assert "configuration error: --checkpoint" in capsys.readouterr().err
     assert eval_main(["--dry-run", "--checkpoint", str(root), *args]) == 0
+
+
+def test_model_mismatch_names_what_differs() -> None:
+    from skylift.worker.checkpoint_match import model_mismatch
+
+    model = {"a": (2, 3), "b": (4,)}
+    assert model_mismatch({"a": (2, 3), "b": (4,)}, model, "m") is None
+    assert model_mismatch({"a": (2, 3), "b": (4,), "extra": (1,)}, model, "m") is None  # skipped on load
+    message = model_mismatch({"a": (3, 3), "c": (1,)}, model, "m")
+    assert message is not None and "configured model m" in message
+    assert "1 missing from the checkpoint: b" in message and "1 not in the model: c" in message
+    assert "1 shaped differently: a (3, 3) (the model's: (2, 3))" in message
+    many = model_mismatch({}, {f"w{i}": (1,) for i in range(5)}, "m")
+    assert many is not None and "5 missing from the checkpoint: w0, w1, w2 and 2 more" in many
