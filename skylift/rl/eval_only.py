@@ -91,10 +91,18 @@ def summary(metrics: dict[str, float], n: int) -> list[str]:
 
 
 def check_eval_config(cfg: SkyliftConfig) -> None:
-    """Raise `ConfigError` when the configuration cannot be evaluated (no evaluation prompts)."""
+    """Raise `ConfigError` when the configuration cannot be evaluated: no evaluation prompts, or a
+    trainer checkpoint given as the model."""
     if not cfg.data.val_data:
         raise ConfigError(
             "skylift eval needs evaluation prompts: set data.val_data to parquet files", key="data.val_data"
+        )
+    model = Path(cfg.trainer.policy.model.path).expanduser()
+    if (model / "policy").is_dir() and (model / "trainer_state.json").is_file():
+        raise ConfigError(
+            f"trainer.policy.model.path={model} is a trainer checkpoint, not a model: set it to the "
+            "run's model and evaluate the checkpoint with --checkpoint",
+            key="trainer.policy.model.path",
         )
 
 

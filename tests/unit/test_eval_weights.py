@@ -164,6 +164,10 @@ def test_the_command_refuses_a_bad_path_before_starting_anything(
     assert eval_main(["--dry-run", "--checkpoint", str(tmp_path / "nowhere"), *args]) == 2
     assert "configuration error: --checkpoint" in capsys.readouterr().err
     assert eval_main(["--dry-run", "--checkpoint", str(root), *args]) == 0
+    capsys.readouterr()
+    as_model = [f"trainer.policy.model.path={root / 'global_step_3'}", args[1]]
+    assert eval_main(["--dry-run", *as_model]) == 2
+    assert "is a trainer checkpoint, not a model: set it to the run's model" in capsys.readouterr().err
 
 
 def test_model_mismatch_names_what_differs() -> None:
