@@ -125,6 +125,7 @@ def parts_of(runtime: Runtime) -> Parts:
         critic=runtime.critic,
         engines=runtime.engines,
         sleep_engines=runtime.colocation.sleep_engines,
+        decode=runtime.tokenizer.decode,
     )
 
 

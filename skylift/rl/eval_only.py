@@ -2,25 +2,33 @@
 
 The same configuration as training: the engines serve `trainer.policy.model.path` (a Hugging Face
 directory, e.g. an export of a training run) or are the servers of
-`generator.remote_inference_engine_urls`; the prompts of `data.val_data` are sampled with
-`generator.eval_sampling_params`, `eval_n_samples_per_prompt` times each, and scored by their
+`generator.remote_inference_engine_urls`; with `checkpoint` (`skylift eval --checkpoint PATH`) they
+hold a trainer checkpoint's or an export's weights instead (`skylift.rl.eval_weights`: remote
+engines get them by the training run's weight sync). The prompts of `data.val_data` are sampled
+with `generator.eval_sampling_params`, `eval_n_samples_per_prompt` times each, and scored by their
 environments. The figures are the training loop's evaluation figures (`skylift.rl.evaluation`:
 skylift's `eval/accuracy` with its standard error, SkyRL's `eval/all/avg_score`,
-`eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`), logged once at step 0 to the run's
-trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample to
-`<log_dir>/eval/eval_only.jsonl`.
+`eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`, `timing/eval_generate`), logged once at
+step 0 to the run's trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample
+to `<log_dir>/eval/eval_only.jsonl` and SkyRL's dump to `<export_path>/dumped_evals/eval_only/`
+(`skylift.rl.eval_dump`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from skylift.cluster.runtime import Runtime
+from skylift.cluster.settings import RunPaths
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
+from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
+from skylift.rl.eval_weights import export_for_engines, push_to_engines, resolve_eval_weights
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.parts import RolloutGenerator, Tracker
 from skylift.rl.rows import Sampler
@@ -48,8 +56,11 @@ def evaluate_once(
     sampler: Sampler,
     tracker: Tracker,
     logs_dir: Path,
+    skyrl_dump: tuple[Path, Callable[[list[int]], str]] | None = None,
 ) -> dict[str, float]:
-    """Evaluate `rows` with `sampler`, log the figures at step 0 and dump the samples if asked."""
+    """Evaluate `rows` with `sampler`, log the figures at step 0 and dump the samples if asked:
+    to `<logs_dir>/eval/eval_only.jsonl` and, given `skyrl_dump` (the export directory, token ids
+    to text), as SkyRL dumps them (`skylift.rl.eval_dump`)."""
     metrics, trajectories = evaluate(
         list(rows),
         lambda batch: sampler.run(batch, -1),
@@ -58,6 +69,9 @@ def evaluate_once(
     )
     if cfg.trainer.dump_eval_results:
         dump_eval(logs_dir / "eval" / DUMP_NAME, trajectories)
+        if skyrl_dump is not None:
+            export_dir, decode = skyrl_dump
+            dump_skyrl_eval(skyrl_dump_dir(export_dir, None), list(rows), trajectories, metrics, decode)
     tracker.log(metrics, 0)
     return metrics
 
@@ -77,10 +91,18 @@ def summary(metrics: dict[str, float], n: int) -> list[str]:
 
 
 def check_eval_config(cfg: SkyliftConfig) -> None:
-    """Raise `ConfigError` when the configuration cannot be evaluated (no evaluation prompts)."""
+    """Raise `ConfigError` when the configuration cannot be evaluated: no evaluation prompts, or a
+    trainer checkpoint given as the model."""
     if not cfg.data.val_data:
         raise ConfigError(
             "skylift eval needs evaluation prompts: set data.val_data to parquet files", key="data.val_data"
+        )
+    model = Path(cfg.trainer.policy.model.path).expanduser()
+    if (model / "policy").is_dir() and (model / "trainer_state.json").is_file():
+        raise ConfigError(
+            f"trainer.policy.model.path={model} is a trainer checkpoint, not a model: set it to the "
+            "run's model and evaluate the checkpoint with --checkpoint",
+            key="trainer.policy.model.path",
         )
 
 
@@ -88,19 +110,53 @@ class EvalOnlyRun:
     """`setup()` starts the engines (or connects to remote ones), `evaluate()` runs the evaluation,
     `shutdown()` takes everything down (the `skylift.rl.run.run_trainer` protocol)."""
 
-    def __init__(self, cfg: SkyliftConfig, say: Callable[[str], None], verbose: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: SkyliftConfig,
+        say: Callable[[str], None],
+        verbose: bool = False,
+        checkpoint: str | Path | None = None,
+    ) -> None:
+        """`checkpoint`: the weights to evaluate (`skylift.rl.eval_weights`: a trainer checkpoint
+        or a Hugging Face directory); None: the engines' own (local engines: the model's)."""
         check_eval_config(cfg)
         self.cfg, self.say = cfg, say
+        self.weights = resolve_eval_weights(checkpoint, cfg.trainer.policy.model.path) if checkpoint else None
+        self.engine_model: Path | None = None  # local engines: the directory they start on
+        if self.weights is not None and cfg.generator.run_engines_locally:
+            self.engine_model = (
+                self.weights.path
+                if self.weights.kind == "hf"
+                else RunPaths.from_config(cfg).root / "eval_exports" / self.weights.path.name
+            )
+            cfg = copy.deepcopy(cfg)
+            cfg.trainer.policy.model.path = str(self.engine_model)
         self.runtime = Runtime(cfg, say, verbose, eval_only=True)
 
     def setup(self) -> None:
-        self.runtime.start()
+        weights, rt = self.weights, self.runtime
+        if weights is not None:
+            self.say(f"evaluating the {weights.describe()}")
+        if weights is not None and self.engine_model is not None and weights.kind == "checkpoint":
+            self.say(f"converting it for the local engines into {self.engine_model}")
+            export_for_engines(self.cfg, weights, self.engine_model)
+        rt.start()
+        if weights is not None and self.engine_model is None:
+            assert rt.engines is not None
+            tick = time.perf_counter()
+            push_to_engines(self.cfg, weights, rt.engines, rt.run, self.say)
+            self.say(f"weights pushed to the engines in {time.perf_counter() - tick:.1f} s")
 
     def evaluate(self) -> dict[str, float]:
         rt = self.runtime
         assert rt.val_data is not None and rt.generator is not None
         metrics = evaluate_once(
-            self.cfg, rt.val_data, eval_sampler(self.cfg, rt.generator, rt.loop), rt.tracking, rt.paths.logs
+            self.cfg,
+            rt.val_data,
+            eval_sampler(self.cfg, rt.generator, rt.loop),
+            rt.tracking,
+            rt.paths.logs,
+            (rt.paths.export, rt.tokenizer.decode),
         )
         for line in summary(metrics, self.cfg.generator.eval_n_samples_per_prompt):
             self.say(line)

@@ -29,15 +29,17 @@ def evaluate(
     error (and pass@n / maj@n), and SkyRL's `eval/all/avg_score`, `eval/all/pass_at_<n>`,
     `eval/all/mean_positive_reward` with their `eval/<data_source>/...` counterparts; then the
     response length, the multi-turn figures of `rollout_metrics` (`eval/env/<name>`: the means of
-    the environments' step metrics, e.g. `eval/env/tool_calls`) and the time. `n_samples`: the configured samples per prompt (SkyRL's `<n>`;
+    the environments' step metrics, e.g. `eval/env/tool_calls`) and the times: `timing/eval_s` (all of
+    it) and SkyRL's `timing/eval_generate` (the generation, environments' scoring included). `n_samples`: the configured samples per prompt (SkyRL's `<n>`;
     default: the most samples any prompt got)."""
     tick = time.perf_counter()
     rows = list(rows)
     trajectories: list[Trajectory] = []
     for start in range(0, len(rows), batch_size):
         trajectories += generate(rows[start : start + batch_size])
+    generated = time.perf_counter() - tick  # SkyRL's timing/eval_generate
     if not trajectories:
-        return {"timing/eval_s": time.perf_counter() - tick}, trajectories
+        return {"timing/eval_s": generated, "timing/eval_generate": generated}, trajectories
     groups: dict[str, list[Trajectory]] = defaultdict(list)  # the samples of each prompt
     sources: dict[str | None, list[str]] = defaultdict(list)  # the prompts of each data source
     for tr in trajectories:
@@ -57,6 +59,7 @@ def evaluate(
     metrics.update(figures(list(groups), "eval/", "eval/all/"))
     metrics["eval/response_length"] = statistics.fmean(tr.num_generated_tokens for tr in trajectories)
     metrics.update({f"eval/{name}": value for name, value in rollout_metrics(trajectories).items()})
+    metrics["timing/eval_generate"] = generated
     metrics["timing/eval_s"] = time.perf_counter() - tick
     return metrics, trajectories
 

@@ -26,6 +26,7 @@ from skylift.inference.pool import NoHealthyEngineError
 from skylift.inference.types import EngineUnavailableError
 from skylift.rl import checkpoint as ckpt
 from skylift.rl.console import Console
+from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.experience import ExperienceSettings, make_experience
 from skylift.rl.parts import ModelGroup, Parts
@@ -179,7 +180,11 @@ class RLTrainer:
             self.cfg.generator.eval_n_samples_per_prompt,
         )
         if self.cfg.trainer.dump_eval_results:
-            dump_eval(self.parts.logs_dir / "eval" / f"step_{self.state.global_step}.jsonl", trajectories)
+            step = self.state.global_step
+            dump_eval(self.parts.logs_dir / "eval" / f"step_{step}.jsonl", trajectories)
+            if self.parts.decode is not None:  # and as SkyRL dumps them, under the export path
+                directory = skyrl_dump_dir(self.parts.export_dir, step)
+                dump_skyrl_eval(directory, list(val), trajectories, metrics, self.parts.decode)
         return metrics
 
     # ================================================================== checkpoints

@@ -24,6 +24,7 @@ from torch import Tensor
 from skylift.algorithms.sample_support import Sampling, as_distribution
 from skylift.utils.dtypes import FLOAT_DTYPES, str_to_dtype
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.checkpoint_match import checkpoint_shapes, model_mismatch
 from skylift.worker.distributed import device_for_rank, init_training_group
 from skylift.worker.logprobs import response_logprobs, response_values
 from skylift.worker.lora import add_lora, merged_lora_weights
@@ -420,10 +421,16 @@ class TrainingWorker:
             )
 
     def load_checkpoint(self, directory: str) -> None:
+        """Load a checkpoint of `save_checkpoint` (resharded to this group's ranks); a checkpoint of
+        another model is refused first with the weights that differ (`checkpoint_match`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._dcp_state()
+        expected = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, Tensor)}
+        problem = model_mismatch(checkpoint_shapes(directory), expected, self.settings.model_path)
+        if problem:
+            raise ValueError(f"{directory}: {problem}")
         dcp.load(state, checkpoint_id=directory)
         optimizers = [self.optimizer] if self.optimizer is not None else []
         set_state_dict(

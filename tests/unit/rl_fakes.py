@@ -207,6 +207,11 @@ def fake_config(root: Path, *overrides: str) -> SkyliftConfig:
     )
 
 
+def fake_decode(ids: list[int]) -> str:
+    """A tokenizer's `decode` for the fakes' token ids: the ids, space-separated."""
+    return " ".join(map(str, ids))
+
+
 @dataclass
 class FakeRun:
     trainer: RLTrainer
@@ -253,6 +258,7 @@ def fake_run(
         export_dir=root / "exports",
         logs_dir=root / "logs",
         pad_id=0,
+        decode=fake_decode,
     )
     sampler, evaluation = samplers(cfg, parts)
     total = min(

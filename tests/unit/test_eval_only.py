@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rl_fakes import FakeGenerator, FakeTracker, fake_config, fake_run
+from rl_fakes import FakeGenerator, FakeTracker, fake_config, fake_decode, fake_run
 
 from skylift.cluster.placement import PlacementRequest, plan_placement
 from skylift.data import PromptSample
@@ -60,7 +60,9 @@ def test_eval_only_logs_skyrl_and_skylift_figures_per_data_source(tmp_path: Path
     generator, tracker, loop = FakeGenerator(reward=_reward), FakeTracker(), asyncio.new_event_loop()
     try:
         sampler = eval_sampler(cfg, generator, loop)
-        metrics = evaluate_once(cfg, _rows(), sampler, tracker, tmp_path / "logs")
+        metrics = evaluate_once(
+            cfg, _rows(), sampler, tracker, tmp_path / "logs", (tmp_path / "exports", fake_decode)
+        )
     finally:
         loop.close()
     # prompts in batches of eval_batch_size, n samples each, engines at version 0
@@ -93,6 +95,47 @@ def test_eval_only_logs_skyrl_and_skylift_figures_per_data_source(tmp_path: Path
     assert len(dumped) == 8
     lines = summary(metrics, 2)
     assert lines[0].startswith("eval accuracy 12% ± ") and "eval/all/pass_at_2 0.5000" in lines
+    assert 0 < metrics["timing/eval_generate"] <= metrics["timing/eval_s"]  # SkyRL's name
+
+
+def test_eval_only_dumps_as_skyrl_dumps(tmp_path: Path) -> None:
+    """SkyRL's `dump_eval_results` layout: `<export_path>/dumped_evals/eval_only/<data_source>.jsonl`
+    (SkyRL's entry keys) and `aggregated_results.jsonl` (the eval/* figures)."""
+    cfg = fake_config(tmp_path, "generator.eval_n_samples_per_prompt=2", "trainer.dump_eval_results=true")
+    loop = asyncio.new_event_loop()
+    try:
+        sampler = eval_sampler(cfg, FakeGenerator(reward=_reward), loop)
+        metrics = evaluate_once(
+            cfg, _rows(), sampler, FakeTracker(), tmp_path / "logs", (tmp_path / "exports", fake_decode)
+        )
+    finally:
+        loop.close()
+    out = tmp_path / "exports" / "dumped_evals" / "eval_only"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "aggregated_results.jsonl",
+        "math.jsonl",
+        "openai_gsm8k.jsonl",
+        "unknown.jsonl",
+    ]
+    gsm8k = [json.loads(line) for line in (out / "openai_gsm8k.jsonl").read_text().splitlines()]
+    assert len(gsm8k) == 4 and set(gsm8k[0]) == {
+        "input_prompt",
+        "output_response",
+        "score",
+        "stop_reason",
+        "env_class",
+        "env_extras",
+        "data_source",
+    }
+    assert [e["score"] for e in gsm8k] == [1.0, 0.0, 0.0, 0.0]
+    first = gsm8k[0]
+    assert first["input_prompt"] == "5 6 7" and first["env_class"] == "gsm8k"
+    assert first["data_source"] == "openai/gsm8k" and first["env_extras"]["uid"] == "0:0"
+    unknown = [json.loads(line) for line in (out / "unknown.jsonl").read_text().splitlines()]
+    assert {e["data_source"] for e in unknown} == {"unknown"} and len(unknown) == 2
+    (aggregated,) = [json.loads(line) for line in (out / "aggregated_results.jsonl").read_text().splitlines()]
+    assert aggregated == {k: v for k, v in metrics.items() if k.startswith("eval/")}
+    assert aggregated["eval/all/avg_score"] == pytest.approx(1 / 8)
 
 
 def test_training_evaluation_logs_skyrl_names_too(tmp_path: Path) -> None:
@@ -101,11 +144,17 @@ def test_training_evaluation_logs_skyrl_names_too(tmp_path: Path) -> None:
         "trainer.eval_interval=2",
         "trainer.eval_before_train=true",
         "generator.eval_n_samples_per_prompt=1",
+        "trainer.dump_eval_results=true",
     )
     history = run.trainer.fit()
     run.close()
     evals = [h for h in history if "eval/accuracy" in h]
     assert [h["step"] for h in evals] == [0, 2, 4]
+    dumps = tmp_path / "exports" / "dumped_evals"  # SkyRL's dump of each evaluation
+    assert sorted(p.name for p in dumps.iterdir()) == [f"global_step_{s}_evals" for s in (0, 2, 4)]
+    aggregated = json.loads((dumps / "global_step_2_evals" / "aggregated_results.jsonl").read_text())
+    assert aggregated["eval/all/avg_score"] == evals[1]["eval/all/avg_score"]
+    assert len((dumps / "global_step_2_evals" / "skylift_addition-demo.jsonl").read_text().splitlines()) == 4
     for h in evals:
         assert h["eval/all/avg_score"] == pytest.approx(h["eval/accuracy"])
         assert h["eval/skylift_addition-demo/avg_score"] == pytest.approx(h["eval/accuracy"])
