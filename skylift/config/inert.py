@@ -191,7 +191,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         "old logprobs come from the rollouts or once per batch (see trainer.async_training)",
     ),
     "trainer.update_ref_every_epoch": (False, "not implemented: the reference model never changes"),
-    "trainer.dump_data_batch": (False, "not implemented yet: training batches are not written to disk"),
     "trainer.flash_attn": (
         True,
         "skylift chooses the attention kernel itself (sdpa; flash-attn is not installed)",

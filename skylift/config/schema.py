@@ -311,6 +311,10 @@ class TrainerConfig:
         FullyAsyncConfig, "fully asynchronous training (in-flight weight updates)"
     )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
+    dump_data_batch: bool = _f(
+        False,
+        "write each step's training batch to <export_path>/dumped_data/global_step_N_training_input.pkl",
+    )
     log_path: str | None = _f(
         None, "also write skylift's log messages (INFO and up) to <log_path>/infra-<time>.log; null = off"
     )

@@ -25,6 +25,7 @@ from skylift.generator import Trajectory
 from skylift.inference.pool import NoHealthyEngineError
 from skylift.inference.types import EngineUnavailableError
 from skylift.rl import checkpoint as ckpt
+from skylift.rl.batch_dump import batch_dump_path, dump_training_batch
 from skylift.rl.console import Console
 from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
 from skylift.rl.evaluation import dump_eval, evaluate
@@ -139,6 +140,11 @@ class RLTrainer:
             self.kl_ctrl.update(experience.metrics["kl_in_reward/kl_seq_mean"], experience.batch.batch_size)
             self.state.extra["kl_coef"] = self.kl_ctrl.value  # saved with checkpoints
         metrics: dict[str, float] = {}
+        if self.cfg.trainer.dump_data_batch:  # SkyRL's debugging dump; its step count is 1-based
+            tick = time.perf_counter()
+            path = batch_dump_path(self.parts.export_dir, self.state.global_step + 1)
+            dump_training_batch(path, experience, trajectories)
+            metrics["timing/dump_data_batch_s"] = time.perf_counter() - tick
         if critic is not None:
             tick = time.perf_counter()
             metrics.update(train_critic(critic, experience.batch, self.update_settings))

@@ -196,15 +196,15 @@ def test_skyrl_only_keys_warn_when_set_and_algorithm_changes_are_refused(
             [
                 "trainer.flash_attn=true",
                 "trainer.policy.sequence_parallel_size=1",
-                "trainer.dump_data_batch=false",
+                "trainer.update_ref_every_epoch=false",
             ]
         )
     assert not caplog.records  # SkyRL's defaults: nothing to warn about
     with caplog.at_level(logging.WARNING, logger="skylift.config"):
-        load_config(["trainer.policy.record_memory=true", "trainer.dump_data_batch=true"])
+        load_config(["trainer.policy.record_memory=true", "trainer.update_ref_every_epoch=true"])
     text = caplog.text
     assert "trainer.policy.record_memory=True has no effect in skylift: not implemented" in text
-    assert "trainer.dump_data_batch=True has no effect in skylift" in text
+    assert "trainer.update_ref_every_epoch=True has no effect in skylift" in text
     with pytest.raises(ConfigError, match="use_entropy_loss=True is not implemented in skylift yet"):
         load_config(["trainer.algorithm.use_entropy_loss=true"])
 
