@@ -20,8 +20,9 @@ skyrl-gym's own config dataclasses, which SkyRL's schema embeds) updated with
 SkyRL passes it); ``extras`` is the row's other columns (e.g. text2sql's ``db_id`` and ``data``),
 ``reward_spec``, ``extra_info`` and ``data_source`` plus ``max_turns`` (``generator.max_turns``), as
 SkyRL's generator builds them. ``step``'s dict output becomes a `StepResult`: ``observations``,
-``reward``, ``done`` and ``metadata`` as they are; ``postprocessed_action`` is recorded in the
-metadata (the generator keeps the tokens the policy sampled); ``get_metrics()`` after each step is in
+``reward``, ``done`` and ``metadata`` as they are; ``postprocessed_action`` goes into the metadata,
+where the generator takes it as the turn's text from then on (`skylift.generator.multi_turn`: only
+the ids it shares with the sampled ones are trained; a warning says so once per process); ``get_metrics()`` after each step is in
 ``metadata["env_metrics"]`` (the trajectory keeps the last step's), and `aggregate_env_metrics`
 combines a batch's with the class's ``aggregate_metrics`` (logged per environment by
 `skylift.generator.metrics.rollout_metrics`).
@@ -30,10 +31,27 @@ combines a batch's with the class's ``aggregate_metrics`` (logged per environmen
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from skylift.envs.base import Environment, EnvUsageError, Message, StepResult
+
+logger = logging.getLogger("skylift.envs")
+
+_WARNED: set[str] = set()
+
+
+def _warn_postprocessed_once(env_name: str) -> None:
+    """SkyRL's warning, once per environment class: a rewritten action breaks token-in/token-out."""
+    if env_name not in _WARNED:
+        _WARNED.add(env_name)
+        logger.warning(
+            "%s.step() returned a postprocessed_action: the conversation goes on from that text, "
+            "re-tokenized; only the tokens it shares with what the policy sampled are trained",
+            env_name,
+        )
+
 
 #: Set by the trainer (`configure`): ``environment.skyrl_gym`` and ``generator.max_turns``.
 _RUN: dict[str, Any] = {"configs": {}, "max_turns": 1}
@@ -98,7 +116,8 @@ class SkyRLGymEnv(Environment):
             raise TypeError(f"{type(self.inner).__name__}.step() returned {type(out).__name__}, not a dict")
         metadata = dict(out.get("metadata") or {})
         if out.get("postprocessed_action") is not None:
-            metadata["postprocessed_action"] = out["postprocessed_action"]
+            metadata["postprocessed_action"] = str(out["postprocessed_action"])
+            _warn_postprocessed_once(type(self.inner).__name__)
         done = bool(out.get("done", True))
         metrics = self.inner.get_metrics() if hasattr(self.inner, "get_metrics") else {}
         if metrics:  # SkyRL asks once the rollout ends, however it ends: the last step's is kept

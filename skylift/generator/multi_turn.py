@@ -1,6 +1,9 @@
 """The multi-turn agent loop of one trajectory: sample, step the environment, append, repeat.
 
-Token-in/token-out: the sampled ids go into the trajectory unchanged (trained, `loss_mask` 1);
+Token-in/token-out: the sampled ids go into the trajectory unchanged (trained, `loss_mask` 1),
+unless the environment rewrites the turn (SkyRL's ``postprocessed_action``, in the step's metadata):
+then the conversation goes on from the rewritten text, its ids as the tokenizer encodes it; the ids
+it shares from the start with what was sampled stay trained, the rest are untrained (never sampled);
 between turns come the template's turn-closing tokens the model did not sample and the
 observations as the template renders them (`skylift.generator.chat`), untrained (`loss_mask` 0,
 logprob 0). The prompt and observations are rendered with the environment's tools (``tools=``) and
@@ -68,15 +71,20 @@ class TurnLoop:
             text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             sampled = rollout.add_turn(s, context, completion, text)
             result = await self.call_env(env.step, text)
+            stop_reason = completion.stop_reason
+            postprocessed = result.metadata.get("postprocessed_action")
+            if isinstance(postprocessed, str) and postprocessed != text:  # the conversation goes on from it
+                text, stop_reason = postprocessed, "postprocessed"  # its turn is closed by the template
+                if not s.step_wise:  # a step trains on what it sampled; the next step's context has `text`
+                    new_ids = self.chat.tokenizer.encode(text, add_special_tokens=False)
+                    sampled = rollout.replace_turn(sampled, [int(t) for t in new_ids], text)
             rollout.add_answer(result.reward, result.metrics, result.metadata)
             if result.done or not result.observations:
                 break
             if s.step_wise:
                 conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
                 continue
-            rollout.add_untrained(
-                self._between_turns(sampled, completion.stop_reason, result.observations, tools)
-            )
+            rollout.add_untrained(self._between_turns(sampled, stop_reason, result.observations, tools))
         await self.call_env(env.close)
         return rollout.finish(row, s)
 

@@ -35,6 +35,8 @@ class RolloutRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str = "length"
     turns: int = 0
+    #: after `replace_turn`, the response index of the turn's last token still trained
+    _reward_at: int | None = None
 
     def turn_params(
         self, s: Any, params: SamplingParams, context: list[int], seed: int | None
@@ -72,10 +74,29 @@ class RolloutRecord:
         self.texts.append(text)
         return sampled
 
+    def replace_turn(self, sampled: list[int], new_ids: list[int], text: str) -> list[int]:
+        """An environment's ``postprocessed_action``: the last turn's `sampled` ids become
+        `new_ids` (its text `text`). The ids both share from the start stay trained with their
+        logprobs; the rest of `new_ids` follows untrained (the policy never sampled them, so no
+        logprob of the sampler exists for them). Returns `new_ids`."""
+        keep = 0
+        while keep < min(len(sampled), len(new_ids)) and sampled[keep] == new_ids[keep]:
+            keep += 1
+        cut = len(self.response_ids) - len(sampled) + keep
+        self._reward_at = cut - 1 if keep else None
+        del self.response_ids[cut:], self.loss_mask[cut:], self.logprobs[cut:]
+        if self.versions is not None:
+            del self.versions[cut:]
+        self.add_untrained(new_ids[keep:])
+        self.texts[-1] = text
+        return new_ids
+
     def add_answer(self, reward: float, metrics: dict[str, Any] | None, metadata: dict[str, Any]) -> None:
         """The environment's answer to the turn: its reward (kept at the turn's last sampled
         token), its metrics (summed over turns) and its metadata (the last one kept)."""
-        self.turn_rewards.append((len(self.response_ids) - 1, float(reward)))
+        at = len(self.response_ids) - 1 if self._reward_at is None else self._reward_at
+        self._reward_at = None
+        self.turn_rewards.append((at, float(reward)))
         for name, value in (metrics or {}).items():
             self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
         self.metadata = dict(metadata)

@@ -44,3 +44,26 @@ class MultiplyEnv(BaseTextEnv):
 
 
 skyrl_gym.register(id="skylift_test_multiply", entry_point="skyrl_gym_example_env:MultiplyEnv")
+
+
+class FirstWordEnv(BaseTextEnv):
+    """Rewrites each action to its first word (SkyRL's ``postprocessed_action``); reward 1 when
+    that word is the answer; asks again while turns last."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        extras = extras or {}
+        self.answer = str(extras["reward_spec"]["ground_truth"])
+        self.max_turns = int(extras["max_turns"])
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        word = (action.split() or [""])[0]
+        done = word == self.answer or self.turns >= self.max_turns
+        return BaseTextEnvStepOutput(
+            observations=[] if done else [{"role": "user", "content": "Wrong, try again."}],
+            reward=1.0 if word == self.answer else 0.0,
+            done=done,
+            metadata={},
+            postprocessed_action=word,
+        )

@@ -103,3 +103,43 @@ def test_the_generator_rolls_out_a_multi_turn_skyrl_gym_env(tiny_model_dir: Path
 def test_import_modules_must_exist() -> None:
     with pytest.raises(ValueError, match="environment.import_modules: cannot import 'no_such_module_x'"):
         configure({}, 1, ["no_such_module_x"])
+
+
+@pytest.mark.parametrize(
+    ("first_reply", "kept"),
+    [("41 and then some", "41"), (" 41 then", "")],  # " 41" and "41" share no first id
+    ids=["rewritten-to-a-prefix", "rewritten-to-new-text"],
+)
+def test_a_postprocessed_action_is_where_the_conversation_goes_on(
+    tiny_model_dir: Path, first_reply: str, kept: str
+) -> None:
+    """SkyRL's ``postprocessed_action``: the next turn's context holds the rewritten text, not what
+    was sampled; of the rewritten turn only the ids shared with the sampled ones are trained."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = FakeEngine(tokenizer, [first_reply, "42"])
+    row = PromptSample(
+        prompt=[{"role": "user", "content": "6 * 7?"}],
+        env_class="skyrl_gym_example_env:FirstWordEnv",
+        reward_spec=EXTRAS["reward_spec"],
+        extra_info={},
+        data_source="t",
+        uid="0:0",
+    )
+    settings = GeneratorSettings(max_generate_length=8, max_turns=2, batched=False)
+    gen = Generator(engine, tokenizer, settings)
+    (traj,) = asyncio.run(gen.generate([row], 1, SamplingParams(max_tokens=8)))
+    assert traj.reward == 1.0 and traj.num_turns == 2
+    rewritten = (first_reply.split() or [""])[0]
+    second_context = engine.prompts[1]
+    decoded = tokenizer.decode(second_context)
+    assert rewritten in decoded and first_reply not in decoded
+    assert second_context == traj.prompt_ids + traj.response_ids[: len(second_context) - len(traj.prompt_ids)]
+    trained = [t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m == 1]
+    kept_ids = tokenizer.encode(kept, add_special_tokens=False) if kept else []
+    assert trained == kept_ids + tokenizer.encode("42", add_special_tokens=False)
+    assert all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m == 0)
+    assert all(lp == -0.1 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m == 1)
+    for index, _ in traj.turn_rewards[: 1 if kept else 0]:  # the rewritten turn's reward: on a trained id
+        assert traj.loss_mask[index] == 1
