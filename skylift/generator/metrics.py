@@ -10,6 +10,8 @@ trajectories name theirs), ``environment/<env_class>/reward_mean`` and its episo
 (a SkyRL-Gym env's ``get_metrics``, in ``env_metadata["env_metrics"]``) combined as SkyRL does,
 ``environment/<env_class>/<key>``, e.g. ``environment/gsm8k_multi_turn/avg_steps``; with one
 environment class in the batch also under SkyRL's own name, ``environment/<key>``.
+`skyrl_generate_metrics`: SkyRL's token statistics of a batch (``generate/*``), logged under
+SkyRL's names by training steps and, as ``eval/all/generate/*``, by evaluations.
 """
 
 from __future__ import annotations
@@ -84,3 +86,49 @@ def per_environment_metrics(trajectories: Sequence[Trajectory]) -> dict[str, flo
         if len(by_env) == 1:
             metrics.update({f"environment/{key}": value for key, value in aggregated.items()})
     return metrics
+
+
+def skyrl_generate_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """SkyRL's ``generate/*`` figures of a batch, with its meanings: ``num_tokens`` counts every
+    response token (observations between turns too), ``assistant_tokens`` the trained ones, and a
+    turn is a run of trained tokens; populations' standard deviations; ``avg_tokens_non_zero_rewards``
+    / ``avg_tokens_zero_rewards`` over the rewards > 0 / == 0 (0 when there are none)."""
+    if not trajectories:
+        return {}
+    tokens = [len(tr.response_ids) for tr in trajectories]
+    assistant = [tr.num_generated_tokens for tr in trajectories]
+    positive = [n for n, tr in zip(tokens, trajectories, strict=True) if tr.reward > 0]
+    zero = [n for n, tr in zip(tokens, trajectories, strict=True) if tr.reward == 0]
+    metrics = {
+        **_spread("generate/{}_num_tokens", tokens),
+        "generate/avg_tokens_non_zero_rewards": statistics.fmean(positive) if positive else 0.0,
+        "generate/avg_tokens_zero_rewards": statistics.fmean(zero) if zero else 0.0,
+        **_spread("generate/{}_assistant_tokens", assistant),
+    }
+    turns = [run for tr in trajectories for run in _trained_runs(tr.loss_mask)]
+    if turns:
+        metrics["generate/tokens_per_turn_mean"] = statistics.fmean(turns)
+        metrics["generate/tokens_per_turn_std"] = statistics.pstdev(turns)
+        metrics["generate/tokens_per_turn_max"] = float(max(turns))
+    return metrics
+
+
+def _spread(name: str, values: Sequence[int]) -> dict[str, float]:
+    return {
+        name.format("min"): float(min(values)),
+        name.format("max"): float(max(values)),
+        name.format("avg"): statistics.fmean(values),
+        name.format("std"): statistics.pstdev(values),
+    }
+
+
+def _trained_runs(mask: Sequence[int]) -> list[int]:
+    """The lengths of the runs of non-zero entries of `mask` (a multi-turn rollout's turns)."""
+    runs, current = [], 0
+    for bit in mask:
+        if bit:
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    return runs + [current] if current else runs

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
-from skylift.generator.metrics import rollout_metrics
+from skylift.generator.metrics import rollout_metrics, skyrl_generate_metrics
 from skylift.utils.eval_stats import Sample, accuracy_figures, skyrl_figures, skyrl_source_name
 
 
@@ -28,7 +28,7 @@ def evaluate(
     and per data source (rows without one count as "unknown"): skylift's accuracy with its standard
     error (and pass@n / maj@n), and SkyRL's `eval/all/avg_score`, `eval/all/pass_at_<n>`,
     `eval/all/mean_positive_reward` with their `eval/<data_source>/...` counterparts; then the
-    response length, the multi-turn figures of `rollout_metrics` (`eval/env/<name>`: the means of
+    response length, SkyRL's `eval/all/generate/*` token figures, the multi-turn figures of `rollout_metrics` (`eval/env/<name>`: the means of
     the environments' step metrics, e.g. `eval/env/tool_calls`) and the times: `timing/eval_s` (all of
     it) and SkyRL's `timing/eval_generate` (the generation, environments' scoring included). `n_samples`: the configured samples per prompt (SkyRL's `<n>`;
     default: the most samples any prompt got)."""
@@ -59,6 +59,9 @@ def evaluate(
     metrics.update(figures(list(groups), "eval/", "eval/all/"))
     metrics["eval/response_length"] = statistics.fmean(tr.num_generated_tokens for tr in trajectories)
     metrics.update({f"eval/{name}": value for name, value in rollout_metrics(trajectories).items()})
+    metrics.update(
+        {f"eval/all/{name}": value for name, value in skyrl_generate_metrics(trajectories).items()}
+    )
     metrics["timing/eval_generate"] = generated
     metrics["timing/eval_s"] = time.perf_counter() - tick
     return metrics, trajectories

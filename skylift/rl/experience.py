@@ -36,6 +36,7 @@ from skylift.algorithms import (
 from skylift.algorithms.overlong import overlong_rewards
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory, rollout_metrics, turn_reward_tensor
+from skylift.generator.metrics import skyrl_generate_metrics
 from skylift.rl.one_step_off import check_staleness, ppo_old_logprobs_source, staleness_metrics
 from skylift.rl.step_wise import check_step_wise, is_step_wise, step_wise_advantages
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -224,6 +225,7 @@ def _batch_metrics(
         "response/truncated_frac": sum(tr.stop_reason != "stop" for tr in trajectories) / len(trajectories),
         "advantages/abs_mean": float(batch.extras["advantages"].abs().sum() / mask.sum().clamp(min=1)),
         **rollout_metrics(trajectories),
+        **skyrl_generate_metrics(trajectories),
     }
     if old_source == "trainer":
         # how far the trainer's logprobs of the sampled tokens are from the engine's, before any
