@@ -77,6 +77,7 @@ def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
         chat_template_kwargs=dict(g.chat_template_kwargs),
         append_eos_after_stop_str=g.append_eos_token_after_stop_str_in_multi_turn,
         step_wise=g.step_wise_trajectories,
+        merge_steps=g.merge_stepwise_output,
         llm_base_url=cfg.environment.llm_base_url,
         llm_model=cfg.environment.llm_model,
         llm_timeout_s=cfg.environment.llm_timeout_s,

@@ -216,7 +216,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         None,
         "not implemented yet: prompts use the tokenizer's own chat template",
     ),
-    "generator.merge_stepwise_output": (False, "not implemented yet: step-wise samples stay separate"),
     "generator.use_cache_salt": (True, "not implemented: prefix caching is shared between requests"),
     "generator.vision_language_generator": (False, "skylift generates text only"),
     "generator.sampling_params.additional_kwargs*": (

@@ -442,6 +442,9 @@ class GeneratorConfig:
         "sharing the rollout's advantage; for templates that rewrite earlier turns (Qwen3 thinking); "
         "needs a sequence-level advantage estimator (grpo, rloo)",
     )
+    merge_stepwise_output: bool = _f(
+        False, "step-wise: merge a rollout's steps that extend the one before into one sample (SkyRL's)"
+    )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1

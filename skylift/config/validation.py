@@ -311,6 +311,8 @@ def _check_schedule(cfg: SkyliftConfig, problems: list[str]) -> None:
 
 
 def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
+    if cfg.generator.merge_stepwise_output and not cfg.generator.step_wise_trajectories:
+        problems.append("generator.merge_stepwise_output=true needs generator.step_wise_trajectories=true")
     g = cfg.generator
     if g.batched and g.max_turns > 1:
         problems.append(

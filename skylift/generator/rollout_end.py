@@ -123,6 +123,7 @@ class RolloutRecord:
                 self.session_id,
                 self.policy_version,
                 overlong_filtering=s.apply_overlong_filtering,
+                merge=s.merge_steps,
                 metadata=self.metadata,
                 metrics=self.metrics,
             )

@@ -34,6 +34,9 @@ class GeneratorSettings:
     #: multi-turn: each turn its own sample (prompt: the context sent for it), sharing the rollout's
     #: advantage (`skylift.generator.step_wise`), for templates that rewrite earlier turns
     step_wise: bool = False
+    #: step-wise: merge a rollout's consecutive steps when one's prompt + response starts the next's
+    #: prompt (`skylift.generator.step_wise.merge_steps`; SkyRL's `merge_stepwise_output`)
+    merge_steps: bool = False
     llm_base_url: str | None = None  # environments' `llm`: this OpenAI-compatible URL, None = the policy
     llm_model: str = "default"  # the model name sent to llm_base_url
     llm_timeout_s: float = 60.0  # per call of an environment's `llm`

@@ -4,11 +4,17 @@ conversation as the chat template renders it then, so templates that rewrite ear
 Qwen3's dropping of past thinking, are trained on what the model saw) and whose response is the
 turn's sampled ids. Every step carries the rollout's reward and id; the trainer computes the
 advantage of each rollout's last step and gives it to all its steps (`skylift.rl.step_wise`).
+
+`merge_steps` (``generator.merge_stepwise_output``, SkyRL's prefix-aware merging): where a step's
+prompt + response is the start of the next step's prompt (the template did not rewrite history),
+the two become one sample: the first prompt, then the responses with the tokens between them (the
+turn's close and the observations) untrained. A step that does not extend the one before starts a
+new sample; a merged sample is the rollout's last step when its last turn is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from skylift.generator.trajectory import Trajectory
@@ -36,8 +42,10 @@ def step_trajectories(
     overlong_filtering: bool,
     metadata: dict[str, Any],
     metrics: dict[str, float],
+    merge: bool = False,
 ) -> list[Trajectory]:
-    """One `Trajectory` per step; the last one holds the rollout's metadata and metrics."""
+    """One `Trajectory` per step (merged where they extend each other, with `merge`); the last
+    one holds the rollout's metadata and metrics."""
     out = []
     for k, step in enumerate(steps):
         last = k == len(steps) - 1
@@ -62,4 +70,31 @@ def step_trajectories(
                 last_step=last,
             )
         )
-    return out
+    return merge_steps(out) if merge else out
+
+
+def merge_steps(steps: list[Trajectory]) -> list[Trajectory]:
+    """A rollout's steps, each merged into the one before where it extends it (see the module)."""
+    merged: list[Trajectory] = []
+    for step in steps:
+        before = merged[-1] if merged else None
+        full = before.prompt_ids + before.response_ids if before is not None else None
+        if before is None or full != step.prompt_ids[: len(full)]:
+            merged.append(replace(step))
+            continue
+        between = step.prompt_ids[len(full) :]
+        versions = None
+        if before.token_versions is not None and step.token_versions is not None:
+            last = before.token_versions[-1] if before.token_versions else before.policy_version
+            versions = before.token_versions + [last] * len(between) + step.token_versions
+        merged[-1] = replace(
+            step,
+            prompt_ids=before.prompt_ids,
+            response_ids=before.response_ids + between + step.response_ids,
+            loss_mask=before.loss_mask + [0] * len(between) + step.loss_mask,
+            rollout_logprobs=before.rollout_logprobs + [0.0] * len(between) + step.rollout_logprobs,
+            policy_version=min(before.policy_version, step.policy_version),
+            token_versions=versions,
+            response_text=before.response_text + "\n" + step.response_text,
+        )
+    return merged

@@ -16,7 +16,7 @@ from agentic_fakes import Reply, Row, ScriptedEngine, chatml_tokenizer
 from rl_fakes import FakeGenerator, fake_run
 
 from skylift.algorithms import compute_advantages
-from skylift.config import load_config
+from skylift.config import ConfigError, load_config
 from skylift.envs import Environment, StepResult, register_env, unregister_env
 from skylift.generator import Generator, GeneratorSettings, Trajectory
 from skylift.inference.types import SamplingParams
@@ -67,10 +67,12 @@ def _turn(tokenizer: Any, text: str) -> Reply:
     return Reply(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id])
 
 
-def _run(tokenizer: Any, step_wise: bool) -> tuple[list[Trajectory], ScriptedEngine]:
+def _run(tokenizer: Any, step_wise: bool, merge: bool = False) -> tuple[list[Trajectory], ScriptedEngine]:
     replies = [_turn(tokenizer, "<think>\nhm\n</think>\n\nhi"), _turn(tokenizer, "hello")]
     engine = ScriptedEngine(replies)
-    settings = GeneratorSettings(max_generate_length=32, max_turns=3, batched=False, step_wise=step_wise)
+    settings = GeneratorSettings(
+        max_generate_length=32, max_turns=3, batched=False, step_wise=step_wise, merge_steps=merge
+    )
     row = Row(prompt=[{"role": "user", "content": "Say hi."}], env_class="ask_twice")
     out = asyncio.run(
         Generator(engine, tokenizer, settings).generate([row], 1, SamplingParams(max_tokens=32))
@@ -164,7 +166,75 @@ def test_the_config_key_is_live() -> None:
     )
     from skylift.cluster.settings import generator_settings
 
-    assert generator_settings(cfg).step_wise is True
+    assert generator_settings(cfg).step_wise is True and generator_settings(cfg).merge_steps is False
+    merged = load_config(
+        [*(f"{k}={v}" for k, v in _STEP_WISE.items()), "generator.merge_stepwise_output=true"]
+    )
+    assert generator_settings(merged).merge_steps is True
+    with pytest.raises(
+        ConfigError, match="merge_stepwise_output=true needs generator.step_wise_trajectories"
+    ):
+        load_config(["generator.merge_stepwise_output=true"])
+
+
+_STEP_WISE = {
+    "generator.step_wise_trajectories": "true",
+    "generator.batched": "false",
+    "generator.max_turns": "2",
+}
+
+
+def test_merged_steps_of_a_template_that_keeps_history_are_the_whole_rollout() -> None:
+    """SkyRL's merge_stepwise_output: ChatML renders history unchanged, so each step extends the one
+    before and the merged sample is exactly the rollout's one trajectory without step-wise."""
+    tokenizer = chatml_tokenizer()
+    (whole,), _ = _run(tokenizer, step_wise=False)
+    (merged,), _ = _run(tokenizer, step_wise=True, merge=True)
+    assert (merged.prompt_ids, merged.response_ids) == (whole.prompt_ids, whole.response_ids)
+    assert merged.loss_mask == whole.loss_mask and 0 in merged.loss_mask  # the observation: untrained
+    assert merged.rollout_logprobs == whole.rollout_logprobs
+    assert merged.last_step and merged.trajectory_id is not None and merged.reward == whole.reward == 1.5
+    assert merged.env_metadata == {"last": "hello"}
+
+
+def test_steps_of_a_template_that_rewrites_history_stay_apart(tokenizer: Any) -> None:
+    out, _ = _run(tokenizer, step_wise=True, merge=True)  # the second prompt drops the first's thinking
+    unmerged, _ = _run(tokenizer, step_wise=True)
+    assert [(tr.prompt_ids, tr.response_ids, tr.last_step) for tr in out] == [
+        (tr.prompt_ids, tr.response_ids, tr.last_step) for tr in unmerged
+    ]
+
+
+def test_merging_is_greedy_and_keeps_versions() -> None:
+    from skylift.generator.step_wise import merge_steps
+
+    def step(prompt: list[int], response: list[int], version: int, last: bool = False) -> Trajectory:
+        return Trajectory(
+            "u",
+            prompt,
+            response,
+            [1] * len(response),
+            [-0.5] * len(response),
+            1.0,
+            "stop",
+            policy_version=version,
+            token_versions=[version] * len(response),
+            trajectory_id="r",
+            last_step=last,
+        )
+
+    steps = [
+        step([1, 2], [3], 0),
+        step([1, 2, 3, 9], [4], 1),
+        step([7], [8], 1),
+        step([7, 8, 6], [5], 2, True),
+    ]
+    first, second = merge_steps(steps)
+    assert (first.prompt_ids, first.response_ids, first.loss_mask) == ([1, 2], [3, 9, 4], [1, 0, 1])
+    assert first.rollout_logprobs == [-0.5, 0.0, -0.5] and first.token_versions == [0, 0, 1]
+    assert (first.policy_version, first.last_step) == (0, False)
+    assert (second.prompt_ids, second.response_ids, second.token_versions) == ([7], [8, 6, 5], [1, 1, 2])
+    assert second.last_step and second.policy_version == 1
 
 
 class StepWiseFake(FakeGenerator):
