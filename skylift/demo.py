@@ -95,6 +95,7 @@ TOOL_TASK_OVERRIDES = [
     "generator.eval_sampling_params.max_generate_length=40",
     "trainer.max_prompt_length=320",
     "generator.kv_cache_gb=0.6",
+    "trainer.micro_train_batch_size_per_gpu=8",  # the longer sequences' logits: peak memory under 8 GiB
     "trainer.max_steps=10",  # within 10 minutes of training on 2 cores (benchmarks/RESULTS.md)
 ]
 
