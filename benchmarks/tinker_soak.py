@@ -68,8 +68,9 @@ class GoodClient:
 
         self.types = types
         self.service = tinker.ServiceClient(base_url=url, api_key=GOOD[1])
-        self.trainer = self.service.create_lora_training_client(base_model=BASE_MODEL, rank=4)
-        self.sampler = self.service.create_sampling_client(base_model=BASE_MODEL)
+        # the SDK's create_* calls return futures: take the clients from them
+        self.trainer = self.service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        self.sampler = self.service.create_sampling_client(base_model=BASE_MODEL).result()
         rows = [[5 + (i * 7 + j * 3) % 40 for j in range(24)] for i in range(4)]
         self.batch = [
             types.Datum(
