@@ -10,6 +10,8 @@ group hooks (``setup_group``/``finish_group``) run around their trajectories.
 Environments may be sync or ``async``: plain ``init``/``step``/``close`` run in `env_workers`
 threads (inline when 0), coroutines are awaited. Each environment gets ``llm`` (the policy's
 engines, or an OpenAI-compatible URL) and a shared ``tool_runner`` before ``init``.
+Each rollout's wall-clock time and its engine and environment seconds go to its trajectory's
+`timing` (`skylift.generator.timing`; SkyRL's ``generate/trajectory_time_*`` figures).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -30,6 +33,7 @@ from skylift.generator.chat import ChatFormat
 from skylift.generator.llm import EngineChatClient
 from skylift.generator.multi_turn import TurnLoop
 from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
+from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
@@ -83,8 +87,15 @@ def join_completions(first: Completion, rest: Completion) -> Completion:
 class Generator:
     """Rolls out prompts on an engine (or a router over several) and scores them."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: Any, settings: GeneratorSettings) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: Any,
+        settings: GeneratorSettings,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.engine = engine
+        self.clock = clock  # times the rollouts
         self.tokenizer = tokenizer
         self.settings = settings
         self.chat = ChatFormat(tokenizer, settings.chat_template_kwargs)
@@ -96,7 +107,7 @@ class Generator:
             if settings.llm_base_url is None
             else OpenAIChatClient(settings.llm_base_url, settings.llm_model, timeout_s=settings.llm_timeout_s)
         )
-        self._turns = TurnLoop(engine, self.chat, settings, self._call_env, self._resubmitted)
+        self._turns = TurnLoop(engine, self.chat, settings, self._call_env, self._resubmitted, clock)
 
     # ------------------------------------------------------------------ public
     async def generate(
@@ -155,6 +166,7 @@ class Generator:
         seeds: Sequence[int] | None,
     ) -> list[Trajectory]:
         n = params.n
+        start = self.clock()  # every rollout of the batch starts here
         envs_per_row = []
         prompts: list[list[int]] = []
         for row, envs in zip(rows, groups, strict=True):
@@ -172,23 +184,31 @@ class Generator:
             envs_per_row.append(envs)
         params = replace(params, max_tokens=min(params.max_tokens, self.settings.max_generate_length))
         if seeds is None:
-            outputs = await self.engine.generate(prompts, params)
+            timer = TrajectoryTimer(self.clock, start)
+            outputs = await timer.timed("llm", self.engine.generate(prompts, params))
+            llm_s = [timer.split["llm"]] * len(prompts)  # one call for the batch
         else:
+            timers = [TrajectoryTimer(self.clock, start) for _ in prompts]
             answers = await asyncio.gather(
                 *(
-                    self.engine.generate([p], replace(params, seed=s))
-                    for p, s in zip(prompts, seeds, strict=True)
+                    timer.timed("llm", self.engine.generate([p], replace(params, seed=s)))
+                    for p, s, timer in zip(prompts, seeds, timers, strict=True)
                 )
             )
             outputs = [answer[0] for answer in answers]
+            llm_s = [timer.split["llm"] for timer in timers]
         scoring = []
-        for row, envs, prompt_ids, output in zip(rows, envs_per_row, prompts, outputs, strict=True):
+        for i, (row, envs, prompt_ids, output) in enumerate(
+            zip(rows, envs_per_row, prompts, outputs, strict=True)
+        ):
             if len(output.completions) != n:
                 raise RuntimeError(
                     f"engine returned {len(output.completions)} samples for {row.uid}, asked {n}"
                 )
             for env, completion in zip(envs, output.completions, strict=True):
-                scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params))
+                timer = TrajectoryTimer(self.clock, start)
+                timer.add("llm", llm_s[i])
+                scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params, timer))
         scored = [[tr] for tr in await asyncio.gather(*scoring)]
         finished = await asyncio.gather(
             *(self._finish_group(envs, scored[i * n : (i + 1) * n]) for i, envs in enumerate(envs_per_row))
@@ -275,11 +295,12 @@ class Generator:
         completion: Completion,
         policy_version: int,
         params: SamplingParams,
+        timer: TrajectoryTimer,
     ) -> Trajectory:
-        completion = await self._resubmitted(prompt_ids, completion, params)
+        completion = await timer.timed("llm", self._resubmitted(prompt_ids, completion, params))
         versions = completion.token_versions if self.settings.engine_versions else None
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        result = await self._call_env(env.step, text)
+        result = await timer.timed("env", self._call_env(env.step, text))
         await self._call_env(env.close)
         reward = float(result.reward)
         loss_mask = [1] * len(completion.token_ids)
@@ -303,6 +324,7 @@ class Generator:
             env_metadata=dict(result.metadata),
             response_text=text,
             metrics={name: float(value) for name, value in (result.metrics or {}).items()},
+            timing=timer.times(),
         )
 
     # ------------------------------------------------------------------ helpers

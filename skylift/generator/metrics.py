@@ -10,8 +10,9 @@ trajectories name theirs), ``environment/<env_class>/reward_mean`` and its episo
 (a SkyRL-Gym env's ``get_metrics``, in ``env_metadata["env_metrics"]``) combined as SkyRL does,
 ``environment/<env_class>/<key>``, e.g. ``environment/gsm8k_multi_turn/avg_steps``; with one
 environment class in the batch also under SkyRL's own name, ``environment/<key>``.
-`skyrl_generate_metrics`: SkyRL's token statistics of a batch (``generate/*``), logged under
-SkyRL's names by training steps and, as ``eval/all/generate/*``, by evaluations.
+`skyrl_generate_metrics`: SkyRL's token statistics of a batch (``generate/*``) and its rollouts'
+wall-clock figures (`trajectory_time_metrics`), logged under SkyRL's names by training steps and, as
+``eval/all/generate/*``, by evaluations.
 """
 
 from __future__ import annotations
@@ -110,7 +111,45 @@ def skyrl_generate_metrics(trajectories: Sequence[Trajectory]) -> dict[str, floa
         metrics["generate/tokens_per_turn_mean"] = statistics.fmean(turns)
         metrics["generate/tokens_per_turn_std"] = statistics.pstdev(turns)
         metrics["generate/tokens_per_turn_max"] = float(max(turns))
+    return {**metrics, **trajectory_time_metrics(trajectories)}
+
+
+def trajectory_time_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """SkyRL's ``generate/trajectory_time_<name>_{mean,p90,max}`` over the batch's rollouts (one per
+    rollout: a step-wise rollout counts by its last step), from their `Trajectory.timing`
+    (`skylift.generator.timing`): ``completion`` (each rollout's wall-clock seconds), its splits
+    ``llm`` (awaiting the engine) and ``env`` (the environment's steps), and ``other`` (completion
+    less the splits: prompt rendering, tokenisation, the environment's ``init``/``close``). As in
+    SkyRL, a figure is left out when a rollout did not record it; p90 interpolates linearly (numpy's
+    default)."""
+    ends = [tr.timing for tr in trajectories if tr.last_step]
+    if not ends:
+        return {}
+    metrics: dict[str, float] = {}
+    completion = [t["completion"] for t in ends] if all("completion" in t for t in ends) else None
+    names = [name for name in ends[0] if name != "completion"]
+    splits = {name: [t[name] for t in ends] for name in names if all(name in t for t in ends)}
+    if completion is not None:
+        metrics.update(_time_stats("completion", completion))
+    for name, times in splits.items():
+        metrics.update(_time_stats(name, times))
+    if completion is not None and splits:
+        other = [total - sum(times[i] for times in splits.values()) for i, total in enumerate(completion)]
+        metrics.update(_time_stats("other", other))
     return metrics
+
+
+def _time_stats(name: str, times: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    at = 0.9 * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    p90 = ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+    return {
+        f"generate/trajectory_time_{name}_mean": statistics.fmean(times),
+        f"generate/trajectory_time_{name}_p90": p90,
+        f"generate/trajectory_time_{name}_max": float(max(times)),
+    }
 
 
 def _spread(name: str, values: Sequence[int]) -> dict[str, float]:

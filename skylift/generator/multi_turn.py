@@ -10,11 +10,13 @@ logprob 0). The prompt and observations are rendered with the environment's tool
 ``generator.chat_template_kwargs``. Each step's reward is kept at the turn's last sampled token
 (`Trajectory.turn_rewards`); the trajectory's reward is their sum. With
 ``generator.step_wise_trajectories`` each turn is its own sample instead, its prompt the
-conversation rendered afresh (`skylift.generator.step_wise`).
+conversation rendered afresh (`skylift.generator.step_wise`). The rollout's wall-clock time, its
+engine and environment seconds, go to its (last) trajectory's `timing` (`skylift.generator.timing`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat
 from skylift.generator.rollout_end import RolloutRecord
 from skylift.generator.settings import GeneratorSettings
+from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
@@ -40,6 +43,7 @@ class TurnLoop:
     settings: GeneratorSettings
     call_env: EnvCall  # awaits env.init/step/close, sync or async
     resubmit: Resubmit  # continues an aborted sample
+    clock: Clock = time.monotonic  # times each rollout
 
     async def run(
         self,
@@ -50,9 +54,27 @@ class TurnLoop:
         policy_version: int,
         seed: int | None,
     ) -> list[Trajectory]:
-        """The rollout's trajectory, or its steps (`generator.step_wise_trajectories`)."""
+        """The rollout's trajectory, or its steps (`generator.step_wise_trajectories`); the last
+        one carries the rollout's `timing`."""
+        timer = TrajectoryTimer(self.clock)
         if isinstance(env, TokenEnvironment):  # token ids in and out (tinker-cookbook's Env)
-            return await run_token_turns(self, row, env, extras, params, policy_version, seed)
+            out = await run_token_turns(self, timer, row, env, extras, params, policy_version, seed)
+        else:
+            out = await self._text_turns(timer, row, env, extras, params, policy_version, seed)
+        if out:
+            out[-1].timing = timer.times()
+        return out
+
+    async def _text_turns(
+        self,
+        timer: TrajectoryTimer,
+        row: Any,
+        env: Any,
+        extras: dict[str, Any],
+        params: SamplingParams,
+        policy_version: int,
+        seed: int | None,
+    ) -> list[Trajectory]:
         s = self.settings
         messages = await self.call_env(env.init, row.prompt, extras)
         tools = env.tool_schemas()
@@ -66,11 +88,13 @@ class TurnLoop:
             turn_params = rollout.turn_params(s, params, context, seed)
             if turn_params is None:
                 break
-            out = await self.engine.generate([context], turn_params, rollout.session_id)
-            completion = await self.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
+            out = await timer.timed("llm", self.engine.generate([context], turn_params, rollout.session_id))
+            completion = await timer.timed(
+                "llm", self.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
+            )
             text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             sampled = rollout.add_turn(s, context, completion, text)
-            result = await self.call_env(env.step, text)
+            result = await timer.timed("env", self.call_env(env.step, text))
             stop_reason = completion.stop_reason
             postprocessed = result.metadata.get("postprocessed_action")
             if isinstance(postprocessed, str) and postprocessed != text:  # the conversation goes on from it

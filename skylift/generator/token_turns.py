@@ -15,6 +15,7 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
 from skylift.generator.rollout_end import RolloutRecord
+from skylift.generator.timing import TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
 
@@ -35,6 +36,7 @@ def _with_stop(params: SamplingParams, stop: Any) -> SamplingParams:
 
 async def run_token_turns(
     loop: Any,
+    timer: TrajectoryTimer,
     row: Any,
     env: TokenEnvironment,
     extras: dict[str, Any],
@@ -43,7 +45,7 @@ async def run_token_turns(
     seed: int | None,
 ) -> list[Trajectory]:
     """One trajectory of `env` (or its steps, `generator.step_wise_trajectories`); `loop` is the
-    generator's `TurnLoop` (engine, settings, env calls)."""
+    generator's `TurnLoop` (engine, settings, env calls), `timer` the rollout's clock."""
     s = loop.settings
     first: TokenPrompt = await loop.call_env(env.init_tokens, row.prompt, extras)
     prompt_ids = [int(t) for t in first.ids]
@@ -59,12 +61,16 @@ async def run_token_turns(
         if turn_params is None:
             break
         turn_params = _with_stop(turn_params, stop)
-        out = await loop.engine.generate([context], turn_params, rollout.session_id)
-        completion = await loop.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
+        out = await timer.timed("llm", loop.engine.generate([context], turn_params, rollout.session_id))
+        completion = await timer.timed(
+            "llm", loop.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
+        )
         text = loop.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         sampled = rollout.add_turn(s, context, completion, text)
         context += sampled
-        result = await loop.call_env(env.step_tokens, sampled, completion.stop_reason, completion.logprobs)
+        result = await timer.timed(
+            "env", loop.call_env(env.step_tokens, sampled, completion.stop_reason, completion.logprobs)
+        )
         rollout.add_answer(result.reward, result.metrics, result.metadata)
         if result.done:
             break

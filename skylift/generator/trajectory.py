@@ -42,6 +42,9 @@ class Trajectory:
     last_step: bool = True
     #: the environment that scored it (the row's ``env_class``, else the default one)
     env_class: str = ""
+    #: the rollout's wall-clock seconds (`skylift.generator.timing`): ``completion``, ``llm`` and
+    #: ``env``; on a step-wise rollout's last step only; empty when not recorded. Not compared
+    timing: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def num_generated_tokens(self) -> int:
