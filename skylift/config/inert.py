@@ -253,7 +253,11 @@ _ENGINE_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "fp8_weight_sync_mode": (None, "FP8 weight sync is Megatron-only in SkyRL"),
     "enable_return_routed_experts": (False, "not implemented: no MoE routing replay"),
     "enable_return_sample_support_set": (False, "not implemented: no sample-support replay"),
-    "delta_weight_sync*": (None, "not implemented yet: weights sync in full over the update group"),
+    "delta_weight_sync*": (
+        None,
+        "read only by weight_sync_backend=delta (SkyRL's checkpoint-delta sync through shared storage), "
+        "which skylift refuses: it sends the full weights over its weight-update group",
+    ),
 }
 for _name, _entry in _ENGINE_WITHOUT_EFFECT.items():
     SKYRL_WITHOUT_EFFECT[f"generator.inference_engine.{_name}"] = _entry

@@ -19,7 +19,7 @@ from skylift.config import ConfigError, load_config
 from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, skyrl_declaration
 from skylift.config.keys import key_table, mapping_leaf_of
 from skylift.config.loading import _canonical
-from skylift.config.skyrl import _COLLECTED, backend_refusal
+from skylift.config.skyrl import _COLLECTED, DELTA_REFUSAL, backend_refusal
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = "skylift has no Megatron backend"
@@ -85,8 +85,8 @@ def _is_training(entry: str) -> bool:
 EXPECTED_REFUSALS = {
     "examples/train/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
     "examples/train/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
-    "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "weight_sync_backend='delta' is not one of",
-    "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "weight_sync_backend='delta' is not one of",
+    "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "weight_sync_backend=delta is refused",
+    "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "weight_sync_backend=delta is refused",
     "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
@@ -186,6 +186,39 @@ def test_strategy_fsdp_is_fsdp2_and_megatron_or_deepspeed_is_refused_with_one_me
         assert str(info.value).startswith(MEGATRON) and "FSDP2" in str(info.value), override
     with pytest.raises(ConfigError, match="skylift has no DeepSpeed backend"):
         load_config(["trainer.strategy=deepspeed"])
+
+
+def test_delta_weight_sync_is_refused_with_one_message_saying_what_to_set(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    delta_keys = [
+        "generator.inference_engine.delta_weight_sync.sync_dir=s3://bucket/run",
+        "generator.inference_engine.delta_weight_sync.max_file_size_in_gb=1",
+    ]
+    for key in ("generator.inference_engine.weight_sync_backend", "generator.weight_sync_backend"):
+        with pytest.raises(ConfigError) as info:
+            load_config(["trainer.not_a_key=1", *delta_keys, f"{key}=delta"])  # before any other check
+        assert str(info.value) == DELTA_REFUSAL
+    for needed in (
+        "XOR patch",
+        "delta_weight_sync.sync_dir",
+        "weight-update group",
+        "generator.inference_engine.weight_sync_backend=nccl",
+    ):
+        assert needed in DELTA_REFUSAL
+    config = tmp_path / "skyrl.yaml"
+    config.write_text("generator:\n  inference_engine:\n    weight_sync_backend: delta\n")
+    with pytest.raises(ConfigError, match="weight_sync_backend=delta is refused"):
+        load_config([], config_file=config)
+    with pytest.raises(ConfigError) as info:  # Megatron's message comes first
+        load_config(["generator.inference_engine.weight_sync_backend=delta", "trainer.strategy=megatron"])
+    assert str(info.value).startswith(MEGATRON)
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):  # without the backend: no effect
+        cfg = load_config([*delta_keys, "generator.inference_engine.weight_sync_backend=nccl"])
+    assert cfg.generator.weight_sync_backend == "nccl"
+    assert (
+        "delta_weight_sync.sync_dir='s3://bucket/run' has no effect in skylift: read only by" in caplog.text
+    )
 
 
 def test_skyrl_only_keys_warn_when_set_and_algorithm_changes_are_refused(
