@@ -5,7 +5,8 @@
 the right sum.
 
 `--task tools`: agentic RL. Products of a two- and a three-digit number, which the model cannot
-work out in its head, with a calculator tool (`skylift.envs.calculator`, `skylift.data.tool_demo`; the prompt shows one solved problem):
+work out in its head, with a calculator tool (`skylift.envs.calculator`, `skylift.data.tool_demo`; the
+prompt shows one solved problem, a small sum by default):
 multi-turn rollouts through the generator's agent loop, tool calls parsed and run by the
 environment, the result back as a `tool` message, then the answer.
 
@@ -85,7 +86,7 @@ DEMO_OVERRIDES = [
 
 # `--task tools`, on top of the above: 3 turns (call the calculator, read its result, answer, or
 # one more call after an error), rollouts of up to 40 new tokens a turn in evaluation too (a call
-# takes ~20, an answer ~6), context up to 320 tokens (136-token prompts with the worked example),
+# takes ~20, an answer ~6), context up to 320 tokens (136-token prompts with the product example),
 # a KV cache for the longer conversations (the figures of these and other settings:
 # benchmarks/RESULTS.md, "Tool-use demo")
 TOOL_TASK_OVERRIDES = [
@@ -100,6 +101,10 @@ TOOL_TASK_OVERRIDES = [
 ]
 
 DEMO_TASKS = ("addition", "tools")
+# the tool prompt's solved problem (`skylift.data.tool_demo.TOOL_DEMO_EXAMPLES`) unless
+# --worked-example says; the base model's start and the run's figures: benchmarks/RESULTS.md
+TOOL_DEMO_WORKED_EXAMPLE = "sum"
+TOOL_DEMO_EXAMPLE_CHOICES = ("product", "sum", "none")
 DEMO_NUM_HELDOUT = 100  # held-out problems of either task
 
 
@@ -205,8 +210,8 @@ class PeakMemory:
         self._thread.join()
 
 
-def write_demo_data(task: str, data_dir: Path, worked_example: bool = False) -> None:
-    """The task's train and held-out prompts (`worked_example`: the tool prompt with a solved problem)."""
+def write_demo_data(task: str, data_dir: Path, worked_example: str | None = None) -> None:
+    """The task's train and held-out prompts (`worked_example`: the tool prompt's solved problem)."""
     if task == "tools":
         from skylift.data.tool_demo import write_tool_demo
 
@@ -223,10 +228,11 @@ def run_demo(
     overrides: Sequence[str] = (),
     verbose: bool = False,
     task: str = "addition",
-    worked_example: bool | None = None,
+    worked_example: str | None = None,
 ) -> int:
-    """`worked_example` (`task` "tools" only; None: True there): the prompt holds one solved problem
-    as conversation turns (without it SmolLM2 drew no tool call in 64 samples: benchmarks/RESULTS.md)."""
+    """`worked_example` (`task` "tools" only; None: `TOOL_DEMO_WORKED_EXAMPLE`): the solved problem
+    the prompt holds as conversation turns, a name of `TOOL_DEMO_EXAMPLES` or "none" (without one
+    SmolLM2 drew no tool call in 64 samples: benchmarks/RESULTS.md)."""
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
@@ -237,9 +243,11 @@ def run_demo(
     from skylift.rl.run import run_trainer
 
     if worked_example is not None and task != "tools":
-        print("skylift demo: --no-worked-example goes with --task tools", file=sys.stderr)
+        print("skylift demo: --worked-example / --no-worked-example go with --task tools", file=sys.stderr)
         return 2
-    worked_example = task == "tools" and worked_example is not False
+    if task == "tools" and worked_example is None:
+        worked_example = TOOL_DEMO_WORKED_EXAMPLE
+    worked_example = None if worked_example == "none" else worked_example
     settings = demo_overrides(task=task)
     try:
         paths = RunPaths.from_config(load_config([*settings, *overrides]))
@@ -367,11 +375,19 @@ def add_demo_arguments(parser: Any) -> None:
         help="addition: two-digit sums; tools: products with a calculator tool (agentic RL, multi-turn)",
     )
     parser.add_argument(
+        "--worked-example",
+        choices=TOOL_DEMO_EXAMPLE_CHOICES,
+        default=None,
+        help=f"--task tools: the solved problem the prompt shows (default {TOOL_DEMO_WORKED_EXAMPLE}): "
+        "sum (2 + 3: a call shown, not for a product; the base model starts near 3%%), "
+        "product (23 * 456: it already calls the tool right on about half the problems)",
+    )
+    parser.add_argument(
         "--no-worked-example",
         dest="worked_example",
-        action="store_false",
-        default=None,
-        help="--task tools: the prompt describes the tool without showing one solved problem",
+        action="store_const",
+        const="none",
+        help="--task tools: the prompt describes the tool without showing a solved problem",
     )
     parser.add_argument(
         "--verbose",

@@ -4,8 +4,10 @@ calculator tool (the ``calculator`` environment, `skylift.envs.calculator`).
 A 135M model cannot multiply 47 by 382 in its head; it can learn to ask the calculator. The prompt
 is a system message that describes the tool and its call format (SmolLM2's chat template has no
 ``tools`` section, so the prompt teaches it), then the question. With ``worked_example`` the prompt
-also holds one solved problem (23 * 456: the call, the tool's answer, ``#### 10488``). The held-out
-and train sets are disjoint sets of (A, B) pairs, neither holding the worked example's pair.
+also holds one solved problem as conversation turns (the call, the tool's answer, ``#### n``): a
+product like the task's ("product": 23 * 456) or a small sum ("sum": 2 + 3, which shows the call
+but not for a product). The held-out and train sets are disjoint sets of (A, B) pairs, neither
+holding the product example's pair.
 """
 
 from __future__ import annotations
@@ -40,24 +42,42 @@ def product_question(a: int, b: int) -> str:
 
 def tool_call_text(a: int, b: int) -> str:
     """The call the policy should make for A * B, in the ``xml`` tool-call format."""
-    return f'<tool name="calculator">{{"expression": "{a} * {b}"}}</tool>'
+    return calculator_call(f"{a} * {b}")
 
 
-def tool_demo_prompt(a: int, b: int, worked_example: bool = False) -> list[dict[str, str]]:
-    """The system message, (optionally) the worked example's four turns, the question."""
+def calculator_call(expression: str) -> str:
+    """A calculator call in the ``xml`` tool-call format."""
+    return f'<tool name="calculator">{{"expression": "{expression}"}}</tool>'
+
+
+#: The solved problems a prompt can show (``worked_example``): name -> (question, expression, result).
+TOOL_DEMO_EXAMPLES: dict[str, tuple[str, str, int]] = {
+    "product": (product_question(*TOOL_DEMO_EXAMPLE_PAIR), "23 * 456", 23 * 456),
+    "sum": ("What is 2 + 3?", "2 + 3", 5),
+}
+
+
+def tool_demo_prompt(a: int, b: int, worked_example: str | None = None) -> list[dict[str, str]]:
+    """The system message, the worked example's four turns (a name of `TOOL_DEMO_EXAMPLES`; None:
+    none), the question."""
     messages = [{"role": "system", "content": TOOL_DEMO_SYSTEM}]
-    if worked_example:
-        ex_a, ex_b = TOOL_DEMO_EXAMPLE_PAIR
+    if worked_example is not None:
+        if worked_example not in TOOL_DEMO_EXAMPLES:
+            known = ", ".join(TOOL_DEMO_EXAMPLES)
+            raise ValueError(f"unknown worked example {worked_example!r}; known: {known}")
+        question, expression, result = TOOL_DEMO_EXAMPLES[worked_example]
         messages += [
-            {"role": "user", "content": product_question(ex_a, ex_b)},
-            {"role": "assistant", "content": tool_call_text(ex_a, ex_b)},
-            {"role": "tool", "content": str(ex_a * ex_b)},
-            {"role": "assistant", "content": f"#### {ex_a * ex_b}"},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": calculator_call(expression)},
+            {"role": "tool", "content": str(result)},
+            {"role": "assistant", "content": f"#### {result}"},
         ]
     return [*messages, {"role": "user", "content": product_question(a, b)}]
 
 
-def tool_demo_row(a: int, b: int, split: str, index: int, worked_example: bool = False) -> dict[str, Any]:
+def tool_demo_row(
+    a: int, b: int, split: str, index: int, worked_example: str | None = None
+) -> dict[str, Any]:
     """The prompt-parquet row of the problem A * B."""
     return make_row(
         data_source=TOOL_DEMO_DATA_SOURCE,
@@ -102,7 +122,7 @@ def write_tool_demo(
     num_train: int = 2000,
     num_val: int = TOOL_DEMO_NUM_HELDOUT,
     seed: int = 0,
-    worked_example: bool = False,
+    worked_example: str | None = None,
 ) -> PreparedDataset:
     """Write the tool demo's ``train.parquet`` and ``validation.parquet`` (the held-out problems)."""
     start = time.perf_counter()

@@ -101,10 +101,25 @@ def test_the_tools_task_adds_a_multi_turn_run_on_top(monkeypatch: pytest.MonkeyP
 def test_the_demo_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     from skylift.demo import run_demo
 
-    assert run_demo([], worked_example=False) == 2  # only with --task tools
-    assert "--no-worked-example goes with --task tools" in capsys.readouterr().err
+    assert run_demo([], worked_example="none") == 2  # only with --task tools
+    assert "--worked-example / --no-worked-example go with --task tools" in capsys.readouterr().err
     from skylift.cli import main
 
     with pytest.raises(SystemExit):
         main(["demo", "--task", "chess"])
     assert "invalid choice: 'chess'" in capsys.readouterr().err
+
+
+def test_the_tool_demo_worked_example_options() -> None:
+    import argparse
+
+    from skylift.demo import TOOL_DEMO_WORKED_EXAMPLE, add_demo_arguments
+
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    assert parser.parse_args(["--task", "tools"]).worked_example is None  # the demo's default
+    assert parser.parse_args(["--worked-example", "sum"]).worked_example == "sum"
+    assert parser.parse_args(["--no-worked-example"]).worked_example == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--worked-example", "division"])
+    assert TOOL_DEMO_WORKED_EXAMPLE in ("product", "sum")

@@ -141,11 +141,22 @@ def test_the_task_splits_are_disjoint_seeded_and_in_range(tmp_path: Path) -> Non
         {"role": "system", "content": TOOL_DEMO_SYSTEM},
         {"role": "user", "content": "What is 47 * 382?"},
     ]
-    shown = tool_demo_prompt(47, 382, worked_example=True)
+    shown = tool_demo_prompt(47, 382, worked_example="product")
     assert [m["role"] for m in shown] == ["system", "user", "assistant", "tool", "assistant", "user"]
     assert shown[3]["content"] == "10488" and shown[4]["content"] == "#### 10488"
+    assert shown[2]["content"] == '<tool name="calculator">{"expression": "23 * 456"}</tool>'
+    small = tool_demo_prompt(47, 382, worked_example="sum")
+    assert [m["content"] for m in small[1:5]] == [
+        "What is 2 + 3?",
+        '<tool name="calculator">{"expression": "2 + 3"}</tool>',
+        "5",
+        "#### 5",
+    ]
+    assert small[-1] == {"role": "user", "content": "What is 47 * 382?"}
+    with pytest.raises(ValueError, match="unknown worked example 'division'; known: product, sum"):
+        tool_demo_prompt(47, 382, worked_example="division")
 
-    prepared = write_tool_demo(tmp_path, num_train=20, num_val=5, worked_example=True)
+    prepared = write_tool_demo(tmp_path, num_train=20, num_val=5, worked_example="product")
     assert prepared.num_rows == {"train": 20, "validation": 5}
     rows = load_prompt_file(prepared.files["validation"])
     assert [r.prompt[3]["role"] for r in rows] == ["tool"] * 5
