@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger("skylift.inference.engine_args")
@@ -78,9 +79,36 @@ def cpu_thread_binding(cpus: list[int], tensor_parallel_size: int) -> str:
     return "|".join(sets)
 
 
-def apply_cpu_env_defaults(tensor_parallel_size: int = 1) -> None:
+def _binding_is_ours() -> bool:
+    """True unless the user set `VLLM_CPU_OMP_THREADS_BIND` (a binding this process or a parent
+    skylift process chose is ours: children inherit the variable, and a TP=2 server started from a
+    process that bound a TP=1 engine must rebind, not obey it)."""
+    current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    return current is None or current in (_auto_binding, os.environ.get(AUTO_BINDING_MARKER))
+
+
+def colocated_cpu_split() -> tuple[list[int], list[int]] | None:
+    """(training cores, engine cores) for a process that trains and samples at the same time (a
+    Tinker server) on a small CPU machine (2 to `SMALL_MACHINE_CPUS` cores, CPU platform, no
+    binding of the user's): the first half of the process's cores for training, the rest for the
+    engine. None elsewhere (a GPU, a large machine, a single core, the user's own binding).
+
+    Sharing every core instead, the engine's compute threads and the training thread's fight over
+    each core while both run, and each goes several times slower (benchmarks/RESULTS.md,
+    tinker_soak.py)."""
+    if not is_cpu_platform() or not _binding_is_ours():
+        return None
+    cpus = _process_cpus()
+    if not 2 <= len(cpus) <= SMALL_MACHINE_CPUS:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
+def apply_cpu_env_defaults(tensor_parallel_size: int = 1, cpus: Sequence[int] | None = None) -> None:
     """Set `CPU_ENV_DEFAULTS` in this process's environment where unset (CPU platform only), and
-    on a small machine bind the engine's `tensor_parallel_size` ranks to the cores (one set each).
+    on a small machine bind the engine's `tensor_parallel_size` ranks to the cores (one set each):
+    `cpus` (None: every core this process may use).
 
     Must run before the engine's processes are spawned; they inherit the environment. Raises
     ValueError when the machine has fewer cores than `tensor_parallel_size` (CPU platform only).
@@ -90,17 +118,14 @@ def apply_cpu_env_defaults(tensor_parallel_size: int = 1) -> None:
         return
     for key, value in CPU_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    cpus = _process_cpus()
+    cpus = list(cpus) if cpus else _process_cpus()
     binding = cpu_thread_binding(cpus, tensor_parallel_size)  # refuses TP > cores on any machine
-    current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    # a binding this process or a parent skylift process chose (children inherit the variable:
-    # a TP=2 server started from a process that bound a TP=1 engine must rebind, not obey it)
-    ours = current is None or current in (_auto_binding, os.environ.get(AUTO_BINDING_MARKER))
-    if 0 < len(cpus) <= SMALL_MACHINE_CPUS and ours:
+    if 0 < len(cpus) <= SMALL_MACHINE_CPUS and _binding_is_ours():
         # vLLM reserves one core for its scheduler process and binds its compute threads to
         # the rest: on 2 cores that costs much of the generation speed (benchmarks/RESULTS.md,
-        # engine generation speed). Training and generation
-        # alternate, so on a small machine the engine gets every core; with tensor parallelism
+        # engine generation speed). In RL training and generation
+        # alternate, so on a small machine the engine gets every core (a Tinker server, which
+        # trains while it samples, gives it `colocated_cpu_split`'s); with tensor parallelism
         # vLLM wants one core list per rank, `|`-separated.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
         os.environ[AUTO_BINDING_MARKER] = binding

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -125,9 +125,11 @@ class LocalVLLMEngine(EngineBase):
         generate_timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         update_timeout_s: float = 600.0,
+        cpus: Sequence[int] | None = None,
         **engine_args: Any,
     ) -> LocalVLLMEngine:
-        """Start an engine for `model` (a local directory or a name vLLM can resolve).
+        """Start an engine for `model` (a local directory or a name vLLM can resolve); on a small
+        CPU machine its compute threads bind to `cpus` (None: every core of this process).
 
         `engine_args` go to `build_engine_args` (max_model_len, seed, dtype, tensor_parallel_size,
         enable_sleep_mode, ..., then vLLM's `AsyncEngineArgs`); our worker extension is always
@@ -136,7 +138,7 @@ class LocalVLLMEngine(EngineBase):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         quiet_teardown(AsyncLLM)
-        apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)))
+        apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)), cpus)
         args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
         try:

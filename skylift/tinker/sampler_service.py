@@ -105,8 +105,14 @@ class SamplingService:
         spawn: Callable[[Awaitable[Any]], None],
         media_roots: Sequence[Path] = (),
         gate: tuple[int, float | None] = (4, 600.0),
+        confine_training: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.store = store
+        # on a small CPU machine the first engine splits the cores: its own, and those the
+        # training thread is confined to through `confine_training` (`colocated_cpu_split`)
+        self.confine_training = confine_training
+        self.engine_cpus: list[int] | None = None
+        self._cores_split = False
         # each engine serves `slots` sample requests at once, the waiting ones round robin by user
         self.gate_slots, self.gate_timeout_s = gate
         self.gates: dict[str, FairGate] = {}
@@ -144,7 +150,8 @@ class SamplingService:
 
             settings = dataclasses.replace(self.engine_settings, max_model_len=info.max_model_len)
             vision = is_vision_language(info.path)
-            host = self.engines[info.path] = EngineHost(info.name, info.path, settings, vision=vision)
+            cpus = self._split_cores()
+            host = self.engines[info.path] = EngineHost(info.name, info.path, settings, vision, cpus)
             if vision:
                 render_host = self.render_hosts.get(info.path)
 
@@ -154,6 +161,25 @@ class SamplingService:
 
                 host.on_started.append(engine_renders)
         return host
+
+    def _split_cores(self) -> list[int] | None:
+        """The engines' cores (None: every core); the first call splits them off the training
+        thread's where `colocated_cpu_split` says so."""
+        if not self._cores_split:
+            self._cores_split = True
+            from skylift.inference.engine_args import colocated_cpu_split
+
+            split = colocated_cpu_split()
+            if split is not None and self.confine_training is not None:
+                training, self.engine_cpus = split
+                self.confine_training(training)
+                logger.info(
+                    "a small CPU machine: training runs on core(s) %s, the inference engines on %s "
+                    "(training and sampling run at once)",
+                    ",".join(map(str, training)),
+                    ",".join(map(str, self.engine_cpus)),
+                )
+        return self.engine_cpus
 
     async def _loader(self, tag: str, info: BaseModelInfo) -> Any:
         """The function that loads `tag`'s weights (a sampler checkpoint's record is read now)."""

@@ -76,12 +76,18 @@ class EngineHost:
     """
 
     def __init__(
-        self, base_model: str, model_path: str, settings: EngineSettings, vision: bool = False
+        self,
+        base_model: str,
+        model_path: str,
+        settings: EngineSettings,
+        vision: bool = False,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.base_model = base_model
         self.model_path = model_path
         self.settings = settings
         self.vision = vision
+        self.cpus = cpus  # the cores the engine's compute threads bind to (None: every core)
         self.on_started: list[Callable[[EngineHost], Awaitable[None]]] = []
         self._renderer: Any = None
         self.start_attempts = 0
@@ -147,6 +153,7 @@ class EngineHost:
                     max_num_seqs=s.max_num_seqs,
                     enable_prefix_caching=True,
                     name=f"tinker-sampler({self.base_model})",
+                    cpus=self.cpus,
                     **extra,
                 )
                 sender = WeightSender()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import secrets
 import shutil
 import uuid
@@ -51,6 +52,15 @@ __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 Prepare = Callable[[str], Awaitable[Work]]
 
 
+def confine_thread(cpus: list[int]) -> None:
+    """Bind the calling thread to `cpus` and size torch's intra-op threads to them."""
+    import torch
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
+    torch.set_num_threads(len(cpus))
+
+
 class TinkerService:
     """All Tinker operations; `start()` inside the serving event loop, `stop()` at shutdown."""
 
@@ -79,6 +89,7 @@ class TinkerService:
             self.spawn,
             media_roots=RequestLimits.from_config(config).media_roots,
             gate=(config.sampling_slots, config.fair_wait_timeout_s),
+            confine_training=self.confine_training,
         )
         self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
         self._hub: FutureHub | None = None
@@ -236,6 +247,11 @@ class TinkerService:
             f"model {model_id} is not loaded (status {row.status}: its session ended or the server "
             "restarted); create a training client from one of its checkpoints"
         )
+
+    def confine_training(self, cpus: list[int]) -> None:
+        """Keep the training thread (and torch's threads it starts) on `cpus` from its next
+        operation on (`SamplingService` calls this when an engine takes the other cores)."""
+        self._executor.submit(confine_thread, cpus)
 
     async def run_training(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` on the one training thread, when the calling user's turn comes (round robin

@@ -132,3 +132,35 @@ def test_a_binding_inherited_from_a_parent_skylift_process_is_rebound(monkeypatc
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own
     ea.apply_cpu_env_defaults(tensor_parallel_size=2)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
+
+
+@pytest.mark.parametrize(
+    ("cores", "split"),
+    [
+        ({0, 1}, ([0], [1])),
+        ({0, 1, 2}, ([0], [1, 2])),
+        ({4, 5, 6, 7}, ([4, 5], [6, 7])),
+        ({0}, None),  # one core: nothing to split
+        (set(range(16)), None),  # a large machine: the engine gets every core anyway
+    ],
+)
+def test_a_process_that_trains_while_it_samples_splits_a_small_machine(
+    monkeypatch: pytest.MonkeyPatch, cores: set[int], split: tuple[list[int], list[int]] | None
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: cores)
+    assert engine_args.colocated_cpu_split() == split
+    if split is not None:  # the engine then binds to its share only
+        engine_args.apply_cpu_env_defaults(1, split[1])
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, split[1]))
+        assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_no_split_with_the_users_binding_or_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: False)
+    assert engine_args.colocated_cpu_split() is None
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1")
+    assert engine_args.colocated_cpu_split() is None
