@@ -3,7 +3,9 @@
 `FairGate` hands out a fixed number of slots (the single training thread: one; a sampling
 engine: a few concurrent requests) round robin across the users waiting for one: a user with
 a thousand requests queued gets the next slot only after every other waiting user got one, so
-one user's flood delays another user's request by at most one request of each other user. A
+one user's flood delays another user's request by at most one request of each other user. With
+`per_user` below `slots` (a sampling engine: one slot less than it has) no user holds every slot,
+so another user's request starts at once instead of waiting for one to end. A
 request that waits longer than the gate's `wait_timeout_s` fails with `BusyError` (HTTP 429 on a
 direct route, a failed future of category "user" on an operation route) naming the wait and the
 setting that changes it.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator
 
 from skylift.tinker.errors import UserError
@@ -31,15 +33,25 @@ class BusyError(QuotaError):
 
 
 class FairGate:
-    """`slots` holders at a time; waiting users served round robin, each user's own requests in
-    the order they came; `wait_timeout_s` (None: no limit) bounds one request's wait."""
+    """`slots` holders at a time, at most `per_user` of them one user's (None: `slots`); waiting
+    users served round robin, each user's own requests in the order they came; `wait_timeout_s`
+    (None: no limit) bounds one request's wait."""
 
-    def __init__(self, slots: int, wait_timeout_s: float | None, what: str, setting: str) -> None:
+    def __init__(
+        self,
+        slots: int,
+        wait_timeout_s: float | None,
+        what: str,
+        setting: str,
+        per_user: int | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"{what}: slots must be >= 1, got {slots}")
         self.slots, self.wait_timeout_s = slots, wait_timeout_s
+        self.per_user = slots if per_user is None else max(1, min(per_user, slots))
         self.what, self.setting = what, setting
         self._busy = 0
+        self._held: Counter[str] = Counter()  # slots each user holds
         self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()  # in turn order
         self.granted: list[str] = []  # users in the order they got a slot (the last 1000)
 
@@ -53,15 +65,16 @@ class FairGate:
     @contextlib.asynccontextmanager
     async def slot(self, user: str | None) -> AsyncIterator[None]:
         """Hold one slot for `user` while the block runs."""
-        await self._acquire(user or "")
+        user = user or ""
+        await self._acquire(user)
         try:
             yield
         finally:
-            self._release()
+            self._release(user)
 
     async def _acquire(self, user: str) -> None:
-        if self._busy < self.slots and not self._waiting:
-            self._grant(user)
+        if self._busy < self.slots and self._held[user] < self.per_user and self._next_user() is None:
+            self._grant(user)  # a free slot, and no one waiting who may take it
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(user, deque()).append(waiter)
@@ -77,13 +90,14 @@ class FairGate:
             ) from None
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self._release()  # granted, but its holder is gone
+                self._release(user)  # granted, but its holder is gone
             else:
                 self._forget(user, waiter)
             raise
 
     def _grant(self, user: str) -> None:
         self._busy += 1
+        self._held[user] += 1
         self.granted.append(user)
         del self.granted[:-1000]
 
@@ -95,12 +109,21 @@ class FairGate:
                 del self._waiting[user]
         waiter.cancel()
 
-    def _release(self) -> None:
+    def _next_user(self) -> str | None:
+        """The first waiting user, in turn order, still under its share of the slots."""
+        return next((u for u in self._waiting if self._held[u] < self.per_user), None)
+
+    def _release(self, user: str) -> None:
         self._busy -= 1
-        while self._busy < self.slots and self._waiting:
-            user, queue = next(iter(self._waiting.items()))
+        self._held[user] -= 1
+        if not self._held[user]:
+            del self._held[user]
+        while self._busy < self.slots:
+            user = self._next_user()
+            if user is None:
+                return
+            queue = self._waiting.pop(user)
             waiter = queue.popleft()
-            del self._waiting[user]
             if queue:  # the user's next request waits behind every other waiting user
                 self._waiting[user] = queue
             self._grant(user)

@@ -138,8 +138,9 @@ class SamplingService:
         """The fair gate in front of `info`'s engine (`skylift.tinker.fairness`)."""
         if info.path not in self.gates:
             what = f"the sampling engine of {info.name}"
+            # one user holds at most all slots but one: another user's request starts at once
             self.gates[info.path] = FairGate(
-                self.gate_slots, self.gate_timeout_s, what, "--fair-wait-timeout-s"
+                self.gate_slots, self.gate_timeout_s, what, "--fair-wait-timeout-s", self.gate_slots - 1
             )
         return self.gates[info.path]
 

@@ -91,6 +91,52 @@ def test_round_robin_across_three_users_with_two_slots() -> None:
     assert sorted(order) == sorted(["a"] * 12 + ["b", "b", "c", "c"])
 
 
+def test_with_a_per_user_share_a_flood_leaves_a_slot_for_another_user() -> None:
+    async def go() -> tuple[list[str], list[str], int]:
+        gate = FairGate(4, None, "the sampling engine", "--fair-wait-timeout-s", per_user=3)
+        started: list[str] = []
+        release = asyncio.Event()
+
+        async def run(user: str) -> None:
+            async with gate.slot(user):
+                started.append(user)
+                await release.wait()
+
+        flood = [asyncio.create_task(run("a")) for _ in range(8)]
+        await settle()
+        alone = list(started)  # the flooding user alone: three at once, one slot left free
+        b = asyncio.create_task(run("b"))
+        await settle()
+        with_b = list(started)  # b starts at once, without waiting for any of a's to end
+        waiting = gate.waiting
+        release.set()
+        await asyncio.gather(*flood, b)
+        return alone, with_b, waiting
+
+    alone, with_b, waiting = asyncio.run(go())
+    assert alone == ["a"] * 3
+    assert with_b == ["a", "a", "a", "b"] and waiting == 5
+
+
+def test_a_per_user_share_still_serves_every_request_in_turn() -> None:
+    async def go() -> list[str]:
+        gate = FairGate(2, None, "the sampling engine", "--fair-wait-timeout-s", per_user=1)
+        order: list[str] = []
+
+        async def run(user: str) -> None:
+            async with gate.slot(user):
+                order.append(user)
+                await asyncio.sleep(0)
+
+        tasks = [asyncio.create_task(run(u)) for u in "aaabb"]
+        await asyncio.gather(*tasks)
+        assert gate.waiting == 0 and not gate._held
+        return order
+
+    order = asyncio.run(go())
+    assert sorted(order) == sorted("aaabb") and order[:2] == ["a", "b"]
+
+
 def test_a_wait_past_the_timeout_is_a_clear_busy_error_and_leaves_the_gate_usable() -> None:
     async def go() -> tuple[str, int]:
         gate = FairGate(1, 0.01, "the training thread", "--fair-wait-timeout-s")
