@@ -175,8 +175,8 @@ class SamplingService:
                 training, self.engine_cpus = split
                 self.confine_training(training)
                 logger.info(
-                    "a small CPU machine: training runs on core(s) %s, the inference engines on %s "
-                    "(training and sampling run at once)",
+                    "a small CPU machine: the server and its training on core(s) %s, the inference "
+                    "engines' compute on %s (training and sampling run at once)",
                     ",".join(map(str, training)),
                     ",".join(map(str, self.engine_cpus)),
                 )

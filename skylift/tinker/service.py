@@ -52,6 +52,18 @@ __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 Prepare = Callable[[str], Awaitable[Work]]
 
 
+def confine_process(cpus: list[int]) -> None:
+    """Bind every thread of this process to `cpus` (threads and processes started later inherit
+    it; an engine's compute threads then bind to their own cores, `colocated_cpu_split`)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 def confine_thread(cpus: list[int]) -> None:
     """Bind the calling thread to `cpus` and size torch's intra-op threads to them."""
     import torch
@@ -249,8 +261,10 @@ class TinkerService:
         )
 
     def confine_training(self, cpus: list[int]) -> None:
-        """Keep the training thread (and torch's threads it starts) on `cpus` from its next
-        operation on (`SamplingService` calls this when an engine takes the other cores)."""
+        """Keep this process (the training thread, the HTTP loop, the database writer, and the
+        engine's scheduler process started next) on `cpus`, torch's threads sized to them from the
+        next operation on: `SamplingService` calls this before an engine takes the other cores."""
+        confine_process(cpus)
         self._executor.submit(confine_thread, cpus)
 
     async def run_training(self, fn: Any, *args: Any) -> Any:

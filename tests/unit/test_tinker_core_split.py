@@ -1,10 +1,11 @@
-"""A Tinker server trains while it samples: on a small CPU machine its first engine takes half
-the cores and the training thread the other half (`colocated_cpu_split`), instead of both
+"""A Tinker server trains while it samples: on a small CPU machine its first engine's compute
+takes half the cores and the server (its training thread among them) the other half (`colocated_cpu_split`), instead of both
 fighting over every core (benchmarks/RESULTS.md, tinker_soak.py)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,33 +14,35 @@ import torch
 from skylift.inference import engine_args
 from skylift.tinker.service import ServerConfig, TinkerService
 
-needs_affinity = pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores"
-)
 
-
-@needs_affinity
-def test_the_first_engine_splits_the_cores_with_the_training_thread(
+def test_the_first_engine_splits_the_cores_with_the_server(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    training, engine = cores[:1], cores[1:]
+    from skylift.tinker import service as service_module
+
+    training, engine = [0], [1]
     monkeypatch.setattr(engine_args, "colocated_cpu_split", lambda: (training, engine))
+    bound: list[tuple[int, list[int]]] = []  # (thread id, cores): no real binding in a test
+    monkeypatch.setattr(service_module.os, "sched_setaffinity", lambda tid, cpus: bound.append((tid, cpus)))
     config = ServerConfig(
         base_models=[str(tiny_model_dir)], db_url=f"sqlite:///{tmp_path / 't.db'}", data_dir=tmp_path / "d"
     )
     service = TinkerService(config)
     threads = torch.get_num_threads()
     try:
-        before = service._executor.submit(os.sched_getaffinity, 0).result(timeout=30)
-        assert sorted(before) == cores  # pure SFT: training may use every core
+        service._executor.submit(lambda: None).result(timeout=30)  # the training thread exists
+        assert bound == []  # pure SFT: training may use every core
         info = next(iter(service.sampling.base_models))
         host = service.sampling.host(info)  # no engine starts here
         assert host.cpus == engine and not host.started
-        after = service._executor.submit(lambda: (os.sched_getaffinity(0), torch.get_num_threads()))
-        assert after.result(timeout=30) == (set(training), len(training))
-        assert service.sampling.host(info) is host  # one split, on the first engine
-        assert sorted(os.sched_getaffinity(0)) == cores  # this thread is left alone
+        train_tid = service._executor.submit(threading.get_native_id).result(timeout=30)
+        tasks = {int(t) for t in os.listdir("/proc/self/task")}
+        process_wide = {tid for tid, cpus in bound if tid != 0 and cpus == training}
+        assert {threading.get_native_id(), train_tid} <= process_wide <= tasks
+        assert (0, training) in bound  # the training thread itself, then torch's threads
+        assert service._executor.submit(torch.get_num_threads).result(timeout=30) == len(training)
+        calls = len(bound)
+        assert service.sampling.host(info) is host and len(bound) == calls  # one split, on the first engine
     finally:
         torch.set_num_threads(threads)
         service._executor.shutdown(wait=True)
