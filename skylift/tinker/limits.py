@@ -4,7 +4,8 @@
 Request bodies are read in chunks and refused (HTTP 413) once past ``--max-request-mb``; zstd
 bodies are decompressed as a stream that stops one byte past the same limit (a frame's declared
 size is never trusted); JSON bodies refuse ``NaN`` / ``Infinity``. Decompression and decoding run
-in a worker thread, never on the event loop.
+in a worker thread, never on the event loop; a large body's decompression past its first 8 MiB at a
+lower priority (`skylift.tinker.bulk`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from skylift.config.services import ServerConfig
+from skylift.tinker.bulk import BULK_AFTER_BYTES, run_bulk
 from skylift.tinker.errors import TooLargeError, UserError
 
 MIB = 1024 * 1024
@@ -77,27 +79,34 @@ async def read_body(request: Request) -> bytes:
     return bytes(buf)
 
 
-def decompress_zstd(raw: bytes, cap: int, where: str, limits: RequestLimits | None = None) -> bytes:
+def _inflate(reader: Any, out: bytearray, upto: int) -> bool:
+    """Read `reader` into `out` until it holds `upto` bytes; True when the stream ended first."""
+    while len(out) < upto:
+        chunk = reader.read(min(_CHUNK, upto - len(out)))
+        if not chunk:
+            return True
+        out += chunk
+    return False
+
+
+async def decompress_zstd(raw: bytes, cap: int, where: str, limits: RequestLimits | None = None) -> bytes:
     """`raw` (one or more zstd frames) decompressed, at most `cap` bytes: the stream is read in
-    chunks and stops at `cap` + 1 (a 413); a bad frame is a 400."""
+    chunks and stops at `cap` + 1 (a 413); a bad frame is a 400. Off the event loop; past
+    `BULK_AFTER_BYTES` on the low-priority threads of `skylift.tinker.bulk`."""
     import zstandard
 
     reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True)
     out = bytearray()
     try:
-        while True:
-            chunk = reader.read(min(_CHUNK, cap + 1 - len(out)))
-            if not chunk:
-                break
-            out += chunk
-            if len(out) > cap:
-                raise (limits or RequestLimits(max_body_bytes=cap)).body_too_large(
-                    where, "the decompressed body"
-                )
+        ended = await asyncio.to_thread(_inflate, reader, out, min(cap + 1, BULK_AFTER_BYTES))
+        if not ended and len(out) <= cap:
+            await run_bulk(_inflate, reader, out, cap + 1)
     except zstandard.ZstdError as exc:
         raise UserError(f"{where}: the body is not valid zstd: {exc}") from exc
     finally:
         reader.close()
+    if len(out) > cap:
+        raise (limits or RequestLimits(max_body_bytes=cap)).body_too_large(where, "the decompressed body")
     return bytes(out)
 
 
@@ -110,7 +119,7 @@ async def read_payload(request: Request) -> bytes:
     if encoding != "zstd":
         raise UserError(f"{request.url.path}: unsupported Content-Encoding {encoding!r}; send zstd or none")
     limits = limits_of(request)
-    return await asyncio.to_thread(decompress_zstd, raw, limits.max_body_bytes, request.url.path, limits)
+    return await decompress_zstd(raw, limits.max_body_bytes, request.url.path, limits)
 
 
 def _no_constant(name: str) -> Any:
