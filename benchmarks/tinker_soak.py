@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -263,6 +263,19 @@ class HostileClient:
             )
 
 
+def _run_hostile(url: str, fifo: Path, victim: str, seconds: float, results: Any) -> None:
+    """The hostile user's process: runs it, then puts its tallies on `results`."""
+    hostile = HostileClient(url, fifo, victim)
+    asyncio.run(hostile.run(seconds))
+    tallies = {
+        "codes": dict(hostile.codes),
+        "flood_done": hostile.flood_done,
+        "failures": hostile.failures,
+        "client_errors": hostile.client_errors,
+    }
+    results.put(tallies)
+
+
 def main() -> int:
     duration = float(os.environ.get("SKYLIFT_SOAK_S", DURATION_S))
     alone_s = float(os.environ.get("SKYLIFT_SOAK_ALONE_S", ALONE_S))
@@ -283,12 +296,18 @@ def main() -> int:
         good = GoodClient(url)
         good.iteration()  # warm-up: builds the model and starts the engine
         alone = good.run(alone_s)
-        hostile = HostileClient(url, fifo, good.trainer.model_id)
-        thread = threading.Thread(target=lambda: asyncio.run(hostile.run(duration)), daemon=True)
+        # the hostile user is a process of its own, as another user's client would be: in a
+        # thread of this process it would take the well-behaved client's GIL, and its
+        # latency would measure this process, not the server
+        spawn = multiprocessing.get_context("spawn")
+        results: Any = spawn.Queue()
+        victim = good.trainer.model_id
+        process = spawn.Process(target=_run_hostile, args=(url, fifo, victim, duration, results), daemon=True)
         began = time.monotonic()
-        thread.start()
+        process.start()
         attacked = good.run(duration)
-        thread.join(timeout=300)
+        tallies = results.get(timeout=300)
+        process.join(timeout=60)
         elapsed = time.monotonic() - began
         healthy = httpx.get(url + "/api/v1/healthz", timeout=30).json() == {"status": "ok"}
         good.iteration()  # still served afterwards
@@ -298,10 +317,10 @@ def main() -> int:
     ratio = (b["total_p99_s"] / a["total_p99_s"]) if a["total_p99_s"] and b["total_p99_s"] else None
     print(f"alone ({alone_s:.0f} s): {a}")
     print(f"beside the hostile client ({elapsed:.0f} s): {b}")
-    print(f"hostile status codes: {dict(hostile.codes)}; heavy requests done: {hostile.flood_done}")
-    for failure in hostile.failures[:10]:
+    print(f"hostile status codes: {tallies['codes']}; heavy requests done: {tallies['flood_done']}")
+    for failure in tallies["failures"][:10]:
         print("hostile failure:", failure)
-    for error in hostile.client_errors[:5]:
+    for error in tallies["client_errors"][:5]:
         print("hostile client error:", error)
     for error in good.errors[:10]:
         print("good client error:", error)
@@ -312,10 +331,10 @@ def main() -> int:
         "alone": a,
         "attacked": b,
         "good_errors": len(good.errors),
-        "hostile_codes": {str(k): v for k, v in sorted(hostile.codes.items())},
-        "hostile_5xx": len(hostile.failures),
-        "hostile_heavy_done": hostile.flood_done,
-        "hostile_client_errors": len(hostile.client_errors),
+        "hostile_codes": {str(k): v for k, v in sorted(tallies["codes"].items())},
+        "hostile_5xx": len(tallies["failures"]),
+        "hostile_heavy_done": tallies["flood_done"],
+        "hostile_client_errors": len(tallies["client_errors"]),
         "healthy_after": healthy,
     }
     print(json.dumps(result))

@@ -14,6 +14,7 @@ show that training never needs an engine).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -169,6 +170,9 @@ class EngineHost:
             self._engine, self._sender, self._tag = engine, sender, "base"
             self.last_error = None
             logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
+            # the engine's client, its tokenizer and vLLM's modules live as long as the server: out of
+            # the garbage collector's full passes, which would otherwise stop every thread for them
+            gc.freeze()
             if self.vision:
                 from skylift.tinker.vision.engine_render import EngineRenderer
 

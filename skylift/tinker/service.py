@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
 import logging
 import os
 import secrets
@@ -128,6 +129,7 @@ class TinkerService:
                 "%d requests were pending when the server last stopped; clients resubmit them", lost
             )
         self._cleanup_task = asyncio.get_running_loop().create_task(self._cleanup_loop())
+        gc.freeze()  # the modules and objects of start-up: out of the collector's full passes
 
     def _sweep_unrecorded_versions(self) -> None:
         """Delete checkpoint versions a crash left behind: directories with a version tag
