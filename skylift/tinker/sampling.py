@@ -113,11 +113,18 @@ class EngineHost:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
-                    target=loop.run_forever, name=f"tinker-engine-{self.base_model}", daemon=True
+                    target=self._run_loop, args=(loop,), name=f"tinker-engine-{self.base_model}", daemon=True
                 )
                 self._thread.start()
                 self._loop = loop
             return self._loop
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The engine's thread: on the engine's cores where it has its own (its scheduler process,
+        started from here, inherits them; the rest of the server keeps the others), then its loop."""
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, list(self.cpus))
+        loop.run_forever()
 
     async def _on_engine_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         loop = self._ensure_loop()
