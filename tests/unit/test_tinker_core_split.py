@@ -4,6 +4,7 @@ fighting over every core (benchmarks/RESULTS.md, tinker_soak.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
@@ -61,3 +62,25 @@ def test_no_split_leaves_engines_every_core(
         assert host.cpus is None
     finally:
         service._executor.shutdown(wait=True)
+
+
+def test_the_engines_thread_binds_itself_to_the_engines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its scheduler process, started from that thread, inherits them."""
+    from skylift.tinker import sampling
+    from skylift.tinker.sampling import EngineHost, EngineSettings
+
+    bound: list[tuple[int, list[int], str]] = []
+
+    def record(tid: int, cpus: list[int]) -> None:
+        bound.append((tid, cpus, threading.current_thread().name))
+
+    monkeypatch.setattr(sampling.os, "sched_setaffinity", record)
+    for cpus, expected in (([1], [(0, [1], "tinker-engine-tiny")]), (None, [])):
+        bound.clear()
+        host = EngineHost("tiny", "/nowhere", EngineSettings(), cpus=cpus)
+        loop = host._ensure_loop()
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        assert host._thread is not None
+        host._thread.join(timeout=30)
+        assert bound == expected
