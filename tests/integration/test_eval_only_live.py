@@ -98,7 +98,8 @@ def _eval_only(keys: dict[str, Any], checkpoint: Path, said: list[str]) -> dict[
 
 
 def _figures(metrics: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items() if k.startswith("eval/")}
+    """The evaluation's figures but its wall-clock times (SkyRL's `generate/trajectory_time_*`)."""
+    return {k: v for k, v in metrics.items() if k.startswith("eval/") and "/trajectory_time_" not in k}
 
 
 def _responses(dump: Path) -> list[tuple[str, str]]:

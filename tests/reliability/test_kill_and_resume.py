@@ -102,7 +102,8 @@ def _fit(overrides: list[str]) -> list[dict]:
 
 def _same_metrics(got: dict, want: dict) -> list[str]:
     """Names of the metrics (timings aside) that differ beyond floating-point noise."""
-    keys = {k for k in want if not k.startswith("timing/") and k != "checkpoint"}
+    wall_clock = ("timing/", "generate/trajectory_time_")
+    keys = {k for k in want if not k.startswith(wall_clock) and k != "checkpoint"}
     assert keys <= set(got), sorted(keys - set(got))
     return [k for k in sorted(keys) if not math.isclose(got[k], want[k], rel_tol=1e-4, abs_tol=1e-6)]
 
