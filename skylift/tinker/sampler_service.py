@@ -105,12 +105,12 @@ class SamplingService:
         spawn: Callable[[Awaitable[Any]], None],
         media_roots: Sequence[Path] = (),
         gate: tuple[int, float | None] = (4, 600.0),
-        confine_training: Callable[[list[int]], None] | None = None,
+        confine_server: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.store = store
-        # on a small CPU machine the first engine splits the cores: its own, and those the
-        # training thread is confined to through `confine_training` (`colocated_cpu_split`)
-        self.confine_training = confine_training
+        # on a small CPU machine the first engine splits the cores (`colocated_cpu_split`): its
+        # own, and those `confine_server` keeps the rest of the server (training included) on
+        self.confine_server = confine_server
         self.engine_cpus: list[int] | None = None
         self._cores_split = False
         # each engine serves `slots` sample requests at once, the waiting ones round robin by user
@@ -171,9 +171,9 @@ class SamplingService:
             from skylift.inference.engine_args import colocated_cpu_split
 
             split = colocated_cpu_split()
-            if split is not None and self.confine_training is not None:
+            if split is not None and self.confine_server is not None:
                 training, self.engine_cpus = split
-                self.confine_training(training)
+                self.confine_server(training)
                 logger.info(
                     "a small CPU machine: the server and its training on core(s) %s, the inference "
                     "engines' compute on %s (training and sampling run at once)",

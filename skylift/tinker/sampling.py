@@ -30,6 +30,7 @@ from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
 from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
+from skylift.utils.affinity import bind_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,8 @@ class EngineHost:
     def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The engine's thread: on the engine's cores where it has its own (its scheduler process,
         started from here, inherits them; the rest of the server keeps the others), then its loop."""
-        if self.cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, list(self.cpus))
+        if self.cpus:
+            bind_this_thread(self.cpus)
         loop.run_forever()
 
     async def _on_engine_loop(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -17,7 +17,6 @@ import asyncio
 import datetime as dt
 import gc
 import logging
-import os
 import secrets
 import shutil
 import uuid
@@ -42,6 +41,7 @@ from skylift.tinker.snapshots import MIB, SnapshotStore
 from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
 from skylift.tinker.views import KIND_SEGMENT
 from skylift.tinker.vision.host import RenderHosts
+from skylift.utils.affinity import bind_this_process, bind_this_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,24 +53,11 @@ __all__ = ["BaseModelInfo", "ServerConfig", "TinkerService"]
 Prepare = Callable[[str], Awaitable[Work]]
 
 
-def confine_process(cpus: list[int]) -> None:
-    """Bind every thread of this process to `cpus` (threads and processes started later inherit
-    it; an engine's compute threads then bind to their own cores, `colocated_cpu_split`)."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
-
-
 def confine_thread(cpus: list[int]) -> None:
     """Bind the calling thread to `cpus` and size torch's intra-op threads to them."""
     import torch
 
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
+    bind_this_thread(cpus)
     torch.set_num_threads(len(cpus))
 
 
@@ -102,7 +89,7 @@ class TinkerService:
             self.spawn,
             media_roots=RequestLimits.from_config(config).media_roots,
             gate=(config.sampling_slots, config.fair_wait_timeout_s),
-            confine_training=self.confine_training,
+            confine_server=self.confine_server,
         )
         self.url_secret = secrets.token_bytes(32)  # signs download URLs (valid while this process runs)
         self._hub: FutureHub | None = None
@@ -262,11 +249,11 @@ class TinkerService:
             "restarted); create a training client from one of its checkpoints"
         )
 
-    def confine_training(self, cpus: list[int]) -> None:
+    def confine_server(self, cpus: list[int]) -> None:
         """Keep this process (the training thread, the HTTP loop, the database writer, and the
         engine's scheduler process started next) on `cpus`, torch's threads sized to them from the
         next operation on: `SamplingService` calls this before an engine takes the other cores."""
-        confine_process(cpus)
+        bind_this_process(cpus)
         self._executor.submit(confine_thread, cpus)
 
     async def run_training(self, fn: Any, *args: Any) -> Any:

@@ -19,12 +19,12 @@ from skylift.tinker.service import ServerConfig, TinkerService
 def test_the_first_engine_splits_the_cores_with_the_server(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skylift.tinker import service as service_module
+    from skylift.utils import affinity
 
     training, engine = [0], [1]
     monkeypatch.setattr(engine_args, "colocated_cpu_split", lambda: (training, engine))
     bound: list[tuple[int, list[int]]] = []  # (thread id, cores): no real binding in a test
-    monkeypatch.setattr(service_module.os, "sched_setaffinity", lambda tid, cpus: bound.append((tid, cpus)))
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda tid, cpus: bound.append((tid, cpus)))
     config = ServerConfig(
         base_models=[str(tiny_model_dir)], db_url=f"sqlite:///{tmp_path / 't.db'}", data_dir=tmp_path / "d"
     )
@@ -66,15 +66,15 @@ def test_no_split_leaves_engines_every_core(
 
 def test_the_engines_thread_binds_itself_to_the_engines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its scheduler process, started from that thread, inherits them."""
-    from skylift.tinker import sampling
     from skylift.tinker.sampling import EngineHost, EngineSettings
+    from skylift.utils import affinity
 
     bound: list[tuple[int, list[int], str]] = []
 
     def record(tid: int, cpus: list[int]) -> None:
         bound.append((tid, cpus, threading.current_thread().name))
 
-    monkeypatch.setattr(sampling.os, "sched_setaffinity", record)
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", record)
     for cpus, expected in (([1], [(0, [1], "tinker-engine-tiny")]), (None, [])):
         bound.clear()
         host = EngineHost("tiny", "/nowhere", EngineSettings(), cpus=cpus)
