@@ -13,6 +13,9 @@ environment class in the batch also under SkyRL's own name, ``environment/<key>`
 `skyrl_generate_metrics`: SkyRL's token statistics of a batch (``generate/*``) and its rollouts'
 wall-clock figures (`trajectory_time_metrics`), logged under SkyRL's names by training steps and, as
 ``eval/all/generate/*``, by evaluations.
+`group_completion_views`: SkyRL's fully async figures of the prompt groups a step consumed
+(``generate/group_completion_time_*``, ``generate/intra_group_completion_time_*``), with kept and
+dropped views when dynamic sampling dropped groups.
 """
 
 from __future__ import annotations
@@ -139,11 +142,71 @@ def trajectory_time_metrics(trajectories: Sequence[Trajectory]) -> dict[str, flo
     return metrics
 
 
+#: the names `group_completion_metrics` gives its figures (with their kept / dropped views)
+GROUP_COMPLETION_PREFIXES = ("generate/group_completion_time_", "generate/intra_group_completion_time_")
+
+#: a prompt group's rollouts with its completion seconds (None: not measured)
+TimedGroup = tuple[Sequence[Trajectory], float | None]
+
+
+def intra_group_completion_spread(group: Sequence[Trajectory]) -> tuple[float | None, float | None]:
+    """SkyRL's `get_intra_group_completion_time_std_cv` of one prompt group: the population standard
+    deviation of its rollouts' completion seconds (`Trajectory.timing`; a step-wise rollout by its
+    last step) and its coefficient of variation (std / mean; None when the mean is not positive).
+    (None, None) when a rollout did not record its time or the group has fewer than two samples;
+    as in SkyRL, a step-wise group's samples are its steps, so one rollout of several steps gives 0."""
+    if len(group) < 2:
+        return None, None
+    ends = [tr.timing.get("completion") for tr in group if tr.last_step]
+    times = [t for t in ends if t is not None]
+    if not times or len(times) < len(ends):
+        return None, None
+    std, mean = statistics.pstdev(times), statistics.fmean(times)
+    return std, (std / mean if mean > 0 else None)
+
+
+def group_completion_metrics(groups: Sequence[TimedGroup]) -> dict[str, float]:
+    """SkyRL's `get_group_completion_metrics` over a step's prompt groups:
+    ``generate/group_completion_time_{mean,p90,max}`` of the groups' completion seconds (those
+    measured) and the means of their `intra_group_completion_spread`,
+    ``generate/intra_group_completion_time_{std,cv}_mean``; each left out when it has no value.
+    p90 interpolates linearly (numpy's default)."""
+    times = [seconds for _, seconds in groups if seconds is not None]
+    spreads = [intra_group_completion_spread(group) for group, _ in groups]
+    stds = [std for std, _ in spreads if std is not None]
+    cvs = [cv for _, cv in spreads if cv is not None]
+    metrics: dict[str, float] = {}
+    if times:
+        metrics["generate/group_completion_time_mean"] = statistics.fmean(times)
+        metrics["generate/group_completion_time_p90"] = _p90(times)
+        metrics["generate/group_completion_time_max"] = float(max(times))
+    if stds:
+        metrics["generate/intra_group_completion_time_std_mean"] = statistics.fmean(stds)
+    if cvs:
+        metrics["generate/intra_group_completion_time_cv_mean"] = statistics.fmean(cvs)
+    return metrics
+
+
+def group_completion_views(kept: Sequence[TimedGroup], dropped: Sequence[TimedGroup]) -> dict[str, float]:
+    """`group_completion_metrics` of a step's groups, trained (`kept`) and dropped by dynamic
+    sampling alike; when it dropped any, also of each part alone, as SkyRL names them:
+    ``generate_kept/...`` and ``generate_dropped/...``."""
+    metrics = group_completion_metrics([*kept, *dropped])
+    if dropped:
+        for view, groups in (("kept", kept), ("dropped", dropped)):
+            figures = group_completion_metrics(groups)
+            metrics.update({f"generate_{view}/{name.split('/', 1)[1]}": v for name, v in figures.items()})
+    return metrics
+
+
+def _p90(values: Sequence[float]) -> float:
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), 0.9))  # linear, as numpy
+
+
 def _time_stats(name: str, times: Sequence[float]) -> dict[str, float]:
-    p90 = torch.quantile(torch.tensor(times, dtype=torch.float64), 0.9)  # linear, as numpy's default
     return {
         f"generate/trajectory_time_{name}_mean": statistics.fmean(times),
-        f"generate/trajectory_time_{name}_p90": float(p90),
+        f"generate/trajectory_time_{name}_p90": _p90(times),
         f"generate/trajectory_time_{name}_max": float(max(times)),
     }
 

@@ -20,6 +20,9 @@ Design:
    dropped ones: the bounded buffer) and enforced when a batch is taken (`take_fresh`): a group
    older than the bound is dropped and its prompt generated again. Every step logs the
    staleness of its batch (`fully_async/*`, `async/staleness_*`); it never exceeds the bound.
+5. Each group records its completion seconds (from its generation's start to its end, on the
+   `clock`), for SkyRL's ``generate/group_completion_time_*`` figures of the step that trains it
+   (`skylift.generator.metrics.group_completion_views`).
 
 Checkpoints save the trainer's state only, not the buffer: a resumed run starts generating at
 the prompt after the last trained batch's position in the data order (`global_step *
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from skylift.generator import Trajectory
+from skylift.generator.timing import Clock
 
 T = TypeVar("T")
 
@@ -92,6 +96,7 @@ class Group:
     row: Any
     step: int  # the data position's step (its seeds), not the step that trains it
     finished_at: float = field(default_factory=time.perf_counter)
+    completion_s: float | None = None  # from its generation's start to its end (None: not measured)
 
     @property
     def version(self) -> int:
@@ -192,8 +197,10 @@ class FullyAsyncRollouts:
         max_staleness: int,
         workers: int,
         timeout_s: float,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.loop = loop
+        self.clock = clock  # times each group's generation
         self.source = source
         self.generate_group = generate_group
         self.engine_version = engine_version
@@ -233,6 +240,7 @@ class FullyAsyncRollouts:
                 await self._wakeup.wait()
                 continue
             row, step = item
+            began = self.clock()
             try:
                 trajectories = await self.generate_group(row, step, self.engine_version())
             except asyncio.CancelledError:
@@ -243,9 +251,10 @@ class FullyAsyncRollouts:
                     self.gate.finish()
                     self._lock.notify_all()
                 return
+            completion_s = self.clock() - began
             with self._lock:
                 self.gate.finish()
-                self._buffer.append(Group(trajectories, row, step))
+                self._buffer.append(Group(trajectories, row, step, completion_s=completion_s))
                 self._lock.notify_all()
 
     def _wake_workers(self) -> None:
@@ -257,10 +266,10 @@ class FullyAsyncRollouts:
         """The engines hold a newer version: more groups may start."""
         self._wake_workers()
 
-    def take(self, policy_version: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """Block until `batch_size` groups within the staleness bound are done; their rollouts
-        (oldest groups first) and the buffer's figures. Too-stale groups are dropped and their
-        prompts generated again."""
+    def take(self, policy_version: int) -> tuple[list[Group], dict[str, float]]:
+        """Block until `batch_size` groups within the staleness bound are done; the groups (oldest
+        first) and the buffer's figures. Too-stale groups are dropped and their prompts generated
+        again."""
         started = time.perf_counter()
         dropped_total = 0
         deadline = started + self.timeout_s
@@ -302,7 +311,7 @@ class FullyAsyncRollouts:
             "fully_async/groups_started": float(self.gate.started),
             **token_version_metrics(trajectories, policy_version),
         }
-        return trajectories, metrics
+        return taken, metrics
 
     def close(self) -> None:
         """Cancel the generation in flight (the engines abort its requests) and stop the workers."""

@@ -148,7 +148,9 @@ def test_workers_fill_a_bounded_buffer_and_batches_stay_within_the_bound(bound: 
     )
     try:
         for step in range(steps):
-            trajectories, metrics = stream.take(step)
+            groups, metrics = stream.take(step)
+            assert all(g.completion_s is not None and g.completion_s >= 0 for g in groups)
+            trajectories = [tr for g in groups for tr in g.trajectories]
             assert len({tr.uid for tr in trajectories}) == batch
             assert all(0 <= step - tr.policy_version <= bound for tr in trajectories)
             assert metrics["fully_async/token_staleness_max"] <= bound

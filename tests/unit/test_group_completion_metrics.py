@@ -1,0 +1,342 @@
+"""SkyRL's fully async group figures (``generate/group_completion_time_*``,
+``generate/intra_group_completion_time_*`` and their ``generate_kept/`` / ``generate_dropped/``
+views): equal to SkyRL's own `get_group_completion_metrics` and
+`get_intra_group_completion_time_std_cv` (compiled from the skyrl 0.4.0 wheel that scripts/setup.sh
+downloads), and logged by fully async steps over fake parts with the seconds of a fake clock."""
+
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rl_fakes import FakeGenerator, FakeRun, fake_run
+from skyrl_clients import _unpacked, wheel_dir
+
+from skylift.generator.metrics import (
+    TimedGroup,
+    group_completion_metrics,
+    group_completion_views,
+    intra_group_completion_spread,
+)
+from skylift.generator.trajectory import Trajectory
+from skylift.rl.sources import DynamicSampling
+
+
+def _skyrl_functions(path: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """Functions (and methods, as plain functions) of a SkyRL module, compiled from its source:
+    importing the module pulls in Ray and cloud storage clients this test does not need."""
+    wheel = wheel_dir() / "skyrl-0.4.0-py3-none-any.whl"
+    if not wheel.is_file():
+        pytest.skip(f"{wheel} missing: run scripts/setup.sh")
+    tree = ast.parse((_unpacked(wheel) / "skyrl" / "train" / path).read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            found.append(node)
+            node.decorator_list = []  # a staticmethod becomes a plain function
+    assert sorted(n.name for n in found) == sorted(names)
+    import typing
+
+    namespace: dict[str, Any] = {"np": np, "GeneratorOutput": dict}
+    namespace.update({name: getattr(typing, name) for name in typing.__all__})
+    exec(compile(ast.Module(body=found, type_ignores=[]), path, "exec"), namespace)  # noqa: S102
+    return {name: namespace[name] for name in names}
+
+
+@pytest.fixture(scope="module")
+def skyrl() -> dict[str, Any]:
+    return {
+        **_skyrl_functions(
+            "utils/trainer_utils.py",
+            ("get_intra_group_completion_time_std_cv", "get_group_completion_metrics"),
+        ),
+        **_skyrl_functions("fully_async_trainer.py", ("_reprefix_metrics",)),
+    }
+
+
+def sample(uid: str, completion: float | None, **fields: Any) -> Trajectory:
+    tr = Trajectory(uid, [1, 2], [3, 4], [1, 1], [0.0, 0.0], 1.0, "stop", **fields)
+    if completion is not None:
+        tr.timing = {"completion": completion, "llm": completion / 2, "env": 0.0}
+    return tr
+
+
+def steps(uid: str, rollout: str, count: int, completion: float) -> list[Trajectory]:
+    """A step-wise rollout of `count` steps; its last one carries the rollout's time."""
+    return [
+        sample(uid, completion if k == count - 1 else None, trajectory_id=rollout, last_step=k == count - 1)
+        for k in range(count)
+    ]
+
+
+GROUPS: list[TimedGroup] = [
+    ([sample("a", 3.0), sample("a", 7.5), sample("a", 1.25), sample("a", 10.0)], 10.5),
+    ([*steps("b", "b0", 2, 4.0), *steps("b", "b1", 1, 6.0)], 6.25),  # step-wise, 2 rollouts
+    ([sample("c", 2.0)], 2.5),  # one sample: no spread
+    (steps("d", "d0", 3, 5.0), 5.5),  # one step-wise rollout: SkyRL counts its 3 steps (spread 0)
+    ([sample("e", 1.0), sample("e", None)], None),  # a rollout without time; the group unmeasured
+    ([sample("f", 0.0), sample("f", 0.0)], 0.0),  # mean 0: a std, no coefficient of variation
+]
+
+
+def skyrl_output(group: Sequence[Trajectory]) -> dict[str, Any]:
+    """The group as SkyRL's generator returns it: every step of a step-wise rollout repeats the
+    rollout's time; no times at all when a rollout did not record one."""
+    step_wise = any(tr.trajectory_id is not None for tr in group)
+    ends = {tr.trajectory_id: tr.timing.get("completion") for tr in group if tr.last_step}
+    times = [ends[tr.trajectory_id] if step_wise else tr.timing.get("completion") for tr in group]
+    return {
+        "response_ids": [tr.response_ids for tr in group],
+        "trajectory_generation_times": None if None in times else times,
+        "is_last_step": [tr.last_step for tr in group] if step_wise else None,
+    }
+
+
+def skyrls_views(skyrl: dict[str, Any], kept: list[TimedGroup], dropped: list[TimedGroup]) -> dict[str, Any]:
+    """What SkyRL's fully async trainer logs of a step's kept and dropped groups (its
+    `convert_generation_group_mini_batch_to_training_input`, step by step)."""
+
+    def inputs(groups: list[TimedGroup]) -> tuple[list[float], list[float], list[float]]:
+        times = [seconds for _, seconds in groups if seconds is not None]
+        spreads = [skyrl["get_intra_group_completion_time_std_cv"](skyrl_output(g)) for g, _ in groups]
+        return times, [s for s, _ in spreads if s is not None], [c for _, c in spreads if c is not None]
+
+    figures, reprefix = skyrl["get_group_completion_metrics"], skyrl["_reprefix_metrics"]
+    kept_in = inputs(kept)
+    if not dropped:
+        return figures(*kept_in)
+    dropped_in = inputs(dropped)
+    merged = [a + b for a, b in zip(kept_in, dropped_in, strict=True)]
+    return {
+        **reprefix(figures(*kept_in), "kept"),
+        **reprefix(figures(*dropped_in), "dropped"),
+        **figures(*merged),
+    }
+
+
+def assert_same(ours: dict[str, float], theirs: dict[str, Any]) -> None:
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert math.isclose(ours[name], float(value), rel_tol=1e-12, abs_tol=1e-15), name
+
+
+@pytest.mark.parametrize("index", range(len(GROUPS)))
+def test_the_intra_group_spread_is_skyrls(skyrl: dict[str, Any], index: int) -> None:
+    group, _ = GROUPS[index]
+    ours = intra_group_completion_spread(group)
+    theirs = skyrl["get_intra_group_completion_time_std_cv"](skyrl_output(group))
+    assert [x is None for x in ours] == [x is None for x in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        if a is not None:
+            assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def test_the_spread_by_hand() -> None:
+    assert intra_group_completion_spread(GROUPS[0][0]) == pytest.approx(
+        (float(np.std([3.0, 7.5, 1.25, 10.0])), float(np.std([3.0, 7.5, 1.25, 10.0])) / 5.4375)
+    )
+    assert intra_group_completion_spread(GROUPS[1][0]) == pytest.approx((1.0, 0.2))  # last steps 4, 6
+    assert intra_group_completion_spread(GROUPS[2][0]) == (None, None)
+    assert intra_group_completion_spread(GROUPS[3][0]) == (0.0, 0.0)
+    assert intra_group_completion_spread(GROUPS[4][0]) == (None, None)
+    assert intra_group_completion_spread(GROUPS[5][0]) == (0.0, None)
+
+
+@pytest.mark.parametrize("chosen", [range(6), [0], [2], [4], [2, 4], [1, 3, 5], []])
+def test_the_group_figures_are_skyrls(skyrl: dict[str, Any], chosen: Sequence[int]) -> None:
+    groups = [GROUPS[i] for i in chosen]
+    assert_same(group_completion_metrics(groups), skyrls_views(skyrl, groups, []))
+
+
+def test_the_group_figures_by_hand() -> None:
+    figures = group_completion_metrics(GROUPS)
+    # measured groups: 10.5, 6.25, 2.5, 5.5, 0.0; p90 between 6.25 and 10.5, 0.6 of the way
+    assert figures["generate/group_completion_time_mean"] == 24.75 / 5
+    assert figures["generate/group_completion_time_max"] == 10.5
+    assert math.isclose(figures["generate/group_completion_time_p90"], 6.25 + 0.6 * 4.25)
+    stds = [float(np.std([3.0, 7.5, 1.25, 10.0])), 1.0, 0.0, 0.0]  # groups a, b, d, f
+    assert math.isclose(figures["generate/intra_group_completion_time_std_mean"], sum(stds) / 4)
+    cvs = [stds[0] / 5.4375, 0.2, 0.0]  # a, b, d
+    assert math.isclose(figures["generate/intra_group_completion_time_cv_mean"], sum(cvs) / 3)
+    assert group_completion_metrics([GROUPS[2]]) == {
+        "generate/group_completion_time_mean": 2.5,
+        "generate/group_completion_time_p90": 2.5,
+        "generate/group_completion_time_max": 2.5,
+    }
+    assert group_completion_metrics([GROUPS[4]]) == {}
+
+
+@pytest.mark.parametrize(
+    ("kept", "dropped"), [([0, 1, 2], [3, 4, 5]), ([0], [4]), ([4, 5], [2]), ([1, 3], [])]
+)
+def test_the_kept_and_dropped_views_are_skyrls(
+    skyrl: dict[str, Any], kept: list[int], dropped: list[int]
+) -> None:
+    kept_groups, dropped_groups = [GROUPS[i] for i in kept], [GROUPS[i] for i in dropped]
+    ours = group_completion_views(kept_groups, dropped_groups)
+    assert_same(ours, skyrls_views(skyrl, kept_groups, dropped_groups))
+    for view, groups in (("kept", kept_groups if dropped else []), ("dropped", dropped_groups)):
+        names = {name.split("/", 1)[1] for name in group_completion_metrics(groups)}
+        assert {name.split("/", 1)[1] for name in ours if name.startswith(f"generate_{view}/")} == names
+
+
+# ---------------------------------------------------------------- logged by fully async steps
+FULLY_ASYNC = (
+    "trainer.fully_async.enabled=true",
+    "trainer.fully_async.max_staleness_steps=1",
+    "trainer.fully_async.num_parallel_generation_workers=6",
+    "trainer.algorithm.use_tis=true",
+    "trainer.algorithm.tis_imp_ratio_cap=2.0",
+)
+OVERHEAD_S = 0.5  # what a group's generation takes beyond its slowest rollout
+
+
+def seconds(prompt: int, sample: int) -> float:
+    """A rollout's completion seconds: prompt i's two samples take i + 1 and i + 4."""
+    return prompt + 1.0 + 3.0 * sample
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ClockedFake(FakeGenerator):
+    """The fake generator's rollouts timed by `seconds`; each call moves the clock by its slowest
+    rollout and `OVERHEAD_S`. Without `delay_s` a call never yields, so the clock moves for one
+    group at a time and a group's measured seconds are exactly its call's."""
+
+    clock: FakeClock = field(default_factory=FakeClock)
+
+    async def generate(
+        self, rows: Any, n: int, params: Any, policy_version: int = 0, seeds: Any = None
+    ) -> Any:
+        out = await super().generate(rows, n, params, policy_version, seeds)
+        for tr in out:
+            prompt, index = tr.response_ids[0] - 10, tr.response_ids[1] - 10
+            tr.timing = {"completion": seconds(prompt, index)}
+        self.clock.now += max(tr.timing["completion"] for tr in out) + OVERHEAD_S
+        return out
+
+
+def expected(measured: list[int], prompts: list[int]) -> dict[str, float]:
+    """The figures of groups `prompts` (two samples each) of which `measured` were timed."""
+    out: dict[str, float] = {}
+    if measured:
+        times = [p + 4.0 + OVERHEAD_S for p in measured]
+        out["group_completion_time_mean"] = float(np.mean(times))
+        out["group_completion_time_p90"] = float(np.percentile(times, 90))
+        out["group_completion_time_max"] = float(np.max(times))
+    if prompts:
+        out["intra_group_completion_time_std_mean"] = 1.5  # samples i + 1 and i + 4
+        out["intra_group_completion_time_cv_mean"] = float(np.mean([1.5 / (p + 2.5) for p in prompts]))
+    return out
+
+
+def assert_logged(step: dict[str, float], view: str, want: dict[str, float]) -> None:
+    got = {
+        k.split("/", 1)[1]: v for k, v in step.items() if k.startswith(f"{view}/") and "group_completion" in k
+    }
+    assert set(got) == set(want), view
+    for name, value in want.items():
+        assert math.isclose(got[name], value, rel_tol=1e-12), f"{view}/{name}"
+
+
+def _fit(run: FakeRun) -> list[dict[str, float]]:
+    try:
+        history = [h for h in run.trainer.fit() if "timing/step_s" in h]
+    finally:
+        run.close()
+    assert [metrics for _, metrics in run.tracker.logged] == [
+        {k: v for k, v in h.items() if k != "step"} for h in history
+    ]
+    return history
+
+
+def test_fully_async_steps_log_their_groups_completion_seconds(tmp_path: Path) -> None:
+    generator = ClockedFake()
+    run = fake_run(tmp_path, *FULLY_ASYNC, generator=generator)
+    run.trainer.source.clock = generator.clock  # type: ignore[attr-defined]
+    history = _fit(run)
+    assert len(history) == 4
+    for step, trained in zip(history, run.policy.trained, strict=True):
+        prompts = sorted({prompt for prompt, _, _ in trained})
+        assert len(prompts) == 4
+        assert_logged(step, "generate", expected(prompts, prompts))
+        assert not any(k.startswith(("generate_kept/", "generate_dropped/")) for k in step)
+
+
+def test_a_sync_step_logs_no_group_figures(tmp_path: Path) -> None:
+    (step,) = _fit(fake_run(tmp_path, "trainer.max_steps=1", generator=ClockedFake()))
+    assert step["generate/trajectory_time_completion_max"] > 0
+    assert not any("group_completion" in k for k in step)
+
+
+def _even_prompts_are_solved(row: int, sample: int, version: int) -> float:
+    return 1.0 if row % 2 == 0 else float(sample % 2)
+
+
+def test_dynamic_sampling_drops_give_the_kept_and_dropped_views(tmp_path: Path) -> None:
+    # the config refuses dynamic sampling with fully async runs (nothing drops their groups yet);
+    # the fully async source is wrapped here by hand as make_source wraps the other sources
+    generator = ClockedFake(reward=_even_prompts_are_solved)
+    run = fake_run(tmp_path, *FULLY_ASYNC, generator=generator)
+    inner: Any = run.trainer.source
+    inner.clock = generator.clock
+    source = DynamicSampling(
+        inner,
+        inner.rows,
+        inner.sampler,
+        mode="filter",
+        batch_size=4,
+        per_round=4,
+        max_rounds=30,
+        min_replace_ratio=0.0,
+        seed=0,
+        say=lambda _: None,
+    )
+    run.trainer.source = source
+    first: list[list[int]] = []  # per step: the prompts of the groups taken from the buffer
+    extra: list[list[int]] = []  # and of the extra rounds' groups
+    take, sample_rows = source.inner.take, source.sampler.run
+
+    def recording_take(step: int, version: int) -> Any:
+        out = take(step, version)
+        first.append(sorted({tr.response_ids[0] - 10 for tr in out.trajectories}))
+        extra.append([])
+        return out
+
+    def recording_run(rows: Any, step: int) -> Any:
+        out = sample_rows(rows, step)
+        extra[-1].extend(sorted({tr.response_ids[0] - 10 for tr in out}))
+        return out
+
+    source.inner.take, source.sampler.run = recording_take, recording_run
+    history = _fit(run)
+    drops = 0
+    for k, step in enumerate(history):
+        trained = {prompt for prompt, _, _ in run.policy.trained[k]}
+        assert all(p % 2 == 1 for p in trained) and len(trained) == 4
+        kept_first = [p for p in first[k] if p in trained]
+        dropped_first = [p for p in first[k] if p not in trained]
+        kept_extra = [p for p in extra[k] if p in trained]
+        dropped_extra = [p for p in extra[k] if p not in trained]
+        everything = first[k] + extra[k]
+        assert_logged(step, "generate", expected(first[k], everything))
+        if dropped_first or dropped_extra:
+            drops += 1
+            assert_logged(step, "generate_kept", expected(kept_first, kept_first + kept_extra))
+            assert_logged(step, "generate_dropped", expected(dropped_first, dropped_first + dropped_extra))
+        else:
+            assert not any(name.startswith(("generate_kept/", "generate_dropped/")) for name in step)
+    assert drops > 0
