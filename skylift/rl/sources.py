@@ -248,7 +248,8 @@ class FullyAsyncSource:
 
 class DynamicSampling:
     """Around any source: the step's batch made of prompt groups whose rewards differ, sampling
-    extra rounds of the step's own draw of prompts when needed (`filter` or `replace`)."""
+    extra rounds of the step's own draw of prompts when needed (`filter` or `replace`). Around a
+    fully async source, SkyRL's group figures cover the groups it dropped too (`_group_views`)."""
 
     def __init__(
         self,
