@@ -13,9 +13,10 @@ environment class in the batch also under SkyRL's own name, ``environment/<key>`
 `skyrl_generate_metrics`: SkyRL's token statistics of a batch (``generate/*``) and its rollouts'
 wall-clock figures (`trajectory_time_metrics`), logged under SkyRL's names by training steps and, as
 ``eval/all/generate/*``, by evaluations.
-`group_completion_views`: SkyRL's fully async figures of the prompt groups a step consumed
-(``generate/group_completion_time_*``, ``generate/intra_group_completion_time_*``), with kept and
-dropped views when dynamic sampling dropped groups.
+`group_completion_metrics`: SkyRL's fully async figures of the prompt groups a step consumed
+(``generate/group_completion_time_*``, ``generate/intra_group_completion_time_*``). SkyRL also
+logs them for the groups its fully async trainer dropped (``generate_kept/``,
+``generate_dropped/``); skylift's fully async runs drop none (dynamic sampling is refused with them).
 """
 
 from __future__ import annotations
@@ -142,9 +143,6 @@ def trajectory_time_metrics(trajectories: Sequence[Trajectory]) -> dict[str, flo
     return metrics
 
 
-#: the names `group_completion_metrics` gives its figures (with their kept / dropped views)
-GROUP_COMPLETION_PREFIXES = ("generate/group_completion_time_", "generate/intra_group_completion_time_")
-
 #: a prompt group's rollouts with its completion seconds (None: not measured)
 TimedGroup = tuple[Sequence[Trajectory], float | None]
 
@@ -184,18 +182,6 @@ def group_completion_metrics(groups: Sequence[TimedGroup]) -> dict[str, float]:
         metrics["generate/intra_group_completion_time_std_mean"] = statistics.fmean(stds)
     if cvs:
         metrics["generate/intra_group_completion_time_cv_mean"] = statistics.fmean(cvs)
-    return metrics
-
-
-def group_completion_views(kept: Sequence[TimedGroup], dropped: Sequence[TimedGroup]) -> dict[str, float]:
-    """`group_completion_metrics` of a step's groups, trained (`kept`) and dropped by dynamic
-    sampling alike; when it dropped any, also of each part alone, as SkyRL names them:
-    ``generate_kept/...`` and ``generate_dropped/...``."""
-    metrics = group_completion_metrics([*kept, *dropped])
-    if dropped:
-        for view, groups in (("kept", kept), ("dropped", dropped)):
-            figures = group_completion_metrics(groups)
-            metrics.update({f"generate_{view}/{name.split('/', 1)[1]}": v for name, v in figures.items()})
     return metrics
 
 

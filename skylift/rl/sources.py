@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from skylift.generator import Trajectory
-from skylift.generator.metrics import GROUP_COMPLETION_PREFIXES, TimedGroup, group_completion_views
+from skylift.generator.metrics import group_completion_metrics
 from skylift.generator.timing import Clock
-from skylift.rl.dynamic_sampling import dynamic_sample, split_groups
+from skylift.rl.dynamic_sampling import dynamic_sample
 from skylift.rl.fully_async import FullyAsyncRollouts, LoopThread, PromptSource
 from skylift.rl.one_step_off import BackgroundRollouts, needs_weight_sync
 from skylift.rl.rows import Sampler, StepRows
@@ -52,8 +52,6 @@ class Rollouts:
 
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
-    #: the prompt groups with their completion seconds (fully async only: None elsewhere)
-    groups: list[TimedGroup] | None = None
 
 
 class RolloutSource(Protocol):
@@ -217,9 +215,8 @@ class FullyAsyncSource:
             self.stream = self._start(step)
         taken, metrics = self.stream.take(policy_version)
         self._wait_s = metrics["fully_async/wait_s"]
-        groups: list[TimedGroup] = [(g.trajectories, g.completion_s) for g in taken]
-        metrics.update(group_completion_views(groups, []))
-        return Rollouts([tr for g in taken for tr in g.trajectories], metrics, groups)
+        metrics.update(group_completion_metrics([(g.trajectories, g.completion_s) for g in taken]))
+        return Rollouts([tr for g in taken for tr in g.trajectories], metrics)
 
     def prefetch(self, step: int) -> None:
         pass  # generation never stops
@@ -248,8 +245,7 @@ class FullyAsyncSource:
 
 class DynamicSampling:
     """Around any source: the step's batch made of prompt groups whose rewards differ, sampling
-    extra rounds of the step's own draw of prompts when needed (`filter` or `replace`). Around a
-    fully async source, SkyRL's group figures cover the groups it dropped too (`_group_views`)."""
+    extra rounds of the step's own draw of prompts when needed (`filter` or `replace`)."""
 
     def __init__(
         self,
@@ -276,13 +272,10 @@ class DynamicSampling:
         first = self.inner.take(step, policy_version)
         tick = time.perf_counter()
         taken = {tr.uid for tr in first.trajectories}
-        extra: list[Trajectory] = []  # the extra rounds' rollouts
 
         def sample_round(round_index: int) -> list[Trajectory]:
             rows = self.rows.draw(step, (round_index - 1) * self.per_round, self.per_round, taken)
-            out = self.sampler.run(rows, step) if rows else []
-            extra.extend(out)
-            return out
+            return self.sampler.run(rows, step) if rows else []
 
         out = dynamic_sample(
             first.trajectories,
@@ -306,9 +299,6 @@ class DynamicSampling:
             "dynamic_sampling/groups_kept": float(out.groups_kept),
             "dynamic_sampling/rounds": float(out.rounds),
         }
-        if first.groups is not None:  # fully async: the group figures again, with the drops
-            metrics = {k: v for k, v in metrics.items() if not k.startswith(GROUP_COMPLETION_PREFIXES)}
-            metrics.update(_group_views(first.groups, extra, out.trajectories))
         return Rollouts(out.trajectories, metrics)
 
     def prefetch(self, step: int) -> None:
@@ -332,17 +322,3 @@ class DynamicSampling:
 
     def close(self) -> None:
         self.inner.close()
-
-
-def _group_views(
-    first: list[TimedGroup], extra: list[Trajectory], batch: list[Trajectory]
-) -> dict[str, float]:
-    """`group_completion_views` of the groups dynamic sampling trained on (a copy of a group in
-    `replace` mode is not generated again, so not counted twice) and of those it dropped. Groups of
-    the extra rounds are generated in one call per round, so their completion seconds are not
-    measured (left out of ``group_completion_time_*``, as SkyRL leaves out unmeasured groups)."""
-    in_batch = {tr.uid for tr in batch}
-    groups = first + [(group, None) for group in split_groups(extra)]
-    kept = [g for g in groups if g[0][0].uid in in_batch]
-    dropped = [g for g in groups if g[0][0].uid not in in_batch]
-    return group_completion_views(kept, dropped)

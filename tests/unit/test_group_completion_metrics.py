@@ -1,6 +1,5 @@
 """SkyRL's fully async group figures (``generate/group_completion_time_*``,
-``generate/intra_group_completion_time_*`` and their ``generate_kept/`` / ``generate_dropped/``
-views): equal to SkyRL's own `get_group_completion_metrics` and
+``generate/intra_group_completion_time_*``): equal to SkyRL's own `get_group_completion_metrics` and
 `get_intra_group_completion_time_std_cv` (compiled from the skyrl 0.4.0 wheel that scripts/setup.sh
 downloads), and logged by fully async steps over fake parts with the seconds of a fake clock."""
 
@@ -21,11 +20,9 @@ from skyrl_clients import _unpacked, wheel_dir
 from skylift.generator.metrics import (
     TimedGroup,
     group_completion_metrics,
-    group_completion_views,
     intra_group_completion_spread,
 )
 from skylift.generator.trajectory import Trajectory
-from skylift.rl.sources import DynamicSampling
 
 
 def _skyrl_functions(path: str, names: tuple[str, ...]) -> dict[str, Any]:
@@ -51,13 +48,9 @@ def _skyrl_functions(path: str, names: tuple[str, ...]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def skyrl() -> dict[str, Any]:
-    return {
-        **_skyrl_functions(
-            "utils/trainer_utils.py",
-            ("get_intra_group_completion_time_std_cv", "get_group_completion_metrics"),
-        ),
-        **_skyrl_functions("fully_async_trainer.py", ("_reprefix_metrics",)),
-    }
+    return _skyrl_functions(
+        "utils/trainer_utils.py", ("get_intra_group_completion_time_std_cv", "get_group_completion_metrics")
+    )
 
 
 def sample(uid: str, completion: float | None, **fields: Any) -> Trajectory:
@@ -98,26 +91,13 @@ def skyrl_output(group: Sequence[Trajectory]) -> dict[str, Any]:
     }
 
 
-def skyrls_views(skyrl: dict[str, Any], kept: list[TimedGroup], dropped: list[TimedGroup]) -> dict[str, Any]:
-    """What SkyRL's fully async trainer logs of a step's kept and dropped groups (its
-    `convert_generation_group_mini_batch_to_training_input`, step by step)."""
-
-    def inputs(groups: list[TimedGroup]) -> tuple[list[float], list[float], list[float]]:
-        times = [seconds for _, seconds in groups if seconds is not None]
-        spreads = [skyrl["get_intra_group_completion_time_std_cv"](skyrl_output(g)) for g, _ in groups]
-        return times, [s for s, _ in spreads if s is not None], [c for _, c in spreads if c is not None]
-
-    figures, reprefix = skyrl["get_group_completion_metrics"], skyrl["_reprefix_metrics"]
-    kept_in = inputs(kept)
-    if not dropped:
-        return figures(*kept_in)
-    dropped_in = inputs(dropped)
-    merged = [a + b for a, b in zip(kept_in, dropped_in, strict=True)]
-    return {
-        **reprefix(figures(*kept_in), "kept"),
-        **reprefix(figures(*dropped_in), "dropped"),
-        **figures(*merged),
-    }
+def skyrls_figures(skyrl: dict[str, Any], groups: list[TimedGroup]) -> dict[str, Any]:
+    """What SkyRL's fully async trainer logs of a step's groups (its
+    `convert_generation_group_mini_batch_to_training_input`, step by step, no group dropped)."""
+    times = [seconds for _, seconds in groups if seconds is not None]
+    spreads = [skyrl["get_intra_group_completion_time_std_cv"](skyrl_output(g)) for g, _ in groups]
+    stds, cvs = [s for s, _ in spreads if s is not None], [c for _, c in spreads if c is not None]
+    return skyrl["get_group_completion_metrics"](times, stds, cvs)
 
 
 def assert_same(ours: dict[str, float], theirs: dict[str, Any]) -> None:
@@ -151,7 +131,7 @@ def test_the_spread_by_hand() -> None:
 @pytest.mark.parametrize("chosen", [range(6), [0], [2], [4], [2, 4], [1, 3, 5], []])
 def test_the_group_figures_are_skyrls(skyrl: dict[str, Any], chosen: Sequence[int]) -> None:
     groups = [GROUPS[i] for i in chosen]
-    assert_same(group_completion_metrics(groups), skyrls_views(skyrl, groups, []))
+    assert_same(group_completion_metrics(groups), skyrls_figures(skyrl, groups))
 
 
 def test_the_group_figures_by_hand() -> None:
@@ -170,20 +150,6 @@ def test_the_group_figures_by_hand() -> None:
         "generate/group_completion_time_max": 2.5,
     }
     assert group_completion_metrics([GROUPS[4]]) == {}
-
-
-@pytest.mark.parametrize(
-    ("kept", "dropped"), [([0, 1, 2], [3, 4, 5]), ([0], [4]), ([4, 5], [2]), ([1, 3], [])]
-)
-def test_the_kept_and_dropped_views_are_skyrls(
-    skyrl: dict[str, Any], kept: list[int], dropped: list[int]
-) -> None:
-    kept_groups, dropped_groups = [GROUPS[i] for i in kept], [GROUPS[i] for i in dropped]
-    ours = group_completion_views(kept_groups, dropped_groups)
-    assert_same(ours, skyrls_views(skyrl, kept_groups, dropped_groups))
-    for view, groups in (("kept", kept_groups if dropped else []), ("dropped", dropped_groups)):
-        names = {name.split("/", 1)[1] for name in group_completion_metrics(groups)}
-        assert {name.split("/", 1)[1] for name in ours if name.startswith(f"generate_{view}/")} == names
 
 
 # ---------------------------------------------------------------- logged by fully async steps
@@ -280,63 +246,3 @@ def test_a_sync_step_logs_no_group_figures(tmp_path: Path) -> None:
     (step,) = _fit(fake_run(tmp_path, "trainer.max_steps=1", generator=ClockedFake()))
     assert step["generate/trajectory_time_completion_max"] > 0
     assert not any("group_completion" in k for k in step)
-
-
-def _even_prompts_are_solved(row: int, sample: int, version: int) -> float:
-    return 1.0 if row % 2 == 0 else float(sample % 2)
-
-
-def test_dynamic_sampling_drops_give_the_kept_and_dropped_views(tmp_path: Path) -> None:
-    # the config refuses dynamic sampling with fully async runs (nothing drops their groups yet);
-    # the fully async source is wrapped here by hand as make_source wraps the other sources
-    generator = ClockedFake(reward=_even_prompts_are_solved)
-    run = fake_run(tmp_path, *FULLY_ASYNC, generator=generator)
-    inner: Any = run.trainer.source
-    inner.clock = generator.clock
-    source = DynamicSampling(
-        inner,
-        inner.rows,
-        inner.sampler,
-        mode="filter",
-        batch_size=4,
-        per_round=4,
-        max_rounds=30,
-        min_replace_ratio=0.0,
-        seed=0,
-        say=lambda _: None,
-    )
-    run.trainer.source = source
-    first: list[list[int]] = []  # per step: the prompts of the groups taken from the buffer
-    extra: list[list[int]] = []  # and of the extra rounds' groups
-    take, sample_rows = source.inner.take, source.sampler.run
-
-    def recording_take(step: int, version: int) -> Any:
-        out = take(step, version)
-        first.append(sorted({tr.response_ids[0] - 10 for tr in out.trajectories}))
-        extra.append([])
-        return out
-
-    def recording_run(rows: Any, step: int) -> Any:
-        out = sample_rows(rows, step)
-        extra[-1].extend(sorted({tr.response_ids[0] - 10 for tr in out}))
-        return out
-
-    source.inner.take, source.sampler.run = recording_take, recording_run
-    history = _fit(run)
-    drops = 0
-    for k, step in enumerate(history):
-        trained = {prompt for prompt, _, _ in run.policy.trained[k]}
-        assert all(p % 2 == 1 for p in trained) and len(trained) == 4
-        kept_first = [p for p in first[k] if p in trained]
-        dropped_first = [p for p in first[k] if p not in trained]
-        kept_extra = [p for p in extra[k] if p in trained]
-        dropped_extra = [p for p in extra[k] if p not in trained]
-        everything = first[k] + extra[k]
-        assert_logged(step, "generate", expected(first[k], everything))
-        if dropped_first or dropped_extra:
-            drops += 1
-            assert_logged(step, "generate_kept", expected(kept_first, kept_first + kept_extra))
-            assert_logged(step, "generate_dropped", expected(dropped_first, dropped_first + dropped_extra))
-        else:
-            assert not any(name.startswith(("generate_kept/", "generate_dropped/")) for name in step)
-    assert drops > 0
