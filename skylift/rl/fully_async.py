@@ -22,7 +22,7 @@ Design:
    staleness of its batch (`fully_async/*`, `async/staleness_*`); it never exceeds the bound.
 5. Each group records its completion seconds (from its generation's start to its end, on the
    `clock`), for SkyRL's ``generate/group_completion_time_*`` figures of the step that trains it
-   (`skylift.generator.metrics.group_completion_views`).
+   (`skylift.generator.metrics.group_completion_metrics`).
 
 Checkpoints save the trainer's state only, not the buffer: a resumed run starts generating at
 the prompt after the last trained batch's position in the data order (`global_step *
