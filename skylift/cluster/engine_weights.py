@@ -1,6 +1,8 @@
 """Which weights the inference engines hold, and pushing new ones, with failover.
 
-`EngineWeights` is the driver's view of the engines' weights. The weight-update group
+`EngineWeights` is the driver's view of the engines' weights. With ``weight_sync_backend=delta``
+there is no group: the policy publishes a version to a shared directory and every live engine
+applies and loads it (`_delta_sync`). The weight-update group
 (`PolicySync`: the policy broadcasts, the driver tells the engines to receive) is built over the
 pool's live engines at start and rebuilt whenever the pool's live set no longer matches the group's
 members (the pool alone decides which engines are alive); a failed broadcast probes the engines
@@ -10,6 +12,7 @@ engines sleep (their memory freed for training).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +21,8 @@ from skylift.cluster.settings import lora_sync_path
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import overrides_update_group
-from skylift.inference.pool import EnginePool
+from skylift.inference.pool import EnginePool, NoHealthyEngineError
+from skylift.weight_sync.protocol import DeltaPublishSpec, DeltaSyncRequest
 
 
 class EngineWeights:
@@ -36,10 +40,19 @@ class EngineWeights:
         self.engines = engines
         self.run, self.say = run, say
         self.dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
+        self.policy = policy
+        d = g.delta_weight_sync
+        #: weight_sync_backend=delta: where the policy publishes (None: a weight-update group)
+        self.delta = (
+            DeltaPublishSpec(d.sync_dir, int(d.max_file_size_in_gb * (1 << 30)), d.publish_num_workers)
+            if g.weight_sync_backend == "delta" and d.sync_dir
+            else None
+        )
+        self.delta_store_dir = d.local_checkpoint_dir  # each engine host's store (None: derived)
         self.link = PolicySync(
             policy,
             lora=cfg.trainer.policy.model.lora.rank > 0,
-            backend=None if g.weight_sync_backend == "auto" else g.weight_sync_backend,
+            backend=None if g.weight_sync_backend in ("auto", "delta") else g.weight_sync_backend,
             timeout_s=g.weight_sync_timeout_s,
             # None: derived on the policy's rank 0 (see RLWorker.host_weight_group)
             master_address=g.weight_sync_master_address,
@@ -58,7 +71,10 @@ class EngineWeights:
         self._broken = False  # a broadcast failed: the group must be rebuilt before the next
 
     def open(self) -> None:
-        """The weight-update group policy rank 0 -> every engine."""
+        """The weight-update group policy rank 0 -> every engine (delta sync: none)."""
+        if self.delta is not None:
+            self.say(f"weight sync: delta versions under {self.delta.sync_dir}")
+            return
         address = self.run(self.link.open(self.engines.engines, self.override_existing))
         self.say(f"weight sync: {len(self.engines.engines)} engine(s) dial {address}")
 
@@ -78,20 +94,46 @@ class EngineWeights:
         if self.asleep:  # colocated on GPU: weights must be resident to be overwritten
             self.run(self.engines.wake_up())
             self.asleep = False
-        if self.pause_mode is None or not self.engines.live_indices:
+        if self.delta is not None:
+            self._delta_sync(policy_version)
+        elif self.pause_mode is None or not self.engines.live_indices:
             self._broadcast()
         else:  # requests in flight: no engine may sample while its weights change
-            self._paused_broadcast(self.pause_mode, policy_version)
+            self._paused(self.pause_mode, policy_version, self._broadcast_and_reset)
         self.version = policy_version
 
-    def _paused_broadcast(self, mode: str, policy_version: int) -> None:
-        """Pause the engines (requests in flight kept or aborted), broadcast, reset the prefix
-        cache (full weights), resume them labelling what they sample from now on with `policy_version`."""
+    def _broadcast_and_reset(self) -> None:
+        self._broadcast()
+        if self.reset_prefix_cache:  # full weights: every cached block is stale
+            self.run(self.engines.reset_prefix_cache())
+
+    def _delta_sync(self, policy_version: int) -> None:
+        """The policy publishes its next delta version; every live engine applies it to its host's
+        store while it still generates, then loads what changed (paused when requests are in
+        flight) and resets its prefix cache. Unavailable engines are taken out by the pool; with
+        none left nothing is loaded (the step still completes, as with a group)."""
+        assert self.delta is not None
+        metrics = self.run(asyncio.to_thread(self.policy.publish_delta, self.delta, self.dtype))
+        request = DeltaSyncRequest(
+            int(metrics["weight_sync/delta_version"]), self.delta.sync_dir, self.delta_store_dir
+        )
+        try:
+            self.run(self.engines.fetch_delta(request))
+            if self.pause_mode is None:
+                self.run(self.engines.load_delta(request))
+            else:
+                self._paused(
+                    self.pause_mode, policy_version, lambda: self.run(self.engines.load_delta(request))
+                )
+        except NoHealthyEngineError as exc:
+            self.say(f"delta version {request.version} published, loaded by no engine: {exc}")
+
+    def _paused(self, mode: str, policy_version: int, update: Callable[[], None]) -> None:
+        """Pause the engines (requests in flight kept or aborted), `update` them, resume them
+        labelling what they sample from now on with `policy_version`."""
         self.run(self.engines.pause_generation(mode))  # type: ignore[arg-type]
         try:
-            self._broadcast()
-            if self.reset_prefix_cache:
-                self.run(self.engines.reset_prefix_cache())
+            update()
         except BaseException:
             try:  # let the engines go on with what they hold; the sync's error is the one raised
                 self.run(self.engines.resume_generation(self.version))
@@ -141,4 +183,6 @@ class EngineWeights:
 
     def close(self) -> None:
         """Destroy the weight-update group (engines first, then the policy's rank 0)."""
+        if self.delta is not None:
+            return
         self.run(self.link.close())

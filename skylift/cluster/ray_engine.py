@@ -25,6 +25,7 @@ from skylift.utils.calls import call_with_timeout
 if TYPE_CHECKING:
     from skylift.inference.local import LocalVLLMEngine
     from skylift.weight_sync.lora import LoraAdapterSpec
+    from skylift.weight_sync.protocol import DeltaSyncRequest
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -91,6 +92,12 @@ class EngineActor:
 
     async def destroy_weights_update_group(self) -> None:
         await self._live("destroy_weights_update_group").destroy_weights_update_group()
+
+    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        return await self._live("fetch_delta").fetch_delta(request)
+
+    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        return await self._live("load_delta").load_delta(request)
 
     async def has_weight_update_group(self) -> bool:
         return await self._live("has_weight_update_group").has_weight_update_group()
@@ -189,6 +196,12 @@ class RayEngineClient(EngineBase):
 
     async def destroy_weights_update_group(self) -> None:
         await self._call(EngineActor.destroy_weights_update_group)
+
+    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        return await self._call(EngineActor.fetch_delta, request)
+
+    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        return await self._call(EngineActor.load_delta, request)
 
     async def has_weight_update_group(self) -> bool:
         return await self._call(EngineActor.has_weight_update_group)

@@ -22,7 +22,7 @@ from skylift.cluster.placement import PlacedGroups
 from skylift.weight_sync.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import str_to_dtype
 from skylift.weight_sync.process_group import WeightSyncError
-from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.protocol import DeltaPublishSpec, WeightBucket
 from skylift.worker.batch import SequenceBatch
 from skylift.worker.training_worker import LossFn, TrainingWorker, WorkerSettings
 
@@ -52,6 +52,7 @@ class RLWorker(TrainingWorker):
         self.broadcaster: WeightBroadcaster | None = None
         self._staged: list[Tensor] = []  # a LoRA adapter's packed buffers, until it is broadcast
         self._peft_config: dict[str, Any] = {}
+        self.delta_publisher: Any = None  # weight_sync_backend=delta: rank 0's DeltaPublisher
 
     def node_ip(self) -> str:
         """The address of this rank's node as the cluster knows it (127.0.0.1 without Ray)."""
@@ -108,6 +109,29 @@ class RLWorker(TrainingWorker):
             weights = _cast_floating(weights, str_to_dtype(dtype))
         sent = broadcaster.broadcast_stream(weights, bucket_bytes=bucket_mb << 20)
         return {"timing/weight_sync_s": time.perf_counter() - started, "weight_sync/bytes": float(sent.bytes)}
+
+    def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None = None) -> dict[str, float]:
+        """Gather the full weights (every rank: a collective) and publish them as the next
+        checkpoint-delta version under `spec.sync_dir` (rank 0; `weight_sync.delta_publish`).
+        Returns rank 0's metrics, among them the version published."""
+        weights = self.iter_full_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return {}
+        if self.delta_publisher is None:
+            from skylift.weight_sync.delta_format import resolve_base_dir
+            from skylift.weight_sync.delta_publish import DeltaPublisher
+
+            self.delta_publisher = DeltaPublisher(
+                spec.sync_dir,
+                resolve_base_dir(self.settings.model_path),
+                max_file_bytes=spec.max_file_bytes,
+                num_workers=spec.num_workers,
+            )
+        if dtype is not None:
+            weights = _cast_floating(weights, str_to_dtype(dtype))
+        return self.delta_publisher.publish(weights).metrics()
 
     def _adapter(self, dtype: str | None) -> list[tuple[str, Tensor]] | None:
         """The LoRA adapter's tensors (cast to `dtype`) on rank 0, None elsewhere (a collective)."""
@@ -346,6 +370,10 @@ class WorkerGroup:
     def broadcast_weights(self, dtype: str | None) -> dict[str, float]:
         """Every rank gathers the full weights, rank 0 broadcasts them (rank 0's metrics)."""
         return self.call_all(RLWorker.broadcast_weights, dtype=dtype)[0]
+
+    def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None) -> dict[str, float]:
+        """Every rank gathers the full weights, rank 0 publishes the next delta version."""
+        return self.call_all(RLWorker.publish_delta, spec, dtype)[0]
 
     def stage_lora_adapter(self, dtype: str | None) -> tuple[WeightBucket, dict[str, Any]]:
         staged = self.call_all(RLWorker.stage_lora_adapter, dtype)[0]

@@ -253,11 +253,6 @@ _ENGINE_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "fp8_weight_sync_mode": (None, "FP8 weight sync is Megatron-only in SkyRL"),
     "enable_return_routed_experts": (False, "not implemented: no MoE routing replay"),
     "enable_return_sample_support_set": (False, "not implemented: no sample-support replay"),
-    "delta_weight_sync*": (
-        None,
-        "read only by weight_sync_backend=delta (SkyRL's checkpoint-delta sync through shared storage), "
-        "which skylift refuses: it sends the full weights over its weight-update group",
-    ),
 }
 for _name, _entry in _ENGINE_WITHOUT_EFFECT.items():
     SKYRL_WITHOUT_EFFECT[f"generator.inference_engine.{_name}"] = _entry
@@ -265,6 +260,20 @@ for _name, _entry in _ENGINE_WITHOUT_EFFECT.items():
         SKYRL_WITHOUT_EFFECT.setdefault(f"generator.{_name}", _entry)  # the seed's flat names
 for _name in ("pipeline_parallel_size", "expert_parallel_size", "data_parallel_size"):
     SKYRL_WITHOUT_EFFECT[f"generator.inference_engine_{_name}"] = _ENGINE_WITHOUT_EFFECT[_name]
+
+_CLOUD_ONLY = "read only by SkyRL's gs:// and s3:// transfers, which skylift does not have yet"
+_RELOAD_ONLY = (
+    "skylift loads the changed tensors into the running engine instead of reloading the whole "
+    "patched checkpoint from disk"
+)
+SKYRL_WITHOUT_EFFECT.update(
+    {
+        "generator.delta_weight_sync.publish_staging_dir": (None, _CLOUD_ONLY),
+        "generator.delta_weight_sync.cloud_download_workers": (4, _CLOUD_ONLY),
+        "generator.delta_weight_sync.checkpoint_load_format": ("vllm_multi_thread_safetensors", _RELOAD_ONLY),
+        "generator.delta_weight_sync.multi_thread_safetensors_max_workers": (8, _RELOAD_ONLY),
+    }
+)
 
 #: SkyRL keys that change what is trained and are not implemented: refused unless at their default.
 SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {

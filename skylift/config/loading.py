@@ -39,6 +39,7 @@ _ENGINE_ALIASES = {
     "enforce_eager": "enforce_eager",
     "gpu_memory_utilization": "gpu_memory_utilization",
     "override_existing_update_group": "override_existing_update_group",
+    "delta_weight_sync": "delta_weight_sync",
 }
 KEY_ALIASES: dict[str, str] = {
     **{f"generator.inference_engine.{old}": f"generator.{new}" for old, new in _ENGINE_ALIASES.items()},

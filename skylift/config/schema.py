@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skylift.config.algorithm import AlgorithmConfig
+from skylift.config.delta_sync import DeltaWeightSyncConfig
 from skylift.config.fields import _f, _group
 from skylift.config.fully_async import FullyAsyncConfig
 from skylift.config.inputs import DataConfig, EnvironmentConfig
@@ -26,7 +27,7 @@ RESUME_MODES = ("none", "latest", "from_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 STRATEGIES = ("fsdp2", "fsdp")
 INFERENCE_BACKENDS = ("vllm",)
-WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "delta")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
 PLACEMENT_BACKENDS = ("auto", "ray", "local")
@@ -393,7 +394,8 @@ class GeneratorConfig:
     )
     weight_sync_backend: str = _f(
         "auto",
-        f"weight broadcast backend: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto = nccl on GPU, gloo on CPU)",
+        f"weight sync: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto = nccl on GPU, gloo on CPU; delta = "
+        "changed tensors through generator.delta_weight_sync.sync_dir)",
         choices=WEIGHT_SYNC_BACKENDS,
     )
     gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use", gt=0, le=1)
@@ -473,6 +475,7 @@ class GeneratorConfig:
     weight_sync_timeout_s: float = _f(
         300.0, "timeout of the weight-update group's rendezvous and of each weight broadcast", gt=0
     )
+    delta_weight_sync: DeltaWeightSyncConfig = _group(DeltaWeightSyncConfig, "weight_sync_backend=delta")
     engine_init_kwargs: dict[str, Any] = _f(
         {}, "extra keyword arguments for each local vLLM engine (vLLM's engine args, e.g. max_model_len)"
     )

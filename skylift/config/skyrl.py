@@ -5,8 +5,7 @@ and the settings that map onto several skylift keys.
 
 - a Megatron key (``*.megatron_config.*``) or ``trainer.strategy=megatron`` / ``deepspeed`` stops the
   load with `backend_refusal` (checked over the whole command line first, so that it is the one
-  message a Megatron command gets); then SkyRL's checkpoint-delta weight sync
-  (``weight_sync_backend=delta``) with `DELTA_REFUSAL`;
+  message a Megatron command gets);
 - a SkyRL key declared without effect (``skylift.config.inert.SKYRL_WITHOUT_EFFECT``) is set aside
   and warned about when its value is not SkyRL's default; one declared not implemented
   (``inert.SKYRL_NOT_IMPLEMENTED``) is refused when set to anything but its default;
@@ -58,31 +57,6 @@ _COLLECTED = {
 }
 
 
-#: the keys that choose the weight-sync transport (SkyRL's current name; the seed's, skylift's own)
-WEIGHT_SYNC_BACKEND_KEYS = ("generator.inference_engine.weight_sync_backend", "generator.weight_sync_backend")
-
-DELTA_REFUSAL = (
-    "weight_sync_backend=delta is refused: skylift has no checkpoint-delta weight sync. In SkyRL it "
-    "makes the trainer publish each policy version as a zstd-compressed XOR patch against the one "
-    "before (starting from the base checkpoint) to shared storage "
-    "(generator.inference_engine.delta_weight_sync.sync_dir: a local path, gs:// or s3://), and each "
-    "inference server fetch the patch, apply it to its local copy of the checkpoint and reload that "
-    "from disk, for servers the trainer cannot reach over NCCL. skylift sends the full weights from "
-    "policy rank 0 to every engine over its weight-update group (a torch process group the engines "
-    "dial: nccl on GPU, gloo on CPU; remote `skylift serve` engines and "
-    "generator.inference_engine.external_server_urls included), so the engines must reach "
-    "generator.weight_sync_master_address. Set generator.inference_engine.weight_sync_backend=nccl "
-    "(or auto) and drop the generator.inference_engine.delta_weight_sync.* keys"
-)
-
-
-def weight_sync_refusal(key: str, value: Any) -> str | None:
-    """`DELTA_REFUSAL` for ``weight_sync_backend=delta`` (either key), else None."""
-    if key in WEIGHT_SYNC_BACKEND_KEYS and str(value).strip().lower() == "delta":
-        return DELTA_REFUSAL
-    return None
-
-
 def backend_refusal(key: str, value: Any = None) -> str | None:
     """The one message for a key of a training backend skylift does not have, or None."""
     parts = key.split(".")
@@ -102,14 +76,11 @@ def backend_refusal(key: str, value: Any = None) -> str | None:
 
 
 def refuse_backends(assignments: Iterable[tuple[str, Any]]) -> None:
-    """Raise the backend refusal for the first Megatron or DeepSpeed assignment, if any; else the
-    refusal of delta weight sync, if asked for."""
-    items = [(key.lstrip("+"), value) for key, value in assignments]
-    for refusal in (backend_refusal, weight_sync_refusal):
-        for key, value in items:
-            message = refusal(key, value)
-            if message is not None:
-                raise ConfigError(message, key=key)
+    """Raise the backend refusal for the first Megatron or DeepSpeed assignment, if any."""
+    for key, value in assignments:
+        message = backend_refusal(key.lstrip("+"), value)
+        if message is not None:
+            raise ConfigError(message, key=key.lstrip("+"))
 
 
 @dataclass
@@ -130,7 +101,7 @@ class SkyRLKeys:
 
     def take(self, key: str, value: Any, source: str) -> bool:
         """Whether ``key=value`` is a SkyRL-only setting handled here (else the schema takes it)."""
-        message = backend_refusal(key, value) or weight_sync_refusal(key, value)
+        message = backend_refusal(key, value)
         if message is not None:
             raise ConfigError(f"{message} (from {source})", key=key)
         if key in _COLLECTED:

@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from skylift.config.algorithm import AlgorithmConfig
+from skylift.config.delta_sync import delta_problems
 from skylift.config.errors import ConfigError
 from skylift.config.schema import PLACEMENT_BACKENDS, SkyliftConfig
 
@@ -311,9 +312,10 @@ def _check_schedule(cfg: SkyliftConfig, problems: list[str]) -> None:
 
 
 def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
+    g = cfg.generator
+    problems += delta_problems(g.weight_sync_backend, g.delta_weight_sync, cfg.trainer.policy.model.lora.rank)
     if cfg.generator.merge_stepwise_output and not cfg.generator.step_wise_trajectories:
         problems.append("generator.merge_stepwise_output=true needs generator.step_wise_trajectories=true")
-    g = cfg.generator
     if g.batched and g.max_turns > 1:
         problems.append(
             "generator.batched=true supports only max_turns=1; set generator.batched=false for multi-turn"

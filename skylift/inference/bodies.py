@@ -181,3 +181,12 @@ class ReceiveLoraAdapterBody(UpdateWeightsBody):
     activate: bool = True
     #: loaded adapters it supersedes: unloaded in the same engine call
     retire: list[Name] = Field(default_factory=list, max_length=MAX_STOPS)
+
+
+class DeltaSyncBody(Body):
+    """POST /skylift/delta/fetch and /skylift/delta/load: a published version of checkpoint-delta
+    sync (`skylift.weight_sync.protocol.DeltaSyncRequest`)."""
+
+    version: int = Field(ge=1, le=10**8 - 1)
+    sync_dir: str = Field(min_length=1, max_length=4096)
+    local_checkpoint_dir: str | None = Field(None, min_length=1, max_length=4096)

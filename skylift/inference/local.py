@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from skylift.inference.delta_engine import EngineDelta
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.lora_adapters import LoraAdapters
@@ -46,6 +47,7 @@ from skylift.weight_sync.protocol import (
     RPC_INIT_GROUP,
     RPC_RECEIVE,
     RPC_RECEIVE_STREAM,
+    DeltaSyncRequest,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,8 +101,10 @@ class LocalVLLMEngine(EngineBase):
         control_timeout_s: float = 120.0,
         update_timeout_s: float = 600.0,
         lora_registry: Any = None,
+        model_path: str | None = None,
     ) -> None:
         self._engine = engine
+        self.model_path = model_path  # the checkpoint it started from (delta sync's base)
         self.name = name
         self._tp = tensor_parallel_size
         self._sleep_mode_enabled = sleep_mode_enabled
@@ -115,6 +119,8 @@ class LocalVLLMEngine(EngineBase):
         self.weight_version = 0
         #: the LoRA adapters it serves (`lora_registry`: vLLM's OpenAIServingModels in the server)
         self.lora = LoraAdapters(self, lora_registry)
+        #: checkpoint-delta weight sync (`skylift.inference.delta_engine`)
+        self.delta = EngineDelta(self)
 
     @classmethod
     async def create(
@@ -153,6 +159,7 @@ class LocalVLLMEngine(EngineBase):
             generate_timeout_s=generate_timeout_s,
             control_timeout_s=control_timeout_s,
             update_timeout_s=update_timeout_s,
+            model_path=model,
         )
 
     def __repr__(self) -> str:
@@ -407,6 +414,14 @@ class LocalVLLMEngine(EngineBase):
                 f"{self.name}: weight-update group destroyed with fused modules never completed, so "
                 f"never loaded: {pending}"
             )
+
+    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        """Delta sync: bring this host's store to `request.version` (no pause needed)."""
+        return await self.delta.fetch(request)
+
+    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        """Delta sync: load the tensors changed up to `request.version`, reset the prefix cache."""
+        return await self.delta.load(request)
 
     # ---- LoRA adapters (skylift.inference.lora_adapters) -------------------------------------
 

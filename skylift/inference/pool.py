@@ -32,6 +32,7 @@ from skylift.inference.types import (
     WeightUpdateGroupSpec,
 )
 from skylift.utils.calls import call_with_timeout, gather_all
+from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger("skylift.inference.pool")
 
@@ -272,6 +273,16 @@ class EnginePool:
 
     async def destroy_weights_update_group(self) -> None:
         await self._every("destroy_weights_update_group", strict=True)
+
+    # ---- checkpoint-delta weight sync: each engine on its own (no group), unavailable ones taken out
+
+    async def fetch_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]:
+        """Every live engine brings its host's store to `request.version`."""
+        return await self._every("fetch_delta", request)
+
+    async def load_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]:
+        """Every live engine loads what changed up to `request.version`."""
+        return await self._every("load_delta", request)
 
     async def close(self) -> None:
         """Close every engine, failed ones included (best effort for those)."""

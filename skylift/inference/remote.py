@@ -30,6 +30,7 @@ from skylift.inference.types import (
     WeightUpdateGroupSpec,
 )
 from skylift.weight_sync.lora import LoraAdapterSpec
+from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger("skylift.inference.remote")
 
@@ -210,6 +211,14 @@ class RemoteInferenceEngine(EngineBase):
         broadcasts); returns the server's receipt."""
         data = await self.request("POST", "/update_weights_stream", "receive_weight_stream")
         return dict(data)
+
+    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        """Delta sync: the server brings its host's store to `request.version` (/skylift/delta/fetch)."""
+        return dict(await self.request("POST", "/skylift/delta/fetch", "fetch_delta", json=request.to_dict()))
+
+    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        """Delta sync: the server loads what changed up to `request.version` (/skylift/delta/load)."""
+        return dict(await self.request("POST", "/skylift/delta/load", "load_delta", json=request.to_dict()))
 
     async def update_weight(self, name: str, dtype: str, shape: Sequence[int]) -> None:
         """Receive one tensor (the seed's /update_weight route)."""

@@ -165,7 +165,7 @@ async def build_skylift_app(
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from skylift.inference import lora_routes
+    from skylift.inference import delta_routes, lora_routes
     from skylift.inference.auth import hash_key
     from skylift.inference.limits import SERVER_GENERATE_TIMEOUT_S
     from skylift.inference.local import LocalVLLMEngine
@@ -187,6 +187,7 @@ async def build_skylift_app(
         update_timeout_s=settings.limits.weight_rpc_timeout_s,
         # adapters in vLLM's own table: its OpenAI routes serve them by name (`model`)
         lora_registry=getattr(app.state, "openai_serving_models", None),
+        model_path=settings.model_path,
     )
     state = SkyliftState(
         engine=engine,
@@ -200,6 +201,7 @@ async def build_skylift_app(
     )
     install_routes(app, state)
     lora_routes.install(app)
+    delta_routes.install(app)
     return app
 
 

@@ -3,7 +3,8 @@
 ``worker_extension_cls="skylift.inference.vllm_worker.WeightSyncWorkerExtension"`` (what
 `skylift.inference.engine_args` and the server set). The receivers themselves live with the rest
 of the weight-sync protocol (`skylift.weight_sync.receiver` for full weights,
-`skylift.weight_sync.lora_receiver` for LoRA adapters); importing this module (vLLM does, in
+`skylift.weight_sync.lora_receiver` for LoRA adapters, `skylift.weight_sync.delta_receiver` for
+checkpoint-delta sync); importing this module (vLLM does, in
 every worker) also installs `skylift.inference.vllm_fixes`.
 """
 
@@ -12,14 +13,15 @@ from __future__ import annotations
 import logging
 
 from skylift.inference import vllm_fixes
+from skylift.weight_sync.delta_receiver import DeltaReceiverExtension
 from skylift.weight_sync.lora_receiver import LoraReceiverExtension
-from skylift.weight_sync.receiver import WeightSyncWorkerExtension as _WeightReceiver
 
 __all__ = ["WeightSyncWorkerExtension"]
 
 
-class WeightSyncWorkerExtension(_WeightReceiver, LoraReceiverExtension):
-    """Full-weight and LoRA-adapter receiving, on one weight-update group per worker."""
+class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension):
+    """Full-weight and LoRA-adapter receiving, on one weight-update group per worker, and loading
+    from a checkpoint-delta store (`weight_sync.delta_receiver`, which extends the full-weight receiver)."""
 
 
 if not vllm_fixes.install():

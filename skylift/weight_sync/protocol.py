@@ -20,6 +20,8 @@ RPC_DESTROY = "skylift_destroy_weight_update_group"
 RPC_HAS_GROUP = "skylift_has_weight_update_group"
 #: Every bucket of one sync in one call, metadata in band (`skylift.weight_sync.stream`).
 RPC_RECEIVE_STREAM = "skylift_receive_weight_stream"
+#: Load tensors of an engine host's delta store (`weight_sync.delta_receiver`).
+RPC_LOAD_DELTA = "skylift_load_delta"
 
 DEFAULT_GROUP_NAME = "skylift_weight_sync"
 
@@ -100,3 +102,27 @@ class WeightSyncTarget(Protocol):
         ...
 
     async def destroy_weights_update_group(self) -> None: ...
+
+
+@dataclass
+class DeltaSyncRequest:
+    """Checkpoint-delta weight sync: bring an engine to published `version` (`weight_sync.delta_apply`).
+
+    `sync_dir`: where the trainer publishes (a directory the engine's host reads);
+    `local_checkpoint_dir`: the host's store (None: one under the temp dir named after `sync_dir`)."""
+
+    version: int
+    sync_dir: str
+    local_checkpoint_dir: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DeltaPublishSpec:
+    """Where and how the policy's rank 0 publishes checkpoint-delta versions (`weight_sync.delta_publish`)."""
+
+    sync_dir: str
+    max_file_bytes: int = 1 << 30
+    num_workers: int | None = None

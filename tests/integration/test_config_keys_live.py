@@ -1,7 +1,7 @@
 """Config keys that changed from accepted-and-ignored to live, checked for their effect on a real
 server (one tiny-model server for the whole file): min_p and repetition_penalty in sampling,
-generator.batched / use_conversation_multi_turn / environment.max_env_workers in rollouts, and the
-adaptive KL controller in a training run."""
+generator.batched / use_conversation_multi_turn / environment.max_env_workers in rollouts, the
+adaptive KL controller and weight_sync_backend=delta in training runs."""
 
 from __future__ import annotations
 
@@ -190,3 +190,60 @@ def test_adaptive_kl_controller_moves_the_reward_penalty(
     assert history[0]["kl_in_reward/kl_coef"] != history[1]["kl_in_reward/kl_coef"]
     saved = ckpt.load_trainer_state(tmp_path / "ckpts" / "global_step_3")
     assert saved.extra["kl_coef"] == pytest.approx(expected)  # a resumed run continues from here
+
+
+def test_delta_weight_sync_leaves_the_server_on_the_trained_weights(
+    data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
+) -> None:
+    """weight_sync_backend=delta in a training run against the shared server: the policy's rank 0
+    publishes under sync_dir, the server applies and loads through /skylift/delta/*; after the run
+    it scores like the trained policy exported to disk."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from skylift.weight_sync.delta_apply import DeltaStore
+    from skylift.weight_sync.delta_format import read_manifest
+
+    url = tiny_server_url.removeprefix("http://")
+    ie = "generator.inference_engine."
+    overrides = {
+        "trainer.policy.model.path": str(tiny_model_dir),
+        "data.train_data": f"['{data / 'train.parquet'}']",
+        "data.val_data": "[]",
+        "environment.env_class": "test_thread_recorder",
+        "data.env_class_key": "no_such_column",
+        "generator.run_engines_locally": False,
+        "generator.remote_inference_engine_urls": f"['{url}']",
+        f"{ie}weight_sync_backend": "delta",
+        f"{ie}delta_weight_sync.sync_dir": str(tmp_path / "sync"),
+        f"{ie}delta_weight_sync.local_checkpoint_dir": str(tmp_path / "store"),
+        "trainer.train_batch_size": 2,
+        "trainer.policy_mini_batch_size": 2,
+        "generator.n_samples_per_prompt": 2,
+        "generator.max_generate_length": 8,
+        "trainer.max_prompt_length": 128,
+        "trainer.max_steps": 2,
+        "trainer.eval_before_train": False,
+        "trainer.eval_interval": -1,
+        "trainer.ckpt_interval": -1,
+        "trainer.policy.optimizer_config.lr": 1e-2,
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+    }
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    try:
+        trainer.setup()
+        trainer.fit()
+        exported = trainer.parts.policy.export_hf(str(tmp_path / "trained"))
+    finally:
+        trainer.shutdown()
+    state = DeltaStore(tmp_path / "store", tiny_model_dir).state()
+    assert state.version >= 2 and read_manifest(tmp_path / "sync", state.version).tensors  # trained: changed
+    sequences = [[5, 17, 230, 999, 42, 8, 77, 301], [900, 3, 3, 64, 512, 1000, 12]]
+    served = asyncio.run(RemoteInferenceEngine(tiny_server_url).prompt_logprobs(sequences))
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    for tokens, got in zip(sequences, served, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+        want = [logp[i - 1, t].item() for i, t in enumerate(tokens) if i > 0]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4

@@ -19,7 +19,7 @@ from skylift.config import ConfigError, load_config
 from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, skyrl_declaration
 from skylift.config.keys import key_table, mapping_leaf_of
 from skylift.config.loading import _canonical
-from skylift.config.skyrl import _COLLECTED, DELTA_REFUSAL, backend_refusal
+from skylift.config.skyrl import _COLLECTED, backend_refusal
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = "skylift has no Megatron backend"
@@ -79,14 +79,15 @@ def _is_training(entry: str) -> bool:
 
 
 # Non-Megatron training commands skylift refuses, each with the words of its refusal. Built into
-# SkyRL's main_base: delta weight sync, a key SkyRL's own schema lacks, an unset shell variable. Example
+# SkyRL's main_base: delta weight sync to an empty sync_dir, a key SkyRL's own schema lacks, an unset shell variable. Example
 # entry points with their own Python code (custom losses, estimators, generators: not main_base)
 # register names and keys skylift cannot know.
 EXPECTED_REFUSALS = {
     "examples/train/algorithms/custom_advantage_estimator/run_custom_adv_est.sh:1": "'simple_baseline' is not one of",
     "examples/train/algorithms/custom_policy_loss/run_custom_policy_loss.sh:1": "'reinforce' is not one of",
-    "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "weight_sync_backend=delta is refused",
-    "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "weight_sync_backend=delta is refused",
+    # SYNC_DIR is a gs:// or s3:// URI the script requires; unset here, so empty
+    "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "delta_weight_sync.sync_dir is required",
+    "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "delta_weight_sync.sync_dir is required",
     "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
     "examples/train/on_policy_distillation/run_on_policy_distill_math_qwen3_1.7b.sh:1": "advantage_estimator='no_op'",
@@ -188,37 +189,64 @@ def test_strategy_fsdp_is_fsdp2_and_megatron_or_deepspeed_is_refused_with_one_me
         load_config(["trainer.strategy=deepspeed"])
 
 
-def test_delta_weight_sync_is_refused_with_one_message_saying_what_to_set(
+def test_delta_weight_sync_is_accepted_with_a_local_sync_dir_and_its_keys_take_effect(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    delta_keys = [
-        "generator.inference_engine.delta_weight_sync.sync_dir=s3://bucket/run",
-        "generator.inference_engine.delta_weight_sync.max_file_size_in_gb=1",
-    ]
-    for key in ("generator.inference_engine.weight_sync_backend", "generator.weight_sync_backend"):
-        with pytest.raises(ConfigError) as info:
-            load_config(["trainer.not_a_key=1", *delta_keys, f"{key}=delta"])  # before any other check
-        assert str(info.value) == DELTA_REFUSAL
-    for needed in (
-        "XOR patch",
-        "delta_weight_sync.sync_dir",
-        "weight-update group",
-        "generator.inference_engine.weight_sync_backend=nccl",
-    ):
-        assert needed in DELTA_REFUSAL
-    config = tmp_path / "skyrl.yaml"
-    config.write_text("generator:\n  inference_engine:\n    weight_sync_backend: delta\n")
-    with pytest.raises(ConfigError, match="weight_sync_backend=delta is refused"):
-        load_config([], config_file=config)
-    with pytest.raises(ConfigError) as info:  # Megatron's message comes first
-        load_config(["generator.inference_engine.weight_sync_backend=delta", "trainer.strategy=megatron"])
-    assert str(info.value).startswith(MEGATRON)
-    with caplog.at_level(logging.WARNING, logger="skylift.config"):  # without the backend: no effect
-        cfg = load_config([*delta_keys, "generator.inference_engine.weight_sync_backend=nccl"])
-    assert cfg.generator.weight_sync_backend == "nccl"
-    assert (
-        "delta_weight_sync.sync_dir='s3://bucket/run' has no effect in skylift: read only by" in caplog.text
+    ie = "generator.inference_engine."
+    cfg = load_config(
+        [
+            f"{ie}weight_sync_backend=delta",
+            f"{ie}delta_weight_sync.sync_dir={tmp_path}/sync",
+            f"{ie}delta_weight_sync.local_checkpoint_dir={tmp_path}/store",
+            f"{ie}delta_weight_sync.max_file_size_in_gb=0.5",
+            f"{ie}delta_weight_sync.publish_num_workers=3",
+        ]
     )
+    d = cfg.generator.delta_weight_sync
+    assert cfg.generator.weight_sync_backend == "delta"
+    assert (d.sync_dir, d.local_checkpoint_dir) == (f"{tmp_path}/sync", f"{tmp_path}/store")
+    assert (d.max_file_size_in_gb, d.publish_num_workers) == (0.5, 3)
+    config = tmp_path / "skyrl.yaml"
+    config.write_text(
+        f"generator:\n  inference_engine:\n    weight_sync_backend: delta\n"
+        f"    delta_weight_sync:\n      sync_dir: {tmp_path}/sync\n      cloud_download_workers: 16\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):
+        cfg = load_config([], config_file=config)
+    assert cfg.generator.delta_weight_sync.sync_dir == f"{tmp_path}/sync"
+    # SkyRL's cloud-only key is accepted without effect, with its reason
+    assert any(
+        "delta_weight_sync.cloud_download_workers=16 has no effect" in r.message and "gs://" in r.message
+        for r in caplog.records
+    )
+
+
+def test_delta_weight_sync_refuses_what_it_cannot_do_with_one_clear_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ie = "generator.inference_engine."
+    cases = {
+        "": "delta_weight_sync.sync_dir is required with weight_sync_backend=delta",
+        "gs://bucket/run": "gs:// and s3:// sync dirs are not supported by skylift yet",
+        "s3://bucket/run": "gs:// and s3:// sync dirs are not supported by skylift yet",
+    }
+    for sync_dir, words in cases.items():
+        with pytest.raises(ConfigError, match=words):
+            load_config([f"{ie}weight_sync_backend=delta", f"{ie}delta_weight_sync.sync_dir={sync_dir}"])
+    with pytest.raises(ConfigError, match="weight_sync_backend=delta does not support LoRA"):
+        load_config(
+            [
+                f"{ie}weight_sync_backend=delta",
+                f"{ie}delta_weight_sync.sync_dir=/shared/sync",
+                "trainer.policy.model.lora.rank=8",
+            ]
+        )
+    with pytest.raises(ConfigError) as info:  # Megatron's message comes first
+        load_config([f"{ie}weight_sync_backend=delta", "trainer.strategy=megatron"])
+    assert str(info.value).startswith(MEGATRON)
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):  # delta keys without delta
+        load_config([f"{ie}delta_weight_sync.sync_dir=/shared/sync"])
+    assert any("delta_weight_sync.sync_dir has no effect" in r.message for r in caplog.records)
 
 
 def test_skyrl_only_keys_warn_when_set_and_algorithm_changes_are_refused(

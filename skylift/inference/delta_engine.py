@@ -1,0 +1,128 @@
+"""`EngineDelta`: a local engine's side of checkpoint-delta weight sync (``weight_sync_backend=delta``).
+
+`fetch` brings the host's store (`weight_sync.delta_apply.DeltaStore`) to a published version,
+replaying any it missed; it reads files only and can run while the engine generates. `load` (after
+a `fetch` of its own, a no-op when done) has every vLLM worker load the tensors that changed since
+the version this engine holds (`weight_sync.delta_receiver`), under the engine's weight lock, then
+resets the prefix cache. An engine that holds weights the store cannot account for (another run's,
+or ones received over a weight-update group) loads every tensor. Bad requests are
+`EngineRequestError`s (a version never published: `EngineNotFoundError`) and change nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineStateError
+from skylift.weight_sync.delta_apply import DeltaStore
+from skylift.weight_sync.delta_format import (
+    CorruptPayloadError,
+    DeltaError,
+    DeltaVersionNotFound,
+    default_store_dir,
+    resolve_base_dir,
+)
+from skylift.weight_sync.protocol import RPC_LOAD_DELTA, DeltaSyncRequest
+
+
+def _is_cloud(path: str) -> bool:
+    return path.strip().lower().startswith(("gs://", "s3://"))
+
+
+class EngineDelta:
+    """The delta-sync state of one `LocalVLLMEngine`: the (run, version) its weights are."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # the LocalVLLMEngine: its name, model_path, weight lock, `_rpc`
+        self.loaded: tuple[str, int] = ("", 0)  # ("", 0): the base checkpoint it started from
+        self._group_syncs = 0  # the engine's weight_version (buckets received) at the last load
+        self._base: Path | None | bool = False  # False: not resolved yet
+
+    def _base_dir(self) -> Path | None:
+        if self._base is False:
+            self._base = resolve_base_dir(self.engine.model_path)
+        return self._base  # type: ignore[return-value]
+
+    def _store(self, request: DeltaSyncRequest, operation: str) -> DeltaStore:
+        """The host's store for `request`, after checking what only this host can check."""
+        name = f"{self.engine.name}: {operation}"
+        if isinstance(request.version, bool) or not isinstance(request.version, int) or request.version < 1:
+            raise EngineRequestError(f"{name}: version must be an integer >= 1, got {request.version!r}")
+        if not request.sync_dir:
+            raise EngineRequestError(f"{name}: sync_dir is missing")
+        if _is_cloud(request.sync_dir):
+            raise EngineRequestError(
+                f"{name}: sync_dir={request.sync_dir!r}: gs:// and s3:// are not supported yet"
+            )
+        if not Path(request.sync_dir).is_dir():
+            raise EngineRequestError(
+                f"{name}: sync_dir {request.sync_dir!r} is not a directory on this engine's host"
+            )
+        directory = request.local_checkpoint_dir or default_store_dir(request.sync_dir)
+        return DeltaStore(directory, self._base_dir())
+
+    async def fetch(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        """Bring the store to `request.version`; returns {"version", "applied_versions", "seconds"}."""
+        store = self._store(request, "fetch_delta")
+        start = time.perf_counter()
+        name = f"{self.engine.name}: fetch_delta {request.version}"
+        try:
+            applied = await asyncio.to_thread(store.apply, request.sync_dir, request.version)
+        except DeltaVersionNotFound as exc:
+            raise EngineNotFoundError(f"{name}: {exc}") from exc
+        except CorruptPayloadError as exc:
+            raise EngineRequestError(f"{name}: {exc}") from exc
+        except (DeltaError, OSError, ValueError) as exc:
+            raise EngineStateError(f"{name}: {exc}") from exc
+        return {
+            "version": request.version,
+            "applied_versions": applied,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _names(self, store: DeltaStore, sync_dir: str, run_id: str) -> list[str]:
+        """The tensors to load: those changed since the weights this engine holds, or all."""
+        if self.engine.weight_version != self._group_syncs:  # weights came over a group since
+            return store.all_names()
+        run, version = self.loaded
+        if (run, version) == ("", 0):
+            run = run_id  # the base checkpoint: version 0 of every run
+        names = store.changed_since(sync_dir, run, version) if run == run_id else None
+        return store.all_names() if names is None else names
+
+    async def load(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        """Fetch `request.version` (if not yet), load what changed into every worker, reset the
+        prefix cache. Returns {"version", "tensors", "bytes", "seconds", "prefix_cache_reset"}."""
+        engine = self.engine
+        async with engine._weight_lock:
+            fetched = await self.fetch(request)
+            store = self._store(request, "load_delta")
+            start = time.perf_counter()
+            try:
+                state = await asyncio.to_thread(store.state)
+                if state.version != request.version:
+                    raise DeltaError(f"the store {store.dir} moved on to version {state.version}")
+                names = await asyncio.to_thread(self._names, store, request.sync_dir, state.run_id)
+            except (DeltaError, OSError) as exc:
+                raise EngineStateError(f"{engine.name}: load_delta {request.version}: {exc}") from exc
+            base = self._base_dir()
+            args = (str(store.dir), str(base) if base else None, names, state.run_id, state.version)
+            results = await engine._rpc(
+                f"load_delta {request.version} ({len(names)} tensors)",
+                RPC_LOAD_DELTA,
+                args,
+                engine.update_timeout_s,
+            )
+            self.loaded, self._group_syncs = (state.run_id, state.version), engine.weight_version
+            reset = await engine.try_reset_prefix_cache()
+        return {
+            "version": request.version,
+            "applied_versions": fetched["applied_versions"],
+            "tensors": int(results[0]["tensors"]),
+            "bytes": int(results[0]["bytes"]),
+            "seconds": time.perf_counter() - start,
+            "prefix_cache_reset": reset,
+        }
