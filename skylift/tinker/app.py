@@ -44,7 +44,6 @@ from skylift.tinker.openapi import install_typed_bodies
 from skylift.tinker.ownership import Owners
 from skylift.tinker.routes import runs, sampling, sessions, training
 from skylift.tinker.service import ServerConfig, TinkerService
-from skylift.utils.threads import switch_interval
 
 logger = logging.getLogger(__name__)
 API = "/api/v1"
@@ -65,9 +64,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         except (RuntimeError, ValueError, NotImplementedError):  # not the main thread (in-process tests)
             logger.info("SIGHUP does not reload the API keys in this process")
         try:
-            # the HTTP loop takes the GIL back from the training thread within 0.5 ms, not 5
-            with switch_interval():
-                yield
+            yield
         finally:
             await service.stop()
 

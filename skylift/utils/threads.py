@@ -8,12 +8,6 @@ default) per op, and a training pass of thousands of ops slows down several time
 interval brings it close to the training loop alone (benchmarks/RESULTS.md,
 fully_async_vs_sync.py). A shorter interval costs the busy thread little: it gets the GIL back
 as soon as the op has released it.
-
-The Tinker server has the same shape: its HTTP loop wakes up for every request (and several
-times within one) while the training thread runs one user's forward_backward after another;
-each wake-up waits for the training thread to hand over the GIL, and a well-behaved user's
-step, a dozen wake-ups, waits that many intervals behind another user's training work
-(benchmarks/tinker_soak.py). The server holds the shorter interval for its lifetime.
 """
 
 from __future__ import annotations
@@ -22,8 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: The GIL switch interval while the main thread trains beside a busy rollout thread, and while a
-#: Tinker server serves (seconds).
+#: The GIL switch interval while the main thread trains beside a busy rollout thread (seconds).
 OVERLAP_SWITCH_INTERVAL_S = 0.0005
 
 
