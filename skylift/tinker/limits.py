@@ -2,8 +2,8 @@
 
 `RequestLimits` holds the operator's limits (``skylift tinker serve`` flags, see docs/security.md).
 Request bodies are read in chunks and refused (HTTP 413) once past ``--max-request-mb``; zstd
-bodies are decompressed as a stream that stops one byte past the same limit (a frame's declared
-size is never trusted); JSON bodies refuse ``NaN`` / ``Infinity``. Decompression and decoding run
+bodies are first counted as a stream that stops one byte past the same limit, keeping nothing (a
+frame's declared size is never trusted), then inflated into a buffer of the counted size; JSON bodies refuse ``NaN`` / ``Infinity``. Decompression and decoding run
 in a worker thread, never on the event loop; a large body's decompression past its first 8 MiB at a
 lower priority (`skylift.tinker.bulk`).
 """
@@ -79,35 +79,61 @@ async def read_body(request: Request) -> bytes:
     return bytes(buf)
 
 
-def _inflate(reader: Any, out: bytearray, upto: int) -> bool:
-    """Read `reader` into `out` until it holds `upto` bytes; True when the stream ended first."""
-    while len(out) < upto:
-        chunk = reader.read(min(_CHUNK, upto - len(out)))
-        if not chunk:
-            return True
-        out += chunk
-    return False
+def _reader(raw: bytes) -> Any:
+    import zstandard
+
+    return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True)
+
+
+def _inflated_size(raw: bytes, upto: int) -> int:
+    """How many bytes `raw` inflates to, counted up to `upto`: the stream is read into one
+    `_CHUNK` scratch buffer again and again, so counting a bomb allocates nothing."""
+    scratch = bytearray(_CHUNK)
+    total = 0
+    with _reader(raw) as reader:
+        while total < upto:
+            n = reader.readinto(scratch)
+            if not n:
+                break
+            total += n
+    return total
+
+
+def _inflate_exactly(raw: bytes, size: int) -> bytes:
+    """`raw` inflated into a buffer of the `size` `_inflated_size` counted."""
+    out = bytearray(size)
+    view = memoryview(out)
+    done = 0
+    with _reader(raw) as reader:
+        while done < size:
+            n = reader.readinto(view[done : done + _CHUNK])
+            if not n:
+                break
+            done += n
+    if done != size:  # the same bytes inflate the same way: a broken invariant, not bad input
+        raise RuntimeError(f"zstd body inflated to {done} bytes, counted {size}")
+    return bytes(out)
 
 
 async def decompress_zstd(raw: bytes, cap: int, where: str, limits: RequestLimits | None = None) -> bytes:
-    """`raw` (one or more zstd frames) decompressed, at most `cap` bytes: the stream is read in
-    chunks and stops at `cap` + 1 (a 413); a bad frame is a 400. Off the event loop; past
+    """`raw` (one or more zstd frames) decompressed, at most `cap` bytes: first counted without
+    keeping the output (a 413 past `cap`, nothing allocated for a bomb), then inflated into a
+    buffer of that size; a bad frame is a 400. Off the event loop; a body larger than
     `BULK_AFTER_BYTES` on the low-priority threads of `skylift.tinker.bulk`."""
     import zstandard
 
-    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True)
-    out = bytearray()
     try:
-        ended = await asyncio.to_thread(_inflate, reader, out, min(cap + 1, BULK_AFTER_BYTES))
-        if not ended and len(out) <= cap:
-            await run_bulk(_inflate, reader, out, cap + 1)
+        size = await asyncio.to_thread(_inflated_size, raw, min(cap + 1, BULK_AFTER_BYTES))
+        large = size >= BULK_AFTER_BYTES
+        if large and cap + 1 > BULK_AFTER_BYTES:
+            size = await run_bulk(_inflated_size, raw, cap + 1)
+        if size > cap:
+            raise (limits or RequestLimits(max_body_bytes=cap)).body_too_large(where, "the decompressed body")
+        return await (
+            run_bulk(_inflate_exactly, raw, size) if large else asyncio.to_thread(_inflate_exactly, raw, size)
+        )
     except zstandard.ZstdError as exc:
         raise UserError(f"{where}: the body is not valid zstd: {exc}") from exc
-    finally:
-        reader.close()
-    if len(out) > cap:
-        raise (limits or RequestLimits(max_body_bytes=cap)).body_too_large(where, "the decompressed body")
-    return bytes(out)
 
 
 async def read_payload(request: Request) -> bytes:
