@@ -328,7 +328,7 @@ class LocalVLLMEngine(EngineBase):
                     "pass override_existing=True to replace it"
                 )
             self.group_name = None
-            await join_weight_update_group(self._rpc, spec, RPC_INIT_GROUP)
+            await join_weight_update_group(self._rpc, spec, RPC_INIT_GROUP, ranks=self._tp)
             self.group_name = spec.group_name
 
     async def _receive(

@@ -8,9 +8,15 @@ So `join_weight_update_group` first asks, from the event loop and bounded by the
 `timeout_s`, whether a torch `TCPStore` answers at the group's address (torch's own validate and
 ping messages, `probe_store`): an address nobody serves, a name that does not resolve or a peer
 that is no store fails there with an `EngineRequestError` naming host and port, and the engine
-is never involved (generation goes on meanwhile). Only then do the workers join, under an RPC
-timeout longer than the worker's own bounds (store, rendezvous, handshake: `timeout_s` each), so
-that a rendezvous whose ranks do not all come ends with the worker's error, not the RPC's.
+is never involved (generation goes on meanwhile). With skylift's own protocol it then adds the
+engine's ranks to the group's count of ranks on their way (`ANNOUNCED_KEY`; the trainer's rank 0
+adds itself when it hosts the store) and waits, in a thread of the server, until every rank of the
+group is counted (`await_every_rank`): ranks that never come fail there after `timeout_s`, naming
+the address and how many came, and again the engine is never involved. Only then do the workers
+join, under an RPC timeout longer than the worker's own bounds (store, rendezvous, handshake:
+`timeout_s` each), so that a rendezvous that still fails ends with the worker's error, not the
+RPC's. SkyRL's trainer (protocol "skyrl") announces nothing: with it the workers join once the
+store answers, and late ranks hold the engine's step loop up to the RPC's bound.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from skylift.inference.types import EngineError, EngineRequestError, WeightUpdateGroupSpec
+from skylift.weight_sync.process_group import announce_ranks
 
 #: (operation, worker method, args, timeout_s) -> one result per worker
 Rpc = Callable[[str, str, tuple, float], Awaitable[list[Any]]]
@@ -106,10 +113,59 @@ async def probe_store(host: str, port: int, timeout_s: float) -> None:
         await asyncio.sleep(POLL_S)
 
 
-async def join_weight_update_group(rpc: Rpc, spec: WeightUpdateGroupSpec, method: str) -> None:
-    """Probe the rendezvous, then have every worker join (see the module docstring); a join the
-    workers report as failed is an `EngineRequestError` naming the address."""
+def _count_ranks(spec: WeightUpdateGroupSpec, ranks: int, deadline: float) -> int:
+    """Add `ranks` to the group's count of ranks on their way and poll it until it reaches
+    `spec.world_size` or `deadline` passes (then the ranks are taken back); the count last seen."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    left = max(1.0, deadline - time.monotonic())
+    store = dist.TCPStore(
+        spec.master_address,
+        spec.master_port,
+        is_master=False,
+        timeout=timedelta(seconds=left),
+        wait_for_workers=False,
+    )
+    count = announce_ranks(store, spec.group_name, ranks)
+    while count < spec.world_size and time.monotonic() < deadline:
+        time.sleep(POLL_S / 2)
+        count = announce_ranks(store, spec.group_name, 0)
+    if count < spec.world_size:
+        announce_ranks(store, spec.group_name, -ranks)
+    return count
+
+
+async def await_every_rank(spec: WeightUpdateGroupSpec, ranks: int) -> None:
+    """Count this engine's `ranks` as on their way into the group and return once all
+    `spec.world_size` ranks are (off the event loop and off the engine); an `EngineRequestError`
+    naming the address and how many came when they are not within `spec.timeout_s`."""
+    deadline = time.monotonic() + spec.timeout_s
+    try:
+        count = await asyncio.to_thread(_count_ranks, spec, ranks, deadline)
+    except RuntimeError as exc:  # the store went away between the probe and the count
+        raise EngineRequestError(
+            f"weight-update group rendezvous {_where(spec)}: the store stopped answering ({exc})"
+        ) from exc
+    if count < spec.world_size:
+        raise EngineRequestError(
+            f"weight-update group {spec.group_name!r} at {_where(spec)}: only {count} of its "
+            f"{spec.world_size} ranks came within timeout_s={spec.timeout_s:g} s (the trainer's rank 0 "
+            "and every engine's workers must join); this engine's workers were not asked to join "
+            "and it keeps serving"
+        )
+
+
+async def join_weight_update_group(
+    rpc: Rpc, spec: WeightUpdateGroupSpec, method: str, ranks: int = 1
+) -> None:
+    """Probe the rendezvous, wait for every rank (skylift's protocol), then have this engine's
+    `ranks` workers join (see the module docstring); a join the workers report as failed is an
+    `EngineRequestError` naming the address."""
     await probe_store(spec.master_address, spec.master_port, spec.timeout_s)
+    if spec.protocol == "skylift":
+        await await_every_rank(spec, ranks)
     try:
         bound = join_rpc_timeout_s(spec.timeout_s)
         await rpc("init_weight_update_communicator", method, spec.rpc_args(), bound)

@@ -31,9 +31,21 @@ Layout = Literal["skylift", "torch"]
 
 _HANDSHAKE_VALUE = 12345.0
 
+#: A key of a skylift-layout group's store: how many ranks said they are joining (rank 0 when it
+#: hosts the group; each engine for its workers, from its control plane, before they join), so
+#: engines ask their workers to join only once every rank is on its way
+#: (`skylift.inference.rendezvous.await_every_rank`).
+ANNOUNCED_KEY = "skylift/announced"
+
 
 class WeightSyncError(RuntimeError):
     """A weight-update group could not be created, used or destroyed."""
+
+
+def announce_ranks(store: dist.Store, group_name: str, ranks: int) -> int:
+    """Add `ranks` (negative: take them back) to the count of group `group_name`'s ranks on their
+    way; the count after."""
+    return int(dist.PrefixStore(group_name, store).add(ANNOUNCED_KEY, ranks))
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -191,6 +203,8 @@ def create_weight_sync_group(
     device = group_device(backend, device)
     try:
         tcp, backend_store = stores(timeout)
+        if rank == 0 and not torch_layout:  # the engines wait for every rank before they join
+            backend_store.add(ANNOUNCED_KEY, 1)
         pg = new_backend(backend_store, rank, world_size, backend, timeout, master_address, device)
         if torch_layout:  # number the collectives as torch's group helper does
             pg._set_sequence_number_for_group()

@@ -25,6 +25,7 @@ from skylift.inference.limits import MAX_REQUEST_TOKENS, MAX_SEQUENCES, SEED_MAX
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.rendezvous import join_rpc_timeout_s, join_weight_update_group, probe_store
 from skylift.inference.types import EngineError, EngineRequestError, WeightUpdateGroupSpec
+from skylift.weight_sync.process_group import announce_ranks
 
 MAX_MODEL_LEN = 1 << 20  # large, so that the request limits, not the context, bind
 
@@ -272,13 +273,23 @@ class FakeWorkers:
         return [None]
 
 
-def spec_at(port: int, timeout_s: float = 2.0) -> WeightUpdateGroupSpec:
+def spec_at(port: int, timeout_s: float = 2.0, world_size: int = 2) -> WeightUpdateGroupSpec:
     return WeightUpdateGroupSpec(
-        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, timeout_s=timeout_s
+        master_address="127.0.0.1",
+        master_port=port,
+        rank_offset=1,
+        world_size=world_size,
+        timeout_s=timeout_s,
     )
 
 
+def trainer_hosts(store: Any) -> None:
+    """What the trainer's rank 0 does when it hosts the group: counts itself as on its way."""
+    announce_ranks(store, WeightUpdateGroupSpec("", 0, 1, 2).group_name, 1)
+
+
 def test_join_reaches_the_workers_only_after_a_store_answered(store: Any) -> None:
+    trainer_hosts(store)
     workers = FakeWorkers()
     asyncio.run(join_weight_update_group(workers, spec_at(int(store.port)), "join"))
     [(method, args, timeout_s)] = workers.calls
@@ -292,9 +303,66 @@ def test_join_reaches_the_workers_only_after_a_store_answered(store: Any) -> Non
     assert nobody.calls == []
 
 
+def test_ranks_that_never_come_fail_before_the_engine_is_involved_and_the_loop_serves_meanwhile(
+    store: Any,
+) -> None:
+    """The trainer hosts and this engine's 2 workers come, but a third rank (another engine) never
+    does: a request error naming the address and the count, the workers never asked to join, the
+    server's event loop free all along, and this engine's ranks taken back from the count."""
+    trainer_hosts(store)
+    workers = FakeWorkers()
+    ticks: list[float] = []
+
+    async def serve_while_joining() -> None:
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            await join_weight_update_group(
+                workers, spec_at(int(store.port), 1.0, world_size=4), "join", ranks=2
+            )
+        finally:
+            ticker.cancel()
+
+    started = time.monotonic()
+    with pytest.raises(EngineRequestError, match=rf"127\.0\.0\.1:{store.port}: only 3 of its 4 ranks came"):
+        asyncio.run(serve_while_joining())
+    assert workers.calls == []
+    assert len(ticks) >= 0.5 * (time.monotonic() - started) / 0.05  # the loop was never held
+    assert announce_ranks(store, WeightUpdateGroupSpec("", 0, 1, 2).group_name, 0) == 1
+
+
+def test_every_engine_joins_once_all_ranks_are_on_their_way(store: Any) -> None:
+    """Two engines of one group, told at different times: neither joins before the other came."""
+    trainer_hosts(store)
+    first, second = FakeWorkers(), FakeWorkers()
+    spec = spec_at(int(store.port), 5.0, world_size=3)
+
+    async def both() -> None:
+        early = asyncio.create_task(join_weight_update_group(first, spec, "join"))
+        await asyncio.sleep(0.5)
+        assert first.calls == []  # still waiting for the second engine
+        await join_weight_update_group(second, spec, "join")
+        await early
+
+    asyncio.run(both())
+    assert len(first.calls) == len(second.calls) == 1
+
+
+def test_skyrls_trainer_announces_nothing_and_is_not_waited_for(store: Any) -> None:
+    workers = FakeWorkers()
+    spec = WeightUpdateGroupSpec("127.0.0.1", int(store.port), 1, 2, timeout_s=2.0, protocol="skyrl")
+    asyncio.run(join_weight_update_group(workers, spec, "join"))
+    assert len(workers.calls) == 1
+
+
 def test_a_rendezvous_the_workers_could_not_complete_is_a_request_error_naming_the_address(
     store: Any,
 ) -> None:
+    trainer_hosts(store)
     port = int(store.port)
     failed = EngineError(
         f"local-vllm: init_weight_update_communicator: could not join weight-sync group 'g' at "
