@@ -22,6 +22,7 @@ from skylift.weight_sync.buckets import BufferArena, NamedTensor
 from skylift.weight_sync.process_group import (
     WeightSyncError,
     WeightSyncGroup,
+    announce_ranks,
     create_weight_sync_group,
     group_device,
 )
@@ -78,6 +79,7 @@ class WeightBroadcaster:
             raise WeightSyncError(
                 f"sender: cannot host the group's store on {master_address}:{master_port}: {exc}"
             ) from exc
+        announce_ranks(store, group_name, 1)  # rank 0 is on its way: the engines may join
         port = int(store.port)
         logger.info(
             "weight-sync group %r: world size %d at %s:%d (%s)",

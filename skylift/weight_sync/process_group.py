@@ -203,8 +203,8 @@ def create_weight_sync_group(
     device = group_device(backend, device)
     try:
         tcp, backend_store = stores(timeout)
-        if rank == 0 and not torch_layout:  # the engines wait for every rank before they join
-            backend_store.add(ANNOUNCED_KEY, 1)
+        if rank == 0 and not torch_layout and store is None:  # engines wait for every rank; a
+            backend_store.add(ANNOUNCED_KEY, 1)  # store passed in was counted by its host
         pg = new_backend(backend_store, rank, world_size, backend, timeout, master_address, device)
         if torch_layout:  # number the collectives as torch's group helper does
             pg._set_sequence_number_for_group()
