@@ -12,10 +12,12 @@ or ones received over a weight-update group) loads every tensor. Bad requests ar
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Any
 
+from skylift.config.delta_sync import is_cloud_uri
 from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineStateError
 from skylift.weight_sync.delta_apply import DeltaStore
 from skylift.weight_sync.delta_format import (
@@ -28,10 +30,6 @@ from skylift.weight_sync.delta_format import (
 from skylift.weight_sync.protocol import RPC_LOAD_DELTA, DeltaSyncRequest
 
 
-def _is_cloud(path: str) -> bool:
-    return path.strip().lower().startswith(("gs://", "s3://"))
-
-
 class EngineDelta:
     """The delta-sync state of one `LocalVLLMEngine`: the (run, version) its weights are."""
 
@@ -39,12 +37,11 @@ class EngineDelta:
         self.engine = engine  # the LocalVLLMEngine: its name, model_path, weight lock, `_rpc`
         self.loaded: tuple[str, int] = ("", 0)  # ("", 0): the base checkpoint it started from
         self._group_syncs = 0  # the engine's weight_version (buckets received) at the last load
-        self._base: Path | None | bool = False  # False: not resolved yet
 
-    def _base_dir(self) -> Path | None:
-        if self._base is False:
-            self._base = resolve_base_dir(self.engine.model_path)
-        return self._base  # type: ignore[return-value]
+    @functools.cached_property
+    def base_dir(self) -> Path | None:
+        """The local directory of the checkpoint the engine started from (None: not local)."""
+        return resolve_base_dir(self.engine.model_path)
 
     def _store(self, request: DeltaSyncRequest, operation: str) -> DeltaStore:
         """The host's store for `request`, after checking what only this host can check."""
@@ -53,7 +50,7 @@ class EngineDelta:
             raise EngineRequestError(f"{name}: version must be an integer >= 1, got {request.version!r}")
         if not request.sync_dir:
             raise EngineRequestError(f"{name}: sync_dir is missing")
-        if _is_cloud(request.sync_dir):
+        if is_cloud_uri(request.sync_dir):
             raise EngineRequestError(
                 f"{name}: sync_dir={request.sync_dir!r}: gs:// and s3:// are not supported yet"
             )
@@ -62,7 +59,7 @@ class EngineDelta:
                 f"{name}: sync_dir {request.sync_dir!r} is not a directory on this engine's host"
             )
         directory = request.local_checkpoint_dir or default_store_dir(request.sync_dir)
-        return DeltaStore(directory, self._base_dir())
+        return DeltaStore(directory, self.base_dir)
 
     async def fetch(self, request: DeltaSyncRequest) -> dict[str, Any]:
         """Bring the store to `request.version`; returns {"version", "applied_versions", "seconds"}."""
@@ -108,7 +105,7 @@ class EngineDelta:
                 names = await asyncio.to_thread(self._names, store, request.sync_dir, state.run_id)
             except (DeltaError, OSError) as exc:
                 raise EngineStateError(f"{engine.name}: load_delta {request.version}: {exc}") from exc
-            base = self._base_dir()
+            base = self.base_dir
             args = (str(store.dir), str(base) if base else None, names, state.run_id, state.version)
             results = await engine._rpc(
                 f"load_delta {request.version} ({len(names)} tensors)",

@@ -8,17 +8,11 @@ import os
 import uuid
 from pathlib import Path
 
+from skylift.utils.durable_files import fsync_dir, write_bytes_atomic
+
 #: Separates a checkpoint's name from a version tag in its directory name ('#' is never part of a
 #: checkpoint name, see `skylift.tinker.views.check_name`).
 VERSION_SEP = "#"
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:
@@ -52,11 +46,5 @@ def commit_dir(staging: Path, final: Path) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text`: a temporary file, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Replace `path` with `text` (UTF-8), crash-safe (`skylift.utils.durable_files`)."""
+    write_bytes_atomic(path, text.encode("utf-8"))

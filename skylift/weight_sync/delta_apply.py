@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from skylift.utils.durable_files import write_bytes_atomic
 from skylift.weight_sync.delta_format import (
     BaseWeights,
     CorruptPayloadError,
@@ -38,7 +39,6 @@ from skylift.weight_sync.delta_format import (
     from_bytes,
     read_manifest,
     version_dir,
-    write_atomically,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class DeltaStore:
 
     def _write_state(self, state: StoreState) -> None:
         data = {"run_id": state.run_id, "version": state.version, "tensors": state.tensors}
-        write_atomically(self.dir / STATE, json.dumps(data).encode())
+        write_bytes_atomic(self.dir / STATE, json.dumps(data).encode())
 
     def state(self) -> StoreState:
         with self._locked(exclusive=False):
@@ -192,10 +192,13 @@ class DeltaStore:
 
     def _bytes(self, name: str, dtype: str, shape: list[int], state: StoreState) -> torch.Tensor | None:
         entry = state.tensors.get(name)
-        if entry is None:
-            return self.base.bytes_of(name, dtype, shape)
-        data = (self.dir / "tensors" / entry["file"]).read_bytes()
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return self.base.bytes_of(name, dtype, shape) if entry is None else self._stored(entry)
+
+    def _stored(self, entry: dict) -> torch.Tensor:
+        """The bytes of a tensor the store wrote (its `StoreState.tensors` entry)."""
+        return torch.frombuffer(
+            bytearray((self.dir / "tensors" / entry["file"]).read_bytes()), dtype=torch.uint8
+        )
 
     # ---- reading
     def changed_since(self, sync_dir: str | Path, run_id: str, version: int) -> list[str] | None:
@@ -229,10 +232,7 @@ class DeltaStore:
             for name in names:
                 entry = state.tensors.get(name)
                 if entry is not None:
-                    data = torch.frombuffer(
-                        bytearray((self.dir / "tensors" / entry["file"]).read_bytes()), dtype=torch.uint8
-                    )
-                    yield name, from_bytes(data, entry["dtype"], entry["shape"])
+                    yield name, from_bytes(self._stored(entry), entry["dtype"], entry["shape"])
                     continue
                 tensor = self.base.tensor(name)
                 if tensor is None:

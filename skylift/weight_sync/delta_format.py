@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,28 +119,6 @@ def read_manifest(sync_dir: str | Path, version: int) -> Manifest:
         return Manifest.from_json(json.loads(text))
     except (ValueError, KeyError, TypeError) as exc:
         raise DeltaError(f"unreadable manifest {path}: {exc}") from exc
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file, fsynced, then renamed over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def resolve_base_dir(model: str | None) -> Path | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from skylift.utils.durable_files import fsync_dir, write_bytes_atomic
 from skylift.weight_sync.buckets import NamedTensor
 from skylift.weight_sync.delta_format import (
     DELTAS,
@@ -38,9 +39,7 @@ from skylift.weight_sync.delta_format import (
     as_bytes,
     checksum,
     dtype_name,
-    fsync_dir,
     version_dir,
-    write_atomically,
 )
 
 logger = logging.getLogger(__name__)
@@ -206,8 +205,7 @@ class DeltaPublisher:
             manifest = Manifest(
                 version=version, base_version=self.version, run_id=self.run_id, tensors=records
             )
-            write_atomically(tmp / MANIFEST, json.dumps(manifest.to_json()).encode())
-            fsync_dir(tmp)
+            write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest.to_json()).encode())  # fsyncs tmp
             final = version_dir(self.sync_dir, version)
             if final.exists():
                 shutil.rmtree(final)
