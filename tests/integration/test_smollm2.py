@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from skylift.models import prepare_model
+from skylift.utils.processes import stop_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +31,7 @@ MESSAGES = [
     {"role": "user", "content": "What is 7 times 8?"},
 ]
 MAX_NEW_TOKENS = 32
+VLLM_TIMEOUT_S = 300  # a healthy run takes about a minute on 2 cores
 
 VLLM_SCRIPT = """
 import json, sys
@@ -86,10 +88,13 @@ def test_transformers_greedy_answer_mentions_56(smollm2_dir: Path) -> None:
     assert "56" in answer, answer
 
 
-def test_vllm_cpu_loads_it_and_greedy_answer_mentions_56(smollm2_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    script = tmp_path / "vllm_chat.py"
-    script.write_text(VLLM_SCRIPT)
+def _run_vllm_chat(script: Path, smollm2_dir: Path, log: Path) -> tuple[int | None, str, str]:
+    """(exit code, stdout, tail of stdout + stderr) of one vLLM run; exit code None when it ran past
+    VLLM_TIMEOUT_S.
+
+    The run leads its own process group, so a run that hangs (vLLM's engine process died and the
+    front end waits on it) is killed with its engine instead of holding the test for 10 minutes.
+    """
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -97,18 +102,35 @@ def test_vllm_cpu_loads_it_and_greedy_answer_mentions_56(smollm2_dir: Path, tmp_
         GLOO_SOCKET_IFNAME="lo",
         HF_HUB_OFFLINE="1",
     )
-    log = tmp_path / "vllm.log"
-    with log.open("w") as stderr:
-        proc = subprocess.run(
-            [sys.executable, str(script), str(smollm2_dir), json.dumps(MESSAGES), str(MAX_NEW_TOKENS)],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-            timeout=600,
+    args = [sys.executable, str(script), str(smollm2_dir), json.dumps(MESSAGES), str(MAX_NEW_TOKENS)]
+    out = log.with_suffix(".out")
+    with out.open("w") as stdout, log.open("w") as stderr:
+        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=VLLM_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            stop_process_group(proc, grace_s=5.0)
+            code = None
+    printed = out.read_text()
+    return code, printed, (printed[-1500:] + "\n" + log.read_text()[-3000:])
+
+
+def test_vllm_cpu_loads_it_and_greedy_answer_mentions_56(smollm2_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    script = tmp_path / "vllm_chat.py"
+    script.write_text(VLLM_SCRIPT)
+    for attempt in (1, 2):
+        code, stdout, tail = _run_vllm_chat(script, smollm2_dir, tmp_path / f"vllm{attempt}.log")
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if code == 0 and lines:
+            break
+        outcome = f"ran past {VLLM_TIMEOUT_S} s" if code is None else f"exited with {code}"
+        # Once in ~30 CI runs vLLM's CPU worker process died at start-up and the run hung: a crash
+        # of vLLM's own process (which says so in its log) gets one more try; anything else fails.
+        assert attempt == 1 and "died unexpectedly" in tail, f"vLLM run {outcome}; log tail:\n{tail}"
+        print(
+            f"vLLM's worker died at start-up ({outcome}); trying once more. Log tail:\n{tail}",
+            file=sys.stderr,
         )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    tail = log.read_text()[-3000:]
-    assert proc.returncode == 0 and lines, f"vLLM run failed (rc {proc.returncode}); log tail:\n{tail}"
     answer = json.loads(lines[-1][len("RESULT ") :])["text"]
     assert "56" in answer, answer
