@@ -5,7 +5,6 @@ Pure PyTorch, batch-first `[batch, response_len]` tensors with a float mask (1 =
 
 from skylift.algorithms import covariance_losses as _covariance_losses  # registers clip_cov, kl_cov
 from skylift.algorithms import divergence_losses as _divergence_losses  # registers dppo
-from skylift.algorithms._registry import UnknownNameError
 from skylift.algorithms.advantages import (
     AdvantageEstimator,
     SequenceAdvantageEstimator,
@@ -49,6 +48,7 @@ from skylift.algorithms.reductions import (
     reduce_loss,
 )
 from skylift.algorithms.value_loss import compute_value_loss
+from skylift.utils.registry import UnknownNameError
 
 del _covariance_losses, _divergence_losses
 

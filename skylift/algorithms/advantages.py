@@ -1,4 +1,4 @@
-"""Advantage estimators (`grpo`, `rloo`, `maxrl`, `reinforce++`, `gae`) behind a registry users can extend.
+"""Advantage estimators (`grpo`, `rloo`, `maxrl`, `reinforce++`, `gae`, `no_op`) behind a registry users can extend.
 
 Conventions (all tensors batch-first):
 
@@ -36,8 +36,8 @@ from typing import Protocol
 
 import torch
 
-from skylift.algorithms._registry import Registry
 from skylift.algorithms.reductions import masked_mean, masked_sum
+from skylift.utils.registry import ADVANTAGE_ESTIMATOR_REGISTRY, Registry
 
 GroupIds = Sequence[Hashable] | torch.Tensor
 
@@ -77,7 +77,7 @@ class SequenceAdvantageEstimator(Protocol):
 
 Estimator = AdvantageEstimator | SequenceAdvantageEstimator
 
-_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+_ESTIMATORS: Registry[Estimator] = ADVANTAGE_ESTIMATOR_REGISTRY
 _SEQUENCE_LEVEL: set[str] = set()
 
 
@@ -385,3 +385,21 @@ def gae_advantages(
     if norm_by_std:
         advantages = masked_whiten(advantages, response_mask, eps)
     return advantages, returns
+
+
+@register_advantage_estimator("no_op")
+def no_op_advantages(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's reward is its advantage and its return (on-policy distillation, where the
+    per-token reward is already the signal: ``trainer.algorithm.on_policy_distillation``)."""
+    advantages = token_level_rewards * response_mask
+    return advantages, advantages.clone()

@@ -50,9 +50,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from skylift.algorithms._registry import Registry
 from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
 from skylift.algorithms.reductions import masked_mean, masked_sum
+from skylift.utils.registry import POLICY_LOSS_REGISTRY, Registry
 
 LossAndMetrics = tuple[Tensor, dict[str, float]]
 """What a policy loss returns: the per-token loss and float metrics."""
@@ -149,7 +149,7 @@ class PolicyLoss(Protocol):
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
-_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+_LOSSES: Registry[PolicyLoss] = POLICY_LOSS_REGISTRY
 
 ROLLOUT_ANCHORED = {"rollout_is"}
 """Losses whose ratio is taken against the rollout engine's logprobs: `compute_policy_loss` hands
@@ -378,3 +378,31 @@ def rollout_is_loss(
     inside = (r > 1.0 - config.eps_clip_low) & (r < 1.0 + config.eps_clip_high)
     weight = torch.where(inside, r, torch.zeros_like(r))
     return -weight * advantages * logprobs, _metrics(response_mask, ratio, log_ratio, clip_frac=~inside)
+
+
+@register_policy_loss("importance_sampling")
+def importance_sampling_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    config: PolicyLossConfig,
+) -> LossAndMetrics:
+    """``-r * A`` with the unclipped ratio ``r`` to `old_logprobs` (SkyRL's and Tinker's
+    ``importance_sampling``; on-policy distillation trains with it)."""
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
+    return -ratio * advantages, _metrics(response_mask, ratio, log_ratio)
+
+
+@register_policy_loss("cross_entropy")
+def cross_entropy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    config: PolicyLossConfig,
+) -> LossAndMetrics:
+    """``-logp`` of each response token, advantages unused: supervised fine-tuning on the sampled
+    responses (SkyRL's ``cross_entropy``)."""
+    log_ratio, ratio = _ratio(logprobs, old_logprobs)
+    return -logprobs, _metrics(response_mask, ratio, log_ratio)

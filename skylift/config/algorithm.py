@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from skylift.config.fields import _f, _group
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "maxrl", "reinforce++", "gae")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "maxrl", "reinforce++", "gae", "no_op")
 POLICY_LOSS_TYPES = (
     "regular",
     "dual_clip",
@@ -17,6 +17,8 @@ POLICY_LOSS_TYPES = (
     "kl_cov",
     "rollout_is",
     "dppo",
+    "importance_sampling",
+    "cross_entropy",
 )
 DPPO_TYPES = ("binary_tv", "binary_kl")
 TIS_RATIO_TYPES = ("token", "sequence")
@@ -209,14 +211,21 @@ class AlgorithmConfig:
     """Advantages, policy loss and KL."""
 
     advantage_estimator: str = _f(
-        "grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}", choices=ADVANTAGE_ESTIMATORS
+        "grpo",
+        f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}, or one a module in import_modules registers",
     )
     grpo_norm_by_std: bool = _f(True, "grpo: divide group-centred rewards by the group's std")
     advantage_batch_normalize: bool = _f(False, "normalise advantages over the whole training batch")
     policy_loss_type: str = _f(
         "regular",
-        f"policy loss: {' | '.join(POLICY_LOSS_TYPES)} (regular = PPO clip)",
-        choices=POLICY_LOSS_TYPES,
+        f"policy loss: {' | '.join(POLICY_LOSS_TYPES)} (regular = PPO clip), or one a module in "
+        "import_modules registers",
+    )
+    import_modules: list[str] = _f(
+        [],
+        "modules imported before the run (and in every training worker) for their "
+        "register_advantage_estimator / register_policy_loss calls, skylift's or SkyRL's signatures "
+        "(skylift.algorithms.skyrl_registries); looked up on sys.path, then in the current directory",
     )
     loss_reduction: str = _f(
         "token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}", choices=LOSS_REDUCTIONS
@@ -240,6 +249,14 @@ class AlgorithmConfig:
         False, "subtract the KL penalty from rewards instead (exclusive with use_kl_loss)"
     )
     kl_ctrl: KLCtrlConfig = _group(KLCtrlConfig, "KL controller for use_kl_in_reward")
+    on_policy_distillation: bool = _f(
+        False,
+        "on-policy distillation (SkyRL's on_policy_distillation example, a trainer subclass there): "
+        "the KL-in-reward step (needs use_kl_in_reward=true) makes each response token's reward "
+        "-(log pi(token) - log pi_ref(token)), the reference model being the teacher; the "
+        "environment's reward is only logged. Usually with advantage_estimator=no_op and "
+        "policy_loss_type=importance_sampling",
+    )
     gamma: float = _f(1.0, "gae / reinforce++: discount factor", ge=0, le=1)
     lambd: float = _f(1.0, "gae: lambda of generalised advantage estimation", ge=0, le=1)
     value_clip: float = _f(0.2, "critic: value clip range", ge=0)

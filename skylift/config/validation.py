@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from skylift.config.algorithm import AlgorithmConfig
+from skylift.config.algorithm import ADVANTAGE_ESTIMATORS, POLICY_LOSS_TYPES, AlgorithmConfig
 from skylift.config.delta_sync import delta_problems
 from skylift.config.errors import ConfigError
 from skylift.config.schema import PLACEMENT_BACKENDS, SkyliftConfig
+from skylift.utils.plugins import PluginImportError, import_user_modules
+from skylift.utils.registry import ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
 _TRUE = {"true", "yes", "on", "1", "enable", "enabled"}
 _FALSE = {"false", "no", "off", "0", "disable", "disabled"}
@@ -194,10 +196,21 @@ def _check_loss_settings(a: AlgorithmConfig, problems: list[str]) -> None:
 def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
     a = cfg.trainer.algorithm
     p = "trainer.algorithm"
+    _check_algorithm_names(a, problems)
     if a.kl_ctrl.type == "adaptive" and not a.use_kl_in_reward:
         problems.append(
             f"{p}.kl_ctrl.type=adaptive controls the KL-in-reward coefficient and needs "
             f"{p}.use_kl_in_reward=true (a KL loss uses kl_loss_coef as it is)"
+        )
+    if a.on_policy_distillation and not a.use_kl_in_reward:
+        problems.append(
+            f"{p}.on_policy_distillation=true replaces the KL-in-reward step and needs "
+            f"{p}.use_kl_in_reward=true (as SkyRL's on_policy_distillation example sets it)"
+        )
+    if a.on_policy_distillation and a.kl_ctrl.type == "adaptive":
+        problems.append(
+            f"{p}.kl_ctrl.type=adaptive has nothing to control with {p}.on_policy_distillation=true "
+            "(the teacher's log-ratio is the whole reward, coefficient 1)"
         )
     if a.use_kl_loss and a.use_kl_in_reward:
         problems.append(f"{p}.use_kl_loss and {p}.use_kl_in_reward are mutually exclusive; enable one")
@@ -217,6 +230,33 @@ def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append(f"{key} oversamples for dynamic sampling and needs {p}.dynamic_sampling.type set")
     elif size != -1 and size < batch:
         problems.append(f"{key} must be >= trainer.train_batch_size={batch}")
+
+
+def _check_algorithm_names(a: AlgorithmConfig, problems: list[str]) -> None:
+    """The estimator and the loss are built in or registered by a module of ``import_modules``
+    (imported here, so that a misspelt name or a broken module fails before anything starts)."""
+    p = "trainer.algorithm"
+    names = (
+        ("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS, ADVANTAGE_ESTIMATOR_REGISTRY),
+        ("policy_loss_type", a.policy_loss_type, POLICY_LOSS_TYPES, POLICY_LOSS_REGISTRY),
+    )
+    if all(value in builtin for _, value, builtin, _ in names):
+        return
+    if a.import_modules:
+        try:
+            import_user_modules(a.import_modules, f"{p}.import_modules")
+        except PluginImportError as exc:
+            problems.append(str(exc))
+            return
+    for key, value, builtin, registry in names:
+        if value in builtin or value in registry:
+            continue
+        if a.import_modules:
+            extra = sorted(set(registry.names()) - set(builtin))
+            hint = f"; {p}.import_modules registered {', '.join(extra) if extra else 'no ' + registry.kind}"
+        else:
+            hint = f"; for a custom {registry.kind}, list the module that registers it in {p}.import_modules"
+        problems.append(f"{p}.{key}={value!r} is not one of {', '.join(builtin)}{hint}")
 
 
 def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:

@@ -60,6 +60,7 @@ class ExperienceSettings:
     kl_in_reward: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    distillation: bool = False  # the KL-in-reward step gives -(logp - teacher logp) as the whole reward
     max_staleness: int = 0
     pad_token_id: int = 0
     overlong_buffer_len: int = 0  # DAPO's soft overlong punishment (skylift.algorithms.overlong)
@@ -91,6 +92,7 @@ class ExperienceSettings:
             kl_in_reward=alg.use_kl_in_reward,
             kl_coef=alg.kl_loss_coef,
             kl_estimator=alg.kl_estimator_type,
+            distillation=alg.on_policy_distillation,
             max_staleness=max_staleness,
             pad_token_id=pad_token_id,
             overlong_buffer_len=alg.overlong_buffer.len,
@@ -177,13 +179,12 @@ def make_experience(
         policy_lp = (
             batch.extras["old_logprobs"] if full_policy_logprobs is None else full_policy_logprobs(batch)
         )
+        base = sequence_rewards_to_token_level(rewards, mask) if turn_rewards is None else turn_rewards
+        coef, estimator = settings.kl_coef, settings.kl_estimator
+        if settings.distillation:  # on-policy distillation: the teacher (reference) is the reward
+            base, coef, estimator = torch.zeros_like(base), 1.0, "k1"
         scores, kl_metrics = apply_kl_penalty(
-            sequence_rewards_to_token_level(rewards, mask) if turn_rewards is None else turn_rewards,
-            policy_lp,
-            batch.extras["ref_logprobs"],
-            mask,
-            settings.kl_coef,
-            settings.kl_estimator,
+            base, policy_lp, batch.extras["ref_logprobs"], mask, coef, estimator
         )
         metrics.update({f"kl_in_reward/{k}": v for k, v in kl_metrics.items()})
     if is_step_wise(trajectories):  # each turn a sample: the rollout's last step's advantage for all

@@ -23,6 +23,7 @@ from skylift.algorithms import (
     masked_mean,
     reduce_loss,
 )
+from skylift.utils.plugins import import_user_modules
 from skylift.worker.batch import SequenceBatch
 
 
@@ -38,6 +39,9 @@ class PolicyObjective:
     # totals of the whole mini-batch (over all ranks): set per mini-batch by the trainer
     token_count: float = 1.0
     seq_count: float = 1.0
+    # modules registering a custom loss (trainer.algorithm.import_modules), imported in the worker
+    import_modules: tuple[str, ...] = ()
+    search_dir: str | None = None  # where the driver ran, for modules found there
 
     @property
     def needs_full_logprobs(self) -> bool:
@@ -51,6 +55,7 @@ class PolicyObjective:
         if old is None:  # exactly on-policy: one update on freshly sampled data
             old = logprobs.detach()
         rollout = extras.get("rollout_logprobs")
+        import_user_modules(self.import_modules, "trainer.algorithm.import_modules", self.search_dir)
         per_token, metrics = compute_policy_loss(
             self.loss_type,
             logprobs,

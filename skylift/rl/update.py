@@ -7,6 +7,7 @@ a `PolicyObjective` / `ValueObjective` whose mini-batch totals are filled in her
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from skylift.cluster.settings import max_generate_length
 from skylift.config.algorithm import OffPolicyCorrectionConfig
 from skylift.config.schema import SkyliftConfig
 from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
+from skylift.utils.plugins import import_user_modules
 from skylift.worker.batch import SequenceBatch
 
 
@@ -82,7 +84,11 @@ def training_distribution(cfg: SkyliftConfig) -> TokenDistribution:
 def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
     """The policy loss of the configured algorithm (mini-batch totals filled in per mini-batch)."""
     alg = cfg.trainer.algorithm
+    # the driver computes advantages with what these register, the workers the loss
+    import_user_modules(alg.import_modules, "trainer.algorithm.import_modules")
     return PolicyObjective(
+        import_modules=tuple(alg.import_modules),
+        search_dir=os.getcwd() if alg.import_modules else None,
         loss_type=alg.policy_loss_type,
         loss_reduction=alg.loss_reduction,
         loss_config=PolicyLossConfig(

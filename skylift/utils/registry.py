@@ -1,4 +1,9 @@
-"""A tiny name -> callable registry shared by the advantage estimators and the policy losses."""
+"""Name -> callable registries users extend: advantage estimators and policy losses.
+
+They live in the lowest layer so that the configuration can check a configured name against what
+user modules registered (``trainer.algorithm.import_modules``) without importing the algorithms;
+`skylift.algorithms` registers the built-ins into the same two registries.
+"""
 
 from __future__ import annotations
 
@@ -54,3 +59,10 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
+
+
+ADVANTAGE_ESTIMATOR_REGISTRY: Registry = Registry("advantage estimator")
+"""Advantage estimators by name (`skylift.algorithms.register_advantage_estimator` fills it)."""
+
+POLICY_LOSS_REGISTRY: Registry = Registry("policy loss")
+"""Policy losses by name (`skylift.algorithms.register_policy_loss` fills it)."""

@@ -247,3 +247,157 @@ def test_delta_weight_sync_leaves_the_server_on_the_trained_weights(
             logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
         want = [logp[i - 1, t].item() for i, t in enumerate(tokens) if i > 0]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_skyrl_style_custom_estimator_and_loss_run_on_the_driver_and_in_the_workers(
+    data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
+) -> None:
+    """SkyRL's custom_advantage_estimator / custom_policy_loss examples: their functions (SkyRL's
+    signatures, `tests/skyrl_custom_algorithms.py`) named by trainer.algorithm.import_modules train
+    two steps; the estimator runs in this process, the loss in the training workers' processes."""
+    import importlib
+
+    from server_helpers import require_loopback_namespace
+
+    require_loopback_namespace()
+    import os
+
+    url = tiny_server_url.removeprefix("http://")
+    overrides = {
+        "trainer.policy.model.path": str(tiny_model_dir),
+        "data.train_data": f"['{data / 'train.parquet'}']",
+        "data.val_data": "[]",
+        "environment.env_class": "test_thread_recorder",
+        "data.env_class_key": "no_such_column",
+        "generator.run_engines_locally": False,
+        "generator.remote_inference_engine_urls": f"['{url}']",
+        "generator.override_existing_update_group": True,
+        "trainer.placement.backend": "ray",  # the workers are Ray actors: other processes
+        "trainer.algorithm.import_modules": "[tests.skyrl_custom_algorithms]",
+        "trainer.algorithm.advantage_estimator": "simple_baseline",
+        "trainer.algorithm.policy_loss_type": "reinforce",
+        "trainer.train_batch_size": 2,
+        "trainer.policy_mini_batch_size": 2,
+        "generator.n_samples_per_prompt": 2,
+        "generator.max_generate_length": 8,
+        "trainer.max_prompt_length": 128,
+        "trainer.max_steps": 2,
+        "trainer.eval_before_train": False,
+        "trainer.eval_interval": -1,
+        "trainer.ckpt_interval": -1,
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+    }
+    cfg = load_config([f"{k}={v}" for k, v in overrides.items()])
+    custom = importlib.import_module("tests.skyrl_custom_algorithms")
+    custom.ESTIMATOR_CALLS.clear()
+    trainer = build_trainer(cfg, console=False)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    steps = [h for h in history if "policy/reinforce_pid" in h]
+    assert [h["step"] for h in steps] == [1, 2]
+    assert all(h["policy/reinforce_pid"] != os.getpid() for h in steps)  # the loss ran in a worker
+    assert [call["pid"] for call in custom.ESTIMATOR_CALLS] == [os.getpid()] * 2  # once per step, here
+    assert all(len(call["index"]) == 4 for call in custom.ESTIMATOR_CALLS)  # 2 prompts x 2 samples
+
+
+def _reverse_kl(student_dir: Path, teacher_dir: Path, sequences: list[tuple[list[int], int]]) -> float:
+    """Mean of KL(student || teacher) over the whole vocabulary at the response positions of
+    (tokens, prompt length) pairs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models = [
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        for d in (student_dir, teacher_dir)
+    ]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for tokens, start in sequences:
+            student, teacher = (
+                torch.log_softmax(m(torch.tensor([tokens])).logits[0, start - 1 : -1], -1) for m in models
+            )
+            total += float((student.exp() * (student - teacher)).sum())
+            count += len(tokens) - start
+    return total / count
+
+
+def test_on_policy_distillation_moves_the_policy_towards_the_teacher(
+    data: Path, rows: list, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
+) -> None:
+    """SkyRL's on_policy_distillation command (no_op, importance_sampling, use_kl_in_reward) with
+    trainer.algorithm.on_policy_distillation=true: the reference model is a teacher (the tiny model
+    with its weights perturbed), each token's reward -(logp - teacher logp); the policy's reverse
+    KL to the teacher on its responses falls."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    teacher_dir = tmp_path / "teacher"
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in teacher.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    teacher.save_pretrained(teacher_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    student = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    sequences = []  # the initial policy's greedy responses to the training prompts
+    for row in rows:
+        prompt = list(
+            tokenizer.apply_chat_template(row.prompt, add_generation_prompt=True, return_dict=False)
+        )
+        out = student.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None)
+        sequences.append((out[0].tolist(), len(prompt)))
+    before = _reverse_kl(tiny_model_dir, teacher_dir, sequences)
+
+    url = tiny_server_url.removeprefix("http://")
+    a = "trainer.algorithm."
+    overrides = {
+        "trainer.policy.model.path": str(tiny_model_dir),
+        "trainer.ref.model.path": str(teacher_dir),
+        "data.train_data": f"['{data / 'train.parquet'}']",
+        "data.val_data": "[]",
+        "environment.env_class": "test_thread_recorder",
+        "data.env_class_key": "no_such_column",
+        "generator.run_engines_locally": False,
+        "generator.remote_inference_engine_urls": f"['{url}']",
+        "generator.override_existing_update_group": True,
+        f"{a}on_policy_distillation": True,
+        f"{a}advantage_estimator": "no_op",
+        f"{a}policy_loss_type": "importance_sampling",
+        f"{a}use_kl_in_reward": True,
+        f"{a}use_kl_loss": False,
+        "trainer.train_batch_size": 8,
+        "trainer.policy_mini_batch_size": 8,
+        "generator.n_samples_per_prompt": 4,
+        "generator.max_generate_length": 16,
+        "trainer.max_prompt_length": 128,
+        "trainer.max_steps": 8,
+        "trainer.epochs": 4,
+        "trainer.eval_before_train": False,
+        "trainer.eval_interval": -1,
+        "trainer.ckpt_interval": -1,
+        "trainer.policy.optimizer_config.lr": 1e-3,
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+    }
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    try:
+        trainer.setup()
+        history = [h for h in trainer.fit() if "kl_in_reward/kl" in h]
+        exported = trainer.parts.policy.export_hf(str(tmp_path / "trained"))
+    finally:
+        trainer.shutdown()
+    after = _reverse_kl(Path(exported), teacher_dir, sequences)
+    print(
+        f"reverse KL to the teacher on the initial responses: {before:.4f} -> {after:.4f}; sampled per step:",
+        [round(h["kl_in_reward/kl"], 4) for h in history],
+    )
+    assert len(history) == 8 and all(h["kl_in_reward/kl_coef"] == 1.0 for h in history)
+    assert before > 0.01  # the teacher differs
+    # trained on the environment reward instead (on_policy_distillation=false), this KL rises
+    assert after < 0.8 * before

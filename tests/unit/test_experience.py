@@ -147,6 +147,33 @@ def test_kl_in_reward_penalises_tokens_before_grpo() -> None:
     assert exp.metrics["policy/logprob_diff_vs_rollout"] == pytest.approx(0.05)
 
 
+def test_on_policy_distillation_rewards_each_token_with_the_teachers_log_ratio() -> None:
+    """SkyRL's on_policy_distillation: reward_t = -(logp_t - teacher_logp_t), the environment's
+    reward unused, no_op passes it through as the advantage."""
+
+    def policy(batch: SequenceBatch) -> torch.Tensor:
+        return torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
+
+    def teacher(batch: SequenceBatch) -> torch.Tensor:
+        return torch.tensor([[-1.5, -1.0], [-1.0, -2.5]])
+
+    settings = ExperienceSettings(
+        "no_op",
+        old_logprobs_source="trainer",
+        kl_in_reward=True,
+        kl_coef=0.1,  # replaced: the teacher's log-ratio is the whole reward
+        kl_estimator="k3",
+        distillation=True,
+    )
+    for env_reward in (0.0, 1.0):
+        trajectories = [traj("a", env_reward, [1, 2]), traj("a", 0.5, [3, 4])]
+        exp = make_experience(
+            trajectories, settings, policy_version=0, policy_logprobs=policy, ref_logprobs=teacher
+        )
+        close(exp.batch.extras["advantages"], [[-0.5, 0.0], [1.0, -0.5]])
+        assert exp.metrics["kl_in_reward/kl_coef"] == 1.0
+
+
 def test_async_rollout_logprobs_are_the_anchor_and_staleness_is_bounded() -> None:
     trajectories = [
         traj("a", 1.0, [1], logprobs=[-0.3], version=2),
