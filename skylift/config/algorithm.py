@@ -215,6 +215,14 @@ class AlgorithmConfig:
         f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}, or one a module in import_modules registers",
     )
     grpo_norm_by_std: bool = _f(True, "grpo: divide group-centred rewards by the group's std")
+    zero_variance_filter: bool = _f(
+        False,
+        "loss-mask the prompt groups whose rewards are all equal (more than one trajectory with a "
+        "loss token, rewards within zero_variance_filter_tol); response-level rewards only (SkyRL's)",
+    )
+    zero_variance_filter_tol: float = _f(
+        1e-6, "zero_variance_filter: rewards this close count as equal (0 = exact equality)", ge=0
+    )
     advantage_batch_normalize: bool = _f(False, "normalise advantages over the whole training batch")
     policy_loss_type: str = _f(
         "regular",

@@ -36,6 +36,13 @@ class FullyAsyncConfig:
         "(max_staleness_steps + 1); null = train_batch_size",
         ge=1,
     )
+    sample_full_batch: bool = _f(
+        False,
+        "drop the prompt groups whose rewards are all equal as they finish (their prompts count as "
+        "used; the slot is given back) until a batch of groups with a signal is ready: DAPO's "
+        "dynamic-sampling filter, fully async (SkyRL's). Needs trainer.algorithm.zero_variance_filter=true. "
+        "When the data runs out mid batch, the partial batch is discarded and the run ends",
+    )
     pause_mode: str = _f(
         "keep",
         f"{' | '.join(PAUSE_MODES)}: what a weight sync does to requests in flight: keep = vLLM freezes "

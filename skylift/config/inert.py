@@ -160,12 +160,7 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "trainer.algorithm.use_abs_kl": (False, "deprecated in SkyRL; the abs estimator is not implemented"),
     "trainer.algorithm.cispo.cispo_anchor": ("old", "skylift's cispo weights anchor on the old logprobs"),
     "trainer.algorithm.entropy_loss_coef": (0.01, "read only by use_entropy_loss (not implemented yet)"),
-    "trainer.algorithm.zero_variance_filter_tol": (
-        1e-6,
-        "read only by zero_variance_filter (not implemented yet)",
-    ),
     "trainer.mtp.*": (ANY, "multi-token prediction is Megatron-only in SkyRL"),
-    "trainer.fully_async.sample_full_batch": (False, "not implemented: batches are taken group by group"),
     "trainer.fully_async.clear_kv_cache_on_weight_sync": (
         False,
         "not implemented yet: skylift's engines reset their prefix cache at every weight sync anyway",
@@ -282,10 +277,6 @@ SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
         "Ulysses is skylift's sequence parallelism (trainer.<model>.sequence_parallel_size)",
     ),
     "trainer.algorithm.use_entropy_loss": (False, "no entropy bonus in the policy loss"),
-    "trainer.algorithm.zero_variance_filter": (
-        False,
-        "groups of equal rewards are not masked; with GRPO their advantages are 0 already",
-    ),
 }
 
 

@@ -380,6 +380,11 @@ def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
 def _check_fully_async(cfg: SkyliftConfig, problems: list[str]) -> None:
     t = cfg.trainer
     fa, p = t.fully_async, "trainer.fully_async"
+    if fa.sample_full_batch and not (fa.enabled and t.algorithm.zero_variance_filter):
+        problems.append(
+            f"{p}.sample_full_batch=true drops zero-variance groups in fully async runs: it needs "
+            f"{p}.enabled=true and trainer.algorithm.zero_variance_filter=true (as in SkyRL)"
+        )
     if not fa.enabled:
         return
     if t.async_training:
@@ -397,7 +402,10 @@ def _check_fully_async(cfg: SkyliftConfig, problems: list[str]) -> None:
             "(tis_ratio_type or sequence_mask_metric, ...), or policy_loss_type=rollout_is or dppo"
         )
     if t.algorithm.dynamic_sampling.type is not None:
-        problems.append(f"{p}.enabled=true does not run with trainer.algorithm.dynamic_sampling.type set")
+        problems.append(
+            f"{p}.enabled=true does not run with trainer.algorithm.dynamic_sampling.type set (its filter, "
+            f"fully async: {p}.sample_full_batch=true with trainer.algorithm.zero_variance_filter=true)"
+        )
     workers, batch = fa.num_parallel_generation_workers, t.train_batch_size
     if workers is not None and not batch <= workers <= batch * (fa.max_staleness_steps + 1):
         problems.append(

@@ -216,3 +216,32 @@ def _trained_runs(mask: Sequence[int]) -> list[int]:
             runs.append(current)
             current = 0
     return runs + [current] if current else runs
+
+
+def reprefixed(metrics: dict[str, float], view: str) -> dict[str, float]:
+    """SkyRL's separate views of a figure: ``generate/X`` -> ``generate_<view>/X``."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        prefix, sep, rest = key.partition("/")
+        out[f"{prefix}_{view}/{rest}" if sep else f"{view}/{key}"] = value
+    return out
+
+
+def dropped_group_metrics(
+    kept: Sequence[TimedGroup], dropped: Sequence[TimedGroup], n_samples: int
+) -> dict[str, float]:
+    """SkyRL's figures of a fully async step whose batch-filling dropped groups
+    (`trainer.fully_async.sample_full_batch`): ``generate/group_completion_*`` over kept and dropped
+    groups, ``generate_kept/*`` and ``generate_dropped/*`` over each, and the dropped groups'
+    rewards (``reward_dropped/avg_pass_at_<n>``: groups with a positive reward,
+    ``avg_raw_reward``, ``mean_positive_reward``)."""
+    rewards = [tr.reward for group, _ in dropped for tr in group]
+    metrics = group_completion_metrics([*kept, *dropped])
+    metrics |= reprefixed(group_completion_metrics(kept), "kept")
+    metrics |= reprefixed(group_completion_metrics(dropped), "dropped")
+    if rewards:
+        passed = sum(any(tr.reward > 0 for tr in group) for group, _ in dropped)
+        metrics[f"reward_dropped/avg_pass_at_{n_samples}"] = passed / len(dropped)
+        metrics["reward_dropped/avg_raw_reward"] = statistics.fmean(rewards)
+        metrics["reward_dropped/mean_positive_reward"] = statistics.fmean(max(r, 0.0) for r in rewards)
+    return metrics

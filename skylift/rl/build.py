@@ -84,6 +84,9 @@ def make_source(
             max_staleness=t.fully_async.max_staleness_steps,
             workers=t.fully_async.num_parallel_generation_workers or t.train_batch_size,
             timeout_s=cfg.generator.http_timeout_s,
+            zero_variance_tol=t.algorithm.zero_variance_filter_tol
+            if t.fully_async.sample_full_batch
+            else None,
         )
     elif t.async_training:
         source = OneStepOffSource(rows, sampler, total_steps, t.max_staleness_steps)

@@ -44,6 +44,24 @@ def has_signal(group: list[Trajectory], tolerance: float = 1e-6) -> bool:
     return max(rewards) - min(rewards) > tolerance
 
 
+def zero_variance_uids(
+    trajectories: list[Trajectory], tolerance: float = 1e-6, rewards: list[float] | None = None
+) -> set[str]:
+    """Prompt uids of the groups SkyRL's ``zero_variance_filter`` drops: more than one *live*
+    trajectory (one with a token that counts in the loss) and all their rewards (`rewards`, one per
+    trajectory, else each one's own) within `tolerance` of each other. Groups of one live
+    trajectory or fewer are kept."""
+    reward_of = {
+        id(tr): r for tr, r in zip(trajectories, rewards or [tr.reward for tr in trajectories], strict=True)
+    }
+    dropped: set[str] = set()
+    for group in split_groups(trajectories):
+        live = [reward_of[id(tr)] for tr in group if any(tr.loss_mask)]
+        if len(live) > 1 and max(live) - min(live) <= tolerance:
+            dropped.add(group[0].uid)
+    return dropped
+
+
 @dataclass
 class DynamicSample:
     trajectories: list[Trajectory]

@@ -37,6 +37,7 @@ from skylift.algorithms.overlong import overlong_rewards
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory, rollout_metrics, turn_reward_tensor
 from skylift.generator.metrics import skyrl_generate_metrics
+from skylift.rl.dynamic_sampling import zero_variance_uids
 from skylift.rl.one_step_off import check_staleness, ppo_old_logprobs_source, staleness_metrics
 from skylift.rl.step_wise import check_step_wise, is_step_wise, step_wise_advantages
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -60,6 +61,8 @@ class ExperienceSettings:
     kl_in_reward: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    zero_variance_filter: bool = False  # SkyRL's: loss-mask the groups whose rewards are all equal
+    zero_variance_tol: float = 1e-6
     distillation: bool = False  # the KL-in-reward step gives -(logp - teacher logp) as the whole reward
     max_staleness: int = 0
     pad_token_id: int = 0
@@ -93,6 +96,8 @@ class ExperienceSettings:
             kl_coef=alg.kl_loss_coef,
             kl_estimator=alg.kl_estimator_type,
             distillation=alg.on_policy_distillation,
+            zero_variance_filter=alg.zero_variance_filter,
+            zero_variance_tol=alg.zero_variance_filter_tol,
             max_staleness=max_staleness,
             pad_token_id=pad_token_id,
             overlong_buffer_len=alg.overlong_buffer.len,
@@ -156,6 +161,13 @@ def make_experience(
             shaped
         )
     rewards = torch.tensor(shaped, dtype=torch.float32)
+    if settings.zero_variance_filter and not any(tr.turn_rewards for tr in trajectories):
+        # SkyRL's filter, for response-level rewards: groups without a reward spread count for nothing
+        dropped = zero_variance_uids(list(trajectories), settings.zero_variance_tol, shaped)
+        keep = torch.tensor([tr.uid not in dropped for tr in trajectories], dtype=mask.dtype)
+        mask = mask * keep[:, None]
+        batch = dataclasses.replace(batch, response_mask=mask)
+        metrics["reward/num_zero_variance_filtered"] = float(len(dropped))
 
     tick = time.perf_counter()
     if settings.old_logprobs_source == "trainer":

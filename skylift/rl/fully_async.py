@@ -23,6 +23,10 @@ Design:
 5. Each group records its completion seconds (from its generation's start to its end, on the
    `clock`), for SkyRL's ``generate/group_completion_time_*`` figures of the step that trains it
    (`skylift.generator.metrics.group_completion_metrics`).
+6. `keep` (`trainer.fully_async.sample_full_batch`): a finished group it turns down (rewards all
+   equal) is not buffered; its prompt counts as used and its slot is given back, so the batch
+   fills with groups that carry a signal. Running out of data then raises `RolloutsExhausted`,
+   which ends the run.
 
 Checkpoints save the trainer's state only, not the buffer: a resumed run starts generating at
 the prompt after the last trained batch's position in the data order (`global_step *
@@ -183,6 +187,10 @@ GroupFn = Callable[[Any, int, int], Coroutine[Any, Any, list[Trajectory]]]
 """(row, data step, engine version) -> the group's trajectories."""
 
 
+class RolloutsExhausted(RuntimeError):
+    """The data ran out before a batch was ready (with `sample_full_batch`, the run ends there)."""
+
+
 class FullyAsyncRollouts:
     """Generation workers filling a bounded buffer on a `LoopThread`; `take` blocks for a batch."""
 
@@ -198,8 +206,16 @@ class FullyAsyncRollouts:
         workers: int,
         timeout_s: float,
         clock: Clock = time.monotonic,
+        keep: Callable[[list[Trajectory]], bool] | None = None,
     ) -> None:
+        """`keep`: whether a finished group goes into the buffer (None: all do). A group it turns
+        down counts as used (its prompt is not generated again) and gives its slot back
+        (`trainer.fully_async.sample_full_batch`)."""
         self.loop = loop
+        self.keep = keep
+        self.turned_down = 0  # groups `keep` turned down, all run long
+        self.turned_down_groups: list[Group] = []  # those since the last `take`
+        self.last_turned_down: list[Group] = []  # those the last `take` saw, for its figures
         self.clock = clock  # times each group's generation
         self.source = source
         self.generate_group = generate_group
@@ -254,8 +270,16 @@ class FullyAsyncRollouts:
             completion_s = self.clock() - began
             with self._lock:
                 self.gate.finish()
-                self._buffer.append(Group(trajectories, row, step, completion_s=completion_s))
+                kept = self.keep is None or self.keep(trajectories)
+                if kept:
+                    self._buffer.append(Group(trajectories, row, step, completion_s=completion_s))
+                else:
+                    self.gate.drop()
+                    self.turned_down += 1
+                    self.turned_down_groups.append(Group(trajectories, row, step, completion_s=completion_s))
                 self._lock.notify_all()
+            if not kept:
+                self._wakeup.set()  # its slot is free: a waiting worker may start a group
 
     def _wake_workers(self) -> None:
         if self._wakeup is not None:
@@ -269,7 +293,7 @@ class FullyAsyncRollouts:
     def take(self, policy_version: int) -> tuple[list[Group], dict[str, float]]:
         """Block until `batch_size` groups within the staleness bound are done; the groups (oldest
         first) and the buffer's figures. Too-stale groups are dropped and their prompts generated
-        again."""
+        again. The groups `keep` turned down since the last call are then in `last_turned_down`."""
         started = time.perf_counter()
         dropped_total = 0
         deadline = started + self.timeout_s
@@ -289,9 +313,12 @@ class FullyAsyncRollouts:
                 if taken:
                     break
                 if self._exhausted and self.gate.in_flight == 0:
-                    raise RuntimeError(
+                    turned_down = (
+                        f" ({self.turned_down} groups without a reward spread dropped)" if self.keep else ""
+                    )
+                    raise RolloutsExhausted(
                         f"fully async: the data ran out with {len(self._buffer)} of {self.batch_size} "
-                        "groups of a batch generated"
+                        f"groups of a batch generated{turned_down}"
                     )
                 left = deadline - time.perf_counter()
                 if left <= 0:
@@ -302,6 +329,7 @@ class FullyAsyncRollouts:
                     )
                 self._lock.wait(min(left, 1.0))
             in_flight, buffered = self.gate.in_flight, len(self._buffer)
+            self.last_turned_down, self.turned_down_groups = self.turned_down_groups, []
         trajectories = [tr for g in taken for tr in g.trajectories]
         metrics = {
             "fully_async/wait_s": time.perf_counter() - started,
@@ -311,6 +339,10 @@ class FullyAsyncRollouts:
             "fully_async/groups_started": float(self.gate.started),
             **token_version_metrics(trajectories, policy_version),
         }
+        if self.keep is not None:  # SkyRL's names for sample_full_batch's figures
+            turned_down = len(self.last_turned_down)
+            metrics["async/num_groups_dropped"] = float(turned_down)
+            metrics["async/keep_rate"] = self.batch_size / (self.batch_size + turned_down)
         return taken, metrics
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from skylift.rl.console import Console
 from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.experience import ExperienceSettings, make_experience
+from skylift.rl.fully_async import RolloutsExhausted
 from skylift.rl.parts import ModelGroup, Parts
 from skylift.rl.rows import Sampler
 from skylift.rl.sources import RolloutSource
@@ -90,6 +91,10 @@ class RLTrainer:
             with switch_interval() if self.source.overlapped else contextlib.nullcontext():
                 while self.state.global_step < self.total_steps:
                     self.step()
+        except RolloutsExhausted as exc:
+            if not self.source.may_run_out:
+                raise
+            self._end_early(exc)
         except EngineUnavailableError as exc:
             raise self._stop_after_engine_loss(exc) from exc
         finally:
@@ -228,6 +233,16 @@ class RLTrainer:
         parts.weights.sync(self.state.policy_version)
         self.console.say(f"resumed from {path} (step {self.state.global_step})")
         return True
+
+    def _end_early(self, exc: RolloutsExhausted) -> None:
+        """The data ran out before the last step (groups were dropped as they finished): the
+        partial batch is discarded and the run ends with a checkpoint and an export, as at its end."""
+        t, done = self.cfg.trainer, self.state.global_step
+        self.console.say(f"{exc}; the run ends after step {done} of {self.total_steps}")
+        if t.ckpt_interval > 0 and done > 0 and done % t.ckpt_interval != 0:
+            self.save_checkpoint()
+        if t.hf_save_interval > 0 and done > 0 and done % t.hf_save_interval != 0:
+            self.export()
 
     def _stop_after_engine_loss(self, exc: EngineUnavailableError) -> TrainingStoppedError:
         """Save the last completed step (engines fail in generation, before a step changes the

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from skylift.generator import Trajectory
-from skylift.generator.metrics import group_completion_metrics
+from skylift.generator.metrics import dropped_group_metrics, group_completion_metrics
 from skylift.generator.timing import Clock
-from skylift.rl.dynamic_sampling import dynamic_sample
+from skylift.rl.dynamic_sampling import dynamic_sample, zero_variance_uids
 from skylift.rl.fully_async import FullyAsyncRollouts, LoopThread, PromptSource
 from skylift.rl.one_step_off import BackgroundRollouts, needs_weight_sync
 from skylift.rl.rows import Sampler, StepRows
@@ -57,6 +57,8 @@ class Rollouts:
 class RolloutSource(Protocol):
     overlapped: bool
     """Generation runs on a thread beside training (the GIL changes hands more often)."""
+    may_run_out: bool
+    """`take` may raise `RolloutsExhausted` before the last step: the run then ends there."""
 
     def take(self, step: int, policy_version: int) -> Rollouts:
         """The trajectories step `step` (0-based) trains on; the policy is at `policy_version`."""
@@ -89,6 +91,7 @@ class SyncSource:
     """Generate the step's prompts with the current weights, then train on them."""
 
     overlapped = False
+    may_run_out = False
 
     def __init__(self, rows: StepRows, sampler: Sampler) -> None:
         self.rows, self.sampler = rows, sampler
@@ -181,8 +184,13 @@ class FullyAsyncSource:
         workers: int,
         timeout_s: float,
         clock: Clock = time.monotonic,
+        zero_variance_tol: float | None = None,
     ) -> None:
+        """`zero_variance_tol` set: groups whose rewards lie within it are dropped as they finish
+        (`trainer.fully_async.sample_full_batch`), and running out of data ends the run."""
         self.rows, self.sampler, self.label_engines = rows, sampler, label_engines
+        self.zero_variance_tol = zero_variance_tol
+        self.may_run_out = zero_variance_tol is not None
         self.max_staleness, self.workers, self.timeout_s = max_staleness, workers, timeout_s
         self.clock = clock  # times each group's generation
         self.stream: FullyAsyncRollouts | None = None
@@ -204,10 +212,14 @@ class FullyAsyncSource:
                 workers=self.workers,
                 timeout_s=self.timeout_s,
                 clock=self.clock,
+                keep=None if self.zero_variance_tol is None else self._has_reward_spread,
             )
         except BaseException:
             loop.stop()
             raise
+
+    def _has_reward_spread(self, group: list[Trajectory]) -> bool:
+        return not zero_variance_uids(group, self.zero_variance_tol or 0.0)
 
     def take(self, step: int, policy_version: int) -> Rollouts:
         self._step_started, self._paused_s = time.perf_counter(), 0.0
@@ -215,7 +227,12 @@ class FullyAsyncSource:
             self.stream = self._start(step)
         taken, metrics = self.stream.take(policy_version)
         self._wait_s = metrics["fully_async/wait_s"]
-        metrics.update(group_completion_metrics([(g.trajectories, g.completion_s) for g in taken]))
+        kept = [(g.trajectories, g.completion_s) for g in taken]
+        dropped = [(g.trajectories, g.completion_s) for g in self.stream.last_turned_down]
+        if dropped:  # sample_full_batch dropped groups while this batch filled: SkyRL's views
+            metrics.update(dropped_group_metrics(kept, dropped, self.sampler.n))
+        else:
+            metrics.update(group_completion_metrics(kept))
         return Rollouts([tr for g in taken for tr in g.trajectories], metrics)
 
     def prefetch(self, step: int) -> None:
@@ -262,7 +279,7 @@ class DynamicSampling:
         say: Callable[[str], None],
     ) -> None:
         self.inner, self.rows, self.sampler = inner, rows, sampler
-        self.overlapped = inner.overlapped
+        self.overlapped, self.may_run_out = inner.overlapped, inner.may_run_out
         self.mode, self.batch_size, self.per_round = mode, batch_size, per_round
         self.max_rounds, self.min_replace_ratio, self.seed = max_rounds, min_replace_ratio, seed
         self.say = say

@@ -5,6 +5,8 @@ No engine, no worker, no Ray: the logprob and value functions are plain function
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -172,6 +174,28 @@ def test_on_policy_distillation_rewards_each_token_with_the_teachers_log_ratio()
         )
         close(exp.batch.extras["advantages"], [[-0.5, 0.0], [1.0, -0.5]])
         assert exp.metrics["kl_in_reward/kl_coef"] == 1.0
+
+
+def test_zero_variance_filter_masks_the_groups_without_a_reward_spread() -> None:
+    """SkyRL's zero_variance_filter: group a (rewards 1, 1) is loss-masked; group b (1, 0) is kept;
+    group c has one live trajectory (the other has no loss token) and is kept."""
+    trajectories = [
+        traj("a", 1.0, [1, 2]),
+        traj("a", 1.0, [3, 4]),
+        traj("b", 1.0, [5, 6]),
+        traj("b", 0.0, [7, 8]),
+        traj("c", 1.0, [9, 9]),
+        traj("c", 1.0, [9, 8], mask=[0, 0]),
+    ]
+    settings = ExperienceSettings("grpo", norm_by_std=False, zero_variance_filter=True)
+    exp = make_experience(trajectories, settings, policy_version=0)
+    close(exp.batch.response_mask, [[0, 0], [0, 0], [1, 1], [1, 1], [1, 1], [0, 0]])
+    assert exp.metrics["reward/num_zero_variance_filtered"] == 1.0
+    off = make_experience(
+        trajectories, dataclasses.replace(settings, zero_variance_filter=False), policy_version=0
+    )
+    close(off.batch.response_mask, [[1, 1], [1, 1], [1, 1], [1, 1], [1, 1], [0, 0]])
+    assert "reward/num_zero_variance_filtered" not in off.metrics
 
 
 def test_async_rollout_logprobs_are_the_anchor_and_staleness_is_bounded() -> None:

@@ -246,3 +246,40 @@ def test_a_sync_step_logs_no_group_figures(tmp_path: Path) -> None:
     (step,) = _fit(fake_run(tmp_path, "trainer.max_steps=1", generator=ClockedFake()))
     assert step["generate/trajectory_time_completion_max"] > 0
     assert not any("group_completion" in k for k in step)
+
+
+def test_dropped_group_views_are_skyrls() -> None:
+    """sample_full_batch's figures: SkyRL's `_reprefix_metrics` views of kept and dropped groups,
+    the headline over both, and `get_metrics_from_generator_output` of the dropped groups' rewards."""
+    from collections import defaultdict
+
+    from skylift.generator.metrics import dropped_group_metrics
+
+    skyrl = _skyrl_functions("fully_async_trainer.py", ("_reprefix_metrics",))
+    skyrl |= _skyrl_functions("generators/utils.py", ("get_metrics_from_generator_output",))
+    skyrl["get_metrics_from_generator_output"].__globals__.update(defaultdict=defaultdict, MetricsOutput=dict)
+    kept: list[TimedGroup] = [([sample("k", 1.0), sample("k", 3.0)], 3.5)]
+    dropped: list[TimedGroup] = [
+        ([sample("d1", 2.0), sample("d1", 2.5)], 2.6),  # reward 1
+        ([sample("d2", 1.0), sample("d2", 4.0)], 4.1),
+    ]
+    for tr in dropped[1][0]:
+        tr.reward = -0.5
+    got = dropped_group_metrics(kept, dropped, n_samples=2)
+    rewards = [tr.reward for group, _ in dropped for tr in group]
+    uids = [tr.uid for group, _ in dropped for tr in group]
+    theirs = skyrl["get_metrics_from_generator_output"]({"rewards": rewards}, uids)
+    want = {
+        **group_completion_metrics([*kept, *dropped]),
+        **skyrl["_reprefix_metrics"](group_completion_metrics(kept), "kept"),
+        **skyrl["_reprefix_metrics"](group_completion_metrics(dropped), "dropped"),
+        "reward_dropped/avg_pass_at_2": theirs["pass_at_n"],
+        "reward_dropped/avg_raw_reward": theirs["avg_score"],
+        "reward_dropped/mean_positive_reward": theirs["mean_positive_reward"],
+    }
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(want[k]) for k in want)
+    assert (
+        got["reward_dropped/avg_pass_at_2"] == 0.5
+        and got["generate_dropped/group_completion_time_max"] == 4.1
+    )

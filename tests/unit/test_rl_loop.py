@@ -164,6 +164,64 @@ def test_dynamic_sampling_filter_trains_only_groups_with_a_signal(tmp_path: Path
     assert any(h["dynamic_sampling/rounds"] > 1 for h in history)
 
 
+def test_fully_async_sample_full_batch_trains_only_groups_with_a_signal_and_ends_when_data_runs_out(
+    tmp_path: Path,
+) -> None:
+    """SkyRL's sample_full_batch: groups whose rewards are all equal are dropped as they finish and
+    not generated again; with half the prompts such, 32 prompts give 4 batches of 4, so a run
+    asking for 8 steps ends after 4 with a checkpoint."""
+    run = fake_run(
+        tmp_path,
+        "trainer.fully_async.enabled=true",
+        "trainer.fully_async.sample_full_batch=true",
+        "trainer.algorithm.zero_variance_filter=true",
+        "trainer.fully_async.max_staleness_steps=1",
+        "trainer.algorithm.use_tis=true",
+        "trainer.algorithm.tis_imp_ratio_cap=2.0",
+        "trainer.max_steps=8",
+        "trainer.ckpt_interval=3",
+        generator=FakeGenerator(reward=_even_prompts_are_solved),
+    )
+    history = _fit(run)
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    for trained in run.policy.trained:
+        groups = _groups(trained)
+        assert len(groups) == BATCH and all(p % 2 == 1 for p in groups)
+    generated = [row for c in run.generator.calls for row in c.rows]
+    assert sorted(generated) == sorted(set(generated)) and len(generated) == 32  # none generated twice
+    dropped = [h["async/num_groups_dropped"] for h in history]
+    assert 0 < sum(dropped) <= 16  # the even prompts, as they finished before each batch was full
+    assert all(h["async/keep_rate"] == BATCH / (BATCH + d) for h, d in zip(history, dropped, strict=True))
+    for h, d in zip(history, dropped, strict=True):  # SkyRL's views of the dropped groups
+        if d:
+            assert h["reward_dropped/avg_raw_reward"] == 1.0 and h[f"reward_dropped/avg_pass_at_{N}"] == 1.0
+            assert h["generate_dropped/group_completion_time_mean"] >= 0
+            assert (
+                "generate_kept/group_completion_time_max" in h and "generate/group_completion_time_p90" in h
+            )
+        else:
+            assert not any(k.startswith(("reward_dropped/", "generate_dropped/")) for k in h)
+    assert (
+        latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "global_step_4"
+    )  # saved at the early end
+    assert load_trainer_state(tmp_path / "ckpts" / "global_step_4").global_step == 4
+
+
+def test_without_sample_full_batch_running_out_of_data_is_still_an_error(tmp_path: Path) -> None:
+    from skylift.rl.fully_async import RolloutsExhausted
+
+    run = fake_run(
+        tmp_path,
+        "trainer.fully_async.enabled=true",
+        "trainer.algorithm.use_tis=true",
+        "trainer.algorithm.tis_imp_ratio_cap=2.0",
+        num_train=8,
+    )
+    run.trainer.total_steps = 3  # more steps than 8 prompts make
+    with pytest.raises(RolloutsExhausted, match="data ran out with 0 of 4"):
+        _fit(run)
+
+
 @pytest.mark.parametrize("one_step_off", [False, True])
 def test_dynamic_sampling_replace_fills_the_batch_with_copies(tmp_path: Path, one_step_off: bool) -> None:
     run = fake_run(
