@@ -44,7 +44,12 @@ class EngineWeights:
         d = g.delta_weight_sync
         #: weight_sync_backend=delta: where the policy publishes (None: a weight-update group)
         self.delta = (
-            DeltaPublishSpec(d.sync_dir, int(d.max_file_size_in_gb * (1 << 30)), d.publish_num_workers)
+            DeltaPublishSpec(
+                d.sync_dir,
+                int(d.max_file_size_in_gb * (1 << 30)),
+                d.publish_num_workers,
+                d.publish_staging_dir,
+            )
             if g.weight_sync_backend == "delta" and d.sync_dir
             else None
         )

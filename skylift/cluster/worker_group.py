@@ -128,6 +128,7 @@ class RLWorker(TrainingWorker):
                 resolve_base_dir(self.settings.model_path),
                 max_file_bytes=spec.max_file_bytes,
                 num_workers=spec.num_workers,
+                staging_dir=spec.staging_dir,
             )
         if dtype is not None:
             weights = _cast_floating(weights, str_to_dtype(dtype))

@@ -5,7 +5,8 @@ and `skylift.weight_sync.delta_apply`).
 The policy's rank 0 writes each version's changed tensors, XORed with the version before and
 compressed, under ``sync_dir``; every engine applies them to its own copy of the weights
 (``local_checkpoint_dir``) and loads the changed tensors. SkyRL's keys that only its cloud transfers
-or its whole-checkpoint reload read are declared without effect in ``skylift.config.inert``.
+or its whole-checkpoint reload read are declared without effect in ``skylift.config.inert``. A
+``gs://`` or ``s3://`` sync_dir goes through ``skylift.weight_sync.delta_cloud``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from skylift.config.fields import _f
 
 logger = logging.getLogger("skylift.config")
 
-#: URI schemes SkyRL's delta sync writes to and skylift does not (yet)
+#: object-storage URI schemes a sync_dir may use (`skylift.weight_sync.delta_cloud`)
 CLOUD_SCHEMES = ("gs://", "s3://")
 
 
@@ -27,15 +28,20 @@ class DeltaWeightSyncConfig:
 
     sync_dir: str | None = _f(
         None,
-        "weight_sync_backend=delta: directory, shared by the policy's rank 0 and every engine, where "
-        "each policy version is published (deltas/delta-NNNNNNNN); required with delta; gs:// and "
-        "s3:// are not supported yet",
+        "weight_sync_backend=delta: where each policy version is published (deltas/delta-NNNNNNNN): "
+        "a directory the policy's rank 0 and every engine share, or an s3:// or gs:// URI (needs "
+        "s3fs / gcsfs); required with delta",
     )
     local_checkpoint_dir: str | None = _f(
         None,
         "engine side: directory of the engine host's patched copy of the weights (shared by the "
         "engines of one host, file-locked); null = a directory under the system's temp dir named "
         "after sync_dir",
+    )
+    publish_staging_dir: str | None = _f(
+        None,
+        "an s3:// or gs:// sync_dir: the local directory where rank 0 writes a version before "
+        "uploading it (null = a temporary directory)",
     )
     max_file_size_in_gb: float = _f(1.0, "most compressed bytes of one payload file, in GiB", gt=0)
     publish_num_workers: int | None = _f(
@@ -64,11 +70,11 @@ def delta_problems(backend: str, delta: DeltaWeightSyncConfig, lora_rank: int) -
     if not delta.sync_dir or not delta.sync_dir.strip():
         return [f"{key} is required with weight_sync_backend=delta: the directory the trainer publishes to"]
     problems = []
-    if is_cloud_uri(delta.sync_dir):
-        problems.append(
-            f"{key}={delta.sync_dir!r}: gs:// and s3:// sync dirs are not supported by skylift yet "
-            "(no cloud upload or download is written): give a directory that the policy's rank 0 "
-            "and every engine can reach, e.g. on a shared filesystem"
+    if delta.publish_staging_dir and not is_cloud_uri(delta.sync_dir):
+        logger.warning(
+            "generator.delta_weight_sync.publish_staging_dir has no effect: sync_dir=%s is a directory "
+            "(versions are written there directly)",
+            delta.sync_dir,
         )
     if lora_rank > 0:
         problems.append(

@@ -4,7 +4,9 @@
 replaying any it missed; it reads files only and can run while the engine generates. `load` (after
 a `fetch` of its own, a no-op when done) has every vLLM worker load the tensors that changed since
 the version this engine holds (`weight_sync.delta_receiver`), under the engine's weight lock, then
-resets the prefix cache. An engine that holds weights the store cannot account for (another run's,
+resets the prefix cache. A ``gs://`` or ``s3://`` sync_dir is read through a mirror beside the
+store (`weight_sync.delta_cloud`): `fetch` copies the versions the store needs, applies them from
+there and drops their payloads. An engine that holds weights the store cannot account for (another run's,
 or ones received over a weight-update group) loads every tensor. Bad requests are
 `EngineRequestError`s (a version never published: `EngineNotFoundError`) and change nothing.
 """
@@ -20,6 +22,7 @@ from typing import Any
 from skylift.config.delta_sync import is_cloud_uri
 from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineStateError
 from skylift.weight_sync.delta_apply import DeltaStore
+from skylift.weight_sync.delta_cloud import drop_payloads, mirror_chain
 from skylift.weight_sync.delta_format import (
     CorruptPayloadError,
     DeltaError,
@@ -28,6 +31,8 @@ from skylift.weight_sync.delta_format import (
     resolve_base_dir,
 )
 from skylift.weight_sync.protocol import RPC_LOAD_DELTA, DeltaSyncRequest
+
+MIRROR = "mirror"  # a cloud sync dir's versions, copied beside the store
 
 
 class EngineDelta:
@@ -50,16 +55,28 @@ class EngineDelta:
             raise EngineRequestError(f"{name}: version must be an integer >= 1, got {request.version!r}")
         if not request.sync_dir:
             raise EngineRequestError(f"{name}: sync_dir is missing")
-        if is_cloud_uri(request.sync_dir):
-            raise EngineRequestError(
-                f"{name}: sync_dir={request.sync_dir!r}: gs:// and s3:// are not supported yet"
-            )
-        if not Path(request.sync_dir).is_dir():
+        if not is_cloud_uri(request.sync_dir) and not Path(request.sync_dir).is_dir():
             raise EngineRequestError(
                 f"{name}: sync_dir {request.sync_dir!r} is not a directory on this engine's host"
             )
         directory = request.local_checkpoint_dir or default_store_dir(request.sync_dir)
         return DeltaStore(directory, self.base_dir)
+
+    @staticmethod
+    def _readable_dir(request: DeltaSyncRequest, store: DeltaStore) -> str:
+        """Where the store reads versions from: the sync dir, or the mirror of a cloud one."""
+        return str(store.dir / MIRROR) if is_cloud_uri(request.sync_dir) else request.sync_dir
+
+    @staticmethod
+    def _fetch_and_apply(request: DeltaSyncRequest, store: DeltaStore) -> list[int]:
+        if not is_cloud_uri(request.sync_dir):
+            return store.apply(request.sync_dir, request.version)
+        mirror = store.dir / MIRROR
+        state = store.state()
+        mirror_chain(request.sync_dir, request.version, mirror, (state.run_id, state.version))
+        applied = store.apply(mirror, request.version)
+        drop_payloads(mirror, applied)
+        return applied
 
     async def fetch(self, request: DeltaSyncRequest) -> dict[str, Any]:
         """Bring the store to `request.version`; returns {"version", "applied_versions", "seconds"}."""
@@ -67,7 +84,7 @@ class EngineDelta:
         start = time.perf_counter()
         name = f"{self.engine.name}: fetch_delta {request.version}"
         try:
-            applied = await asyncio.to_thread(store.apply, request.sync_dir, request.version)
+            applied = await asyncio.to_thread(self._fetch_and_apply, request, store)
         except DeltaVersionNotFound as exc:
             raise EngineNotFoundError(f"{name}: {exc}") from exc
         except CorruptPayloadError as exc:
@@ -102,7 +119,9 @@ class EngineDelta:
                 state = await asyncio.to_thread(store.state)
                 if state.version != request.version:
                     raise DeltaError(f"the store {store.dir} moved on to version {state.version}")
-                names = await asyncio.to_thread(self._names, store, request.sync_dir, state.run_id)
+                names = await asyncio.to_thread(
+                    self._names, store, self._readable_dir(request, store), state.run_id
+                )
             except (DeltaError, OSError) as exc:
                 raise EngineStateError(f"{engine.name}: load_delta {request.version}: {exc}") from exc
             base = self.base_dir

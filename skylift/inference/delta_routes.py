@@ -6,9 +6,10 @@
   engine holds and reset the prefix cache (the driver pauses generation around it when requests
   are in flight: `/skylift/pause`, `/skylift/resume`).
 
-400: a body that is not one of these, a sync_dir that is no directory on this host, a gs:// or
-s3:// sync_dir, a corrupt payload (named); 404: a version never published; 409: a store that
-cannot reach the version. The engine keeps serving with the weights it had.
+400: a body that is not one of these, a sync_dir that is neither a directory on this host nor a
+gs:// or s3:// URI, a corrupt payload (named); 404: a version never published; 409: a store that
+cannot reach the version (a bucket this host cannot read among the reasons). The engine keeps
+serving with the weights it had.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def checksum(data: bytes | memoryview) -> str:
 
 def default_store_dir(sync_dir: str | Path) -> Path:
     """The engine host's store for `sync_dir` when no local_checkpoint_dir is given."""
-    key = hashlib.sha1(str(Path(sync_dir).resolve()).encode()).hexdigest()[:16]
+    where = str(sync_dir) if "://" in str(sync_dir) else str(Path(sync_dir).resolve())
+    key = hashlib.sha1(where.encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "skylift_delta_checkpoints" / key
 
 

@@ -8,6 +8,10 @@ ones, zstd-compresses the patches (in `num_workers` threads) into payload files 
 `max_file_bytes` each (a frame larger than that gets a file of its own), writes the manifest
 (`delta_format`), and moves the whole version into place with one rename; then, and only then, it
 updates the snapshot. The version directory appears complete or not at all.
+
+A ``gs://`` or ``s3://`` `sync_dir` is written through a local staging directory: each version is
+published there as above, then uploaded (`delta_cloud.upload_version`: payloads first, the
+manifest last) and removed locally.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -26,8 +31,10 @@ from pathlib import Path
 
 import torch
 
+from skylift.config.delta_sync import is_cloud_uri
 from skylift.utils.durable_files import fsync_dir, write_bytes_atomic
 from skylift.weight_sync.buckets import NamedTensor
+from skylift.weight_sync.delta_cloud import clear_versions, upload_version
 from skylift.weight_sync.delta_format import (
     DELTAS,
     MANIFEST,
@@ -120,10 +127,18 @@ class DeltaPublisher:
         base_dir: Path | None,
         max_file_bytes: int = 1 << 30,
         num_workers: int | None = None,
+        staging_dir: str | Path | None = None,
     ) -> None:
+        """`staging_dir`: with a gs:// or s3:// `sync_dir`, where versions are written before
+        their upload (None: a temporary directory)."""
         if max_file_bytes < 1:
             raise ValueError(f"max_file_bytes={max_file_bytes} must be >= 1")
-        self.sync_dir = Path(sync_dir)
+        self.remote = str(sync_dir) if is_cloud_uri(str(sync_dir)) else None
+        if self.remote is not None:
+            staging = Path(staging_dir) if staging_dir else Path(tempfile.mkdtemp(prefix="skylift-delta-"))
+            self.sync_dir = staging / uuid.uuid4().hex
+        else:
+            self.sync_dir = Path(sync_dir)
         self.base = BaseWeights(base_dir)
         self.max_file_bytes = max_file_bytes
         self.num_workers = num_workers or min(8, os.cpu_count() or 1)
@@ -156,6 +171,8 @@ class DeltaPublisher:
             for old in deltas.glob("delta-*"):
                 logger.info("delta sync: removing %s, left by an earlier run", old)
                 shutil.rmtree(old, ignore_errors=True)
+            if self.remote is not None:
+                clear_versions(self.remote)
         tmp = deltas / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir()
         return tmp
@@ -211,12 +228,15 @@ class DeltaPublisher:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fsync_dir(final.parent)
+            if self.remote is not None:
+                upload_version(final, self.remote, version)
+                shutil.rmtree(final, ignore_errors=True)
         except BaseException as exc:
             writer.close()
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, OSError):
                 raise DeltaError(
-                    f"delta sync: publishing version {version} under {self.sync_dir}: {exc}"
+                    f"delta sync: publishing version {version} under {self.remote or self.sync_dir}: {exc}"
                 ) from exc
             raise
         self.snapshot.update(updates)

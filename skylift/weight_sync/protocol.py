@@ -126,3 +126,4 @@ class DeltaPublishSpec:
     sync_dir: str
     max_file_bytes: int = 1 << 30
     num_workers: int | None = None
+    staging_dir: str | None = None  # a gs:// or s3:// sync_dir: where versions are written first

@@ -83,7 +83,8 @@ def _is_training(entry: str) -> bool:
 # entry points with their own Python code (custom losses, estimators, generators: not main_base)
 # register names and keys skylift cannot know.
 EXPECTED_REFUSALS = {
-    # SYNC_DIR is a gs:// or s3:// URI the script requires; unset here, so empty
+    # SYNC_DIR is a gs:// or s3:// URI the script requires; unset here, so empty (with it set, the
+    # commands are accepted: checked below)
     "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "delta_weight_sync.sync_dir is required",
     "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "delta_weight_sync.sync_dir is required",
     "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
@@ -147,6 +148,12 @@ def test_skyrls_example_commands_are_accepted_or_refused_clearly(fixture: str) -
             wrong.append(f"{source}: refused: {error}")
         elif expected is not None and (error is None or expected not in error):
             wrong.append(f"{source}: expected a refusal with {expected!r}, got {error!r}")
+        elif expected is not None and "sync_dir is required" in expected:  # with SYNC_DIR set
+            with_uri = [
+                o + "s3://bucket/run" if o.endswith("delta_weight_sync.sync_dir=") else o for o in overrides
+            ]
+            if (late := _load(with_uri)) is not None:
+                wrong.append(f"{source}: with SYNC_DIR=s3://bucket/run, refused: {late}")
         accepted += error is None
     logging.getLogger("skylift.config").setLevel(logging.NOTSET)
     assert not wrong, "\n".join(wrong)
@@ -227,7 +234,8 @@ def test_delta_weight_sync_is_accepted_with_a_local_sync_dir_and_its_keys_take_e
     assert cfg.generator.delta_weight_sync.sync_dir == f"{tmp_path}/sync"
     # SkyRL's cloud-only key is accepted without effect, with its reason
     assert any(
-        "delta_weight_sync.cloud_download_workers=16 has no effect" in r.message and "gs://" in r.message
+        "delta_weight_sync.cloud_download_workers=16 has no effect" in r.message
+        and "one after the other" in r.message
         for r in caplog.records
     )
 
@@ -238,12 +246,31 @@ def test_delta_weight_sync_refuses_what_it_cannot_do_with_one_clear_message(
     ie = "generator.inference_engine."
     cases = {
         "": "delta_weight_sync.sync_dir is required with weight_sync_backend=delta",
-        "gs://bucket/run": "gs:// and s3:// sync dirs are not supported by skylift yet",
-        "s3://bucket/run": "gs:// and s3:// sync dirs are not supported by skylift yet",
     }
     for sync_dir, words in cases.items():
         with pytest.raises(ConfigError, match=words):
             load_config([f"{ie}weight_sync_backend=delta", f"{ie}delta_weight_sync.sync_dir={sync_dir}"])
+    for uri in ("gs://bucket/run", "s3://bucket/run"):  # object storage (skylift.weight_sync.delta_cloud)
+        cfg = load_config(
+            [
+                f"{ie}weight_sync_backend=delta",
+                f"{ie}delta_weight_sync.sync_dir={uri}",
+                f"{ie}delta_weight_sync.publish_staging_dir=/scratch/staging",
+            ]
+        )
+        assert cfg.generator.delta_weight_sync.publish_staging_dir == "/scratch/staging"
+    with caplog.at_level(logging.WARNING, logger="skylift.config"):
+        load_config(
+            [
+                f"{ie}weight_sync_backend=delta",
+                f"{ie}delta_weight_sync.sync_dir=/shared/sync",
+                f"{ie}delta_weight_sync.publish_staging_dir=/scratch/staging",
+            ]
+        )
+    assert any(
+        "publish_staging_dir has no effect: sync_dir=/shared/sync is a directory" in r.message
+        for r in caplog.records
+    )
     with pytest.raises(ConfigError, match="weight_sync_backend=delta does not support LoRA"):
         load_config(
             [

@@ -132,7 +132,7 @@ def test_the_routes_answer_bad_requests_with_4xx_and_the_engine_keeps_its_weight
         "version 7": ({**body, "version": 7}, 404, "version 7 is not published"),
         "no sync_dir": ({"version": 1}, 422, "sync_dir"),
         "not a dir": ({**body, "sync_dir": str(tmp_path / "nowhere")}, 400, "is not a directory"),
-        "cloud": ({**body, "sync_dir": "s3://bucket/run"}, 400, "gs:// and s3:// are not supported yet"),
+        "gcs without gcsfs": ({**body, "sync_dir": "gs://bucket/run"}, 409, "install gcsfs to reach gs://"),
         "version 0": ({**body, "version": 0}, 422, "version"),
         "corrupt": ({**body, "version": 2}, 400, f"payload {payload} is corrupt"),
     }
