@@ -54,6 +54,7 @@ class EngineWeights:
             else None
         )
         self.delta_store_dir = d.local_checkpoint_dir  # each engine host's store (None: derived)
+        self.delta_download_workers = d.cloud_download_workers  # an s3:// or gs:// sync_dir's
         self.link = PolicySync(
             policy,
             lora=cfg.trainer.policy.model.lora.rank > 0,
@@ -120,7 +121,10 @@ class EngineWeights:
         assert self.delta is not None
         metrics = self.run(asyncio.to_thread(self.policy.publish_delta, self.delta, self.dtype))
         request = DeltaSyncRequest(
-            int(metrics["weight_sync/delta_version"]), self.delta.sync_dir, self.delta_store_dir
+            int(metrics["weight_sync/delta_version"]),
+            self.delta.sync_dir,
+            self.delta_store_dir,
+            self.delta_download_workers,
         )
         try:
             self.run(self.engines.fetch_delta(request))

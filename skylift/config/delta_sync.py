@@ -43,6 +43,9 @@ class DeltaWeightSyncConfig:
         "an s3:// or gs:// sync_dir: the local directory where rank 0 writes a version before "
         "uploading it (null = a temporary directory)",
     )
+    cloud_download_workers: int = _f(
+        4, "an s3:// or gs:// sync_dir: payload files each engine host downloads at once", ge=1, le=64
+    )
     max_file_size_in_gb: float = _f(1.0, "most compressed bytes of one payload file, in GiB", gt=0)
     publish_num_workers: int | None = _f(
         None, "threads that XOR and compress the changed tensors; null = min(8, CPU count)", ge=1
@@ -70,12 +73,16 @@ def delta_problems(backend: str, delta: DeltaWeightSyncConfig, lora_rank: int) -
     if not delta.sync_dir or not delta.sync_dir.strip():
         return [f"{key} is required with weight_sync_backend=delta: the directory the trainer publishes to"]
     problems = []
-    if delta.publish_staging_dir and not is_cloud_uri(delta.sync_dir):
-        logger.warning(
-            "generator.delta_weight_sync.publish_staging_dir has no effect: sync_dir=%s is a directory "
-            "(versions are written there directly)",
-            delta.sync_dir,
-        )
+    if not is_cloud_uri(delta.sync_dir):
+        default = DeltaWeightSyncConfig()
+        for name in ("publish_staging_dir", "cloud_download_workers"):
+            if getattr(delta, name) != getattr(default, name):
+                logger.warning(
+                    "generator.delta_weight_sync.%s has no effect: sync_dir=%s is a directory (read "
+                    "and written directly)",
+                    name,
+                    delta.sync_dir,
+                )
     if lora_rank > 0:
         problems.append(
             "weight_sync_backend=delta does not support LoRA (trainer.policy.model.lora.rank > 0), as "

@@ -256,14 +256,12 @@ for _name, _entry in _ENGINE_WITHOUT_EFFECT.items():
 for _name in ("pipeline_parallel_size", "expert_parallel_size", "data_parallel_size"):
     SKYRL_WITHOUT_EFFECT[f"generator.inference_engine_{_name}"] = _ENGINE_WITHOUT_EFFECT[_name]
 
-_CLOUD_DOWNLOADS = "skylift's engines download a version's payload files one after the other (fsspec)"
 _RELOAD_ONLY = (
     "skylift loads the changed tensors into the running engine instead of reloading the whole "
     "patched checkpoint from disk"
 )
 SKYRL_WITHOUT_EFFECT.update(
     {
-        "generator.delta_weight_sync.cloud_download_workers": (4, _CLOUD_DOWNLOADS),
         "generator.delta_weight_sync.checkpoint_load_format": ("vllm_multi_thread_safetensors", _RELOAD_ONLY),
         "generator.delta_weight_sync.multi_thread_safetensors_max_workers": (8, _RELOAD_ONLY),
     }

@@ -190,3 +190,4 @@ class DeltaSyncBody(Body):
     version: int = Field(ge=1, le=10**8 - 1)
     sync_dir: str = Field(min_length=1, max_length=4096)
     local_checkpoint_dir: str | None = Field(None, min_length=1, max_length=4096)
+    download_workers: int = Field(4, ge=1, le=64)

@@ -73,7 +73,8 @@ class EngineDelta:
             return store.apply(request.sync_dir, request.version)
         mirror = store.dir / MIRROR
         state = store.state()
-        mirror_chain(request.sync_dir, request.version, mirror, (state.run_id, state.version))
+        held = (state.run_id, state.version)
+        mirror_chain(request.sync_dir, request.version, mirror, held, request.download_workers)
         applied = store.apply(mirror, request.version)
         drop_payloads(mirror, applied)
         return applied

@@ -31,7 +31,7 @@ def _state(request: Request) -> SkyliftState:
 
 
 def _request(body: DeltaSyncBody) -> DeltaSyncRequest:
-    return DeltaSyncRequest(body.version, body.sync_dir, body.local_checkpoint_dir)
+    return DeltaSyncRequest(body.version, body.sync_dir, body.local_checkpoint_dir, body.download_workers)
 
 
 @router.post("/skylift/delta/fetch")

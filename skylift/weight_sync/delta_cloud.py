@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ from skylift.weight_sync.delta_format import (
 )
 
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 10, 120, 3
+#: every request is bounded: a bucket that does not answer fails the call, naming the URI
+OPTIONS: dict[str, dict[str, Any]] = {
+    "s3": {
+        "config_kwargs": {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+            "retries": {"max_attempts": ATTEMPTS},
+        }
+    },
+    "gs": {"timeout": READ_TIMEOUT_S},
+    "gcs": {"timeout": READ_TIMEOUT_S},
+}
 
 
 def _filesystem(uri: str) -> tuple[Any, str]:
@@ -44,7 +58,7 @@ def _filesystem(uri: str) -> tuple[Any, str]:
 
     scheme = uri.split("://", 1)[0].lower()
     try:
-        fs, path = fsspec.core.url_to_fs(uri)
+        fs, path = fsspec.core.url_to_fs(uri, **OPTIONS.get(scheme, {}))
     except ImportError as exc:
         package = PACKAGES.get(scheme, "the fsspec implementation of " + scheme)
         raise DeltaError(f"delta sync to {uri}: install {package} to reach {scheme}:// ({exc})") from exc
@@ -63,7 +77,7 @@ def clear_versions(uri: str) -> None:
     try:
         if fs.exists(deltas):
             fs.rm(deltas, recursive=True)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - the storage library's own errors too (botocore's are no OSError)
         raise DeltaError(f"delta sync: clearing {uri}/{DELTAS}: {exc}") from exc
 
 
@@ -78,7 +92,7 @@ def upload_version(local_dir: Path, uri: str, version: int) -> None:
         for path in files:
             fs.put_file(str(path), f"{remote}/{path.name}")
         fs.put_file(str(local_dir / MANIFEST), f"{remote}/{MANIFEST}")
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - the storage library's own errors too (botocore's are no OSError)
         raise DeltaError(f"delta sync: uploading version {version} to {uri}: {exc}") from exc
 
 
@@ -90,31 +104,38 @@ def _fetch_manifest(fs: Any, root: str, uri: str, version: int) -> bytes:
         raise DeltaVersionNotFound(
             f"version {version} is not published: no {uri}/{DELTAS}/delta-{version:08d}/{MANIFEST}"
         ) from None
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - the storage library's own errors too (botocore's are no OSError)
         raise DeltaError(f"delta sync: reading the manifest of version {version} from {uri}: {exc}") from exc
 
 
-def _mirror_one(fs: Any, root: str, uri: str, manifest: Manifest, raw: bytes, mirror: Path) -> None:
-    """Copy one version's payloads into the mirror, then its manifest, then move it into place."""
+def _mirror_one(
+    fs: Any, root: str, uri: str, manifest: Manifest, raw: bytes, mirror: Path, workers: int
+) -> None:
+    """Copy one version's payloads (`workers` files at once) into the mirror, then its manifest,
+    then move it into place."""
     final = version_dir(mirror, manifest.version)
     tmp = final.with_name(f".tmp-{uuid.uuid4().hex}")
     tmp.mkdir(parents=True)
     remote = _remote_version(root, manifest.version)
+    names = sorted({r.file for r in manifest.tensors})
     try:
-        for name in sorted({r.file for r in manifest.tensors}):
-            fs.get_file(f"{remote}/{name}", str(tmp / name))
+        with ThreadPoolExecutor(
+            max(1, min(workers, len(names) or 1)), thread_name_prefix="delta-get"
+        ) as pool:
+            list(pool.map(lambda name: fs.get_file(f"{remote}/{name}", str(tmp / name)), names))
         (tmp / MANIFEST).write_bytes(raw)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - the storage library's own errors too (botocore's are no OSError)
         raise DeltaError(f"delta sync: downloading version {manifest.version} from {uri}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def mirror_chain(uri: str, version: int, mirror: Path, held: tuple[str, int]) -> list[int]:
+def mirror_chain(uri: str, version: int, mirror: Path, held: tuple[str, int], workers: int = 4) -> list[int]:
     """Copy into `mirror` the versions a store holding `held` (run id, version) needs to reach
-    `version` (see the module docstring); the versions copied, newest first."""
+    `version` (see the module docstring), `workers` payload files at once; the versions copied,
+    newest first."""
     fs, root = _filesystem(uri)
     copied: list[int] = []
     at = version
@@ -131,7 +152,7 @@ def mirror_chain(uri: str, version: int, mirror: Path, held: tuple[str, int]) ->
                 local.write_bytes(raw)
             return copied
         if not local.exists() or local.read_bytes() != raw:
-            _mirror_one(fs, root, uri, manifest, raw, mirror)
+            _mirror_one(fs, root, uri, manifest, raw, mirror, workers)
             copied.append(at)
         if manifest.base_version == 0 or (manifest.run_id == held[0] and manifest.base_version == held[1]):
             return copied

@@ -108,12 +108,14 @@ class WeightSyncTarget(Protocol):
 class DeltaSyncRequest:
     """Checkpoint-delta weight sync: bring an engine to published `version` (`weight_sync.delta_apply`).
 
-    `sync_dir`: where the trainer publishes (a directory the engine's host reads);
-    `local_checkpoint_dir`: the host's store (None: one under the temp dir named after `sync_dir`)."""
+    `sync_dir`: where the trainer publishes (a directory the engine's host reads, or an s3:// or
+    gs:// URI); `local_checkpoint_dir`: the host's store (None: one under the temp dir named after
+    `sync_dir`); `download_workers`: payload files downloaded at once from a URI."""
 
     version: int
     sync_dir: str
     local_checkpoint_dir: str | None = None
+    download_workers: int = 4
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,7 +18,13 @@ pytest.importorskip("moto", reason="moto[server] is in skylift's dev extra (pypr
 from skylift.inference.delta_engine import MIRROR  # noqa: E402
 from skylift.weight_sync.delta_apply import DeltaStore  # noqa: E402
 from skylift.weight_sync.delta_cloud import drop_payloads, mirror_chain  # noqa: E402
-from skylift.weight_sync.delta_format import MANIFEST, DeltaVersionNotFound, as_bytes, version_dir  # noqa: E402
+from skylift.weight_sync.delta_format import (  # noqa: E402
+    MANIFEST,
+    DeltaError,
+    DeltaVersionNotFound,
+    as_bytes,
+    version_dir,
+)
 from skylift.weight_sync.delta_publish import DeltaPublisher  # noqa: E402
 from skylift.weight_sync.protocol import DeltaSyncRequest  # noqa: E402
 
@@ -118,19 +124,37 @@ def test_an_engine_fetches_and_loads_from_the_bucket(s3, tmp_path: Path) -> None
     base = tmp_path / "base"
     model = tiny_model(base)
     uri = f"s3://{BUCKET}/run-c"
-    publisher = DeltaPublisher(uri, base)
+    publisher = DeltaPublisher(uri, base, max_file_bytes=64)  # a file per changed tensor
     engine = Engine("e0", base)
+    changed = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight"]
     loop = asyncio.new_event_loop()
     try:
         for v in (1, 2):
-            step(model, ["model.layers.0.mlp.down_proj.weight"], seed=v)
+            step(model, changed, seed=v)
             publisher.publish(sent(model))
-        receipt = loop.run_until_complete(
-            engine.load_delta(DeltaSyncRequest(2, uri, str(tmp_path / "store")))
-        )
-        assert receipt["applied_versions"] == [1, 2] and receipt["tensors"] == 1
+        request = DeltaSyncRequest(2, uri, str(tmp_path / "store"), download_workers=2)
+        receipt = loop.run_until_complete(engine.load_delta(request))
+        assert receipt["applied_versions"] == [1, 2] and receipt["tensors"] == 2
         assert engine.fake.holds(model)
         mirrored = tmp_path / "store" / MIRROR
         assert all(sorted(p.name for p in version_dir(mirrored, v).iterdir()) == [MANIFEST] for v in (1, 2))
     finally:
         loop.close()
+
+
+def test_a_bucket_that_does_not_answer_fails_naming_the_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    import fsspec
+
+    fsspec.filesystem("s3").clear_instance_cache()  # another test's endpoint
+    with pytest.raises(DeltaError, match=r"reading the manifest of version 1 from s3://nowhere/run"):
+        mirror_chain("s3://nowhere/run", 1, tmp_path / "mirror", ("", 0))
