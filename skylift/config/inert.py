@@ -201,6 +201,12 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "trainer.exclude_modules": (None, "deprecated in SkyRL, and skylift's LoRA excludes no modules"),
     "data.dataloader.*": (ANY, "skylift reads prompts in the trainer's process, without DataLoader workers"),
     "generator.model_name": (ANY, "engines serve trainer.policy.model.path"),  # an interpolation in SkyRL
+    # not in SkyRL's schema either: its step_wise example adds it with `+`, and SkyRL's generator never
+    # reads it (it retokenizes the chat history when use_conversation_multi_turn has a custom template)
+    "generator.retokenize_chat_history": (
+        ANY,
+        "SkyRL's code never reads it (an example adds it with +); skylift keeps each turn's sampled tokens",
+    ),
     "generator.rope_scaling*": (ANY, "not implemented yet: RoPE overrides"),
     "generator.rope_theta": (ANY, "not implemented yet: RoPE overrides"),
     "generator.chat_template.source": (

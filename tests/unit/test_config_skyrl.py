@@ -94,7 +94,6 @@ EXPECTED_REFUSALS = {
     "examples/train/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_30B.sh:1": "unknown config key generator.miniswe_config_path",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_8B.sh:1": "unknown config key generator.miniswe_config_path",
-    "skyrl-train/examples/step_wise/run_skyrl_sql_step_wise_qwen3.sh:1": "unknown config key generator.retokenize_chat_history",
     "skyrl-train/examples/terminal_bench/run_codecontest.sh:1": "unknown config key hydra.searchpath",
     "skyrl-train/examples/terminal_bench/run_otagent.sh:1": "unknown config key hydra.searchpath",
     "skyrl-train/examples/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
