@@ -141,40 +141,56 @@ def test_observations_as_plain_text_continue_the_assistant_turn(
     assert all(len(run) > len(feedback) for run in chat)
 
 
-def test_adaptive_kl_controller_moves_the_reward_penalty(
-    data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
-) -> None:
-    url = tiny_server_url.removeprefix("http://")
-    target, horizon, coef = 0.01, 32, 0.1
-    overrides = {
-        "trainer.policy.model.path": str(tiny_model_dir),
+def _run_overrides(
+    data: Path, model: Path, server_url: str, tmp_path: Path, keys: dict[str, object]
+) -> list[str]:
+    """A short training run against the shared server, every row scored by `test_thread_recorder`,
+    without evaluation or checkpoints unless `keys` (set on top) ask for them."""
+    base: dict[str, object] = {
+        "trainer.policy.model.path": str(model),
         "data.train_data": f"['{data / 'train.parquet'}']",
         "data.val_data": "[]",
         "environment.env_class": "test_thread_recorder",
         "data.env_class_key": "no_such_column",  # every row falls back to environment.env_class
         "generator.run_engines_locally": False,
-        "generator.remote_inference_engine_urls": f"['{url}']",
+        "generator.remote_inference_engine_urls": f"['{server_url.removeprefix('http://')}']",
         "generator.override_existing_update_group": True,
-        "trainer.train_batch_size": 4,
-        "trainer.policy_mini_batch_size": 4,
-        "generator.n_samples_per_prompt": 4,
-        "generator.max_generate_length": 12,
         "trainer.max_prompt_length": 128,
-        "trainer.max_steps": 3,
         "trainer.eval_before_train": False,
         "trainer.eval_interval": -1,
-        "trainer.ckpt_interval": 3,
-        "trainer.policy.optimizer_config.lr": 1e-2,
-        "trainer.algorithm.use_kl_in_reward": True,
-        "trainer.algorithm.kl_loss_coef": coef,
-        "trainer.algorithm.kl_ctrl.type": "adaptive",
-        "trainer.algorithm.kl_ctrl.kl_target": target,
-        "trainer.algorithm.kl_ctrl.horizon": horizon,
-        "trainer.ckpt_path": str(tmp_path / "ckpts"),
+        "trainer.ckpt_interval": -1,
         "trainer.export_path": str(tmp_path / "exports"),
         "trainer.log_dir": str(tmp_path / "logs"),
     }
-    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    return [f"{k}={v}" for k, v in {**base, **keys}.items()]
+
+
+def test_adaptive_kl_controller_moves_the_reward_penalty(
+    data: Path, tiny_model_dir: Path, tiny_server_url: str, tmp_path: Path
+) -> None:
+    target, horizon, coef = 0.01, 32, 0.1
+    overrides = _run_overrides(
+        data,
+        tiny_model_dir,
+        tiny_server_url,
+        tmp_path,
+        {
+            "trainer.train_batch_size": 4,
+            "trainer.policy_mini_batch_size": 4,
+            "generator.n_samples_per_prompt": 4,
+            "generator.max_generate_length": 12,
+            "trainer.max_steps": 3,
+            "trainer.ckpt_interval": 3,
+            "trainer.policy.optimizer_config.lr": 1e-2,
+            "trainer.algorithm.use_kl_in_reward": True,
+            "trainer.algorithm.kl_loss_coef": coef,
+            "trainer.algorithm.kl_ctrl.type": "adaptive",
+            "trainer.algorithm.kl_ctrl.kl_target": target,
+            "trainer.algorithm.kl_ctrl.horizon": horizon,
+            "trainer.ckpt_path": str(tmp_path / "ckpts"),
+        },
+    )
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         history = [h for h in trainer.fit() if "kl_in_reward/kl_coef" in h]
@@ -204,33 +220,25 @@ def test_delta_weight_sync_leaves_the_server_on_the_trained_weights(
     from skylift.weight_sync.delta_apply import DeltaStore
     from skylift.weight_sync.delta_format import read_manifest
 
-    url = tiny_server_url.removeprefix("http://")
     ie = "generator.inference_engine."
-    overrides = {
-        "trainer.policy.model.path": str(tiny_model_dir),
-        "data.train_data": f"['{data / 'train.parquet'}']",
-        "data.val_data": "[]",
-        "environment.env_class": "test_thread_recorder",
-        "data.env_class_key": "no_such_column",
-        "generator.run_engines_locally": False,
-        "generator.remote_inference_engine_urls": f"['{url}']",
-        f"{ie}weight_sync_backend": "delta",
-        f"{ie}delta_weight_sync.sync_dir": str(tmp_path / "sync"),
-        f"{ie}delta_weight_sync.local_checkpoint_dir": str(tmp_path / "store"),
-        "trainer.train_batch_size": 2,
-        "trainer.policy_mini_batch_size": 2,
-        "generator.n_samples_per_prompt": 2,
-        "generator.max_generate_length": 8,
-        "trainer.max_prompt_length": 128,
-        "trainer.max_steps": 2,
-        "trainer.eval_before_train": False,
-        "trainer.eval_interval": -1,
-        "trainer.ckpt_interval": -1,
-        "trainer.policy.optimizer_config.lr": 1e-2,
-        "trainer.export_path": str(tmp_path / "exports"),
-        "trainer.log_dir": str(tmp_path / "logs"),
-    }
-    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    overrides = _run_overrides(
+        data,
+        tiny_model_dir,
+        tiny_server_url,
+        tmp_path,
+        {
+            f"{ie}weight_sync_backend": "delta",
+            f"{ie}delta_weight_sync.sync_dir": str(tmp_path / "sync"),
+            f"{ie}delta_weight_sync.local_checkpoint_dir": str(tmp_path / "store"),
+            "trainer.train_batch_size": 2,
+            "trainer.policy_mini_batch_size": 2,
+            "generator.n_samples_per_prompt": 2,
+            "generator.max_generate_length": 8,
+            "trainer.max_steps": 2,
+            "trainer.policy.optimizer_config.lr": 1e-2,
+        },
+    )
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         trainer.fit()
@@ -262,33 +270,24 @@ def test_skyrl_style_custom_estimator_and_loss_run_on_the_driver_and_in_the_work
     require_loopback_namespace()
     import os
 
-    url = tiny_server_url.removeprefix("http://")
-    overrides = {
-        "trainer.policy.model.path": str(tiny_model_dir),
-        "data.train_data": f"['{data / 'train.parquet'}']",
-        "data.val_data": "[]",
-        "environment.env_class": "test_thread_recorder",
-        "data.env_class_key": "no_such_column",
-        "generator.run_engines_locally": False,
-        "generator.remote_inference_engine_urls": f"['{url}']",
-        "generator.override_existing_update_group": True,
-        "trainer.placement.backend": "ray",  # the workers are Ray actors: other processes
-        "trainer.algorithm.import_modules": "[tests.skyrl_custom_algorithms]",
-        "trainer.algorithm.advantage_estimator": "simple_baseline",
-        "trainer.algorithm.policy_loss_type": "reinforce",
-        "trainer.train_batch_size": 2,
-        "trainer.policy_mini_batch_size": 2,
-        "generator.n_samples_per_prompt": 2,
-        "generator.max_generate_length": 8,
-        "trainer.max_prompt_length": 128,
-        "trainer.max_steps": 2,
-        "trainer.eval_before_train": False,
-        "trainer.eval_interval": -1,
-        "trainer.ckpt_interval": -1,
-        "trainer.export_path": str(tmp_path / "exports"),
-        "trainer.log_dir": str(tmp_path / "logs"),
-    }
-    cfg = load_config([f"{k}={v}" for k, v in overrides.items()])
+    overrides = _run_overrides(
+        data,
+        tiny_model_dir,
+        tiny_server_url,
+        tmp_path,
+        {
+            "trainer.placement.backend": "ray",  # the workers are Ray actors: other processes
+            "trainer.algorithm.import_modules": "[tests.skyrl_custom_algorithms]",
+            "trainer.algorithm.advantage_estimator": "simple_baseline",
+            "trainer.algorithm.policy_loss_type": "reinforce",
+            "trainer.train_batch_size": 2,
+            "trainer.policy_mini_batch_size": 2,
+            "generator.n_samples_per_prompt": 2,
+            "generator.max_generate_length": 8,
+            "trainer.max_steps": 2,
+        },
+    )
+    cfg = load_config(overrides)
     custom = importlib.import_module("tests.skyrl_custom_algorithms")
     custom.ESTIMATOR_CALLS.clear()
     trainer = build_trainer(cfg, console=False)
@@ -354,38 +353,29 @@ def test_on_policy_distillation_moves_the_policy_towards_the_teacher(
         sequences.append((out[0].tolist(), len(prompt)))
     before = _reverse_kl(tiny_model_dir, teacher_dir, sequences)
 
-    url = tiny_server_url.removeprefix("http://")
     a = "trainer.algorithm."
-    overrides = {
-        "trainer.policy.model.path": str(tiny_model_dir),
-        "trainer.ref.model.path": str(teacher_dir),
-        "data.train_data": f"['{data / 'train.parquet'}']",
-        "data.val_data": "[]",
-        "environment.env_class": "test_thread_recorder",
-        "data.env_class_key": "no_such_column",
-        "generator.run_engines_locally": False,
-        "generator.remote_inference_engine_urls": f"['{url}']",
-        "generator.override_existing_update_group": True,
-        f"{a}on_policy_distillation": True,
-        f"{a}advantage_estimator": "no_op",
-        f"{a}policy_loss_type": "importance_sampling",
-        f"{a}use_kl_in_reward": True,
-        f"{a}use_kl_loss": False,
-        "trainer.train_batch_size": 8,
-        "trainer.policy_mini_batch_size": 8,
-        "generator.n_samples_per_prompt": 4,
-        "generator.max_generate_length": 16,
-        "trainer.max_prompt_length": 128,
-        "trainer.max_steps": 8,
-        "trainer.epochs": 4,
-        "trainer.eval_before_train": False,
-        "trainer.eval_interval": -1,
-        "trainer.ckpt_interval": -1,
-        "trainer.policy.optimizer_config.lr": 1e-3,
-        "trainer.export_path": str(tmp_path / "exports"),
-        "trainer.log_dir": str(tmp_path / "logs"),
-    }
-    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    overrides = _run_overrides(
+        data,
+        tiny_model_dir,
+        tiny_server_url,
+        tmp_path,
+        {
+            "trainer.ref.model.path": str(teacher_dir),
+            f"{a}on_policy_distillation": True,
+            f"{a}advantage_estimator": "no_op",
+            f"{a}policy_loss_type": "importance_sampling",
+            f"{a}use_kl_in_reward": True,
+            f"{a}use_kl_loss": False,
+            "trainer.train_batch_size": 8,
+            "trainer.policy_mini_batch_size": 8,
+            "generator.n_samples_per_prompt": 4,
+            "generator.max_generate_length": 16,
+            "trainer.max_steps": 8,
+            "trainer.epochs": 4,
+            "trainer.policy.optimizer_config.lr": 1e-3,
+        },
+    )
+    trainer = build_trainer(load_config(overrides), console=False)
     try:
         trainer.setup()
         history = [h for h in trainer.fit() if "kl_in_reward/kl" in h]
