@@ -49,6 +49,7 @@ class EngineWeights:
                 int(d.max_file_size_in_gb * (1 << 30)),
                 d.publish_num_workers,
                 d.publish_staging_dir,
+                d.rebase_interval,
             )
             if g.weight_sync_backend == "delta" and d.sync_dir
             else None

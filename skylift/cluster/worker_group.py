@@ -129,6 +129,7 @@ class RLWorker(TrainingWorker):
                 max_file_bytes=spec.max_file_bytes,
                 num_workers=spec.num_workers,
                 staging_dir=spec.staging_dir,
+                rebase_interval=spec.rebase_interval,
             )
         if dtype is not None:
             weights = _cast_floating(weights, str_to_dtype(dtype))

@@ -46,6 +46,13 @@ class DeltaWeightSyncConfig:
     cloud_download_workers: int = _f(
         4, "an s3:// or gs:// sync_dir: payload files each engine host downloads at once", ge=1, le=64
     )
+    rebase_interval: int | None = _f(
+        None,
+        "skylift's: every N-th version is published against the base checkpoint (every tensor "
+        "that differs from it: engines load it whole) and the versions before it are deleted, so "
+        "sync_dir holds at most N versions; null = keep every version (SkyRL's behaviour)",
+        ge=1,
+    )
     max_file_size_in_gb: float = _f(1.0, "most compressed bytes of one payload file, in GiB", gt=0)
     publish_num_workers: int | None = _f(
         None, "threads that XOR and compress the changed tensors; null = min(8, CPU count)", ge=1

@@ -33,6 +33,7 @@ from skylift.weight_sync.delta_format import (
     BaseWeights,
     CorruptPayloadError,
     DeltaError,
+    DeltaVersionNotFound,
     Manifest,
     TensorRecord,
     checksum,
@@ -210,7 +211,10 @@ class DeltaStore:
         names: set[str] = set()
         at = state.version
         while at > version:
-            manifest = read_manifest(sync_dir, at)
+            try:
+                manifest = read_manifest(sync_dir, at)
+            except DeltaVersionNotFound:  # deleted after a rebase (see delta_publish)
+                return None
             names.update(r.name for r in manifest.tensors)
             at = manifest.base_version
         return sorted(names) if at == version else None

@@ -81,6 +81,19 @@ def clear_versions(uri: str) -> None:
         raise DeltaError(f"delta sync: clearing {uri}/{DELTAS}: {exc}") from exc
 
 
+def delete_versions_before(uri: str, version: int) -> None:
+    """Remove the versions under `uri` numbered below `version`."""
+    fs, root = _filesystem(uri)
+    deltas = f"{root.rstrip('/')}/{DELTAS}"
+    try:
+        for path in fs.ls(deltas, detail=False):
+            name = str(path).rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("delta-") and name[6:].isdigit() and int(name[6:]) < version:
+                fs.rm(path, recursive=True)
+    except Exception as exc:  # noqa: BLE001 - the storage library's own errors too (botocore's are no OSError)
+        raise DeltaError(f"delta sync: deleting old versions under {uri}: {exc}") from exc
+
+
 def upload_version(local_dir: Path, uri: str, version: int) -> None:
     """Upload the published version in `local_dir`: payload files first, the manifest last."""
     fs, root = _filesystem(uri)

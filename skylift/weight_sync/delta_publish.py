@@ -9,6 +9,11 @@ ones, zstd-compresses the patches (in `num_workers` threads) into payload files 
 (`delta_format`), and moves the whole version into place with one rename; then, and only then, it
 updates the snapshot. The version directory appears complete or not at all.
 
+With `rebase_interval` N, every N-th version is published against the base checkpoint instead of
+the version before (it carries every tensor that differs from the base: an engine reaches it from
+the base alone) and the versions before it are deleted, so `sync_dir` never holds more than N
+versions. Without it every version is kept, as in SkyRL.
+
 A ``gs://`` or ``s3://`` `sync_dir` is written through a local staging directory: each version is
 published there as above, then uploaded (`delta_cloud.upload_version`: payloads first, the
 manifest last) and removed locally.
@@ -34,7 +39,7 @@ import torch
 from skylift.config.delta_sync import is_cloud_uri
 from skylift.utils.durable_files import fsync_dir, write_bytes_atomic
 from skylift.weight_sync.buckets import NamedTensor
-from skylift.weight_sync.delta_cloud import clear_versions, upload_version
+from skylift.weight_sync.delta_cloud import clear_versions, delete_versions_before, upload_version
 from skylift.weight_sync.delta_format import (
     DELTAS,
     MANIFEST,
@@ -128,11 +133,15 @@ class DeltaPublisher:
         max_file_bytes: int = 1 << 30,
         num_workers: int | None = None,
         staging_dir: str | Path | None = None,
+        rebase_interval: int | None = None,
     ) -> None:
         """`staging_dir`: with a gs:// or s3:// `sync_dir`, where versions are written before
-        their upload (None: a temporary directory)."""
+        their upload (None: a temporary directory). `rebase_interval`: see the module docstring."""
         if max_file_bytes < 1:
             raise ValueError(f"max_file_bytes={max_file_bytes} must be >= 1")
+        if rebase_interval is not None and rebase_interval < 1:
+            raise ValueError(f"rebase_interval={rebase_interval} must be >= 1 or None")
+        self.rebase_interval = rebase_interval
         self.remote = str(sync_dir) if is_cloud_uri(str(sync_dir)) else None
         if self.remote is not None:
             staging = Path(staging_dir) if staging_dir else Path(tempfile.mkdtemp(prefix="skylift-delta-"))
@@ -146,12 +155,13 @@ class DeltaPublisher:
         self.version = 0  # the last version published
         self.snapshot: dict[str, torch.Tensor] = {}
 
-    def _patch(self, name: str, tensor: torch.Tensor) -> _Patch:
+    def _patch(self, name: str, tensor: torch.Tensor, rebase: bool) -> _Patch:
+        """The frame of `tensor` against the snapshot, or against the base checkpoint (`rebase`)."""
         dtype, shape = dtype_name(tensor), list(tensor.shape)
         new = as_bytes(tensor)
         if new.data_ptr() == tensor.data_ptr():  # a view of the trainer's tensor: keep a copy
             new = new.clone()
-        old = self.snapshot.get(name)
+        old = None if rebase else self.snapshot.get(name)
         if old is None or old.numel() != new.numel():
             old = self.base.bytes_of(name, dtype, shape)
         if old is not None and torch.equal(old, new):
@@ -177,10 +187,20 @@ class DeltaPublisher:
         tmp.mkdir()
         return tmp
 
+    def _delete_before(self, version: int) -> None:
+        """Remove the versions before `version` (published against the base: no store needs them)."""
+        if self.remote is not None:
+            delete_versions_before(self.remote, version)
+            return
+        for old in (self.sync_dir / DELTAS).glob("delta-*"):
+            if int(old.name.removeprefix("delta-")) < version:
+                shutil.rmtree(old, ignore_errors=True)
+
     def publish(self, tensors: Iterable[NamedTensor]) -> PublishStats:
         """Publish the next version from `tensors` (name, full tensor in the dtype sent)."""
         started = time.perf_counter()
         version = self.version + 1
+        rebase = bool(self.rebase_interval) and version % (self.rebase_interval or 1) == 0
         self.base.index()  # built once, before the threads read it
         tmp = self._start()
         writer = _PayloadWriter(tmp, self.max_file_bytes)
@@ -190,7 +210,10 @@ class DeltaPublisher:
 
         def take(patch: _Patch) -> None:
             if patch.frame is None:
-                self.snapshot.setdefault(patch.name, patch.new)
+                if rebase:  # equal to the base: the snapshot takes it (it may differ from the last)
+                    updates[patch.name] = patch.new
+                else:
+                    self.snapshot.setdefault(patch.name, patch.new)
                 return
             file, offset = writer.add(patch.frame)
             records.append(
@@ -213,14 +236,17 @@ class DeltaPublisher:
                 pending: deque[Future[_Patch]] = deque()
                 for name, tensor in tensors:
                     seen += 1
-                    pending.append(pool.submit(self._patch, name, tensor))
+                    pending.append(pool.submit(self._patch, name, tensor, rebase))
                     while len(pending) > 2 * self.num_workers:
                         take(pending.popleft().result())
                 while pending:
                     take(pending.popleft().result())
             writer.close()
             manifest = Manifest(
-                version=version, base_version=self.version, run_id=self.run_id, tensors=records
+                version=version,
+                base_version=0 if rebase else self.version,
+                run_id=self.run_id,
+                tensors=records,
             )
             write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest.to_json()).encode())  # fsyncs tmp
             final = version_dir(self.sync_dir, version)
@@ -231,6 +257,8 @@ class DeltaPublisher:
             if self.remote is not None:
                 upload_version(final, self.remote, version)
                 shutil.rmtree(final, ignore_errors=True)
+            if rebase:
+                self._delete_before(version)
         except BaseException as exc:
             writer.close()
             shutil.rmtree(tmp, ignore_errors=True)

@@ -129,3 +129,4 @@ class DeltaPublishSpec:
     max_file_bytes: int = 1 << 30
     num_workers: int | None = None
     staging_dir: str | None = None  # a gs:// or s3:// sync_dir: where versions are written first
+    rebase_interval: int | None = None  # every N-th version against the base; older ones deleted

@@ -230,6 +230,7 @@ def test_delta_weight_sync_leaves_the_server_on_the_trained_weights(
             f"{ie}weight_sync_backend": "delta",
             f"{ie}delta_weight_sync.sync_dir": str(tmp_path / "sync"),
             f"{ie}delta_weight_sync.local_checkpoint_dir": str(tmp_path / "store"),
+            f"{ie}delta_weight_sync.rebase_interval": 3,  # version 3 against the base, 1 and 2 deleted
             "trainer.train_batch_size": 2,
             "trainer.policy_mini_batch_size": 2,
             "generator.n_samples_per_prompt": 2,
@@ -246,7 +247,8 @@ def test_delta_weight_sync_leaves_the_server_on_the_trained_weights(
     finally:
         trainer.shutdown()
     state = DeltaStore(tmp_path / "store", tiny_model_dir).state()
-    assert state.version >= 2 and read_manifest(tmp_path / "sync", state.version).tensors  # trained: changed
+    assert state.version == 3 and read_manifest(tmp_path / "sync", 3).tensors  # trained: changed
+    assert [p.name for p in (tmp_path / "sync" / "deltas").iterdir()] == ["delta-00000003"]
     sequences = [[5, 17, 230, 999, 42, 8, 77, 301], [900, 3, 3, 64, 512, 1000, 12]]
     served = asyncio.run(RemoteInferenceEngine(tiny_server_url).prompt_logprobs(sequences))
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()

@@ -217,8 +217,10 @@ def test_delta_weight_sync_is_accepted_with_a_local_sync_dir_and_its_keys_take_e
             f"{ie}delta_weight_sync.local_checkpoint_dir={tmp_path}/store",
             f"{ie}delta_weight_sync.max_file_size_in_gb=0.5",
             f"{ie}delta_weight_sync.publish_num_workers=3",
+            f"{ie}delta_weight_sync.rebase_interval=4",
         ]
     )
+    assert cfg.generator.delta_weight_sync.rebase_interval == 4
     d = cfg.generator.delta_weight_sync
     assert cfg.generator.weight_sync_backend == "delta"
     assert (d.sync_dir, d.local_checkpoint_dir) == (f"{tmp_path}/sync", f"{tmp_path}/store")

@@ -118,6 +118,23 @@ def test_a_new_run_clears_the_bucket_and_a_half_upload_is_not_a_version(s3, tmp_
     assert store.apply(mirror, 1) == [1] and _holds(store, model)
 
 
+def test_a_rebase_deletes_the_older_versions_from_the_bucket(s3, tmp_path: Path) -> None:  # noqa: ANN001
+    base = tmp_path / "base"
+    model = tiny_model(base)
+    uri = f"s3://{BUCKET}/run-d"
+    publisher = DeltaPublisher(uri, base, rebase_interval=3)
+    listed = []
+    for v in (1, 2, 3, 4):
+        step(model, ["lm_head.weight"], seed=v)
+        publisher.publish(sent(model))
+        listed.append([p.rsplit("-", 1)[-1] for p in s3.ls(f"{BUCKET}/run-d/deltas", refresh=True)])
+    assert listed == [["00000001"], ["00000001", "00000002"], ["00000003"], ["00000003", "00000004"]]
+    store = DeltaStore(tmp_path / "store", base)
+    mirror = tmp_path / "store" / MIRROR
+    assert mirror_chain(uri, 4, mirror, ("", 0)) == [4, 3]  # back to the rebased version 3 only
+    assert store.apply(mirror, 4) == [3, 4] and _holds(store, model)
+
+
 def test_an_engine_fetches_and_loads_from_the_bucket(s3, tmp_path: Path) -> None:  # noqa: ANN001
     from test_delta_engines import Engine
 

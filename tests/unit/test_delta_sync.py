@@ -120,3 +120,33 @@ def test_a_new_run_resets_a_store_and_another_base_is_caught(setup, tmp_path: Pa
     with pytest.raises(DeltaError, match="does not match the trainer's after patching"):
         other.apply(sync, 1)
     assert json.loads((tmp_path / "other" / "state.json").read_text())["version"] == 0
+
+
+def test_a_rebase_interval_keeps_at_most_that_many_versions_and_every_store_still_catches_up(
+    setup, tmp_path: Path
+) -> None:
+    """rebase_interval=2: versions 2 and 4 are published against the base checkpoint and the
+    versions before them deleted; a store at any earlier version reaches the newest one."""
+    model, base, sync = setup
+    publisher = DeltaPublisher(sync, base, rebase_interval=2)
+    early, late = DeltaStore(tmp_path / "early", base), DeltaStore(tmp_path / "late", base)
+    q, up = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    kept = []
+    for v, names in enumerate([[q], [up], ["model.norm.weight"], [q]], start=1):
+        step(model, names, seed=v)
+        publisher.publish(sent(model))
+        kept.append(sorted(int(p.name[6:]) for p in (sync / "deltas").glob("delta-*")))
+        if v == 1:
+            assert early.apply(sync, 1) == [1]
+    assert kept == [[1], [2], [2, 3], [4]]
+    assert read_manifest(sync, 4).base_version == 0
+    assert sorted(r.name for r in read_manifest(sync, 4).tensors) == sorted([q, up, "model.norm.weight"])
+    assert early.apply(sync, 4) == [4] and late.apply(sync, 4) == [4]  # from the base
+    assert_store_equals(early, model)
+    assert_store_equals(late, model)
+    assert early.changed_since(sync, publisher.run_id, 1) is None  # version 1 is gone: load all
+    step(model, [up], seed=9)
+    publisher.publish(sent(model))  # version 5, against version 4 again
+    assert read_manifest(sync, 5).base_version == 4 and early.apply(sync, 5) == [5]
+    assert early.changed_since(sync, publisher.run_id, 4) == [up]
+    assert_store_equals(early, model)
