@@ -6,17 +6,46 @@ holds; every worker reads them from the store (shared lock; the base checkpoint 
 never changed) and loads them in place, as a weight stream's bucket is loaded: straight into the
 modules where `direct_load` maps them, else through vLLM's reload. A fused module (q/k/v, gate/up)
 is always loaded whole: its parts that did not change are read too.
+
+The tensors are read and loaded in chunks of about `LOAD_CHUNK_BYTES` (a fused module's tensors
+stay in one chunk), so a full load (a fresh engine, or a version published against the base)
+holds one chunk in memory at a time, not the whole model. Chunks go straight into the modules
+while `direct_load` maps them; from the first one it does not, the rest is one vLLM reload that
+reads them as it goes.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from skylift.weight_sync.buckets import bucket_of
+from skylift.weight_sync.buckets import NamedTensor, bucket_of
 from skylift.weight_sync.delta_apply import DeltaStore
 from skylift.weight_sync.receiver import WeightSyncWorkerExtension
+
+LOAD_CHUNK_BYTES = 256 << 20
+"""About how many bytes of tensors one chunk of a delta load holds (a fused module is never split)."""
+
+
+def chunks(
+    tensors: Iterable[NamedTensor], unit_of: Callable[[str], str], max_bytes: int = LOAD_CHUNK_BYTES
+) -> Iterator[list[NamedTensor]]:
+    """`tensors` (a unit's tensors adjacent) in lists of about `max_bytes`, a new list starting
+    only where a unit starts: a chunk ends at the first unit boundary at or past `max_bytes`."""
+    chunk: list[NamedTensor] = []
+    size, unit = 0, None
+    for name, tensor in tensors:
+        current = unit_of(name)
+        if chunk and size >= max_bytes and current != unit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        unit = current
+    if chunk:
+        yield chunk
 
 
 class DeltaReceiverExtension(WeightSyncWorkerExtension):
@@ -26,26 +55,45 @@ class DeltaReceiverExtension(WeightSyncWorkerExtension):
         self, store_dir: str, base_dir: str | None, names: list[str], run_id: str, version: int
     ) -> dict[str, Any]:
         """Load `names` (plus the unchanged parts of their fused modules) as of `version` of
-        `run_id` from the store; returns {"tensors", "bytes", "seconds", "direct"}."""
+        `run_id` from the store, chunk by chunk; returns {"tensors", "bytes", "seconds",
+        "direct", "chunks"}."""
         start = time.perf_counter()
+        units = self._skylift_load_units()
         wanted = set(names)
-        for _module, (_sent, missing) in self._skylift_load_units().partial_units(names).items():
+        for _module, (_sent, missing) in units.partial_units(names).items():
             wanted.update(missing)
+        ordered = sorted(wanted, key=lambda name: (units.unit_of(name), name))  # a unit's adjacent
         store = DeltaStore(store_dir, Path(base_dir) if base_dir else None)
-        tensors = list(store.tensors(sorted(wanted), run_id, version))
-        if not tensors:
-            return {"tensors": 0, "bytes": 0, "seconds": 0.0, "direct": False}
-        direct = self._skylift_direct_loader()
-        with self._skylift_loading():
-            loads = direct.plan(bucket_of(tensors)) if direct is not None else None
-            if loads is None:
-                self._skylift_reload(tensors)
-            else:
-                direct.load(loads, tensors)
-                self._skylift_reset_runner_caches()
+        parts = chunks(store.tensors(ordered, run_id, version), units.unit_of)
+        counted = {"tensors": 0, "bytes": 0, "chunks": 0}
+
+        def count(chunk: list[NamedTensor]) -> list[NamedTensor]:
+            counted["tensors"] += len(chunk)
+            counted["bytes"] += sum(t.numel() * t.element_size() for _, t in chunk)
+            counted["chunks"] += 1
+            return chunk
+
+        def rest(first: list[NamedTensor]) -> Iterator[NamedTensor]:
+            yield from first
+            for later in parts:
+                yield from count(later)
+
+        direct, loaded_directly, reloaded = self._skylift_direct_loader(), 0, False
+        if ordered:
+            with self._skylift_loading():
+                for chunk in parts:
+                    count(chunk)
+                    loads = direct.plan(bucket_of(chunk)) if direct is not None else None
+                    if loads is None:  # this chunk and the rest: one vLLM reload
+                        reloaded = True
+                        self._skylift_reload(rest(chunk))
+                        break
+                    direct.load(loads, chunk)
+                    loaded_directly += 1
+                if loaded_directly and not reloaded:
+                    self._skylift_reset_runner_caches()
         return {
-            "tensors": len(tensors),
-            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "seconds": time.perf_counter() - start,
-            "direct": loads is not None,
+            **counted,
+            "seconds": time.perf_counter() - start if ordered else 0.0,
+            "direct": loaded_directly > 0 and not reloaded,
         }

@@ -150,3 +150,22 @@ def test_a_rebase_interval_keeps_at_most_that_many_versions_and_every_store_stil
     assert read_manifest(sync, 5).base_version == 4 and early.apply(sync, 5) == [5]
     assert early.changed_since(sync, publisher.run_id, 4) == [up]
     assert_store_equals(early, model)
+
+
+def test_a_delta_load_reads_in_chunks_that_never_split_a_fused_module() -> None:
+    from skylift.weight_sync.delta_receiver import chunks
+
+    def unit_of(name: str) -> str:  # q/k/v load into one fused module, as in vLLM
+        module, _, _ = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        return f"{prefix}.qkv" if leaf in ("q", "k", "v") else module
+
+    names = [f"l{i}.{p}.weight" for i in range(3) for p in ("q", "k", "v", "o")]
+    tensors = [(n, torch.zeros(25)) for n in names]  # 100 bytes each
+    out = list(chunks(iter(tensors), unit_of, max_bytes=250))
+    assert [n for chunk in out for n, _ in chunk] == names  # all of them, in order
+    for chunk in out:
+        assert chunk[0][0].endswith((".q.weight", ".o.weight"))  # a chunk starts where a unit does
+    assert [len(c) for c in out] == [3, 4, 4, 1]  # a chunk closes at the first unit boundary past 250 bytes
+    assert [len(c) for c in chunks(iter(tensors), unit_of, max_bytes=10**9)] == [12]
+    assert list(chunks(iter([]), unit_of)) == []
