@@ -283,6 +283,29 @@ SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
 }
 
 
+#: Keys only SkyRL's example entry points with a generator of their own read (Python skylift does
+#: not run): refused with a message that says which example and why, not as unknown keys.
+SKYRL_EXAMPLE_GENERATOR_KEYS: dict[str, str] = {
+    "generator.miniswe_*": "SkyRL's mini-SWE-agent example (examples/train/mini_swe_agent: its generator "
+    "runs SWE-bench tasks in Docker sandboxes)",
+    "generator.enable_child_agents": "SkyRL's RLM example (examples/train/rlm: its generator spawns child agents)",
+    "generator.train_child_trajectories": "SkyRL's RLM example (examples/train/rlm: its generator spawns "
+    "child agents)",
+    "hydra.*": "SkyRL's terminal-bench example (examples/terminal_bench: Hydra config search path for its "
+    "Harbor sandbox settings)",
+    "terminal_bench_config.*": "SkyRL's terminal-bench example (examples/terminal_bench: its generator runs "
+    "tasks in Harbor sandboxes)",
+}
+
+
+def skyrl_example_generator(key: str) -> str | None:
+    """Which SkyRL example generator reads `key` (see `SKYRL_EXAMPLE_GENERATOR_KEYS`), or None."""
+    for pattern, example in SKYRL_EXAMPLE_GENERATOR_KEYS.items():
+        if key == pattern or (pattern.endswith("*") and key.startswith(pattern[:-1])):
+            return example
+    return None
+
+
 def skyrl_declaration(key: str) -> tuple[Any, str, bool] | None:
     """(SkyRL's default, reason, refused unless default) of a SkyRL key outside the schema, or None."""
     for table, refused in ((SKYRL_NOT_IMPLEMENTED, True), (SKYRL_WITHOUT_EFFECT, False)):

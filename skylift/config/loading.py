@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from skylift.config.errors import ConfigError
 from skylift.config.formatting import set_derived_keys
-from skylift.config.inert import warn_without_effect
+from skylift.config.inert import skyrl_example_generator, warn_without_effect
 from skylift.config.keys import is_list_type, key_table, mapping_leaf_of, suggest_keys, type_name
 from skylift.config.schema import SkyliftConfig
 from skylift.config.skyrl import SKYRL_KEY_ALIASES, SkyRLKeys, refuse_backends
@@ -163,6 +163,13 @@ def _canonical(key: str) -> str:
 def _check_key(key: str, source: str) -> None:
     if key in key_table() or mapping_leaf_of(key) is not None:
         return
+    example = skyrl_example_generator(key)
+    if example is not None:
+        raise ConfigError(
+            f"{key} (from {source}) is read only by {example}; skylift does not run that example's own "
+            "generator (skylift's multi-turn agents with tools: docs/agentic.md)",
+            key=key,
+        )
     suggestions = suggest_keys(key)
     if suggestions:
         hint = f"; did you mean {suggestions[0]}?"
