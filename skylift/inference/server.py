@@ -165,12 +165,13 @@ async def build_skylift_app(
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from skylift.inference import delta_routes, lora_routes
+    from skylift.inference import delta_routes, lora_routes, vllm_input_fixes
     from skylift.inference.auth import hash_key
     from skylift.inference.limits import SERVER_GENERATE_TIMEOUT_S
     from skylift.inference.local import LocalVLLMEngine
     from skylift.inference.routes import SkyliftState, install_routes
 
+    vllm_input_fixes.install()  # a Responses input vLLM's parser crashes on: 400, not 500
     supported_tasks = await engine_client.get_supported_tasks()
     model_config = engine_client.model_config
     app = build_app(args, supported_tasks, model_config)

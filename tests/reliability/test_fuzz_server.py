@@ -102,15 +102,15 @@ def send(case: Any, api: Api) -> str | None:
     try:
         resp = case.call(base_url=api.url, headers=api.headers, timeout=REQUEST_TIMEOUT_S)
     except requests.Timeout:
-        return (
-            f"{case.method} {case.path}: no answer within {REQUEST_TIMEOUT_S:.0f} s (body {case.body!r:.300})"
-        )
+        return f"{case.method} {case.path}: no answer within {REQUEST_TIMEOUT_S:.0f} s (body {case.body!r:.1500})"
     finally:
         if case.path in PAUSING:
             for path in ("/resume", "/skylift/resume"):
                 assert api.request("POST", path).status_code == 200
     if resp.status_code >= 500 and resp.status_code != 501:
-        return f"{case.method} {case.path} -> {resp.status_code}: {resp.text[:300]} (body {case.body!r:.300})"
+        return (
+            f"{case.method} {case.path} -> {resp.status_code}: {resp.text[:300]} (body {case.body!r:.1500})"
+        )
     return None
 
 

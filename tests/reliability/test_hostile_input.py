@@ -183,6 +183,15 @@ ROWS: list[Row] = [
     inf("chat-messages-not-a-list", "POST", "/v1/chat/completions", chat(messages="hello"), message="messages"),
     inf("chat-unknown-model", "POST", "/v1/chat/completions", chat(model="no-such-model"), 404, "does not exist"),
     inf("chat-n-too-large", "POST", "/v1/chat/completions", chat(n=1000), message="n must be at most 256"),
+    # Responses inputs vLLM 0.32's parser crashed on (500s found by test_fuzz_server.py)
+    *[
+        inf(f"responses-{what}-{route}", "POST", path,
+            {"model": TINY_SERVED_NAME, "max_output_tokens": 2,
+             "input": [{"type": "message", "role": "assistant", "content": content}]},
+            message="input item of type 'message' cannot be read")
+        for what, content in (("refusal-first", [{"type": "refusal", "refusal": "no"}]), ("empty-content", []))
+        for route, path in (("render", "/v1/responses/render"), ("create", "/v1/responses"))
+    ],
     # ---------------------------------------------------------------- inference: skylift routes
     inf("generate-truncated-json", "POST", "/skylift/generate", b'{"prompt_token_ids": [[1, 2]', message="JSON",
         content_type="application/json"),
@@ -426,6 +435,21 @@ def test_path_traversal_writes_nothing_outside_the_data_dir(
 
 
 @pytest.mark.timeout(300)
+def test_a_tool_output_given_as_content_parts_renders(inference: Api) -> None:
+    """A function_call_output with an id and a status whose output is a list of content parts (the
+    schema allows it; vLLM 0.32 asserted on it, a 500) renders like the same output as a string."""
+    item = {"type": "function_call_output", "call_id": "c1", "id": "o1", "status": "completed"}
+    as_parts = {**item, "output": [{"type": "input_text", "text": "forty-two"}]}
+    as_text = {**item, "output": "forty-two"}
+    rendered = []
+    for tool_output in (as_parts, as_text):
+        body = {"model": TINY_SERVED_NAME, "input": [tool_output]}
+        resp = inference.request("POST", "/v1/responses/render", body)
+        assert resp.status_code == 200, resp.text
+        rendered.append(resp.json()["token_ids"])
+    assert rendered[0] == rendered[1]
+
+
 def test_servers_still_serve_after_the_whole_table(request: pytest.FixtureRequest) -> None:
     for row in ROWS:  # once more, without waiting for futures: answered in time, never a 5xx
         api, ctx = _ctx(row, request)
