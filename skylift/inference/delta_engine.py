@@ -71,7 +71,7 @@ class EngineDelta:
     def _fetch_and_apply(request: DeltaSyncRequest, store: DeltaStore) -> list[int]:
         if not is_cloud_uri(request.sync_dir):
             return store.apply(request.sync_dir, request.version)
-        mirror = store.dir / MIRROR
+        mirror = Path(EngineDelta._readable_dir(request, store))
         state = store.state()
         held = (state.run_id, state.version)
         mirror_chain(request.sync_dir, request.version, mirror, held, request.download_workers)

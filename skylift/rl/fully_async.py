@@ -270,13 +270,14 @@ class FullyAsyncRollouts:
             completion_s = self.clock() - began
             with self._lock:
                 self.gate.finish()
+                group = Group(trajectories, row, step, completion_s=completion_s)
                 kept = self.keep is None or self.keep(trajectories)
                 if kept:
-                    self._buffer.append(Group(trajectories, row, step, completion_s=completion_s))
+                    self._buffer.append(group)
                 else:
                     self.gate.drop()
                     self.turned_down += 1
-                    self.turned_down_groups.append(Group(trajectories, row, step, completion_s=completion_s))
+                    self.turned_down_groups.append(group)
                 self._lock.notify_all()
             if not kept:
                 self._wakeup.set()  # its slot is free: a waiting worker may start a group

@@ -200,7 +200,7 @@ class DeltaPublisher:
         """Publish the next version from `tensors` (name, full tensor in the dtype sent)."""
         started = time.perf_counter()
         version = self.version + 1
-        rebase = bool(self.rebase_interval) and version % (self.rebase_interval or 1) == 0
+        rebase = self.rebase_interval is not None and version % self.rebase_interval == 0
         self.base.index()  # built once, before the threads read it
         tmp = self._start()
         writer = _PayloadWriter(tmp, self.max_file_bytes)

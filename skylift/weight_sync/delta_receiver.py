@@ -64,7 +64,6 @@ class DeltaReceiverExtension(WeightSyncWorkerExtension):
             wanted.update(missing)
         ordered = sorted(wanted, key=lambda name: (units.unit_of(name), name))  # a unit's adjacent
         store = DeltaStore(store_dir, Path(base_dir) if base_dir else None)
-        parts = chunks(store.tensors(ordered, run_id, version), units.unit_of)
         counted = {"tensors": 0, "bytes": 0, "chunks": 0}
 
         def count(chunk: list[NamedTensor]) -> list[NamedTensor]:
@@ -73,16 +72,17 @@ class DeltaReceiverExtension(WeightSyncWorkerExtension):
             counted["chunks"] += 1
             return chunk
 
+        parts = map(count, chunks(store.tensors(ordered, run_id, version), units.unit_of))
+
         def rest(first: list[NamedTensor]) -> Iterator[NamedTensor]:
             yield from first
             for later in parts:
-                yield from count(later)
+                yield from later
 
         direct, loaded_directly, reloaded = self._skylift_direct_loader(), 0, False
         if ordered:
             with self._skylift_loading():
                 for chunk in parts:
-                    count(chunk)
                     loads = direct.plan(bucket_of(chunk)) if direct is not None else None
                     if loads is None:  # this chunk and the rest: one vLLM reload
                         reloaded = True
