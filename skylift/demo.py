@@ -100,7 +100,20 @@ TOOL_TASK_OVERRIDES = [
     "trainer.max_steps=10",  # within 10 minutes of training on 2 cores (benchmarks/RESULTS.md)
 ]
 
-DEMO_TASKS = ("addition", "tools")
+# `--task harness`, on top of the tools task's: the same calculator task, but the agent is an ordinary
+# `openai`-client program (examples/harness_agent/calculator_agent.py, no skylift import) that
+# skylift reaches only through the gateway (`skylift.gateway`); the row's `calculator` environment
+# scores its final answer, tool calls are read in the prompt's xml format
+HARNESS_AGENT = Path(__file__).resolve().parent.parent / "examples" / "harness_agent" / "calculator_agent.py"
+HARNESS_TASK_OVERRIDES = [
+    "trainer.run_name=demo-harness",
+    f"environment.harness.entrypoint={HARNESS_AGENT}:solve",
+    "environment.harness.verifier=env",
+    "environment.harness.tool_parser=xml",
+    "environment.harness.max_concurrent=64",  # a step's 16 prompts x 4 samples at once
+]
+
+DEMO_TASKS = ("addition", "tools", "harness")
 # the tool prompt's solved problem (`skylift.data.tool_demo.TOOL_DEMO_EXAMPLES`) unless
 # --worked-example says; the base model's start and the run's figures: benchmarks/RESULTS.md
 TOOL_DEMO_WORKED_EXAMPLE = "sum"
@@ -144,7 +157,8 @@ def demo_overrides(
     GRPO step, or fully async, which refuses it)."""
     if task not in DEMO_TASKS:
         raise ValueError(f"unknown demo task {task!r}; known: {', '.join(DEMO_TASKS)}")
-    overrides = list(DEMO_OVERRIDES) + (TOOL_TASK_OVERRIDES if task == "tools" else [])
+    overrides = list(DEMO_OVERRIDES) + (TOOL_TASK_OVERRIDES if task in ("tools", "harness") else [])
+    overrides += HARNESS_TASK_OVERRIDES if task == "harness" else []
     if not dynamic_sampling:
         overrides = [o for o in overrides if o not in DYNAMIC_SAMPLING_OVERRIDES]
     if fast_bf16 if fast_bf16 is not None else has_fast_bf16():
@@ -212,7 +226,7 @@ class PeakMemory:
 
 def write_demo_data(task: str, data_dir: Path, worked_example: str | None = None) -> None:
     """The task's train and held-out prompts (`worked_example`: the tool prompt's solved problem)."""
-    if task == "tools":
+    if task in ("tools", "harness"):
         from skylift.data.tool_demo import write_tool_demo
 
         write_tool_demo(
@@ -242,10 +256,20 @@ def run_demo(
     from skylift.rl.loop import RLTrainer
     from skylift.rl.run import run_trainer
 
-    if worked_example is not None and task != "tools":
-        print("skylift demo: --worked-example / --no-worked-example go with --task tools", file=sys.stderr)
+    tools = task in ("tools", "harness")
+    if worked_example is not None and not tools:
+        print(
+            "skylift demo: --worked-example / --no-worked-example go with --task tools or harness",
+            file=sys.stderr,
+        )
         return 2
-    if task == "tools" and worked_example is None:
+    if task == "harness" and not HARNESS_AGENT.is_file():
+        print(
+            f"skylift demo: --task harness runs {HARNESS_AGENT}, not found (a source checkout has it)",
+            file=sys.stderr,
+        )
+        return 2
+    if tools and worked_example is None:
         worked_example = TOOL_DEMO_WORKED_EXAMPLE
     worked_example = None if worked_example == "none" else worked_example
     settings = demo_overrides(task=task)
@@ -307,9 +331,9 @@ def run_demo(
     print(f"{'':35}{'before':>11}   {'after':>11}")
     if before and after:
         print(f"held-out greedy accuracy (100)     {accuracy_cell(before):>11}   {accuracy_cell(after):>11}")
-        if task == "tools":
+        if tools:
             print(f"held-out tool-call rate            {rate_cell(before):>11}   {rate_cell(after):>11}")
-    if task == "tools":
+    if tools:
         calls = [h["env/used_tool"] if "env/used_tool" in h else 0.0 for h in history if "reward/mean" in h]
         if calls:
             first, last = calls[: max(1, len(calls) // 5)], calls[-max(1, len(calls) // 5) :]
@@ -372,7 +396,8 @@ def add_demo_arguments(parser: Any) -> None:
         "--task",
         choices=DEMO_TASKS,
         default="addition",
-        help="addition: two-digit sums; tools: products with a calculator tool (agentic RL, multi-turn)",
+        help="addition: two-digit sums; tools: products with a calculator tool (agentic RL, multi-turn); "
+        "harness: the same task, the agent an openai-client program trained through the gateway",
     )
     parser.add_argument(
         "--worked-example",

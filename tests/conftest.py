@@ -55,9 +55,13 @@ def gsm8k_dir() -> Path:
     pytest.skip("GSM8K jsonl not found (set SKYLIFT_GSM8K_DIR)")
 
 
-def _serve(model_dir: Path, log_path: Path, api_key: str | None, host: str | None) -> Iterator[ServerHandle]:
+def _serve(
+    model_dir: Path, log_path: Path, api_key: str | None, host: str | None, delta_root: Path
+) -> Iterator[ServerHandle]:
     require_loopback_namespace()
-    handle = start_server(model_dir, log_path, tiny_server_args(), api_key=api_key, host=host)
+    # delta sync may read and write under the session's temp root (where the tests' sync dirs are)
+    args = [*tiny_server_args(), "--delta-sync-root", str(delta_root)]
+    handle = start_server(model_dir, log_path, args, api_key=api_key, host=host)
     try:
         wait_healthy(handle)
         yield handle
@@ -69,7 +73,7 @@ def _serve(model_dir: Path, log_path: Path, api_key: str | None, host: str | Non
 def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     """One skylift server on the tiny model for the whole session (no API key, --host 127.0.0.1)."""
     log = tmp_path_factory.mktemp("tiny_server") / "server.log"
-    yield from _serve(tiny_model_dir, log, api_key=None, host="127.0.0.1")
+    yield from _serve(tiny_model_dir, log, None, "127.0.0.1", tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session")
@@ -85,5 +89,5 @@ def tiny_server_with_key(
     """A second tiny-model server that requires `TEST_API_KEY`; started without --host (default bind)."""
     log = tmp_path_factory.mktemp("tiny_server_key") / "server.log"
     # with vLLM's scale-out routes, like `tiny_server`: tests/reliability/test_fuzz_server.py fuzzes
-    # vLLM's /inference/v1/generate behind skylift's guard (skylift/inference/generate_guard.py)
-    yield from _serve(tiny_model_dir, log, api_key=TEST_API_KEY, host=None)
+    # vLLM's /inference/v1/generate behind skylift's guard (skylift/inference/vllm_patches/generate_guard.py)
+    yield from _serve(tiny_model_dir, log, TEST_API_KEY, None, tmp_path_factory.getbasetemp())

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import torch
 
-from skylift.algorithms.skyrl_registries import AdvantageEstimatorRegistry, register_policy_loss
+from skylift.compat.skyrl.registries import AdvantageEstimatorRegistry, register_policy_loss
 
 ESTIMATOR_CALLS: list[dict[str, object]] = []
 

@@ -8,6 +8,7 @@ reader and an IDE can follow every call from the pool to the engine.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -21,11 +22,14 @@ from skylift.inference.types import (
     WeightUpdateGroupSpec,
 )
 from skylift.utils.calls import call_with_timeout
+from skylift.utils.messages import one_line, plain
 
 if TYPE_CHECKING:
     from skylift.inference.local import LocalVLLMEngine
     from skylift.weight_sync.lora import LoraAdapterSpec
     from skylift.weight_sync.protocol import DeltaSyncRequest
+
+logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -128,11 +132,17 @@ class EngineActor:
 
 
 def _actor_died(message: str, exc: Exception) -> Exception | None:
-    from ray.exceptions import RayActorError
+    """A dead actor: `EngineUnavailableError`. An `EngineError` the engine raised in the actor
+    (Ray's `RayTaskError`, whose text is the coloured remote traceback): the same error, of its
+    type and with its message on one line; the traceback goes to the log."""
+    from ray.exceptions import RayActorError, RayTaskError
 
     if isinstance(exc, RayActorError):
-        return EngineUnavailableError(f"{message}: the engine actor died ({exc})")
-    return None
+        return EngineUnavailableError(f"{message}: the engine actor died ({one_line(str(exc))})")
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, EngineError):
+        logger.info("%s in the engine actor:\n%s", message, plain(str(exc)))
+        return type(exc.cause)(one_line(str(exc.cause)))
+    return None  # any other error passes as Ray raised it (an instance of its cause's type too)
 
 
 class RayEngineClient(EngineBase):

@@ -37,8 +37,10 @@ HOST_ONLY_ENV = ("VLLM_HOST_IP", "GLOO_SOCKET_IFNAME")
 
 
 def ray_address(configured: str | None) -> str | None:
-    """The cluster to join: `trainer.ray_address`, else `RAY_ADDRESS`, else None (start a local Ray)."""
-    return configured or os.environ.get("RAY_ADDRESS") or None
+    """The cluster to join: `trainer.ray_address`, else `RAY_ADDRESS`, else None (start a local
+    Ray of the run's own). ``local`` in either means a local Ray too."""
+    address = configured or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
 
 
 def ray_worker_env(joining: bool) -> dict[str, str]:
@@ -52,7 +54,9 @@ def ray_worker_env(joining: bool) -> dict[str, str]:
 
 
 def init_ray(address: str | None = None, min_cpus: float = 0, object_store_gb: float = 0.5) -> bool:
-    """Join the Ray cluster at `address` (or `RAY_ADDRESS`), else start a local one on loopback.
+    """Join the Ray cluster at `address` (or `RAY_ADDRESS`); without one, start a local Ray of
+    this run's own on loopback, even when another Ray runs on this machine (`ray start --head`
+    there would otherwise be joined, and refuse the local resources asked for).
 
     A local Ray gets at least `min_cpus` logical CPUs (what the run's placement groups ask for)
     and an object store of `object_store_gb` GiB.
@@ -68,6 +72,7 @@ def init_ray(address: str | None = None, min_cpus: float = 0, object_store_gb: f
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": ray_worker_env(True)})
         return True
     ray.init(
+        address="local",  # not "the cluster last started on this machine", Ray's default
         num_cpus=int(max(2, os.cpu_count() or 2, math.ceil(min_cpus))),
         include_dashboard=False,
         log_to_driver=True,
@@ -79,14 +84,18 @@ def init_ray(address: str | None = None, min_cpus: float = 0, object_store_gb: f
 
 
 def ray_cluster_line(joined: bool) -> str:
-    """What the connected Ray sees: `Ray cluster ADDR (joined): 2 node(s): 10.0.0.1 {CPU: 8, GPU: 4}, ...`."""
+    """What the connected Ray sees and how this run got it: `Ray cluster ADDR (joined): 2
+    node(s): 10.0.0.1 {CPU: 8, GPU: 4}, ...` (RAY_ADDRESS or trainer.ray_address) or `Ray cluster
+    ADDR (started locally for this run; no RAY_ADDRESS or trainer.ray_address to join): ...`."""
     import ray
 
     from skylift.cluster.placement import cluster_nodes, describe_cluster
 
     ctx = ray.get_runtime_context()
     gcs = getattr(ctx, "gcs_address", None) or "?"
-    how = "joined" if joined else "started locally"
+    how = (
+        "joined" if joined else "started locally for this run; no RAY_ADDRESS or trainer.ray_address to join"
+    )
     return f"Ray cluster {gcs} ({how}): {describe_cluster(cluster_nodes())}"
 
 

@@ -37,11 +37,11 @@ from skylift.cluster.settings import (
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset
-from skylift.envs.skyrl_gym import configure as configure_skyrl_gym
+from skylift.envs.registry import configure_run
 from skylift.generator import Generator
-from skylift.generator.verifiers_rollouts import EpisodeLimits, VerifiersRollouts, VerifiersSettings
+from skylift.generator.plugins import RolloutContext, rollout_plugin
 from skylift.inference.pool import EnginePool
-from skylift.utils.calls import run_on_loop
+from skylift.utils.loop_thread import LoopThread
 from skylift.utils.quiet import quiet_libraries
 from skylift.worker.training_worker import WorkerSettings
 
@@ -70,7 +70,8 @@ class Runtime:
         self.verbose = verbose
         quiet_libraries(verbose)
         self.paths = RunPaths.from_config(cfg)
-        self.loop = asyncio.new_event_loop()
+        #: the run's one event loop, on a thread of its own until `close` (skylift.utils.loop_thread)
+        self.loop = LoopThread(name="skylift-run-loop")
         self.engine_refs: list[EngineRef] = []
         self.engines: EnginePool | None = None
         self.policy: WorkerGroup | None = None
@@ -82,14 +83,14 @@ class Runtime:
         self._ray_started = False
         self.weights: EngineWeights | None = None
         self.placement: Any = None  # PlacedGroups (skylift.cluster.placement) when the run uses Ray
-        self.generator: Generator | VerifiersRollouts | None = None
-        #: ``environment.verifiers`` (rows of env_class verifiers played by a verifiers env server)
-        self.verifiers = VerifiersSettings.from_options(dict(cfg.environment.verifiers))
+        self.generator: Any = None  # skylift's Generator, or a rollout plugin's around it
+        #: e.g. ``environment.verifiers`` (rows of env_class verifiers played by a verifiers env server)
+        self.rollout_plugin = rollout_plugin(cfg.environment)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine on the run's event loop (the one the engines' clients live on), also
-        while a thread of fully async training keeps that loop running."""
-        return run_on_loop(self.loop, coro)
+        """Run a coroutine on the run's event loop (the one the engines' clients live on) and wait
+        for it, from any thread but the loop's."""
+        return self.loop.run(coro)
 
     # ------------------------------------------------------------------ start
     def __enter__(self) -> Runtime:
@@ -174,27 +175,20 @@ class Runtime:
         self.weights.open()
 
     def _start_generator(self) -> None:
-        env = self.cfg.environment  # SkyRL-Gym envs' env_config; modules of registrations
-        configure_skyrl_gym(env.skyrl_gym, self.cfg.generator.max_turns, env.import_modules)
+        env = self.cfg.environment  # modules of registrations; the env plugins' settings
+        configure_run(env.env_class, env.import_modules, self.cfg.generator.max_turns, env)
         generator = Generator(self.engines, self.tokenizer, generator_settings(self.cfg))
-        if self.verifiers is None:
+        if self.rollout_plugin is None:
             self.generator = generator
             return
-        s = generator.settings
-        self.generator = VerifiersRollouts(
-            generator,
-            [ref.url for ref in self.engine_refs if ref.url],
-            self.verifiers,
-            EpisodeLimits(
-                s.max_prompt_length,
-                s.max_generate_length,
-                s.zero_reward_on_non_stop,
-                s.apply_overlong_filtering,
-            ),
+        plugin, settings = self.rollout_plugin
+        context = RolloutContext(
+            engine_urls=[ref.url for ref in self.engine_refs if ref.url],
             default_env_class=env.env_class,
             renderer_model=str(self.model_path),
             api_key=os.environ.get("SKYLIFT_API_KEY"),
         )
+        self.generator = plugin.wrap(generator, settings, context)
 
     def total_steps(self) -> int:
         """Training steps of the whole run: the batches of all epochs, at most `trainer.max_steps`."""
@@ -248,7 +242,7 @@ class Runtime:
     # ------------------------------------------------------------------ close
     def close(self) -> None:
         """Stop the workers and engines, close the trackers and Ray (what was started), the loop."""
-        if self.loop.is_closed():
+        if self.loop.closed:
             return
         try:
             if self.weights is not None:
@@ -262,8 +256,9 @@ class Runtime:
                         group.shutdown()
                     except Exception as exc:  # noqa: BLE001 - a dead worker must not keep the engines up
                         self.say(f"shutting down the {name} workers: {type(exc).__name__}: {exc}")
-            if isinstance(self.generator, VerifiersRollouts):
-                self.run(self.generator.aclose())  # its env-server socket lives on this loop
+            aclose = getattr(self.generator, "aclose", None)
+            if aclose is not None:  # a plugin's (verifiers' env-server socket lives on this loop)
+                self.run(aclose())
             if self.engines is not None:
                 self.run(self.engines.close())
             from skylift.inference.http_session import close_default_pool
@@ -278,4 +273,4 @@ class Runtime:
                 import ray
 
                 ray.shutdown()
-            self.loop.close()
+            self.loop.stop()

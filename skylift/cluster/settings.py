@@ -78,6 +78,7 @@ def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
         append_eos_after_stop_str=g.append_eos_token_after_stop_str_in_multi_turn,
         step_wise=g.step_wise_trajectories,
         merge_steps=g.merge_stepwise_output,
+        on_template_mismatch=g.on_template_mismatch,
         llm_base_url=cfg.environment.llm_base_url,
         llm_model=cfg.environment.llm_model,
         llm_timeout_s=cfg.environment.llm_timeout_s,
@@ -202,10 +203,3 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
     kwargs.update(lora_engine_args(t.policy.model.lora.rank))
     kwargs.update(g.engine_init_kwargs)  # vLLM engine args as given (SkyRL's engine_init_kwargs)
     return kwargs
-
-
-def lora_sync_path(cfg: SkyliftConfig) -> str | None:
-    """The directory a LoRA policy's syncs hand the adapter over through (None: in memory):
-    `generator.lora_sync_path`, or SkyRL's `trainer.policy.model.lora.lora_sync_path` (validation
-    refuses the two naming different directories)."""
-    return cfg.generator.lora_sync_path or cfg.trainer.policy.model.lora.lora_sync_path or None

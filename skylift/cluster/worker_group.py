@@ -41,7 +41,7 @@ class RLWorker(TrainingWorker):
     """A training rank that also produces the policy's weights for the inference engines.
 
     Every rank gathers (a collective); rank 0 alone is in the weight-update group and broadcasts
-    (`WeightBroadcaster`). No rank calls an engine: the driver (`cluster.policy_sync`) tells the
+    (`WeightBroadcaster`). No rank calls an engine: the driver (`weight_sync.transports.group_link`) tells the
     engines to join and to receive while rank 0 runs the matching call here.
     """
 
@@ -350,7 +350,7 @@ class WorkerGroup:
         return self.call_all(RLWorker.setup)
 
     # ---- the policy's side of weight sync (every rank gathers; rank 0 broadcasts; the driver,
-    # `cluster.policy_sync`, calls these while it tells the engines to join and receive)
+    # `weight_sync.transports.group_link`, calls these while it tells the engines to join and receive)
     def host_weight_group(
         self,
         world_size: int,

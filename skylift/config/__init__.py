@@ -6,10 +6,11 @@ print(format_config(cfg, with_help=True))
 """
 
 from skylift.config.algorithm import AlgorithmConfig, CISPOConfig, DynamicSamplingConfig, KLCtrlConfig
+from skylift.config.dialects import key_aliases
 from skylift.config.errors import ConfigError
 from skylift.config.formatting import format_config, to_dict
 from skylift.config.keys import config_keys, field_help
-from skylift.config.loading import KEY_ALIASES, default_config, load_config, parse_override
+from skylift.config.loading import default_config, load_config, parse_override
 from skylift.config.schema import (
     CriticConfig,
     DataConfig,
@@ -30,7 +31,6 @@ from skylift.config.schema import (
 from skylift.config.validation import finalize, validate_config
 
 __all__ = [
-    "KEY_ALIASES",
     "AlgorithmConfig",
     "CISPOConfig",
     "ConfigError",
@@ -56,6 +56,7 @@ __all__ = [
     "field_help",
     "finalize",
     "format_config",
+    "key_aliases",
     "load_config",
     "parse_override",
     "to_dict",

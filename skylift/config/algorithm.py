@@ -233,7 +233,7 @@ class AlgorithmConfig:
         [],
         "modules imported before the run (and in every training worker) for their "
         "register_advantage_estimator / register_policy_loss calls, skylift's or SkyRL's signatures "
-        "(skylift.algorithms.skyrl_registries); looked up on sys.path, then in the current directory",
+        "(skylift.compat.skyrl.registries); looked up on sys.path, then in the current directory",
     )
     loss_reduction: str = _f(
         "token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}", choices=LOSS_REDUCTIONS

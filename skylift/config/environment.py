@@ -38,5 +38,7 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SKYLIFT_SOAK_ALONE_S": ("benchmarks/tinker_soak.py", "seconds of the well-behaved client alone (default 90)"),
     "SKYLIFT_TEST_SERVER_STARTUP_S": ("tests", "how long the tests wait for a test server to start (default 420 s)"),
     "SKYLIFT_GSM8K_DIR": ("tests", "directory of the GSM8K jsonl files (default: shared/data/gsm8k)"),
+    "SKYLIFT_UNTESTED_VLLM": ("engines, skylift serve", "1: apply skylift's vLLM patches to a vLLM they were not written for, with a warning, instead of stopping at start-up"),
+    "SKYLIFT_ENGINE_DEATH_REPEATS": ("tests/reliability", "how many fresh engines the local engine-kill test kills in a row (default 1)"),
     "SKYLIFT_GPU_CHECK_BLOCK": ("tests/gpu", "modules the GPU check makes unimportable (comma-separated)"),
 }  # fmt: skip

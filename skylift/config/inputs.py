@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.config.fields import _f
+from skylift.config.fields import _f, _group
+from skylift.config.harness import HarnessConfig
 
 # --------------------------------------------------------------------------------------------- data
 
@@ -71,4 +72,7 @@ class EnvironmentConfig:
         "a verifiers 0.4 env server that plays the rows of env_class verifiers on the run's remote "
         "engines: address (tcp://host:port, required), model, renderer_model, client, sampling, "
         "task_key, health_timeout_s, run_timeout_s (docs/agentic.md)",
+    )
+    harness: HarnessConfig = _group(
+        HarnessConfig, "an existing agent program trained through the OpenAI-compatible gateway"
     )

@@ -14,37 +14,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from skylift.config.dialects import KeyDialect, key_aliases, start_dialects
 from skylift.config.errors import ConfigError
 from skylift.config.formatting import set_derived_keys
-from skylift.config.inert import skyrl_example_generator, warn_without_effect
+from skylift.config.inert import warn_without_effect
 from skylift.config.keys import is_list_type, key_table, mapping_leaf_of, suggest_keys, type_name
 from skylift.config.schema import SkyliftConfig
-from skylift.config.skyrl import SKYRL_KEY_ALIASES, SkyRLKeys, refuse_backends
 from skylift.config.validation import finalize, validate_config
 
-# Keys of newer SkyRL releases (generator.inference_engine.*) mapped to the seed's flat keys.
-_ENGINE_ALIASES = {
-    "run_engines_locally": "run_engines_locally",
-    "remote_urls": "remote_inference_engine_urls",
-    "num_engines": "num_inference_engines",
-    "tensor_parallel_size": "inference_engine_tensor_parallel_size",
-    "backend": "backend",
-    "model_dtype": "model_dtype",
-    "weight_sync_backend": "weight_sync_backend",
-    "async_engine": "async_engine",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "enable_chunked_prefill": "enable_chunked_prefill",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_num_seqs": "max_num_seqs",
-    "enforce_eager": "enforce_eager",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "override_existing_update_group": "override_existing_update_group",
-    "delta_weight_sync": "delta_weight_sync",
-}
-KEY_ALIASES: dict[str, str] = {
-    **{f"generator.inference_engine.{old}": f"generator.{new}" for old, new in _ENGINE_ALIASES.items()},
-    **SKYRL_KEY_ALIASES,
-}
 _HYDRA_KEYS = ("defaults", "hydra")  # a Hydra config file's own entries, not settings
 
 
@@ -53,24 +30,27 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
 
     Returns real dataclass instances with derived defaults filled in (see
     ``skylift.config.validation.finalize``); a key of ``skylift.config.inert.WITHOUT_EFFECT`` set to
-    a non-default value logs a warning naming it, and so does a SkyRL key declared without effect
-    (``inert.SKYRL_WITHOUT_EFFECT``; see ``skylift.config.skyrl``). Raises ``ConfigError`` on an
-    unknown key (with the closest valid key), a value of the wrong type, a malformed override, an
-    invalid combination, or a backend skylift does not have (Megatron, DeepSpeed).
+    a non-default value logs a warning naming it. Other projects' keys go through the dialects
+    (`skylift.config.dialects`; SkyRL's: ``skylift.compat.skyrl.keys``), which may set them aside
+    with a warning or refuse them. Raises ``ConfigError`` on an unknown key (with the closest valid
+    key), a value of the wrong type, a malformed override, an invalid combination, or a backend
+    skylift does not have (Megatron, DeepSpeed).
     """
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'key=value' strings, not one string")
     cfg = OmegaConf.structured(SkyliftConfig)
-    skyrl = SkyRLKeys()
+    dialects = start_dialects()
     file_items = list(_file_assignments(Path(config_file))) if config_file is not None else []
     parsed = [(override, *parse_override(override)) for override in overrides]
-    refuse_backends([*file_items, *((key, value) for _, key, value in parsed)])
+    for dialect in dialects:
+        dialect.refuse([*file_items, *((key, value) for _, key, value in parsed)])
     for key, value in file_items:
-        _assign(cfg, key, value, str(config_file), skyrl)
+        _assign(cfg, key, value, str(config_file), dialects)
     for override, key, value in parsed:
-        _assign(cfg, key, value, f"override {override!r}", skyrl)
-    for key, value in skyrl.translations():
-        _assign(cfg, key, value, "SkyRL's external server keys", skyrl)
+        _assign(cfg, key, value, f"override {override!r}", dialects)
+    for dialect in dialects:
+        for key, value in dialect.translations():
+            _assign(cfg, key, value, dialect.TRANSLATION_SOURCE, dialects)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -83,7 +63,8 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     validate_config(obj)
     set_derived_keys(obj, derived)
     warn_without_effect(obj)
-    skyrl.warn()
+    for dialect in dialects:
+        dialect.warn()
     return obj
 
 
@@ -100,9 +81,12 @@ def parse_override(override: str) -> tuple[str, Any]:
         )
     key, raw = override.split("=", 1)
     key = key.strip()
+    empty = raw.strip() == ""  # key= is the empty string, as Hydra (and so SkyRL) reads it
     key = key.lstrip("+")  # Hydra's "add a key" prefixes: keys here either exist or are not allowed
     if not key or any(not part for part in key.split(".")) or key.startswith(("~", "-")):
         raise ConfigError(f"malformed override {override!r}: {key!r} is not a dotted key like trainer.seed=1")
+    if empty:
+        return key, ""
     try:
         parsed = OmegaConf.from_dotlist([f"value={raw}"])
     except OmegaConfBaseException as exc:
@@ -129,13 +113,13 @@ def _file_assignments(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _flatten(node: dict[Any, Any], prefix: str, source: str) -> Iterator[tuple[str, Any]]:
     """Walk nested groups down to (dotted leaf key, value) pairs; aliases are mapped on the way."""
-    table = key_table()
+    table, aliases = key_table(), key_aliases()
     for name, value in node.items():
         if not prefix and name in _HYDRA_KEYS:
             continue
         key = _canonical(f"{prefix}{name}")
         info = table.get(key)
-        is_group = (info is not None and info.is_group) or any(a.startswith(key + ".") for a in KEY_ALIASES)
+        is_group = (info is not None and info.is_group) or any(a.startswith(key + ".") for a in aliases)
         if is_group:
             if value is None:
                 continue
@@ -150,26 +134,24 @@ def _flatten(node: dict[Any, Any], prefix: str, source: str) -> Iterator[tuple[s
 
 def _canonical(key: str) -> str:
     """The skylift name of a key: an alias, or a key inside an aliased mapping (``...engine_init_kwargs.x``)."""
-    if key in KEY_ALIASES:
-        return KEY_ALIASES[key]
+    aliases = key_aliases()
+    if key in aliases:
+        return aliases[key]
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        target = KEY_ALIASES.get(".".join(parts[:i]))
+        target = aliases.get(".".join(parts[:i]))
         if target is not None:
             return ".".join([target, *parts[i:]])
     return key
 
 
-def _check_key(key: str, source: str) -> None:
+def _check_key(key: str, source: str, dialects: Sequence[KeyDialect]) -> None:
     if key in key_table() or mapping_leaf_of(key) is not None:
         return
-    example = skyrl_example_generator(key)
-    if example is not None:
-        raise ConfigError(
-            f"{key} (from {source}) is read only by {example}; skylift does not run that example's own "
-            "generator (skylift's multi-turn agents with tools: docs/agentic.md)",
-            key=key,
-        )
+    for dialect in dialects:
+        message = dialect.unknown_key(key, source)
+        if message is not None:
+            raise ConfigError(message, key=key)
     suggestions = suggest_keys(key)
     if suggestions:
         hint = f"; did you mean {suggestions[0]}?"
@@ -181,18 +163,19 @@ def _check_key(key: str, source: str) -> None:
     raise ConfigError(f"unknown config key {key} (from {source}){hint}", key=key, suggestions=suggestions)
 
 
-def _assign(cfg: DictConfig, key: str, value: Any, source: str, skyrl: SkyRLKeys) -> None:
-    """Set one dotted key, checking the key and the value's type (SkyRL-only keys go to `skyrl`)."""
+def _assign(cfg: DictConfig, key: str, value: Any, source: str, dialects: Sequence[KeyDialect]) -> None:
+    """Set one dotted key, checking the key and the value's type (a dialect's own keys go to it)."""
     key = _canonical(key)
     known = key in key_table() or mapping_leaf_of(key) is not None
     if not known and isinstance(value, dict) and value:  # a group of SkyRL keys, e.g. from a file
         for name, sub_value in value.items():
-            _assign(cfg, f"{key}.{name}", sub_value, source, skyrl)
+            _assign(cfg, f"{key}.{name}", sub_value, source, dialects)
         return
-    value = skyrl.value(key, value)
-    if skyrl.take(key, value, source):
+    for dialect in dialects:
+        value = dialect.value(key, value)
+    if any(dialect.take(key, value, source) for dialect in dialects):
         return
-    _check_key(key, source)
+    _check_key(key, source, dialects)
     info = key_table().get(key)
     if info is not None and info.is_group:
         if not isinstance(value, dict):
@@ -200,7 +183,7 @@ def _assign(cfg: DictConfig, key: str, value: Any, source: str, skyrl: SkyRLKeys
                 f"{key} is a group of keys; set its members, e.g. {key}.<name>=... (from {source})", key=key
             )
         for sub_key, sub_value in _flatten(value, key + ".", source):
-            _assign(cfg, sub_key, sub_value, source, skyrl)
+            _assign(cfg, sub_key, sub_value, source, dialects)
         return
     if (
         info is not None

@@ -289,7 +289,7 @@ class TrainerConfig:
         None, "metrics (jsonl, tensorboard) and plots; null = ~/skylift/runs/<run_name>/logs"
     )
     project_name: str = _f("skylift", "project name for trackers")
-    run_name: str = _f("skylift_run", "run name for trackers and default output directories")
+    run_name: str = _f("skylift_run", "run name for trackers and output directories (empty: skylift_run's)")
     runs_dir: str | None = _f(
         None,
         "default output directories are <runs_dir>/<run_name>/...; null = $SKYLIFT_RUNS_DIR or ~/skylift/runs",
@@ -428,7 +428,6 @@ class GeneratorConfig:
     use_conversation_multi_turn: bool = _f(
         True, "multi-turn: observations as chat messages (false = their text continues the assistant turn)"
     )
-    # agentic rollouts (issue 31)
     chat_template_kwargs: dict[str, Any] = _f(
         {},
         "extra arguments of every apply_chat_template call, e.g. generator.chat_template_kwargs.enable_thinking=false",
@@ -447,6 +446,7 @@ class GeneratorConfig:
     merge_stepwise_output: bool = _f(
         False, "step-wise: merge a rollout's steps that extend the one before into one sample (SkyRL's)"
     )
+    on_template_mismatch: str = _f("error", "history change: error|step_wise", choices=("error", "step_wise"))
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1

@@ -64,6 +64,12 @@ class ServerConfig:
     max_snapshot_mb_per_user: float = 4096.0  # memory of the sampler snapshots one user's live sessions hold
     max_record_tokens_per_user: int = 5_000_000  # stability-record tokens of one user (oldest dropped)
     max_checkpoint_gb_per_user: float = 1024.0  # checkpoint disk of one user
+    # training admission (skylift.tinker.admission): the memory training clients may hold (None: a
+    # fraction of the training device's), live training clients and LoRA adapters per user (the
+    # users file may set a user's own)
+    training_memory_gb: float | None = None
+    max_clients_per_user: int = 64
+    max_adapters_per_user: int = 64
 
 
 @dataclass(frozen=True)

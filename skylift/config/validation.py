@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from skylift.config.algorithm import ADVANTAGE_ESTIMATORS, POLICY_LOSS_TYPES, AlgorithmConfig
 from skylift.config.delta_sync import delta_problems
 from skylift.config.errors import ConfigError
+from skylift.config.harness import harness_problems
 from skylift.config.schema import PLACEMENT_BACKENDS, SkyliftConfig
 from skylift.utils.plugins import PluginImportError, import_user_modules
 from skylift.utils.registry import ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
@@ -32,8 +33,9 @@ def default_runs_dir() -> str:
 
 
 def default_run_root(run_name: str, runs_dir: str | None = None) -> Path:
-    """Where a run's checkpoints, exports and logs go unless configured: ``<runs_dir>/<run_name>``."""
-    return Path(runs_dir or default_runs_dir()).expanduser() / run_name
+    """Where a run's checkpoints, exports and logs go unless configured: ``<runs_dir>/<run_name>``
+    (an empty run name, as ``trainer.run_name=`` gives it, is the default name ``skylift_run``)."""
+    return Path(runs_dir or default_runs_dir()).expanduser() / (run_name.strip() or "skylift_run")
 
 
 def finalize(cfg: SkyliftConfig) -> dict[str, Any]:
@@ -334,8 +336,6 @@ def _check_schedule(cfg: SkyliftConfig, problems: list[str]) -> None:
         problems.append("trainer.resume_mode=from_path needs trainer.resume_path")
     if not t.loggers():
         problems.append("trainer.logger must name at least one tracker")
-    if not t.run_name.strip():
-        problems.append("trainer.run_name must not be empty")
     _one_of(problems, "trainer.placement.backend", t.placement.backend, PLACEMENT_BACKENDS)
     if t.placement.backend == "local" and (
         t.policy_world_size() > 1 or t.placement.ref_num_nodes * t.placement.ref_num_gpus_per_node > 1
@@ -354,6 +354,7 @@ def _check_schedule(cfg: SkyliftConfig, problems: list[str]) -> None:
 def _check_generator(cfg: SkyliftConfig, problems: list[str]) -> None:
     g = cfg.generator
     problems += delta_problems(g.weight_sync_backend, g.delta_weight_sync, cfg.trainer.policy.model.lora.rank)
+    problems += harness_problems(cfg.environment.harness)
     if cfg.generator.merge_stepwise_output and not cfg.generator.step_wise_trajectories:
         problems.append("generator.merge_stepwise_output=true needs generator.step_wise_trajectories=true")
     if g.batched and g.max_turns > 1:

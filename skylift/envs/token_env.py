@@ -2,7 +2,7 @@
 
 A `TokenEnvironment` gives the generator the prompt as token ids (`init_tokens`), receives the ids
 the policy sampled (`step_tokens`) and answers with the whole context of the next turn as ids
-(tinker-cookbook's ``Env`` protocol, which `skylift.envs.tinker_cookbook` adapts). The generator
+(tinker-cookbook's ``Env`` protocol, which `skylift.integrations.tinker_cookbook.env` adapts). The generator
 (`skylift.generator.token_turns`) keeps the sampled ids as they are and adds the ids the
 environment put after them as untrained tokens; a next context that does not start with the
 previous context and the sampled ids (the environment rewrote history) is refused with a clear

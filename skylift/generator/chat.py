@@ -2,34 +2,48 @@
 
 Multi-turn rollouts are token-in/token-out: the ids the policy sampled are kept as they are (never
 decoded and re-rendered), and only what the template puts around them is added, so that the
-trajectory's ids equal ``apply_chat_template`` of the final conversation:
+trajectory's ids equal ``apply_chat_template`` of its conversation. What is added is read off the
+conversation at hand, never off a probe conversation (`ConversationIds`): after each turn the whole
+conversation (the turn's text and the environment's observations appended) is rendered with the
+next assistant header, and the rendering must extend the trajectory's ids so far; the ids past them
+(the template's rest of the turn, e.g. ChatML's ``<|im_end|>\\n``, the observations and the next
+header) follow the turn, untrained. This holds whatever the template does at the end of a
+conversation (Phi-3 appends EOS only without a generation prompt) and wherever it puts the system
+prompt, as long as it renders earlier turns the same once later ones follow.
 
-- `ChatFormat.close_turn`: after an assistant turn, the template's turn-closing tokens the model
-  did not sample (ChatML's "\\n" after ``<|im_end|>``; the whole ``<|im_end|>\\n`` after a stop
-  string or a truncated turn);
-- `ChatFormat.observation_ids`: the environment's messages and the next assistant header, as the
-  template renders them after an assistant message (the rendering of a fixed conversation plus the
-  observations, minus that of the conversation).
+A template that renders the conversation so far differently once a turn and observations follow
+(it rewrites history: Mistral v0.3 moves the system prompt into the last user turn, DeepSeek-R1 and
+Qwen3 drop the thinking of past assistant turns, Llama 3 and Gemma trim whitespace the model
+sampled) raises `TemplateMismatch` naming the first token where the two differ: one trajectory
+cannot hold it (``generator.on_template_mismatch`` decides: stop, or go on step-wise). Where the
+ids differ but decode to the same text (the sampler chose another tokenisation of its own text),
+the rendering is followed as text: the trajectory equals the template's as text, not as ids.
 
-Both are read off the template by rendering probe conversations, so any template that renders a
-conversation as the concatenation of its messages works (ChatML, Llama 3, SmolLM2, Gemma).
+`ChatFormat.turn_close_ids` and `ChatFormat.observation_ids` give the same pieces for a template
+in general (rendered with a probe conversation and checked to carry none of it); the rollout loop
+does not use them.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 Messages = list[dict[str, Any]]
 
-_PROBE = "Probe"  # assistant content of the probe conversations (no spaces: templates may trim)
-_SYSTEM = {"role": "system", "content": "System"}
-_USER = {"role": "user", "content": "User"}
-_ASSISTANT = {"role": "assistant", "content": _PROBE}
+_PROBE_USER = "Probe-question"  # content of the probe conversations (no spaces: templates may trim)
+_PROBE_ANSWER = "Probe-answer"
 
 
 class ChatTemplateError(ValueError):
     """The chat template does not render a conversation as the concatenation of its turns."""
+
+
+class TemplateMismatch(ChatTemplateError):
+    """The template's rendering of a rollout's conversation does not extend the rollout's ids."""
+
+    def __init__(self, message: str, at: int) -> None:
+        super().__init__(message)
+        self.at = at  # index (into prompt + response ids) of the first token that differs
 
 
 class ChatFormat:
@@ -39,8 +53,6 @@ class ChatFormat:
     def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
-        self._base: dict[str, Messages] = {}
-        self._close: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: Messages, *, add_generation_prompt: bool, tools: Any = None) -> list[int]:
@@ -74,70 +86,120 @@ class ChatFormat:
         """The prompt: `messages` and the assistant header the policy continues."""
         return self.render(messages, add_generation_prompt=True, tools=tools)
 
-    # ------------------------------------------------------------------ turn boundaries
-    def _base_conversation(self, tools: Any) -> Messages:
-        """A probe conversation ending with an assistant turn (with a system message unless the
-        template refuses one)."""
-        key = _key(tools)
-        if key not in self._base:
-            try:
-                self.render([_SYSTEM, _USER, _ASSISTANT], add_generation_prompt=False, tools=tools)
-                self._base[key] = [_SYSTEM, _USER, _ASSISTANT]
-            except Exception:  # e.g. Gemma's template raises on a system message
-                self._base[key] = [_USER, _ASSISTANT]
-        return self._base[key]
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
+    # ------------------------------------------------------------------ the conversation at hand
+    def extension(self, done: list[int], rendered: list[int]) -> list[int]:
+        """The ids of `rendered` (a conversation's rendering) after the trajectory ids `done`,
+        which it must extend: as ids, else as text (the tokens after the first difference decode
+        to the same text); `TemplateMismatch` otherwise."""
+        j = 0
+        limit = min(len(done), len(rendered))
+        while j < limit and done[j] == rendered[j]:
+            j += 1
+        if j == len(done):
+            return rendered[j:]
+        tail = self.decode(done[j:])
+        lo, hi = j, len(rendered)  # the fewest tokens of `rendered` after j that decode as long
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.decode(rendered[j:mid])) >= len(tail):
+                hi = mid
+            else:
+                lo = mid + 1
+        if self.decode(rendered[j:lo]) == tail:
+            return rendered[lo:]
+        raise TemplateMismatch(self._mismatch(done, rendered, j), j)
+
+    def _mismatch(self, done: list[int], rendered: list[int], at: int) -> str:
+        before = self.decode(done[max(0, at - 6) : at])
+        ours = self.decode(done[at : at + 8])
+        theirs = self.decode(rendered[at : at + 8])
+        return (
+            "the chat template renders the conversation so far differently once the turn and the "
+            f"observations follow (it rewrites history): after {before!r} (token {at} of {len(done)}) "
+            f"the trajectory has {ours!r} where the template now renders {theirs!r}; one trajectory "
+            "cannot hold both: set generator.on_template_mismatch=step_wise (this rollout goes on "
+            "step-wise) or generator.step_wise_trajectories=true"
+        )
+
+    # ------------------------------------------------------------------ probes (not used by rollouts)
     def turn_close_ids(self, tools: Any = None) -> list[int]:
-        """The tokens the template puts after an assistant message's content (ChatML:
-        ``<|im_end|>\\n``; Llama 3: ``<|eot_id|>``)."""
-        key = _key(tools)
-        if key not in self._close:
-            base = self._base_conversation(tools)
-            full = self.render_text(base, add_generation_prompt=False, tools=tools)
-            at = full.rfind(_PROBE)
-            if at < 0:
-                raise ChatTemplateError("the chat template does not render the assistant's message content")
-            tail = full[at + len(_PROBE) :]
-            close = [int(t) for t in self.tokenizer.encode(tail, add_special_tokens=False)]
-            ids = self.render(base, add_generation_prompt=False, tools=tools)
-            if close and ids[-len(close) :] != close:
-                raise ChatTemplateError(f"the turn-closing text {tail!r} tokenises differently in context")
-            self._close[key] = close
-        return self._close[key]
-
-    def close_turn(self, sampled: list[int], *, close_unfinished: bool, tools: Any = None) -> list[int]:
-        """The turn-closing tokens to add after the sampled ids `sampled` of an assistant turn.
-
-        When `sampled` ends with the start of the closing tokens (the model sampled ``<|im_end|>``),
-        the rest of them; otherwise (a stop string or a truncated turn) all of them when
-        `close_unfinished`, else none.
-        """
-        close = self.turn_close_ids(tools)
-        for k in range(min(len(close), len(sampled)), 0, -1):
-            if sampled[-k:] == close[:k]:
-                return close[k:]
-        return list(close) if close_unfinished else []
+        """The tokens the template puts after an assistant message's content when the
+        conversation goes on (ChatML: ``<|im_end|>\\n``; Llama 3: ``<|eot_id|>``; Phi-3:
+        ``<|end|>\\n``, without the EOS it ends a whole conversation with)."""
+        done, closed = self._probe_answer(tools)
+        closed = closed[len(done) :]
+        user = {"role": "user", "content": _PROBE_USER}
+        answer = {"role": "assistant", "content": _PROBE_ANSWER}
+        going_on = self.extension(
+            done, self.render([user, answer, user], add_generation_prompt=True, tools=tools)
+        )
+        k = 0
+        while k < min(len(closed), len(going_on)) and closed[k] == going_on[k]:
+            k += 1
+        return self._clean(closed[:k])
 
     def observation_ids(self, observations: Messages, tools: Any = None) -> list[int]:
         """`observations` as the template renders them after a closed assistant turn, followed by
-        the next assistant header."""
-        base = self._base_conversation(tools)
-        before = self.render(base, add_generation_prompt=False, tools=tools)
-        after = self.render(base + list(observations), add_generation_prompt=True, tools=tools)
-        if after[: len(before)] == before:
-            return after[len(before) :]
-        # the token boundary moved (a merge across the turn end): fall back to the text
-        before_text = self.render_text(base, add_generation_prompt=False, tools=tools)
-        after_text = self.render_text(base + list(observations), add_generation_prompt=True, tools=tools)
-        if not after_text.startswith(before_text):
-            raise ChatTemplateError(
-                "the chat template renders earlier turns differently once observations follow "
-                "(it rewrites history); use generator.use_conversation_multi_turn=false"
-            )
-        return [
-            int(t) for t in self.tokenizer.encode(after_text[len(before_text) :], add_special_tokens=False)
-        ]
+        the next assistant header; `ChatTemplateError` when that rendering carries anything of the
+        probe conversation it is read off (a template that moves earlier messages)."""
+        user = {"role": "user", "content": _PROBE_USER}
+        answer = {"role": "assistant", "content": _PROBE_ANSWER}
+        done = self._probe_answer(tools)[0] + self.turn_close_ids(tools)
+        rendered = self.render([user, answer, *observations], add_generation_prompt=True, tools=tools)
+        return self._clean(self.extension(done, rendered))
+
+    def _probe_answer(self, tools: Any) -> tuple[list[int], list[int]]:
+        """A probe conversation's ids up to the end of its answer's content, and all its ids."""
+        user = {"role": "user", "content": _PROBE_USER}
+        answer = {"role": "assistant", "content": _PROBE_ANSWER}
+        base = self.render([user], add_generation_prompt=True, tools=tools)
+        closed = self.render([user, answer], add_generation_prompt=False, tools=tools)
+        if closed[: len(base)] != base:
+            raise ChatTemplateError("the chat template renders a prompt differently once its answer follows")
+        for k in range(len(base), len(closed) + 1):
+            if _PROBE_ANSWER in self.decode(closed[len(base) : k]):
+                return closed[:k], closed
+        raise ChatTemplateError("the chat template does not render the assistant's message content")
+
+    def _clean(self, ids: list[int]) -> list[int]:
+        text = self.decode(ids)
+        if _PROBE_USER in text or _PROBE_ANSWER in text:
+            raise ChatTemplateError(f"the chat template moves earlier messages into later turns: {text!r}")
+        return ids
 
 
-def _key(tools: Any) -> str:
-    return json.dumps(tools, sort_keys=True, default=repr)
+class ConversationIds:
+    """One rollout's conversation and the ids the template gives it so far (the trajectory's ids,
+    plus any turn-closing ids it leaves out with ``append_eos_after_stop_str=false``)."""
+
+    def __init__(self, chat: ChatFormat, messages: Messages, tools: Any) -> None:
+        self.chat = chat
+        self.tools = tools
+        self.messages = [dict(m) for m in messages]
+        self.ids = chat.prompt_ids(self.messages, tools)
+
+    def after_turn(
+        self, sampled: list[int], text: str, observations: Messages, *, drop_close: bool
+    ) -> list[int]:
+        """The untrained ids that follow the turn's `sampled` ids (its text `text`) and the
+        environment's `observations`: the template's rest of the turn (left out with
+        `drop_close`), the observations and the next assistant header. `TemplateMismatch` when
+        the template renders the conversation differently than the trajectory holds it."""
+        done = self.ids + [int(t) for t in sampled]
+        answered = [*self.messages, {"role": "assistant", "content": text}]
+        going_on = answered + [dict(m) for m in observations]
+        rest = self.chat.extension(
+            done, self.chat.render(going_on, add_generation_prompt=True, tools=self.tools)
+        )
+        self.messages, self.ids = going_on, done + rest
+        if not drop_close:
+            return rest
+        closed = self.chat.render(answered, add_generation_prompt=False, tools=self.tools)
+        closed = closed[len(done) :] if closed[: len(done)] == done else []
+        k = 0
+        while k < min(len(closed), len(rest)) and closed[k] == rest[k]:
+            k += 1
+        return rest[k:]

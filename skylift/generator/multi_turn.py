@@ -5,8 +5,10 @@ unless the environment rewrites the turn (SkyRL's ``postprocessed_action``, in t
 then the conversation goes on from the rewritten text, its ids as the tokenizer encodes it; the ids
 it shares from the start with what was sampled stay trained, the rest are untrained (never sampled);
 between turns come the template's turn-closing tokens the model did not sample and the
-observations as the template renders them (`skylift.generator.chat`), untrained (`loss_mask` 0,
-logprob 0). The prompt and observations are rendered with the environment's tools (``tools=``) and
+observations as the template renders them, read off the rendering of the whole conversation at hand
+(`skylift.generator.chat.ConversationIds`), untrained (`loss_mask` 0, logprob 0). When that
+rendering does not extend the trajectory's ids (the template rewrites history), the rollout stops
+with `TemplateMismatch`, or with ``generator.on_template_mismatch=step_wise`` goes on step-wise. The prompt and observations are rendered with the environment's tools (``tools=``) and
 ``generator.chat_template_kwargs``. Each step's reward is kept at the turn's last sampled token
 (`Trajectory.turn_rewards`); the trajectory's reward is their sum. With
 ``generator.step_wise_trajectories`` each turn is its own sample instead, its prompt the
@@ -18,13 +20,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment
-from skylift.generator.chat import ChatFormat
+from skylift.generator.chat import ChatFormat, ConversationIds, TemplateMismatch
 from skylift.generator.rollout_end import RolloutRecord
 from skylift.generator.settings import GeneratorSettings
+from skylift.generator.step_wise import TurnRecord, steps_of_turns
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
@@ -78,8 +81,10 @@ class TurnLoop:
         s = self.settings
         messages = await self.call_env(env.init, row.prompt, extras)
         tools = env.tool_schemas()
-        rollout = RolloutRecord(self.chat.prompt_ids(messages, tools), policy_version)
+        track = ConversationIds(self.chat, messages, tools)  # what the template renders so far
+        rollout = RolloutRecord(list(track.ids), policy_version)
         conversation = [dict(m) for m in messages]  # step-wise: rendered afresh every turn
+        turns: list[TurnRecord] = []  # for a switch to step-wise (generator.on_template_mismatch)
         while rollout.turns < s.max_turns:
             if s.step_wise and rollout.turns > 0:
                 context = self.chat.prompt_ids(conversation, tools)
@@ -94,6 +99,7 @@ class TurnLoop:
             )
             text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             sampled = rollout.add_turn(s, context, completion, text)
+            turns.append((len(context), completion, text))
             result = await timer.timed("env", self.call_env(env.step, text))
             stop_reason = completion.stop_reason
             postprocessed = result.metadata.get("postprocessed_action")
@@ -105,22 +111,42 @@ class TurnLoop:
             rollout.add_answer(result.reward, result.metrics, result.metadata)
             if result.done or not result.observations:
                 break
+            conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
             if s.step_wise:
-                conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
                 continue
-            rollout.add_untrained(self._between_turns(sampled, stop_reason, result.observations, tools))
+            try:
+                between = self._between_turns(track, sampled, text, stop_reason, result.observations)
+            except TemplateMismatch:
+                if s.on_template_mismatch != "step_wise":
+                    raise
+                # this rollout goes on step-wise: its turns so far become steps, the next prompt is
+                # the conversation as the template renders it now
+                rollout.steps = steps_of_turns(
+                    rollout.prompt_ids + rollout.response_ids, turns, s.engine_versions
+                )
+                s = replace(s, step_wise=True)
+                continue
+            rollout.add_untrained(between)
         await self.call_env(env.close)
         return rollout.finish(row, s)
 
     def _between_turns(
-        self, sampled: list[int], stop_reason: str, observations: list[dict[str, Any]], tools: Any
+        self,
+        track: ConversationIds,
+        sampled: list[int],
+        text: str,
+        stop_reason: str,
+        observations: list[dict[str, Any]],
     ) -> list[int]:
         """Untrained tokens after a turn: the template's rest of the turn, the observations and the
-        next assistant header; without `conversation_multi_turn`, the observations' plain text."""
+        next assistant header, read off the conversation at hand (`TemplateMismatch` when the
+        template renders it differently than the trajectory holds it); without
+        `conversation_multi_turn`, the observations' plain text."""
         if not self.settings.conversation_multi_turn:
             text = "".join(str(message["content"]) for message in observations)
             return [int(t) for t in self.chat.tokenizer.encode(text, add_special_tokens=False)]
-        # the model sampled the end of its turn, or stopped on a stop string / was truncated
-        unfinished = self.settings.append_eos_after_stop_str if stop_reason == "stop" else True
-        close = self.chat.close_turn(sampled, close_unfinished=unfinished, tools=tools)
-        return close + self.chat.observation_ids(observations, tools)
+        # a stop string ended the turn (the model did not sample the template's end of turn)
+        special = set(getattr(self.chat.tokenizer, "all_special_ids", []) or [])
+        stop_string = stop_reason == "stop" and bool(sampled) and sampled[-1] not in special
+        drop = stop_string and not self.settings.append_eos_after_stop_str
+        return track.after_turn(sampled, text, observations, drop_close=drop)

@@ -37,6 +37,10 @@ class GeneratorSettings:
     #: step-wise: merge a rollout's consecutive steps when one's prompt + response starts the next's
     #: prompt (`skylift.generator.step_wise.merge_steps`; SkyRL's `merge_stepwise_output`)
     merge_steps: bool = False
+    #: multi-turn: what a rollout does when the chat template (or a token-level environment)
+    #: renders its conversation differently than the trajectory holds it: "error" stops with the
+    #: reason, "step_wise" makes that rollout's turns step-wise samples from then on
+    on_template_mismatch: str = "error"
     llm_base_url: str | None = None  # environments' `llm`: this OpenAI-compatible URL, None = the policy
     llm_model: str = "default"  # the model name sent to llm_base_url
     llm_timeout_s: float = 60.0  # per call of an environment's `llm`

@@ -18,6 +18,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from skylift.generator.trajectory import Trajectory
+from skylift.inference.types import Completion
+
+#: A turn as a rollout records it for a later switch to step-wise: the length of the context sent
+#: (a prefix of the rollout's ids), the engine's completion and the turn's text.
+TurnRecord = tuple[int, Completion, str]
 
 
 @dataclass
@@ -30,6 +35,23 @@ class Step:
     versions: list[int] | None
     stop_reason: str
     text: str
+
+
+def steps_of_turns(ids: list[int], turns: list[TurnRecord], engine_versions: bool) -> list[Step]:
+    """The steps of the turns so far of a rollout that goes on step-wise (its template or its
+    environment rewrote history: ``generator.on_template_mismatch=step_wise``); `ids`: the rollout's
+    prompt and response ids, of which each turn's context is a prefix."""
+    return [
+        Step(
+            list(ids[:length]),
+            [int(t) for t in completion.token_ids],
+            list(completion.logprobs or [0.0] * len(completion.token_ids)),
+            completion.token_versions if engine_versions else None,
+            completion.stop_reason,
+            text,
+        )
+        for length, completion, text in turns
+    ]
 
 
 def step_trajectories(

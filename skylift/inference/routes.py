@@ -33,7 +33,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from starlette.middleware import Middleware
 
-from skylift.inference import skyrl_routes
+from skylift.inference.allowed_paths import AllowedRoots
 from skylift.inference.auth import ApiKeyMiddleware, api_key_problem
 from skylift.inference.bodies import (
     MAX_STOPS,
@@ -53,7 +53,6 @@ from skylift.inference.codec import output_to_json
 from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
 from skylift.inference.engine_http import engine_call, status_of
 from skylift.inference.generate_compat import GenerateTokenLabels
-from skylift.inference.generate_guard import GenerateGuard
 from skylift.inference.limits import (
     MAX_GENERATE_BODY_BYTES,
     MAX_N,
@@ -62,13 +61,15 @@ from skylift.inference.limits import (
     MAX_SEQUENCES,
 )
 from skylift.inference.local import LocalVLLMEngine
+from skylift.inference.route_plugins import install_plugin_routes, weight_transfer_update
 from skylift.inference.types import (
     EngineError,
     SamplingParams,
     WeightBucket,
     WeightUpdateGroupSpec,
 )
-from skylift.inference.vllm_generate_body import GenerateLimits
+from skylift.inference.vllm_patches import generate_guard
+from skylift.inference.vllm_patches.generate_body import GenerateLimits
 from skylift.weight_sync.buckets import dtype_to_str, str_to_dtype, validate_bucket
 
 logger = logging.getLogger("skylift.inference.routes")
@@ -97,6 +98,8 @@ class SkyliftState:
     #: the dtype every tensor of the group must have (SkyRL's `model_dtype_str`), if it says
     group_dtype: str | None = None
     started_at: float = field(default_factory=time.time)
+    #: where /skylift/delta/* may read and write (`skylift serve --delta-sync-root`)
+    delta_roots: AllowedRoots = field(default_factory=AllowedRoots)
 
 
 def _state(request: Request) -> SkyliftState:
@@ -323,9 +326,9 @@ async def update_weights(
     """Receive one bucket over the group (the trainer broadcasts while this request is open).
 
     A body with `update_info` instead of `names`/`dtypes`/`shapes` is vLLM's weight-transfer
-    protocol (SkyRL 0.4), handled by `skyrl_routes`."""
+    protocol (SkyRL 0.4), handled by a route plugin (`skylift.inference.route_plugins`)."""
     if isinstance(body, WeightTransferUpdateBody):
-        return await skyrl_routes.weight_transfer_update(request, body.model_dump())
+        return await weight_transfer_update(request, body.model_dump())
     return await _receive_bucket(_state(request), WeightBucket(**body.model_dump()))
 
 
@@ -385,9 +388,7 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
     limits = GenerateLimits(
         vocab_size=state.vocab_size, max_model_len=state.max_model_len, multimodal=state.multimodal
     )
-    app.user_middleware.insert(
-        0, Middleware(GenerateGuard, limits=limits, max_body_bytes=MAX_GENERATE_BODY_BYTES)
-    )
+    generate_guard.install(app, limits, MAX_GENERATE_BODY_BYTES)
     app.middleware_stack = app.build_middleware_stack()
     if state.api_key_hashes:
         # Outermost. Not app.add_middleware: vLLM's SageMaker bootstrap has already built the stack.
@@ -395,7 +396,7 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
         app.middleware_stack = app.build_middleware_stack()
     before = len(app.router.routes)
     app.include_router(router)
-    skyrl_routes.install(app)  # vLLM's RL control routes, weight-transfer routes (SkyRL 0.4)
+    install_plugin_routes(app)  # e.g. vLLM's RL control and weight-transfer routes (SkyRL 0.4)
     ours = app.router.routes[before:]
     del app.router.routes[before:]
     app.router.routes[0:0] = ours

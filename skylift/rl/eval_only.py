@@ -10,13 +10,12 @@ environments. The figures are the training loop's evaluation figures (`skylift.r
 skylift's `eval/accuracy` with its standard error, SkyRL's `eval/all/avg_score`,
 `eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`, `timing/eval_generate`), logged once at
 step 0 to the run's trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample
-to `<log_dir>/eval/eval_only.jsonl` and SkyRL's dump to `<export_path>/dumped_evals/eval_only/`
-(`skylift.rl.eval_dump`).
+to `<log_dir>/eval/eval_only.jsonl` and the registered dumpers' (`skylift.rl.eval_dumps`: SkyRL's
+to `<export_path>/dumped_evals/eval_only/`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import time
 from collections.abc import Callable, Sequence
@@ -27,18 +26,19 @@ from skylift.cluster.settings import RunPaths
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
-from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
+from skylift.rl.eval_dumps import EvalDump, write_eval_dumps
 from skylift.rl.eval_weights import export_for_engines, push_to_engines, resolve_eval_weights
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.parts import RolloutGenerator, Tracker
 from skylift.rl.rows import Sampler
 from skylift.rl.sampling import rollout_seeds, sampling_params
 from skylift.utils.eval_stats import format_accuracy
+from skylift.utils.loop_thread import LoopThread
 
 DUMP_NAME = "eval_only.jsonl"
 
 
-def eval_sampler(cfg: SkyliftConfig, generator: RolloutGenerator, loop: asyncio.AbstractEventLoop) -> Sampler:
+def eval_sampler(cfg: SkyliftConfig, generator: RolloutGenerator, loop: LoopThread) -> Sampler:
     """The evaluation sampler of a training run's `samplers`, for engines at version 0 (no sync)."""
     return Sampler(
         generator,
@@ -56,11 +56,11 @@ def evaluate_once(
     sampler: Sampler,
     tracker: Tracker,
     logs_dir: Path,
-    skyrl_dump: tuple[Path, Callable[[list[int]], str]] | None = None,
+    export_dump: tuple[Path, Callable[[list[int]], str]] | None = None,
 ) -> dict[str, float]:
     """Evaluate `rows` with `sampler`, log the figures at step 0 and dump the samples if asked:
-    to `<logs_dir>/eval/eval_only.jsonl` and, given `skyrl_dump` (the export directory, token ids
-    to text), as SkyRL dumps them (`skylift.rl.eval_dump`)."""
+    to `<logs_dir>/eval/eval_only.jsonl` and, given `export_dump` (the export directory, token ids
+    to text), in the registered dumpers' layouts too (`skylift.rl.eval_dumps`)."""
     metrics, trajectories = evaluate(
         list(rows),
         lambda batch: sampler.run(batch, -1),
@@ -69,9 +69,9 @@ def evaluate_once(
     )
     if cfg.trainer.dump_eval_results:
         dump_eval(logs_dir / "eval" / DUMP_NAME, trajectories)
-        if skyrl_dump is not None:
-            export_dir, decode = skyrl_dump
-            dump_skyrl_eval(skyrl_dump_dir(export_dir, None), list(rows), trajectories, metrics, decode)
+        if export_dump is not None:
+            export_dir, decode = export_dump
+            write_eval_dumps(EvalDump(export_dir, None, list(rows), trajectories, metrics, decode))
     tracker.log(metrics, 0)
     return metrics
 

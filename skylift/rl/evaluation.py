@@ -14,7 +14,7 @@ from pathlib import Path
 
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
-from skylift.generator.metrics import rollout_metrics, skyrl_generate_metrics
+from skylift.generator.metrics import MetricsRequest, plugin_metrics, rollout_metrics
 from skylift.utils.eval_stats import Sample, accuracy_figures, skyrl_figures, skyrl_source_name
 
 
@@ -59,9 +59,7 @@ def evaluate(
     metrics.update(figures(list(groups), "eval/", "eval/all/"))
     metrics["eval/response_length"] = statistics.fmean(tr.num_generated_tokens for tr in trajectories)
     metrics.update({f"eval/{name}": value for name, value in rollout_metrics(trajectories).items()})
-    metrics.update(
-        {f"eval/all/{name}": value for name, value in skyrl_generate_metrics(trajectories).items()}
-    )
+    metrics.update(plugin_metrics(MetricsRequest(trajectories, evaluation=True)))  # eval/all/generate/*
     metrics["timing/eval_generate"] = generated
     metrics["timing/eval_s"] = time.perf_counter() - tick
     return metrics, trajectories

@@ -2,8 +2,8 @@
 
 Design:
 
-1. `num_parallel_generation_workers` coroutines on the run's event loop (driven by a thread of
-   its own for the whole run, `LoopThread`) each take the next prompt, generate its group of
+1. `num_parallel_generation_workers` coroutines on the run's event loop (the runtime's
+   `LoopThread`, on a thread of its own for the whole run) each take the next prompt, generate its group of
    `n_samples_per_prompt` rollouts and put the group into a buffer; then take the next prompt.
 2. The trainer takes `train_batch_size` groups from the buffer as soon as that many are done
    (the oldest first), trains on them and syncs the weights after every update. A sync pauses the
@@ -22,7 +22,7 @@ Design:
    staleness of its batch (`fully_async/*`, `async/staleness_*`); it never exceeds the bound.
 5. Each group records its completion seconds (from its generation's start to its end, on the
    `clock`), for SkyRL's ``generate/group_completion_time_*`` figures of the step that trains it
-   (`skylift.generator.metrics.group_completion_metrics`).
+   (`skylift.compat.skyrl.metrics.group_completion_metrics`).
 6. `keep` (`trainer.fully_async.sample_full_batch`): a finished group it turns down (rewards all
    equal) is not buffered; its prompt counts as used and its slot is given back, so the batch
    fills with groups that carry a signal. Running out of data then raises `RolloutsExhausted`,
@@ -43,12 +43,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from skylift.generator import Trajectory
 from skylift.generator.timing import Clock
+from skylift.utils.loop_thread import LoopThread
 
 T = TypeVar("T")
 
@@ -144,29 +144,6 @@ def token_version_metrics(trajectories: Sequence[Trajectory], policy_version: in
         "fully_async/versions_in_batch": float(len(versions)),
         "fully_async/samples_spanning_versions": float(spanning),
     }
-
-
-# ================================================================== the event loop on its own thread
-class LoopThread:
-    """Runs `loop` forever on a daemon thread until `stop()`; `run(coro)` from any other thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._thread = threading.Thread(target=self._main, name="skylift-fully-async-loop", daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise RuntimeError(f"the event loop thread did not stop within {timeout_s:.0f} s")
 
 
 # ================================================================== the generation side
@@ -356,7 +333,4 @@ class FullyAsyncRollouts:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-        try:
-            self.loop.submit(cancel()).result(timeout=120)
-        finally:
-            self.loop.stop()
+        self.loop.submit(cancel()).result(timeout=120)  # the loop is the run's: it goes on

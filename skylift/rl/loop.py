@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,19 @@ from skylift.inference.types import EngineUnavailableError
 from skylift.rl import checkpoint as ckpt
 from skylift.rl.batch_dump import batch_dump_path, dump_training_batch
 from skylift.rl.console import Console
-from skylift.rl.eval_dump import dump_skyrl_eval, skyrl_dump_dir
+from skylift.rl.eval_dumps import EvalDump, write_eval_dumps
 from skylift.rl.evaluation import dump_eval, evaluate
-from skylift.rl.experience import ExperienceSettings, make_experience
+from skylift.rl.experience import ExperienceStages, make_experience
 from skylift.rl.fully_async import RolloutsExhausted
 from skylift.rl.parts import ModelGroup, Parts
 from skylift.rl.rows import Sampler
 from skylift.rl.sources import RolloutSource
 from skylift.rl.step_wise import is_step_wise, step_wise_rows_per_mini_batch
 from skylift.rl.update import UpdateSettings, policy_objective, train_critic, train_policy
+from skylift.utils.messages import one_line, plain
 from skylift.utils.threads import switch_interval
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingStoppedError(RuntimeError):
@@ -66,7 +70,7 @@ class RLTrainer:
         t = cfg.trainer
         kl = t.algorithm.kl_ctrl  # the KL-in-reward coefficient, adapted per step or fixed
         self.kl_ctrl = make_kl_controller(kl.type, t.algorithm.kl_loss_coef, kl.kl_target, kl.horizon)
-        self.experience_settings = ExperienceSettings.from_config(cfg, parts.pad_id)
+        self.experience_stages = ExperienceStages.from_config(cfg, parts.pad_id)
         self.update_settings = UpdateSettings.from_config(cfg)
         self.objective = policy_objective(cfg)
         self.close_parts: Any = None  # set by `build_trainer`: takes down what it built
@@ -134,7 +138,7 @@ class RLTrainer:
         sampling = as_distribution(self.update_settings.temperature)  # KLs: untruncated (full())
         experience = make_experience(
             trajectories,
-            dataclasses.replace(self.experience_settings, kl_coef=self.kl_ctrl.value),
+            self.experience_stages.with_kl_coef(self.kl_ctrl.value),
             self.state.policy_version,
             policy_logprobs=self._logprobs_of(policy, sampling),
             ref_logprobs=self._logprobs_of(ref, sampling.full()) if ref is not None else None,
@@ -193,9 +197,9 @@ class RLTrainer:
         if self.cfg.trainer.dump_eval_results:
             step = self.state.global_step
             dump_eval(self.parts.logs_dir / "eval" / f"step_{step}.jsonl", trajectories)
-            if self.parts.decode is not None:  # and as SkyRL dumps them, under the export path
-                directory = skyrl_dump_dir(self.parts.export_dir, step)
-                dump_skyrl_eval(directory, list(val), trajectories, metrics, self.parts.decode)
+            if self.parts.decode is not None:  # and in the registered dumpers' layouts (SkyRL's)
+                p = self.parts
+                write_eval_dumps(EvalDump(p.export_dir, step, list(val), trajectories, metrics, p.decode))
         return metrics
 
     # ================================================================== checkpoints
@@ -258,9 +262,11 @@ class RLTrainer:
         else:
             saved = f"saved step {step} to {self.save_checkpoint()}"
         self.console.say(f"stopping: {what} during step {step + 1}; {saved}")
+        logger.info("training stopped during step %d: %s", step + 1, plain(str(exc)))  # the detail
+        # the cause on one line (no colours, no remote traceback); a path keeps its case
         return TrainingStoppedError(
-            f"training stopped during step {step + 1}: {exc}. {saved.capitalize()}. Bring the engines "
-            "back and rerun the same command with trainer.resume_mode=latest to continue."
+            f"training stopped during step {step + 1}: {one_line(str(exc))}. {saved[:1].upper()}{saved[1:]}. "
+            "Bring the engines back and rerun the same command with trainer.resume_mode=latest to continue."
         )
 
     # ================================================================== helpers

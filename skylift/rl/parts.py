@@ -6,7 +6,6 @@ unit tests build fakes (`tests/unit/rl_fakes.py`). The loop never builds or look
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from skylift.algorithms.sample_support import Sampling
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
 from skylift.inference.types import SamplingParams
+from skylift.utils.loop_thread import LoopThread
 from skylift.worker.batch import SequenceBatch
 
 
@@ -92,12 +92,13 @@ class PromptData(Protocol):
 
 @dataclass
 class Parts:
-    """One run's parts. `loop` is the event loop the engines' clients live on."""
+    """One run's parts. `loop` is the run's event loop, on its thread (the engines' clients live
+    on it; `skylift.utils.loop_thread`)."""
 
     train_data: PromptData
     val_data: Sequence[PromptSample] | None
     generator: RolloutGenerator
-    loop: asyncio.AbstractEventLoop
+    loop: LoopThread
     policy: ModelGroup
     weights: EngineWeightsLike
     tracking: Tracker

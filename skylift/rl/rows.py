@@ -7,7 +7,6 @@ the generator's coroutine with the run's sampling parameters and per-prompt seed
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from skylift.generator import Trajectory
 from skylift.inference.types import SamplingParams
 from skylift.rl.dynamic_sampling import step_rows
 from skylift.rl.parts import PromptData, RolloutGenerator
-from skylift.utils.calls import run_on_loop
+from skylift.utils.loop_thread import LoopThread
 
 
 @dataclass
@@ -81,7 +80,7 @@ class Sampler:
     """Asks the generator for `n` samples per prompt, seeded per (step, prompt)."""
 
     generator: RolloutGenerator
-    loop: asyncio.AbstractEventLoop
+    loop: LoopThread
     n: int
     params: SamplingParams
     seeds: Callable[[list[PromptSample], int], list[int] | None]
@@ -96,4 +95,4 @@ class Sampler:
 
     def run(self, rows: list[PromptSample], step: int) -> list[Trajectory]:
         """Generate now, on the run's event loop (from a thread that is not the loop's)."""
-        return run_on_loop(self.loop, self.coroutine(rows, step))
+        return self.loop.run(self.coroutine(rows, step))

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from skylift.generator import Trajectory
-from skylift.generator.metrics import dropped_group_metrics, group_completion_metrics
+from skylift.generator.metrics import GroupTimes, MetricsRequest, plugin_metrics
 from skylift.generator.timing import Clock
 from skylift.rl.dynamic_sampling import dynamic_sample, zero_variance_uids
-from skylift.rl.fully_async import FullyAsyncRollouts, LoopThread, PromptSource
-from skylift.rl.one_step_off import BackgroundRollouts, needs_weight_sync
+from skylift.rl.fully_async import FullyAsyncRollouts, PromptSource
+from skylift.rl.one_step_off import BackgroundRollouts
 from skylift.rl.rows import Sampler, StepRows
+from skylift.rl.staleness import needs_weight_sync
 
 
 @dataclass
@@ -200,23 +201,18 @@ class FullyAsyncSource:
     def _start(self, step: int) -> FullyAsyncRollouts:
         """Start generating at step `step`'s rows (a resumed run's position in the data)."""
         self.label_engines()  # the engines label the tokens they sample with their version
-        loop = LoopThread(self.sampler.loop)
-        try:
-            return FullyAsyncRollouts(
-                loop,
-                PromptSource(self.rows.stream(step)),
-                lambda row, at, _version: self.sampler.coroutine([row], at),
-                self.sampler.engine_version,
-                batch_size=self.rows.batch_size,
-                max_staleness=self.max_staleness,
-                workers=self.workers,
-                timeout_s=self.timeout_s,
-                clock=self.clock,
-                keep=None if self.zero_variance_tol is None else self._has_reward_spread,
-            )
-        except BaseException:
-            loop.stop()
-            raise
+        return FullyAsyncRollouts(
+            self.sampler.loop,
+            PromptSource(self.rows.stream(step)),
+            lambda row, at, _version: self.sampler.coroutine([row], at),
+            self.sampler.engine_version,
+            batch_size=self.rows.batch_size,
+            max_staleness=self.max_staleness,
+            workers=self.workers,
+            timeout_s=self.timeout_s,
+            clock=self.clock,
+            keep=None if self.zero_variance_tol is None else self._has_reward_spread,
+        )
 
     def _has_reward_spread(self, group: list[Trajectory]) -> bool:
         return not zero_variance_uids(group, self.zero_variance_tol or 0.0)
@@ -229,10 +225,7 @@ class FullyAsyncSource:
         self._wait_s = metrics["fully_async/wait_s"]
         kept = [(g.trajectories, g.completion_s) for g in taken]
         dropped = [(g.trajectories, g.completion_s) for g in self.stream.last_turned_down]
-        if dropped:  # sample_full_batch dropped groups while this batch filled: SkyRL's views
-            metrics.update(dropped_group_metrics(kept, dropped, self.sampler.n))
-        else:
-            metrics.update(group_completion_metrics(kept))
+        metrics.update(plugin_metrics(MetricsRequest(groups=GroupTimes(kept, dropped, self.sampler.n))))
         return Rollouts([tr for g in taken for tr in g.trajectories], metrics)
 
     def prefetch(self, step: int) -> None:

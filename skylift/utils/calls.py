@@ -8,7 +8,7 @@ pool can tell an engine that is gone (take it out, retry elsewhere) from one tha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -66,11 +66,3 @@ async def gather_all(awaitables: Sequence[Awaitable[Any]], *, fail_fast: bool = 
             if not fut.done():
                 fut.cancel()
         await asyncio.gather(*futures, return_exceptions=True)
-
-
-def run_on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` on `loop` from a thread that is not the loop's: on the loop's own thread when
-    another thread keeps it running (fully async training), else by running the loop here."""
-    if loop.is_running():
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
-    return loop.run_until_complete(coro)

@@ -51,3 +51,11 @@ def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> N
     # the weight sender cut SmolLM2 (2 layers) into several bf16 buckets
     assert len(items["3"]["figures"]["buckets"]) > 1
     assert "PASS" in done.stdout
+    # the stack it ran against, beside skylift's pins, and what it cannot check without vLLM
+    from packaging.version import Version
+
+    stack = report["stack"]
+    assert stack["pinned"]["vllm"] == "0.32.0" and Version(stack["pinned"]["torch"])
+    assert stack["torch_matches_pin"] == (report["torch"].split("+")[0] == stack["pinned"]["torch"])
+    assert any("vLLM's CUDA engine" in line for line in stack["not_checked"])
+    assert "not checked here" in done.stdout

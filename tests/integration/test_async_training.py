@@ -74,7 +74,7 @@ def _engine_logprobs(trainer: RLTrainer) -> list[list[float]]:
         outs = await asyncio.gather(*(e.prompt_logprobs([SEQUENCE]) for e in trainer.parts.engines.engines))
         return [out[0] for out in outs]
 
-    return trainer.parts.loop.run_until_complete(each())
+    return trainer.parts.loop.run(each())
 
 
 def _trainer_logprobs(trainer: RLTrainer) -> list[float]:

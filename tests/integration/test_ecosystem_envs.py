@@ -22,8 +22,8 @@ import pytest
 
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
-from skylift.envs.verifiers_wire import VerifiersEnvClient
 from skylift.generator import Trajectory
+from skylift.integrations.verifiers.wire import VerifiersEnvClient
 from skylift.rl.build import build_trainer
 
 pytestmark = pytest.mark.integration

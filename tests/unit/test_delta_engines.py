@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from skylift.cluster.engine_weights import EngineWeights
 from skylift.config import load_config
 from skylift.inference import delta_routes
+from skylift.inference.allowed_paths import AllowedRoots
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.pool import EnginePool
 from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineUnavailableError
@@ -112,7 +113,8 @@ def test_the_routes_answer_bad_requests_with_4xx_and_the_engine_keeps_its_weight
     publisher = DeltaPublisher(sync, base)
     engine = Engine("server", base)
     app = FastAPI()
-    app.state.skylift = type("State", (), {"engine": engine})()
+    roots = AllowedRoots.from_flags([str(tmp_path), "gs://bucket"])
+    app.state.skylift = type("State", (), {"engine": engine, "delta_roots": roots})()
     delta_routes.install(app)
     client = TestClient(app)
     step(model, ["lm_head.weight"], seed=1)
@@ -135,6 +137,15 @@ def test_the_routes_answer_bad_requests_with_4xx_and_the_engine_keeps_its_weight
         "gcs without gcsfs": ({**body, "sync_dir": "gs://bucket/run"}, 409, "install gcsfs to reach gs://"),
         "version 0": ({**body, "version": 0}, 422, "version"),
         "corrupt": ({**body, "version": 2}, 400, f"payload {payload} is corrupt"),
+        # paths come from the server's roots (--delta-sync-root), checked before anything is opened
+        "4 KB sync_dir": ({**body, "sync_dir": "/" + "a" * 4000}, 400, "not a usable path"),
+        "outside": ({**body, "sync_dir": str(tmp_path.parent)}, 403, f"allowed roots: {tmp_path.resolve()}"),
+        "escape": (
+            {**body, "local_checkpoint_dir": str(tmp_path / ".." / "elsewhere")},
+            403,
+            "not under an allowed",
+        ),
+        "other bucket": ({**body, "sync_dir": "s3://other/run"}, 403, "not under an allowed bucket prefix"),
     }
     for what, (wrong, status, words) in bad.items():
         answer = client.post("/skylift/delta/load", json=wrong)
@@ -182,3 +193,27 @@ def test_the_driver_publishes_then_every_live_engine_applies_and_loads(tmp_path:
     weights.sync(4)
     assert weights.version == 4 and "loaded by no engine" in said[-1]
     weights.close()
+
+
+def test_a_server_without_delta_roots_refuses_every_path(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    tiny_model(base)
+    app = FastAPI()
+    app.state.skylift = type("State", (), {"engine": Engine("server", base), "delta_roots": AllowedRoots()})()
+    delta_routes.install(app)
+    answer = TestClient(app).post("/skylift/delta/fetch", json={"version": 1, "sync_dir": str(tmp_path)})
+    assert answer.status_code == 403 and "--delta-sync-root DIR" in answer.text
+    assert not (tmp_path / "store").exists()
+
+
+def test_allowed_roots_resolve_symlinks_and_refuse_bad_roots(tmp_path: Path) -> None:
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    outside.mkdir()
+    (inside / "link").symlink_to(outside)
+    roots = AllowedRoots.from_flags([str(inside)])
+    assert roots.check("sync_dir", str(inside / "run")) == str((inside / "run").resolve())
+    with pytest.raises(ValueError, match="not under an allowed directory"):
+        roots.check("sync_dir", str(inside / "link" / "run"))  # a symlink out of the root
+    with pytest.raises(ValueError, match="not a directory on this host"):
+        AllowedRoots.from_flags([str(tmp_path / "missing")])

@@ -17,8 +17,8 @@ from rl_fakes import fake_run
 from test_skyrl_training import LossPolicy
 
 from skylift.algorithms import PolicyLossConfig, compute_policy_loss, policy_loss_names
+from skylift.compat.skyrl.unused_keys import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT
 from skylift.config import ConfigError, load_config
-from skylift.config.inert import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT
 from skylift.rl.update import policy_objective
 
 DTYPES = [torch.float32, torch.float64]

@@ -100,7 +100,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     weights.open()
     # rank 0 hosts for 1 + 1 + 2 ranks; the engines join at their offsets while rank 0 joins
     assert log[0] == ("policy", "host", 4)
-    keep = weights.override_existing  # generator.override_existing_update_group
+    keep = weights.transport.override_existing  # generator.override_existing_update_group
     assert sorted(log[1:]) == [("e0", "join", 1, 4, keep), ("e1", "join", 2, 4, keep), ("policy", "join")]
     assert said == ["weight sync: 2 engine(s) dial 10.0.0.7"]
 
@@ -124,7 +124,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
         "engines and retrying once",
         "rebuilding the weight-update group with 1 live engine(s) of 2",
     ]
-    assert weights.link.members == [engines[0]] and weights.version == 2
+    assert weights.transport.members == [engines[0]] and weights.version == 2
 
     # nothing changed since: no new group
     log.clear()
@@ -136,7 +136,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     log.clear()
     weights.sync(4)
     assert log == [("e0", "leave"), ("policy", "close")]
-    assert weights.link.members == [] and weights.version == 4
+    assert weights.transport.members == [] and weights.version == 4
 
 
 class LoraEngine(Engine):
@@ -171,7 +171,7 @@ class LoraPolicyRanks(Policy):
 def test_a_lora_policy_publishes_a_new_adapter_name_per_sync(
     loop: asyncio.AbstractEventLoop, tmp_path: Any
 ) -> None:
-    from skylift.cluster.policy_sync import PolicySync
+    from skylift.weight_sync.transports import PolicySync
 
     log: list[tuple] = []
     link = PolicySync(LoraPolicyRanks(log), lora=True)  # type: ignore[arg-type]

@@ -4,7 +4,6 @@ source, in the training loop's evaluation and in the eval-only command (`skylift
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from skylift.entrypoints.main_base import RunOptions
 from skylift.entrypoints.main_generate import run_eval
 from skylift.rl.eval_only import DUMP_NAME, eval_sampler, evaluate_once, summary
 from skylift.utils.eval_stats import skyrl_figures, skyrl_source_name, standard_error
+from skylift.utils.loop_thread import LoopThread
 
 SOURCES = ["openai/gsm8k", "openai/gsm8k", "math", ""]  # the 4th row has no data source
 
@@ -57,14 +57,14 @@ def test_eval_only_logs_skyrl_and_skylift_figures_per_data_source(tmp_path: Path
         "trainer.eval_batch_size=3",
         "trainer.dump_eval_results=true",
     )
-    generator, tracker, loop = FakeGenerator(reward=_reward), FakeTracker(), asyncio.new_event_loop()
+    generator, tracker, loop = FakeGenerator(reward=_reward), FakeTracker(), LoopThread()
     try:
         sampler = eval_sampler(cfg, generator, loop)
         metrics = evaluate_once(
             cfg, _rows(), sampler, tracker, tmp_path / "logs", (tmp_path / "exports", fake_decode)
         )
     finally:
-        loop.close()
+        loop.stop()
     # prompts in batches of eval_batch_size, n samples each, engines at version 0
     assert [(c.rows, c.n, c.version) for c in generator.calls] == [([0, 1, 2], 2, 0), ([3], 2, 0)]
     assert tracker.logged == [(0, metrics)]  # logged once, at step 0, as SkyRL's main_generate
@@ -102,14 +102,14 @@ def test_eval_only_dumps_as_skyrl_dumps(tmp_path: Path) -> None:
     """SkyRL's `dump_eval_results` layout: `<export_path>/dumped_evals/eval_only/<data_source>.jsonl`
     (SkyRL's entry keys) and `aggregated_results.jsonl` (the eval/* figures)."""
     cfg = fake_config(tmp_path, "generator.eval_n_samples_per_prompt=2", "trainer.dump_eval_results=true")
-    loop = asyncio.new_event_loop()
+    loop = LoopThread()
     try:
         sampler = eval_sampler(cfg, FakeGenerator(reward=_reward), loop)
         metrics = evaluate_once(
             cfg, _rows(), sampler, FakeTracker(), tmp_path / "logs", (tmp_path / "exports", fake_decode)
         )
     finally:
-        loop.close()
+        loop.stop()
     out = tmp_path / "exports" / "dumped_evals" / "eval_only"
     assert sorted(p.name for p in out.iterdir()) == [
         "aggregated_results.jsonl",

@@ -5,13 +5,15 @@ No engine, no worker, no Ray: the logprob and value functions are plain function
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.generator import Trajectory
-from skylift.rl.experience import ExperienceSettings, make_experience
+from skylift.rl.experience import ExperienceStages, make_experience
+from skylift.rl.staleness import StalenessPolicy
 from skylift.worker.batch import SequenceBatch
 
 
@@ -40,6 +42,11 @@ def close(actual: torch.Tensor, expected: list[list[float]] | list[float], atol:
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
 
 
+def stages(**algorithm: Any) -> ExperienceStages:
+    """The stages of a `trainer.algorithm` group with these keys (the rest defaults)."""
+    return ExperienceStages.of(AlgorithmConfig(**algorithm))
+
+
 def never(batch: SequenceBatch) -> torch.Tensor:
     raise AssertionError("this quantity must not be computed for these settings")
 
@@ -54,7 +61,7 @@ def test_grpo_sequence_rewards_to_group_relative_advantages() -> None:
         traj("b", 1.0, [7, 8]),
     ]
     exp = make_experience(
-        trajectories, ExperienceSettings("grpo"), policy_version=0, policy_logprobs=never, ref_logprobs=None
+        trajectories, ExperienceStages.of(), policy_version=0, policy_logprobs=never, ref_logprobs=None
     )
     a = 0.5 / (0.5**0.5 + 1e-6)
     close(exp.batch.extras["advantages"], [[a, a, 0], [-a, 0, -a], [0, 0, 0], [0, 0, 0]])
@@ -76,10 +83,10 @@ def test_grpo_sequence_rewards_to_group_relative_advantages() -> None:
 
 def test_grpo_without_std_and_batch_whitening() -> None:
     trajectories = [traj("a", 3.0, [1]), traj("a", 1.0, [2]), traj("b", 0.0, [3]), traj("b", 0.0, [4])]
-    exp = make_experience(trajectories, ExperienceSettings("grpo", norm_by_std=False), policy_version=0)
+    exp = make_experience(trajectories, stages(grpo_norm_by_std=False), policy_version=0)
     close(exp.batch.extras["advantages"], [[1.0], [-1.0], [0.0], [0.0]])
     # whitened over the batch's 4 valid tokens: mean 0, unbiased std sqrt(2/3)
-    settings = ExperienceSettings("grpo", norm_by_std=False, batch_normalize=True)
+    settings = stages(grpo_norm_by_std=False, advantage_batch_normalize=True)
     whitened = make_experience(trajectories, settings, policy_version=0).batch.extras["advantages"]
     s = (2 / 3) ** 0.5 + 1e-6
     close(whitened, [[1 / s], [-1 / s], [0.0], [0.0]])
@@ -92,7 +99,7 @@ def test_rloo_leave_one_out_baseline() -> None:
         traj("g", 0.5, [4, 5]),
         traj("solo", 2.0, [6]),
     ]
-    exp = make_experience(trajectories, ExperienceSettings("rloo"), policy_version=0)
+    exp = make_experience(trajectories, stages(advantage_estimator="rloo"), policy_version=0)
     # 1 - (0 + 0.5)/2 = 0.75; 0 - (1 + 0.5)/2 = -0.75; 0.5 - (1 + 0)/2 = 0; a group of one: 0
     close(exp.batch.extras["advantages"], [[0.75, 0.75], [-0.75, 0], [0, 0], [0, 0]])
 
@@ -105,7 +112,7 @@ def test_gae_with_critic_values_and_returns() -> None:
         seen.append(tuple(batch.response_mask.shape))
         return torch.tensor([[0.5, 0.6, 0.7], [0.2, 0.4, 0.0]])
 
-    settings = ExperienceSettings("gae", norm_by_std=False, gamma=0.9, lambd=0.8)
+    settings = stages(advantage_estimator="gae", grpo_norm_by_std=False, gamma=0.9, lambd=0.8)
     exp = make_experience(trajectories, settings, policy_version=0, values=values)
     assert seen == [(2, 3)]
     # row 0 (reward 1 on its last token): delta_2 = 1 - 0.7 = 0.3, A_2 = 0.3;
@@ -129,13 +136,11 @@ def test_kl_in_reward_penalises_tokens_before_grpo() -> None:
     def ref(batch: SequenceBatch) -> torch.Tensor:
         return torch.tensor([[-1.5, -1.0], [-1.0, -2.0]])
 
-    settings = ExperienceSettings(
-        "grpo",
-        norm_by_std=False,
-        old_logprobs_source="trainer",
-        kl_in_reward=True,
-        kl_coef=0.1,
-        kl_estimator="k1",
+    settings = ExperienceStages.of(
+        AlgorithmConfig(
+            grpo_norm_by_std=False, use_kl_in_reward=True, kl_loss_coef=0.1, kl_estimator_type="k1"
+        ),
+        StalenessPolicy(old_logprobs="trainer"),
     )
     exp = make_experience(trajectories, settings, policy_version=0, policy_logprobs=policy, ref_logprobs=ref)
     # k1 = old - ref = [[0.5, 0], [-1, 0]]; token rewards [[0, 1], [0, 0]] - 0.1 * k1
@@ -159,13 +164,15 @@ def test_on_policy_distillation_rewards_each_token_with_the_teachers_log_ratio()
     def teacher(batch: SequenceBatch) -> torch.Tensor:
         return torch.tensor([[-1.5, -1.0], [-1.0, -2.5]])
 
-    settings = ExperienceSettings(
-        "no_op",
-        old_logprobs_source="trainer",
-        kl_in_reward=True,
-        kl_coef=0.1,  # replaced: the teacher's log-ratio is the whole reward
-        kl_estimator="k3",
-        distillation=True,
+    settings = ExperienceStages.of(
+        AlgorithmConfig(
+            advantage_estimator="no_op",
+            use_kl_in_reward=True,
+            kl_loss_coef=0.1,  # replaced: the teacher's log-ratio is the whole reward
+            kl_estimator_type="k3",
+            on_policy_distillation=True,
+        ),
+        StalenessPolicy(old_logprobs="trainer"),
     )
     for env_reward in (0.0, 1.0):
         trajectories = [traj("a", env_reward, [1, 2]), traj("a", 0.5, [3, 4])]
@@ -187,13 +194,11 @@ def test_zero_variance_filter_masks_the_groups_without_a_reward_spread() -> None
         traj("c", 1.0, [9, 9]),
         traj("c", 1.0, [9, 8], mask=[0, 0]),
     ]
-    settings = ExperienceSettings("grpo", norm_by_std=False, zero_variance_filter=True)
+    settings = stages(grpo_norm_by_std=False, zero_variance_filter=True)
     exp = make_experience(trajectories, settings, policy_version=0)
     close(exp.batch.response_mask, [[0, 0], [0, 0], [1, 1], [1, 1], [1, 1], [0, 0]])
     assert exp.metrics["reward/num_zero_variance_filtered"] == 1.0
-    off = make_experience(
-        trajectories, dataclasses.replace(settings, zero_variance_filter=False), policy_version=0
-    )
+    off = make_experience(trajectories, stages(grpo_norm_by_std=False, zero_variance_filter=False), 0)
     close(off.batch.response_mask, [[1, 1], [1, 1], [1, 1], [1, 1], [1, 1], [0, 0]])
     assert "reward/num_zero_variance_filtered" not in off.metrics
 
@@ -203,7 +208,7 @@ def test_async_rollout_logprobs_are_the_anchor_and_staleness_is_bounded() -> Non
         traj("a", 1.0, [1], logprobs=[-0.3], version=2),
         traj("a", 0.0, [2], logprobs=[-0.7], version=2),
     ]
-    settings = ExperienceSettings("grpo", old_logprobs_source="rollout", max_staleness=1)
+    settings = ExperienceStages.of(staleness=StalenessPolicy(max_staleness=1, old_logprobs="rollout"))
     exp = make_experience(trajectories, settings, policy_version=3, policy_logprobs=never)
     close(exp.batch.extras["old_logprobs"], [[-0.3], [-0.7]])
     assert exp.metrics["async/staleness_max"] == 1.0

@@ -18,12 +18,12 @@ from skylift.inference.vllm_io import token_versions
 from skylift.rl.fully_async import (
     FullyAsyncRollouts,
     Group,
-    LoopThread,
     PromptSource,
     StalenessGate,
     take_fresh,
     token_version_metrics,
 )
+from skylift.utils.loop_thread import LoopThread
 
 
 def _trajectory(version: int, tokens: list[int] | None = None, uid: str = "p") -> Trajectory:
@@ -160,6 +160,7 @@ def test_workers_fill_a_bounded_buffer_and_batches_stay_within_the_bound(bound: 
             stream.notify_version()
     finally:
         stream.close()
+        loop.stop()
     if bound == 0:  # synchronous in effect: every batch sampled by the weights it trains
         assert all(v <= steps for v in run.started_at)
 
@@ -184,6 +185,7 @@ def test_a_generation_error_reaches_the_trainer() -> None:
             stream.take(0)
     finally:
         stream.close()
+        loop.stop()
 
 
 def test_running_out_of_data_is_an_error_naming_the_batch() -> None:
@@ -206,6 +208,7 @@ def test_running_out_of_data_is_an_error_naming_the_batch() -> None:
             stream.take(0)
     finally:
         stream.close()
+        loop.stop()
 
 
 # ---------------------------------------------------------------- configuration

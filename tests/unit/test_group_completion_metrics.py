@@ -17,11 +17,8 @@ import pytest
 from rl_fakes import FakeGenerator, FakeRun, fake_run
 from skyrl_clients import _unpacked, wheel_dir
 
-from skylift.generator.metrics import (
-    TimedGroup,
-    group_completion_metrics,
-    intra_group_completion_spread,
-)
+from skylift.compat.skyrl.metrics import group_completion_metrics, intra_group_completion_spread
+from skylift.generator.metrics import TimedGroup
 from skylift.generator.trajectory import Trajectory
 
 
@@ -253,7 +250,7 @@ def test_dropped_group_views_are_skyrls() -> None:
     the headline over both, and `get_metrics_from_generator_output` of the dropped groups' rewards."""
     from collections import defaultdict
 
-    from skylift.generator.metrics import dropped_group_metrics
+    from skylift.compat.skyrl.metrics import dropped_group_metrics
 
     skyrl = _skyrl_functions("fully_async_trainer.py", ("_reprefix_metrics",))
     skyrl |= _skyrl_functions("generators/utils.py", ("get_metrics_from_generator_output",))

@@ -64,8 +64,8 @@ def test_config_refuses_a_lora_sync_path_without_lora_and_a_rank_vllm_cannot_ser
 
 
 def test_skyrl_lora_sync_path_key_has_the_same_effect() -> None:
-    from skylift.cluster.settings import lora_sync_path
     from skylift.config import ConfigError, load_config
+    from skylift.weight_sync.transports import lora_sync_path
 
     lora = ["trainer.policy.model.lora.rank=8"]
     assert lora_sync_path(load_config(lora)) is None

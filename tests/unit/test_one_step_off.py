@@ -9,13 +9,14 @@ import time
 import pytest
 
 from skylift.cluster.colocation import colocation_plan
-from skylift.rl.one_step_off import (
-    BackgroundRollouts,
+from skylift.rl.one_step_off import BackgroundRollouts
+from skylift.rl.staleness import (
     check_staleness,
     needs_weight_sync,
     ppo_old_logprobs_source,
     staleness_metrics,
 )
+from skylift.utils.loop_thread import LoopThread
 
 
 def test_sync_mode_syncs_after_every_update() -> None:
@@ -79,7 +80,7 @@ def test_colocation_plan() -> None:
 
 
 def test_background_rollouts_overlap_caller_and_report_times() -> None:
-    loop = asyncio.new_event_loop()
+    loop = LoopThread(name="run-loop")
     rollouts: BackgroundRollouts[str] = BackgroundRollouts(loop)
     threads: list[str] = []
 
@@ -94,14 +95,14 @@ def test_background_rollouts_overlap_caller_and_report_times() -> None:
             rollouts.launch(generate("b", 0.0))
         started = time.perf_counter()
         time.sleep(0.2)  # "training" while it generates
+        # the loop is open to the caller while the generation runs (weight sync, evaluation)
+        assert loop.run(generate("c", 0.0)) == "c"
         waited, generated = rollouts.join()
         assert waited < 0.25 and generated >= 0.3
         assert time.perf_counter() - started < 0.45  # overlapped, not 0.5 s in sequence
         assert rollouts.join() == (0.0, 0.0)
         assert rollouts.take() == "a" and not rollouts.pending
-        assert threads[0].startswith("skylift-rollouts")
-        # the loop is free again for the caller (weight sync, evaluation)
-        assert loop.run_until_complete(generate("c", 0.0)) == "c"
+        assert threads == ["run-loop", "run-loop"]  # both on the run's one loop thread
 
         async def fail() -> str:
             raise ValueError("engine died")
@@ -111,4 +112,4 @@ def test_background_rollouts_overlap_caller_and_report_times() -> None:
             rollouts.take()
     finally:
         rollouts.close()
-        loop.close()
+        loop.stop()

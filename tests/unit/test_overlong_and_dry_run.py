@@ -21,8 +21,10 @@ def test_overlong_rewards_follow_dapos_linear_buffer() -> None:
 
 
 def test_experience_applies_the_overlong_penalty_before_advantages() -> None:
+    from skylift.config.algorithm import AlgorithmConfig, OverlongBufferConfig
     from skylift.generator import Trajectory
-    from skylift.rl.experience import ExperienceSettings, make_experience
+    from skylift.rl.experience import ExperienceStages, make_experience
+    from skylift.rl.staleness import StalenessPolicy
 
     def traj(uid: str, n: int) -> Trajectory:
         return Trajectory(
@@ -36,13 +38,13 @@ def test_experience_applies_the_overlong_penalty_before_advantages() -> None:
         )
 
     trajectories = [traj("a", 4), traj("a", 10)]  # same reward; the long one is in the buffer
-    plain = make_experience(trajectories, ExperienceSettings(old_logprobs_source="rollout"), 0)
+    rollout = StalenessPolicy(old_logprobs="rollout")
+    plain = make_experience(trajectories, ExperienceStages.of(staleness=rollout), 0)
     shaped = make_experience(
         trajectories,
-        ExperienceSettings(
-            old_logprobs_source="rollout",
-            overlong_buffer_len=4,
-            overlong_penalty_factor=1.0,
+        ExperienceStages.of(
+            AlgorithmConfig(overlong_buffer=OverlongBufferConfig(len=4, penalty_factor=1.0)),
+            rollout,
             max_response_len=10,
         ),
         0,

@@ -89,9 +89,9 @@ def test_one_step_off_generates_the_next_step_while_training(
     rows = _rows(run)
     history = _fit(run)
     calls = run.generator.calls
-    # no generation beyond the last step; every one on the background thread
+    # no generation beyond the last step; every one on the run's loop thread
     assert [c.rows for c in calls] == [[row_index(r) for r in rows.batch(s)] for s in range(4)]
-    assert {c.thread.split("_")[0] for c in calls} == {"skylift-rollouts"}
+    assert {c.thread for c in calls} == {"fake-run-loop"}
     assert run.weights.syncs == syncs
     # step s+1 was launched before step s's sync: its rollouts are one version (or more) behind
     trained_versions = [sorted({v for _, _, v in trained}) for trained in run.policy.trained]
@@ -119,7 +119,7 @@ def test_fully_async_keeps_every_batch_within_the_staleness_bound(tmp_path: Path
     assert run.weights.syncs == [1, 2, 3, 4]  # a sync after every update
     calls = run.generator.calls
     assert all(len(c.rows) == 1 for c in calls)  # one prompt group per generation
-    assert {c.thread for c in calls} == {"skylift-fully-async-loop"}
+    assert {c.thread for c in calls} == {"fake-run-loop"}
     for step, trained in enumerate(run.policy.trained):
         groups = _groups(trained)
         assert len(groups) == BATCH
@@ -252,11 +252,14 @@ def test_dynamic_sampling_around_one_step_off_samples_extra_rounds_before_the_pr
     )
     rows = _rows(run)
     _fit(run)
-    threads = ["bg" if c.thread.startswith("skylift-rollouts") else "main" for c in run.generator.calls]
-    firsts = [i for i, t in enumerate(threads) if t == "bg"]
+    calls = run.generator.calls
+    batches = [{row_index(r) for r in rows.batch(step)} for step in range(4)]
+    # each step's batch is generated once (the prefetch, on the run's loop thread like every call)
+    firsts = [i for i, c in enumerate(calls) if set(c.rows) in batches]
     assert len(firsts) == 4 and firsts[0] == 0
+    assert {c.thread for c in calls} == {"fake-run-loop"}
     for step, start in enumerate(firsts):  # a step's extra rounds come before the next prefetch
-        end = firsts[step + 1] if step + 1 < len(firsts) else len(threads)
+        end = firsts[step + 1] if step + 1 < len(firsts) else len(calls)
         batch = {row_index(r) for r in rows.batch(step)}
         assert set(run.generator.calls[start].rows) == batch
         for call in run.generator.calls[start + 1 : end]:

@@ -324,16 +324,19 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
 
 
 def test_the_kl_in_the_reward_reads_the_policys_untruncated_logprobs() -> None:
+    from skylift.config.algorithm import AlgorithmConfig
     from skylift.generator import Trajectory
-    from skylift.rl.experience import ExperienceSettings, make_experience
+    from skylift.rl.experience import ExperienceStages, make_experience
+    from skylift.rl.staleness import StalenessPolicy
 
     trajectories = [
         Trajectory("a", [7], [1, 2], [1, 1], [-0.5, -0.5], reward=r, stop_reason="stop") for r in (1.0, 0.0)
     ]
     truncated = torch.full((2, 2), -0.5)  # old logprobs under the truncated distribution
     untruncated = torch.full((2, 2), -2.0)
-    settings = ExperienceSettings(
-        old_logprobs_source="trainer", kl_in_reward=True, kl_coef=0.1, kl_estimator="k1"
+    settings = ExperienceStages.of(
+        AlgorithmConfig(use_kl_in_reward=True, kl_loss_coef=0.1, kl_estimator_type="k1"),
+        StalenessPolicy(old_logprobs="trainer"),
     )
 
     def kl(**fns) -> float:

@@ -18,9 +18,9 @@ from agentic_fakes import Reply, Row, ScriptedEngine, chatml_tokenizer
 from rl_fakes import FakeGenerator, fake_run
 from skyrl_clients import _unpacked, wheel_dir
 
+from skylift.compat.skyrl.metrics import skyrl_generate_metrics, trajectory_time_metrics
 from skylift.envs import Environment, StepResult, register_env, unregister_env
 from skylift.generator import Generator, GeneratorSettings
-from skylift.generator.metrics import skyrl_generate_metrics, trajectory_time_metrics
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import GenerateOutput, SamplingParams
 from skylift.rl.evaluation import evaluate

@@ -27,9 +27,9 @@ from skyrl_gym_data import (  # noqa: E402
     write_rows,
 )
 
+from skylift.compat.skyrl.gym import aggregate_env_metrics, configure  # noqa: E402
 from skylift.data import PromptSample, load_prompt_file  # noqa: E402
 from skylift.envs import make_env  # noqa: E402
-from skylift.envs.skyrl_gym import aggregate_env_metrics, configure  # noqa: E402
 from skylift.generator import Generator, Trajectory  # noqa: E402
 from skylift.generator.metrics import rollout_metrics  # noqa: E402
 

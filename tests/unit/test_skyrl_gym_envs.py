@@ -12,9 +12,9 @@ pytest.importorskip(
     "skyrl_gym", reason="skyrl-gym is a dependency of skylift (pyproject); not installed here"
 )
 
+from skylift.compat.skyrl.gym import SkyRLGymEnv, configure  # noqa: E402
 from skylift.data import PromptSample  # noqa: E402
 from skylift.envs import make_env  # noqa: E402
-from skylift.envs.skyrl_gym import SkyRLGymEnv, configure  # noqa: E402
 from skylift.generator import Generator, GeneratorSettings  # noqa: E402
 from skylift.inference.types import Completion, GenerateOutput, SamplingParams  # noqa: E402
 
@@ -143,3 +143,48 @@ def test_a_postprocessed_action_is_where_the_conversation_goes_on(
     assert all(lp == -0.1 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m == 1)
     for index, _ in traj.turn_rewards[: 1 if kept else 0]:  # the rewritten turn's reward: on a trained id
         assert traj.loss_mask[index] == 1
+
+
+ID_MODULE = """
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class EchoEnv(BaseTextEnv):
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+
+    def step(self, action):
+        return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+
+
+skyrl_gym.register(id="skylift_test_rows_id", entry_point="{module}:EchoEnv")
+"""
+
+
+def test_rows_naming_an_id_resolve_when_env_class_names_its_module(tmp_path: Path, monkeypatch) -> None:
+    """Issue 41, item 6: environment.env_class=module:Class imports the module before the run, so
+    rows naming an id that module registers resolve (as docs/coming_from_skyrl.md says)."""
+    from skylift.config import load_config
+    from skylift.envs import UnknownEnvironmentError
+    from skylift.envs.registry import configure_run
+
+    module = "skylift_test_rows_id_env"
+    (tmp_path / f"{module}.py").write_text(ID_MODULE.replace("{module}", module))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownEnvironmentError, match="skylift_test_rows_id"):
+        make_env("skylift_test_rows_id")  # nothing imported the module yet
+    cfg = load_config([f"environment.env_class={module}:EchoEnv"])
+    env = cfg.environment
+    configure_run(env.env_class, env.import_modules, cfg.generator.max_turns, env)
+    env = make_env("skylift_test_rows_id")
+    assert isinstance(env, SkyRLGymEnv) and env.env_id == "skylift_test_rows_id"
+
+
+def test_env_class_naming_a_missing_module_is_a_clear_error() -> None:
+    from skylift.config import load_config
+    from skylift.envs.registry import configure_run
+
+    cfg = load_config(["environment.env_class=no_such_pkg_xyz.envs:Env"])
+    with pytest.raises(ValueError, match=r"environment.env_class='no_such_pkg_xyz.envs:Env': cannot import"):
+        configure_run(cfg.environment.env_class, [], 1, cfg.environment)

@@ -1,5 +1,5 @@
 """Custom advantage estimators and policy losses with SkyRL's signatures and registry calls
-(`skylift.algorithms.skyrl_registries`), named by ``trainer.algorithm.import_modules``."""
+(`skylift.compat.skyrl.registries`), named by ``trainer.algorithm.import_modules``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from skylift.algorithms import compute_advantages, reduce_loss, unregister_advantage_estimator
-from skylift.algorithms.skyrl_registries import (
+from skylift.compat.skyrl.registries import (
     AdvantageEstimatorRegistry,
     PolicyLossRegistry,
     register_advantage_estimator,
@@ -163,7 +163,7 @@ def test_a_worker_process_imports_the_module_the_objective_names(tmp_path: Path)
     module names and the driver's directory, and the loss is found there."""
     (tmp_path / "my_losses.py").write_text(
         "import torch\n"
-        "from skylift.algorithms.skyrl_registries import PolicyLossRegistry\n"
+        "from skylift.compat.skyrl.registries import PolicyLossRegistry\n"
         "PolicyLossRegistry.register('mine', lambda lp, old, adv, config, loss_mask=None, rollout_logprobs=None: "
         "((-lp * adv).sum(), {'clip_ratio': 0.5}))\n"
     )
@@ -219,10 +219,10 @@ def test_on_policy_distillation_needs_the_kl_in_reward_step_and_a_fixed_coeffici
             f"{a}.policy_loss_type=importance_sampling",
         ]
     )
-    from skylift.rl.experience import ExperienceSettings
+    from skylift.rl.experience import ExperienceStages
 
-    settings = ExperienceSettings.from_config(cfg, pad_token_id=0)
-    assert settings.distillation and settings.kl_in_reward and settings.old_logprobs_source == "trainer"
+    stages = ExperienceStages.from_config(cfg, pad_token_id=0)
+    assert stages.kl.distillation and stages.kl.enabled and stages.staleness.old_logprobs == "trainer"
 
 
 def test_importance_sampling_and_cross_entropy_losses() -> None:

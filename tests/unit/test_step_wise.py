@@ -20,7 +20,7 @@ from skylift.config import ConfigError, load_config
 from skylift.envs import Environment, StepResult, register_env, unregister_env
 from skylift.generator import Generator, GeneratorSettings, Trajectory
 from skylift.inference.types import SamplingParams
-from skylift.rl.experience import ExperienceSettings, make_experience
+from skylift.rl.experience import ExperienceStages, make_experience
 from skylift.rl.step_wise import check_step_wise, step_wise_advantages
 
 #: ChatML that drops the thinking of every assistant turn but the last, as Qwen3's template does.
@@ -80,13 +80,12 @@ def _run(tokenizer: Any, step_wise: bool, merge: bool = False) -> tuple[list[Tra
     return out, engine
 
 
-def test_without_step_wise_the_second_turn_sees_the_past_thinking(tokenizer: Any) -> None:
-    (tr,), engine = _run(tokenizer, step_wise=False)
-    assert "hm" in tokenizer.decode(engine.prompts[1])  # one sequence: sampled ids are never rewritten
-    rendered = tokenizer.apply_chat_template(
-        CONVERSATION, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    assert engine.prompts[1] != list(rendered)  # ...so it is not what the template renders
+def test_without_step_wise_the_dropped_thinking_stops_the_rollout(tokenizer: Any) -> None:
+    # one sequence cannot hold both the sampled thinking and the template's rendering without it
+    from skylift.generator.chat import TemplateMismatch
+
+    with pytest.raises(TemplateMismatch, match="trajectory has '<think>.*on_template_mismatch=step_wise"):
+        _run(tokenizer, step_wise=False)
 
 
 def test_each_turn_is_a_sample_whose_prompt_is_the_rendered_conversation(tokenizer: Any) -> None:
@@ -138,7 +137,7 @@ def test_every_step_gets_its_rollouts_last_step_grpo_advantage() -> None:
         _step("b", "b1", True, 2.0),
         _step("b", "b2", True, 0.0, 1),
     ]
-    exp = make_experience(batch, ExperienceSettings("grpo"), policy_version=0)
+    exp = make_experience(batch, ExperienceStages.of(), policy_version=0)
     advantages, mask = exp.batch.extras["advantages"], exp.batch.response_mask
     last = torch.tensor([[1.0, 0.0, 2.0, 0.0]])[0]
     reference, _ = compute_advantages("grpo", last, torch.ones(4, 1), group_ids=["a", "a", "b", "b"])

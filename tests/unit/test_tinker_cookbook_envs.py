@@ -231,6 +231,6 @@ def test_bad_names_are_clear_errors() -> None:
 
 def test_env_kwargs_reach_the_factory_only_when_it_names_them(tokenizer: Any) -> None:
     env = make_env(f"tinker-cookbook:{MODULE}:two_questions", renderer="role_colon", base_url="x")
-    from skylift.envs.tinker_cookbook import _accepted
+    from skylift.integrations.tinker_cookbook.env import _accepted
 
     assert _accepted(env) == {"renderer": "role_colon"}  # type: ignore[arg-type]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.generator import Trajectory, rollout_metrics, turn_reward_tensor
-from skylift.rl.experience import ExperienceSettings, make_experience
+from skylift.rl.experience import ExperienceStages, make_experience
 
 
 def two_turns(uid: str, rewards: tuple[float, float], stop: str = "stop") -> Trajectory:
@@ -48,7 +49,9 @@ def test_a_reward_on_an_untrained_token_moves_to_the_trained_token_before_it() -
 
 def test_reinforce_pp_credits_each_turn_with_the_rewards_from_it_on() -> None:
     trajectories = [two_turns("a", (0.25, 1.0)), two_turns("b", (0.5, 0.0))]
-    settings = ExperienceSettings("reinforce++", gamma=1.0, batch_normalize=False)
+    settings = ExperienceStages.of(
+        AlgorithmConfig(advantage_estimator="reinforce++", gamma=1.0, advantage_batch_normalize=False)
+    )
     exp = make_experience(trajectories, settings, policy_version=0)
     returns_before_whitening = torch.tensor([[1.25, 1.25, 0, 0, 1.0, 1.0], [0.5, 0.5, 0, 0, 0, 0]])
     mask = exp.batch.response_mask
@@ -68,8 +71,8 @@ def test_grpo_sees_the_summed_return() -> None:
     summed = [two_turns("a", (0.25, 1.0)), two_turns("a", (0.5, 0.0))]
     for tr in summed:
         tr.turn_rewards = []
-    a = make_experience(per_turn, ExperienceSettings("grpo"), policy_version=0)
-    b = make_experience(summed, ExperienceSettings("grpo"), policy_version=0)
+    a = make_experience(per_turn, ExperienceStages.of(), policy_version=0)
+    b = make_experience(summed, ExperienceStages.of(), policy_version=0)
     torch.testing.assert_close(a.batch.extras["advantages"], b.batch.extras["advantages"])
     assert a.batch.extras["advantages"][0, 0] > 0 > a.batch.extras["advantages"][1, 0]
 
@@ -81,7 +84,10 @@ def test_gae_uses_the_turn_rewards() -> None:
         return torch.zeros(1, 6)
 
     exp = make_experience(
-        trajectories, ExperienceSettings("gae", gamma=1.0, lambd=1.0), 0, values=zero_values
+        trajectories,
+        ExperienceStages.of(AlgorithmConfig(advantage_estimator="gae", gamma=1.0, lambd=1.0)),
+        0,
+        values=zero_values,
     )
     # with zero values, GAE returns are the rewards to go: turn 1 earned 1.0, turn 2 nothing
     torch.testing.assert_close(exp.batch.extras["returns"][0], torch.tensor([1.0, 1.0, 0, 0, 0, 0]))

@@ -13,16 +13,16 @@ import pytest
 from verifiers_fakes import FakeEnvServer, episode_frames, node, pack, trace, two_turn_episode
 
 from skylift.data import PromptSample
-from skylift.envs.verifiers_wire import (
+from skylift.generator import Trajectory
+from skylift.inference.types import SamplingParams
+from skylift.integrations.verifiers.episodes import EpisodeFailed, episode_trajectories
+from skylift.integrations.verifiers.rollouts import EpisodeLimits, VerifiersRollouts, VerifiersSettings
+from skylift.integrations.verifiers.wire import (
     EnvServerError,
     EnvServerUnreachable,
     MalformedEpisode,
     VerifiersEnvClient,
 )
-from skylift.generator import Trajectory
-from skylift.generator.verifiers_episodes import EpisodeFailed, episode_trajectories
-from skylift.generator.verifiers_rollouts import EpisodeLimits, VerifiersRollouts, VerifiersSettings
-from skylift.inference.types import SamplingParams
 
 # ------------------------------------------------------------------ episodes -> trajectories
 

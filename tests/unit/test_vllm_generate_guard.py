@@ -1,4 +1,4 @@
-"""vLLM's /inference/v1/generate behind skylift's guard (skylift.inference.generate_guard).
+"""vLLM's /inference/v1/generate behind skylift's guard (skylift.inference.vllm_patches.generate_guard).
 
 Malformed bodies (the one schemathesis found answered with a 500 by vLLM, ids outside the
 vocabulary, negative or beyond-int64 ids, max_tokens beyond the context, wrong types, non-finite
@@ -18,10 +18,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from skylift.inference import routes
-from skylift.inference.generate_guard import GenerateGuard
 from skylift.inference.limits import MAX_N, SEED_MAX
 from skylift.inference.local import LocalVLLMEngine
-from skylift.inference.vllm_generate_body import GenerateLimits, check_generate_body
+from skylift.inference.vllm_patches.generate_body import GenerateLimits, check_generate_body
+from skylift.inference.vllm_patches.generate_guard import GenerateGuard
 
 VOCAB = 100
 MAX_MODEL_LEN = 64

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpucheck.env import BLOCKED, CARRIED_WHEELS, add_wheels, install_blocker, loaded_blocked_modules
+from gpucheck.stack import stack_header
 
 ITEMS = {
     "1": "TrainingWorker policy step (fp32, bf16, LoRA) vs CPU",
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocked_modules_loaded": loaded_blocked_modules(),
         "wheels_added": wheels,
         "carried_wheels": [w for w, _, _ in CARRIED_WHEELS],
+        "stack": stack_header(torch.__version__),
     }
     out = args.out or work / "report.json"
     header["report_path"] = str(out)

@@ -130,10 +130,12 @@ def grpo_update(model_dir: Path, rollouts: dict[str, Any]) -> dict[str, Any]:
     ref = TrainingWorker(WorkerSettings(model_path=str(model_dir), trainable=False))
     policy.setup()
     ref.setup()
+    from skylift.rl.staleness import StalenessPolicy  # skylift.config/__init__ handled above
+
     exp = experience.make_experience(
         trajectories,
-        experience.ExperienceSettings(
-            advantage_estimator="grpo", old_logprobs_source="trainer", pad_token_id=rollouts["pad_token_id"]
+        experience.ExperienceStages.of(  # GRPO (the trainer.algorithm defaults)
+            staleness=StalenessPolicy(old_logprobs="trainer"), pad_token_id=rollouts["pad_token_id"]
         ),
         policy_version=0,
         policy_logprobs=lambda b: policy.compute_logprobs(b, 8),

@@ -121,6 +121,16 @@ def write_report(path: Path, header: dict[str, Any], items: list[Item]) -> dict[
 
 def print_summary(report: dict[str, Any], say: Callable[[str], None] = print) -> None:
     say(f"GPU check on {report['device']} ({report['device_name']}): {report['seconds']:.0f} s")
+    stack = report.get("stack")
+    if stack:
+        pinned = stack["pinned"]
+        same = "the pinned one" if stack["torch_matches_pin"] else f"NOT the pinned {pinned['torch']}"
+        say(
+            f"  stack: torch {report['torch']} ({same}); skylift pins torch {pinned['torch']} + vLLM {pinned['vllm']}"
+        )
+        say("  not checked here (needs vLLM, Ray or the HTTP stack on the GPU machine):")
+        for what in stack["not_checked"]:
+            say(f"    - {what}")
     for item in report["items"]:
         failed = [c for c in item["checks"] if not c["ok"]]
         status = ("SKIPPED: " + item["skipped"]) if item.get("skipped") else "ok" if item["ok"] else "FAILED"

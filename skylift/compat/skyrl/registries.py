@@ -1,0 +1,208 @@
+"""SkyRL's registries for custom advantage estimators and policy losses, over skylift's own.
+
+A SkyRL user's module registers its functions with SkyRL's signatures::
+
+    from skylift.compat.skyrl.registries import AdvantageEstimatorRegistry, register_policy_loss
+
+    def simple_baseline(token_level_rewards, response_mask, index, **kwargs):
+        ...
+        return advantages, returns
+
+    AdvantageEstimatorRegistry.register("simple_baseline", simple_baseline)
+
+    @register_policy_loss("reinforce")
+    def reinforce(log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):
+        return (-log_probs * advantages).mean(), {"clip_ratio": 0.0}
+
+and names the module in ``trainer.algorithm.import_modules``. Only the import line differs from
+SkyRL (``skyrl.backends.skyrl_train.utils.ppo_utils`` there). How a SkyRL function is called here:
+
+- **Estimators** get ``token_level_rewards`` and ``response_mask`` (``[batch, response_len]``; the
+  outcome reward on each response's last token, KL-in-reward already subtracted), ``index`` (a
+  numpy array of each sequence's prompt uid: equal uids form a group), ``values`` (critic values or
+  None), ``grpo_norm_by_std``, ``gamma``, ``lambd`` and ``config=None`` (skylift passes the settings
+  an estimator reads as the arguments above). They return ``(advantages, returns)``.
+- **Losses** get ``log_probs``, ``old_log_probs``, ``advantages``, ``config`` (skylift's
+  `PolicyLossConfig`: ``eps_clip_low``, ``eps_clip_high``, ``clip_ratio_c``, ...), ``loss_mask``
+  and ``rollout_logprobs=None`` (off-policy corrections are applied after the loss, as for every
+  skylift loss). They return ``(loss, metrics)``: ``loss`` is per token (``[batch, response_len]``)
+  or one number for the micro-batch, which counts as that value on each of its valid tokens before
+  ``trainer.algorithm.loss_reduction`` reduces it (with ``token_mean`` and one micro-batch per
+  mini-batch: exactly that number). ``metrics`` is a dict of numbers, or one number taken as
+  ``clip_ratio`` (SkyRL's older return value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from skylift.algorithms.advantages import (
+    GroupIds,
+    advantage_estimator_names,
+    get_advantage_estimator,
+    unregister_advantage_estimator,
+)
+from skylift.algorithms.advantages import (
+    register_advantage_estimator as _register_estimator,
+)
+from skylift.algorithms.policy_loss import (
+    PolicyLossConfig,
+    get_policy_loss,
+    policy_loss_names,
+    unregister_policy_loss,
+)
+from skylift.algorithms.policy_loss import (
+    register_policy_loss as _register_loss,
+)
+
+SkyRLFunction = Callable[..., Any]
+
+
+def _group_index(group_ids: GroupIds | None, batch: int) -> np.ndarray:
+    if group_ids is None:
+        return np.arange(batch).astype(str).astype(object)
+    if isinstance(group_ids, torch.Tensor):
+        return group_ids.detach().cpu().numpy()
+    return np.asarray(list(group_ids), dtype=object)
+
+
+def _as_estimator(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def estimator(
+        *,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        group_ids: GroupIds | None = None,
+        values: torch.Tensor | None = None,
+        gamma: float = 1.0,
+        lambd: float = 1.0,
+        norm_by_std: bool = True,
+        eps: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = fn(
+            token_level_rewards=token_level_rewards,
+            response_mask=response_mask,
+            index=_group_index(group_ids, response_mask.shape[0]),
+            values=values,
+            grpo_norm_by_std=norm_by_std,
+            gamma=gamma,
+            lambd=lambd,
+            config=None,
+        )
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"advantage estimator {fn.__name__!r} must return (advantages, returns), got {out!r}"
+            )
+        advantages, returns = out
+        for what, tensor in (("advantages", advantages), ("returns", returns)):
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != response_mask.shape:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(
+                    f"advantage estimator {fn.__name__!r} returned {what} of shape {shape}; expected "
+                    f"{tuple(response_mask.shape)} like response_mask"
+                )
+        return advantages * response_mask, returns * response_mask
+
+    estimator.__name__ = getattr(fn, "__name__", "skyrl_estimator")
+    estimator.__doc__ = fn.__doc__
+    return estimator
+
+
+def _as_policy_loss(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    def loss(
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        config: PolicyLossConfig,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        out = fn(
+            logprobs, old_logprobs, advantages, config=config, loss_mask=response_mask, rollout_logprobs=None
+        )
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"policy loss {fn.__name__!r} must return (loss, metrics), got {type(out).__name__}"
+            )
+        value, raw = out
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"policy loss {fn.__name__!r} returned a {type(value).__name__}, not a tensor")
+        if value.dim() == 0:
+            per_token = value.expand_as(logprobs)
+        elif value.shape == logprobs.shape:
+            per_token = value
+        else:
+            raise ValueError(
+                f"policy loss {fn.__name__!r} returned a loss of shape {tuple(value.shape)}; expected one "
+                f"number or {tuple(logprobs.shape)} (one per token)"
+            )
+        items = raw.items() if isinstance(raw, dict) else [("clip_ratio", raw)]
+        return per_token, {str(k): float(v) for k, v in items}
+
+    loss.__name__ = getattr(fn, "__name__", "skyrl_policy_loss")
+    loss.__doc__ = fn.__doc__
+    return loss
+
+
+class AdvantageEstimatorRegistry:
+    """SkyRL's ``AdvantageEstimatorRegistry`` API over skylift's estimator registry."""
+
+    @classmethod
+    def register(cls, name: str, func: SkyRLFunction) -> None:
+        """Register `func` (SkyRL's estimator signature) as `name`; a taken name raises."""
+        _register_estimator(str(name))(_as_estimator(func))
+
+    @classmethod
+    def get(cls, name: str) -> Callable[..., Any]:
+        return get_advantage_estimator(str(name))
+
+    @classmethod
+    def list_available(cls) -> list[str]:
+        return advantage_estimator_names()
+
+    @classmethod
+    def unregister(cls, name: str) -> None:
+        unregister_advantage_estimator(str(name))
+
+
+class PolicyLossRegistry:
+    """SkyRL's ``PolicyLossRegistry`` API over skylift's policy-loss registry."""
+
+    @classmethod
+    def register(cls, name: str, func: SkyRLFunction) -> None:
+        """Register `func` (SkyRL's policy-loss signature) as `name`; a taken name raises."""
+        _register_loss(str(name))(_as_policy_loss(func))
+
+    @classmethod
+    def get(cls, name: str) -> Callable[..., Any]:
+        return get_policy_loss(str(name))
+
+    @classmethod
+    def list_available(cls) -> list[str]:
+        return policy_loss_names()
+
+    @classmethod
+    def unregister(cls, name: str) -> None:
+        unregister_policy_loss(str(name))
+
+
+def register_advantage_estimator(name: str) -> Callable[[SkyRLFunction], SkyRLFunction]:
+    """SkyRL's decorator: registers a function with SkyRL's estimator signature; returns it unchanged."""
+
+    def decorator(fn: SkyRLFunction) -> SkyRLFunction:
+        AdvantageEstimatorRegistry.register(name, fn)
+        return fn
+
+    return decorator
+
+
+def register_policy_loss(name: str) -> Callable[[SkyRLFunction], SkyRLFunction]:
+    """SkyRL's decorator: registers a function with SkyRL's policy-loss signature; returns it unchanged."""
+
+    def decorator(fn: SkyRLFunction) -> SkyRLFunction:
+        PolicyLossRegistry.register(name, fn)
+        return fn
+
+    return decorator

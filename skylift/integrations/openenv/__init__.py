@@ -1,0 +1,1 @@
+"""OpenEnv servers as the ``openenv`` environment (`env`)."""

@@ -1,0 +1,1 @@
+"""tinker-cookbook's token-level ``Env`` / ``EnvGroupBuilder`` as skylift environments (`env`)."""

@@ -1,0 +1,59 @@
+"""`WeightTransport`: how a new policy version reaches the engines, whatever carries it.
+
+A transport is opened for the pool's engines, pushes versions, and is closed. `stage` is the work
+that may overlap generation (a delta version published and fetched by every engine host); `push`
+is the moment the engines' weights change, which the caller wraps in a pause when requests are in
+flight (`skylift.cluster.engine_weights.EngineWeights`: wake, pause, resume and the version the
+engines hold are its, not a transport's). `make_transport` (`transports.factory`) picks one from
+the config: `BroadcastTransport` (full weights over a weight-update group), `LoraTransport` (a
+LoRA adapter, over the group or through a directory) or `DeltaTransport` (changed tensors
+through a shared directory or bucket).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from skylift.weight_sync.protocol import DeltaSyncRequest
+
+
+class EngineSet(Protocol):
+    """The engines a transport serves (`skylift.inference.pool.EnginePool`): which are alive, and
+    the calls that reach every live one (engines that fail are taken out by the set)."""
+
+    engines: Sequence[Any]
+
+    @property
+    def live_indices(self) -> list[int]: ...
+    async def probe(self, timeout_s: float = 10.0) -> list[int]: ...
+    async def fetch_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]: ...
+    async def load_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]: ...
+
+
+Say = Callable[[str], None]
+
+
+class WeightTransport(ABC):
+    """Open for a set of engines, push a version, close."""
+
+    #: whether the caller resets the engines' prefix caches after a push made while they were
+    #: paused with requests in flight (full weights: every cached block is stale; a LoRA adapter
+    #: comes under a new name, so base-model blocks stay valid; a delta load resets it itself)
+    needs_prefix_reset: bool = True
+
+    @abstractmethod
+    async def open(self) -> str:
+        """Set up for the set's live engines; one line for the run's log saying how."""
+
+    async def stage(self, version: int) -> None:  # noqa: B027 - most transports stage nothing
+        """Work for `version` that may run while the engines still generate."""
+
+    @abstractmethod
+    async def push(self, version: int) -> dict[str, float]:
+        """The live engines' weights become `version` (staged first); the push's metrics."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Undo `open` (engines that cannot be reached any more are logged, not raised)."""

@@ -1,0 +1,54 @@
+"""`make_transport`: the one place a run's config picks how weights reach its engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skylift.config.schema import SkyliftConfig
+from skylift.config.validation import overrides_update_group
+from skylift.weight_sync.protocol import DeltaPublishSpec
+from skylift.weight_sync.transports.base import EngineSet, Say, WeightTransport
+from skylift.weight_sync.transports.delta import DeltaTransport
+from skylift.weight_sync.transports.group import BroadcastTransport, LoraTransport
+
+
+def lora_sync_path(cfg: SkyliftConfig) -> str | None:
+    """The directory a LoRA policy's syncs hand the adapter over through (None: in memory):
+    `generator.lora_sync_path`, or SkyRL's `trainer.policy.model.lora.lora_sync_path` (validation
+    refuses the two naming different directories)."""
+    return cfg.generator.lora_sync_path or cfg.trainer.policy.model.lora.lora_sync_path or None
+
+
+def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say) -> WeightTransport:
+    """`weight_sync_backend=delta` (with a sync_dir): `DeltaTransport`; a LoRA policy:
+    `LoraTransport`; else `BroadcastTransport` (``auto``: gloo on CPU, NCCL on GPU)."""
+    g = cfg.generator
+    dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
+    d = g.delta_weight_sync
+    if g.weight_sync_backend == "delta" and d.sync_dir:
+        spec = DeltaPublishSpec(
+            d.sync_dir,
+            int(d.max_file_size_in_gb * (1 << 30)),
+            d.publish_num_workers,
+            d.publish_staging_dir,
+            d.rebase_interval,
+        )
+        return DeltaTransport(
+            policy,
+            engines,
+            spec,
+            dtype=dtype,
+            store_dir=d.local_checkpoint_dir,
+            download_workers=d.cloud_download_workers,
+        )
+    group = {
+        "dtype": dtype,
+        "backend": None if g.weight_sync_backend in ("auto", "delta") else g.weight_sync_backend,
+        "timeout_s": g.weight_sync_timeout_s,
+        # None: derived on the policy's rank 0 (see RLWorker.host_weight_group)
+        "master_address": g.weight_sync_master_address,
+        "override_existing": overrides_update_group(g.override_existing_update_group),
+    }
+    if cfg.trainer.policy.model.lora.rank > 0:
+        return LoraTransport(policy, engines, say, sync_path=lora_sync_path(cfg), **group)
+    return BroadcastTransport(policy, engines, say, **group)
