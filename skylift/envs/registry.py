@@ -110,16 +110,23 @@ def aggregate_episode_metrics(env_class: str, episodes: Sequence[Mapping[str, An
     except (UnknownEnvironmentError, ValueError, TypeError):
         factory = None
     aggregate = getattr(factory, "aggregate_metrics", None)
-    if callable(aggregate):
-        out = aggregate([dict(m) for m in episodes])
-    else:
-        values: dict[str, list[float]] = {}
-        for episode in episodes:
-            for key, value in episode.items():
-                if isinstance(value, bool | int | float):
-                    values.setdefault(key, []).append(float(value))
-        out = {key: sum(v) / len(v) for key, v in values.items()}
-    return {str(k): float(v) for k, v in (out or {}).items() if isinstance(v, bool | int | float)}
+    out = aggregate([dict(m) for m in episodes]) if callable(aggregate) else numeric_means(episodes)
+    return numeric_only(out)
+
+
+def numeric_means(episodes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Each numeric field's mean over the episodes that have it."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        for key, value in episode.items():
+            if isinstance(value, bool | int | float):
+                values.setdefault(key, []).append(float(value))
+    return {key: sum(v) / len(v) for key, v in values.items()}
+
+
+def numeric_only(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """`metrics` as str -> float, its non-numeric values left out."""
+    return {str(k): float(v) for k, v in (metrics or {}).items() if isinstance(v, bool | int | float)}
 
 
 def register_env(name: str, *, override: bool = False) -> Callable[[F], F]:

@@ -71,8 +71,23 @@ def environment_kind(config: dict[str, Any], options: dict[str, Any]) -> str:
     )
 
 
+def swe_image(instance: dict[str, Any], data_source: str) -> str | None:
+    """The public evaluation image of a SWE-Gym or SWE-bench instance (by their naming), or None."""
+    iid = str(instance.get("instance_id", ""))
+    source = data_source.lower()
+    if "swe-gym" in source:
+        return f"xingyaoww/sweb.eval.x86_64.{iid.replace('__', '_s_')}:latest".lower()
+    if "swe-bench" in source:
+        return f"swebench/sweb.eval.x86_64.{iid.replace('__', '_1776_')}:latest".lower()
+    return None
+
+
 def environment_of(
-    config: dict[str, Any], instance: dict[str, Any], options: dict[str, Any], workdir: str
+    config: dict[str, Any],
+    instance: dict[str, Any],
+    options: dict[str, Any],
+    workdir: str,
+    data_source: str = "",
 ) -> Any:
     """The environment the agent's commands run in, after the config's start-up command."""
     from jinja2 import Template
@@ -87,7 +102,7 @@ def environment_of(
     else:
         from minisweagent.environments import get_environment
 
-        image = instance.get("image_name") or settings.get("image")
+        image = instance.get("image_name") or settings.get("image") or swe_image(instance, data_source)
         if not image:
             raise ValueError(f"environment {kind!r} needs an image: the instance has no image_name")
         env = get_environment({**settings, "environment_class": kind, "image": image})
@@ -109,7 +124,7 @@ def run(task: dict[str, Any], base_url: str) -> dict[str, Any]:
     from minisweagent.models import get_model
 
     instance = instance_of(task)
-    env = environment_of(config, instance, options, task["workdir"])
+    env = environment_of(config, instance, options, task["workdir"], str(task.get("data_source", "")))
     model_config = dict(config.get("model") or {})
     model_config["model_name"] = "openai/policy"  # LiteLLM's OpenAI-compatible client
     model_config["model_kwargs"] = {
@@ -163,13 +178,13 @@ def verify(task: dict[str, Any], output: str | None, workdir: str) -> dict[str, 
         )
         code, text = done.returncode, done.stdout
     else:  # a fresh container: the agent's patch, then the eval script
-        env = environment_of(config, instance, options, workdir)
+        env = environment_of(config, instance, options, workdir, str(task.get("data_source", "")))
         try:
-            applied = env.execute({"command": f"git apply <<'SKYLIFT_PATCH'\n{output or ''}\nSKYLIFT_PATCH"})
+            applied = env.execute({"command": f"git apply <<'END_OF_PATCH_3f9c'\n{output or ''}\nEND_OF_PATCH_3f9c"})
             out = applied
             if applied["returncode"] == 0:
                 out = env.execute(
-                    {"command": f"bash <<'SKYLIFT_EVAL'\n{script}\nSKYLIFT_EVAL"}, timeout=timeout
+                    {"command": f"bash <<'END_OF_EVAL_3f9c'\n{script}\nEND_OF_EVAL_3f9c"}, timeout=timeout
                 )
         finally:
             cleanup = getattr(env, "cleanup", None)

@@ -41,7 +41,7 @@ class CallRecord:
     finish_reason: str  # the engine's stop reason: stop | length | abort
     policy_version: int
     token_versions: list[int] | None
-    text: str  # the sampled ids decoded (special tokens kept), what a replayed turn renders as
+    text: str  # the sampled ids decoded (special tokens skipped), what a replayed turn renders as
     tool_call_ids: list[str] = field(default_factory=list)  # the ids of the calls parsed from it
     content: str | None = None  # the content the agent was answered with (tool calls taken out)
 

@@ -87,14 +87,12 @@ EXPECTED_REFUSALS = {
     # commands are accepted: checked below)
     "examples/train/delta_weight_sync/disagg/run_gsm8k_qwen1p5b_s3.sh:1": "delta_weight_sync.sync_dir is required",
     "examples/train/delta_weight_sync/run_gsm8k_qwen1p5b_gcs.sh:1": "delta_weight_sync.sync_dir is required",
-    "examples/train/mini_swe_agent/run_mini_swe_30B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
-    "examples/train/mini_swe_agent/run_mini_swe_8B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
     "examples/train/rlm/run_multi_paper_rlm.sh:1": "generator.enable_child_agents (from override 'generator.enable_child_agents=true') is read only by SkyRL's RLM example",
     "examples/train/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
-    "skyrl-train/examples/mini_swe_agent/run_mini_swe_30B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
-    "skyrl-train/examples/mini_swe_agent/run_mini_swe_8B.sh:1": "is read only by SkyRL's mini-SWE-agent example",
-    "skyrl-train/examples/terminal_bench/run_codecontest.sh:1": "is read only by SkyRL's terminal-bench example",
-    "skyrl-train/examples/terminal_bench/run_otagent.sh:1": "is read only by SkyRL's terminal-bench example",
+    # terminal-bench's generator runs each task in a Docker sandbox through Harbor; mini-SWE-agent's
+    # commands are accepted (the gateway runs it: tests/unit/test_skyrl_miniswe.py)
+    "skyrl-train/examples/terminal_bench/run_codecontest.sh:1": "it needs Docker sandboxes run by Harbor",
+    "skyrl-train/examples/terminal_bench/run_otagent.sh:1": "it needs Docker sandboxes run by Harbor",
     "skyrl-train/examples/text_to_sql/run_sql_fsdp_2node.sh:1": "unknown config key trainer.placement.reward_num_nodes",
 }
 

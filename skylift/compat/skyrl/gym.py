@@ -40,7 +40,7 @@ from typing import Any
 
 from skylift.config.inputs import EnvironmentConfig
 from skylift.envs.base import Environment, EnvUsageError, Message, StepResult
-from skylift.envs.registry import register_env_resolver, register_run_configurer
+from skylift.envs.registry import numeric_means, numeric_only, register_env_resolver, register_run_configurer
 
 logger = logging.getLogger("skylift.envs")
 
@@ -239,15 +239,8 @@ def aggregate_env_metrics(env_class: str, episodes: Sequence[Mapping[str, Any]])
     ``aggregate_metrics`` (by default the mean of each numeric field), else the numeric means."""
     env_type = _env_type(env_class)
     if env_type is not None:
-        out = env_type.aggregate_metrics([dict(m) for m in episodes])
-    else:
-        values: dict[str, list[float]] = {}
-        for episode in episodes:
-            for key, value in episode.items():
-                if isinstance(value, bool | int | float):
-                    values.setdefault(key, []).append(float(value))
-        out = {key: sum(v) / len(v) for key, v in values.items()}
-    return {str(k): float(v) for k, v in (out or {}).items() if isinstance(v, bool | int | float)}
+        return numeric_only(env_type.aggregate_metrics([dict(m) for m in episodes]))
+    return numeric_only(numeric_means(episodes))
 
 
 register_env_resolver(skyrl_gym_factory)  # after skylift's registered names and the cookbook's prefix

@@ -12,7 +12,10 @@ and the settings that map onto several skylift keys (the loader's SkyRL dialect,
   implemented (``unused_keys.SKYRL_NOT_IMPLEMENTED``) is refused when set to anything but its
   default; a key only SkyRL's example generators read is refused naming the example;
 - ``generator.inference_engine.{external_proxy_url,external_server_urls}`` are collected and turned
-  into skylift's keys by `SkyRLKeys.translations` once every assignment is in.
+  into skylift's keys by `SkyRLKeys.translations` once every assignment is in; so are
+  ``generator.miniswe_config_path`` / ``miniswe_traj_dir`` (SkyRL's mini-SWE-agent example): the
+  agent then runs on the gateway (``environment.harness``, `skylift.gateway.miniswe`), with
+  mini-SWE-agent's LocalEnvironment when Docker is absent (one warning says so).
 
 ``trainer.algorithm.off_policy_correction.*`` is a group of skylift's schema (config/algorithm.py).
 """
@@ -75,10 +78,56 @@ VALUE_ALIASES: dict[str, dict[Any, tuple[Any, str | None]]] = {
 
 REFUSED_STRATEGIES = {"megatron": "Megatron", "deepspeed": "DeepSpeed"}
 
+_MINISWE = ("generator.miniswe_config_path", "generator.miniswe_traj_dir")
 _COLLECTED = {
     "generator.inference_engine.external_proxy_url",
     "generator.inference_engine.external_server_urls",
+    *_MINISWE,
 }
+
+
+def docker_available(timeout_s: float = 10.0) -> bool:
+    """Whether Docker runs here: a ``docker`` command on PATH whose daemon answers (mini-SWE-agent's
+    Docker environment needs both)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") is None:
+        return False
+    try:
+        done = subprocess.run(
+            ["docker", "version", "--format", "{{.Server.Version}}"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def miniswe_translations(config_path: Any, traj_dir: Any) -> list[tuple[str, Any]]:
+    """SkyRL's mini-SWE-agent example keys as the gateway harness running mini-SWE-agent."""
+    h = "environment.harness."
+    out: list[tuple[str, Any]] = [
+        (h + "entrypoint", "skylift.gateway.miniswe:run"),
+        (h + "verifier", "skylift.gateway.miniswe:verify"),
+        (h + "options.config", str(config_path)),
+        # the example sets generator.batched=true only to reach its generator's generate_batched;
+        # the harness drives each rollout itself (batched, single-turn generation does not apply)
+        ("generator.batched", False),
+    ]
+    if traj_dir:
+        out.append((h + "options.traj_dir", str(traj_dir)))
+    if not docker_available():
+        out.append((h + "options.environment", "local"))
+        logger.warning(
+            "generator.miniswe_config_path: SkyRL's mini-SWE-agent example runs on skylift's gateway "
+            "(environment.harness, skylift.gateway.miniswe) with mini-swe-agent's LocalEnvironment, not "
+            "in the instances' Docker containers: Docker is absent (no docker daemon answers), so the agent's "
+            "commands and the eval scripts run on this machine in each rollout's working directory"
+        )
+    return out
 
 
 def backend_refusal(key: str, value: Any = None) -> str | None:
@@ -113,7 +162,7 @@ class SkyRLKeys:
     """The SkyRL-only settings of one load: set aside (no effect) or waiting for `translations`."""
 
     ALIASES: ClassVar[dict[str, str]] = SKYRL_KEY_ALIASES
-    TRANSLATION_SOURCE: ClassVar[str] = "SkyRL's external server keys"
+    TRANSLATION_SOURCE: ClassVar[str] = "SkyRL's external server or mini-SWE-agent keys"
 
     without_effect: dict[str, Any] = field(default_factory=dict)
     collected: dict[str, Any] = field(default_factory=dict)
@@ -175,6 +224,13 @@ class SkyRLKeys:
         if servers or proxy:
             out.append(("generator.run_engines_locally", False))
             out.append(("generator.remote_inference_engine_urls", list(servers) if servers else [proxy]))
+        if c.get(_MINISWE[0]):
+            out += miniswe_translations(c[_MINISWE[0]], c.get(_MINISWE[1]))
+        elif c.get(_MINISWE[1]):
+            raise ConfigError(
+                f"{_MINISWE[1]} is set without {_MINISWE[0]} (the mini-SWE-agent config to run)",
+                key=_MINISWE[1],
+            )
         if servers and proxy:
             logger.warning(
                 "%sexternal_proxy_url=%r is not used: skylift sends generation requests straight to "

@@ -232,15 +232,16 @@ SKYRL_NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
 #: Keys only SkyRL's example entry points with a generator of their own read (Python skylift does
 #: not run): refused with a message that says which example and why, not as unknown keys.
 SKYRL_EXAMPLE_GENERATOR_KEYS: dict[str, str] = {
+    # generator.miniswe_config_path / miniswe_traj_dir run on the gateway (skylift.compat.skyrl.keys)
     "generator.miniswe_*": "SkyRL's mini-SWE-agent example (examples/train/mini_swe_agent: its generator "
-    "runs SWE-bench tasks in Docker sandboxes)",
+    "reads only miniswe_config_path and miniswe_traj_dir)",
     "generator.enable_child_agents": "SkyRL's RLM example (examples/train/rlm: its generator spawns child agents)",
     "generator.train_child_trajectories": "SkyRL's RLM example (examples/train/rlm: its generator spawns "
     "child agents)",
     "hydra.*": "SkyRL's terminal-bench example (examples/terminal_bench: Hydra config search path for its "
-    "Harbor sandbox settings)",
+    "Harbor settings; it needs Docker sandboxes run by Harbor, which skylift does not provide)",
     "terminal_bench_config.*": "SkyRL's terminal-bench example (examples/terminal_bench: its generator runs "
-    "tasks in Harbor sandboxes)",
+    "each task in a Docker sandbox through Harbor, which skylift does not provide)",
 }
 
 
