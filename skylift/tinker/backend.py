@@ -1,5 +1,9 @@
 """Per-model training state: one `TrainingWorker` per Tinker training client.
 
+A LoRA client's worker is built over the base model its `BasePool` holds once for every LoRA
+client of that base (`skylift.tinker.base_pool`): the client owns its adapter, gradients and
+optimizer state only. A full fine-tune (rank 0) loads a model of its own.
+
 `TrainedModel` turns Tinker operations into worker calls: forward / forward_backward with a named
 loss (gradients accumulate across calls until `optim_step`), AdamW steps with the request's
 hyper-parameters, checkpoints (model + optimizer) and exports of merged weights for sampling.
@@ -19,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from skylift.tinker.base_pool import BasePool
 from skylift.tinker.checkpoint_meta import META_FILE
 from skylift.tinker.datum_batch import TinkerLoss, datums_to_batch
 from skylift.tinker.errors import UserError
@@ -77,11 +82,16 @@ class ModelConfig:
 class TrainedModel:
     """One trainable model (a Tinker training run) held in memory."""
 
-    def __init__(self, model_id: str, config: ModelConfig, micro_batch_size: int = 8) -> None:
+    def __init__(
+        self, model_id: str, config: ModelConfig, micro_batch_size: int = 8, pool: BasePool | None = None
+    ) -> None:
         self.model_id = model_id
         self.config = config
         self.micro_batch_size = micro_batch_size
         self.worker: TrainingWorker | None = None
+        # LoRA: the pool holding the base (a private one when none is given)
+        self.pool = (pool or BasePool()) if config.is_lora else None
+        self._held: tuple[str, str] | None = None  # (model path, dtype) of the base held in the pool
         self.vocab_size = 0
         self.image_token_id: int | None = None  # vision-language models: the image placeholder token
         self.steps = 0
@@ -106,7 +116,16 @@ class TrainedModel:
             ),
         )
         worker = TrainingWorker(settings, rank=0, world_size=1)
-        worker.setup()
+        if self.pool is not None:
+            base = self.pool.acquire(self.model_id, c.model_path, settings.dtype)
+            self._held = (c.model_path, settings.dtype)
+            try:
+                worker.setup(base=base)
+            except Exception:
+                self.close()
+                raise
+        else:
+            worker.setup()
         self.worker = worker
         hf_config = AutoConfig.from_pretrained(c.model_path)
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
@@ -114,6 +133,10 @@ class TrainedModel:
 
     def close(self) -> None:
         self.worker = None
+        if self.pool is not None and self._held is not None:
+            path, dtype = self._held
+            self._held = None
+            self.pool.release(self.model_id, path, dtype)
 
     def _worker(self) -> TrainingWorker:
         if self.worker is None:
@@ -232,7 +255,7 @@ class TrainedModel:
     def load_state(self, directory: Path, optimizer: bool) -> None:
         """Load a `save_state` checkpoint; without `optimizer` the optimizer starts fresh."""
         worker = self._worker()
-        worker.load_checkpoint(str(directory))
+        worker.load_checkpoint(str(directory), trainable_only=self.pool is not None)
         if not optimizer and worker.optimizer is not None:
             worker.optimizer.state.clear()
 

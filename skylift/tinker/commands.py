@@ -152,8 +152,29 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
             "stability-record tokens kept per user (oldest dropped)",
         ),
         ("--max-checkpoint-gb-per-user", float, 1024.0, "checkpoint disk one user may use (429 beyond)"),
+        (
+            "--max-clients-per-user",
+            int,
+            64,
+            "live training clients one user may hold (LoRA or full; the users file may set max_clients=N)",
+        ),
+        (
+            "--max-adapters-per-user",
+            int,
+            64,
+            "LoRA adapters one user may train at once (the users file may set max_adapters=N)",
+        ),
     ):
         serve.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    serve.add_argument(
+        "--training-memory-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory training clients may hold: each base model once, adapters, full fine-tunes, "
+        "gradients and optimizer state; a new client that does not fit is refused with a 400 "
+        "(default: 70%% of the GPU's memory, else of the machine's RAM)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     tinker.set_defaults(func=lambda args: (tinker.print_help(), 2)[1])
@@ -226,6 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
         ("--max-snapshot-mb-per-user", args.max_snapshot_mb_per_user),
         ("--max-record-tokens-per-user", args.max_record_tokens_per_user),
         ("--max-checkpoint-gb-per-user", args.max_checkpoint_gb_per_user),
+        ("--max-clients-per-user", args.max_clients_per_user),
+        ("--max-adapters-per-user", args.max_adapters_per_user),
+        ("--training-memory-gb", 1 if args.training_memory_gb is None else args.training_memory_gb),
     ):
         if value <= 0:
             raise SystemExit(f"{flag} must be > 0, got {value}")
@@ -254,6 +278,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_snapshot_mb_per_user=args.max_snapshot_mb_per_user,
         max_record_tokens_per_user=args.max_record_tokens_per_user,
         max_checkpoint_gb_per_user=args.max_checkpoint_gb_per_user,
+        training_memory_gb=args.training_memory_gb,
+        max_clients_per_user=args.max_clients_per_user,
+        max_adapters_per_user=args.max_adapters_per_user,
     )
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)

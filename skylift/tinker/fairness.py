@@ -56,6 +56,11 @@ class FairGate:
         self.granted: list[str] = []  # users in the order they got a slot (the last 1000)
 
     @property
+    def busy(self) -> int:
+        """Slots held now."""
+        return self._busy
+
+    @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 

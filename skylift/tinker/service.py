@@ -27,9 +27,11 @@ from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
 from skylift.tinker import durable
+from skylift.tinker.admission import Admission
 from skylift.tinker.auth import current_user
 from skylift.tinker.backend import ModelConfig, TrainedModel
 from skylift.tinker.base_models import BaseModelInfo, BaseModels
+from skylift.tinker.base_pool import BasePool
 from skylift.tinker.bodies import CreateModelBody, CreateSessionBody, LoraBody, SampleBody
 from skylift.tinker.errors import UserError
 from skylift.tinker.fairness import FairGate
@@ -72,6 +74,8 @@ class TinkerService:
         self.base_models = BaseModels(config.base_models, config.max_model_len)
         self.models: dict[str, TrainedModel] = {}
         self.queues: dict[str, OrderedQueue] = {}
+        self.pool = BasePool()  # one resident base per base model for its LoRA clients
+        self.admission = Admission.from_config(config)  # the app hands it the users file's caps
         self.render_hosts = RenderHosts(self.data_dir, {b.path: b.max_model_len for b in self.base_models})
         self.snapshots = SnapshotStore(
             int(config.snapshot_memory_mb * MIB),
@@ -356,6 +360,7 @@ class TinkerService:
         operations fail at once with `reason` (a user error)."""
         model = self.models.pop(model_id, None)
         queue = self.queues.pop(model_id, None)
+        self.admission.release(model_id)
         if self._hub is not None and (model is not None or queue is not None):
             self._hub.abandon_model(
                 model_id, reason or f"model {model_id} was released before this operation ran"
@@ -385,8 +390,13 @@ class TinkerService:
             config=config.to_json(),
             user_metadata=user_metadata,
         )
-        await self.db(self._add_model, session_id, row)
-        model = TrainedModel(model_id, config, micro_batch_size=self.config.micro_batch_size)
+        self.admission.admit(model_id, config)  # reserves its memory, for the calling user
+        try:
+            await self.db(self._add_model, session_id, row)
+        except Exception:
+            self.admission.release(model_id)
+            raise
+        model = TrainedModel(model_id, config, self.config.micro_batch_size, self.pool)
         self.models[model_id] = model
         self.queues[model_id] = OrderedQueue(model_id, self.config.gap_timeout_s)
         return model_id, model
@@ -418,6 +428,8 @@ class TinkerService:
         """(request id, model id); the future resolves when the model is built."""
         session_id, seq = body.session_id, body.model_seq_id
         model_id = f"{session_id}:train:{seq}"
+
+        self.admission.check(model_id, lambda: self._model_config(body))  # a 400 if it does not fit
 
         async def prepare(request_id: str) -> Work:
             config = self._model_config(body)

@@ -190,6 +190,8 @@ async def load_weights(svc: TinkerService, body: LoadWeightsBody, idem: str | No
 
     session_id, seq = body.session_id, body.model_seq_id
     model_id = f"{session_id}:train:{seq}"
+    # a 400 now when the new client would not fit (a missing checkpoint fails the future below)
+    await svc.db(svc.admission.check, model_id, lambda: _training_checkpoint(svc, path)[1])
 
     async def prepare(request_id: str) -> Any:
         row, config = await svc.db(_training_checkpoint, svc, path)

@@ -91,6 +91,25 @@ def is_vision_language(model_path: str) -> bool:
     return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
 
 
+def load_pretrained(model_path: str, dtype: str = "float32", head: str = "lm") -> torch.nn.Module:
+    """A checkpoint's transformers model in `dtype`: a causal LM, an image-text-to-text model, or
+    with head "value" the backbone with a new scalar head (transformers initialises it from the
+    global seed)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from skylift.models import resolve_model_path
+
+    path = resolve_model_path(model_path)
+    torch_dtype = str_to_dtype(dtype, FLOAT_DTYPES)
+    if head == "value":
+        return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype)
+    if is_vision_language(path):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+
+
 class TrainingWorker:
     """One rank of a (possibly sharded) model. Create, then call `setup()` on every rank."""
 
@@ -109,11 +128,11 @@ class TrainingWorker:
         self.sp_group: Any = None  # this rank's sequence-parallel group (sequence_parallel_size > 1)
 
     # ---------------------------------------------------------------- set-up
-    def setup(self) -> dict[str, Any]:
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-        from skylift.models import resolve_model_path
-
+    def setup(self, base: torch.nn.Module | None = None) -> dict[str, Any]:
+        """Build the model (and optimizer). `base`: a loaded model to build on instead of loading
+        `model_path` (the Tinker server hands each LoRA client a module tree over one resident
+        copy of the base weights, `skylift.tinker.base_pool`); LoRA, the device move and the
+        optimizer then apply to it as to a loaded one."""
         started = time.perf_counter()
         s = self.settings
         if s.head not in ("lm", "value"):
@@ -133,17 +152,7 @@ class TrainingWorker:
             self.sp_group = sequence_parallel_groups(self.world_size, s.sequence_parallel_size, self.rank)
         self.device = device_for_rank(self.rank)
         torch.manual_seed(s.seed)
-        path = resolve_model_path(s.model_path)
-        dtype = str_to_dtype(s.dtype, FLOAT_DTYPES)
-        if s.head == "value":
-            # the backbone's weights with a new scalar head (transformers initialises it; seeded above)
-            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
-        elif is_vision_language(path):
-            from transformers import AutoModelForImageTextToText
-
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = base if base is not None else load_pretrained(s.model_path, s.dtype, s.head)
         model.config.use_cache = False
         if s.gradient_checkpointing and s.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -420,13 +429,18 @@ class TrainingWorker:
                 os.path.join(directory, "worker_extra.pt"),
             )
 
-    def load_checkpoint(self, directory: str) -> None:
+    def load_checkpoint(self, directory: str, trainable_only: bool = False) -> None:
         """Load a checkpoint of `save_checkpoint` (resharded to this group's ranks); a checkpoint of
-        another model is refused first with the weights that differ (`checkpoint_match`)."""
+        another model is refused first with the weights that differ (`checkpoint_match`).
+        `trainable_only`: load the trainable weights (and optimizer) only, never writing the frozen
+        ones (a LoRA client's base weights, shared with other clients)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = self._dcp_state()
+        if trainable_only:
+            trained = {n for n, p in self._model().named_parameters() if p.requires_grad}
+            state["model"] = {k: v for k, v in state["model"].items() if k in trained}
         expected = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, Tensor)}
         problem = model_mismatch(checkpoint_shapes(directory), expected, self.settings.model_path)
         if problem:
@@ -438,6 +452,7 @@ class TrainingWorker:
             optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state.get("optimizer", {}),
+            options=StateDictOptions(strict=not trainable_only),
         )
         extra = os.path.join(directory, "worker_extra.pt")
         if self.scheduler is not None and os.path.exists(extra):

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from skylift.tinker.bodies import CreateSessionBody, FinishSessionBody, HeartbeatBody
 from skylift.tinker.deps import Caller, OwnersDep, Service, typed
 from skylift.tinker.http_common import error_response
+from skylift.tinker.stats import server_stats
 
 router = APIRouter()
 
@@ -52,6 +53,13 @@ async def capabilities(service: Service) -> dict[str, Any]:
         for b in service.base_models
     ]
     return {"supported_models": models}
+
+
+@router.get("/server_stats")
+async def stats(service: Service, user: Caller) -> dict[str, Any]:
+    """Resident base models, training clients and adapters (totals; the caller's own under
+    "you"), memory budget and use, slots in use, loads, evictions, refusals."""
+    return server_stats(service, user)
 
 
 @router.post("/create_session")
