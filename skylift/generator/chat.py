@@ -16,8 +16,9 @@ A template that renders the conversation so far differently once a turn and obse
 Qwen3 drop the thinking of past assistant turns, Llama 3 and Gemma trim whitespace the model
 sampled) raises `TemplateMismatch` naming the first token where the two differ: one trajectory
 cannot hold it (``generator.on_template_mismatch`` decides: stop, or go on step-wise). Where the
-ids differ but decode to the same text (the sampler chose another tokenisation of its own text),
-the rendering is followed as text: the trajectory equals the template's as text, not as ids.
+ids differ but decode to the same text (the sampler chose another tokenisation of its own text, or
+sampled a special token inside it, which the engine's text and so the message leave out), the
+rendering is followed as text: the trajectory equals the template's as text, not as ids.
 
 `ChatFormat.turn_close_ids` and `ChatFormat.observation_ids` give the same pieces for a template
 in general (rendered with a probe conversation and checked to carry none of it); the rollout loop
@@ -100,17 +101,63 @@ class ChatFormat:
             j += 1
         if j == len(done):
             return rendered[j:]
-        tail = self.decode(done[j:])
-        lo, hi = j, len(rendered)  # the fewest tokens of `rendered` after j that decode as long
+        # the same text as it decodes; else the same ids but for special tokens the sampler put
+        # inside its text (the engine's text skips them, so the conversation's message lacks them)
+        # (both, with another tokenisation: the same text once special tokens are left out)
+        rest = self._after_text(rendered, j, done, skip_special=False)
+        if rest is None:
+            rest = self._after_sampled_specials(done, rendered, j)
+        if rest is None:
+            rest = self._after_text(rendered, j, done, skip_special=True)
+        if rest is None:
+            raise TemplateMismatch(self._mismatch(done, rendered, j), j)
+        return rest
+
+    def _after_text(
+        self, rendered: list[int], j: int, done: list[int], skip_special: bool
+    ) -> list[int] | None:
+        """`rendered` after the fewest of its tokens (past `j`) that decode to what `done` decodes
+        to, whole sequences compared (a suffix that starts inside a character's bytes would decode
+        differently); special tokens left out of both with `skip_special`, and then the special
+        tokens that end `done` must also come next in `rendered`. None when no prefix does."""
+
+        def text(ids: list[int]) -> str:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+        whole = text(done)
+        lo, hi = j, len(rendered)  # the fewest tokens of `rendered` that decode as long
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self.decode(rendered[j:mid])) >= len(tail):
+            if len(text(rendered[:mid])) >= len(whole):
                 hi = mid
             else:
                 lo = mid + 1
-        if self.decode(rendered[j:lo]) == tail:
-            return rendered[lo:]
-        raise TemplateMismatch(self._mismatch(done, rendered, j), j)
+        if text(rendered[:lo]) != whole:
+            return None
+        if skip_special:  # the turn's own closing special tokens, sampled: not again
+            special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+            end = len(done)
+            while end > j and done[end - 1] in special:
+                end -= 1
+            closing = done[end:]
+            if rendered[lo : lo + len(closing)] != closing:
+                return None
+            lo += len(closing)
+        return rendered[lo:]
+
+    def _after_sampled_specials(self, done: list[int], rendered: list[int], j: int) -> list[int] | None:
+        """`rendered` after `done`, aligned from `j` with the special tokens of `done` that
+        `rendered` does not have skipped; None when anything else differs."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        i = k = j
+        while i < len(done):
+            if k < len(rendered) and done[i] == rendered[k]:
+                i, k = i + 1, k + 1
+            elif done[i] in special:
+                i += 1
+            else:
+                return None
+        return rendered[k:]
 
     def _mismatch(self, done: list[int], rendered: list[int], at: int) -> str:
         before = self.decode(done[max(0, at - 6) : at])

@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import tinker
-from conftest import API_KEY
 from server_helpers import TinkerServer
 from tinker import types
 from tinker_helpers import datum, logprobs_of
 
 pytestmark = pytest.mark.integration
+
+API_KEY = "tml-dummy"  # the servers' key (as tests/tinker/conftest.py's)
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 

@@ -14,15 +14,22 @@ from skylift.utils.loop_thread import LoopThread
 def test_any_thread_runs_work_on_the_loop_while_other_work_is_in_flight() -> None:
     loop = LoopThread(name="run-loop")
     try:
-        slow = loop.submit(asyncio.sleep(0.3, result="slow"))
-        started = time.perf_counter()
+        gate = asyncio.Event()
+
+        async def slow() -> str:
+            await gate.wait()
+            return "slow"
+
+        pending = loop.submit(slow())
         assert loop.run(asyncio.sleep(0, result="fast")) == "fast"  # not behind the slow one
-        assert time.perf_counter() - started < 0.2
+        assert not pending.done()
         answers: list[str] = []
         worker = threading.Thread(target=lambda: answers.append(loop.run(asyncio.sleep(0, result="other"))))
         worker.start()
         worker.join(5)
-        assert answers == ["other"] and slow.result(5) == "slow"
+        assert answers == ["other"] and not pending.done()
+        loop.loop.call_soon_threadsafe(gate.set)
+        assert pending.result(5) == "slow"
     finally:
         loop.stop()
 

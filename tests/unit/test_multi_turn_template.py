@@ -195,3 +195,55 @@ def test_a_template_that_rewrites_history_is_refused_with_a_clear_error() -> Non
     generator = Generator(engine, tokenizer, GeneratorSettings(max_turns=3))
     with pytest.raises(ValueError, match="rewrites history"):
         asyncio.run(generator.generate([Row(PROMPT, ENV)], 1, SamplingParams()))
+
+
+def test_a_special_token_sampled_inside_a_turn_stays_in_the_trajectory(tokenizer: Any) -> None:
+    """The engine's text leaves out a special token the sampler put inside its reply (a random
+    model does this), so the conversation's message lacks it; the trajectory keeps the sampled ids
+    and the template's rest of the turn follows them (the text is the template's)."""
+    inner = next(
+        t for t in tokenizer.all_special_ids if t not in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    )
+    eos = tokenizer.eos_token_id
+    first = _encode(tokenizer, "I think") + [inner] + _encode(tokenizer, " it is 35.") + [eos]
+    replies = [Reply(first, matched_stop=eos), *_replies(tokenizer)[1:]]
+    trajectory, engine = _rollout(tokenizer, replies)
+    sampled = [t for t, m in zip(trajectory.response_ids, trajectory.loss_mask, strict=True) if m]
+    assert sampled[: len(first)] == first  # exactly the sampled ids, the inner special token too
+    assert trajectory.num_turns == 3
+    # turn 2 continues the trajectory's ids: turn 1's sampled ids, then the template's tokens
+    assert engine.prompts[1][: len(engine.prompts[0]) + len(first)] == engine.prompts[0] + first
+
+
+def test_a_special_token_inside_another_tokenisation_of_the_text_is_followed_as_text(tokenizer: Any) -> None:
+    """A random policy's turn: a special token inside, and the rest split into tokens the
+    tokenizer would not choose (each character on its own); the text without special tokens is
+    the message's, so the rollout goes on with the template's tokens after the sampled ones."""
+    inner = next(
+        t for t in tokenizer.all_special_ids if t not in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    )
+    eos = tokenizer.eos_token_id
+    split = [t for ch in " it is 35." for t in _encode(tokenizer, ch)]
+    first = _encode(tokenizer, "I think") + [inner] + split + [eos]
+    replies = [Reply(first, matched_stop=eos), *_replies(tokenizer)[1:]]
+    trajectory, engine = _rollout(tokenizer, replies)
+    assert trajectory.num_turns == 3
+    assert engine.prompts[1][: len(engine.prompts[0]) + len(first)] == engine.prompts[0] + first
+    # nothing of the turn's end twice: the sampled EOS, then the rest of the template's turn end
+    after = engine.prompts[1][len(engine.prompts[0]) + len(first) :]
+    assert tokenizer.decode(after).count(tokenizer.eos_token) <= 1
+
+
+def test_a_turn_that_ends_inside_a_character_goes_on(tokenizer: Any) -> None:
+    """A random policy's turn whose bytes stop inside a UTF-8 character (its text decodes with a
+    replacement character): the rendering is compared as whole texts, so the rollout goes on and
+    the template's turn end follows the sampled ids once."""
+    eos = tokenizer.eos_token_id
+    lead_byte = tokenizer.convert_tokens_to_ids("Ã")  # byte 0xC3 alone: half of a character
+    first = _encode(tokenizer, "I think 3") + [lead_byte] + [eos]
+    replies = [Reply(first, matched_stop=eos), *_replies(tokenizer)[1:]]
+    trajectory, engine = _rollout(tokenizer, replies)
+    assert trajectory.num_turns == 3
+    assert engine.prompts[1][: len(engine.prompts[0]) + len(first)] == engine.prompts[0] + first
+    after = tokenizer.decode(engine.prompts[1][len(engine.prompts[0]) + len(first) :])
+    assert "�" not in after and after.count(tokenizer.eos_token) <= 1
