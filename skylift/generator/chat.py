@@ -27,10 +27,13 @@ does not use them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 Messages = list[dict[str, Any]]
 
+#: runs of U+FFFD, the mark of bytes that are no character
+_REPLACEMENTS = re.compile("\ufffd+")
 _PROBE_USER = "Probe-question"  # content of the probe conversations (no spaces: templates may trim)
 _PROBE_ANSWER = "Probe-answer"
 
@@ -118,11 +121,14 @@ class ChatFormat:
     ) -> list[int] | None:
         """`rendered` after the fewest of its tokens (past `j`) that decode to what `done` decodes
         to, whole sequences compared (a suffix that starts inside a character's bytes would decode
-        differently); special tokens left out of both with `skip_special`, and then the special
-        tokens that end `done` must also come next in `rendered`. None when no prefix does."""
+        differently) and each run of replacement characters counted as one (bytes that decode to no
+        character decode to as many marks as the tokens around them group them into); special tokens left out of both with `skip_special`, and then the special
+        tokens that end `done` are skipped where `rendered` has them next. None when no prefix does."""
 
-        def text(ids: list[int]) -> str:
-            return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+        def text(ids: list[int]) -> str:  # a run of bytes that decode to no character: one mark
+            return _REPLACEMENTS.sub(
+                "\ufffd", str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+            )
 
         whole = text(done)
         lo, hi = j, len(rendered)  # the fewest tokens of `rendered` that decode as long
@@ -134,15 +140,16 @@ class ChatFormat:
                 lo = mid + 1
         if text(rendered[:lo]) != whole:
             return None
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        while lo < len(rendered) and rendered[lo] not in special and text(rendered[: lo + 1]) == whole:
+            lo += 1  # the rest of a character's bytes (the same text): still the message's
         if skip_special:  # the turn's own closing special tokens, sampled: not again
-            special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
             end = len(done)
             while end > j and done[end - 1] in special:
                 end -= 1
-            closing = done[end:]
-            if rendered[lo : lo + len(closing)] != closing:
-                return None
-            lo += len(closing)
+            for token in done[end:]:  # those the template renders too come next there
+                if lo < len(rendered) and rendered[lo] == token:
+                    lo += 1
         return rendered[lo:]
 
     def _after_sampled_specials(self, done: list[int], rendered: list[int], j: int) -> list[int] | None:

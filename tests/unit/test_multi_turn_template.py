@@ -247,3 +247,35 @@ def test_a_turn_that_ends_inside_a_character_goes_on(tokenizer: Any) -> None:
     assert engine.prompts[1][: len(engine.prompts[0]) + len(first)] == engine.prompts[0] + first
     after = tokenizer.decode(engine.prompts[1][len(engine.prompts[0]) + len(first) :])
     assert "�" not in after and after.count(tokenizer.eos_token) <= 1
+
+
+def test_random_turns_of_a_random_policy_are_followed_by_the_templates_turn_end() -> None:
+    """What a random policy samples (stray bytes, special tokens inside, sometimes EOS): the ids
+    after each turn are exactly the template's turn end, observation and next header."""
+    import random
+
+    tokenizer = chatml_tokenizer()
+    chat = ChatFormat(tokenizer)
+    rng = random.Random(7)
+    eos = tokenizer.eos_token_id
+    prompt = [{"role": "user", "content": "What is 2+2?"}]
+    feedback = {"role": "user", "content": "Incorrect, try again."}
+    after = chat.render(
+        [*prompt, {"role": "assistant", "content": "x"}, feedback], add_generation_prompt=True
+    )
+    full = tokenizer.decode(after)
+    expected = full[full.rindex("x" + tokenizer.eos_token) + 1 :]  # "<|im_end|>\n<|im_start|>user\n..."
+    for _ in range(400):
+        sampled = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 16))]
+        if rng.random() < 0.5:
+            sampled.append(eos)
+        text = tokenizer.decode(sampled, skip_special_tokens=True)
+        conversation = [*prompt, {"role": "assistant", "content": text}, feedback]
+        rest = chat.extension(
+            chat.prompt_ids(prompt) + sampled, chat.render(conversation, add_generation_prompt=True)
+        )
+        got = tokenizer.decode(rest)
+        assert got == (expected[len(tokenizer.eos_token) :] if sampled[-1] == eos else expected), (
+            sampled,
+            got,
+        )
