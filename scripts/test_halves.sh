@@ -2,7 +2,7 @@
 # The whole suite on a machine with 2+ cores, as scripts/test.sh runs it with no arguments:
 # two pytest processes side by side, each pinned to one core (`taskset`), so that one engine's
 # single-threaded start-up never leaves the other core idle, and two engines' OpenMP threads never
-# share a core. Tests marked `whole_machine` (they need every core: tensor parallelism 2) run
+# share a core. Tests marked `whole_machine` (they need every core, tensor parallelism 2, or much of the memory) run
 # first, alone. Each half's lines are prefixed ([a], [b]); the run fails if any part fails.
 # SKYLIFT_TEST_SPLIT=0 runs everything in one pytest process instead (scripts/test.sh).
 set -uo pipefail

@@ -105,6 +105,10 @@ def _run_processes(two_hosts: TwoHosts) -> str:
     return "\n".join(found)
 
 
+# Alone, before the halves (scripts/test_halves.sh): two Ray nodes with an engine and a policy
+# beside the other half's two-engine runs went past the machine's 24 GB (the kernel's OOM killer
+# took an engine or a policy worker, twice in session 18's full runs).
+@pytest.mark.whole_machine
 def test_engines_and_policy_on_different_nodes(
     two_hosts: TwoHosts, cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
