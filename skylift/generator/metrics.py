@@ -114,6 +114,7 @@ class MetricsRequest:
     trajectories: Sequence[Trajectory] = ()
     evaluation: bool = False
     groups: GroupTimes | None = None
+    n_samples: int | None = None  # an evaluation's samples per prompt (None: the most any prompt got)
 
 
 METRICS: Hook[Callable[[MetricsRequest], dict[str, float]]] = Hook(

@@ -1,6 +1,6 @@
 """Accuracy figures people can compare: the mean reward with its standard error, pass@n and
-majority voting (maj@n) over the samples of each prompt; and SkyRL's figures under SkyRL's names
-(`skyrl_figures`: avg_score, pass_at_n, mean_positive_reward) so SkyRL users' dashboards carry over.
+majority voting (maj@n) over the samples of each prompt. Other figures of an evaluation come from
+the metrics plugins (`skylift.generator.metrics.plugin_metrics`).
 
 Every figure is a mean over prompts of a per-prompt score, and its standard error treats the
 prompts as the independent draws: ``sqrt(var / P)`` with the population variance of the per-prompt
@@ -70,28 +70,6 @@ def accuracy_figures(groups: Sequence[Sequence[Sample]], prefix: str) -> dict[st
     return figures
 
 
-def skyrl_figures(groups: Sequence[Sequence[float]], prefix: str, n: int) -> dict[str, float]:
-    """SkyRL's evaluation figures of each prompt's rewards `groups`, under SkyRL's names:
-    `{prefix}avg_score` (mean reward over all samples), `{prefix}pass_at_{n}` (share of prompts
-    with a positive reward among their samples) and `{prefix}mean_positive_reward` (mean of the
-    rewards clipped at 0). `n` is the configured samples per prompt (SkyRL names the key after it,
-    also for n = 1)."""
-    groups = [g for g in groups if g]
-    if not groups:
-        return {}
-    rewards = [r for g in groups for r in g]
-    return {
-        f"{prefix}avg_score": statistics.fmean(rewards),
-        f"{prefix}pass_at_{n}": sum(1 for g in groups if any(r > 0 for r in g)) / len(groups),
-        f"{prefix}mean_positive_reward": statistics.fmean(max(r, 0.0) for r in rewards),
-    }
-
-
-def skyrl_source_name(data_source: str | None) -> str:
-    """A data source as SkyRL writes it in metric names: "unknown" when unset, "/" as "_"."""
-    return "unknown" if not data_source else data_source.replace("/", "_")
-
-
 def format_accuracy(value: float, stderr: float) -> str:
     """``'70% ± 4.6'``: a fraction as a percentage with its standard error in points."""
     return f"{value:.0%} ± {100 * stderr:.1f}"
@@ -102,7 +80,5 @@ __all__ = [
     "accuracy_figures",
     "format_accuracy",
     "majority_score",
-    "skyrl_figures",
-    "skyrl_source_name",
     "standard_error",
 ]

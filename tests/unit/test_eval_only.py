@@ -11,11 +11,12 @@ import pytest
 from rl_fakes import FakeGenerator, FakeTracker, fake_config, fake_decode, fake_run
 
 from skylift.cluster.placement import PlacementRequest, plan_placement
+from skylift.compat.skyrl.metrics import skyrl_figures, skyrl_source_name
 from skylift.data import PromptSample
 from skylift.entrypoints.main_base import RunOptions
 from skylift.entrypoints.main_generate import run_eval
 from skylift.rl.eval_only import DUMP_NAME, eval_sampler, evaluate_once, summary
-from skylift.utils.eval_stats import skyrl_figures, skyrl_source_name, standard_error
+from skylift.utils.eval_stats import standard_error
 from skylift.utils.loop_thread import LoopThread
 
 SOURCES = ["openai/gsm8k", "openai/gsm8k", "math", ""]  # the 4th row has no data source

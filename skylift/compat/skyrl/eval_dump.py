@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from skylift.compat.skyrl.metrics import skyrl_source_name
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
 from skylift.rl.eval_dumps import EVAL_DUMPERS, EvalDump
-from skylift.utils.eval_stats import skyrl_source_name
 
 AGGREGATED = "aggregated_results.jsonl"
 

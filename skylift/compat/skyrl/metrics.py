@@ -7,12 +7,16 @@ wall-clock figures (`trajectory_time_metrics`), logged under SkyRL's names by tr
 (``generate/group_completion_time_*``, ``generate/intra_group_completion_time_*``). SkyRL also
 logs them for the groups its fully async trainer dropped (``generate_kept/``,
 ``generate_dropped/``, `dropped_group_metrics`).
+`skyrl_eval_figures`: SkyRL's evaluation figures (``eval/all/avg_score``, ``eval/all/pass_at_<n>``,
+``eval/all/mean_positive_reward`` and their ``eval/<data_source>/`` counterparts, `skyrl_figures`),
+so SkyRL users' dashboards carry over.
 `skyrl_metrics` is the plugin (registered into `skylift.generator.metrics.METRICS` on import).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -171,14 +175,60 @@ def dropped_group_metrics(
     return metrics
 
 
+def skyrl_figures(groups: Sequence[Sequence[float]], prefix: str, n: int) -> dict[str, float]:
+    """SkyRL's evaluation figures of each prompt's rewards `groups`, under SkyRL's names:
+    `{prefix}avg_score` (mean reward over all samples), `{prefix}pass_at_{n}` (share of prompts
+    with a positive reward among their samples) and `{prefix}mean_positive_reward` (mean of the
+    rewards clipped at 0). `n` is the configured samples per prompt (SkyRL names the key after it,
+    also for n = 1)."""
+    groups = [g for g in groups if g]
+    if not groups:
+        return {}
+    rewards = [r for g in groups for r in g]
+    return {
+        f"{prefix}avg_score": statistics.fmean(rewards),
+        f"{prefix}pass_at_{n}": sum(1 for g in groups if any(r > 0 for r in g)) / len(groups),
+        f"{prefix}mean_positive_reward": statistics.fmean(max(r, 0.0) for r in rewards),
+    }
+
+
+def skyrl_source_name(data_source: str | None) -> str:
+    """A data source as SkyRL writes it in metric names: "unknown" when unset, "/" as "_"."""
+    return "unknown" if not data_source else data_source.replace("/", "_")
+
+
+def skyrl_eval_figures(trajectories: Sequence[Trajectory], n_samples: int | None) -> dict[str, float]:
+    """`skyrl_figures` of an evaluation's samples (grouped by prompt uid) per data source, under
+    ``eval/<skyrl_source_name>/``, then over all of them, under ``eval/all/``. `n_samples`: the
+    configured samples per prompt (SkyRL's `<n>`; None: the most samples any prompt got)."""
+    groups: dict[str, list[float]] = defaultdict(list)  # the rewards of each prompt's samples
+    sources: dict[str | None, list[str]] = defaultdict(list)  # the prompts of each data source
+    for tr in trajectories:
+        if tr.uid not in groups:
+            sources[tr.data_source or None].append(tr.uid)
+        groups[tr.uid].append(tr.reward)
+    if not groups:
+        return {}
+    n = n_samples or max(len(g) for g in groups.values())
+    metrics: dict[str, float] = {}
+    for source, uids in sources.items():
+        metrics.update(skyrl_figures([groups[u] for u in uids], f"eval/{skyrl_source_name(source)}/", n))
+    metrics.update(skyrl_figures(list(groups.values()), "eval/all/", n))
+    return metrics
+
+
 @METRICS.register
 def skyrl_metrics(request: MetricsRequest) -> dict[str, float]:
-    """The plugin: a batch's ``generate/*`` figures (``eval/all/generate/*`` for an evaluation), or
-    a fully async step's group figures (SkyRL's kept and dropped views when groups were dropped)."""
+    """The plugin: a batch's ``generate/*`` figures (for an evaluation, `skyrl_eval_figures` and
+    ``eval/all/generate/*``), or a fully async step's group figures (SkyRL's kept and dropped views
+    when groups were dropped)."""
     groups = request.groups
     if groups is not None:
         if groups.dropped:  # sample_full_batch dropped groups while this batch filled: SkyRL's views
             return dropped_group_metrics(groups.kept, groups.dropped, groups.n_samples)
         return group_completion_metrics(groups.kept)
     figures = skyrl_generate_metrics(request.trajectories)
-    return {f"eval/all/{k}": v for k, v in figures.items()} if request.evaluation else figures
+    if not request.evaluation:
+        return figures
+    generate = {f"eval/all/{k}": v for k, v in figures.items()}
+    return {**skyrl_eval_figures(request.trajectories, request.n_samples), **generate}
