@@ -316,9 +316,9 @@ def maxrl_advantages(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MaxRL (SkyRL's ``maxrl``): ``(score - group_mean) / (group_mean + eps)``, the group-centred
+    """MaxRL (``advantage_estimator=maxrl``): ``(score - group_mean) / (group_mean + eps)``, the group-centred
     reward divided by the group's mean reward (its success rate with 0/1 rewards) instead of its
-    std. As in SkyRL, a group of one sequence keeps its score as its advantage; `norm_by_std` is
+    std. A group of one sequence keeps its score as its advantage; `norm_by_std` is
     not read."""
     scores = sequence_rewards
     counts, sums, _ = _group_stats(scores, group_ids, "maxrl")

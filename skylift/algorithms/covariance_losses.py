@@ -1,8 +1,8 @@
 """Clip-Cov and KL-Cov policy losses ("The Entropy Mechanism of Reinforcement Learning for
-Reasoning Language Models", arXiv 2505.22617), with SkyRL's settings and meaning.
+Reasoning Language Models", arXiv 2505.22617), set by ``trainer.algorithm.clip_cov.*`` / ``kl_cov.*``.
 
 Both pick tokens by the centred covariance of advantage and logprob over the valid tokens of the
-batch the loss is called on (one micro-batch, as in SkyRL):
+batch the loss is called on (one micro-batch):
 ``cov_t = (A_t - mean(A)) * (logp_t - mean(logp))``, a constant (no gradient). Tokens with a large
 covariance are those that drive the policy's entropy down; these losses restrain them.
 

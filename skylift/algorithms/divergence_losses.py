@@ -1,5 +1,5 @@
 """DPPO, Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM Reinforcement
-Learning", arXiv 2602.04879), with SkyRL's settings and meaning (``policy_loss_type=dppo``).
+Learning", arXiv 2602.04879): ``policy_loss_type=dppo``, set by ``trainer.algorithm.dppo.*``.
 
 PPO keeps the update in a trust region by clipping the ratio ``r = pi / mu``; DPPO instead drops
 (loss 0, no gradient) the tokens whose *probability* moved too far from the behaviour policy ``mu``

@@ -14,7 +14,7 @@ Two uses:
   valid token's reward before the advantages are computed (the penalty carries no gradient).
 
 The reward penalty's coefficient comes from a controller (``kl_ctrl.type``): `FixedKLController`
-keeps it, `AdaptiveKLController` (Ziegler et al. 2019, arXiv:1909.08593, as in SkyRL and verl)
+keeps it, `AdaptiveKLController` (Ziegler et al. 2019, arXiv:1909.08593, as in verl)
 moves it after every step towards the coefficient that keeps the batch's KL at a target.
 """
 

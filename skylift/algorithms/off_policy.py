@@ -1,4 +1,4 @@
-"""Off-policy corrections of a per-token policy loss (SkyRL's ``trainer.algorithm.off_policy_correction``).
+"""Off-policy corrections of a per-token policy loss (``trainer.algorithm.off_policy_correction``).
 
 The rollouts were sampled by an inference engine whose logprobs of the sampled tokens
 (``rollout_logprobs``) differ from the trainer's logprobs of the same tokens under the policy being
@@ -18,7 +18,7 @@ valid tokens of a sequence, applied in this order (each step sees the mask the p
    product ``prod_t w_t`` is outside ``[product_mask_low, product_mask_high]``.
 
 A dropped token's loss becomes 0 and it has no gradient; the loss reduction still counts it (the
-mini-batch's token and sequence counts are fixed before the loss is computed), as in SkyRL. The
+mini-batch's token and sequence counts are fixed before the loss is computed). The
 weights are constants (no gradient). Log-ratios are clamped to +-20 before ``exp``.
 """
 

@@ -157,7 +157,7 @@ them ``rollout_logprobs`` as their ``old_logprobs``."""
 
 ROLLOUT_PREFERRED = {"dppo"}
 """Losses whose ratio is taken against the rollout engine's logprobs when they are given, else
-against ``old_logprobs`` (SkyRL's choice for DPPO)."""
+against ``old_logprobs``."""
 
 
 def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
@@ -388,8 +388,8 @@ def importance_sampling_loss(
     response_mask: Tensor,
     config: PolicyLossConfig,
 ) -> LossAndMetrics:
-    """``-r * A`` with the unclipped ratio ``r`` to `old_logprobs` (SkyRL's and Tinker's
-    ``importance_sampling``; on-policy distillation trains with it)."""
+    """``-r * A`` with the unclipped ratio ``r`` to `old_logprobs` (``importance_sampling``, also
+    Tinker's loss of that name; on-policy distillation trains with it)."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
     return -ratio * advantages, _metrics(response_mask, ratio, log_ratio)
 
@@ -403,6 +403,6 @@ def cross_entropy_loss(
     config: PolicyLossConfig,
 ) -> LossAndMetrics:
     """``-logp`` of each response token, advantages unused: supervised fine-tuning on the sampled
-    responses (SkyRL's ``cross_entropy``)."""
+    responses (``policy_loss_type=cross_entropy``)."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
     return -logprobs, _metrics(response_mask, ratio, log_ratio)

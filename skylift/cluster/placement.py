@@ -1,4 +1,4 @@
-"""Where a run's actors go: Ray placement groups built from SkyRL's `trainer.placement.*` keys.
+"""Where a run's actors go: Ray placement groups built from the `trainer.placement.*` keys.
 
 `plan_placement` is pure: it turns the keys into placement groups (bundles and a strategy) and
 says which bundle each policy / reference / critic rank and each local engine rank uses. On GPU

@@ -201,5 +201,5 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
         kwargs["enable_sleep_mode"] = True
     # a LoRA policy: engines serve the base model plus the synced adapter (skylift.weight_sync.lora)
     kwargs.update(lora_engine_args(t.policy.model.lora.rank))
-    kwargs.update(g.engine_init_kwargs)  # vLLM engine args as given (SkyRL's engine_init_kwargs)
+    kwargs.update(g.engine_init_kwargs)  # vLLM engine args as given (generator.engine_init_kwargs)
     return kwargs

@@ -113,7 +113,7 @@ class DPPOConfig:
 
 @dataclass
 class OffPolicyCorrectionConfig:
-    """SkyRL's corrections of the gap between the trainer's logprobs and the rollout engine's
+    """Corrections of the gap between the trainer's logprobs and the rollout engine's
     (ratio ``w = pi_old / pi_rollout`` per token; skylift.algorithms.off_policy)."""
 
     tis_ratio_type: str | None = _f(
@@ -193,7 +193,7 @@ class DynamicSamplingConfig:
 
 @dataclass
 class OverlongBufferConfig:
-    """DAPO's soft overlong punishment (SkyRL's DAPO example: ``overlong_buffer.len`` or
+    """DAPO's soft overlong punishment (``overlong_buffer.len`` or, the flat spelling,
     ``overlong_buffer_len``)."""
 
     len: int = _f(
@@ -218,7 +218,7 @@ class AlgorithmConfig:
     zero_variance_filter: bool = _f(
         False,
         "loss-mask the prompt groups whose rewards are all equal (more than one trajectory with a "
-        "loss token, rewards within zero_variance_filter_tol); response-level rewards only (SkyRL's)",
+        "loss token, rewards within zero_variance_filter_tol); response-level rewards only",
     )
     zero_variance_filter_tol: float = _f(
         1e-6, "zero_variance_filter: rewards this close count as equal (0 = exact equality)", ge=0
@@ -232,8 +232,8 @@ class AlgorithmConfig:
     import_modules: list[str] = _f(
         [],
         "modules imported before the run (and in every training worker) for their "
-        "register_advantage_estimator / register_policy_loss calls, skylift's or SkyRL's signatures "
-        "(skylift.compat.skyrl.registries); looked up on sys.path, then in the current directory",
+        "register_advantage_estimator / register_policy_loss calls (skylift's signatures or the "
+        "seed's); looked up on sys.path, then in the current directory",
     )
     loss_reduction: str = _f(
         "token_mean", f"how token losses are averaged: {' | '.join(LOSS_REDUCTIONS)}", choices=LOSS_REDUCTIONS
@@ -259,7 +259,7 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = _group(KLCtrlConfig, "KL controller for use_kl_in_reward")
     on_policy_distillation: bool = _f(
         False,
-        "on-policy distillation (SkyRL's on_policy_distillation example, a trainer subclass there): "
+        "on-policy distillation: "
         "the KL-in-reward step (needs use_kl_in_reward=true) makes each response token's reward "
         "-(log pi(token) - log pi_ref(token)), the reference model being the teacher; the "
         "environment's reward is only logged. Usually with advantage_estimator=no_op and "
@@ -278,7 +278,7 @@ class AlgorithmConfig:
     use_tis: bool = _f(False, "truncated importance sampling: reweight by min(pi_train / pi_rollout, cap)")
     tis_imp_ratio_cap: float = _f(-1.0, "truncated importance sampling: cap of the ratio (> 0 when use_tis)")
     off_policy_correction: OffPolicyCorrectionConfig = _group(
-        OffPolicyCorrectionConfig, "SkyRL's off-policy corrections: TIS per token or sequence, masks"
+        OffPolicyCorrectionConfig, "off-policy corrections: TIS per token or sequence, masks"
     )
     dynamic_sampling: DynamicSamplingConfig = _group(DynamicSamplingConfig, "dynamic sampling (DAPO)")
     overlong_buffer: OverlongBufferConfig = _group(OverlongBufferConfig, "soft overlong punishment (DAPO)")

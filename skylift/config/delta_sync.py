@@ -1,10 +1,10 @@
-"""`generator.delta_weight_sync.*` (SkyRL: ``generator.inference_engine.delta_weight_sync.*``): the
+"""`generator.delta_weight_sync.*` (also ``generator.inference_engine.delta_weight_sync.*``): the
 settings of checkpoint-delta weight sync (``weight_sync_backend=delta``, `skylift.weight_sync.delta_publish`
 and `skylift.weight_sync.delta_apply`).
 
 The policy's rank 0 writes each version's changed tensors, XORed with the version before and
 compressed, under ``sync_dir``; every engine applies them to its own copy of the weights
-(``local_checkpoint_dir``) and loads the changed tensors. SkyRL's keys that only its cloud transfers
+(``local_checkpoint_dir``) and loads the changed tensors. The seed's keys that only its cloud transfers
 or its whole-checkpoint reload read are declared without effect in ``skylift.config.inert``. A
 ``gs://`` or ``s3://`` sync_dir goes through ``skylift.weight_sync.delta_cloud``.
 """
@@ -50,7 +50,7 @@ class DeltaWeightSyncConfig:
         None,
         "skylift's: every N-th version is published against the base checkpoint (every tensor "
         "that differs from it: engines load it whole) and the versions before it are deleted, so "
-        "sync_dir holds at most N versions; null = keep every version (SkyRL's behaviour)",
+        "sync_dir holds at most N versions; null = keep every version",
         ge=1,
     )
     max_file_size_in_gb: float = _f(1.0, "most compressed bytes of one payload file, in GiB", gt=0)
@@ -92,7 +92,7 @@ def delta_problems(backend: str, delta: DeltaWeightSyncConfig, lora_rank: int) -
                 )
     if lora_rank > 0:
         problems.append(
-            "weight_sync_backend=delta does not support LoRA (trainer.policy.model.lora.rank > 0), as "
-            "in SkyRL: a LoRA policy syncs its adapter; use weight_sync_backend=nccl (or auto)"
+            "weight_sync_backend=delta does not support LoRA (trainer.policy.model.lora.rank > 0): "
+            "a LoRA policy syncs its adapter; use weight_sync_backend=nccl (or auto)"
         )
     return problems

@@ -4,8 +4,8 @@ A dialect is a class the loader makes one instance of per load (`load_config`); 
 spellings of skylift keys (`KeyDialect.ALIASES`), refuses what skylift does not have before any key
 is set (`refuse`), reads values (`value`), takes keys it handles itself (`take`: set aside, or
 collected for `translations` into skylift keys once every assignment is in), explains a key the
-schema does not know (`unknown_key`) and warns at the end (`warn`). SkyRL's dialect
-(``skylift.compat.skyrl.keys``) is built in: named here, imported by name on the first load.
+schema does not know (`unknown_key`) and warns at the end (`warn`). The built-in dialect
+(``skylift.compat.skyrl.keys``) is named here and imported by name on the first load.
 """
 
 from __future__ import annotations

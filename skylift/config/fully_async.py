@@ -1,6 +1,6 @@
 """`trainer.fully_async.*`: fully asynchronous training with in-flight weight updates.
 
-SkyRL's key names (`max_staleness_steps`, `num_parallel_generation_workers`) plus `enabled` and
+The seed's key names (`max_staleness_steps`, `num_parallel_generation_workers`) plus `enabled` and
 `pause_mode`; what they do is described in `skylift.rl.fully_async`.
 """
 
@@ -40,7 +40,7 @@ class FullyAsyncConfig:
         False,
         "drop the prompt groups whose rewards are all equal as they finish (their prompts count as "
         "used; the slot is given back) until a batch of groups with a signal is ready: DAPO's "
-        "dynamic-sampling filter, fully async (SkyRL's). Needs trainer.algorithm.zero_variance_filter=true. "
+        "dynamic-sampling filter, fully async. Needs trainer.algorithm.zero_variance_filter=true. "
         "When the data runs out mid batch, the partial batch is discarded and the run ends",
     )
     pause_mode: str = _f(

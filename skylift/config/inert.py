@@ -1,8 +1,9 @@
 """The one list of keys skylift accepts without effect, and the warning when one is set.
 
 Every other key of the schema changes what a run does (``tests/unit/test_config_liveness.py``
-checks that the code reads each of them). The keys here exist only so that SkyRL command lines
-and config files parse unchanged (SkyRL's keys outside the schema: ``skylift.compat.skyrl.unused_keys``); their fields in ``schema.py`` say so in their help text. Setting
+checks that the code reads each of them). The keys here exist only so that the seed's command lines
+and config files parse unchanged (its keys outside the schema are its config dialect's,
+`skylift.config.dialects`); their fields in ``schema.py`` say so in their help text. Setting
 one to anything but its default logs a warning naming the key and why it does nothing.
 """
 
@@ -32,7 +33,7 @@ WITHOUT_EFFECT: dict[str, str] = {
     ),
 }
 
-NO_EFFECT_HELP = "accepted for SkyRL compatibility, no effect in skylift"
+NO_EFFECT_HELP = "accepted for compatibility, no effect in skylift"
 """The words every help text of a key in `WITHOUT_EFFECT` starts with."""
 
 

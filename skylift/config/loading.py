@@ -81,7 +81,7 @@ def parse_override(override: str) -> tuple[str, Any]:
         )
     key, raw = override.split("=", 1)
     key = key.strip()
-    empty = raw.strip() == ""  # key= is the empty string, as Hydra (and so SkyRL) reads it
+    empty = raw.strip() == ""  # key= is the empty string, as Hydra reads it
     key = key.lstrip("+")  # Hydra's "add a key" prefixes: keys here either exist or are not allowed
     if not key or any(not part for part in key.split(".")) or key.startswith(("~", "-")):
         raise ConfigError(f"malformed override {override!r}: {key!r} is not a dotted key like trainer.seed=1")
@@ -167,7 +167,7 @@ def _assign(cfg: DictConfig, key: str, value: Any, source: str, dialects: Sequen
     """Set one dotted key, checking the key and the value's type (a dialect's own keys go to it)."""
     key = _canonical(key)
     known = key in key_table() or mapping_leaf_of(key) is not None
-    if not known and isinstance(value, dict) and value:  # a group of SkyRL keys, e.g. from a file
+    if not known and isinstance(value, dict) and value:  # a group of keys, e.g. from a file
         for name, sub_value in value.items():
             _assign(cfg, f"{key}.{name}", sub_value, source, dialects)
         return

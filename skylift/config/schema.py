@@ -1,4 +1,4 @@
-"""The configuration schema: a tree of dataclasses with SkyRL-compatible key names (the ``data`` and
+"""The configuration schema: a tree of dataclasses with the seed's key names (the ``data`` and
 ``environment`` groups are in ``inputs.py``, ``trainer.algorithm`` in ``algorithm.py``).
 
 Every field carries a one-line help text in its metadata (``field(metadata={"help": ...})``); it is
@@ -55,7 +55,7 @@ class LoraConfig(AdapterConfig):
 
     lora_sync_path: str | None = _f(
         None,
-        "SkyRL's name for generator.lora_sync_path (the same effect; set both only to the same "
+        "another name of generator.lora_sync_path (the same effect; set both only to the same "
         "directory): directory through which each sync hands the adapter to the engines",
     )
 
@@ -100,7 +100,7 @@ class OptimizerConfig:
         "constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}", choices=LR_SCHEDULERS
     )
     offload_after_step: bool = _f(  # accepted without effect: see skylift.config.inert
-        True, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: move optimizer state to CPU)"
+        True, "accepted for compatibility, no effect in skylift (where it has one: move optimizer state to CPU)"
     )
 
 
@@ -200,8 +200,7 @@ class TrainerConfig:
     )
     strategy: str = _f(  # accepted without effect: see skylift.config.inert
         "fsdp2",
-        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(STRATEGIES)}; SkyRL's "
-        "fsdp means FSDP2)",
+        f"accepted for compatibility, no effect in skylift (only {' | '.join(STRATEGIES)}; fsdp means FSDP2)",
         choices=STRATEGIES,
     )
     policy: PolicyConfig = _group(PolicyConfig, "trained policy")
@@ -345,7 +344,7 @@ class SamplingConfig:
     min_p: float = _f(0.0, "drop tokens below min_p times the top token's probability", ge=0, le=1)
     repetition_penalty: float = _f(1.0, "penalty on repeated tokens; 1 = none", gt=0)
     logprobs: int | None = _f(  # accepted without effect: see skylift.config.inert
-        0, "accepted for SkyRL compatibility, no effect in skylift (SkyRL: top logprobs per token)", ge=0
+        0, "accepted for compatibility, no effect in skylift (where it has one: top logprobs per token)", ge=0
     )
     stop: list[str] | None = _f(None, "extra stop strings; null = only the tokenizer's EOS")
 
@@ -366,7 +365,7 @@ class GeneratorConfig:
 
     backend: str = _f(  # accepted without effect: see skylift.config.inert
         "vllm",
-        f"accepted for SkyRL compatibility, no effect in skylift (only {' | '.join(INFERENCE_BACKENDS)})",
+        f"accepted for compatibility, no effect in skylift (only {' | '.join(INFERENCE_BACKENDS)})",
         choices=INFERENCE_BACKENDS,
     )
     run_engines_locally: bool = _f(
@@ -418,7 +417,7 @@ class GeneratorConfig:
     enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
     async_engine: bool = _f(  # accepted without effect: see skylift.config.inert
         True,
-        "accepted for SkyRL compatibility, no effect in skylift (engines always run vLLM's async engine)",
+        "accepted for compatibility, no effect in skylift (engines always run vLLM's async engine)",
     )
     batched: bool = _f(True, "single-turn: send the whole batch at once (false = agent loop per trajectory)")
     max_turns: int = _f(1, "most assistant turns per trajectory (> 1 = multi-turn agent loop)", ge=1)
@@ -444,7 +443,7 @@ class GeneratorConfig:
         "needs a sequence-level advantage estimator (grpo, rloo)",
     )
     merge_stepwise_output: bool = _f(
-        False, "step-wise: merge a rollout's steps that extend the one before into one sample (SkyRL's)"
+        False, "step-wise: merge a rollout's steps that extend the one before into one sample"
     )
     on_template_mismatch: str = _f("error", "history change: error|step_wise", choices=("error", "step_wise"))
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)

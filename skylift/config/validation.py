@@ -149,7 +149,7 @@ def _check_batches(cfg: SkyliftConfig, problems: list[str]) -> None:
     workers = f"{world} policy workers (trainer.placement.policy_num_nodes * policy_num_gpus_per_node)"
     if world >= 1 and sequences >= 1 and sequences < world:
         # a mini-batch that is not a multiple of the workers is padded with rows without loss
-        # (skylift.rl.update.pad_rows, as SkyRL does); fewer rows than workers would be mostly padding
+        # (skylift.rl.update.pad_rows); fewer rows than workers would be mostly padding
         problems.append(
             f"policy mini-batch of {sequences} sequences (trainer.policy_mini_batch_size * "
             f"generator.n_samples_per_prompt) must hold at least one sequence for each of the {workers}"
@@ -167,7 +167,7 @@ def _check_batches(cfg: SkyliftConfig, problems: list[str]) -> None:
 
 
 def _check_loss_settings(a: AlgorithmConfig, problems: list[str]) -> None:
-    """The clip_cov bounds and SkyRL's off-policy corrections (skylift.algorithms.off_policy)."""
+    """The clip_cov bounds and the off-policy corrections (skylift.algorithms.off_policy)."""
     p = "trainer.algorithm"
     if a.clip_cov.clip_cov_lb >= a.clip_cov.clip_cov_ub:
         problems.append(
@@ -207,7 +207,7 @@ def _check_algorithm(cfg: SkyliftConfig, problems: list[str]) -> None:
     if a.on_policy_distillation and not a.use_kl_in_reward:
         problems.append(
             f"{p}.on_policy_distillation=true replaces the KL-in-reward step and needs "
-            f"{p}.use_kl_in_reward=true (as SkyRL's on_policy_distillation example sets it)"
+            f"{p}.use_kl_in_reward=true"
         )
     if a.on_policy_distillation and a.kl_ctrl.type == "adaptive":
         problems.append(
@@ -304,7 +304,7 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
     }
     if len(set(sync_paths.values())) > 1:
         problems.append(
-            "generator.lora_sync_path and trainer.policy.model.lora.lora_sync_path (SkyRL's name for "
+            "generator.lora_sync_path and trainer.policy.model.lora.lora_sync_path (two names of "
             f"the same setting) name different directories ({sync_paths['generator.lora_sync_path']!r} "
             f"and {sync_paths['trainer.policy.model.lora.lora_sync_path']!r}): set one of them"
         )
@@ -384,7 +384,7 @@ def _check_fully_async(cfg: SkyliftConfig, problems: list[str]) -> None:
     if fa.sample_full_batch and not (fa.enabled and t.algorithm.zero_variance_filter):
         problems.append(
             f"{p}.sample_full_batch=true drops zero-variance groups in fully async runs: it needs "
-            f"{p}.enabled=true and trainer.algorithm.zero_variance_filter=true (as in SkyRL)"
+            f"{p}.enabled=true and trainer.algorithm.zero_variance_filter=true"
         )
     if not fa.enabled:
         return

@@ -31,7 +31,7 @@ def add_data_command(subparsers: argparse._SubParsersAction) -> None:
     gsm8k = data_sub.add_parser(
         "gsm8k",
         help="GSM8K -> train.parquet and validation.parquet (the test split)",
-        description="Write GSM8K as SkyRL-compatible prompt parquet files. Without --local-path the "
+        description="Write GSM8K as prompt parquet files (skylift.data.schema's columns). Without --local-path the "
         "Hugging Face dataset openai/gsm8k is downloaded (needs `datasets` and network).",
     )
     gsm8k.add_argument("--out", required=True, help="output folder")

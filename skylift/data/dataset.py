@@ -1,6 +1,6 @@
 """`PromptDataset`: the prompts of one or more parquet files, batched in a seeded, resumable order.
 
-Rows follow `skylift.data.schema` (SkyRL's layout). Each becomes a `PromptSample`; the order of an
+Rows follow `skylift.data.schema`. Each becomes a `PromptSample`; the order of an
 epoch is a permutation drawn from ``(seed, epoch)`` alone, so a run resumed at ``(epoch, step)``
 sees exactly the batches the interrupted run would have seen.
 """
@@ -30,8 +30,8 @@ class PromptSample:
 
     uid: ``"<file index>:<row index>"``, unique within the dataset (used to group the samples of
     one prompt).
-    columns: the row's other columns (e.g. text2sql's ``db_id`` and ``data``), which SkyRL passes
-    to environments among their extras.
+    columns: the row's other columns (e.g. text2sql's ``db_id`` and ``data``), which the generator
+    passes to environments among their extras.
     """
 
     prompt: list[dict[str, str]]

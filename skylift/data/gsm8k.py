@@ -1,4 +1,4 @@
-"""GSM8K preparation: jsonl (or the Hugging Face dataset) -> SkyRL-compatible prompt parquet files.
+"""GSM8K preparation: jsonl (or the Hugging Face dataset) -> prompt parquet files (`skylift.data.schema`).
 
 Output, in ``out_dir``: ``train.parquet`` (GSM8K train split) and ``validation.parquet`` (GSM8K test
 split), one row per problem (schema in `skylift.data.schema`)::

@@ -1,6 +1,6 @@
 """The prompt-dataset schema shared by every dataset writer and by `PromptDataset`.
 
-One row is one prompt, with SkyRL-compatible columns:
+One row is one prompt, with the columns of the seed's prompt datasets (which load unchanged):
 
 - ``data_source`` (str): where the prompt comes from, e.g. ``"openai/gsm8k"``.
 - ``prompt`` (list of ``{role, content}``): the chat messages given to the policy.

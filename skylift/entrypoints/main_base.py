@@ -26,7 +26,7 @@ examples:
   skylift train generator.run_engines_locally=False \\
       generator.remote_inference_engine_urls="['127.0.0.1:8001']"
   skylift train --cfg job            # print every key with its value and meaning
-  skylift train --dry-run trainer.strategy=fsdp ...   # validate a (SkyRL) command line, start nothing
+  skylift train --dry-run trainer.strategy=fsdp ...   # validate a command line, start nothing
 """
 
 

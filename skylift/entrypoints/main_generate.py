@@ -1,13 +1,13 @@
 """Evaluate without training: `python -m skylift.entrypoints.main_generate key=value ...`
-(= `skylift eval`; SkyRL's `main_generate`).
+(= `skylift eval`; the seed's module name for evaluation without training).
 
-The configuration is training's (the same keys, files and SkyRL spellings); the engines serve
+The configuration is training's (the same keys, files and compatible key names); the engines serve
 `trainer.policy.model.path` (a Hugging Face directory, e.g. `<export_path>/global_step_N` of a
 training run) or are the servers of `generator.remote_inference_engine_urls`; `--checkpoint PATH`
 evaluates a trainer checkpoint (`<ckpt_path>/global_step_N`) or an export instead, pushed to remote
 engines by weight sync. The prompts of
 `data.val_data` are sampled with `generator.eval_sampling_params`, `eval_n_samples_per_prompt`
-times each; skylift's and SkyRL's evaluation figures are printed and logged at step 0
+times each; the evaluation figures (skylift's and the metrics plugins') are printed and logged at step 0
 (`skylift.rl.eval_only`).
 """
 
@@ -74,7 +74,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def add_eval_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "eval",
-        help="evaluate a model on data.val_data without training (SkyRL's main_generate)",
+        help="evaluate a model on data.val_data without training (also: python -m skylift.entrypoints.main_generate)",
         description=__doc__,
         epilog=EVAL_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -9,7 +9,7 @@ from skylift.envs.rewards import answers_equal, parse_final_answer
 
 
 def ground_truth_from(extras: dict[str, Any], config: dict[str, Any] | None = None) -> str:
-    """The reference answer in a dataset row's extras: ``reward_spec.ground_truth`` (SkyRL layout),
+    """The reference answer in a dataset row's extras: ``reward_spec.ground_truth`` (`skylift.data.schema`),
     else a top-level ``ground_truth``; then the same keys in the env's `config`."""
     for source in (extras, config or {}):
         spec = source.get("reward_spec")

@@ -2,7 +2,7 @@
 
 A policy or reference (head "lm") trains its adapters only. A critic (head "value") trains its
 adapters and its whole value head: the head is new (no pretrained weights to adapt), so it gets no
-adapter and stays trainable (SkyRL's critic LoRA does the same).
+adapter and stays trainable.
 """
 
 from __future__ import annotations

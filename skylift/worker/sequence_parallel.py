@@ -1,4 +1,4 @@
-"""A training worker's side of sequence parallelism (SkyRL's `sequence_parallel_size`, Ulysses).
+"""A training worker's side of sequence parallelism (`sequence_parallel_size`, Ulysses).
 
 The worker group hands each rank its own rows, as without sequence parallelism. The `sp` ranks of
 a sequence-parallel group first pool their rows (`pool_rows`: every rank of the group then holds

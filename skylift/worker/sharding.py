@@ -1,5 +1,5 @@
 """FSDP2 sharding of a training worker's model: every decoder layer, then the root; over all ranks or
-hybrid (shard groups replicated, SkyRL's `fsdp_size`)."""
+hybrid (shard groups replicated, `fsdp_config.fsdp_size`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 def hybrid_mesh(world_size: int, fsdp_size: int, device_type: str) -> Any:
-    """The device mesh of hybrid sharding (SkyRL's `fsdp_size`): `world_size // fsdp_size` replicas,
+    """The device mesh of hybrid sharding (`fsdp_config.fsdp_size`): `world_size // fsdp_size` replicas,
     each sharded over `fsdp_size` consecutive ranks (dims "replicate", "shard"); None (shard over
     every rank) when `fsdp_size` is -1 or at least `world_size`. Needs the process group."""
     if fsdp_size < 0 or fsdp_size >= world_size:
