@@ -100,7 +100,8 @@ class OptimizerConfig:
         "constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}", choices=LR_SCHEDULERS
     )
     offload_after_step: bool = _f(  # accepted without effect: see skylift.config.inert
-        True, "accepted for compatibility, no effect in skylift (where it has one: move optimizer state to CPU)"
+        True,
+        "accepted for compatibility, no effect in skylift (where it has one: move optimizer state to CPU)",
     )
 
 
