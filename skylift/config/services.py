@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: how a Tinker sampling engine serves LoRA samplers (``--sampler-lora``, skylift.tinker.lora_mode)
+LORA_MODES = ("auto", "adapters", "swap")
+
 
 @dataclass
 class EngineSettings:
@@ -28,6 +31,11 @@ class EngineSettings:
     max_num_seqs: int = 64
     seed: int = 0
     start_timeout_s: float = 900.0
+    # LoRA samplers: adapters in the batch, weight swaps, or measured per engine (skylift.tinker.lora_mode)
+    lora_mode: str = "auto"
+    max_lora_rank: int = 32  # a LoRA sampler of a higher rank takes the swap path
+    max_loras: int = 4  # adapters in one batch (vLLM's max_loras)
+    lora_slots: int = 8  # adapters an engine holds at once, least recently used evicted (max_cpu_loras)
 
 
 @dataclass

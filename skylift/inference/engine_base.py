@@ -66,7 +66,9 @@ class EngineBase:
     async def _generate(self, call: GenerateCall) -> list[GenerateOutput]:
         raise NotImplementedError
 
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+    async def prompt_logprobs(
+        self, sequences: list[list[int]], lora_name: str | None = None
+    ) -> list[list[float]]:
         """Log-probability of every token of each sequence given the tokens before it (teacher
-        forcing): one value per token after the first."""
-        return await score_sequences(self, self.name, sequences)
+        forcing): one value per token after the first. `lora_name` as in `generate`."""
+        return await score_sequences(self, self.name, sequences, lora_name)

@@ -257,14 +257,17 @@ class LocalVLLMEngine(EngineBase):
         jobs = asyncio.gather(*(one(p, imgs) for p, imgs in zip(call.prompts, per_prompt, strict=True)))
         return await self._call("generate", jobs, self.generate_timeout_s)
 
-    async def prompt_top_logprobs(self, sequence: list[int], k: int) -> list[list[tuple[int, float]]]:
+    async def prompt_top_logprobs(
+        self, sequence: list[int], k: int, lora_name: str | None = None
+    ) -> list[list[tuple[int, float]]]:
         """The `k` most likely tokens (id, logprob) at every position after the first of `sequence`,
-        most likely first. A local-engine extra, not in the interface."""
+        most likely first (`lora_name` as in `generate`). A local-engine extra, not in the interface."""
         check_teacher_forcing(self.name, [sequence])
         vllm_params = to_vllm_params(TEACHER_FORCING, prompt_top=k)
+        lora_request = self.lora.request_for(lora_name)
 
         async def one() -> list[list[tuple[int, float]]]:
-            final = await self._final_output(sequence, vllm_params, None, None, self.lora.request_for(None))
+            final = await self._final_output(sequence, vllm_params, None, None, lora_request)
             return prompt_top_logprobs(final, sequence, k)
 
         return await self._call("prompt_top_logprobs", one(), self.generate_timeout_s)

@@ -95,6 +95,18 @@ class LoraAdapters:
             )
         return found
 
+    def module_names(self) -> set[str]:
+        """The module names this engine's model takes adapters of (what vLLM checks a loaded
+        adapter's against): its linear layers, and ``lm_head`` / ``embed_tokens`` only where the
+        architecture declares LoRA of them (vLLM 0.32: Llama's does, Qwen2's does not)."""
+        from vllm.model_executor.model_loader.utils import get_model_cls
+
+        model_cls = get_model_cls(self._owner.vllm_engine.model_config)
+        names = set(getattr(model_cls, "embedding_modules", None) or {})
+        for packed, parts in (getattr(model_cls, "packed_modules_mapping", None) or {}).items():
+            names.update([packed, *parts])
+        return names
+
     def capacity(self) -> int:
         """How many adapters the workers' cache holds (vLLM's `max_cpu_loras`)."""
         config = self._owner.vllm_engine.vllm_config.lora_config

@@ -167,11 +167,16 @@ def teacher_forced_logprobs(who: str, outputs: list[GenerateOutput]) -> list[lis
     return out
 
 
-async def score_sequences(engine: Any, who: str, sequences: list[list[int]]) -> list[list[float]]:
+async def score_sequences(
+    engine: Any, who: str, sequences: list[list[int]], lora_name: str | None = None
+) -> list[list[float]]:
     """`engine.prompt_logprobs` of every engine: one `generate` under `TEACHER_FORCING` that
     scores the prompt tokens; one value per token after the first of each sequence."""
     check_teacher_forcing(who, sequences)
-    outputs = await engine.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
+    if lora_name is None:  # engines without LoRA take no `lora_name`
+        outputs = await engine.generate(sequences, TEACHER_FORCING, prompt_logprobs=True)
+    else:
+        outputs = await engine.generate(sequences, TEACHER_FORCING, prompt_logprobs=True, lora_name=lora_name)
     return teacher_forced_logprobs(who, outputs)
 
 

@@ -30,6 +30,7 @@ from skylift.tinker.errors import UserError
 from skylift.tinker.loss_sampling import loss_distribution
 from skylift.tinker.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.tinker.rendering import check_token_range
+from skylift.tinker.sampler_weights import ADAPTER_DIR, AdapterSource, SamplerSnapshot
 from skylift.tinker.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
@@ -260,14 +261,32 @@ class TrainedModel:
             worker.optimizer.state.clear()
 
     def export_sampler(self, directory: Path) -> int:
-        """A Hugging Face directory with merged weights (what an engine loads); size in bytes."""
-        self._worker().export_hf(str(directory))
+        """A Hugging Face directory with merged weights (what an engine swaps in) and, for a LoRA
+        client, its adapter in `adapter/` (what an engine serving many adapters loads); size in bytes."""
+        worker = self._worker()
+        worker.export_hf(str(directory))
+        if self.config.is_lora:
+            from skylift.weight_sync.lora import write_adapter_dir
+
+            tensors, peft_config = worker.lora_adapter()
+            write_adapter_dir(str(directory / ADAPTER_DIR), tensors, peft_config)
         (directory / META_FILE).write_text(json.dumps({"model": self.config.to_json(), "steps": self.steps}))
         return _dir_size(directory)
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the current merged Hugging Face-named weights."""
         return {name: tensor.detach().clone() for name, tensor in self._worker().iter_full_weights()}
+
+    def snapshot_sampler(self, with_full: bool) -> SamplerSnapshot:
+        """A copy of what an ephemeral sampler samples from: a LoRA client's adapter, and the
+        merged full weights where `with_full` (or the client has no adapter)."""
+        adapter = None
+        if self.config.is_lora:
+            tensors, peft_config = self._worker().lora_adapter()
+            copies = {name: t.detach().clone() for name, t in tensors}
+            adapter = AdapterSource(rank=self.config.lora_rank, tensors=copies, config=peft_config)
+        full = self.snapshot_weights() if with_full or adapter is None else None
+        return SamplerSnapshot(full, adapter)
 
 
 def read_checkpoint_config(directory: Path) -> ModelConfig:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from skylift.config.services import LORA_MODES
+
 #: The Tinker server's single key, when neither --api-key nor --api-keys-file is given.
 API_KEY_ENV = "SKYLIFT_TINKER_API_KEY"
 
@@ -164,8 +166,30 @@ def add_tinker_command(subparsers: argparse._SubParsersAction) -> None:
             64,
             "LoRA adapters one user may train at once (the users file may set max_adapters=N)",
         ),
+        (
+            "--sampler-max-lora-rank",
+            int,
+            32,
+            "highest LoRA rank a sampling engine serves as an adapter (higher ranks swap merged weights)",
+        ),
+        ("--sampler-max-loras", int, 4, "LoRA adapters one engine batch may mix (vLLM's max_loras)"),
+        (
+            "--sampler-lora-slots",
+            int,
+            8,
+            "LoRA adapters one sampling engine holds at once; beyond, the least recently used is evicted "
+            "and reloaded on demand",
+        ),
     ):
         serve.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    serve.add_argument(
+        "--sampler-lora",
+        choices=LORA_MODES,
+        default="auto",
+        help="how a sampling engine serves its base model's LoRA samplers: adapters in the batch, "
+        "swaps of merged weights, or auto: measured once per engine at start-up, the faster one "
+        "(default: auto)",
+    )
     serve.add_argument(
         "--training-memory-gb",
         type=float,
@@ -227,6 +251,7 @@ def _media_root(raw: str) -> Path:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from skylift.config.services import EngineSettings
     from skylift.tinker.app import create_app
     from skylift.tinker.service import ServerConfig
 
@@ -249,6 +274,9 @@ def _serve(args: argparse.Namespace) -> int:
         ("--max-checkpoint-gb-per-user", args.max_checkpoint_gb_per_user),
         ("--max-clients-per-user", args.max_clients_per_user),
         ("--max-adapters-per-user", args.max_adapters_per_user),
+        ("--sampler-max-lora-rank", args.sampler_max_lora_rank),
+        ("--sampler-max-loras", args.sampler_max_loras),
+        ("--sampler-lora-slots", args.sampler_lora_slots),
         ("--training-memory-gb", 1 if args.training_memory_gb is None else args.training_memory_gb),
     ):
         if value <= 0:
@@ -281,6 +309,12 @@ def _serve(args: argparse.Namespace) -> int:
         training_memory_gb=args.training_memory_gb,
         max_clients_per_user=args.max_clients_per_user,
         max_adapters_per_user=args.max_adapters_per_user,
+        engine=EngineSettings(
+            lora_mode=args.sampler_lora,
+            max_lora_rank=args.sampler_max_lora_rank,
+            max_loras=args.sampler_max_loras,
+            lora_slots=args.sampler_lora_slots,
+        ),
     )
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=30)

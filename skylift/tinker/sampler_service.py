@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from skylift.inference.limits import MAX_N
 from skylift.tinker.auth import current_user
@@ -31,8 +30,9 @@ from skylift.tinker.fairness import FairGate
 from skylift.tinker.loss_sampling import sampled_distribution
 from skylift.tinker.provenance import StabilityRecords
 from skylift.tinker.rendering import check_token_range, json_parts
+from skylift.tinker.sampler_weights import SamplerSnapshot, SamplerWeights, adapter_in, load_safetensors_dir
 from skylift.tinker.sampling import EngineHost, EngineSettings, PromptScores, to_engine_params
-from skylift.tinker.snapshots import SnapshotStore
+from skylift.tinker.snapshots import SnapshotStore, Weights
 from skylift.tinker.store import ModelRow, SamplingSessionRow, SessionRow, Store
 from skylift.tinker.views import parse_tinker_path
 from skylift.tinker.vision.host import RenderHosts
@@ -76,19 +76,6 @@ def _targets(raw: TargetTensor | None) -> np.ndarray | None:
             f"target_prompt_logprobs asks for {cells} cells; this server's cap is {MAX_TARGET_CELLS}"
         )
     return dense
-
-
-def load_safetensors_dir(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the `*.safetensors` files in a Hugging Face model directory."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
 
 
 class SamplingService:
@@ -182,24 +169,31 @@ class SamplingService:
                 )
         return self.engine_cpus
 
-    async def _loader(self, tag: str, info: BaseModelInfo) -> Any:
-        """The function that loads `tag`'s weights (a sampler checkpoint's record is read now)."""
+    async def _loader(self, tag: str, info: BaseModelInfo) -> SamplerWeights:
+        """How to get `tag`'s weights (`SamplerWeights`; a sampler checkpoint's record is read now)."""
         if tag == "base":
-            return lambda: load_safetensors_dir(info.path)
+            return SamplerWeights(tag, lambda: load_safetensors_dir(info.path))
         if tag.startswith("ephemeral:"):
-
-            def ephemeral() -> dict[str, torch.Tensor]:
-                weights = self.snapshots.get(tag)
-                if weights is None:
-                    raise UserError(
-                        f"the weights of sampling session {tag[10:]} were dropped: its session ended and "
-                        "newer idle snapshots took their place (--max-idle-snapshots); save them again"
-                    )
-                return weights
-
-            return ephemeral
+            snapshot = self.snapshots.get(tag)
+            if snapshot is None:
+                raise UserError(
+                    f"the weights of sampling session {tag[10:]} were dropped: its session ended and "
+                    "newer idle snapshots took their place (--max-idle-snapshots); save them again"
+                )
+            if isinstance(snapshot, SamplerSnapshot):
+                full = snapshot.full
+                return SamplerWeights(tag, None if full is None else (lambda: full), snapshot.adapter)
+            return SamplerWeights(tag, lambda: snapshot)
         ckpt = await asyncio.to_thread(self.store.require_checkpoint, tag, "sampler checkpoint")
-        return lambda: load_safetensors_dir(ckpt.directory)
+        directory = Path(ckpt.directory)
+        adapter = await asyncio.to_thread(adapter_in, directory)
+        return SamplerWeights(tag, lambda: load_safetensors_dir(directory), adapter)
+
+    def wants_full(self, model_path: str, lora_rank: int, unembed: bool) -> bool:
+        """Whether an ephemeral snapshot of a LoRA client of `lora_rank` (adapting the unembedding
+        or not) must hold the merged full weights too (its engine may swap them in), or its
+        adapter is enough."""
+        return self.host(self.base_models.for_path(model_path)).may_need_full(lora_rank, unembed)
 
     def warm_up(self, model_path: str, tag: str) -> None:
         """Start the engine and load `tag` in the background (failures are only logged)."""
@@ -208,14 +202,14 @@ class SamplingService:
 
         async def go() -> None:
             try:
-                await host.prefetch(tag, await self._loader(tag, info))
+                await host.prefetch(await self._loader(tag, info))
             except Exception as exc:
                 logger.warning("sampler warm-up for %s failed: %s", tag, exc)
 
         self.spawn(go())
 
     async def bind_ephemeral(
-        self, sampling_id: str, session_id: str, model: TrainedModel, weights: dict[str, torch.Tensor]
+        self, sampling_id: str, session_id: str, model: TrainedModel, weights: Weights
     ) -> None:
         """Hold `weights` for sampling session `sampling_id` (an error when they do not fit)."""
         tag = f"ephemeral:{sampling_id}"
@@ -319,7 +313,7 @@ class SamplingService:
                 raise UserError(
                     "prompt_logprobs for prompts with images are not supported by this server yet"
                 )
-            await host.prefetch(tag, await self._loader(tag, info))  # the engine renders from now on
+            await host.prefetch(await self._loader(tag, info))  # the engine renders from now on
             prompt = (await self.render_hosts.get(info.path).render_parts(parts)).tokens
         else:
             prompt = [t for p in parts if not isinstance(p, ImageInput) for t in p]
@@ -349,10 +343,10 @@ class SamplingService:
             raise UserError(f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}")
         async with self.gate(info).slot(current_user.get()):
             if with_images:
-                result = await host.sample_images(tag, await self._loader(tag, info), parts, params)
+                result = await host.sample_images(await self._loader(tag, info), parts, params)
             else:
                 scores = PromptScores(logprobs=want_plp, topk=prompt_k, targets=targets)
-                result = await host.sample(tag, await self._loader(tag, info), prompt, params, scores)
+                result = await host.sample(await self._loader(tag, info), prompt, params, scores)
         plp, topk_prompt = result.prompt_logprobs, result.topk_prompt
         if last_n is not None:
             cut = len(prompt) - last_n

@@ -2,10 +2,13 @@
 
 Nothing here starts at import or at server start. The first `sample` (or a `prefetch`, which an
 ephemeral `save_weights_for_sampler` requests) starts the vLLM engine on a dedicated event-loop thread (its
-start-up blocks only that thread), joins a weight-update group with it, and from then on the engine
-holds one set of weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
-ephemeral sampling session). A request for other weights waits until running generations finish,
-pushes the new weights over the group (`WeightSender`) and proceeds.
+start-up blocks only that thread) and joins a weight-update group with it. The engine holds one
+set of full weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
+ephemeral sampling session): a request for other full weights waits until running generations
+finish, pushes the new weights over the group (`WeightSender`) and proceeds. LoRA samplers of the
+base model are served as adapters in the batch instead where the engine's mode says so
+(`skylift.tinker.lora_mode`): every request carries its adapter, loaded into one of the engine's
+slots (`skylift.tinker.adapter_slots`), and nothing waits for other users' generations.
 
 Set ``SKYLIFT_TINKER_FAIL_ENGINE_START=1`` to make every start-up attempt raise (tests use it to
 show that training never needs an engine).
@@ -24,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
 from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
+from skylift.tinker.adapter_slots import AdapterSlots
+from skylift.tinker.lora_mode import ModeChoice, accepts_unembed, calibrate
+from skylift.tinker.sampler_weights import SamplerWeights, load_safetensors_dir
 from skylift.tinker.vision.images import ImageInput
 from skylift.tinker.wire import SampledSequenceData
 from skylift.utils.affinity import bind_this_thread
@@ -36,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FAIL_START_ENV = "SKYLIFT_TINKER_FAIL_ENGINE_START"
-WeightLoader = Callable[[], dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -97,6 +101,9 @@ class EngineHost:
         self._engine: Any = None
         self._sender: Any = None
         self._tag: str | None = None
+        #: how LoRA samplers are served (decided once, at the first start-up) and the adapter slots
+        self.lora_mode: ModeChoice | None = None
+        self.slots: AdapterSlots | None = None
         self._active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -154,6 +161,7 @@ class EngineHost:
 
                     enable_vision_compat()
                     extra = dict(VISION_ENGINE_ARGS)
+                extra.update(self._lora_args())
                 engine = await LocalVLLMEngine.create(
                     self.model_path,
                     max_model_len=s.max_model_len,
@@ -178,6 +186,7 @@ class EngineHost:
             self._engine, self._sender, self._tag = engine, sender, "base"
             self.last_error = None
             logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
+            await self._choose_lora_mode(engine, sender)
             # the engine's client, its tokenizer and vLLM's modules live as long as the server: out of
             # the garbage collector's full passes, which would otherwise stop every thread for them
             gc.freeze()
@@ -191,44 +200,130 @@ class EngineHost:
                 except Exception:
                     logger.exception("engine start-up callback failed")
 
-    async def _acquire(self, tag: str, loader: WeightLoader) -> None:
-        """Make `tag`'s weights current and count one active user of them."""
+    def _lora_args(self) -> dict[str, Any]:
+        """vLLM's LoRA arguments where LoRA samplers may be served as adapters."""
+        s = self.settings
+        if (
+            s.lora_mode == "swap"
+            or self.vision
+            or (self.lora_mode is not None and self.lora_mode.mode == "swap")
+        ):
+            return {}
+        from skylift.weight_sync.lora import vllm_max_lora_rank
+
+        return {
+            "enable_lora": True,
+            "max_lora_rank": vllm_max_lora_rank(s.max_lora_rank),
+            "max_loras": min(s.max_loras, s.lora_slots),
+            "max_cpu_loras": s.lora_slots,
+        }
+
+    async def _choose_lora_mode(self, engine: Any, sender: Any) -> None:
+        """Adapters in the batch or weight swaps (`skylift.tinker.lora_mode`), once per host."""
+        if self.lora_mode is None:
+            self.lora_mode = await self._measure_lora_mode(engine, sender)
+            logger.info(
+                "sampling engine for %s serves LoRA samplers by %s: %s%s",
+                self.base_model,
+                "adapters in the batch" if self.lora_mode.mode == "adapters" else "weight swaps",
+                self.lora_mode.reason,
+                "" if self.lora_mode.mode == "swap" or self.lora_mode.unembed
+                else "; adapters of the unembedding (train_unembed) swap weights: this model takes none",
+            )  # fmt: skip
+        if self.lora_mode.mode == "adapters" and engine.lora.enabled:
+            self.slots = AdapterSlots(
+                engine, self.settings.lora_slots, f"sampling engine of {self.base_model}"
+            )
+
+    async def _measure_lora_mode(self, engine: Any, sender: Any) -> ModeChoice:
+        if not engine.lora.enabled:
+            return ModeChoice("swap", "a vision-language engine" if self.vision else "--sampler-lora swap")
+        unembed = accepts_unembed(engine)
+        if self.settings.lora_mode == "adapters":
+            return ModeChoice("adapters", "--sampler-lora adapters", unembed)
+        weights = await asyncio.to_thread(load_safetensors_dir, self.model_path)
+        try:
+            return await calibrate(engine, sender, weights, self.settings.max_lora_rank, unembed)
+        except Exception as exc:  # the engine serves on: LoRA samplers swap weights
+            logger.warning("LoRA calibration of the %s engine failed: %s", self.base_model, exc)
+            return ModeChoice("swap", f"the calibration failed: {exc}")
+        finally:
+            del weights
+
+    def serves_adapter(self, weights: SamplerWeights) -> bool:
+        """Whether `weights` are served as an adapter in the batch (else: a weight swap)."""
+        adapter, mode = weights.adapter, self.lora_mode
+        if self.slots is None or adapter is None or mode is None:
+            return False
+        return adapter.rank <= self.settings.max_lora_rank and (mode.unembed or not adapter.unembed)
+
+    def may_need_full(self, rank: int, unembed: bool = False) -> bool:
+        """Whether a LoRA sampler of `rank` (adapting the unembedding or not) may take the swap
+        path (its merged weights needed); True where the engine has not yet measured what it does."""
+        s = self.settings
+        if self.vision or s.lora_mode == "swap" or rank > s.max_lora_rank:
+            return True
+        mode = self.lora_mode
+        if mode is None:  # not started: which way, and whether it takes unembedding adapters, unknown
+            return s.lora_mode != "adapters" or unembed
+        return mode.mode == "swap" or (unembed and not mode.unembed)
+
+    async def _acquire(self, weights: SamplerWeights) -> str:
+        """Make `weights` current (full weights swapped in, or the base under an adapter) and
+        count one active user; returns the adapter name to sample with ("": none)."""
         await self._ensure_started()
         cond = self._cond
         assert cond is not None
+        as_adapter = self.serves_adapter(weights)
+        tag = "base" if as_adapter else weights.tag
         async with cond:
             while self._tag != tag and self._active > 0:
                 await cond.wait()
             if self._tag != tag:
-                weights = await asyncio.to_thread(loader)
-                await self._sender.send_state_dict(list(weights.items()))
+                full = (
+                    weights.load_full if not as_adapter else (lambda: load_safetensors_dir(self.model_path))
+                )
+                state = await asyncio.to_thread(full)
+                await self._sender.send_state_dict(list(state.items()))
                 self._tag = tag
             self._active += 1
+        if not as_adapter:
+            return ""
+        assert self.slots is not None and weights.adapter is not None
+        try:
+            return await self.slots.acquire(weights.tag, weights.adapter)
+        except BaseException:
+            await self._release("")
+            raise
 
-    async def _release(self) -> None:
+    async def _release(self, lora_name: str) -> None:
+        if lora_name and self.slots is not None:
+            await self.slots.release(lora_name)
         assert self._cond is not None
         async with self._cond:
             self._active -= 1
             self._cond.notify_all()
 
     async def _sample(
-        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, scores: PromptScores
+        self, weights: SamplerWeights, prompt: list[int], params: SamplingParams, scores: PromptScores
     ) -> SampleResult:
-        await self._acquire(tag, loader)
+        lora = await self._acquire(weights)
         engine = self._engine
         try:
             want_plp = scores.logprobs and len(prompt) > 1
             targets = scores.target_sequences(prompt)
             results = await asyncio.gather(
-                engine.generate([prompt], params),
-                engine.prompt_logprobs([prompt]) if want_plp else _none(),
-                engine.prompt_top_logprobs(prompt, scores.topk)
+                engine.generate([prompt], params, lora_name=lora),
+                engine.prompt_logprobs([prompt], lora_name=lora) if want_plp else _none(),
+                engine.prompt_top_logprobs(prompt, scores.topk, lora_name=lora)
                 if scores.topk and len(prompt) > 1
                 else _none(),
-                engine.prompt_logprobs([seq for _, _, seq in targets]) if targets else _none(),
+                engine.prompt_logprobs([seq for _, _, seq in targets], lora_name=lora)
+                if targets
+                else _none(),
             )
         finally:
-            await self._release()
+            await self._release(lora)
         sequences = []
         for completion in results[0][0].completions:
             if completion.stop_reason not in ("stop", "length"):
@@ -255,17 +350,17 @@ class EngineHost:
         return SampleResult(sequences=sequences, prompt_logprobs=plp, topk_prompt=topk, target_prompt=target)
 
     async def _sample_images(
-        self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams
+        self, weights: SamplerWeights, parts: Sequence[list[int] | ImageInput], params: SamplingParams
     ) -> SampleResult:
         from skylift.tinker.vision.engine_render import collapse_images, generate_multimodal
 
         image_token_id = self._engine.vllm_engine.model_config.hf_config.image_token_id
         prompt, images = collapse_images(parts, image_token_id)
-        await self._acquire(tag, loader)
+        lora = await self._acquire(weights)  # a vision engine has no adapters: ""
         try:
             output = await generate_multimodal(self._engine, prompt, images, params)
         finally:
-            await self._release()
+            await self._release(lora)
         sequences = [
             SampledSequenceData(
                 tokens=list(c.token_ids),
@@ -282,38 +377,46 @@ class EngineHost:
         result: dict[str, Any] = await self._renderer.render_chat_completion(payload)
         return result
 
-    async def _prefetch(self, tag: str, loader: WeightLoader) -> None:
-        await self._acquire(tag, loader)
-        await self._release()
+    async def _prefetch(self, weights: SamplerWeights) -> None:
+        await self._release(await self._acquire(weights))
 
     async def _close(self) -> None:
         # At shutdown the weight-sync group is not torn down politely: the engine's workers exit
         # with it, and a collective with an engine that is already gone would only wait out its timeout.
         engine, self._engine, self._sender, self._renderer = self._engine, None, None, None
+        if self.slots is not None:
+            self.slots.forget()
         if engine is not None:
             await asyncio.wait_for(engine.close(), 60.0)
 
     # ---------------------------------------------------------------- public (any loop)
     async def sample(
-        self, tag: str, loader: WeightLoader, prompt: list[int], params: SamplingParams, scores: PromptScores
+        self, weights: SamplerWeights, prompt: list[int], params: SamplingParams, scores: PromptScores
     ) -> SampleResult:
-        """Sample `params.n` continuations of `prompt` with the weights named `tag`, and score the
-        prompt as `scores` asks."""
-        return await self._on_engine_loop(self._sample(tag, loader, prompt, params, scores))
+        """Sample `params.n` continuations of `prompt` with `weights`, and score the prompt as
+        `scores` asks."""
+        return await self._on_engine_loop(self._sample(weights, prompt, params, scores))
 
     async def sample_images(
-        self, tag: str, loader: WeightLoader, parts: Sequence[list[int] | ImageInput], params: SamplingParams
+        self, weights: SamplerWeights, parts: Sequence[list[int] | ImageInput], params: SamplingParams
     ) -> SampleResult:
         """Sample continuations of a prompt with images (a vision-language engine)."""
-        return await self._on_engine_loop(self._sample_images(tag, loader, parts, params))
+        return await self._on_engine_loop(self._sample_images(weights, parts, params))
 
     async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
         """vLLM's chat render route, served by the running engine's renderer (`RenderClient`)."""
         return await self._on_engine_loop(self._render(payload))
 
-    async def prefetch(self, tag: str, loader: WeightLoader) -> None:
-        """Start the engine if needed and load `tag`'s weights (no generation)."""
-        await self._on_engine_loop(self._prefetch(tag, loader))
+    async def prefetch(self, weights: SamplerWeights) -> None:
+        """Start the engine if needed and load `weights` (no generation)."""
+        await self._on_engine_loop(self._prefetch(weights))
+
+    def stats(self) -> dict[str, Any]:
+        """How this engine serves LoRA samplers and its adapter slots (GET /api/v1/server_stats)."""
+        mode = (
+            self.lora_mode.report() if self.lora_mode is not None else {"mode": None, "reason": "not started"}
+        )
+        return {**mode, "full_weights": self._tag, "adapters": self.slots.report() if self.slots else None}
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Shut the engine down and stop its thread (blocking; call from outside its loop)."""

@@ -21,20 +21,24 @@ import torch
 from skylift.tinker.auth import current_user
 from skylift.tinker.errors import UserError
 from skylift.tinker.fairness import QuotaError
+from skylift.tinker.sampler_weights import SamplerSnapshot, tensors_nbytes
+
+#: a snapshot's weights: merged full tensors, or a LoRA sampler's adapter (with or without them)
+Weights = dict[str, torch.Tensor] | SamplerSnapshot
 
 MIB = 1024 * 1024
 
 
 @dataclass
 class Snapshot:
-    weights: dict[str, torch.Tensor]
+    weights: Weights
     session_id: str
     nbytes: int
     owner: str | None = None
 
 
-def weights_nbytes(weights: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in weights.values())
+def weights_nbytes(weights: Weights) -> int:
+    return weights.nbytes if isinstance(weights, SamplerSnapshot) else tensors_nbytes(weights)
 
 
 class SnapshotStore:
@@ -59,7 +63,7 @@ class SnapshotStore:
             "max_bytes": self.max_bytes,
         }
 
-    def add(self, tag: str, session_id: str, weights: dict[str, torch.Tensor]) -> None:
+    def add(self, tag: str, session_id: str, weights: Weights) -> None:
         owner = current_user.get()
         snap = Snapshot(weights, session_id, weights_nbytes(weights), owner)
         mine = sum(s.nbytes for t, s in self._held.items() if s.owner == owner and t != tag)
@@ -84,7 +88,7 @@ class SnapshotStore:
             )
         self._held[tag] = snap
 
-    def get(self, tag: str) -> dict[str, torch.Tensor] | None:
+    def get(self, tag: str) -> Weights | None:
         snap = self._held.get(tag) or self._idle.get(tag)
         return None if snap is None else snap.weights
 

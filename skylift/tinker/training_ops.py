@@ -145,7 +145,9 @@ async def save_weights_for_sampler(
     async def ephemeral(model: TrainedModel) -> dict[str, Any]:
         row = await svc.db(svc.store.get, ModelRow, model_id)
         sampling_id = f"{row.session_id}:sample:{seq}"
-        weights = await svc.run_training(model.snapshot_weights)
+        c = model.config
+        with_full = svc.sampling.wants_full(c.model_path, c.lora_rank, c.train_unembed)
+        weights = await svc.run_training(model.snapshot_sampler, with_full)
         await svc.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
         return {"sampling_session_id": sampling_id, "type": "save_weights_for_sampler"}
 

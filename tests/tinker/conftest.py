@@ -1,7 +1,9 @@
 """Tinker-service servers for the tests, driven with the real `tinker` SDK (api key `tml-dummy`).
 
 `tinker_server`: ONE `skylift tinker serve` subprocess on the tiny model for the whole session; its
-inference engine starts lazily on the first sample and is shared by every test.
+inference engine starts lazily on the first sample and is shared by every test. It serves LoRA
+samplers as adapters in the batch (not by the start-up measurement, whose choice on the tiny model
+depends on the machine's load) in two slots: tests with more LoRA samplers evict and reload.
 `no_engine_server`: a second server whose engine start-up always fails
 (SKYLIFT_TINKER_FAIL_ENGINE_START=1), with a short session timeout; it never runs vLLM, so it is
 cheap, and tests restart it on the same database and data directory.
@@ -18,6 +20,7 @@ import pytest
 from server_helpers import TinkerServer, require_loopback_namespace
 
 API_KEY = "tml-dummy"
+SAMPLER_LORA_SLOTS = 2  # tinker_server's adapter slots
 
 
 def _server(tmp: Path, tiny_model_dir: Path, name: str, **kwargs) -> Iterator[TinkerServer]:
@@ -29,7 +32,8 @@ def _server(tmp: Path, tiny_model_dir: Path, name: str, **kwargs) -> Iterator[Ti
 
 @pytest.fixture(scope="session")
 def tinker_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[TinkerServer]:
-    yield from _server(tmp_path_factory.mktemp("tinker"), tiny_model_dir, "main")
+    lora = ["--sampler-lora", "adapters", "--sampler-lora-slots", str(SAMPLER_LORA_SLOTS)]
+    yield from _server(tmp_path_factory.mktemp("tinker"), tiny_model_dir, "main", extra_args=lora)
 
 
 @pytest.fixture(scope="session")

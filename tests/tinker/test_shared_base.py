@@ -98,3 +98,68 @@ def test_a_client_beyond_the_memory_budget_gets_a_400_and_the_others_keep_traini
         assert stats["refusals"] == 1 and stats["lora_adapters"] == 2 and _clients_of_tiny(stats) == [2]
     finally:
         service.close("success").result(timeout=60)
+
+
+def _sampling_stats(server: TinkerServer) -> dict[str, Any]:
+    req = urllib.request.Request(f"{server.url}/api/v1/server_stats", headers={"X-API-Key": API_KEY})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        engines = json.loads(resp.read())["sampling"]["engines"]
+    return next(e for e in engines if e["base_model"].endswith("tiny-qwen2"))
+
+
+def test_four_users_sample_their_own_adapters_at_once(tinker_server) -> None:
+    """Four LoRA clients train on different data, then sample and score at once through one engine:
+    each sampler's logprobs are its own adapter's (as its training forward says), never another's;
+    with more adapters than slots they are evicted and reloaded, and sample the same. Three sample
+    ephemeral snapshots, one a named sampler checkpoint (its `adapter/` folder)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import SAMPLER_LORA_SLOTS
+
+    users = [tinker.ServiceClient(base_url=tinker_server.url, api_key=API_KEY) for _ in range(4)]
+    try:
+        clients = [
+            # vLLM 0.32 takes no unembedding adapters of Qwen2 (the tiny model's architecture)
+            u.create_lora_training_client(
+                base_model="tiny-qwen2", rank=8, seed=30 + i, train_unembed=False
+            ).result()
+            for i, u in enumerate(users)
+        ]
+        for _ in range(3):
+            futures = [c.forward_backward(_rows(7 * i), "cross_entropy") for i, c in enumerate(clients)]
+            futures += [c.optim_step(ADAM) for c in clients]
+            for f in futures:
+                f.result()
+        samplers = [c.save_weights_and_get_sampling_client().result() for c in clients[:3]]
+        named = clients[3].save_weights_for_sampler("shared-base-user-3").result().path  # from its checkpoint
+        samplers.append(users[3].create_sampling_client(model_path=named).result())
+        full = types.ModelInput.from_ints(
+            PROBE.model_input.to_ints() + [int(PROBE.loss_fn_inputs["target_tokens"].data[-1])]
+        )
+        params = types.SamplingParams(max_tokens=6, seed=1)
+
+        def sample_and_score(i: int) -> np.ndarray:
+            sampled = samplers[i].sample(PROBE.model_input, num_samples=2, sampling_params=params)
+            scored = samplers[i].compute_logprobs(full)
+            assert len(sampled.result().sequences) == 2
+            return np.asarray(scored.result()[1:], dtype=float)
+
+        with ThreadPoolExecutor(4) as pool:
+            engine_lps = list(pool.map(sample_and_score, range(4)))
+        trainer_lps = [logprobs_of(c.forward([PROBE], "cross_entropy").result()) for c in clients]
+        for i in range(4):
+            gaps = [np.abs(engine_lps[i] - t).max() for t in trainer_lps]
+            assert gaps[i] <= 1e-3, gaps  # its own adapter, as trained ...
+            assert min(g for j, g in enumerate(gaps) if j != i) > 1e-3, gaps  # ... not another's
+        stats = _sampling_stats(tinker_server)
+        assert stats["mode"] == "adapters" and stats["full_weights"] == "base"  # nothing merged pushed
+        adapters = stats["adapters"]
+        assert adapters["slots"] == SAMPLER_LORA_SLOTS and adapters["evictions"] >= 4 - SAMPLER_LORA_SLOTS
+        for i in range(1, SAMPLER_LORA_SLOTS + 1):  # the slots now hold others' adapters ...
+            sample_and_score(i)
+        again = sample_and_score(0)  # ... so user 0's is evicted: loaded again, the same
+        np.testing.assert_allclose(again, engine_lps[0], rtol=0, atol=1e-4)
+        assert _sampling_stats(tinker_server)["adapters"]["loads"] > adapters["loads"]
+    finally:
+        for u in users:
+            u.close("success").result(timeout=60)

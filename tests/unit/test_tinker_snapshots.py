@@ -43,3 +43,15 @@ def test_a_snapshot_that_does_not_fit_is_refused_after_dropping_idle_ones() -> N
     with pytest.raises(UserError, match="--snapshot-memory-mb"):
         store.add("ephemeral:d", "s1", _weights(1))
     assert all(store.get(f"ephemeral:{t}") is not None for t in "abc")
+
+
+def test_an_adapter_only_snapshot_counts_the_adapter_bytes() -> None:
+    from skylift.tinker.sampler_weights import AdapterSource, SamplerSnapshot
+
+    adapter = AdapterSource(rank=8, tensors=_weights(1), config={"r": 8})
+    store = SnapshotStore(max_bytes=3 * MIB, max_idle=4)
+    for i in range(3):  # three LoRA samplers' adapters fit where merged weights of 2 MiB would not
+        store.add(f"ephemeral:{i}", "s1", SamplerSnapshot(None, adapter))
+    assert store.stats()["bytes"] == 3 * MIB
+    with pytest.raises(UserError, match="--snapshot-memory-mb"):
+        store.add("ephemeral:full", "s1", SamplerSnapshot(_weights(1), adapter))

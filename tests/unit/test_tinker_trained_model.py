@@ -90,3 +90,23 @@ def test_gradients_accumulate_until_the_optimizer_step(model: TrainedModel) -> N
     assert all(p.grad is None for p in worker.model.parameters())
     after, _ = _decode(model, _call(data[:1]))
     assert not np.allclose(before[0], after[0])
+
+
+def test_a_lora_sampler_export_holds_its_adapter_and_its_snapshot_may_hold_only_that(
+    model: TrainedModel, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from skylift.tinker.sampler_weights import adapter_in
+
+    model.export_sampler(tmp_path / "sampler")
+    found = adapter_in(tmp_path / "sampler")
+    assert found is not None and found.rank == 4 and found.directory is not None
+    lean = model.snapshot_sampler(with_full=False)
+    assert lean.full is None and lean.adapter is not None and lean.adapter.tensors is not None
+    on_disk = load_file(str(found.directory / "adapter_model.safetensors"))
+    assert on_disk.keys() == lean.adapter.tensors.keys()
+    assert all(torch.equal(on_disk[k], lean.adapter.tensors[k]) for k in on_disk)
+    assert lean.adapter.config is not None and lean.adapter.config["r"] == 4
+    both = model.snapshot_sampler(with_full=True)
+    assert both.full is not None and both.nbytes > 2 * lean.nbytes  # the merged weights dwarf it

@@ -1,0 +1,111 @@
+"""How a sampling engine chooses to serve LoRA samplers (`skylift.tinker.lora_mode`), over a fake
+engine whose costs are set: the zero adapter covers the attention and MLP layers and changes
+nothing; adapters win when two adapters' requests batched take no longer than a swap between them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from skylift.tinker.lora_mode import calibrate, zero_adapter
+from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+WEIGHTS = {
+    "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 6),
+    "model.layers.0.mlp.down_proj.weight": torch.randn(6, 10),
+    "model.layers.0.input_layernorm.weight": torch.ones(6),
+    "model.embed_tokens.weight": torch.randn(20, 6),
+}
+
+
+class TimedEngine:
+    """A request takes `adapter_s` under an adapter, `base_s` without; requests run at once."""
+
+    def __init__(self, adapter_s: float, base_s: float) -> None:
+        self.adapter_s, self.base_s = adapter_s, base_s
+        self.loaded: set[str] = set()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        self.loaded.add(name)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.loaded.remove(name)
+
+    async def generate(self, prompts: list[list[int]], params: Any, lora_name: str = "") -> list[Any]:
+        assert not lora_name or lora_name in self.loaded
+        await asyncio.sleep(self.adapter_s if lora_name else self.base_s)
+        return []
+
+
+class TimedSender:
+    def __init__(self, push_s: float) -> None:
+        self.push_s, self.pushed = push_s, 0
+
+    async def send_state_dict(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.pushed += 1
+        await asyncio.sleep(self.push_s)
+
+
+def test_the_zero_adapter_covers_attention_and_mlp_and_changes_nothing(tmp_path: Path) -> None:
+    folder = zero_adapter(WEIGHTS, 4, tmp_path / "zero")
+    assert folder is not None
+    config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+    assert config["r"] == 4 and config["target_modules"] == ["down_proj", "q_proj"]
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS_FILE))
+    a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert a.shape == (4, 6) and b.shape == (6, 4) and not b.any()
+    assert len(tensors) == 4  # A and B of the two linear layers, nothing for norms or embeddings
+
+
+def test_a_model_without_linear_layers_to_adapt_is_served_by_swaps() -> None:
+    choice = asyncio.run(calibrate(TimedEngine(0, 0), TimedSender(0), {"norm.weight": torch.ones(3)}, 8))
+    assert choice.mode == "swap" and "no attention or MLP layers" in choice.reason
+
+
+def test_adapters_win_when_batching_them_beats_a_swap() -> None:
+    engine, sender = TimedEngine(adapter_s=0.02, base_s=0.01), TimedSender(push_s=0.5)
+    choice = asyncio.run(calibrate(engine, sender, WEIGHTS, 8))
+    assert choice.mode == "adapters" and sender.pushed == 1 and not engine.loaded
+    assert choice.adapters_s is not None and choice.swap_s is not None and choice.push_s is not None
+    assert choice.adapters_s < choice.swap_s and choice.push_s <= choice.swap_s
+    assert choice.report()["calibration"]["full_weight_push_s"] == choice.push_s
+
+
+def test_swaps_win_when_the_adapter_kernels_are_slower_than_a_push() -> None:
+    choice = asyncio.run(
+        calibrate(TimedEngine(adapter_s=0.6, base_s=0.01), TimedSender(push_s=0.01), WEIGHTS, 8)
+    )
+    assert choice.mode == "swap" and "a swap between them" in choice.reason
+
+
+def test_a_zero_adapter_of_a_tied_unembedding_takes_the_embedding_shape(tmp_path: Path) -> None:
+    folder = zero_adapter(WEIGHTS, 4, tmp_path / "head", ("lm_head",))  # no lm_head.weight: tied
+    assert folder is not None
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS_FILE))
+    assert tensors["base_model.model.lm_head.lora_A.weight"].shape == (4, 6)
+    assert tensors["base_model.model.lm_head.lora_B.weight"].shape == (20, 4)
+    assert json.loads((folder / ADAPTER_CONFIG_FILE).read_text())["target_modules"] == ["lm_head"]
+
+
+def test_unembedding_adapters_are_served_where_the_architecture_declares_them() -> None:
+    from types import SimpleNamespace
+
+    from skylift.tinker.lora_mode import accepts_unembed
+
+    def engine(names: set[str] | Exception) -> SimpleNamespace:
+        def module_names() -> set[str]:
+            if isinstance(names, Exception):
+                raise names
+            return names
+
+        return SimpleNamespace(lora=SimpleNamespace(module_names=module_names))
+
+    assert accepts_unembed(engine({"qkv_proj", "lm_head", "embed_tokens"}))  # Llama's in vLLM 0.32
+    assert not accepts_unembed(engine({"qkv_proj", "gate_up_proj"}))  # Qwen2's
+    assert not accepts_unembed(engine(RuntimeError("unknown architecture")))
