@@ -13,8 +13,15 @@ warm-up step (forward_backward + optim_step, so its gradients and optimizer stat
   together); `throughput_ratios[K]` = tokens/s of K interleaved over one alone, target >= 0.9.
   For each K the two run back to back in both orders (alone, K, K, alone) and the best run of
   each is compared: other load on a shared machine only slows a run down.
+- sampling throughput (`_multi_lora_sampling.py`, two more servers): 8 sample requests of 48
+  tokens in flight at once, to one LoRA sampler alone or round robin over K = 2, 4, 8 different
+  ones; first with ``--sampler-lora auto`` (what the engine picks by its start-up measurement),
+  then with the other mode (``adapters`` in the batch or ``swap``). `sampling_ratio` = tokens/s of
+  8 samplers in auto's mode over the best one-sampler-alone tokens/s of either mode (target
+  >= 0.8); the ratios within each mode, and which mode was faster at each K, are reported too.
 
-Last line: JSON `{"ratio": memory ratio at K=8, "throughput_ratio": at K=8, ...}`.
+Last line: JSON `{"ratio": memory ratio at K=8, "throughput_ratio": at K=8, "sampling_ratio":
+..., ...}`.
 
 Run (CPU machine: inside a loopback-only namespace, like every benchmark here):
     bash scripts/loopback.sh .venv/bin/python benchmarks/tinker_multi_lora.py
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _multi_lora_sampling import sampling_summary
 from _servers import free_port, set_benchmark_env, start_server, stop_server
 
 MODEL = "smollm2-135m-instruct"
@@ -164,9 +172,13 @@ def main() -> None:
         "steps": STEPS,
         "tokens_per_step": ROWS * TOKENS,
     }
+    print("sampling: K LoRA samplers in flight at once", flush=True)
+    summary.update(sampling_summary(MODEL, RANK, batch))
+    summary["sampling_ok"] = summary["sampling_ratio"] >= 0.8
     print(
         f"memory x{memory_ratios[8]:.3f} at K=8 (target <= 1.7), growth over idle x{growth[8]:.3f}; "
-        f"throughput x{throughput_ratios[8]:.3f} at K=8 (target >= 0.9)"
+        f"throughput x{throughput_ratios[8]:.3f} at K=8 (target >= 0.9); sampling x"
+        f"{summary['sampling_ratio']:.3f} at K=8 in {summary['auto_picked']} mode (target >= 0.8)"
     )
     print(json.dumps(summary))
 
