@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from skylift.data.schema import REQUIRED_COLUMNS
+from skylift.data.schema import OPTIONAL_COLUMNS, REQUIRED_COLUMNS
 
 
 class DataFileError(ValueError):
@@ -107,7 +107,7 @@ def load_prompt_file(
     if missing:
         raise DataFileError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(names)})")
     rows = pq.read_table(path).to_pylist()
-    own = set(wanted)
+    own = {*wanted, *OPTIONAL_COLUMNS}
     samples = []
     for row_index, row in enumerate(rows):
         where = f"{path} row {row_index}"

@@ -5,9 +5,9 @@ One row is one prompt, with the columns of the seed's prompt datasets (which loa
 - ``data_source`` (str): where the prompt comes from, e.g. ``"openai/gsm8k"``.
 - ``prompt`` (list of ``{role, content}``): the chat messages given to the policy.
 - ``env_class`` (str): the registered environment that scores the response (see `skylift.envs`).
-- ``reward_spec`` (struct ``{method, ground_truth}``): ``method`` is ``"rule"`` for rule-based
+- ``reward_spec`` (struct ``{method, ground_truth}``, optional): ``method`` is ``"rule"`` for rule-based
   rewards; ``ground_truth`` is the reference answer as a string.
-- ``extra_info`` (struct): free per-dataset fields; every writer here sets at least
+- ``extra_info`` (struct, optional): free per-dataset fields; every writer here sets at least
   ``split``, ``index``, ``question`` and ``answer``.
 """
 
@@ -21,7 +21,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REQUIRED_COLUMNS: tuple[str, ...] = ("data_source", "prompt", "env_class", "reward_spec", "extra_info")
+REQUIRED_COLUMNS: tuple[str, ...] = ("data_source", "prompt", "env_class")
+#: columns a row may leave out (empty when absent), as the seed's mini-SWE-agent rows do: their
+#: task is an ``instance`` column, which reaches the environment among the row's other columns
+OPTIONAL_COLUMNS: tuple[str, ...] = ("reward_spec", "extra_info")
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_SPEC_TYPE = pa.struct([("method", pa.string()), ("ground_truth", pa.string())])

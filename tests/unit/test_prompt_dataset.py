@@ -107,10 +107,10 @@ def test_missing_file_is_named(tmp_path: Path, two_files: list[Path]) -> None:
 
 
 def test_missing_column_names_file_and_column(tmp_path: Path) -> None:
-    path = tmp_path / "no_reward.parquet"
-    table = pa.Table.from_pylist(_rows(3, "x")).drop_columns(["reward_spec"])
+    path = tmp_path / "no_source.parquet"  # reward_spec and extra_info may be left out, not this
+    table = pa.Table.from_pylist(_rows(3, "x")).drop_columns(["data_source"])
     pq.write_table(table, path)
-    with pytest.raises(DataFileError, match=rf"{path}.*reward_spec"):
+    with pytest.raises(DataFileError, match=rf"{path}.*missing column\(s\) data_source"):
         PromptDataset(path)
 
 
@@ -179,3 +179,22 @@ def test_prompt_and_env_class_columns_can_be_renamed(tmp_path: Path) -> None:
         renamed, prompt_key="question_messages", env_class_key="nope", default_env_class="x"
     )
     assert {s.env_class for s in fallback} == {"x"}  # a missing env_class column falls back
+
+
+def test_rows_without_reward_spec_or_extra_info_load_as_the_seeds_mini_swe_rows(tmp_path: Path) -> None:
+    """SkyRL's mini-SWE-agent preprocessing writes data_source, prompt, env_class="null" and an
+    ``instance`` struct: the task reaches the environment among the row's other columns."""
+    instance = {"instance_id": "repo__bug-1", "problem_statement": "fix it", "base_commit": "abc"}
+    rows = [
+        {
+            "data_source": "SWE-Gym",
+            "prompt": [{"role": "user", "content": "fix it"}],
+            "env_class": "null",
+            "instance": instance,
+        }
+    ]
+    path = tmp_path / "swe.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    (sample,) = PromptDataset(path)
+    assert sample.reward_spec == {} and sample.extra_info == {}
+    assert sample.columns == {"instance": instance} and sample.env_class == "null"
