@@ -40,7 +40,7 @@ class EnvironmentConfig:
     env_class: str = _f(
         "gsm8k",
         "default environment for rows without an env_class column: a registered name (gsm8k, "
-        "arithmetic, SkyRL-Gym ids), or package.module:Class",
+        "arithmetic, the ids of the environment plugins' registries), or package.module:Class",
     )
     max_env_workers: int = _f(0, "threads for env.step calls; 0 = run them inline", ge=0)
     env_kwargs: dict[str, Any] = _f(
@@ -48,12 +48,13 @@ class EnvironmentConfig:
     )
     import_modules: list[str] = _f(
         [],
-        "modules imported before the run, for their register_env / skyrl_gym.register calls (then "
-        "env_class may name what they register)",
+        "modules imported before the run, for their register_env calls (or a gym "
+        "registry's register calls; then env_class may name what they register)",
     )
     skyrl_gym: dict[str, Any] = _f(
         {},
-        "SkyRL-Gym environments' env_config by registered id, e.g. environment.skyrl_gym.text2sql.db_path=...",
+        "the env_config of gym-registry environments, by registered id, e.g. "
+        "environment.skyrl_gym.text2sql.db_path=...",
     )
     # agentic environments (issue 31): the model an environment calls, and its tools
     llm_base_url: str | None = _f(

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from skylift.config.algorithm import ADVANTAGE_ESTIMATORS, POLICY_LOSS_TYPES, AlgorithmConfig
 from skylift.config.delta_sync import delta_problems
+from skylift.config.dialects import DIALECTS
 from skylift.config.errors import ConfigError
 from skylift.config.harness import harness_problems
 from skylift.config.schema import PLACEMENT_BACKENDS, SkyliftConfig
@@ -261,6 +262,15 @@ def _check_algorithm_names(a: AlgorithmConfig, problems: list[str]) -> None:
         problems.append(f"{p}.{key}={value!r} is not one of {', '.join(builtin)}{hint}")
 
 
+def dialect_file_default(key: str, value: Any) -> bool:
+    """Whether `value` is what a registered config dialect's files always set `key` to
+    (`FILE_DEFAULTS` of a dialect, `skylift.config.dialects`)."""
+    return any(
+        key in defaults and defaults[key] == value
+        for defaults in (getattr(make, "FILE_DEFAULTS", {}) for make in DIALECTS.items())
+    )
+
+
 def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
     t = cfg.trainer
     if not t.policy.model.path:
@@ -309,8 +319,8 @@ def _check_models(cfg: SkyliftConfig, problems: list[str]) -> None:
             f"and {sync_paths['trainer.policy.model.lora.lora_sync_path']!r}): set one of them"
         )
     for key, path in sync_paths.items():
-        # SkyRL's YAML file always sets its name of the key to this default (read only with LoRA on)
-        if lora.rank == 0 and path != "/tmp/skyrl_lora_sync":
+        # a value a dialect's config files always set (read only with LoRA on) is not the user's choice
+        if lora.rank == 0 and not dialect_file_default(key, path):
             problems.append(
                 f"{key}={path!r} hands a LoRA adapter to the engines, but trainer.policy.model.lora.rank "
                 "is 0 (the full weights go over the weight-update group): set a LoRA rank or drop "

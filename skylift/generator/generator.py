@@ -11,7 +11,7 @@ Environments may be sync or ``async``: plain ``init``/``step``/``close`` run in 
 threads (inline when 0), coroutines are awaited. Each environment gets ``llm`` (the policy's
 engines, or an OpenAI-compatible URL) and a shared ``tool_runner`` before ``init``.
 Each rollout's wall-clock time and its engine and environment seconds go to its trajectory's
-`timing` (`skylift.generator.timing`; SkyRL's ``generate/trajectory_time_*`` figures).
+`timing` (`skylift.generator.timing`: completion, engine and environment seconds).
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ class Generator:
 
     @staticmethod
     def _extras(row: PromptRow) -> dict[str, Any]:
-        """The row's other dataset columns (`PromptSample.columns`, as SkyRL passes them), then its
+        """The row's other dataset columns (`PromptSample.columns`), then its
         ``reward_spec``, ``extra_info`` and ``data_source``."""
         return {
             **(getattr(row, "columns", None) or {}),

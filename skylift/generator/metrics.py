@@ -7,13 +7,13 @@ RLOO sum a row's token rewards, which gives back the trajectory's reward).
 reached turn t), turns per trajectory, and the means of the environments' step metrics
 (``env/<name>``, e.g. ``env/tool_calls`` per trajectory); per environment class (when the batch's
 trajectories name theirs), ``environment/<env_class>/reward_mean`` and its episodes' metrics
-(``env_metadata["env_metrics"]``, e.g. a SkyRL-Gym env's ``get_metrics``) combined by the
-environment's factory (`skylift.envs.registry.aggregate_episode_metrics`),
+(``env_metadata["env_metrics"]``, e.g. what a gym-style env's ``get_metrics`` returns) combined by
+the environment's factory (`skylift.envs.registry.aggregate_episode_metrics`),
 ``environment/<env_class>/<key>``, e.g. ``environment/gsm8k_multi_turn/avg_steps``; with one
 environment class in the batch also as ``environment/<key>``.
-`plugin_metrics`: the figures of the metrics plugins (`METRICS`, a hook point; the built-in one,
-``skylift.compat.skyrl.metrics``, is named here and imported by name) for a training step's batch,
-an evaluation's, or a fully async step's prompt groups (`MetricsRequest`).
+`plugin_metrics`: the figures of the metrics plugins (`METRICS`, a hook point; the built-in one
+is named here and imported by name) for a training step's batch, an evaluation's, or a fully async
+step's prompt groups (`MetricsRequest`).
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class GroupTimes:
     kept: Sequence[TimedGroup]
     dropped: Sequence[TimedGroup]
     n_samples: int  # samples per prompt
+    #: groups were turned down as they finished (`trainer.fully_async.sample_full_batch`): `dropped`
+    #: holds those turned down while this step's batch filled
+    filtered: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The multi-turn agent loop of one trajectory: sample, step the environment, append, repeat.
 
 Token-in/token-out: the sampled ids go into the trajectory unchanged (trained, `loss_mask` 1),
-unless the environment rewrites the turn (SkyRL's ``postprocessed_action``, in the step's metadata):
+unless the environment rewrites the turn (``postprocessed_action`` in the step's metadata):
 then the conversation goes on from the rewritten text, its ids as the tokenizer encodes it; the ids
 it shares from the start with what was sampled stay trained, the rest are untrained (never sampled);
 between turns come the template's turn-closing tokens the model did not sample and the

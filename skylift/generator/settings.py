@@ -35,7 +35,7 @@ class GeneratorSettings:
     #: advantage (`skylift.generator.step_wise`), for templates that rewrite earlier turns
     step_wise: bool = False
     #: step-wise: merge a rollout's consecutive steps when one's prompt + response starts the next's
-    #: prompt (`skylift.generator.step_wise.merge_steps`; SkyRL's `merge_stepwise_output`)
+    #: prompt (`skylift.generator.step_wise.merge_steps`; `generator.merge_stepwise_output`)
     merge_steps: bool = False
     #: multi-turn: what a rollout does when the chat template (or a token-level environment)
     #: renders its conversation differently than the trajectory holds it: "error" stops with the

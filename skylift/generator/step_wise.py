@@ -1,11 +1,11 @@
-"""Step-wise trajectories (`generator.step_wise_trajectories`, as SkyRL's): each turn of a rollout
+"""Step-wise trajectories (`generator.step_wise_trajectories`): each turn of a rollout
 becomes its own sample whose prompt is the whole context the engine was sent for that turn (the
 conversation as the chat template renders it then, so templates that rewrite earlier turns, such as
 Qwen3's dropping of past thinking, are trained on what the model saw) and whose response is the
 turn's sampled ids. Every step carries the rollout's reward and id; the trainer computes the
 advantage of each rollout's last step and gives it to all its steps (`skylift.rl.step_wise`).
 
-`merge_steps` (``generator.merge_stepwise_output``, SkyRL's prefix-aware merging): where a step's
+`merge_steps` (``generator.merge_stepwise_output``, prefix-aware merging): where a step's
 prompt + response is the start of the next step's prompt (the template did not rewrite history),
 the two become one sample: the first prompt, then the responses with the tokens between them (the
 turn's close and the observations) untrained. A step that does not extend the one before starts a

@@ -1,10 +1,10 @@
-"""Each rollout's wall-clock time, as SkyRL's generator records it for its ``generate/trajectory_time_*``
-figures (`skylift.compat.skyrl.metrics.trajectory_time_metrics`).
+"""Each rollout's wall-clock time, split as `Trajectory.timing` holds it, for the metrics plugins'
+per-rollout time figures (`skylift.generator.metrics.METRICS`).
 
 ``completion``: from the rollout's start (before its environment's ``init``) to its end (after the
 environment's ``close``); ``llm``: the seconds spent awaiting the engine for it (resubmits of an
 aborted sample included); ``env``: the seconds spent in its environment's ``step`` calls (not
-``init``/``close``, as in SkyRL). A batched single-turn rollout shares its engine call with the batch:
+``init``/``close``). A batched single-turn rollout shares its engine call with the batch:
 its ``llm`` is that call's duration (or its row's, with per-row seeds) and its ``completion`` runs
 from the batch's start.
 """
@@ -20,7 +20,7 @@ T = TypeVar("T")
 #: a monotonic clock in seconds (`time.monotonic`, or a test's fake)
 Clock = Callable[[], float]
 
-#: the split of a rollout's completion time the generators record (SkyRL's names)
+#: the split of a rollout's completion time the generators record
 SPLITS = ("llm", "env")
 
 

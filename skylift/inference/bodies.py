@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from skylift.inference.limits import MAX_N, MAX_NAME_CHARS, MAX_PROMPTS, SEED_MAX, SEED_MIN
-from skylift.weight_sync.protocol import DEFAULT_GROUP_NAME
+from skylift.weight_sync.protocol import DEFAULT_GROUP_NAME, PER_TENSOR, GroupProtocol
 
 #: A short identifier (adapter, group, session, tensor name, address).
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
@@ -66,12 +66,13 @@ class GenerateBody(Body):
 
 
 class InitGroupBody(Body):
-    """POST /init_weight_update_communicator: fields of `WeightUpdateGroupSpec`, or of SkyRL's
-    `BroadcastInitInfo` (`master_addr`, `override_existing_receiver`, `model_dtype_str`).
+    """POST /init_weight_update_communicator: fields of `WeightUpdateGroupSpec`, under their names or
+    the per-tensor protocol's (`master_addr`, `override_existing_receiver`, `model_dtype_str`).
 
     `protocol` says how the trainer built its side of the group and sends: "skylift" (skylift's
-    sender: bucketed, handshake) or "skyrl" (SkyRL's `init_custom_process_group`, one tensor per
-    update, every dtype `model_dtype_str`). Unset, a body with `model_dtype_str` is SkyRL's.
+    sender: bucketed, handshake) or the per-tensor protocol, `PER_TENSOR` (torch's group helper,
+    one tensor per update, every dtype `model_dtype_str`). Unset, a body with `model_dtype_str` is the
+    per-tensor protocol's.
     """
 
     master_address: str = Field(
@@ -90,12 +91,12 @@ class InitGroupBody(Body):
     #: how long the rendezvous may take (the engine keeps serving meanwhile)
     timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
     model_dtype_str: Name | None = None
-    protocol: Literal["skylift", "skyrl"] | None = None
+    protocol: GroupProtocol | None = None
 
-    def resolved_protocol(self) -> Literal["skylift", "skyrl"]:
+    def resolved_protocol(self) -> GroupProtocol:
         if self.protocol is not None:
             return self.protocol
-        return "skyrl" if self.model_dtype_str is not None else "skylift"
+        return PER_TENSOR if self.model_dtype_str is not None else "skylift"
 
 
 class UpdateWeightsBody(Body):
@@ -107,7 +108,7 @@ class UpdateWeightsBody(Body):
 
 
 class WeightTransferUpdateBody(Body):
-    """POST /update_weights in vLLM's weight-transfer protocol (SkyRL 0.4; GPU only)."""
+    """POST /update_weights in vLLM's weight-transfer protocol (GPU only)."""
 
     update_info: dict[str, Any]
 
@@ -127,8 +128,8 @@ class SleepBody(Body):
 
 
 class WakeUpBody(Body):
-    """POST /wake_up (tags may also come as query parameters). SkyRL 0.3.1 sends `{"tags": 1}`
-    when its caller names no tags: a number means every tag, like no tags."""
+    """POST /wake_up (tags may also come as query parameters). Some clients send `{"tags": 1}`
+    when their caller names no tags: a number means every tag, like no tags."""
 
     tags: Annotated[list[Name], Field(max_length=MAX_STOPS)] | Name | int | None = None
 
@@ -139,7 +140,7 @@ class WakeUpBody(Body):
 
 
 class ResetPrefixCacheBody(Body):
-    """POST /reset_prefix_cache (optional; SkyRL 0.4 sends it)."""
+    """POST /reset_prefix_cache (optional)."""
 
     reset_running_requests: bool = False
 

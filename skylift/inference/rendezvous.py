@@ -15,8 +15,9 @@ group is counted (`await_every_rank`): ranks that never come fail there after `t
 the address and how many came, and again the engine is never involved. Only then do the workers
 join, under an RPC timeout longer than the worker's own bounds (store, rendezvous, handshake:
 `timeout_s` each), so that a rendezvous that still fails ends with the worker's error, not the
-RPC's. SkyRL's trainer (protocol "skyrl") announces nothing: with it the workers join once the
-store answers, and late ranks hold the engine's step loop up to the RPC's bound.
+RPC's. A trainer of the per-tensor protocol (`WeightUpdateGroupSpec.protocol`) announces nothing:
+with it the workers join once the store answers, and late ranks hold the engine's step loop up to
+the RPC's bound.
 """
 
 from __future__ import annotations

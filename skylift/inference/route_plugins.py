@@ -3,8 +3,8 @@
 `ROUTES` holds installers (``install(app)``) that `skylift.inference.routes.install_routes` calls
 after mounting skylift's own routes; `WEIGHT_TRANSFER` the handler of ``POST /update_weights``
 bodies that carry ``update_info`` (vLLM's weight-transfer protocol) instead of a bucket. The
-built-in plugin, vLLM's RL routes as SkyRL 0.4's clients drive them
-(``skylift.compat.skyrl.routes``), is named here and imported by name on first use.
+built-in plugin (vLLM's RL control and weight-transfer routes) is named here and imported by name
+on first use.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class SkyliftState:
     api_key_hashes: list[bytes] = field(default_factory=list)
     #: whether the model takes multimodal input (vLLM's /inference/v1/generate `features`)
     multimodal: bool = False
-    #: the dtype every tensor of the group must have (SkyRL's `model_dtype_str`), if it says
+    #: the dtype every tensor of the group must have (the body's `model_dtype_str`), if it says
     group_dtype: str | None = None
     started_at: float = field(default_factory=time.time)
     #: where /skylift/delta/* may read and write (`skylift serve --delta-sync-root`)
@@ -326,7 +326,7 @@ async def update_weights(
     """Receive one bucket over the group (the trainer broadcasts while this request is open).
 
     A body with `update_info` instead of `names`/`dtypes`/`shapes` is vLLM's weight-transfer
-    protocol (SkyRL 0.4), handled by a route plugin (`skylift.inference.route_plugins`)."""
+    protocol, handled by a route plugin (`skylift.inference.route_plugins`)."""
     if isinstance(body, WeightTransferUpdateBody):
         return await weight_transfer_update(request, body.model_dump())
     return await _receive_bucket(_state(request), WeightBucket(**body.model_dump()))
@@ -340,8 +340,8 @@ async def update_weights_stream(request: Request) -> dict[str, Any]:
     if state.group_dtype is not None:
         raise _error(
             HTTPStatus.BAD_REQUEST,
-            "this weight-update group was created with SkyRL's protocol (model_dtype_str): it sends one "
-            "tensor per /update_weights request, not a weight stream",
+            "this weight-update group was created with the per-tensor protocol (model_dtype_str): it "
+            "sends one tensor per /update_weights request, not a weight stream",
         )
     receipt = await engine_call(state.engine.receive_weight_stream())
     return {"status": "ok", **receipt}
@@ -396,7 +396,7 @@ def install_routes(app: FastAPI, state: SkyliftState) -> None:
         app.middleware_stack = app.build_middleware_stack()
     before = len(app.router.routes)
     app.include_router(router)
-    install_plugin_routes(app)  # e.g. vLLM's RL control and weight-transfer routes (SkyRL 0.4)
+    install_plugin_routes(app)  # e.g. vLLM's RL control and weight-transfer routes
     ours = app.router.routes[before:]
     del app.router.routes[before:]
     app.router.routes[0:0] = ours

@@ -14,12 +14,13 @@ server flags (`--model --tensor-parallel-size --host --port --seed --max-model-l
 - the routes of `skylift.inference.routes` are added to vLLM's app; with an API key every route
   but the probes (/health, /ping, /version, /metrics, /load) needs it, not only vLLM's /v1 ones;
 - `n` (samples per prompt) is capped at SKYLIFT_MAX_N (256) on every route, vLLM's included;
-- the seed's SkyRL command line runs as written: SkyRL's `--worker-extension-cls
-  skyrl_train....WorkerWrap` is replaced by skylift's receiver (which speaks SkyRL's protocol); on
-  CPU `--distributed-executor-backend ray` becomes vLLM's `mp` executor and each tensor-parallel
-  rank gets its own cores (a TP size above the core count is refused); both with a warning line;
+- the seed's server command lines run as written: another project's `--worker-extension-cls` is
+  replaced by skylift's receiver (`engine_args.worker_extension`; it speaks the per-tensor protocol
+  too); on CPU `--distributed-executor-backend ray` becomes vLLM's `mp` executor and each
+  tensor-parallel rank gets its own cores (a TP size above the core count is refused); both with a
+  warning line;
 - vLLM's RL control routes (/pause, /resume, /is_paused, /get_world_size, /is_sleeping) are
-  mounted without vLLM's dev mode (see `skylift.compat.skyrl.routes`).
+  mounted without vLLM's dev mode (route plugins, `skylift.inference.route_plugins`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""``trainer.dump_data_batch``: each step's training batch written to disk, as SkyRL writes it.
+"""``trainer.dump_data_batch``: each step's training batch written to disk.
 
-The batch the policy trains on at global step N (1-based, SkyRL's count) goes to
-``<export_path>/dumped_data/global_step_N_training_input.pkl``: a `torch.save` file (pickle, so
-SkyRL's ``.pkl`` name) holding only tensors, numbers and strings, so
+The batch the policy trains on at global step N (counted from 1) goes to
+``<export_path>/dumped_data/global_step_N_training_input.pkl``: a `torch.save` file (pickle, hence
+the ``.pkl`` name) holding only tensors, numbers and strings, so
 ``torch.load(path, weights_only=True)`` reads it back. Keys: ``input_ids``, ``attention_mask``,
 ``response_mask`` (``[B, P + R]`` / ``[B, R]``), ``prompt_len``, ``rewards`` (``[B]``), every
 per-token or per-row tensor of the experience (``advantages``, ``rollout_logprobs``, ``old_logprobs``,

@@ -1,4 +1,4 @@
-"""Dynamic sampling (DAPO; SkyRL's `trainer.algorithm.dynamic_sampling`): a prompt group whose
+"""Dynamic sampling (DAPO; `trainer.algorithm.dynamic_sampling`): a prompt group whose
 rewards are all equal has zero advantage everywhere and teaches nothing, so fill the batch with
 groups that carry a signal.
 
@@ -47,9 +47,9 @@ def has_signal(group: list[Trajectory], tolerance: float = 1e-6) -> bool:
 def zero_variance_uids(
     trajectories: list[Trajectory], tolerance: float = 1e-6, rewards: list[float] | None = None
 ) -> set[str]:
-    """Prompt uids of the groups SkyRL's ``zero_variance_filter`` drops: more than one *live*
-    trajectory (one with a token that counts in the loss) and all their rewards (`rewards`, one per
-    trajectory, else each one's own) within `tolerance` of each other. Groups of one live
+    """Prompt uids of the groups ``trainer.algorithm.zero_variance_filter`` drops: more than one
+    *live* trajectory (one with a token that counts in the loss) and all their rewards (`rewards`,
+    one per trajectory, else each one's own) within `tolerance` of each other. Groups of one live
     trajectory or fewer are kept."""
     reward_of = {
         id(tr): r for tr, r in zip(trajectories, rewards or [tr.reward for tr in trajectories], strict=True)

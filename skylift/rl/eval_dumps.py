@@ -2,7 +2,7 @@
 
 With ``trainer.dump_eval_results`` the training loop and ``skylift eval`` write skylift's dump
 (`skylift.rl.evaluation.dump_eval`) and hand each evaluation to the dumpers of `EVAL_DUMPERS`:
-SkyRL's layout (``skylift.compat.skyrl.eval_dump``, named here and imported by name) is built in.
+the built-in dumper's module is named here and imported by name.
 """
 
 from __future__ import annotations

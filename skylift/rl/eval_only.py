@@ -1,4 +1,4 @@
-"""Evaluation without training: `skylift eval` (SkyRL's `main_generate`).
+"""Evaluation without training: `skylift eval` (``skylift.entrypoints.main_generate``).
 
 The same configuration as training: the engines serve `trainer.policy.model.path` (a Hugging Face
 directory, e.g. an export of a training run) or are the servers of
@@ -7,11 +7,11 @@ hold a trainer checkpoint's or an export's weights instead (`skylift.rl.eval_wei
 engines get them by the training run's weight sync). The prompts of `data.val_data` are sampled
 with `generator.eval_sampling_params`, `eval_n_samples_per_prompt` times each, and scored by their
 environments. The figures are the training loop's evaluation figures (`skylift.rl.evaluation`:
-skylift's `eval/accuracy` with its standard error, SkyRL's `eval/all/avg_score`,
-`eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`, `timing/eval_generate`), logged once at
-step 0 to the run's trackers, as SkyRL logs them; `trainer.dump_eval_results` writes each sample
-to `<log_dir>/eval/eval_only.jsonl` and the registered dumpers' (`skylift.rl.eval_dumps`: SkyRL's
-to `<export_path>/dumped_evals/eval_only/`).
+`eval/accuracy` with its standard error, the metrics plugins' figures, e.g. `eval/all/avg_score`,
+`eval/<data_source>/avg_score`, `eval/all/pass_at_<n>`, and `timing/eval_generate`), logged once at
+step 0 to the run's trackers; `trainer.dump_eval_results` writes each sample
+to `<log_dir>/eval/eval_only.jsonl` and the registered dumpers' (`skylift.rl.eval_dumps`; the built-in
+one to `<export_path>/dumped_evals/eval_only/`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def evaluate_once(
 
 
 def summary(metrics: dict[str, float], n: int) -> list[str]:
-    """The lines `skylift eval` prints: accuracy with its standard error, then SkyRL's figures."""
+    """The lines `skylift eval` prints: accuracy with its standard error, then the per-source
+    `avg_score` and `pass_at_<n>` figures."""
     if "eval/accuracy" not in metrics:
         return ["no evaluation samples"]
     lines = [

@@ -93,8 +93,9 @@ class Staleness:
 
 @dataclass(frozen=True)
 class RewardShaping:
-    """DAPO's soft overlong punishment (`trainer.algorithm.overlong_buffer`), then SkyRL's
-    zero-variance filter (`zero_variance_filter`): groups without a reward spread count for nothing."""
+    """DAPO's soft overlong punishment (`trainer.algorithm.overlong_buffer`), then the
+    zero-variance filter (`trainer.algorithm.zero_variance_filter`): groups without a reward spread
+    count for nothing."""
 
     alg: AlgorithmConfig
     max_response_len: int = 0  # generator.sampling_params.max_generate_length
@@ -320,7 +321,7 @@ def _batch_metrics(d: Draft, staleness: StalenessPolicy) -> dict[str, float]:
         "response/truncated_frac": sum(tr.stop_reason != "stop" for tr in trajectories) / len(trajectories),
         "advantages/abs_mean": float(batch.extras["advantages"].abs().sum() / mask.sum().clamp(min=1)),
         **rollout_metrics(trajectories),
-        **plugin_metrics(MetricsRequest(trajectories)),  # SkyRL's generate/* figures
+        **plugin_metrics(MetricsRequest(trajectories)),  # the metrics plugins' figures (generate/*)
     }
     if staleness.old_logprobs == "trainer":
         # how far the trainer's logprobs of the sampled tokens are from the engine's, before any

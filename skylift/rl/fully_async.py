@@ -21,8 +21,8 @@ Design:
    older than the bound is dropped and its prompt generated again. Every step logs the
    staleness of its batch (`fully_async/*`, `async/staleness_*`); it never exceeds the bound.
 5. Each group records its completion seconds (from its generation's start to its end, on the
-   `clock`), for SkyRL's ``generate/group_completion_time_*`` figures of the step that trains it
-   (`skylift.compat.skyrl.metrics.group_completion_metrics`).
+   `clock`), for the metrics plugins' group figures of the step that trains it
+   (`skylift.generator.metrics.GroupTimes`).
 6. `keep` (`trainer.fully_async.sample_full_batch`): a finished group it turns down (rewards all
    equal) is not buffered; its prompt counts as used and its slot is given back, so the batch
    fills with groups that carry a signal. Running out of data then raises `RolloutsExhausted`,
@@ -317,10 +317,6 @@ class FullyAsyncRollouts:
             "fully_async/groups_started": float(self.gate.started),
             **token_version_metrics(trajectories, policy_version),
         }
-        if self.keep is not None:  # SkyRL's names for sample_full_batch's figures
-            turned_down = len(self.last_turned_down)
-            metrics["async/num_groups_dropped"] = float(turned_down)
-            metrics["async/keep_rate"] = self.batch_size / (self.batch_size + turned_down)
         return taken, metrics
 
     def close(self) -> None:

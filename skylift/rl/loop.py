@@ -149,7 +149,7 @@ class RLTrainer:
             self.kl_ctrl.update(experience.metrics["kl_in_reward/kl_seq_mean"], experience.batch.batch_size)
             self.state.extra["kl_coef"] = self.kl_ctrl.value  # saved with checkpoints
         metrics: dict[str, float] = {}
-        if self.cfg.trainer.dump_data_batch:  # SkyRL's debugging dump; its step count is 1-based
+        if self.cfg.trainer.dump_data_batch:  # a debugging dump; its step count is 1-based
             tick = time.perf_counter()
             path = batch_dump_path(self.parts.export_dir, self.state.global_step + 1)
             dump_training_batch(path, experience, trajectories)
@@ -197,7 +197,7 @@ class RLTrainer:
         if self.cfg.trainer.dump_eval_results:
             step = self.state.global_step
             dump_eval(self.parts.logs_dir / "eval" / f"step_{step}.jsonl", trajectories)
-            if self.parts.decode is not None:  # and in the registered dumpers' layouts (SkyRL's)
+            if self.parts.decode is not None:  # and in the registered dumpers' layouts
                 p = self.parts
                 write_eval_dumps(EvalDump(p.export_dir, step, list(val), trajectories, metrics, p.decode))
         return metrics

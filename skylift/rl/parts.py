@@ -112,4 +112,5 @@ class Parts:
     sleep_engines: bool = False
     """Colocated engines sleep while the policy trains (GPUs only)."""
     decode: Callable[[list[int]], str] | None = None
-    """Token ids to text (the run's tokenizer), for SkyRL's evaluation dumps (None: not written)."""
+    """Token ids to text (the run's tokenizer), for the registered evaluation dumpers (None: not
+    written)."""

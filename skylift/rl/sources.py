@@ -225,7 +225,9 @@ class FullyAsyncSource:
         self._wait_s = metrics["fully_async/wait_s"]
         kept = [(g.trajectories, g.completion_s) for g in taken]
         dropped = [(g.trajectories, g.completion_s) for g in self.stream.last_turned_down]
-        metrics.update(plugin_metrics(MetricsRequest(groups=GroupTimes(kept, dropped, self.sampler.n))))
+        filtered = self.stream.keep is not None
+        times = GroupTimes(kept, dropped, self.sampler.n, filtered=filtered)
+        metrics.update(plugin_metrics(MetricsRequest(groups=times)))
         return Rollouts([tr for g in taken for tr in g.trajectories], metrics)
 
     def prefetch(self, step: int) -> None:

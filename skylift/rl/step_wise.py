@@ -1,8 +1,8 @@
 """Advantages of step-wise trajectories (`generator.step_wise_trajectories`): each turn of a rollout
 is its own sample; the rollout's last step stands for the rollout in the estimator (its group is
-the prompt's rollouts), and every step of the rollout gets that advantage on its response tokens,
-as SkyRL does. Only sequence-level estimators (one score per rollout: ``grpo``, ``rloo``) apply;
-per-token estimators and a KL penalty in the reward would need one sequence per rollout.
+the prompt's rollouts), and every step of the rollout gets that advantage on its response tokens.
+Only sequence-level estimators (one score per rollout: ``grpo``, ``rloo``) apply; per-token
+estimators and a KL penalty in the reward would need one sequence per rollout.
 Mini-batches hold the steps of as many rollouts as they would hold samples without step-wise
 trajectories, so a training step makes as many optimizer steps.
 """

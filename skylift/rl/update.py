@@ -150,8 +150,8 @@ def pad_rows(batch: SequenceBatch, multiple: int) -> SequenceBatch:
 
     Every worker then gets the same number of rows, hence of micro-batches: FSDP's collectives
     (all-gathers in each forward, reduce-scatters in each backward) must match across ranks. A
-    policy mini-batch that does not split evenly over the workers (SkyRL's livecodebench example:
-    20 sequences over 8 workers) trains as SkyRL trains it, padded with rows that carry no loss.
+    policy mini-batch that does not split evenly over the workers (e.g. 20 sequences over 8
+    workers) trains as its sequences would, padded with rows that carry no loss.
     """
     extra = -batch.batch_size % multiple
     if extra == 0 or batch.batch_size == 0:

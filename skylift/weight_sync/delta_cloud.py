@@ -3,9 +3,10 @@
 The publisher and the engines keep working on local directories; this module moves versions
 between those and the bucket:
 
-- `upload_version`: the publisher writes a version in a local staging directory (SkyRL's
-  ``publish_staging_dir``, else a temporary one), then uploads its payload files and, last, its
-  manifest: a manifest in the bucket means a complete version, as the rename does locally.
+- `upload_version`: the publisher writes a version in a local staging directory
+  (``delta_weight_sync.publish_staging_dir``, else a temporary one), then uploads its payload
+  files and, last, its manifest: a manifest in the bucket means a complete version, as the rename
+  does locally.
 - `mirror_chain`: an engine host copies the versions its store needs into a local mirror (beside
   its store), from the requested one back by base versions to the version the store holds, and
   then applies them from the mirror as from a shared directory. A mirrored version is copied again

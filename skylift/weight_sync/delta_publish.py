@@ -12,7 +12,7 @@ updates the snapshot. The version directory appears complete or not at all.
 With `rebase_interval` N, every N-th version is published against the base checkpoint instead of
 the version before (it carries every tensor that differs from the base: an engine reaches it from
 the base alone) and the versions before it are deleted, so `sync_dir` never holds more than N
-versions. Without it every version is kept, as in SkyRL.
+versions. Without it every version is kept.
 
 A ``gs://`` or ``s3://`` `sync_dir` is written through a local staging directory: each version is
 published there as above, then uploaded (`delta_cloud.upload_version`: payloads first, the

@@ -3,9 +3,10 @@
 vLLM loads several Hugging Face tensors into one module (`q_proj`, `k_proj`, `v_proj` weights and
 biases -> `qkv_proj`; `gate_proj` + `up_proj` -> `gate_up_proj`) and rebuilds that module from the
 tensors of ONE reload: parts it did not receive come back uninitialised. skylift's own sender keeps
-a module's parts in one bucket; SkyRL's sends one parameter per request. `FusedStager` sits
-between the receive and the reload: tensors of a module that is not complete yet are held back,
-and the module is handed to the reload in one piece once its last part arrives.
+a module's parts in one bucket; a per-tensor sender (`WeightUpdateGroupSpec.protocol`) sends one
+parameter per request. `FusedStager` sits between the receive and the reload: tensors of a module
+that is not complete yet are held back, and the module is handed to the reload in one piece once
+its last part arrives.
 
 A module is never loaded in part. When a tensor of another layer arrives while a module of an
 earlier one is still incomplete (the sender moved past it), or when the group is destroyed with

@@ -26,7 +26,8 @@ from skylift.utils.network import route_address
 from skylift.weight_sync.protocol import WeightBucket
 from skylift.weight_sync.torch_group import torch_layout_stores
 
-#: How the group's stores are laid out: skylift's own, or torch's group helper's (SkyRL's trainer).
+#: How the group's stores are laid out: skylift's own, or torch's group helper's
+#: (`skylift.weight_sync.torch_group`).
 Layout = Literal["skylift", "torch"]
 
 _HANDSHAKE_VALUE = 12345.0

@@ -9,7 +9,7 @@ of `WeightSyncTarget` can be a sender's peer.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 #: Names of the receiver's methods, called on every vLLM worker through ``collective_rpc``. Strings,
 #: not method references: vLLM's ``collective_rpc`` takes a method name (a callable would need its
@@ -25,15 +25,20 @@ RPC_LOAD_DELTA = "skylift_load_delta"
 
 DEFAULT_GROUP_NAME = "skylift_weight_sync"
 
+#: How the trainer built its side of a weight-update group and sends over it: "skylift" (skylift's
+#: sender: skylift's store layout, a handshake, bucketed updates) or the per-tensor protocol,
+#: `PER_TENSOR` on the wire (torch's process-group helper's store layout, no handshake, one tensor
+#: per update; `weight_sync.torch_group`, `weight_sync.fused_staging`).
+GroupProtocol = Literal["skylift", "skyrl"]
+PER_TENSOR: Final = "skyrl"
+
 
 @dataclass
 class WeightUpdateGroupSpec:
     """How an engine joins the trainer's weight-update process group.
 
     The trainer is rank 0; an engine's workers take ranks `rank_offset .. rank_offset + tp - 1`.
-    `protocol` "skyrl": the trainer built its side with SkyRL's `init_custom_process_group`
-    (torch's store layout, no handshake) and sends one tensor per update
-    (`weight_sync.torch_group`, `weight_sync.fused_staging`).
+    `protocol`: how the trainer built its side and sends (`GroupProtocol`).
     """
 
     master_address: str
@@ -44,7 +49,7 @@ class WeightUpdateGroupSpec:
     backend: Literal["gloo", "nccl"] = "gloo"
     override_existing: bool = False
     timeout_s: float = 120.0
-    protocol: Literal["skylift", "skyrl"] = "skylift"
+    protocol: GroupProtocol = "skylift"
 
     def rpc_args(self) -> tuple[Any, ...]:
         """The positional arguments of the receiver's `RPC_INIT_GROUP` method."""

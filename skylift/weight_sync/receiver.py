@@ -15,7 +15,7 @@ A bucket must hold every Hugging Face tensor that vLLM fuses into one module (``
 ``gate_up_proj``): vLLM rebuilds a module from the tensors of one reload and leaves the parts it
 did not receive uninitialised. A bucket that covers such a module partially is received (so the
 sender's broadcast completes) and then refused with an error naming the missing parts. Groups
-made with SkyRL's protocol (one tensor per update) stage such parts instead (`fused_staging`).
+made with the per-tensor protocol (one tensor per update) stage such parts instead (`fused_staging`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from skylift.weight_sync.process_group import (
     create_weight_sync_group,
     receive_bucket,
 )
-from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.protocol import PER_TENSOR, WeightBucket
 from skylift.weight_sync.stream import STREAM_DEPTH, BucketStream
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class WeightSyncWorkerExtension:
 
     _skylift_group: WeightSyncGroup | None = None
     _skylift_units: LoadUnits | None = None
-    #: set for groups whose sender sends one tensor per update (SkyRL's protocol)
+    #: set for groups whose sender sends one tensor per update (the per-tensor protocol)
     _skylift_stager: FusedStager | None = None
     _skylift_arenas: list[BufferArena] | None = None
     #: the stream loads buckets with `direct_load` where it can (False: always vLLM's reload)
@@ -115,8 +115,8 @@ class WeightSyncWorkerExtension:
         """Join the trainer's group as rank ``rank_offset + worker rank`` (blocks until all joined).
 
         An existing group is an error unless `override_existing`, which destroys it first.
-        `protocol` "skyrl": the trainer built its side with torch's group helper (SkyRL's
-        `init_custom_process_group`, see `torch_group`) and sends one tensor per update, so the
+        `protocol` `PER_TENSOR`: the trainer built its side with torch's group helper (see
+        `torch_group`) and sends one tensor per update, so the
         parts of fused modules are staged until complete (`fused_staging`).
         """
         rank = rank_offset + self._skylift_worker_rank()
@@ -129,7 +129,7 @@ class WeightSyncWorkerExtension:
                 )
             self.skylift_destroy_weight_update_group()
         device = torch.device(getattr(self, "device", None) or "cpu") if backend == "nccl" else None
-        skyrl = protocol == "skyrl"  # SkyRL's trainer builds the group with torch's own helper
+        per_tensor = protocol == PER_TENSOR  # its trainer builds the group with torch's own helper
         self._skylift_group = create_weight_sync_group(
             master_address=master_address,
             master_port=master_port,
@@ -139,13 +139,13 @@ class WeightSyncWorkerExtension:
             backend=backend,  # type: ignore[arg-type]
             timeout_s=timeout_s,
             device=device,
-            layout="torch" if skyrl else "skylift",
+            layout="torch" if per_tensor else "skylift",
         )
-        if skyrl:
+        if per_tensor:
             self._skylift_stager = FusedStager(self._skylift_load_units())
         logger.info(
             "joined %sweight-update group %r as rank %d/%d",
-            "SkyRL's " if skyrl else "",
+            "per-tensor " if per_tensor else "",
             group_name,
             rank,
             world_size,
@@ -229,7 +229,7 @@ class WeightSyncWorkerExtension:
             )
         if self._skylift_stager is not None:
             raise WeightSyncError(
-                f"group {group.group_name!r} was made with SkyRL's protocol (one tensor per update); "
+                f"group {group.group_name!r} was made with the per-tensor protocol (one tensor per update); "
                 "a weight stream needs skylift's"
             )
         start = time.perf_counter()

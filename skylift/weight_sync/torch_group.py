@@ -1,8 +1,8 @@
 """Joining a weight-update group that the trainer built with torch.distributed's own group helper.
 
-SkyRL's trainer (`skyrl_train.distributed.utils.init_custom_process_group`) creates its side of the
-group the way `torch.distributed` lays a process group out on a store: a `tcp://` rendezvous in
-which rank 0 hosts the `TCPStore` and waits for every other rank to register, a
+A trainer that speaks the per-tensor protocol (`WeightUpdateGroupSpec.protocol`) creates its side
+of the group the way `torch.distributed` lays a process group out on a store: a `tcp://`
+rendezvous in which rank 0 hosts the `TCPStore` and waits for every other rank to register, a
 `PrefixStore(group_name, store)`, and then torch's process-group helper, which adds its own
 prefixes: `"<group_name>/"` for the group and `"<device>/"` for its backend, the first device
 the backend serves (`cpu` for gloo, `cuda` for nccl; when one backend serves every device torch

@@ -163,6 +163,12 @@ class SkyRLKeys:
 
     ALIASES: ClassVar[dict[str, str]] = SKYRL_KEY_ALIASES
     TRANSLATION_SOURCE: ClassVar[str] = "SkyRL's external server or mini-SWE-agent keys"
+    #: what SkyRL's YAML file always sets these keys to (read only with LoRA on), so validation does
+    #: not take it for the user's choice (`skylift.config.validation.dialect_file_default`)
+    FILE_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "generator.lora_sync_path": "/tmp/skyrl_lora_sync",
+        "trainer.policy.model.lora.lora_sync_path": "/tmp/skyrl_lora_sync",
+    }
 
     without_effect: dict[str, Any] = field(default_factory=dict)
     collected: dict[str, Any] = field(default_factory=dict)

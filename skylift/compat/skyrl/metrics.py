@@ -6,7 +6,8 @@ wall-clock figures (`trajectory_time_metrics`), logged under SkyRL's names by tr
 `group_completion_metrics`: SkyRL's fully async figures of the prompt groups a step consumed
 (``generate/group_completion_time_*``, ``generate/intra_group_completion_time_*``). SkyRL also
 logs them for the groups its fully async trainer dropped (``generate_kept/``,
-``generate_dropped/``, `dropped_group_metrics`).
+``generate_dropped/``, `dropped_group_metrics`), and with `trainer.fully_async.sample_full_batch`
+``async/num_groups_dropped`` and ``async/keep_rate`` (`keep_rate_metrics`).
 `skyrl_eval_figures`: SkyRL's evaluation figures (``eval/all/avg_score``, ``eval/all/pass_at_<n>``,
 ``eval/all/mean_positive_reward`` and their ``eval/<data_source>/`` counterparts, `skyrl_figures`),
 so SkyRL users' dashboards carry over.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from skylift.generator.metrics import METRICS, MetricsRequest, TimedGroup
+from skylift.generator.metrics import METRICS, GroupTimes, MetricsRequest, TimedGroup
 from skylift.generator.trajectory import Trajectory
 
 
@@ -217,6 +218,16 @@ def skyrl_eval_figures(trajectories: Sequence[Trajectory], n_samples: int | None
     return metrics
 
 
+def keep_rate_metrics(groups: GroupTimes) -> dict[str, float]:
+    """SkyRL's figures of `trainer.fully_async.sample_full_batch` (none without it):
+    ``async/num_groups_dropped``, the groups turned down while the step's batch filled, and
+    ``async/keep_rate``, the batch's groups over those and the turned-down ones."""
+    if not groups.filtered:
+        return {}
+    batch, turned_down = len(groups.kept), len(groups.dropped)
+    return {"async/num_groups_dropped": float(turned_down), "async/keep_rate": batch / (batch + turned_down)}
+
+
 @METRICS.register
 def skyrl_metrics(request: MetricsRequest) -> dict[str, float]:
     """The plugin: a batch's ``generate/*`` figures (for an evaluation, `skyrl_eval_figures` and
@@ -225,8 +236,10 @@ def skyrl_metrics(request: MetricsRequest) -> dict[str, float]:
     groups = request.groups
     if groups is not None:
         if groups.dropped:  # sample_full_batch dropped groups while this batch filled: SkyRL's views
-            return dropped_group_metrics(groups.kept, groups.dropped, groups.n_samples)
-        return group_completion_metrics(groups.kept)
+            figures = dropped_group_metrics(groups.kept, groups.dropped, groups.n_samples)
+        else:
+            figures = group_completion_metrics(groups.kept)
+        return {**figures, **keep_rate_metrics(groups)}
     figures = skyrl_generate_metrics(request.trajectories)
     if not request.evaluation:
         return figures

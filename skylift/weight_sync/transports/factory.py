@@ -14,8 +14,8 @@ from skylift.weight_sync.transports.group import BroadcastTransport, LoraTranspo
 
 def lora_sync_path(cfg: SkyliftConfig) -> str | None:
     """The directory a LoRA policy's syncs hand the adapter over through (None: in memory):
-    `generator.lora_sync_path`, or SkyRL's `trainer.policy.model.lora.lora_sync_path` (validation
-    refuses the two naming different directories)."""
+    `generator.lora_sync_path`, or its other name `trainer.policy.model.lora.lora_sync_path`
+    (validation refuses the two naming different directories)."""
     return cfg.generator.lora_sync_path or cfg.trainer.policy.model.lora.lora_sync_path or None
 
 
