@@ -1,5 +1,5 @@
 """mini-SWE-agent 2.4.6 from PyPI, unmodified (its `DefaultAgent`, LiteLLM model and
-`LocalEnvironment`), trained for 2 GRPO steps through the gateway (`skylift.gateway.miniswe`) on
+`LocalEnvironment`), trained for 2 GRPO steps through the gateway (`skylift.integrations.mini_swe_agent.harness`) on
 the tiny model: each rollout's working directory gets a throw-away git repository (the config's
 ``run.env_startup_command``, as SkyRL's rows set theirs up), the agent works in it, and the
 verifier runs the repository's test there. The untrained model fixes nothing (it makes no tool
@@ -95,8 +95,8 @@ def test_two_grpo_steps_of_mini_swe_agent_with_its_local_environment(
         "trainer.ckpt_path": str(tmp_path / "ckpts"),
         "trainer.export_path": str(tmp_path / "exports"),
         "trainer.log_dir": str(tmp_path / "logs"),
-        "environment.harness.entrypoint": "skylift.gateway.miniswe:run",
-        "environment.harness.verifier": "skylift.gateway.miniswe:verify",
+        "environment.harness.entrypoint": "skylift.integrations.mini_swe_agent.harness:run",
+        "environment.harness.verifier": "skylift.integrations.mini_swe_agent.harness:verify",
         "environment.harness.options.environment": "local",
         "environment.harness.options.traj_dir": str(trajs),
         "environment.harness.max_concurrent": 2,

@@ -1,5 +1,5 @@
 """SkyRL's mini-SWE-agent example on the gateway (`skylift.compat.skyrl.keys` maps its keys onto
-``environment.harness`` with `skylift.gateway.miniswe`), terminal-bench's refusal, and the
+``environment.harness`` with `skylift.integrations.mini_swe_agent.harness`), terminal-bench's refusal, and the
 mini-SWE-agent entry point's parts that need no model (config, task, environment, verifier)."""
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def test_skyrls_mini_swe_agent_keys_run_it_on_the_gateway_locally_without_docker
     with caplog.at_level(logging.WARNING, logger="skylift.config"):
         cfg = load_config(MINISWE)
     h = cfg.environment.harness
-    assert (h.entrypoint, h.verifier) == ("skylift.gateway.miniswe:run", "skylift.gateway.miniswe:verify")
+    assert (h.entrypoint, h.verifier) == (
+        "skylift.integrations.mini_swe_agent.harness:run",
+        "skylift.integrations.mini_swe_agent.harness:verify",
+    )
     options = {"config": "examples/mini_swe_agent/swebench.yaml", "traj_dir": "/tmp/trajs"}
     assert h.options == (options if docker else {**options, "environment": "local"})
     assert cfg.generator.batched is False  # the example's batched=true reached its own generator
@@ -73,7 +76,7 @@ def test_the_config_merges_like_mini_swe_agents_c_flags_and_the_verifier_runs_th
 ) -> None:
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     pytest.importorskip("minisweagent")
-    from skylift.gateway import miniswe
+    from skylift.integrations.mini_swe_agent import harness as miniswe
 
     (tmp_path / "short.yaml").write_text('run:\n  env_startup_command: "{{setup_script}}"\n')
     config = miniswe.miniswe_config(["mini.yaml", str(tmp_path / "short.yaml"), "agent.step_limit=2"])
@@ -100,7 +103,7 @@ def test_the_config_merges_like_mini_swe_agents_c_flags_and_the_verifier_runs_th
 
 
 def test_swe_gym_and_swe_bench_instances_name_their_public_images() -> None:
-    from skylift.gateway.miniswe import swe_image
+    from skylift.integrations.mini_swe_agent.harness import swe_image
 
     assert (
         swe_image({"instance_id": "a__b-1"}, "SumanthRH/SWE-Gym")

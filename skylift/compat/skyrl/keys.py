@@ -14,7 +14,7 @@ and the settings that map onto several skylift keys (the loader's SkyRL dialect,
 - ``generator.inference_engine.{external_proxy_url,external_server_urls}`` are collected and turned
   into skylift's keys by `SkyRLKeys.translations` once every assignment is in; so are
   ``generator.miniswe_config_path`` / ``miniswe_traj_dir`` (SkyRL's mini-SWE-agent example): the
-  agent then runs on the gateway (``environment.harness``, `skylift.gateway.miniswe`), with
+  agent then runs on the gateway (``environment.harness``, `skylift.integrations.mini_swe_agent.harness`), with
   mini-SWE-agent's LocalEnvironment when Docker is absent (one warning says so).
 
 ``trainer.algorithm.off_policy_correction.*`` is a group of skylift's schema (config/algorithm.py).
@@ -110,8 +110,8 @@ def miniswe_translations(config_path: Any, traj_dir: Any) -> list[tuple[str, Any
     """SkyRL's mini-SWE-agent example keys as the gateway harness running mini-SWE-agent."""
     h = "environment.harness."
     out: list[tuple[str, Any]] = [
-        (h + "entrypoint", "skylift.gateway.miniswe:run"),
-        (h + "verifier", "skylift.gateway.miniswe:verify"),
+        (h + "entrypoint", "skylift.integrations.mini_swe_agent.harness:run"),
+        (h + "verifier", "skylift.integrations.mini_swe_agent.harness:verify"),
         (h + "options.config", str(config_path)),
         # the example sets generator.batched=true only to reach its generator's generate_batched;
         # the harness drives each rollout itself (batched, single-turn generation does not apply)
@@ -123,7 +123,7 @@ def miniswe_translations(config_path: Any, traj_dir: Any) -> list[tuple[str, Any
         out.append((h + "options.environment", "local"))
         logger.warning(
             "generator.miniswe_config_path: SkyRL's mini-SWE-agent example runs on skylift's gateway "
-            "(environment.harness, skylift.gateway.miniswe) with mini-swe-agent's LocalEnvironment, not "
+            "(environment.harness, skylift.integrations.mini_swe_agent.harness) with mini-swe-agent's LocalEnvironment, not "
             "in the instances' Docker containers: Docker is absent (no docker daemon answers), so the agent's "
             "commands and the eval scripts run on this machine in each rollout's working directory"
         )

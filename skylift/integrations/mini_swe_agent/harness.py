@@ -1,11 +1,11 @@
 """mini-SWE-agent (PyPI ``mini-swe-agent`` 2.x, unmodified) as a harness: its `DefaultAgent` and
 model class talk to the rollout's gateway URL; its environment runs the agent's commands.
 
-- ``environment.harness.entrypoint=skylift.gateway.miniswe:run``: one rollout of the agent on the
-  row's task (the ``instance`` column's ``problem_statement``, as SkyRL's mini-SWE-agent rows
+- ``environment.harness.entrypoint=skylift.integrations.mini_swe_agent.harness:run``: one rollout of the agent on the
+  row's task (the ``instance`` column's ``problem_statement``, as the seed's mini-SWE-agent rows
   hold, else the prompt's last user message);
-- ``environment.harness.verifier=skylift.gateway.miniswe:verify``: reward 1 when the instance's
-  ``eval_script`` exits 0 (SkyRL's rule), run in the rollout's working directory (local) or in a
+- ``environment.harness.verifier=skylift.integrations.mini_swe_agent.harness:verify``: reward 1 when the instance's
+  ``eval_script`` exits 0 (the seed's rule), run in the rollout's working directory (local) or in a
   fresh container with the agent's patch applied (Docker).
 
 ``environment.harness.options``: ``config``, a mini-SWE-agent config spec or a list of them merged
@@ -53,7 +53,7 @@ def miniswe_config(spec: Any) -> dict[str, Any]:
 
 
 def instance_of(task: dict[str, Any]) -> dict[str, Any]:
-    """The row's SWE task: its ``instance`` column (SkyRL's rows), else one made of its prompt."""
+    """The row's SWE task: its ``instance`` column (the seed's rows), else one made of its prompt."""
     instance = task.get("columns", {}).get("instance") or task.get("extra_info", {}).get("instance")
     if isinstance(instance, dict):
         return dict(instance)
