@@ -131,7 +131,7 @@ class TrainingWorker:
     def setup(self, base: torch.nn.Module | None = None) -> dict[str, Any]:
         """Build the model (and optimizer). `base`: a loaded model to build on instead of loading
         `model_path` (the Tinker server hands each LoRA client a module tree over one resident
-        copy of the base weights, `skylift.tinker.base_pool`); LoRA, the device move and the
+        copy of the base weights, `skylift.tinker.training.base_pool`); LoRA, the device move and the
         optimizer then apply to it as to a loaded one."""
         started = time.perf_counter()
         s = self.settings
@@ -402,7 +402,9 @@ class TrainingWorker:
         from peft import get_peft_model_state_dict
 
         model = self._model()
-        state = get_peft_model_state_dict(model)
+        # the adapter only: PEFT's default also saves an adapted unembedding's whole base matrix
+        # (vocab x hidden), which nothing here resizes
+        state = get_peft_model_state_dict(model, save_embedding_layers=False)
         tensors = [(k, full_tensor(v)) for k, v in state.items()]
         return tensors, model.peft_config["default"].to_dict()  # type: ignore[union-attr,index,operator]
 
