@@ -2,7 +2,7 @@
 
 Two `skylift tinker serve --base-model tiny-qwen2 --api-keys-file ...` child processes, one on its
 default SQLite file, one on a throw-away PostgreSQL cluster on loopback (Debian's `postgresql`
-package, `skylift.tinker.db.local_postgres`). On each, `--users` users create a session and one
+package, `skylift.tinker.storage.db.local_postgres`). On each, `--users` users create a session and one
 LoRA model each (so every user holds finished futures), then `--clients` concurrent HTTP clients
 (round-robin over the users) call `retrieve_future` on their own finished futures for
 `--seconds` seconds: every call authenticates, checks the owner and reads the result from the
@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 from _servers import free_port, set_benchmark_env, start_server, stop_server
 
-from skylift.tinker.db.local_postgres import LocalPostgres
+from skylift.tinker.storage.db.local_postgres import LocalPostgres
 
 BASE_MODEL = "tiny-qwen2"
 

@@ -9,7 +9,7 @@ hostile user, who repeats over raw HTTP the bad requests of issue 29 (image poin
 target_prompt_logprobs shape, a datum longer than the context, Infinity and strings where
 numbers belong, a page limit past int64, another user's model, an unknown optimizer) and floods
 the shared engine and the training thread with legitimate but heavy work (overlapping samples,
-back-to-back forward_backwards on its own model): the fair turns of `skylift.tinker.fairness`
+back-to-back forward_backwards on its own model): the fair turns of `skylift.tinker.core.fairness`
 are what keep the well-behaved user's latency bounded.
 
 Measured: the well-behaved user's per-iteration latency (p50 / p99) alone and under attack,

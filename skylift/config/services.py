@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: how a Tinker sampling engine serves LoRA samplers (``--sampler-lora``, skylift.tinker.lora_mode)
+#: how a Tinker sampling engine serves LoRA samplers (``--sampler-lora``, skylift.tinker.sampling.lora_mode)
 LORA_MODES = ("auto", "adapters", "swap")
 
 
@@ -31,7 +31,7 @@ class EngineSettings:
     max_num_seqs: int = 64
     seed: int = 0
     start_timeout_s: float = 900.0
-    # LoRA samplers: adapters in the batch, weight swaps, or measured per engine (skylift.tinker.lora_mode)
+    # LoRA samplers: adapters in the batch, weight swaps, or measured per engine (skylift.tinker.sampling.lora_mode)
     lora_mode: str = "auto"
     max_lora_rank: int = 32  # a LoRA sampler of a higher rank takes the swap path
     max_loras: int = 4  # adapters in one batch (vLLM's max_loras)
@@ -46,7 +46,7 @@ class ServerConfig:
     db_url: str = "sqlite:///skylift-tinker.db"
     data_dir: Path = Path("skylift-tinker-data")
     api_key: str | None = None
-    api_keys_file: Path | None = None  # "USER KEY" lines; SIGHUP reloads it (skylift.tinker.auth)
+    api_keys_file: Path | None = None  # "USER KEY" lines; SIGHUP reloads it (skylift.tinker.core.auth)
     result_retention_s: float | None = 3600.0  # retrieved results are deleted this long after
     max_model_len: int | None = None  # default: the model's, capped at 4096
     session_timeout_s: float = 300.0
@@ -59,12 +59,12 @@ class ServerConfig:
     snapshot_memory_mb: float = 8192.0
     max_idle_snapshots: int = 4
     engine: EngineSettings = field(default_factory=EngineSettings)
-    # what one request may ask (skylift.tinker.limits; docs/security.md)
+    # what one request may ask (skylift.tinker.core.limits; docs/security.md)
     allowed_local_media_paths: list[Path] = field(default_factory=list)  # image pointer roots; none: refused
     max_request_mb: float = 256.0  # a request body, before and after zstd decompression
     max_request_cells: int = 16 * 1024 * 1024  # loss-input cells of one forward(_backward), padded
     future_max_age_s: float = 86400.0  # a future never retrieved is deleted this long after it was made
-    # fair sharing between users (skylift.tinker.fairness; docs/serving_limits.md)
+    # fair sharing between users (skylift.tinker.core.fairness; docs/serving_limits.md)
     fair_wait_timeout_s: float = 600.0  # longest wait for a turn on the training thread or an engine
     sampling_slots: int = 4  # sample requests one engine serves at once; the rest wait their user's turn
     # per-user quotas
@@ -72,7 +72,7 @@ class ServerConfig:
     max_snapshot_mb_per_user: float = 4096.0  # memory of the sampler snapshots one user's live sessions hold
     max_record_tokens_per_user: int = 5_000_000  # stability-record tokens of one user (oldest dropped)
     max_checkpoint_gb_per_user: float = 1024.0  # checkpoint disk of one user
-    # training admission (skylift.tinker.admission): the memory training clients may hold (None: a
+    # training admission (skylift.tinker.training.admission): the memory training clients may hold (None: a
     # fraction of the training device's), live training clients and LoRA adapters per user (the
     # users file may set a user's own)
     training_memory_gb: float | None = None

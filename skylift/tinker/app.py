@@ -1,8 +1,9 @@
 """The FastAPI application that speaks the Tinker wire protocol (routes under ``/api/v1``).
 
-The routes live in routers (`skylift.tinker.routes`, `skylift.tinker.checkpoint_routes`) that
-take the service, the caller and a typed body (`skylift.tinker.bodies`) as dependencies
-(`skylift.tinker.deps`); this module assembles them with the service, the API keys and the
+The routes live in routers (`router` of each feature folder: `skylift.tinker.sessions.router`,
+`skylift.tinker.training.router`, ...) that
+take the service, the caller and a typed body (`skylift.tinker.core.bodies`) as dependencies
+(`skylift.tinker.core.deps`); this module assembles them with the service, the API keys and the
 error handlers.
 
 Operation routes answer ``{"request_id", ...}`` at once; results come from ``retrieve_future``
@@ -14,11 +15,11 @@ belongs, a missing field, a value past a declared limit) is such a 4xx naming th
 a 500.
 
 Users: every request under ``/api/v1`` and ``/skylift`` (but healthz) carries ``X-API-Key``; the
-key's user (`skylift.tinker.auth`) owns what it creates, and another user's ids and paths are
-answered exactly like unknown ones (`skylift.tinker.ownership`): 404 on direct routes, a future
+key's user (`skylift.tinker.core.auth`) owns what it creates, and another user's ids and paths are
+answered exactly like unknown ones (`skylift.tinker.core.ownership`): 404 on direct routes, a future
 failing with the same "unknown ..." user error on operation routes.
 
-Errors (`skylift.tinker.http_common`): an internal failure on an operation route becomes a failed
+Errors (`skylift.tinker.core.http_common`): an internal failure on an operation route becomes a failed
 future of category "server" (the SDK raises it at once instead of retrying the POST for
 minutes); on a direct route a 500 with the message.
 """
@@ -34,16 +35,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from skylift.tinker import checkpoint_routes
-from skylift.tinker.auth import KeyRing
-from skylift.tinker.deps import RefusedOperation, failed_future
-from skylift.tinker.fairness import QuotaError
-from skylift.tinker.http_common import error_response, install_auth, install_error_handlers
-from skylift.tinker.limits import RequestLimits
+from skylift.tinker.checkpoints import router as checkpoint_routes
+from skylift.tinker.core.auth import KeyRing
+from skylift.tinker.core.deps import RefusedOperation, failed_future
+from skylift.tinker.core.fairness import QuotaError
+from skylift.tinker.core.http_common import error_response, install_auth, install_error_handlers
+from skylift.tinker.core.limits import RequestLimits
+from skylift.tinker.core.ownership import Owners
 from skylift.tinker.openapi import install_typed_bodies
-from skylift.tinker.ownership import Owners
-from skylift.tinker.routes import runs, sampling, sessions, training
+from skylift.tinker.sampling import router as sampling
 from skylift.tinker.service import ServerConfig, TinkerService
+from skylift.tinker.sessions import router as sessions
+from skylift.tinker.sessions import runs_router as runs
+from skylift.tinker.training import router as training
 
 logger = logging.getLogger(__name__)
 API = "/api/v1"

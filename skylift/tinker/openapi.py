@@ -1,8 +1,8 @@
 """The request bodies of the Tinker routes in the app's OpenAPI document, from the typed models
-the routes parse them into (`skylift.tinker.bodies`: the SDK's request types with this server's
+the routes parse them into (`skylift.tinker.core.bodies`: the SDK's request types with this server's
 limits), so that clients and fuzzers (schemathesis) see what each route takes and what it
 refuses. The routes read their bodies themselves (size limits, zstd), so FastAPI does not see
-them; a typed body's dependency names its model (`body_model`, see `skylift.tinker.deps`).
+them; a typed body's dependency names its model (`body_model`, see `skylift.tinker.core.deps`).
 """
 
 from __future__ import annotations

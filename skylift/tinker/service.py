@@ -26,22 +26,24 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
-from skylift.tinker import durable
-from skylift.tinker.admission import Admission
-from skylift.tinker.auth import current_user
-from skylift.tinker.backend import ModelConfig, TrainedModel
-from skylift.tinker.base_models import BaseModelInfo, BaseModels
-from skylift.tinker.base_pool import BasePool
-from skylift.tinker.bodies import CreateModelBody, CreateSessionBody, LoraBody, SampleBody
-from skylift.tinker.errors import UserError
-from skylift.tinker.fairness import FairGate
-from skylift.tinker.futures import FutureHub, OrderedQueue, Work
-from skylift.tinker.limits import RequestLimits
-from skylift.tinker.provenance import StabilityRecords
-from skylift.tinker.sampler_service import SamplingService
-from skylift.tinker.snapshots import MIB, SnapshotStore
-from skylift.tinker.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
-from skylift.tinker.views import KIND_SEGMENT
+from skylift.tinker.core import durable
+from skylift.tinker.core.auth import current_user
+from skylift.tinker.core.base_models import BaseModelInfo, BaseModels
+from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.fairness import FairGate
+from skylift.tinker.core.futures import FutureHub, OrderedQueue, Work
+from skylift.tinker.core.limits import RequestLimits
+from skylift.tinker.core.provenance import StabilityRecords
+from skylift.tinker.sampling.bodies import SampleBody
+from skylift.tinker.sampling.service import SamplingService
+from skylift.tinker.sampling.snapshots import MIB, SnapshotStore
+from skylift.tinker.sessions.bodies import CreateSessionBody
+from skylift.tinker.storage.store import CheckpointRow, ModelRow, SessionRow, Store, utcnow
+from skylift.tinker.storage.views import KIND_SEGMENT
+from skylift.tinker.training.admission import Admission
+from skylift.tinker.training.base_pool import BasePool
+from skylift.tinker.training.bodies import CreateModelBody, LoraBody
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 from skylift.tinker.vision.host import RenderHosts
 from skylift.utils.affinity import bind_this_process, bind_this_thread
 
@@ -124,7 +126,7 @@ class TinkerService:
 
     def _sweep_unrecorded_versions(self) -> None:
         """Delete checkpoint versions a crash left behind: directories with a version tag
-        (`skylift.tinker.durable`) that no record names (a write that never got recorded, or an
+        (`skylift.tinker.core.durable`) that no record names (a write that never got recorded, or an
         overwritten version whose deletion did not happen)."""
         recorded = {str(Path(c.directory)) for c in self.store.checkpoints()}
         for directory in self.data_dir.glob(f"runs/*/*/*{durable.VERSION_SEP}*"):
@@ -262,7 +264,7 @@ class TinkerService:
 
     async def run_training(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` on the one training thread, when the calling user's turn comes (round robin
-        between users, `skylift.tinker.fairness`)."""
+        between users, `skylift.tinker.core.fairness`)."""
         async with self.train_gate.slot(current_user.get()):
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 

@@ -23,9 +23,9 @@ from server_helpers import TINY_SERVED_NAME
 from sqlalchemy import create_engine, text
 from tinker.proto import tinker_public_pb2 as pb
 
-from skylift.tinker.backend import ModelConfig
-from skylift.tinker.db.local_postgres import LocalPostgres, find_bin_dir
-from skylift.tinker.db.migrate import upgrade
+from skylift.tinker.storage.db.local_postgres import LocalPostgres, find_bin_dir
+from skylift.tinker.storage.db.migrate import upgrade
+from skylift.tinker.training.trained_model import ModelConfig
 
 API = "/api/v1"
 RESULT_TIMEOUT_S = 120.0

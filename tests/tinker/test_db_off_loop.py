@@ -25,9 +25,9 @@ from lab_helpers import Lab, fb_body, write_keys
 from server_helpers import TINY_MAX_MODEL_LEN, TINY_SERVED_NAME, require_loopback_namespace
 
 from skylift.tinker.app import create_app
-from skylift.tinker.sampling import FAIL_START_ENV
+from skylift.tinker.sampling.engine_host import FAIL_START_ENV
 from skylift.tinker.service import ServerConfig
-from skylift.tinker.store import Store
+from skylift.tinker.storage.store import Store
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,17 @@ import pytest
 from lab_helpers import T0, postgres_cluster, write_legacy
 from sqlalchemy import create_engine
 
-from skylift.tinker.db.local_postgres import LocalPostgres
-from skylift.tinker.db.migrate import current_revision, head_revision
-from skylift.tinker.db.models import Base
-from skylift.tinker.store import CheckpointRow, FutureRow, ModelRow, SamplingSessionRow, SessionRow, Store
+from skylift.tinker.storage.db.local_postgres import LocalPostgres
+from skylift.tinker.storage.db.migrate import current_revision, head_revision
+from skylift.tinker.storage.db.models import Base
+from skylift.tinker.storage.store import (
+    CheckpointRow,
+    FutureRow,
+    ModelRow,
+    SamplingSessionRow,
+    SessionRow,
+    Store,
+)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from server_helpers import TINY_SERVED_NAME, TinkerServer, require_loopback_name
 from tinker import types
 from tinker_helpers import sft_dataset
 
-from skylift.tinker.db.local_postgres import LocalPostgres
+from skylift.tinker.storage.db.local_postgres import LocalPostgres
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -27,7 +27,7 @@ def test_inference_limits_come_from_the_environment_with_typed_defaults() -> Non
 
 def test_tinker_settings_are_the_config_packages() -> None:
     from skylift.tinker import ServerConfig as TinkerServerConfig
-    from skylift.tinker.sampling import EngineSettings as TinkerEngineSettings
+    from skylift.tinker.sampling.engine_host import EngineSettings as TinkerEngineSettings
 
     assert TinkerServerConfig is ServerConfig and TinkerEngineSettings is EngineSettings
     config = ServerConfig(base_models=["tiny-qwen2"])

@@ -1,4 +1,4 @@
-"""A sampling engine's LoRA adapter slots (`skylift.tinker.adapter_slots`) and how `EngineHost`
+"""A sampling engine's LoRA adapter slots (`skylift.tinker.sampling.adapter_slots`) and how `EngineHost`
 serves LoRA samplers over them, with a fake engine: least recently used out first, never one a
 request is using, a full table waits for a release, in-memory adapters are written for the engine
 and deleted after; adapter samplers share the base without a weight push, full weights swap."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from skylift.config.services import EngineSettings
-from skylift.tinker.adapter_slots import AdapterSlots
-from skylift.tinker.lora_mode import ModeChoice
-from skylift.tinker.sampler_weights import AdapterSource, SamplerWeights, adapter_in
-from skylift.tinker.sampling import EngineHost
+from skylift.tinker.sampling.adapter_slots import AdapterSlots
+from skylift.tinker.sampling.engine_host import EngineHost
+from skylift.tinker.sampling.lora_mode import ModeChoice
+from skylift.tinker.sampling.weights import AdapterSource, SamplerWeights, adapter_in
 from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, write_adapter_dir
 
 CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 4, "target_modules": ["q_proj"]}

@@ -1,4 +1,4 @@
-"""Training admission (`skylift.tinker.admission`): a client that does not fit the memory budget
+"""Training admission (`skylift.tinker.training.admission`): a client that does not fit the memory budget
 or its user's caps is refused with a 400 saying what it needs and what is in use; the server keeps
 serving. The estimates match what the clients really hold."""
 
@@ -11,12 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 from tinker_app import API, result, session
 
-from skylift.tinker.admission import Admission, CapacityError, estimate
 from skylift.tinker.app import create_app
-from skylift.tinker.auth import KeyFileError, UserCaps, parse_users_file
-from skylift.tinker.backend import ModelConfig, TrainedModel
-from skylift.tinker.base_pool import BasePool
+from skylift.tinker.core.auth import KeyFileError, UserCaps, parse_users_file
 from skylift.tinker.service import ServerConfig
+from skylift.tinker.training.admission import Admission, CapacityError, estimate
+from skylift.tinker.training.base_pool import BasePool
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 MIB = 1024 * 1024
 ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}

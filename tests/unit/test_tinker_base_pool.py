@@ -1,5 +1,5 @@
 """LoRA training clients of one base model share one resident copy of its weights
-(`skylift.tinker.base_pool`), and never each other's adapters, gradients or optimizer state."""
+(`skylift.tinker.training.base_pool`), and never each other's adapters, gradients or optimizer state."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from skylift.tinker.backend import ModelConfig, TrainedModel
-from skylift.tinker.base_pool import BasePool, tensor_bytes
-from skylift.tinker.wire import ForwardBackwardCall, WireDatum
+from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum
+from skylift.tinker.training.base_pool import BasePool, tensor_bytes
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"

@@ -1,4 +1,4 @@
-"""The Tinker routes' typed bodies (skylift.tinker.bodies): their limits are published in the
+"""The Tinker routes' typed bodies (skylift.tinker.core.bodies): their limits are published in the
 OpenAPI document, a body past one is a 400 naming the field, and a malformed operation on a
 model the caller does not own answers like an unknown model (no hint about its shape)."""
 
@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from skylift.tinker.app import create_app
-from skylift.tinker.bodies import MAX_SEQ_ID, MAX_TAGS, SampleBody
+from skylift.tinker.core.bodies import MAX_SEQ_ID, MAX_TAGS
+from skylift.tinker.sampling.bodies import SampleBody
 from skylift.tinker.service import ServerConfig
 
 API = "/api/v1"

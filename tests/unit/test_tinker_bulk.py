@@ -11,8 +11,8 @@ import tracemalloc
 import pytest
 import zstandard
 
-from skylift.tinker import bulk, limits
-from skylift.tinker.errors import TooLargeError
+from skylift.tinker.core import bulk, limits
+from skylift.tinker.core.errors import TooLargeError
 
 
 def test_bulk_threads_run_at_a_lower_priority() -> None:

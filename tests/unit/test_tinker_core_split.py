@@ -66,7 +66,7 @@ def test_no_split_leaves_engines_every_core(
 
 def test_the_engines_thread_binds_itself_to_the_engines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its scheduler process, started from that thread, inherits them."""
-    from skylift.tinker.sampling import EngineHost, EngineSettings
+    from skylift.tinker.sampling.engine_host import EngineHost, EngineSettings
     from skylift.utils import affinity
 
     bound: list[tuple[int, list[int], str]] = []

@@ -1,4 +1,4 @@
-"""Fair sharing and per-user quotas of the Tinker server (skylift.tinker.fairness): one user's
+"""Fair sharing and per-user quotas of the Tinker server (skylift.tinker.core.fairness): one user's
 flood of requests does not starve another user of the training thread or a sampling engine, a
 wait has a bound with a clear error, and each user's futures, snapshots, stability records and
 checkpoint disk have their own share. Fake work only; orders are asserted, never timings."""
@@ -16,8 +16,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from skylift.tinker.auth import current_user
-from skylift.tinker.fairness import BusyError, FairGate, QuotaError
+from skylift.tinker.core.auth import current_user
+from skylift.tinker.core.fairness import BusyError, FairGate, QuotaError
 
 
 def as_user(user: str, coro_fn: Callable[[], Any]) -> asyncio.Task[Any]:
@@ -227,8 +227,8 @@ def test_the_training_thread_takes_users_in_turn(tmp_path: Path, tiny_model_dir:
 
 
 def test_outstanding_futures_have_a_per_user_quota(tmp_path: Path) -> None:
-    from skylift.tinker.futures import FutureHub
-    from skylift.tinker.store import Store
+    from skylift.tinker.core.futures import FutureHub
+    from skylift.tinker.storage.store import Store
 
     store = Store(f"sqlite:///{tmp_path / 'f.db'}")
 
@@ -265,7 +265,7 @@ def test_outstanding_futures_have_a_per_user_quota(tmp_path: Path) -> None:
 
 
 def test_snapshots_have_a_per_user_quota() -> None:
-    from skylift.tinker.snapshots import SnapshotStore
+    from skylift.tinker.sampling.snapshots import SnapshotStore
 
     weights = {"w": torch.zeros(4)}  # 16 bytes
     store = SnapshotStore(max_bytes=1 << 30, max_idle=4, max_held_bytes_per_user=32)
@@ -293,7 +293,7 @@ def test_snapshots_have_a_per_user_quota() -> None:
 
 
 def test_stability_records_have_a_per_user_share() -> None:
-    from skylift.tinker.provenance import StabilityRecords
+    from skylift.tinker.core.provenance import StabilityRecords
 
     records = StabilityRecords(max_tokens=1000, max_tokens_per_user=10)
     token = current_user.set("bob")
@@ -315,7 +315,7 @@ def test_stability_records_have_a_per_user_share() -> None:
 
 
 def test_checkpoint_disk_has_a_per_user_quota() -> None:
-    from skylift.tinker.checkpoints import check_disk_quota
+    from skylift.tinker.checkpoints.operations import check_disk_quota
 
     rows = {"alice": [SimpleNamespace(size_bytes=600 * 1024**2)] * 2, "bob": []}
     svc = SimpleNamespace(

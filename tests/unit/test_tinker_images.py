@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skylift.tinker.errors import UserError
-from skylift.tinker.rendering import json_parts
+from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.model_input import json_parts
 from skylift.tinker.vision.images import ImageInput, check_image, image_from_json
 
 

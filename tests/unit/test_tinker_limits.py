@@ -31,7 +31,7 @@ from tinker_app import (
     tensor,
 )
 
-from skylift.tinker.errors import UserError
+from skylift.tinker.core.errors import UserError
 from skylift.tinker.vision.images import MAX_IMAGE_BYTES, read_pointer
 
 __all__ = ["lab"]
@@ -278,7 +278,7 @@ def test_a_non_ascii_download_signature_is_a_403(lab: TestClient) -> None:
 
 
 def test_checkpoint_names_have_no_trailing_newline_and_a_length_cap() -> None:
-    from skylift.tinker.views import MAX_NAME_CHARS, check_name, parse_tinker_path
+    from skylift.tinker.storage.views import MAX_NAME_CHARS, check_name, parse_tinker_path
 
     assert check_name("step-10", "save_weights") == "step-10"
     assert check_name("a" * MAX_NAME_CHARS, "save_weights")

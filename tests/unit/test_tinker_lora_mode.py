@@ -1,4 +1,4 @@
-"""How a sampling engine chooses to serve LoRA samplers (`skylift.tinker.lora_mode`), over a fake
+"""How a sampling engine chooses to serve LoRA samplers (`skylift.tinker.sampling.lora_mode`), over a fake
 engine whose costs are set: the zero adapter covers the attention and MLP layers and changes
 nothing; adapters win when two adapters' requests batched take no longer than a swap between them."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from skylift.tinker.lora_mode import calibrate, zero_adapter
+from skylift.tinker.sampling.lora_mode import calibrate, zero_adapter
 from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 WEIGHTS = {
@@ -96,7 +96,7 @@ def test_a_zero_adapter_of_a_tied_unembedding_takes_the_embedding_shape(tmp_path
 def test_unembedding_adapters_are_served_where_the_architecture_declares_them() -> None:
     from types import SimpleNamespace
 
-    from skylift.tinker.lora_mode import accepts_unembed
+    from skylift.tinker.sampling.lora_mode import accepts_unembed
 
     def engine(names: set[str] | Exception) -> SimpleNamespace:
         def module_names() -> set[str]:

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from tinker_app import ALICE, API, BOB, lab, result, session
 
-from skylift.tinker.backend import ModelConfig
-from skylift.tinker.checkpoint_meta import META_FILE
+from skylift.tinker.checkpoints.meta import META_FILE
 from skylift.tinker.service import ServerConfig
-from skylift.tinker.store import ModelRow, SessionRow
+from skylift.tinker.storage.store import ModelRow, SessionRow
+from skylift.tinker.training.trained_model import ModelConfig
 
 __all__ = ["lab"]
 
@@ -42,7 +42,7 @@ def _writer(payload: str, public: bool = False, fail: bool = False) -> Any:
 
 
 def test_a_failed_overwrite_leaves_the_old_checkpoint_whole_and_recorded(lab: TestClient) -> None:
-    from skylift.tinker.checkpoints import write_checkpoint
+    from skylift.tinker.checkpoints.operations import write_checkpoint
 
     svc = lab.app.state.service  # type: ignore[attr-defined]
     _alice_run(svc, str(lab.tiny_model_dir), "run-overwrite")  # type: ignore[attr-defined]
@@ -71,7 +71,7 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint_whole_and_recorded(lab: Te
 
 
 def test_copying_a_published_checkpoint_gives_the_copy_to_the_caller(lab: TestClient) -> None:
-    from skylift.tinker.checkpoints import write_checkpoint
+    from skylift.tinker.checkpoints.operations import write_checkpoint
 
     svc = lab.app.state.service  # type: ignore[attr-defined]
     _alice_run(svc, str(lab.tiny_model_dir), "run-published")  # type: ignore[attr-defined]
@@ -92,7 +92,7 @@ def test_copying_a_published_checkpoint_gives_the_copy_to_the_caller(lab: TestCl
 
 
 def test_a_sampler_loses_access_when_its_checkpoint_is_unpublished(lab: TestClient) -> None:
-    from skylift.tinker.checkpoints import write_checkpoint
+    from skylift.tinker.checkpoints.operations import write_checkpoint
 
     svc = lab.app.state.service  # type: ignore[attr-defined]
     _alice_run(svc, str(lab.tiny_model_dir), "run-shared")  # type: ignore[attr-defined]
@@ -120,8 +120,8 @@ def test_a_sampler_loses_access_when_its_checkpoint_is_unpublished(lab: TestClie
 def test_futures_never_retrieved_are_pruned_after_their_maximum_age(tmp_path: Path) -> None:
     import datetime as dt
 
-    from skylift.tinker.futures import FutureHub
-    from skylift.tinker.store import FutureRow, Store
+    from skylift.tinker.core.futures import FutureHub
+    from skylift.tinker.storage.store import FutureRow, Store
 
     store = Store(f"sqlite:///{tmp_path / 'f.db'}")
 
@@ -166,7 +166,7 @@ def test_request_limits_come_from_the_server_flags(tmp_path: Path) -> None:
     import argparse
 
     from skylift.tinker.commands import add_tinker_command
-    from skylift.tinker.limits import RequestLimits
+    from skylift.tinker.core.limits import RequestLimits
 
     parser = argparse.ArgumentParser()
     add_tinker_command(parser.add_subparsers(dest="command"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skylift.tinker.errors import UserError
-from skylift.tinker.snapshots import MIB, SnapshotStore
+from skylift.tinker.core.errors import UserError
+from skylift.tinker.sampling.snapshots import MIB, SnapshotStore
 
 
 def _weights(mib: int) -> dict[str, torch.Tensor]:
@@ -46,7 +46,7 @@ def test_a_snapshot_that_does_not_fit_is_refused_after_dropping_idle_ones() -> N
 
 
 def test_an_adapter_only_snapshot_counts_the_adapter_bytes() -> None:
-    from skylift.tinker.sampler_weights import AdapterSource, SamplerSnapshot
+    from skylift.tinker.sampling.weights import AdapterSource, SamplerSnapshot
 
     adapter = AdapterSource(rank=8, tensors=_weights(1), config={"r": 8})
     store = SnapshotStore(max_bytes=3 * MIB, max_idle=4)

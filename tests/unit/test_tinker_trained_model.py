@@ -12,8 +12,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from tolerances import assert_gradients_close, assert_sums_close
 
 from skylift.models.tiny_qwen2 import VOCAB_SIZE
-from skylift.tinker.backend import ModelConfig, TrainedModel
-from skylift.tinker.wire import ForwardBackwardCall, WireDatum
+from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 TOKENS = [5 + (j * 5) % 37 for j in range(12)]
 
@@ -97,7 +97,7 @@ def test_a_lora_sampler_export_holds_its_adapter_and_its_snapshot_may_hold_only_
 ) -> None:
     from safetensors.torch import load_file
 
-    from skylift.tinker.sampler_weights import adapter_in
+    from skylift.tinker.sampling.weights import adapter_in
 
     model.export_sampler(tmp_path / "sampler")
     found = adapter_in(tmp_path / "sampler")

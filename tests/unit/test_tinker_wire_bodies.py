@@ -1,5 +1,5 @@
 """The protobuf bodies of /forward and /forward_backward go through typed models
-(skylift.tinker.wire_bodies) like the JSON bodies: a malformed field is a 400 naming it, at
+(skylift.tinker.core.wire_bodies) like the JSON bodies: a malformed field is a 400 naming it, at
 once, before any tensor is made dense; a good body decodes as before. Directly through
 `decode_forward_backward` and once through the real app in-process (no engine)."""
 
@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.app import create_app
-from skylift.tinker.errors import UserError
+from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.wire import decode_forward_backward
+from skylift.tinker.core.wire_bodies import MAX_NAMES
 from skylift.tinker.service import ServerConfig
-from skylift.tinker.wire import decode_forward_backward
-from skylift.tinker.wire_bodies import MAX_NAMES
 
 API = "/api/v1"
 KEY = {"X-API-Key": "tml-x", "Content-Type": "application/x-protobuf"}

@@ -52,7 +52,7 @@ class EngineRenderer:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        from skylift.tinker.errors import UserError
+        from skylift.tinker.core.errors import UserError
 
         result = await self._serving.render_chat_request(ChatCompletionRequest(**payload))
         if isinstance(result, ErrorResponse):

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from skylift.tinker.core.wire import WireDatum
 from skylift.tinker.vision.render import Part, RenderClient, RenderedInput, VisionRenderer
 from skylift.tinker.vision.render_server import (
     CPURenderServer,
@@ -20,7 +21,6 @@ from skylift.tinker.vision.render_server import (
     RenderServerError,
     process_rss_mb,
 )
-from skylift.tinker.wire import WireDatum
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from skylift.tinker.errors import UserError
+from skylift.tinker.core.errors import UserError
 from skylift.tinker.vision.images import ImageInput
 
 Part = list[int] | ImageInput
@@ -29,7 +29,7 @@ class RenderClient(Protocol):
     Satisfied by `skylift.tinker.vision.render_server.RenderServerClient` (the CPU render server), by the
     engine clients `skylift.inference.remote.RemoteInferenceEngine` / `EnginePool.from_urls`
     (servers started with ``--enable-scale-out``; the client spreads renders over its servers), and
-    by `skylift.tinker.sampling.EngineHost` (the Tinker service's in-process engine).
+    by `skylift.tinker.sampling.engine_host.EngineHost` (the Tinker service's in-process engine).
     """
 
     async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]: ...

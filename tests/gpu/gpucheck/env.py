@@ -42,7 +42,7 @@ CARRIED_WHEELS = (
     (
         "tinker==0.38.0",
         "tinker",
-        "tinker.proto: the protobuf schema of the Tinker wire format (skylift.tinker.wire)",
+        "tinker.proto: the protobuf schema of the Tinker wire format (skylift.tinker.core.wire)",
     ),
     ("protobuf==6.33.5", "google.protobuf", "google.protobuf, pure-Python build, for tinker.proto"),
 )

@@ -29,11 +29,13 @@ SEED = 21
 
 
 def load_backend() -> tuple[Any, Any, Any, dict[str, str | None]]:
-    """(skylift.tinker.backend, skylift.tinker.wire, tinker.proto.tinker_public_pb2, skipped inits)."""
+    """(skylift.tinker.training.trained_model, skylift.tinker.core.wire, tinker.proto.tinker_public_pb2, skipped inits)."""
     pb, tinker_why = import_skipping_package_init("tinker.proto.tinker_public_pb2", "tinker")
-    backend, skylift_why = import_skipping_package_init("skylift.tinker.backend", "skylift.tinker")
+    backend, skylift_why = import_skipping_package_init(
+        "skylift.tinker.training.trained_model", "skylift.tinker"
+    )
     skipped = {"tinker": tinker_why, "skylift.tinker": skylift_why}
-    return backend, sys.modules["skylift.tinker.wire"], pb, skipped
+    return backend, sys.modules["skylift.tinker.core.wire"], pb, skipped
 
 
 def _datums(wire: Any, vocab: int, logprobs: list[np.ndarray] | None) -> list[Any]:
@@ -107,7 +109,7 @@ def importable() -> str | None:
     try:
         load_backend()
     except ImportError as exc:
-        return f"skylift.tinker.backend cannot be imported: {why_blocked(exc)}"
+        return f"skylift.tinker.training.trained_model cannot be imported: {why_blocked(exc)}"
     return None
 
 

@@ -1,0 +1,311 @@
+"""Checkpoints out and in: external weights with signed download URLs, publish/unpublish, TTLs,
+copies, weights info, and the session views `tinker` CLI commands read.
+
+``save_weights_external`` writes a Hugging Face model directory (merged weights, config, tokenizer:
+`transformers.AutoModelForCausalLM.from_pretrained` loads it) as
+``tinker://<run>/external_weights/<name>``. ``external_weights_urls`` signs one URL per file,
+served by this server under ``/signed/...`` (no API key: the HMAC signature and its expiry are
+the credential, so plain downloaders such as `tinker checkpoint download` work unmodified).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import hmac
+import json
+import shutil
+import time
+import urllib.parse
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from skylift.tinker.checkpoints.bodies import CopyWeightsBody, SaveWeightsExternalBody
+from skylift.tinker.core import durable
+from skylift.tinker.core.errors import NotFoundError, UserError
+from skylift.tinker.core.fairness import QuotaError
+from skylift.tinker.storage.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
+from skylift.tinker.storage.views import (
+    KIND_SEGMENT,
+    META_FILE,
+    check_name,
+    iso,
+    parse_tinker_path,
+    tinker_path,
+)
+
+if TYPE_CHECKING:
+    from skylift.tinker.service import TinkerService
+    from skylift.tinker.training.trained_model import TrainedModel
+
+URL_TTL_S = 3600
+SIGNED_PREFIX = "/signed/external_weights"
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400
+
+
+def _checkpoint(svc: TinkerService, run_id: str, checkpoint_id: str) -> CheckpointRow:
+    segment, _, name = checkpoint_id.partition("/")
+    path = f"tinker://{run_id}/{segment}/{name}"
+    parse_tinker_path(path)
+    return svc.store.require_checkpoint(path)
+
+
+def _by_path(svc: TinkerService, path: str) -> CheckpointRow:
+    run_id, _, _ = parse_tinker_path(path)
+    return _checkpoint(svc, run_id, path.removeprefix(f"tinker://{run_id}/"))
+
+
+def ttl_expiry(ttl: Any, lowest: int = 1) -> dt.datetime | None:
+    if ttl is None:
+        return None
+    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not lowest <= ttl <= MAX_TTL_S:
+        raise UserError(f"ttl_seconds must be a number of seconds in [{lowest}, 10 years], got {ttl!r}")
+    return utcnow() + dt.timedelta(seconds=int(ttl))
+
+
+def check_disk_quota(svc: TinkerService, owner: str | None, adding: int) -> None:
+    """Refuse (429) a new checkpoint of `owner` once its checkpoints use its share of the disk
+    (``--max-checkpoint-gb-per-user``); `adding` bytes known in advance count too (blocking:
+    reads records)."""
+    if owner is None:
+        return
+    used = sum(int(r.size_bytes or 0) for r in svc.store.checkpoints(owner=owner))
+    quota = int(svc.config.max_checkpoint_gb_per_user * 1024**3)
+    if used + adding > quota or (adding == 0 and used >= quota):
+        raise QuotaError(
+            f"your checkpoints use {used / 1024**3:.2f} GiB of the {quota / 1024**3:g} GiB this server allows "
+            "per user (--max-checkpoint-gb-per-user); delete checkpoints you no longer need"
+        )
+
+
+async def write_checkpoint(
+    svc: TinkerService,
+    writer: Any,
+    model_id: str,
+    kind: str,
+    name: str,
+    expires_at: dt.datetime | None,
+    user_metadata: Any = None,
+) -> tuple[str, int]:
+    """Write checkpoint `name` of kind `kind` afresh with `writer(directory) -> size` (on the
+    training thread) and record it; (its tinker path, its size). Crash-safe: the new version is
+    written under a temporary name, fsynced and renamed, then recorded; an old version (an
+    overwrite) stays complete and recorded until then, and is deleted after."""
+    path = tinker_path(model_id, kind, name)
+    await svc.db(lambda: check_disk_quota(svc, svc.store.model_owner(model_id), 0))
+    final = svc.run_dir(model_id, kind, name)
+    staging = durable.staging_dir(final)
+    try:
+        size = await svc.run_training(writer, staging)
+        directory = await asyncio.to_thread(durable.commit_dir, staging, final)
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, staging, True)
+        raise
+    old = await svc.db(svc.store.checkpoint, path)
+    row = CheckpointRow(
+        tinker_path=path,
+        model_id=model_id,
+        checkpoint_id=f"{KIND_SEGMENT[kind]}/{name}",
+        kind=kind,
+        directory=str(directory),
+        size_bytes=size,
+        expires_at=expires_at,
+        user_metadata=user_metadata,
+    )
+    await svc.db(svc.store.put_checkpoint, row)
+    if old is not None and Path(old.directory) != directory:
+        await asyncio.to_thread(shutil.rmtree, old.directory, True)
+    return path, size
+
+
+# ---------------------------------------------------------------- external weights
+async def save_weights_external(svc: TinkerService, body: SaveWeightsExternalBody, idem: str | None) -> str:
+    model_id = body.model_id
+    if body.age_encryption_recipients:
+        raise UserError("age_encryption_recipients: this server does not encrypt exports")
+
+    async def fn(model: TrainedModel) -> dict[str, Any]:
+        name = check_name(body.path, "save_weights_external")
+        expires_at = ttl_expiry(body.ttl_seconds)
+        path, size = await write_checkpoint(svc, model.export_sampler, model_id, "external", name, expires_at)
+        return {"path": path, "size_bytes": size, "type": "save_weights_external"}
+
+    return await svc.submit_model_op("save_weights_external", model_id, body.seq_id, fn, idem)
+
+
+def _signature(secret: bytes, path: str, expires: int) -> str:
+    return hmac.new(secret, f"{path}\n{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def external_weights_urls(
+    svc: TinkerService, run_id: str, checkpoint_id: str, base_url: str
+) -> dict[str, Any]:
+    row = _checkpoint(svc, run_id, checkpoint_id)
+    if row.kind != "external":
+        raise UserError(f"{row.tinker_path} is not an external weights checkpoint (save_weights_external)")
+    root = Path(row.directory)
+    expires = int(time.time()) + URL_TTL_S
+    urls = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name != META_FILE):
+        rel = f.relative_to(root).as_posix()
+        path = f"{SIGNED_PREFIX}/{run_id}/{row.checkpoint_id}/{rel}"  # signed as the server decodes it
+        query = urllib.parse.urlencode({"expires": expires, "sig": _signature(svc.url_secret, path, expires)})
+        url_path = urllib.parse.quote(path)
+        urls[rel] = f"{base_url.rstrip('/')}{url_path}?{query}"
+    return {"urls": urls, "expires": iso(dt.datetime.fromtimestamp(expires, dt.UTC).replace(tzinfo=None))}
+
+
+def signed_file(svc: TinkerService, url_path: str, expires: int, sig: str) -> Path:
+    """The file a signed URL names (`url_path` percent-decoded); PermissionError when the signature
+    is wrong or expired."""
+    if expires < time.time():
+        raise PermissionError("this download URL expired; ask for new ones (external_weights_urls)")
+    if not hmac.compare_digest(
+        _signature(svc.url_secret, url_path, expires).encode(), sig.encode("utf-8", "replace")
+    ):
+        raise PermissionError("invalid download URL signature")
+    rest = url_path.removeprefix(SIGNED_PREFIX + "/")
+    run_id, segment, name, rel = rest.split("/", 3)
+    row = _checkpoint(svc, run_id, f"{segment}/{name}")
+    root = Path(row.directory).resolve()
+    target = (root / rel).resolve()
+    if not target.is_relative_to(root) or not target.is_file():
+        raise NotFoundError(f"{rel} is not a file of {row.tinker_path}")
+    return target
+
+
+# ---------------------------------------------------------------- publish, TTL, copy, info
+def set_public(svc: TinkerService, run_id: str, checkpoint_id: str, public: bool) -> None:
+    row = _checkpoint(svc, run_id, checkpoint_id)
+    meta_path = Path(row.directory) / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if bool(meta.get("public", False)) == public:
+        state = "public" if public else "private"
+        raise UserError(f"checkpoint {row.tinker_path} is already {state}")
+    meta["public"] = public
+    durable.write_text_atomic(meta_path, json.dumps(meta))
+
+
+def set_ttl(svc: TinkerService, run_id: str, checkpoint_id: str, ttl_seconds: float | None) -> None:
+    row = _checkpoint(svc, run_id, checkpoint_id)
+    svc.store.update(CheckpointRow, row.id, expires_at=ttl_expiry(ttl_seconds))
+
+
+def weights_info(svc: TinkerService, path: str) -> dict[str, Any]:
+    row = _by_path(svc, path)
+    model = svc.store.get(ModelRow, row.model_id)
+    config = (model.config if model is not None else None) or {}
+    rank = int(config.get("lora_rank", 0))
+    return {
+        "base_model": model.base_model if model is not None else "",
+        "is_lora": rank > 0,
+        "lora_rank": rank or None,
+        "train_unembed": config.get("train_unembed"),
+        "train_mlp": config.get("train_mlp"),
+        "train_attn": config.get("train_attn"),
+    }
+
+
+def copy_weights(svc: TinkerService, body: CopyWeightsBody, owner: str | None = None) -> dict[str, Any]:
+    """Copy a checkpoint into a new training run (unloaded) of the caller (`owner`):
+    `<session_id>:train:<model_seq_id>` with a session of the caller, else `copy-<id>` in a new
+    session of the caller (this server has no projects: a `destination_project_id` is accepted
+    and only labels the copy). Never in the source's namespace: copying another user's
+    published checkpoint gives the caller the copy."""
+    source = _by_path(svc, body.source_path)
+    src_model = svc.store.get(ModelRow, source.model_id)
+    session_id, seq = body.session_id, body.model_seq_id
+    if session_id is not None:
+        if seq is None:
+            raise UserError("copy_weights: send model_seq_id (an integer >= 0) with session_id")
+        svc.session(session_id)
+        run_id = f"{session_id}:train:{seq}"
+    elif body.destination_project_id:
+        session_id, run_id = f"s{uuid.uuid4().hex[:16]}", f"copy-{uuid.uuid4().hex[:12]}"
+        svc.store.add(
+            SessionRow(
+                id=session_id,
+                tags=["copy_weights"],
+                user_metadata={},
+                owner=owner,
+                finished_at=utcnow(),
+                finish_reason="copy_weights",
+            )
+        )
+    else:
+        raise UserError("copy_weights: send destination_project_id, or session_id and model_seq_id")
+    _, kind, name = parse_tinker_path(source.tinker_path)
+    path = tinker_path(run_id, kind, name)
+    check_disk_quota(svc, owner, int(source.size_bytes or 0))
+    if svc.store.checkpoint(path) is not None:
+        raise UserError(f"copy_weights: {path} already exists")
+    if svc.store.get(ModelRow, run_id) is None:
+        svc.store.add(
+            ModelRow(
+                model_id=run_id,
+                session_id=str(session_id),
+                base_model=src_model.base_model,
+                config=src_model.config,
+                status="unloaded",
+                user_metadata={
+                    "copied_from": source.tinker_path,
+                    "project": body.destination_project_id,
+                },
+            )
+        )
+    final = svc.run_dir(run_id, kind, name)
+    staging = durable.staging_dir(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copytree(source.directory, staging)
+        meta_path = staging / META_FILE
+        if meta_path.is_file():  # a copy starts private
+            meta = json.loads(meta_path.read_text())
+            meta.pop("public", None)
+            meta_path.write_text(json.dumps(meta))
+        directory = durable.commit_dir(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    svc.store.put_checkpoint(
+        CheckpointRow(
+            tinker_path=path,
+            model_id=run_id,
+            checkpoint_id=source.checkpoint_id,
+            kind=source.kind,
+            directory=str(directory),
+            size_bytes=source.size_bytes,
+            expires_at=ttl_expiry(body.ttl_seconds, lowest=MIN_TTL_S),
+            user_metadata=source.user_metadata,
+        )
+    )
+    return {"tinker_path": path}
+
+
+# ---------------------------------------------------------------- sessions
+def list_sessions(svc: TinkerService, limit: int, offset: int, owner: str | None = None) -> dict[str, Any]:
+    """A page of session ids, newest first (`owner`'s only, when given)."""
+    with svc.store.tx() as s:
+        q = select(SessionRow.id).order_by(SessionRow.created_at.desc())
+        if owner is not None:
+            q = q.where(SessionRow.owner == owner)
+        return {"sessions": list(s.scalars(q.limit(limit).offset(offset)))}
+
+
+def get_session(svc: TinkerService, session_id: str) -> dict[str, Any]:
+    row: SessionRow = svc.session(session_id)
+    return {
+        "training_run_ids": [m.model_id for m in svc.store.models_of_session(session_id)],
+        "sampler_ids": _sampler_ids(svc, session_id),
+        "user_metadata": {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None,
+    }
+
+
+def _sampler_ids(svc: TinkerService, session_id: str) -> list[str]:
+    with svc.store.tx() as s:
+        q = select(SamplingSessionRow.id).where(SamplingSessionRow.session_id == session_id)
+        return list(s.scalars(q))

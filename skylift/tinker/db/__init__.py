@@ -1,2 +1,0 @@
-"""The Tinker service's database: table models (`models`), versioned schema (`migrate`, Alembic
-scripts under `migrations/`). `skylift.tinker.store.Store` is the typed access on top."""

@@ -1,1 +1,0 @@
-"""Alembic environment of the Tinker service's schema (run through `skylift.tinker.db.migrate`)."""

@@ -1,0 +1,486 @@
+"""Lazily started inference engines for sampling, one per base model, reused by every sampler.
+
+Nothing here starts at import or at server start. The first `sample` (or a `prefetch`, which an
+ephemeral `save_weights_for_sampler` requests) starts the vLLM engine on a dedicated event-loop thread (its
+start-up blocks only that thread) and joins a weight-update group with it. The engine holds one
+set of full weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
+ephemeral sampling session): a request for other full weights waits until running generations
+finish, pushes the new weights over the group (`WeightSender`) and proceeds. LoRA samplers of the
+base model are served as adapters in the batch instead where the engine's mode says so
+(`skylift.tinker.sampling.lora_mode`): every request carries its adapter, loaded into one of the engine's
+slots (`skylift.tinker.sampling.adapter_slots`), and nothing waits for other users' generations.
+
+Set ``SKYLIFT_TINKER_FAIL_ENGINE_START=1`` to make every start-up attempt raise (tests use it to
+show that training never needs an engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import math
+import os
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from skylift.config.services import EngineSettings
+from skylift.inference.types import EngineError, SamplingParams
+from skylift.tinker.core.wire import SampledSequenceData
+from skylift.tinker.sampling.adapter_slots import AdapterSlots
+from skylift.tinker.sampling.lora_mode import ModeChoice, accepts_unembed, calibrate
+from skylift.tinker.sampling.weights import SamplerWeights, load_safetensors_dir
+from skylift.tinker.vision.images import ImageInput
+from skylift.utils.affinity import bind_this_thread
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FAIL_START_ENV = "SKYLIFT_TINKER_FAIL_ENGINE_START"
+
+
+@dataclass
+class PromptScores:
+    """What a sample request asks about its prompt: logprobs, the top-k tokens per position, and
+    the logprobs of given tokens (``targets[i, j]`` scored at position ``i + 1``; -1: none)."""
+
+    logprobs: bool = False
+    topk: int = 0
+    targets: np.ndarray | None = None
+
+    def target_sequences(self, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+        """(row, column, prompt[: row + 1] + [token]) of every requested cell: the engine scores
+        the last token of each sequence (shared prefixes hit its prefix cache)."""
+        if self.targets is None:
+            return []
+        cells = np.argwhere(self.targets >= 0)
+        return [(int(i), int(j), [*prompt[: i + 1], int(self.targets[i, j])]) for i, j in cells]
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequenceData]
+    prompt_logprobs: list[float] | None
+    topk_prompt: list[list[tuple[int, float]] | None] | None = None
+    target_prompt: np.ndarray | None = None
+
+
+async def _none() -> None:
+    return None
+
+
+class EngineHost:
+    """One base model's engine, started on first use, living on its own event-loop thread.
+
+    For a vision-language model it also serves the chat render route in-process
+    (`render_chat_completion`, the `RenderClient` protocol) and samples from prompts with images.
+    `on_started` callbacks run on the engine loop right after a start-up.
+    """
+
+    def __init__(
+        self,
+        base_model: str,
+        model_path: str,
+        settings: EngineSettings,
+        vision: bool = False,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
+        self.base_model = base_model
+        self.model_path = model_path
+        self.settings = settings
+        self.vision = vision
+        self.cpus = cpus  # the cores the engine's compute threads bind to (None: every core)
+        self.on_started: list[Callable[[EngineHost], Awaitable[None]]] = []
+        self._renderer: Any = None
+        self.start_attempts = 0
+        self.last_error: str | None = None
+        self._engine: Any = None
+        self._sender: Any = None
+        self._tag: str | None = None
+        #: how LoRA samplers are served (decided once, at the first start-up) and the adapter slots
+        self.lora_mode: ModeChoice | None = None
+        self.slots: AdapterSlots | None = None
+        self._active = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._start_lock: asyncio.Lock | None = None
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    # ---------------------------------------------------------------- thread plumbing
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._thread_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._run_loop, args=(loop,), name=f"tinker-engine-{self.base_model}", daemon=True
+                )
+                self._thread.start()
+                self._loop = loop
+            return self._loop
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The engine's thread: on the engine's cores where it has its own (its scheduler process,
+        started from here, inherits them; the rest of the server keeps the others), then its loop."""
+        if self.cpus:
+            bind_this_thread(self.cpus)
+        loop.run_forever()
+
+    async def _on_engine_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self._ensure_loop()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    # ---------------------------------------------------------------- engine loop side
+    async def _ensure_started(self) -> None:
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+            self._cond = asyncio.Condition()
+        async with self._start_lock:
+            if self._engine is not None:
+                return
+            self.start_attempts += 1
+            try:
+                if os.environ.get(FAIL_START_ENV) == "1":
+                    raise EngineError(f"engine start-up refused: {FAIL_START_ENV}=1 is set (test hook)")
+                from skylift.inference.local import LocalVLLMEngine
+                from skylift.weight_sync import WeightSender
+
+                s = self.settings
+                extra: dict[str, Any] = {}
+                if self.vision:
+                    from skylift.tinker.vision.engine_render import VISION_ENGINE_ARGS
+                    from skylift.tinker.vision.render_server import enable_vision_compat
+
+                    enable_vision_compat()
+                    extra = dict(VISION_ENGINE_ARGS)
+                extra.update(self._lora_args())
+                engine = await LocalVLLMEngine.create(
+                    self.model_path,
+                    max_model_len=s.max_model_len,
+                    seed=s.seed,
+                    dtype=s.dtype,
+                    max_num_seqs=s.max_num_seqs,
+                    enable_prefix_caching=True,
+                    name=f"tinker-sampler({self.base_model})",
+                    cpus=self.cpus,
+                    **extra,
+                )
+                sender = WeightSender()
+                try:
+                    await sender.init_group([engine])
+                except Exception:
+                    await engine.close()
+                    raise
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.error("inference engine for %s failed to start: %s", self.base_model, exc)
+                raise EngineError(f"inference engine for {self.base_model!r} failed to start: {exc}") from exc
+            self._engine, self._sender, self._tag = engine, sender, "base"
+            self.last_error = None
+            logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
+            await self._choose_lora_mode(engine, sender)
+            # the engine's client, its tokenizer and vLLM's modules live as long as the server: out of
+            # the garbage collector's full passes, which would otherwise stop every thread for them
+            gc.freeze()
+            if self.vision:
+                from skylift.tinker.vision.engine_render import EngineRenderer
+
+                self._renderer = EngineRenderer(engine.vllm_engine, self.model_path)
+            for callback in self.on_started:
+                try:
+                    await callback(self)
+                except Exception:
+                    logger.exception("engine start-up callback failed")
+
+    def _lora_args(self) -> dict[str, Any]:
+        """vLLM's LoRA arguments where LoRA samplers may be served as adapters."""
+        s = self.settings
+        if (
+            s.lora_mode == "swap"
+            or self.vision
+            or (self.lora_mode is not None and self.lora_mode.mode == "swap")
+        ):
+            return {}
+        from skylift.weight_sync.lora import vllm_max_lora_rank
+
+        return {
+            "enable_lora": True,
+            "max_lora_rank": vllm_max_lora_rank(s.max_lora_rank),
+            "max_loras": min(s.max_loras, s.lora_slots),
+            "max_cpu_loras": s.lora_slots,
+        }
+
+    async def _choose_lora_mode(self, engine: Any, sender: Any) -> None:
+        """Adapters in the batch or weight swaps (`skylift.tinker.sampling.lora_mode`), once per host."""
+        if self.lora_mode is None:
+            self.lora_mode = await self._measure_lora_mode(engine, sender)
+            logger.info(
+                "sampling engine for %s serves LoRA samplers by %s: %s%s",
+                self.base_model,
+                "adapters in the batch" if self.lora_mode.mode == "adapters" else "weight swaps",
+                self.lora_mode.reason,
+                "" if self.lora_mode.mode == "swap" or self.lora_mode.unembed
+                else "; adapters of the unembedding (train_unembed) swap weights: this model takes none",
+            )  # fmt: skip
+        if self.lora_mode.mode == "adapters" and engine.lora.enabled:
+            self.slots = AdapterSlots(
+                engine, self.settings.lora_slots, f"sampling engine of {self.base_model}"
+            )
+
+    async def _measure_lora_mode(self, engine: Any, sender: Any) -> ModeChoice:
+        if not engine.lora.enabled:
+            return ModeChoice("swap", "a vision-language engine" if self.vision else "--sampler-lora swap")
+        unembed = accepts_unembed(engine)
+        if self.settings.lora_mode == "adapters":
+            return ModeChoice("adapters", "--sampler-lora adapters", unembed)
+        weights = await asyncio.to_thread(load_safetensors_dir, self.model_path)
+        try:
+            return await calibrate(engine, sender, weights, self.settings.max_lora_rank, unembed)
+        except Exception as exc:  # the engine serves on: LoRA samplers swap weights
+            logger.warning("LoRA calibration of the %s engine failed: %s", self.base_model, exc)
+            return ModeChoice("swap", f"the calibration failed: {exc}")
+        finally:
+            del weights
+
+    def serves_adapter(self, weights: SamplerWeights) -> bool:
+        """Whether `weights` are served as an adapter in the batch (else: a weight swap)."""
+        adapter, mode = weights.adapter, self.lora_mode
+        if self.slots is None or adapter is None or mode is None:
+            return False
+        return adapter.rank <= self.settings.max_lora_rank and (mode.unembed or not adapter.unembed)
+
+    def may_need_full(self, rank: int, unembed: bool = False) -> bool:
+        """Whether a LoRA sampler of `rank` (adapting the unembedding or not) may take the swap
+        path (its merged weights needed); True where the engine has not yet measured what it does."""
+        s = self.settings
+        if self.vision or s.lora_mode == "swap" or rank > s.max_lora_rank:
+            return True
+        mode = self.lora_mode
+        if mode is None:  # not started: which way, and whether it takes unembedding adapters, unknown
+            return s.lora_mode != "adapters" or unembed
+        return mode.mode == "swap" or (unembed and not mode.unembed)
+
+    async def _acquire(self, weights: SamplerWeights) -> str:
+        """Make `weights` current (full weights swapped in, or the base under an adapter) and
+        count one active user; returns the adapter name to sample with ("": none)."""
+        await self._ensure_started()
+        cond = self._cond
+        assert cond is not None
+        as_adapter = self.serves_adapter(weights)
+        tag = "base" if as_adapter else weights.tag
+        async with cond:
+            while self._tag != tag and self._active > 0:
+                await cond.wait()
+            if self._tag != tag:
+                full = (
+                    weights.load_full if not as_adapter else (lambda: load_safetensors_dir(self.model_path))
+                )
+                state = await asyncio.to_thread(full)
+                await self._sender.send_state_dict(list(state.items()))
+                self._tag = tag
+            self._active += 1
+        if not as_adapter:
+            return ""
+        assert self.slots is not None and weights.adapter is not None
+        try:
+            return await self.slots.acquire(weights.tag, weights.adapter)
+        except BaseException:
+            await self._release("")
+            raise
+
+    async def _release(self, lora_name: str) -> None:
+        if lora_name and self.slots is not None:
+            await self.slots.release(lora_name)
+        assert self._cond is not None
+        async with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    async def _sample(
+        self, weights: SamplerWeights, prompt: list[int], params: SamplingParams, scores: PromptScores
+    ) -> SampleResult:
+        lora = await self._acquire(weights)
+        engine = self._engine
+        try:
+            want_plp = scores.logprobs and len(prompt) > 1
+            targets = scores.target_sequences(prompt)
+            results = await asyncio.gather(
+                engine.generate([prompt], params, lora_name=lora),
+                engine.prompt_logprobs([prompt], lora_name=lora) if want_plp else _none(),
+                engine.prompt_top_logprobs(prompt, scores.topk, lora_name=lora)
+                if scores.topk and len(prompt) > 1
+                else _none(),
+                engine.prompt_logprobs([seq for _, _, seq in targets], lora_name=lora)
+                if targets
+                else _none(),
+            )
+        finally:
+            await self._release(lora)
+        sequences = []
+        for completion in results[0][0].completions:
+            if completion.stop_reason not in ("stop", "length"):
+                raise EngineError(f"generation ended with {completion.stop_reason!r}")
+            sequences.append(
+                SampledSequenceData(
+                    tokens=list(completion.token_ids),
+                    logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
+                    stop_reason=completion.stop_reason,
+                    top_logprobs=completion.top_logprobs,
+                )
+            )
+        plp = None
+        if scores.logprobs:
+            plp = [math.nan] + (list(results[1][0]) if results[1] is not None else [])
+        topk = None
+        if scores.topk:
+            topk = [None, *results[2]] if results[2] is not None else [None]
+        target = None
+        if scores.targets is not None:
+            target = np.zeros(scores.targets.shape, dtype=np.float32)  # 0.0 where nothing was asked
+            for (i, j, _), values in zip(targets, results[3] or [], strict=True):
+                target[i, j] = values[-1]
+        return SampleResult(sequences=sequences, prompt_logprobs=plp, topk_prompt=topk, target_prompt=target)
+
+    async def _sample_images(
+        self, weights: SamplerWeights, parts: Sequence[list[int] | ImageInput], params: SamplingParams
+    ) -> SampleResult:
+        from skylift.tinker.vision.engine_render import collapse_images, generate_multimodal
+
+        image_token_id = self._engine.vllm_engine.model_config.hf_config.image_token_id
+        prompt, images = collapse_images(parts, image_token_id)
+        lora = await self._acquire(weights)  # a vision engine has no adapters: ""
+        try:
+            output = await generate_multimodal(self._engine, prompt, images, params)
+        finally:
+            await self._release(lora)
+        sequences = [
+            SampledSequenceData(
+                tokens=list(c.token_ids),
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                stop_reason=c.stop_reason,
+            )
+            for c in output.completions
+        ]
+        return SampleResult(sequences=sequences, prompt_logprobs=None)
+
+    async def _render(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self._renderer is None:
+            raise EngineError(f"the engine for {self.base_model!r} is not running or renders no images")
+        result: dict[str, Any] = await self._renderer.render_chat_completion(payload)
+        return result
+
+    async def _prefetch(self, weights: SamplerWeights) -> None:
+        await self._release(await self._acquire(weights))
+
+    async def _close(self) -> None:
+        # At shutdown the weight-sync group is not torn down politely: the engine's workers exit
+        # with it, and a collective with an engine that is already gone would only wait out its timeout.
+        engine, self._engine, self._sender, self._renderer = self._engine, None, None, None
+        if self.slots is not None:
+            self.slots.forget()
+        if engine is not None:
+            await asyncio.wait_for(engine.close(), 60.0)
+
+    # ---------------------------------------------------------------- public (any loop)
+    async def sample(
+        self, weights: SamplerWeights, prompt: list[int], params: SamplingParams, scores: PromptScores
+    ) -> SampleResult:
+        """Sample `params.n` continuations of `prompt` with `weights`, and score the prompt as
+        `scores` asks."""
+        return await self._on_engine_loop(self._sample(weights, prompt, params, scores))
+
+    async def sample_images(
+        self, weights: SamplerWeights, parts: Sequence[list[int] | ImageInput], params: SamplingParams
+    ) -> SampleResult:
+        """Sample continuations of a prompt with images (a vision-language engine)."""
+        return await self._on_engine_loop(self._sample_images(weights, parts, params))
+
+    async def render_chat_completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's chat render route, served by the running engine's renderer (`RenderClient`)."""
+        return await self._on_engine_loop(self._render(payload))
+
+    async def prefetch(self, weights: SamplerWeights) -> None:
+        """Start the engine if needed and load `weights` (no generation)."""
+        await self._on_engine_loop(self._prefetch(weights))
+
+    def stats(self) -> dict[str, Any]:
+        """How this engine serves LoRA samplers and its adapter slots (GET /api/v1/server_stats)."""
+        mode = (
+            self.lora_mode.report() if self.lora_mode is not None else {"mode": None, "reason": "not started"}
+        )
+        return {**mode, "full_weights": self._tag, "adapters": self.slots.report() if self.slots else None}
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Shut the engine down and stop its thread (blocking; call from outside its loop)."""
+        loop = self._loop
+        if loop is None:
+            return
+        if self._engine is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout_s)
+            except Exception as exc:
+                logger.warning("engine shutdown failed: %s", exc)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._loop = None
+
+
+def to_engine_params(
+    raw: dict[str, Any], prompt_len: int, max_model_len: int, num_samples: int
+) -> SamplingParams:
+    """Tinker `sampling_params` JSON as engine `SamplingParams` (stop: None = EOS, [] = never)."""
+    from skylift.tinker.core.errors import UserError
+
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise UserError(f"prompt of {prompt_len} tokens leaves no room in the context of {max_model_len}")
+    max_tokens = raw.get("max_tokens")
+    max_tokens = room if max_tokens is None else int(max_tokens)
+    if max_tokens < 1:
+        raise UserError(f"sampling_params.max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+        raise UserError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {max_model_len}"
+        )
+    stop = raw.get("stop")
+    stop_strs: list[str] | None = None
+    stop_ids: list[int] | None = None
+    ignore_eos = False
+    if isinstance(stop, str):
+        stop_strs = [stop]
+    elif isinstance(stop, list):
+        if not stop:
+            ignore_eos = True
+        elif all(isinstance(s, str) for s in stop):
+            stop_strs = list(stop)
+        elif all(isinstance(s, int) for s in stop):
+            stop_ids = list(stop)
+        else:
+            raise UserError(f"sampling_params.stop must be strings or token ids, not a mix: {stop!r}")
+    elif stop is not None:
+        raise UserError(f"sampling_params.stop must be a string, a list or null, got {stop!r}")
+    temperature = float(raw.get("temperature", 1.0))
+    if temperature < 0:
+        raise UserError(f"sampling_params.temperature must be >= 0, got {temperature}")
+    seed = raw.get("seed")
+    return SamplingParams(
+        temperature=temperature,
+        top_p=float(raw.get("top_p", 1.0)),
+        top_k=int(raw.get("top_k", -1)),
+        max_tokens=max_tokens,
+        stop=stop_strs,
+        stop_token_ids=stop_ids,
+        seed=None if seed is None else int(seed) % (2**63 - 1),
+        n=num_samples,
+        logprobs=True,
+        ignore_eos=ignore_eos,
+    )

@@ -1,0 +1,175 @@
+"""How one sampling engine serves several LoRA samplers at once: adapters in the batch, or swaps.
+
+``--sampler-lora``:
+- ``adapters``: the engine runs with LoRA; each request carries its adapter and vLLM batches
+  requests of different adapters together (`skylift.tinker.sampling.adapter_slots`); nothing waits for
+  other users' generations and only the adapter is loaded.
+- ``swap``: the engine holds one set of full weights at a time (a LoRA sampler's merged weights);
+  a request for other weights waits until running generations end, then they are pushed.
+- ``auto`` (the default): measured on each engine when it starts. Two requests for two different
+  adapters run once in the batch together (two zero adapters of the largest rank served, as fast
+  as real ones), and once as a swap does it: one request, a push of the full weights, the other
+  request. Adapters win when the batch takes no longer than the swap. On a GPU vLLM's LoRA
+  kernels cost little and adapters win; on a CPU they can be slower than a swap of a small model
+  (benchmarks/RESULTS.md, tinker_multi_lora.py), and the figures are logged either way.
+A LoRA sampler whose rank is above ``--sampler-max-lora-rank``, or that adapts the unembedding
+where the engine's model takes no such adapter (`accepts_unembed`), takes the swap path in every mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from skylift.inference.types import SamplingParams
+from skylift.tinker.sampling.weights import UNEMBED
+
+logger = logging.getLogger(__name__)
+
+#: the linear layers the calibration adapter covers (Tinker's attention and MLP targets)
+CALIBRATION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: each calibration request: this many samples of this many tokens after a prompt of this length
+CALIBRATION_SAMPLES, CALIBRATION_TOKENS, CALIBRATION_PROMPT = 4, 32, 16
+
+
+@dataclass
+class ModeChoice:
+    mode: str
+    reason: str
+    unembed: bool = False  # whether the engine takes adapters of the unembedding (lm_head)
+    adapters_s: float | None = None  # two adapters' requests in one batch
+    swap_s: float | None = None  # one request, a full-weight push, the other request
+    push_s: float | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "reason": self.reason,
+            "adapts_unembedding": self.unembed,
+            "calibration": {
+                "two_adapters_batched_s": self.adapters_s,
+                "swap_between_two_s": self.swap_s,
+                "full_weight_push_s": self.push_s,
+            },
+        }
+
+
+def zero_adapter(
+    weights: dict[str, torch.Tensor],
+    rank: int,
+    directory: Path,
+    modules: tuple[str, ...] = CALIBRATION_MODULES,
+) -> Path | None:
+    """A PEFT adapter of `rank` over the `modules` layers of `weights` (Hugging Face names; the
+    attention and MLP layers by default, ``lm_head`` the unembedding, tied or not) whose B matrices
+    are zero: it changes nothing and costs what a real one costs. None when the model has none of
+    those layers."""
+    from skylift.weight_sync.lora import write_adapter_dir
+
+    layers = [m for m in modules if m != UNEMBED]
+    pattern = re.compile(r"^(.*\.(" + "|".join(layers) + r"))\.weight$") if layers else None
+    shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for name, weight in weights.items():
+        match = pattern.match(name) if pattern is not None else None
+        if match is not None and weight.dim() == 2:
+            shapes[match.group(1)] = (weight.shape, weight.dtype)
+    if UNEMBED in modules:  # a tied unembedding is the token embedding's matrix
+        head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+        if head is not None:
+            shapes[UNEMBED] = (head.shape, head.dtype)
+    if not shapes:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, ((out_features, in_features), dtype) in shapes.items():
+        a = torch.randn(rank, in_features, generator=generator, dtype=dtype) * 0.01
+        tensors[f"base_model.model.{prefix}.lora_A.weight"] = a
+        tensors[f"base_model.model.{prefix}.lora_B.weight"] = torch.zeros(out_features, rank, dtype=dtype)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted({p.rsplit(".", 1)[-1] for p in shapes}),
+    }
+    return Path(write_adapter_dir(str(directory), list(tensors.items()), config))
+
+
+def accepts_unembed(engine: Any) -> bool:
+    """Whether `engine`'s model takes LoRA adapters of the unembedding (Tinker's ``train_unembed``,
+    on by default): vLLM supports it for some architectures only (Llama's, not Qwen2's in 0.32).
+    An adapter of an unembedding the engine refuses takes the swap path."""
+    try:
+        return UNEMBED in engine.lora.module_names()
+    except Exception as exc:  # an unknown architecture: as if not
+        logger.warning("cannot tell whether the sampling engine takes unembedding adapters: %s", exc)
+        return False
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0, max_tokens=CALIBRATION_TOKENS, ignore_eos=True, n=CALIBRATION_SAMPLES, seed=0
+    )
+
+
+async def _timed(*calls: Any) -> float:
+    start = time.perf_counter()
+    await asyncio.gather(*calls)
+    return time.perf_counter() - start
+
+
+async def calibrate(
+    engine: Any, sender: Any, weights: dict[str, torch.Tensor], rank: int, unembed: bool = False
+) -> ModeChoice:
+    """Measure both ways on `engine` (started with LoRA, holding `weights`, in a weight-update
+    group with `sender`) and choose (see the module's docstring); the adapters cover the
+    unembedding too where `unembed` (as Tinker's default adapters do)."""
+    scratch = Path(tempfile.mkdtemp(prefix="skylift-lora-calibration-"))
+    try:
+        names = []
+        for i in range(2):
+            modules = (*CALIBRATION_MODULES, UNEMBED) if unembed else CALIBRATION_MODULES
+            directory = zero_adapter(weights, rank, scratch / f"a{i}", modules)
+            if directory is None:
+                return ModeChoice("swap", "the model has no attention or MLP layers a LoRA adapter covers")
+            names.append(f"skylift-calibration-{i}")
+            await engine.load_lora_adapter(names[-1], str(directory))
+        prompts = [[(7 * j + 3 * i) % 100 + 10 for j in range(CALIBRATION_PROMPT)] for i in range(2)]
+        params = _params()
+        # warm both ways up (first calls compile and allocate)
+        await engine.generate([prompts[0]], params, lora_name=names[0])
+        await engine.generate([prompts[0]], params, lora_name="")
+        adapters_s = await _timed(
+            engine.generate([prompts[0]], params, lora_name=names[0]),
+            engine.generate([prompts[1]], params, lora_name=names[1]),
+        )
+        start = time.perf_counter()
+        await engine.generate([prompts[0]], params, lora_name="")
+        push_start = time.perf_counter()
+        await sender.send_state_dict(list(weights.items()))  # the same weights: a real push's cost
+        push_s = time.perf_counter() - push_start
+        await engine.generate([prompts[1]], params, lora_name="")
+        swap_s = time.perf_counter() - start
+        for name in names:
+            await engine.unload_lora_adapter(name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    mode = "adapters" if adapters_s <= swap_s else "swap"
+    reason = (
+        f"two adapters' requests batched took {adapters_s:.2f} s, a swap between them {swap_s:.2f} s "
+        f"(of which the full-weight push {push_s:.2f} s)"
+    )
+    return ModeChoice(
+        mode, reason, adapters_s=round(adapters_s, 4), swap_s=round(swap_s, 4), push_s=round(push_s, 4)
+    )

@@ -1,0 +1,164 @@
+"""Training operations: models, forward(/backward), optimizer steps, saving and loading weights.
+
+Each answers ``{"request_id", "model_id"}`` at once; the result comes from ``retrieve_future``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+
+from skylift.tinker.core import ownership
+from skylift.tinker.core.deps import (
+    Caller,
+    IdemKey,
+    OwnersDep,
+    Service,
+    model_op,
+    model_refusal,
+    operation,
+    session_refusal,
+    typed,
+)
+from skylift.tinker.core.limits import read_payload
+from skylift.tinker.core.wire import WireLimits, decode_forward_backward
+from skylift.tinker.training import operations as training_ops
+from skylift.tinker.training.bodies import (
+    CreateModelBody,
+    GetInfoBody,
+    LoadWeightsBody,
+    OptimStepBody,
+    SaveWeightsBody,
+    SaveWeightsForSamplerBody,
+)
+
+router = APIRouter()
+
+
+@router.post("/create_model")
+async def create_model(
+    request: Request,
+    service: Service,
+    owners: OwnersDep,
+    body: Annotated[CreateModelBody, typed(CreateModelBody)],
+) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        request_id, model_id = await service.create_model(body)
+        return {"request_id": request_id, "model_id": model_id}
+
+    return await operation(request, "create_model", session_refusal(owners, body.session_id), run)
+
+
+@router.post("/get_info")
+async def get_info(
+    service: Service, owners: OwnersDep, user: Caller, body: Annotated[GetInfoBody, typed(GetInfoBody)]
+) -> dict[str, Any]:
+    def info() -> dict[str, Any]:
+        owners.model(user, body.model_id)
+        return service.get_info(body.model_id)
+
+    return await asyncio.to_thread(info)
+
+
+def wire_limits(request: Request, service: Service) -> WireLimits:
+    cells = request.app.state.limits.max_cells
+    return WireLimits(max_tokens=max(b.max_model_len for b in service.base_models), max_cells=cells)
+
+
+async def _forward(request: Request, service: Service, owners: OwnersDep, kind: str, key: str | None) -> Any:
+    """Decode the protobuf body (size-limited, zstd allowed) in a worker thread with the server's
+    shape limits, then submit it."""
+    raw = await read_payload(request)
+    call = await asyncio.to_thread(decode_forward_backward, raw, wire_limits(request, service))
+    call.forward_only = kind == "forward"
+
+    async def run() -> dict[str, Any]:
+        request_id = await training_ops.forward_backward(service, call, key)
+        return {"request_id": request_id, "model_id": call.model_id}
+
+    result = await operation(request, kind, model_refusal(owners, call.model_id), run)
+    return {"model_id": call.model_id, **result}
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, service: Service, owners: OwnersDep, key: IdemKey) -> Any:
+    return await _forward(request, service, owners, "forward_backward", key)
+
+
+@router.post("/forward")
+async def forward(request: Request, service: Service, owners: OwnersDep, key: IdemKey) -> Any:
+    return await _forward(request, service, owners, "forward", key)
+
+
+@router.post("/optim_step")
+async def optim_step(
+    request: Request,
+    service: Service,
+    owners: OwnersDep,
+    key: IdemKey,
+    body: Annotated[OptimStepBody, model_op(OptimStepBody, "optim_step")],
+) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        return {"request_id": await training_ops.optim_step(service, body, key)}
+
+    result = await operation(request, "optim_step", model_refusal(owners, body.model_id), run)
+    return {"model_id": body.model_id, **result}
+
+
+@router.post("/save_weights")
+async def save_weights(
+    request: Request,
+    service: Service,
+    owners: OwnersDep,
+    key: IdemKey,
+    body: Annotated[SaveWeightsBody, model_op(SaveWeightsBody, "save_weights")],
+) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        return {"request_id": await training_ops.save_weights(service, body, key)}
+
+    result = await operation(request, "save_weights", model_refusal(owners, body.model_id), run)
+    return {"model_id": body.model_id, **result}
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(
+    request: Request,
+    service: Service,
+    owners: OwnersDep,
+    key: IdemKey,
+    body: Annotated[
+        SaveWeightsForSamplerBody, model_op(SaveWeightsForSamplerBody, "save_weights_for_sampler")
+    ],
+) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        return {"request_id": await training_ops.save_weights_for_sampler(service, body, key)}
+
+    result = await operation(request, "save_weights_for_sampler", model_refusal(owners, body.model_id), run)
+    return {"model_id": body.model_id, **result}
+
+
+@router.post("/load_weights")
+async def load_weights(
+    request: Request,
+    service: Service,
+    owners: OwnersDep,
+    key: IdemKey,
+    body: Annotated[LoadWeightsBody, typed(LoadWeightsBody)],
+) -> dict[str, Any]:
+    def refuse(user: str) -> Exception | None:
+        if body.session_id is None:
+            if not owners.owns_model(user, body.model_id):
+                return ownership.unknown_model(body.model_id)
+        elif not owners.owns_session(user, body.session_id):
+            return ownership.unknown_session(body.session_id)
+        if not owners.may_read_path(user, body.path):
+            return ownership.missing_checkpoint(body.path)
+        return None
+
+    async def run() -> dict[str, Any]:
+        request_id, model_id = await training_ops.load_weights(service, body, key)
+        return {"request_id": request_id, "model_id": model_id}
+
+    return await operation(request, "load_weights", refuse, run)
