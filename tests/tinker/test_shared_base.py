@@ -163,3 +163,22 @@ def test_four_users_sample_their_own_adapters_at_once(tinker_server) -> None:
     finally:
         for u in users:
             u.close("success").result(timeout=60)
+
+
+def test_an_adapter_the_engine_cannot_batch_is_merged_into_the_base_on_demand(
+    service_client, tinker_server
+) -> None:
+    """Tinker's default adapter covers the unembedding, which vLLM 0.32 serves for no Qwen2 model:
+    its snapshot still holds only the adapter, merged into the base when it is swapped in."""
+    tc = service_client.create_lora_training_client(base_model="tiny-qwen2", rank=8, seed=40).result()
+    for _ in range(2):
+        tc.forward_backward(_rows(3), "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    full = types.ModelInput.from_ints(
+        PROBE.model_input.to_ints() + [int(PROBE.loss_fn_inputs["target_tokens"].data[-1])]
+    )
+    engine_lp = np.asarray(sampler.compute_logprobs(full).result()[1:], dtype=float)
+    trainer_lp = logprobs_of(tc.forward([PROBE], "cross_entropy").result())
+    np.testing.assert_allclose(engine_lp, trainer_lp, rtol=0, atol=1e-3)
+    assert _sampling_stats(tinker_server)["full_weights"].startswith("ephemeral:")  # swapped in

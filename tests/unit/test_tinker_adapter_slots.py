@@ -184,7 +184,6 @@ def test_full_weights_and_oversized_ranks_take_the_swap_path(tmp_path: Path) -> 
     names = asyncio.run(go())
     assert names[:2] == ["", ""]  # swapped in: no adapter name
     assert names[2] != "" and sender.pushes == 3  # full-ft, big's merged weights, the base back
-    assert host.may_need_full(16) and not host.may_need_full(8)
 
 
 def test_in_swap_mode_a_lora_sampler_swaps_its_merged_weights() -> None:
@@ -196,14 +195,7 @@ def test_in_swap_mode_a_lora_sampler_swaps_its_merged_weights() -> None:
         return name
 
     assert asyncio.run(go()) == "" and sender.pushes == 1 and host._tag == "ephemeral:alice"
-    assert engine.calls == [] and host.may_need_full(4)
-
-
-def test_before_the_engine_chose_only_auto_needs_merged_weights() -> None:
-    assert EngineHost("m", "/x", EngineSettings(lora_mode="auto")).may_need_full(8)
-    assert not EngineHost("m", "/x", EngineSettings(lora_mode="adapters")).may_need_full(8)
-    assert EngineHost("m", "/x", EngineSettings(lora_mode="adapters", max_lora_rank=4)).may_need_full(8)
-    assert EngineHost("m", "/x", EngineSettings(lora_mode="adapters"), vision=True).may_need_full(8)
+    assert engine.calls == []
 
 
 def test_an_unembedding_adapter_swaps_where_the_engine_takes_none(tmp_path: Path) -> None:
@@ -217,7 +209,7 @@ def test_an_unembedding_adapter_swaps_where_the_engine_takes_none(tmp_path: Path
         lambda: {"w": torch.ones(2)},
         AdapterSource(4, None, tensors, {**CONFIG, "target_modules": ["q_proj", "lm_head"]}),
     )
-    assert host.may_need_full(4, unembed=True) and not host.may_need_full(4)
+    assert not host.serves_adapter(head) and host.serves_adapter(_lora("plain"))
 
     async def go() -> list[str]:
         names = []
@@ -230,4 +222,4 @@ def test_an_unembedding_adapter_swaps_where_the_engine_takes_none(tmp_path: Path
     assert names[0] == "" and names[1] != "" and sender.pushes == 2  # head's merged weights, then the base
     assert host.lora_mode is not None
     host.lora_mode.unembed = True  # an engine that takes them (Llama's): served as an adapter
-    assert host.serves_adapter(head) and not host.may_need_full(4, unembed=True)
+    assert host.serves_adapter(head)

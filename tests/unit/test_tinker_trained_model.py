@@ -97,7 +97,7 @@ def test_a_lora_sampler_export_holds_its_adapter_and_its_snapshot_may_hold_only_
 ) -> None:
     from safetensors.torch import load_file
 
-    from skylift.tinker.sampling.weights import adapter_in
+    from skylift.tinker.sampling.weights import adapter_in, merged_into_base
 
     model.export_sampler(tmp_path / "sampler")
     found = adapter_in(tmp_path / "sampler")
@@ -110,3 +110,8 @@ def test_a_lora_sampler_export_holds_its_adapter_and_its_snapshot_may_hold_only_
     assert lean.adapter.config is not None and lean.adapter.config["r"] == 4
     both = model.snapshot_sampler(with_full=True)
     assert both.full is not None and both.nbytes > 2 * lean.nbytes  # the merged weights dwarf it
+    # a weight swap merges the adapter into the base on demand: the trainer's own merged weights
+    merged = merged_into_base(model.config.model_path, lean.adapter)
+    assert merged.keys() >= both.full.keys() - {"lm_head.weight"}
+    for name, tensor in both.full.items():
+        torch.testing.assert_close(merged.get(name, tensor), tensor, rtol=0, atol=1e-6, msg=name)

@@ -257,17 +257,6 @@ class EngineHost:
             return False
         return adapter.rank <= self.settings.max_lora_rank and (mode.unembed or not adapter.unembed)
 
-    def may_need_full(self, rank: int, unembed: bool = False) -> bool:
-        """Whether a LoRA sampler of `rank` (adapting the unembedding or not) may take the swap
-        path (its merged weights needed); True where the engine has not yet measured what it does."""
-        s = self.settings
-        if self.vision or s.lora_mode == "swap" or rank > s.max_lora_rank:
-            return True
-        mode = self.lora_mode
-        if mode is None:  # not started: which way, and whether it takes unembedding adapters, unknown
-            return s.lora_mode != "adapters" or unembed
-        return mode.mode == "swap" or (unembed and not mode.unembed)
-
     async def _acquire(self, weights: SamplerWeights) -> str:
         """Make `weights` current (full weights swapped in, or the base under an adapter) and
         count one active user; returns the adapter name to sample with ("": none)."""

@@ -33,7 +33,13 @@ from skylift.tinker.core.wire import encode_sample_response
 from skylift.tinker.sampling.bodies import CreateSamplingSessionBody, SampleBody, TargetTensor
 from skylift.tinker.sampling.engine_host import EngineHost, EngineSettings, PromptScores, to_engine_params
 from skylift.tinker.sampling.snapshots import SnapshotStore, Weights
-from skylift.tinker.sampling.weights import SamplerSnapshot, SamplerWeights, adapter_in, load_safetensors_dir
+from skylift.tinker.sampling.weights import (
+    SamplerSnapshot,
+    SamplerWeights,
+    adapter_in,
+    load_safetensors_dir,
+    merged_into_base,
+)
 from skylift.tinker.storage.store import ModelRow, SamplingSessionRow, SessionRow, Store
 from skylift.tinker.storage.views import parse_tinker_path
 from skylift.tinker.training.loss_sampling import sampled_distribution
@@ -182,8 +188,11 @@ class SamplingService:
                     "newer idle snapshots took their place (--max-idle-snapshots); save them again"
                 )
             if isinstance(snapshot, SamplerSnapshot):
-                full = snapshot.full
-                return SamplerWeights(tag, None if full is None else (lambda: full), snapshot.adapter)
+                full, adapter = snapshot.full, snapshot.adapter
+                if full is not None:
+                    return SamplerWeights(tag, lambda: full, adapter)
+                assert adapter is not None  # a snapshot holds one of the two
+                return SamplerWeights(tag, lambda: merged_into_base(info.path, adapter), adapter)
             return SamplerWeights(tag, lambda: snapshot)
         ckpt = await asyncio.to_thread(self.store.require_checkpoint, tag, "sampler checkpoint")
         directory = Path(ckpt.directory)
@@ -191,10 +200,9 @@ class SamplingService:
         return SamplerWeights(tag, lambda: load_safetensors_dir(directory), adapter)
 
     def wants_full(self, model_path: str, lora_rank: int, unembed: bool) -> bool:
-        """Whether an ephemeral snapshot of a LoRA client of `lora_rank` (adapting the unembedding
-        or not) must hold the merged full weights too (its engine may swap them in), or its
-        adapter is enough."""
-        return self.host(self.base_models.for_path(model_path)).may_need_full(lora_rank, unembed)
+        """Never: a LoRA client's ephemeral snapshot holds its adapter only, merged into the base
+        on demand when a weight swap needs it."""
+        return False
 
     def warm_up(self, model_path: str, tag: str) -> None:
         """Start the engine and load `tag` in the background (failures are only logged)."""

@@ -5,8 +5,8 @@ A sample request names its weights by a *tag* ("base", a sampler checkpoint's pa
 Hugging Face-named tensors (what a weight swap pushes), `adapter` the PEFT adapter (what an engine
 serving many adapters at once loads into one of its slots). A LoRA client's sampler checkpoint
 holds both (the merged weights, and the adapter in the `adapter/` folder); its ephemeral snapshot
-holds the adapter, and the merged weights only where the engine may need them
-(`SamplingService.wants_full`). Full fine-tuning and the base model have no adapter.
+holds only the adapter, merged into the base's weights (`merged_into_base`) only when a weight
+swap needs them. Full fine-tuning and the base model have no adapter.
 """
 
 from __future__ import annotations
@@ -100,3 +100,19 @@ def load_safetensors_dir(directory: str | Path) -> Tensors:
     for f in files:
         weights.update(load_file(str(f)))
     return weights
+
+
+def merged_into_base(base_dir: str | Path, adapter: AdapterSource) -> Tensors:
+    """The base model's weights (from `base_dir`) with `adapter` merged in: what a weight swap
+    pushes for a LoRA sampler that kept only its adapter."""
+    from skylift.weight_sync.lora import ADAPTER_WEIGHTS_FILE
+    from skylift.weight_sync.lora_merge import merge_adapter
+
+    tensors = adapter.tensors
+    if tensors is None:
+        if adapter.directory is None:
+            raise ValueError("an adapter needs its tensors or its directory")
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(adapter.directory / ADAPTER_WEIGHTS_FILE))
+    return merge_adapter(load_safetensors_dir(base_dir), tensors, adapter.config or {"r": adapter.rank})

@@ -277,9 +277,10 @@ class TrainedModel:
         """A copy of the current merged Hugging Face-named weights."""
         return {name: tensor.detach().clone() for name, tensor in self._worker().iter_full_weights()}
 
-    def snapshot_sampler(self, with_full: bool) -> SamplerSnapshot:
-        """A copy of what an ephemeral sampler samples from: a LoRA client's adapter, and the
-        merged full weights where `with_full` (or the client has no adapter)."""
+    def snapshot_sampler(self, with_full: bool = False) -> SamplerSnapshot:
+        """A copy of what an ephemeral sampler samples from: a LoRA client's adapter (merged into
+        the base on demand), and the merged full weights too where `with_full`; a full fine-tune's
+        weights."""
         adapter = None
         if self.config.is_lora:
             tensors, peft_config = self._worker().lora_adapter()
