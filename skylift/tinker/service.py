@@ -1,14 +1,15 @@
 """`TinkerService`: the Tinker operations, independent of HTTP.
 
 It owns its collaborators and hands each one what it needs: the store, the futures, the served
-base models, one ordered queue and one `TrainedModel` per loaded training model, the sampling side
-(`SamplingService`: engines, snapshots, stability records) and the image render hosts. Every
-operation that answers with a future goes through `submit`. Training work runs on one background
-thread (torch uses its own intra-op threads). The store is never touched on the event loop: async
-code goes through `db` (a worker thread); the plain methods that read or write it (`session`,
-`heartbeat`, `create_session`, `get_info`, `delete_checkpoint`) block and are called in a thread.
-A model's operations keep their order: `submit_model_op` puts them on the model's ordered queue
-without awaiting anything, and the queue runs them one at a time by seq id.
+base models, one ordered queue and one `TrainedModel` per loaded training model, the training
+operations (`TrainingOperations`, handed what they use of all this), the checkpoint writer, the
+sampling side (`SamplingService`: engines, snapshots, stability records) and the image render
+hosts. Every operation that answers with a future goes through `submit`. Training work runs on
+one background thread (torch uses its own intra-op threads). The store is never touched on the
+event loop: async code goes through `db` (a worker thread); the plain methods that read or write
+it (`session`, `heartbeat`, `create_session`, `training.get_info`, `delete_checkpoint`) block and
+are called in a thread. A model's operations keep their order: `submit_model_op` puts them on the
+model's ordered queue without awaiting anything, and the queue runs them one at a time by seq id.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from skylift.config.services import ServerConfig
+from skylift.tinker.checkpoints.writer import CheckpointWriter
 from skylift.tinker.core import durable
 from skylift.tinker.core.auth import current_user
 from skylift.tinker.core.base_models import BaseModelInfo, BaseModels
@@ -42,7 +44,7 @@ from skylift.tinker.storage.store import CheckpointRow, ModelRow, SessionRow, St
 from skylift.tinker.storage.views import KIND_SEGMENT
 from skylift.tinker.training.admission import Admission
 from skylift.tinker.training.base_pool import BasePool
-from skylift.tinker.training.bodies import CreateModelBody, LoraBody
+from skylift.tinker.training.operations import TrainingOperations
 from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 from skylift.tinker.vision.host import RenderHosts
 from skylift.utils.affinity import bind_this_process, bind_this_thread
@@ -105,6 +107,29 @@ class TinkerService:
         )
         self._cleanup_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self.checkpoint_writer = CheckpointWriter(
+            store=self.store,
+            db=self.db,
+            run_training=self.run_training,
+            run_dir=self.run_dir,
+            gb_per_user=config.max_checkpoint_gb_per_user,
+        )
+        self.training = TrainingOperations(
+            store=self.store,
+            base_models=self.base_models,
+            models=self.models,
+            admission=self.admission,
+            records=self.records,
+            sampling=self.sampling,
+            db=self.db,
+            run_training=self.run_training,
+            submit=self.submit,
+            submit_model_op=self.submit_model_op,
+            render_images=self.render_images,
+            new_model=self.new_model,
+            setup_work=self.setup_work,
+            write_checkpoint=self.checkpoint_writer.write,
+        )
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -278,10 +303,6 @@ class TinkerService:
     def run_dir(self, model_id: str, kind: str, name: str) -> Path:
         return self.data_dir / "runs" / model_id / KIND_SEGMENT[kind] / name
 
-    @staticmethod
-    def store_path(row: CheckpointRow) -> Path:
-        return Path(row.directory)
-
     def delete_checkpoint(self, path: str) -> CheckpointRow | None:
         """Delete a checkpoint's record and files; None when it does not exist."""
         row = self.store.delete_checkpoint(path)
@@ -425,60 +446,6 @@ class TinkerService:
             return result
 
         return work
-
-    async def create_model(self, body: CreateModelBody) -> tuple[str, str]:
-        """(request id, model id); the future resolves when the model is built."""
-        session_id, seq = body.session_id, body.model_seq_id
-        model_id = f"{session_id}:train:{seq}"
-
-        self.admission.check(model_id, lambda: self._model_config(body))  # a 400 if it does not fit
-
-        async def prepare(request_id: str) -> Work:
-            config = self._model_config(body)
-            _, model = await self.new_model(session_id, seq, config, body.user_metadata)
-            return self.setup_work(model, None, {"model_id": model_id, "type": "create_model"})
-
-        request_id = await self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
-        return request_id, model_id
-
-    def _model_config(self, body: CreateModelBody) -> ModelConfig:
-        info = self.base_models.get(body.base_model)
-        lora = body.lora_config or LoraBody()
-        optimizer = body.optimizer_config.type if body.optimizer_config else "adamw"
-        if optimizer != "adamw":
-            raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with adamw")
-        config = ModelConfig(
-            base_model=str(body.base_model),
-            model_path=info.path,
-            lora_rank=lora.rank,
-            train_attn=lora.train_attn,
-            train_mlp=lora.train_mlp,
-            train_unembed=lora.train_unembed,
-            seed=lora.seed or 0,
-        )
-        if config.lora_rank < 0:  # refused before a model record exists (the build checks it too)
-            raise UserError(f"lora_config.rank must be >= 0 (0 = full fine-tuning), got {config.lora_rank}")
-        if config.is_lora:
-            config.target_modules()  # validates the choice early
-        return config
-
-    def get_info(self, model_id: str) -> dict[str, Any]:
-        """Blocking (it reads the model's record)."""
-        row = self.store.require(ModelRow, model_id, "model id")
-        config = ModelConfig.from_json(row.config)
-        info = self.base_models.find_path(config.model_path)
-        return {
-            "type": "get_info",
-            "model_id": model_id,
-            "model_data": {
-                "arch": info.arch if info else None,
-                "model_name": row.base_model,
-                "tokenizer_id": config.model_path,
-            },
-            "is_lora": config.is_lora,
-            "lora_rank": config.lora_rank if config.is_lora else None,
-            "model_name": row.base_model,
-        }
 
     # ---------------------------------------------------------------- sampling
     async def asample(self, body: SampleBody, idem: str | None) -> tuple[str, list[str]]:

@@ -10,7 +10,6 @@ the credential, so plain downloaders such as `tinker checkpoint download` work u
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import hashlib
 import hmac
@@ -25,12 +24,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from skylift.tinker.checkpoints.bodies import CopyWeightsBody, SaveWeightsExternalBody
+from skylift.tinker.checkpoints.writer import disk_quota
 from skylift.tinker.core import durable
 from skylift.tinker.core.errors import NotFoundError, UserError
-from skylift.tinker.core.fairness import QuotaError
 from skylift.tinker.storage.store import CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
 from skylift.tinker.storage.views import (
-    KIND_SEGMENT,
     META_FILE,
     check_name,
     iso,
@@ -68,18 +66,9 @@ def ttl_expiry(ttl: Any, lowest: int = 1) -> dt.datetime | None:
 
 
 def check_disk_quota(svc: TinkerService, owner: str | None, adding: int) -> None:
-    """Refuse (429) a new checkpoint of `owner` once its checkpoints use its share of the disk
-    (``--max-checkpoint-gb-per-user``); `adding` bytes known in advance count too (blocking:
-    reads records)."""
-    if owner is None:
-        return
-    used = sum(int(r.size_bytes or 0) for r in svc.store.checkpoints(owner=owner))
-    quota = int(svc.config.max_checkpoint_gb_per_user * 1024**3)
-    if used + adding > quota or (adding == 0 and used >= quota):
-        raise QuotaError(
-            f"your checkpoints use {used / 1024**3:.2f} GiB of the {quota / 1024**3:g} GiB this server allows "
-            "per user (--max-checkpoint-gb-per-user); delete checkpoints you no longer need"
-        )
+    """Refuse (429) a new checkpoint of `owner` past its disk share (see
+    `skylift.tinker.checkpoints.writer.disk_quota`; blocking: reads records)."""
+    disk_quota(svc.store, svc.config.max_checkpoint_gb_per_user, owner, adding)
 
 
 async def write_checkpoint(
@@ -91,35 +80,8 @@ async def write_checkpoint(
     expires_at: dt.datetime | None,
     user_metadata: Any = None,
 ) -> tuple[str, int]:
-    """Write checkpoint `name` of kind `kind` afresh with `writer(directory) -> size` (on the
-    training thread) and record it; (its tinker path, its size). Crash-safe: the new version is
-    written under a temporary name, fsynced and renamed, then recorded; an old version (an
-    overwrite) stays complete and recorded until then, and is deleted after."""
-    path = tinker_path(model_id, kind, name)
-    await svc.db(lambda: check_disk_quota(svc, svc.store.model_owner(model_id), 0))
-    final = svc.run_dir(model_id, kind, name)
-    staging = durable.staging_dir(final)
-    try:
-        size = await svc.run_training(writer, staging)
-        directory = await asyncio.to_thread(durable.commit_dir, staging, final)
-    except BaseException:
-        await asyncio.to_thread(shutil.rmtree, staging, True)
-        raise
-    old = await svc.db(svc.store.checkpoint, path)
-    row = CheckpointRow(
-        tinker_path=path,
-        model_id=model_id,
-        checkpoint_id=f"{KIND_SEGMENT[kind]}/{name}",
-        kind=kind,
-        directory=str(directory),
-        size_bytes=size,
-        expires_at=expires_at,
-        user_metadata=user_metadata,
-    )
-    await svc.db(svc.store.put_checkpoint, row)
-    if old is not None and Path(old.directory) != directory:
-        await asyncio.to_thread(shutil.rmtree, old.directory, True)
-    return path, size
+    """Write and record checkpoint `name` of `model_id` with the service's `CheckpointWriter`."""
+    return await svc.checkpoint_writer.write(writer, model_id, kind, name, expires_at, user_metadata)
 
 
 # ---------------------------------------------------------------- external weights

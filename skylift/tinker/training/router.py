@@ -24,7 +24,6 @@ from skylift.tinker.core.deps import (
 )
 from skylift.tinker.core.limits import read_payload
 from skylift.tinker.core.wire import WireLimits, decode_forward_backward
-from skylift.tinker.training import operations as training_ops
 from skylift.tinker.training.bodies import (
     CreateModelBody,
     GetInfoBody,
@@ -45,7 +44,7 @@ async def create_model(
     body: Annotated[CreateModelBody, typed(CreateModelBody)],
 ) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        request_id, model_id = await service.create_model(body)
+        request_id, model_id = await service.training.create_model(body)
         return {"request_id": request_id, "model_id": model_id}
 
     return await operation(request, "create_model", session_refusal(owners, body.session_id), run)
@@ -57,7 +56,7 @@ async def get_info(
 ) -> dict[str, Any]:
     def info() -> dict[str, Any]:
         owners.model(user, body.model_id)
-        return service.get_info(body.model_id)
+        return service.training.get_info(body.model_id)
 
     return await asyncio.to_thread(info)
 
@@ -75,7 +74,7 @@ async def _forward(request: Request, service: Service, owners: OwnersDep, kind: 
     call.forward_only = kind == "forward"
 
     async def run() -> dict[str, Any]:
-        request_id = await training_ops.forward_backward(service, call, key)
+        request_id = await service.training.forward_backward(call, key)
         return {"request_id": request_id, "model_id": call.model_id}
 
     result = await operation(request, kind, model_refusal(owners, call.model_id), run)
@@ -101,7 +100,7 @@ async def optim_step(
     body: Annotated[OptimStepBody, model_op(OptimStepBody, "optim_step")],
 ) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        return {"request_id": await training_ops.optim_step(service, body, key)}
+        return {"request_id": await service.training.optim_step(body, key)}
 
     result = await operation(request, "optim_step", model_refusal(owners, body.model_id), run)
     return {"model_id": body.model_id, **result}
@@ -116,7 +115,7 @@ async def save_weights(
     body: Annotated[SaveWeightsBody, model_op(SaveWeightsBody, "save_weights")],
 ) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        return {"request_id": await training_ops.save_weights(service, body, key)}
+        return {"request_id": await service.training.save_weights(body, key)}
 
     result = await operation(request, "save_weights", model_refusal(owners, body.model_id), run)
     return {"model_id": body.model_id, **result}
@@ -133,7 +132,7 @@ async def save_weights_for_sampler(
     ],
 ) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        return {"request_id": await training_ops.save_weights_for_sampler(service, body, key)}
+        return {"request_id": await service.training.save_weights_for_sampler(body, key)}
 
     result = await operation(request, "save_weights_for_sampler", model_refusal(owners, body.model_id), run)
     return {"model_id": body.model_id, **result}
@@ -158,7 +157,7 @@ async def load_weights(
         return None
 
     async def run() -> dict[str, Any]:
-        request_id, model_id = await training_ops.load_weights(service, body, key)
+        request_id, model_id = await service.training.load_weights(body, key)
         return {"request_id": request_id, "model_id": model_id}
 
     return await operation(request, "load_weights", refuse, run)
