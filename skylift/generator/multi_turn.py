@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat, ConversationIds, TemplateMismatch
 from skylift.generator.rollout_end import RolloutRecord
 from skylift.generator.settings import GeneratorSettings
-from skylift.generator.step_wise import TurnRecord, steps_of_turns
+from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
@@ -93,13 +93,7 @@ class TurnLoop:
             turn_params = rollout.turn_params(s, params, context, seed)
             if turn_params is None:
                 break
-            out = await timer.timed("llm", self.engine.generate([context], turn_params, rollout.session_id))
-            completion = await timer.timed(
-                "llm", self.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
-            )
-            text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            sampled = rollout.add_turn(s, context, completion, text)
-            turns.append((len(context), completion, text))
+            completion, text, sampled = await self.sample_turn(timer, rollout, s, context, turn_params, turns)
             result = await timer.timed("env", self.call_env(env.step, text))
             stop_reason = completion.stop_reason
             postprocessed = result.metadata.get("postprocessed_action")
@@ -119,16 +113,33 @@ class TurnLoop:
             except TemplateMismatch:
                 if s.on_template_mismatch != "step_wise":
                     raise
-                # this rollout goes on step-wise: its turns so far become steps, the next prompt is
-                # the conversation as the template renders it now
-                rollout.steps = steps_of_turns(
-                    rollout.prompt_ids + rollout.response_ids, turns, s.engine_versions
-                )
-                s = replace(s, step_wise=True)
+                # this rollout goes on step-wise, the next prompt the conversation as the template
+                # renders it now
+                s = rollout.go_step_wise(s, turns)
                 continue
             rollout.add_untrained(between)
         await self.call_env(env.close)
         return rollout.finish(row, s)
+
+    async def sample_turn(
+        self,
+        timer: TrajectoryTimer,
+        rollout: RolloutRecord,
+        s: GeneratorSettings,
+        context: list[int],
+        params: SamplingParams,
+        turns: list[TurnRecord],
+    ) -> tuple[Completion, str, list[int]]:
+        """Sample one turn after `context` (an aborted sample continued: `resubmit`) and record it in
+        `rollout` and `turns`: (its completion, its text, the ids `rollout` holds as sampled)."""
+        out = await timer.timed("llm", self.engine.generate([context], params, rollout.session_id))
+        completion = await timer.timed(
+            "llm", self.resubmit(context, out[0].completions[0], params, rollout.session_id)
+        )
+        text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        sampled = rollout.add_turn(s, context, completion, text)
+        turns.append((len(context), completion, text))
+        return completion, text, sampled
 
     def _between_turns(
         self,

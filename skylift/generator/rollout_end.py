@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from skylift.generator.settings import TURN_SEED_STRIDE
-from skylift.generator.step_wise import Step, step_trajectories
+from skylift.generator.step_wise import Step, TurnRecord, step_trajectories, steps_of_turns
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, SamplingParams
 
@@ -100,6 +100,12 @@ class RolloutRecord:
         for name, value in (metrics or {}).items():
             self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
         self.metadata = dict(metadata)
+
+    def go_step_wise(self, s: Any, turns: list[TurnRecord]) -> Any:
+        """This rollout goes on step-wise (``generator.on_template_mismatch=step_wise``): its `turns`
+        so far become its steps. Returns the settings `s` it goes on with (``step_wise`` on)."""
+        self.steps = steps_of_turns(self.prompt_ids + self.response_ids, turns, s.engine_versions)
+        return replace(s, step_wise=True)
 
     def add_untrained(self, ids: list[int]) -> None:
         """Add `ids` after a turn without training on them (mask 0, logprob 0, the last version)."""

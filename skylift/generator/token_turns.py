@@ -16,7 +16,7 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
 from skylift.generator.rollout_end import RolloutRecord
-from skylift.generator.step_wise import TurnRecord, steps_of_turns
+from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
@@ -64,13 +64,7 @@ async def run_token_turns(
         if turn_params is None:
             break
         turn_params = _with_stop(turn_params, stop)
-        out = await timer.timed("llm", loop.engine.generate([context], turn_params, rollout.session_id))
-        completion = await timer.timed(
-            "llm", loop.resubmit(context, out[0].completions[0], turn_params, rollout.session_id)
-        )
-        text = loop.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        sampled = rollout.add_turn(s, context, completion, text)
-        turns.append((len(context), completion, text))
+        completion, _, sampled = await loop.sample_turn(timer, rollout, s, context, turn_params, turns)
         context += sampled
         result = await timer.timed(
             "env", loop.call_env(env.step_tokens, sampled, completion.stop_reason, completion.logprobs)
@@ -83,11 +77,7 @@ async def run_token_turns(
             context, stop = following, result.stop
             continue
         if following[: len(context)] != context and s.on_template_mismatch == "step_wise":
-            # this rollout goes on step-wise: its turns so far become steps
-            rollout.steps = steps_of_turns(
-                rollout.prompt_ids + rollout.response_ids, turns, s.engine_versions
-            )
-            s = replace(s, step_wise=True)
+            s = rollout.go_step_wise(s, turns)
             context, stop = following, result.stop
             continue
         if following[: len(context)] != context:
