@@ -32,6 +32,7 @@ Add an estimator with::
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -217,10 +218,8 @@ def _group_index(group_ids: GroupIds | None, batch: int, estimator: str) -> tupl
     return torch.tensor(index, dtype=torch.long), len(dense)
 
 
-def _group_stats(
-    scores: torch.Tensor, group_ids: GroupIds | None, estimator: str
-) -> tuple[torch.Tensor, ...]:
-    """Per-sequence group size, group sum and unbiased group std (std 0 for groups of size 1)."""
+def _group_stats(scores: torch.Tensor, group_ids: GroupIds | None, estimator: str) -> GroupScores:
+    """Each sequence's score with its group's size, sum and unbiased std (std 0 for groups of size 1)."""
     index, n_groups = _group_index(group_ids, scores.shape[0], estimator)
     index = index.to(scores.device)
     counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
@@ -232,7 +231,7 @@ def _group_stats(
         0, index, (scores - means[index]).square()
     )
     stds = torch.sqrt(sq_dev / (counts - 1).clamp(min=1))
-    return counts[index], sums[index], stds[index]
+    return GroupScores(scores, counts[index], sums[index], stds[index])
 
 
 def _per_token(adv: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,63 +267,77 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch
     return torch.where(mask != 0, whitened, torch.zeros_like(whitened))
 
 
-@register_advantage_estimator("grpo", sequence_level=True)
-def grpo_advantages(
-    *,
-    sequence_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds | None,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class GroupScores:
+    """Each sequence's score with its group's size, sum and unbiased std (all `[batch]`; the std is 0
+    in a group of one sequence)."""
+
+    scores: torch.Tensor
+    counts: torch.Tensor
+    sums: torch.Tensor
+    stds: torch.Tensor
+
+    @property
+    def means(self) -> torch.Tensor:
+        return self.sums / self.counts
+
+
+GroupAdvantage = Callable[[GroupScores, bool, float], torch.Tensor]
+"""A group-relative estimator's rule: `(group, norm_by_std, eps)` to each sequence's advantage."""
+
+
+def _register_group_estimator(name: str) -> Callable[[GroupAdvantage], SequenceAdvantageEstimator]:
+    """Decorator registering the sequence-level estimator `name` whose advantage of a sequence comes
+    from its score and its group's statistics (`group_ids` required); the estimator puts it on each
+    valid token (advantages and returns equal). Returns the registered estimator."""
+
+    def decorator(advantage: GroupAdvantage) -> SequenceAdvantageEstimator:
+        def estimator(
+            *,
+            sequence_rewards: torch.Tensor,
+            response_mask: torch.Tensor,
+            group_ids: GroupIds | None,
+            norm_by_std: bool = True,
+            eps: float = 1e-6,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            group = _group_stats(sequence_rewards, group_ids, name)
+            return _per_token(advantage(group, norm_by_std, eps), response_mask)
+
+        estimator.__name__ = estimator.__qualname__ = advantage.__name__
+        estimator.__doc__ = advantage.__doc__
+        register_advantage_estimator(name, sequence_level=True)(estimator)
+        return estimator
+
+    return decorator
+
+
+@_register_group_estimator("grpo")
+def grpo_advantages(group: GroupScores, norm_by_std: bool, eps: float) -> torch.Tensor:
     """Group-relative advantage ``(score - group_mean) / (group_std + eps)`` (no division without
     `norm_by_std`), with the unbiased group std. A group of one sequence, or of equal scores, gives 0."""
-    scores = sequence_rewards
-    counts, sums, stds = _group_stats(scores, group_ids, "grpo")
-    adv = scores - sums / counts
-    if norm_by_std:
-        adv = adv / (stds + eps)
-    return _per_token(adv, response_mask)
+    adv = group.scores - group.means
+    return adv / (group.stds + eps) if norm_by_std else adv
 
 
-@register_advantage_estimator("rloo", sequence_level=True)
-def rloo_advantages(
-    *,
-    sequence_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds | None,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@_register_group_estimator("rloo")
+def rloo_advantages(group: GroupScores, norm_by_std: bool, eps: float) -> torch.Tensor:
     """Leave-one-out baseline: ``score_i - mean(scores of the other members of i's group)``.
 
     A group of one sequence has no other member and gets advantage 0.
     """
-    scores = sequence_rewards
-    counts, sums, _ = _group_stats(scores, group_ids, "rloo")
-    baseline = (sums - scores) / (counts - 1).clamp(min=1)
-    adv = torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
-    return _per_token(adv, response_mask)
+    scores, counts = group.scores, group.counts
+    baseline = (group.sums - scores) / (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
 
 
-@register_advantage_estimator("maxrl", sequence_level=True)
-def maxrl_advantages(
-    *,
-    sequence_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds | None,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@_register_group_estimator("maxrl")
+def maxrl_advantages(group: GroupScores, norm_by_std: bool, eps: float) -> torch.Tensor:
     """MaxRL (``advantage_estimator=maxrl``): ``(score - group_mean) / (group_mean + eps)``, the group-centred
     reward divided by the group's mean reward (its success rate with 0/1 rewards) instead of its
     std. A group of one sequence keeps its score as its advantage; `norm_by_std` is
     not read."""
-    scores = sequence_rewards
-    counts, sums, _ = _group_stats(scores, group_ids, "maxrl")
-    means = sums / counts
-    adv = torch.where(counts > 1, (scores - means) / (means + eps), scores)
-    return _per_token(adv, response_mask)
+    means = group.means
+    return torch.where(group.counts > 1, (group.scores - means) / (means + eps), group.scores)
 
 
 @register_advantage_estimator("reinforce++")
