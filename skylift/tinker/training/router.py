@@ -6,6 +6,8 @@ Each answers ``{"request_id", "model_id"}`` at once; the result comes from ``ret
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -23,6 +25,7 @@ from skylift.tinker.core.deps import (
     typed,
 )
 from skylift.tinker.core.limits import read_payload
+from skylift.tinker.core.ownership import Owners
 from skylift.tinker.core.wire import WireLimits, decode_forward_backward
 from skylift.tinker.training.bodies import (
     CreateModelBody,
@@ -61,6 +64,19 @@ async def get_info(
     return await asyncio.to_thread(info)
 
 
+async def _model_operation(
+    request: Request, owners: Owners, kind: str, model_id: str, submit: Callable[[], Awaitable[str]]
+) -> dict[str, Any]:
+    """Submit operation `kind` on model `model_id` for the calling user, who must own it (else an
+    unknown-model error as a failed future): ``{"model_id", "request_id"}``."""
+
+    async def run() -> dict[str, Any]:
+        return {"request_id": await submit()}
+
+    result = await operation(request, kind, model_refusal(owners, model_id), run)
+    return {"model_id": model_id, **result}
+
+
 def wire_limits(request: Request, service: Service) -> WireLimits:
     cells = request.app.state.limits.max_cells
     return WireLimits(max_tokens=max(b.max_model_len for b in service.base_models), max_cells=cells)
@@ -73,12 +89,8 @@ async def _forward(request: Request, service: Service, owners: OwnersDep, kind: 
     call = await asyncio.to_thread(decode_forward_backward, raw, wire_limits(request, service))
     call.forward_only = kind == "forward"
 
-    async def run() -> dict[str, Any]:
-        request_id = await service.training.forward_backward(call, key)
-        return {"request_id": request_id, "model_id": call.model_id}
-
-    result = await operation(request, kind, model_refusal(owners, call.model_id), run)
-    return {"model_id": call.model_id, **result}
+    submit = partial(service.training.forward_backward, call, key)
+    return await _model_operation(request, owners, kind, call.model_id, submit)
 
 
 @router.post("/forward_backward")
@@ -99,11 +111,8 @@ async def optim_step(
     key: IdemKey,
     body: Annotated[OptimStepBody, model_op(OptimStepBody, "optim_step")],
 ) -> dict[str, Any]:
-    async def run() -> dict[str, Any]:
-        return {"request_id": await service.training.optim_step(body, key)}
-
-    result = await operation(request, "optim_step", model_refusal(owners, body.model_id), run)
-    return {"model_id": body.model_id, **result}
+    submit = partial(service.training.optim_step, body, key)
+    return await _model_operation(request, owners, "optim_step", body.model_id, submit)
 
 
 @router.post("/save_weights")
@@ -114,11 +123,8 @@ async def save_weights(
     key: IdemKey,
     body: Annotated[SaveWeightsBody, model_op(SaveWeightsBody, "save_weights")],
 ) -> dict[str, Any]:
-    async def run() -> dict[str, Any]:
-        return {"request_id": await service.training.save_weights(body, key)}
-
-    result = await operation(request, "save_weights", model_refusal(owners, body.model_id), run)
-    return {"model_id": body.model_id, **result}
+    submit = partial(service.training.save_weights, body, key)
+    return await _model_operation(request, owners, "save_weights", body.model_id, submit)
 
 
 @router.post("/save_weights_for_sampler")
@@ -131,11 +137,8 @@ async def save_weights_for_sampler(
         SaveWeightsForSamplerBody, model_op(SaveWeightsForSamplerBody, "save_weights_for_sampler")
     ],
 ) -> dict[str, Any]:
-    async def run() -> dict[str, Any]:
-        return {"request_id": await service.training.save_weights_for_sampler(body, key)}
-
-    result = await operation(request, "save_weights_for_sampler", model_refusal(owners, body.model_id), run)
-    return {"model_id": body.model_id, **result}
+    submit = partial(service.training.save_weights_for_sampler, body, key)
+    return await _model_operation(request, owners, "save_weights_for_sampler", body.model_id, submit)
 
 
 @router.post("/load_weights")
