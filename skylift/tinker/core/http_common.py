@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,22 +150,26 @@ def install_auth(app: FastAPI, keyring: KeyRing, api: str) -> None:
     app.add_middleware(_Authenticate, keyring=keyring, api=api)
 
 
+#: The user errors and the status each answers with, its message the detail (the most specific class
+#: of an error that is several decides).
+_USER_ERROR_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (NotFoundError, 404),
+    (QuotaError, 429),
+    (TooLargeError, 413),
+    (UserError, 400),
+)
+
+
+def _answer_with(status: int) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def answer(request: Request, exc: Exception) -> Response:
+        return error_response(status, str(exc))
+
+    return answer
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(NotFoundError)
-    async def not_found(request: Request, exc: NotFoundError) -> Response:
-        return error_response(404, str(exc))
-
-    @app.exception_handler(QuotaError)
-    async def over_quota(request: Request, exc: QuotaError) -> Response:
-        return error_response(429, str(exc))
-
-    @app.exception_handler(TooLargeError)
-    async def too_large(request: Request, exc: TooLargeError) -> Response:
-        return error_response(413, str(exc))
-
-    @app.exception_handler(UserError)
-    async def user_error(request: Request, exc: UserError) -> Response:
-        return error_response(400, str(exc))
+    for error, status in _USER_ERROR_STATUS:
+        app.add_exception_handler(error, _answer_with(status))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_parameters(request: Request, exc: RequestValidationError) -> Response:
