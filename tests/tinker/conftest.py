@@ -37,6 +37,13 @@ def tinker_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 
 
 @pytest.fixture(scope="session")
+def sampler_lora_slots() -> int:
+    """The adapter slots `tinker_server` runs with (a fixture: another folder's conftest may be the
+    module `conftest` when the halves run together)."""
+    return SAMPLER_LORA_SLOTS
+
+
+@pytest.fixture(scope="session")
 def no_engine_server(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[TinkerServer]:

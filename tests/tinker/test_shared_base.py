@@ -107,14 +107,12 @@ def _sampling_stats(server: TinkerServer) -> dict[str, Any]:
     return next(e for e in engines if e["base_model"].endswith("tiny-qwen2"))
 
 
-def test_four_users_sample_their_own_adapters_at_once(tinker_server) -> None:
+def test_four_users_sample_their_own_adapters_at_once(tinker_server, sampler_lora_slots: int) -> None:
     """Four LoRA clients train on different data, then sample and score at once through one engine:
     each sampler's logprobs are its own adapter's (as its training forward says), never another's;
     with more adapters than slots they are evicted and reloaded, and sample the same. Three sample
     ephemeral snapshots, one a named sampler checkpoint (its `adapter/` folder)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from conftest import SAMPLER_LORA_SLOTS
 
     users = [tinker.ServiceClient(base_url=tinker_server.url, api_key=API_KEY) for _ in range(4)]
     try:
@@ -154,8 +152,8 @@ def test_four_users_sample_their_own_adapters_at_once(tinker_server) -> None:
         stats = _sampling_stats(tinker_server)
         assert stats["mode"] == "adapters" and stats["full_weights"] == "base"  # nothing merged pushed
         adapters = stats["adapters"]
-        assert adapters["slots"] == SAMPLER_LORA_SLOTS and adapters["evictions"] >= 4 - SAMPLER_LORA_SLOTS
-        for i in range(1, SAMPLER_LORA_SLOTS + 1):  # the slots now hold others' adapters ...
+        assert adapters["slots"] == sampler_lora_slots and adapters["evictions"] >= 4 - sampler_lora_slots
+        for i in range(1, sampler_lora_slots + 1):  # the slots now hold others' adapters ...
             sample_and_score(i)
         again = sample_and_score(0)  # ... so user 0's is evicted: loaded again, the same
         np.testing.assert_allclose(again, engine_lps[0], rtol=0, atol=1e-4)

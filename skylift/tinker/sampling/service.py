@@ -199,11 +199,6 @@ class SamplingService:
         adapter = await asyncio.to_thread(adapter_in, directory)
         return SamplerWeights(tag, lambda: load_safetensors_dir(directory), adapter)
 
-    def wants_full(self, model_path: str, lora_rank: int, unembed: bool) -> bool:
-        """Never: a LoRA client's ephemeral snapshot holds its adapter only, merged into the base
-        on demand when a weight swap needs it."""
-        return False
-
     def warm_up(self, model_path: str, tag: str) -> None:
         """Start the engine and load `tag` in the background (failures are only logged)."""
         info = self.base_models.for_path(model_path)

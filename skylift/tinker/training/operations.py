@@ -267,9 +267,7 @@ class TrainingOperations:
         async def ephemeral(model: TrainedModel) -> dict[str, Any]:
             row = await self.db(self.store.get, ModelRow, model_id)
             sampling_id = f"{row.session_id}:sample:{seq}"
-            c = model.config
-            with_full = self.sampling.wants_full(c.model_path, c.lora_rank, c.train_unembed)
-            weights = await self.run_training(model.snapshot_sampler, with_full)
+            weights = await self.run_training(model.snapshot_sampler)  # LoRA: the adapter only
             await self.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
             return {"sampling_session_id": sampling_id, "type": "save_weights_for_sampler"}
 
