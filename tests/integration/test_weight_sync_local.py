@@ -323,6 +323,33 @@ def test_second_group_needs_override(
     first.group.destroy()  # type: ignore[union-attr]
 
 
+def test_tensors_transport_pushes_the_tensors_put_into_its_engine(
+    engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
+) -> None:
+    """The Tinker sampler's transport: tensors put, then pushed as a version, over a group it hosts."""
+    from skylift.weight_sync.transports.tensors import TensorsTransport
+
+    if loop.run(engine.has_weight_update_group()):
+        loop.run(engine.destroy_weights_update_group())
+    perturb(hf_model, seed=4)
+    expected = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
+    transport = TensorsTransport([engine], WeightSender(timeout_s=GROUP_TIMEOUT_S))
+
+    async def push() -> dict[str, float]:
+        assert "1 engine(s)" in await transport.open()
+        try:
+            with pytest.raises(RuntimeError, match="push before put"):
+                await transport.push(1)
+            transport.put(hf_model.state_dict())
+            return await transport.push(1)
+        finally:
+            await transport.close()
+
+    metrics = loop.run(push())
+    assert metrics["weight_sync/bytes"] > 0 and transport.version == 1 and transport.staged is None
+    assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), expected) <= TOLERANCE
+
+
 def test_update_without_group_is_a_clear_error(engine: LocalVLLMEngine, loop: Any) -> None:
     if loop.run(engine.has_weight_update_group()):
         loop.run(engine.destroy_weights_update_group())

@@ -40,12 +40,21 @@ class FakeEngine:
         self.calls.append(("unload", name))
 
 
-class FakeSender:
+class FakeTransport:
+    """What `EngineHost` calls on its `TensorsTransport`: tensors put, then pushed; counts pushes."""
+
     def __init__(self) -> None:
         self.pushes = 0
+        self.staged: dict[str, torch.Tensor] | None = None
 
-    async def send_state_dict(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.staged = tensors
+
+    async def push(self, version: int) -> dict[str, float]:
+        assert self.staged is not None  # every push sends tensors put before it
+        self.staged = None
         self.pushes += 1
+        return {}
 
 
 def _memory_adapter() -> AdapterSource:
@@ -129,11 +138,11 @@ def test_a_sampler_checkpoint_names_its_adapter_rank(tmp_path: Path) -> None:
 
 def _host(
     mode: str, max_lora_rank: int = 32, base_dir: str = "/nowhere"
-) -> tuple[EngineHost, FakeEngine, FakeSender]:
+) -> tuple[EngineHost, FakeEngine, FakeTransport]:
     settings = EngineSettings(lora_mode=mode, max_lora_rank=max_lora_rank)
     host = EngineHost("tiny", base_dir, settings)
-    engine, sender = FakeEngine(), FakeSender()
-    host._engine, host._sender, host._tag = engine, sender, "base"  # as a start-up leaves them
+    engine, sender = FakeEngine(), FakeTransport()
+    host._engine, host._transport, host._tag = engine, sender, "base"  # as a start-up leaves them
     host.lora_mode = ModeChoice(mode, "test")
     if mode == "adapters":
         host.slots = AdapterSlots(engine, 2)

@@ -42,13 +42,22 @@ class TimedEngine:
         return []
 
 
-class TimedSender:
+class TimedTransport:
+    """A `TensorsTransport` whose push takes `push_s`."""
+
     def __init__(self, push_s: float) -> None:
         self.push_s, self.pushed = push_s, 0
+        self.staged: dict[str, torch.Tensor] | None = None
 
-    async def send_state_dict(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.staged = tensors
+
+    async def push(self, version: int) -> dict[str, float]:
+        assert self.staged is not None  # every push sends tensors put before it
+        self.staged = None
         self.pushed += 1
         await asyncio.sleep(self.push_s)
+        return {}
 
 
 def test_the_zero_adapter_covers_attention_and_mlp_and_changes_nothing(tmp_path: Path) -> None:
@@ -64,12 +73,12 @@ def test_the_zero_adapter_covers_attention_and_mlp_and_changes_nothing(tmp_path:
 
 
 def test_a_model_without_linear_layers_to_adapt_is_served_by_swaps() -> None:
-    choice = asyncio.run(calibrate(TimedEngine(0, 0), TimedSender(0), {"norm.weight": torch.ones(3)}, 8))
+    choice = asyncio.run(calibrate(TimedEngine(0, 0), TimedTransport(0), {"norm.weight": torch.ones(3)}, 8))
     assert choice.mode == "swap" and "no attention or MLP layers" in choice.reason
 
 
 def test_adapters_win_when_batching_them_beats_a_swap() -> None:
-    engine, sender = TimedEngine(adapter_s=0.02, base_s=0.01), TimedSender(push_s=0.5)
+    engine, sender = TimedEngine(adapter_s=0.02, base_s=0.01), TimedTransport(push_s=0.5)
     choice = asyncio.run(calibrate(engine, sender, WEIGHTS, 8))
     assert choice.mode == "adapters" and sender.pushed == 1 and not engine.loaded
     assert choice.adapters_s is not None and choice.swap_s is not None and choice.push_s is not None
@@ -79,7 +88,7 @@ def test_adapters_win_when_batching_them_beats_a_swap() -> None:
 
 def test_swaps_win_when_the_adapter_kernels_are_slower_than_a_push() -> None:
     choice = asyncio.run(
-        calibrate(TimedEngine(adapter_s=0.6, base_s=0.01), TimedSender(push_s=0.01), WEIGHTS, 8)
+        calibrate(TimedEngine(adapter_s=0.6, base_s=0.01), TimedTransport(push_s=0.01), WEIGHTS, 8)
     )
     assert choice.mode == "swap" and "a swap between them" in choice.reason
 

@@ -5,7 +5,8 @@ ephemeral `save_weights_for_sampler` requests) starts the vLLM engine on a dedic
 start-up blocks only that thread) and joins a weight-update group with it. The engine holds one
 set of full weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
 ephemeral sampling session): a request for other full weights waits until running generations
-finish, pushes the new weights over the group (`WeightSender`) and proceeds. LoRA samplers of the
+finish, pushes the new weights over the group (a `TensorsTransport`, `skylift.weight_sync`'s one
+transport interface for a source of tensors) and proceeds. LoRA samplers of the
 base model are served as adapters in the batch instead where the engine's mode says so
 (`skylift.tinker.sampling.lora_mode`): every request carries its adapter, loaded into one of the engine's
 slots (`skylift.tinker.sampling.adapter_slots`), and nothing waits for other users' generations.
@@ -99,8 +100,9 @@ class EngineHost:
         self.start_attempts = 0
         self.last_error: str | None = None
         self._engine: Any = None
-        self._sender: Any = None
+        self._transport: Any = None  # a TensorsTransport opened for the engine
         self._tag: str | None = None
+        self._pushes = 0  # the version number of the transport's last push
         #: how LoRA samplers are served (decided once, at the first start-up) and the adapter slots
         self.lora_mode: ModeChoice | None = None
         self.slots: AdapterSlots | None = None
@@ -151,7 +153,7 @@ class EngineHost:
                 if os.environ.get(FAIL_START_ENV) == "1":
                     raise EngineError(f"engine start-up refused: {FAIL_START_ENV}=1 is set (test hook)")
                 from skylift.inference.local import LocalVLLMEngine
-                from skylift.weight_sync import WeightSender
+                from skylift.weight_sync.transports.tensors import TensorsTransport
 
                 s = self.settings
                 extra: dict[str, Any] = {}
@@ -173,9 +175,9 @@ class EngineHost:
                     cpus=self.cpus,
                     **extra,
                 )
-                sender = WeightSender()
+                transport = TensorsTransport([engine])
                 try:
-                    await sender.init_group([engine])
+                    await transport.open()
                 except Exception:
                     await engine.close()
                     raise
@@ -183,10 +185,10 @@ class EngineHost:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.error("inference engine for %s failed to start: %s", self.base_model, exc)
                 raise EngineError(f"inference engine for {self.base_model!r} failed to start: {exc}") from exc
-            self._engine, self._sender, self._tag = engine, sender, "base"
+            self._engine, self._transport, self._tag = engine, transport, "base"
             self.last_error = None
             logger.info("inference engine for %s started (attempt %d)", self.base_model, self.start_attempts)
-            await self._choose_lora_mode(engine, sender)
+            await self._choose_lora_mode(engine, transport)
             # the engine's client, its tokenizer and vLLM's modules live as long as the server: out of
             # the garbage collector's full passes, which would otherwise stop every thread for them
             gc.freeze()
@@ -218,10 +220,10 @@ class EngineHost:
             "max_cpu_loras": s.lora_slots,
         }
 
-    async def _choose_lora_mode(self, engine: Any, sender: Any) -> None:
+    async def _choose_lora_mode(self, engine: Any, transport: Any) -> None:
         """Adapters in the batch or weight swaps (`skylift.tinker.sampling.lora_mode`), once per host."""
         if self.lora_mode is None:
-            self.lora_mode = await self._measure_lora_mode(engine, sender)
+            self.lora_mode = await self._measure_lora_mode(engine, transport)
             logger.info(
                 "sampling engine for %s serves LoRA samplers by %s: %s%s",
                 self.base_model,
@@ -235,7 +237,7 @@ class EngineHost:
                 engine, self.settings.lora_slots, f"sampling engine of {self.base_model}"
             )
 
-    async def _measure_lora_mode(self, engine: Any, sender: Any) -> ModeChoice:
+    async def _measure_lora_mode(self, engine: Any, transport: Any) -> ModeChoice:
         if not engine.lora.enabled:
             return ModeChoice("swap", "a vision-language engine" if self.vision else "--sampler-lora swap")
         unembed = accepts_unembed(engine)
@@ -243,7 +245,7 @@ class EngineHost:
             return ModeChoice("adapters", "--sampler-lora adapters", unembed)
         weights = await asyncio.to_thread(load_safetensors_dir, self.model_path)
         try:
-            return await calibrate(engine, sender, weights, self.settings.max_lora_rank, unembed)
+            return await calibrate(engine, transport, weights, self.settings.max_lora_rank, unembed)
         except Exception as exc:  # the engine serves on: LoRA samplers swap weights
             logger.warning("LoRA calibration of the %s engine failed: %s", self.base_model, exc)
             return ModeChoice("swap", f"the calibration failed: {exc}")
@@ -272,8 +274,9 @@ class EngineHost:
                 full = (
                     weights.load_full if not as_adapter else (lambda: load_safetensors_dir(self.model_path))
                 )
-                state = await asyncio.to_thread(full)
-                await self._sender.send_state_dict(list(state.items()))
+                self._transport.put(await asyncio.to_thread(full))
+                self._pushes += 1
+                await self._transport.push(self._pushes)
                 self._tag = tag
             self._active += 1
         if not as_adapter:
@@ -372,7 +375,7 @@ class EngineHost:
     async def _close(self) -> None:
         # At shutdown the weight-sync group is not torn down politely: the engine's workers exit
         # with it, and a collective with an engine that is already gone would only wait out its timeout.
-        engine, self._engine, self._sender, self._renderer = self._engine, None, None, None
+        engine, self._engine, self._transport, self._renderer = self._engine, None, None, None
         if self.slots is not None:
             self.slots.forget()
         if engine is not None:

@@ -130,11 +130,12 @@ async def _timed(*calls: Any) -> float:
 
 
 async def calibrate(
-    engine: Any, sender: Any, weights: dict[str, torch.Tensor], rank: int, unembed: bool = False
+    engine: Any, transport: Any, weights: dict[str, torch.Tensor], rank: int, unembed: bool = False
 ) -> ModeChoice:
-    """Measure both ways on `engine` (started with LoRA, holding `weights`, in a weight-update
-    group with `sender`) and choose (see the module's docstring); the adapters cover the
-    unembedding too where `unembed` (as Tinker's default adapters do)."""
+    """Measure both ways on `engine` (started with LoRA, holding `weights`, pushed to through
+    `transport`, a `weight_sync` `TensorsTransport` opened for it) and choose (see the module's
+    docstring); the adapters cover the unembedding too where `unembed` (as Tinker's default
+    adapters do)."""
     scratch = Path(tempfile.mkdtemp(prefix="skylift-lora-calibration-"))
     try:
         names = []
@@ -157,7 +158,8 @@ async def calibrate(
         start = time.perf_counter()
         await engine.generate([prompts[0]], params, lora_name="")
         push_start = time.perf_counter()
-        await sender.send_state_dict(list(weights.items()))  # the same weights: a real push's cost
+        transport.put(weights)  # the same weights: a real push's cost
+        await transport.push(0)
         push_s = time.perf_counter() - push_start
         await engine.generate([prompts[1]], params, lora_name="")
         swap_s = time.perf_counter() - start

@@ -8,6 +8,12 @@ engines hold are its, not a transport's). `make_transport` (`transports.factory`
 the config: `BroadcastTransport` (full weights over a weight-update group), `LoraTransport` (a
 LoRA adapter, over the group or through a directory) or `DeltaTransport` (changed tensors
 through a shared directory or bucket).
+
+Where the weights come from is each transport's: the three above pull a version from the policy
+(its ranks broadcast or publish it when pushed). `TensorsTransport` (`transports.tensors`: the
+Tinker sampler's) has no policy behind it: its source is a set of tensors in this process, which
+the caller hands over with `put(tensors)` before each `push(version)` (a push with nothing put
+is an error, as a delta push with nothing staged is).
 """
 
 from __future__ import annotations
