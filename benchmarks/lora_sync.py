@@ -123,7 +123,7 @@ async def lora_sync_round(args: argparse.Namespace, model_dir: Any, model: Any) 
     from skylift.inference.engine_args import lora_engine_args
     from skylift.inference.local import LocalVLLMEngine
     from skylift.weight_sync import WeightSender
-    from skylift.weight_sync.lora import LoraPublisher, pack_adapter
+    from skylift.weight_sync.lora.adapter import LoraPublisher, pack_adapter
 
     tensors, config = adapter_of(model)
     engine = await LocalVLLMEngine.create(

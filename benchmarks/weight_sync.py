@@ -5,10 +5,10 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
 - sync: `WeightSender.send_state_dict` of the whole (perturbed) state dict into a running
   `LocalVLLMEngine`, until every bucket is loaded and the prefix cache reset (the engine then
   serves the new weights; checked afterwards against transformers), by the overlapped weight
-  stream (`weight_sync.stream`, the default: one engine call per sync, bucket k+1 packed and
+  stream (`weight_sync.broadcast.stream`, the default: one engine call per sync, bucket k+1 packed and
   broadcast while the engine reloads bucket k) and by the sequential path it replaced
   (`overlap=False`: one call, broadcast and reload per bucket), side by side; and by the stream
-  with the engine loading through vLLM's generic reload instead of `weight_sync.direct_load`
+  with the engine loading through vLLM's generic reload instead of `weight_sync.broadcast.direct_load`
   (`stream_vllm_reload_s`: what the stream took before the direct load);
 - raw_broadcast: ONE flat buffer of the same number of bytes broadcast over a gloo group between
   two plain processes (plus a one-element acknowledgement back, so the receiver has it all);
@@ -137,7 +137,7 @@ def _drop_reload_weights(worker: Any) -> None:
 
 
 def _set_direct_load(worker: Any, enabled: bool) -> None:
-    """Runs inside the vLLM worker: let the stream load with `weight_sync.direct_load` or not."""
+    """Runs inside the vLLM worker: let the stream load with `weight_sync.broadcast.direct_load` or not."""
     getattr(worker, "worker", worker)._skylift_direct_load = enabled  # the worker, not its wrapper
 
 

@@ -3,8 +3,9 @@
 `EngineWeights` is the driver's view of the engines' copy of the policy: the version they hold,
 whether colocated engines sleep (their memory freed for training), and pausing them around a
 sync while requests are in flight. How the weights travel is the `WeightTransport`'s
-(`skylift.weight_sync.transports`: a broadcast over a weight-update group, a LoRA adapter, or
-delta versions through a shared directory), picked from the config by `make_transport`.
+(`skylift.weight_sync.transport`: a broadcast over a weight-update group, a LoRA adapter, or
+delta versions through a shared directory), picked from the config by `make_transport`
+(`skylift.weight_sync.factory`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Callable
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.inference.pool import EnginePool, NoHealthyEngineError
-from skylift.weight_sync.transports import WeightTransport, make_transport
+from skylift.weight_sync.factory import make_transport
+from skylift.weight_sync.transport import WeightTransport
 
 
 class EngineWeights:

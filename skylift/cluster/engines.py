@@ -2,7 +2,7 @@
 
 A Ray engine is an `EngineActor` reached through a `RayEngineClient` (`cluster.ray_engine`).
 `EngineRef`s are small picklable descriptions that the driver turns into `InferenceEngine`
-clients with `connect()` (the pool's clients, which weight sync uses too: `weight_sync.transports.group_link`).
+clients with `connect()` (the pool's clients, which weight sync uses too: `weight_sync.policy_sync`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from skylift.utils.messages import one_line, plain
 
 if TYPE_CHECKING:
     from skylift.inference.local import LocalVLLMEngine
-    from skylift.weight_sync.lora import LoraAdapterSpec
+    from skylift.weight_sync.lora.adapter import LoraAdapterSpec
     from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger(__name__)

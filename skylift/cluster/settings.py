@@ -199,7 +199,7 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
-    # a LoRA policy: engines serve the base model plus the synced adapter (skylift.weight_sync.lora)
+    # a LoRA policy: engines serve the base model plus the synced adapter (skylift.weight_sync.lora.adapter)
     kwargs.update(lora_engine_args(t.policy.model.lora.rank))
     kwargs.update(g.engine_init_kwargs)  # vLLM engine args as given (generator.engine_init_kwargs)
     return kwargs

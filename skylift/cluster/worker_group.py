@@ -19,7 +19,7 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling
 from skylift.cluster.placement import PlacedGroups
-from skylift.weight_sync.broadcaster import WeightBroadcaster
+from skylift.weight_sync.broadcast.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import str_to_dtype
 from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.protocol import DeltaPublishSpec, WeightBucket
@@ -41,7 +41,7 @@ class RLWorker(TrainingWorker):
     """A training rank that also produces the policy's weights for the inference engines.
 
     Every rank gathers (a collective); rank 0 alone is in the weight-update group and broadcasts
-    (`WeightBroadcaster`). No rank calls an engine: the driver (`weight_sync.transports.group_link`) tells the
+    (`WeightBroadcaster`). No rank calls an engine: the driver (`weight_sync.policy_sync`) tells the
     engines to join and to receive while rank 0 runs the matching call here.
     """
 
@@ -76,7 +76,7 @@ class RLWorker(TrainingWorker):
         engine (`remote_urls`)."""
         if self.rank != 0:
             return None
-        from skylift.weight_sync.sender import weight_sync_master_address
+        from skylift.weight_sync.broadcast.sender import weight_sync_master_address
 
         self.close_weight_group()
         address = weight_sync_master_address(master_address, list(remote_urls), self.node_ip())
@@ -112,7 +112,7 @@ class RLWorker(TrainingWorker):
 
     def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None = None) -> dict[str, float]:
         """Gather the full weights (every rank: a collective) and publish them as the next
-        checkpoint-delta version under `spec.sync_dir` (rank 0; `weight_sync.delta_publish`).
+        checkpoint-delta version under `spec.sync_dir` (rank 0; `weight_sync.delta.publish`).
         Returns rank 0's metrics, among them the version published."""
         weights = self.iter_full_weights()
         if self.rank != 0:
@@ -120,8 +120,8 @@ class RLWorker(TrainingWorker):
                 pass
             return {}
         if self.delta_publisher is None:
-            from skylift.weight_sync.delta_format import resolve_base_dir
-            from skylift.weight_sync.delta_publish import DeltaPublisher
+            from skylift.weight_sync.delta.format import resolve_base_dir
+            from skylift.weight_sync.delta.publish import DeltaPublisher
 
             self.delta_publisher = DeltaPublisher(
                 spec.sync_dir,
@@ -137,7 +137,7 @@ class RLWorker(TrainingWorker):
 
     def _adapter(self, dtype: str | None) -> list[tuple[str, Tensor]] | None:
         """The LoRA adapter's tensors (cast to `dtype`) on rank 0, None elsewhere (a collective)."""
-        from skylift.weight_sync.lora import cast_floating
+        from skylift.weight_sync.lora.adapter import cast_floating
 
         tensors, self._peft_config = self.lora_adapter()
         if self.rank != 0:
@@ -148,7 +148,7 @@ class RLWorker(TrainingWorker):
         """Gather the LoRA adapter (every rank) and pack it for `broadcast_lora_adapter` (rank 0):
         its bucket metadata and PEFT config, for the driver to hand to the engines."""
         from skylift.weight_sync.buckets import bucket_of
-        from skylift.weight_sync.lora import pack_adapter
+        from skylift.weight_sync.lora.adapter import pack_adapter
 
         tensors = self._adapter(dtype)
         if tensors is None:
@@ -166,7 +166,7 @@ class RLWorker(TrainingWorker):
     def write_lora_adapter(self, directory: str, dtype: str | None = None) -> tuple[int, int] | None:
         """Gather the LoRA adapter (every rank) and write it to `directory` in PEFT's layout (rank
         0): its tensor count and bytes."""
-        from skylift.weight_sync.lora import adapter_nbytes, write_adapter_dir
+        from skylift.weight_sync.lora.adapter import adapter_nbytes, write_adapter_dir
 
         tensors = self._adapter(dtype)
         if tensors is None:
@@ -350,7 +350,7 @@ class WorkerGroup:
         return self.call_all(RLWorker.setup)
 
     # ---- the policy's side of weight sync (every rank gathers; rank 0 broadcasts; the driver,
-    # `weight_sync.transports.group_link`, calls these while it tells the engines to join and receive)
+    # `weight_sync.policy_sync`, calls these while it tells the engines to join and receive)
     def host_weight_group(
         self,
         world_size: int,

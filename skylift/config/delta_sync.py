@@ -1,12 +1,12 @@
 """`generator.delta_weight_sync.*` (also ``generator.inference_engine.delta_weight_sync.*``): the
-settings of checkpoint-delta weight sync (``weight_sync_backend=delta``, `skylift.weight_sync.delta_publish`
-and `skylift.weight_sync.delta_apply`).
+settings of checkpoint-delta weight sync (``weight_sync_backend=delta``, `skylift.weight_sync.delta.publish`
+and `skylift.weight_sync.delta.apply`).
 
 The policy's rank 0 writes each version's changed tensors, XORed with the version before and
 compressed, under ``sync_dir``; every engine applies them to its own copy of the weights
 (``local_checkpoint_dir``) and loads the changed tensors. The seed's keys that only its cloud transfers
 or its whole-checkpoint reload read are declared without effect in ``skylift.config.inert``. A
-``gs://`` or ``s3://`` sync_dir goes through ``skylift.weight_sync.delta_cloud``.
+``gs://`` or ``s3://`` sync_dir goes through ``skylift.weight_sync.delta.cloud``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from skylift.config.fields import _f
 
 logger = logging.getLogger("skylift.config")
 
-#: object-storage URI schemes a sync_dir may use (`skylift.weight_sync.delta_cloud`)
+#: object-storage URI schemes a sync_dir may use (`skylift.weight_sync.delta.cloud`)
 CLOUD_SCHEMES = ("gs://", "s3://")
 
 

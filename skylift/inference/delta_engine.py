@@ -1,11 +1,11 @@
 """`EngineDelta`: a local engine's side of checkpoint-delta weight sync (``weight_sync_backend=delta``).
 
-`fetch` brings the host's store (`weight_sync.delta_apply.DeltaStore`) to a published version,
+`fetch` brings the host's store (`weight_sync.delta.apply.DeltaStore`) to a published version,
 replaying any it missed; it reads files only and can run while the engine generates. `load` (after
 a `fetch` of its own, a no-op when done) has every vLLM worker load the tensors that changed since
-the version this engine holds (`weight_sync.delta_receiver`), under the engine's weight lock, then
+the version this engine holds (`weight_sync.delta.receiver`), under the engine's weight lock, then
 resets the prefix cache. A ``gs://`` or ``s3://`` sync_dir is read through a mirror beside the
-store (`weight_sync.delta_cloud`): `fetch` copies the versions the store needs, applies them from
+store (`weight_sync.delta.cloud`): `fetch` copies the versions the store needs, applies them from
 there and drops their payloads. An engine that holds weights the store cannot account for (another run's,
 or ones received over a weight-update group) loads every tensor. Bad requests are
 `EngineRequestError`s (a version never published: `EngineNotFoundError`) and change nothing.
@@ -21,9 +21,9 @@ from typing import Any
 
 from skylift.config.delta_sync import is_cloud_uri
 from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineStateError
-from skylift.weight_sync.delta_apply import DeltaStore
-from skylift.weight_sync.delta_cloud import drop_payloads, mirror_chain
-from skylift.weight_sync.delta_format import (
+from skylift.weight_sync.delta.apply import DeltaStore
+from skylift.weight_sync.delta.cloud import drop_payloads, mirror_chain
+from skylift.weight_sync.delta.format import (
     CorruptPayloadError,
     DeltaError,
     DeltaVersionNotFound,

@@ -242,6 +242,6 @@ def lora_engine_args(rank: int, max_loras: int = LORA_SYNC_MAX_LORAS) -> dict[st
     """vLLM engine arguments to serve LoRA adapters of `rank` ({} for rank 0: no LoRA)."""
     if rank <= 0:
         return {}
-    from skylift.weight_sync.lora import vllm_max_lora_rank
+    from skylift.weight_sync.lora.adapter import vllm_max_lora_rank
 
     return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(rank), "max_loras": max_loras}

@@ -2,7 +2,7 @@
 
 The engine core and its workers run in child processes that vLLM spawns; scripts that create one
 need an ``if __name__ == "__main__":`` guard. Weight updates go to the weight-sync receiver in
-every worker (`skylift.weight_sync.receiver`) through ``collective_rpc``.
+every worker (`skylift.weight_sync.broadcast.receiver`) through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from skylift.inference.vllm_patches import quiet_teardown
 from skylift.utils.calls import call_with_timeout
 from skylift.utils.watchdog import unless_failed
 from skylift.weight_sync.buckets import validate_bucket
-from skylift.weight_sync.lora import LoraAdapterSpec
+from skylift.weight_sync.lora.adapter import LoraAdapterSpec
 from skylift.weight_sync.protocol import (
     RPC_DESTROY,
     RPC_HAS_GROUP,
@@ -399,13 +399,13 @@ class LocalVLLMEngine(EngineBase):
         await self.receive_weights(bucket)
 
     async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync in ONE call to the workers (`weight_sync.stream`: the
+        """Receive every bucket of one sync in ONE call to the workers (`weight_sync.broadcast.stream`: the
         reload of a bucket overlaps the broadcast of the next), then reset the prefix cache.
 
         The engine core runs no model step during the call, so no request sees a half-updated
         model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version, prefix_cache_reset,
-        direct_buckets: loaded without vLLM's reload, `weight_sync.direct_load`); a refused bucket is
-        an `EngineStateError` (see the receiver)."""
+        direct_buckets: loaded without vLLM's reload, `weight_sync.broadcast.direct_load`); a refused
+        bucket is an `EngineStateError` (see the receiver)."""
         results, seconds, reset = await self._receive(
             "receive_weight_stream",
             ("receive_weight_stream", RPC_RECEIVE_STREAM, ()),

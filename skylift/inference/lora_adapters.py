@@ -11,7 +11,7 @@ Inside the HTTP server the table is vLLM's own (`OpenAIServingModels.lora_reques
 OpenAI routes serve the same adapters (`model` = the adapter's name) and list them in /v1/models.
 
 An adapter received in memory (`receive`) is built in the workers from the received tensors
-(`skylift.weight_sync.lora_install`) and exists nowhere on disk: vLLM could not load it again if
+(`skylift.weight_sync.lora.install`) and exists nowhere on disk: vLLM could not load it again if
 its LRU cache evicted it, so while the table holds one, loading beyond the cache's size
 (`max_cpu_loras`) is refused rather than letting vLLM evict.
 """
@@ -35,7 +35,7 @@ from skylift.inference.types import (
 )
 from skylift.utils.calls import call_with_timeout
 from skylift.weight_sync.buckets import validate_bucket
-from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, RPC_RECEIVE_LORA, LoraAdapterSpec
+from skylift.weight_sync.lora.adapter import ADAPTER_CONFIG_FILE, RPC_RECEIVE_LORA, LoraAdapterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class LoraAdapters:
         self._ids = itertools.count(1)
         self._in_memory: set[str] = set()  # adapters received in memory (in no directory)
         self.default: str | None = None
-        #: seconds of each part of the last in-memory receive, per worker (`lora_install`)
+        #: seconds of each part of the last in-memory receive, per worker (`weight_sync.lora.install`)
         self.last_receive: list[dict[str, float]] = []
 
     @property

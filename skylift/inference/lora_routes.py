@@ -7,7 +7,7 @@
   model's; 404: no adapter at that path; 400: one vLLM cannot load (e.g. a rank above
   --max-lora-rank). skylift's `activate: true` also makes it the default of `/skylift/generate`;
 - POST `/v1/unload_lora_adapter` `{"lora_name"}`: 400 without a name, 404 for an unknown one;
-- POST `/skylift/receive_lora_adapter`: the in-memory LoRA sync (`skylift.weight_sync.lora`): the
+- POST `/skylift/receive_lora_adapter`: the in-memory LoRA sync (`skylift.weight_sync.lora.adapter`): the
   adapter's bucket metadata, its `name` and `peft_config`, and the adapters it supersedes
   (`retire`, unloaded in the same engine call); the tensors arrive over the weight-update group
   while the request is open.
@@ -28,7 +28,7 @@ from skylift.inference.bodies import LoadLoraAdapterBody, ReceiveLoraAdapterBody
 from skylift.inference.engine_http import engine_call
 from skylift.inference.routes import SkyliftState
 from skylift.inference.types import WeightBucket
-from skylift.weight_sync.lora import LoraAdapterSpec
+from skylift.weight_sync.lora.adapter import LoraAdapterSpec
 
 router = APIRouter()
 

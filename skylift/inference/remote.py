@@ -29,7 +29,7 @@ from skylift.inference.types import (
     WeightBucket,
     WeightUpdateGroupSpec,
 )
-from skylift.weight_sync.lora import LoraAdapterSpec
+from skylift.weight_sync.lora.adapter import LoraAdapterSpec
 from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger("skylift.inference.remote")

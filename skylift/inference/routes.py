@@ -334,7 +334,7 @@ async def update_weights(
 
 @router.post("/update_weights_stream")
 async def update_weights_stream(request: Request) -> dict[str, Any]:
-    """Receive every bucket of one sync, metadata in band (`skylift.weight_sync.stream`); the
+    """Receive every bucket of one sync, metadata in band (`skylift.weight_sync.broadcast.stream`); the
     trainer broadcasts while this request is open. Only for groups of skylift's protocol."""
     state = _state(request)
     if state.group_dtype is not None:

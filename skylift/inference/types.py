@@ -107,7 +107,7 @@ class InferenceEngine(Protocol):
         ...
 
     async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync in one call (`skylift.weight_sync.stream`), load
+        """Receive every bucket of one sync in one call (`skylift.weight_sync.broadcast.stream`), load
         them and reset the prefix cache; returns what arrived."""
         ...
 

@@ -2,8 +2,8 @@
 
 ``worker_extension_cls="skylift.inference.vllm_worker.WeightSyncWorkerExtension"`` (what
 `skylift.inference.engine_args` and the server set). The receivers themselves live with the rest
-of the weight-sync protocol (`skylift.weight_sync.receiver` for full weights,
-`skylift.weight_sync.lora_receiver` for LoRA adapters, `skylift.weight_sync.delta_receiver` for
+of the weight-sync protocol (`skylift.weight_sync.broadcast.receiver` for full weights,
+`skylift.weight_sync.lora.receiver` for LoRA adapters, `skylift.weight_sync.delta.receiver` for
 checkpoint-delta sync); importing this module (vLLM does, in
 every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind` (a vLLM it was not
 written for fails the worker's start-up, naming the patch).
@@ -12,15 +12,15 @@ written for fails the worker's start-up, naming the patch).
 from __future__ import annotations
 
 from skylift.inference.vllm_patches import cpu_seed_rewind
-from skylift.weight_sync.delta_receiver import DeltaReceiverExtension
-from skylift.weight_sync.lora_receiver import LoraReceiverExtension
+from skylift.weight_sync.delta.receiver import DeltaReceiverExtension
+from skylift.weight_sync.lora.receiver import LoraReceiverExtension
 
 __all__ = ["WeightSyncWorkerExtension"]
 
 
 class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension):
     """Full-weight and LoRA-adapter receiving, on one weight-update group per worker, and loading
-    from a checkpoint-delta store (`weight_sync.delta_receiver`, which extends the full-weight receiver)."""
+    from a checkpoint-delta store (`weight_sync.delta.receiver`, which extends the full-weight receiver)."""
 
 
 cpu_seed_rewind.install()

@@ -1,6 +1,6 @@
 """`EngineGroup`: the engines' side of the weight-update group, driven by whoever owns the engines.
 
-Weight sync has two halves. Rank 0 of the group (`weight_sync.broadcaster.WeightBroadcaster`, in
+Weight sync has two halves. Rank 0 of the group (`weight_sync.broadcast.broadcaster.WeightBroadcaster`, in
 the policy's rank 0) produces and broadcasts; it knows no engine. `EngineGroup` holds the engine
 clients (`WeightSyncTarget`s) and tells them to join, to receive and to leave, each time
 concurrently with rank 0's half, which it gets as an awaitable: both sides block until the other

@@ -1,7 +1,7 @@
 """The weight-sync protocol both ends speak: group spec, bucket metadata, receiver RPC names.
 
-The sender (`skylift.weight_sync.sender`, in the trainer's rank 0) and the receiver
-(`skylift.weight_sync.receiver`, mixed into every vLLM worker) agree on these alone. Transports
+The sender (`skylift.weight_sync.broadcast.sender`, in the trainer's rank 0) and the receiver
+(`skylift.weight_sync.broadcast.receiver`, mixed into every vLLM worker) agree on these alone. Transports
 (in-process `collective_rpc`, HTTP routes, Ray) carry them unchanged: any object with the methods
 of `WeightSyncTarget` can be a sender's peer.
 """
@@ -18,9 +18,9 @@ RPC_INIT_GROUP = "skylift_init_weight_update_group"
 RPC_RECEIVE = "skylift_receive_weights"
 RPC_DESTROY = "skylift_destroy_weight_update_group"
 RPC_HAS_GROUP = "skylift_has_weight_update_group"
-#: Every bucket of one sync in one call, metadata in band (`skylift.weight_sync.stream`).
+#: Every bucket of one sync in one call, metadata in band (`skylift.weight_sync.broadcast.stream`).
 RPC_RECEIVE_STREAM = "skylift_receive_weight_stream"
-#: Load tensors of an engine host's delta store (`weight_sync.delta_receiver`).
+#: Load tensors of an engine host's delta store (`weight_sync.delta.receiver`).
 RPC_LOAD_DELTA = "skylift_load_delta"
 
 DEFAULT_GROUP_NAME = "skylift_weight_sync"
@@ -28,7 +28,7 @@ DEFAULT_GROUP_NAME = "skylift_weight_sync"
 #: How the trainer built its side of a weight-update group and sends over it: "skylift" (skylift's
 #: sender: skylift's store layout, a handshake, bucketed updates) or the per-tensor protocol,
 #: `PER_TENSOR` on the wire (torch's process-group helper's store layout, no handshake, one tensor
-#: per update; `weight_sync.torch_group`, `weight_sync.fused_staging`).
+#: per update; `weight_sync.torch_group`, `weight_sync.broadcast.fused_staging`).
 GroupProtocol = Literal["skylift", "skyrl"]
 PER_TENSOR: Final = "skyrl"
 
@@ -102,7 +102,7 @@ class WeightSyncTarget(Protocol):
         ...
 
     async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync (`weight_sync.stream`; the sender broadcasts
+        """Receive every bucket of one sync (`weight_sync.broadcast.stream`; the sender broadcasts
         concurrently), load them, reset the prefix cache; returns what arrived."""
         ...
 
@@ -111,7 +111,7 @@ class WeightSyncTarget(Protocol):
 
 @dataclass
 class DeltaSyncRequest:
-    """Checkpoint-delta weight sync: bring an engine to published `version` (`weight_sync.delta_apply`).
+    """Checkpoint-delta weight sync: bring an engine to published `version` (`weight_sync.delta.apply`).
 
     `sync_dir`: where the trainer publishes (a directory the engine's host reads, or an s3:// or
     gs:// URI); `local_checkpoint_dir`: the host's store (None: one under the temp dir named after
@@ -128,7 +128,7 @@ class DeltaSyncRequest:
 
 @dataclass
 class DeltaPublishSpec:
-    """Where and how the policy's rank 0 publishes checkpoint-delta versions (`weight_sync.delta_publish`)."""
+    """Where and how the policy's rank 0 publishes checkpoint-delta versions (`weight_sync.delta.publish`)."""
 
     sync_dir: str
     max_file_bytes: int = 1 << 30

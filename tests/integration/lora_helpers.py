@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from skylift.cluster.worker_group import RLWorker, WorkerGroup
-from skylift.weight_sync.transports import PolicySync
+from skylift.weight_sync.policy_sync import PolicySync
 from skylift.worker.training_worker import WorkerSettings
 
 SEQUENCES = [[5, 17, 230, 999, 42, 8, 77, 301, 12, 64], [900, 3, 3, 64, 512, 1000, 12]]

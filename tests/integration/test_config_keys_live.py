@@ -217,8 +217,8 @@ def test_delta_weight_sync_leaves_the_server_on_the_trained_weights(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from skylift.weight_sync.delta_apply import DeltaStore
-    from skylift.weight_sync.delta_format import read_manifest
+    from skylift.weight_sync.delta.apply import DeltaStore
+    from skylift.weight_sync.delta.format import read_manifest
 
     ie = "generator.inference_engine."
     overrides = _run_overrides(

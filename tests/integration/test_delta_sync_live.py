@@ -16,7 +16,7 @@ import torch
 
 from skylift.inference.local import LocalVLLMEngine
 from skylift.weight_sync import WeightSender
-from skylift.weight_sync.delta_publish import DeltaPublisher
+from skylift.weight_sync.delta.publish import DeltaPublisher
 from skylift.weight_sync.protocol import DeltaSyncRequest
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.lora_adapters import LoraAdapterNotFoundError
 from skylift.inference.types import EngineRequestError, EngineStateError
-from skylift.weight_sync.lora import write_adapter_dir
+from skylift.weight_sync.lora.adapter import write_adapter_dir
 from skylift.weight_sync.process_group import WeightSyncError
 
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ def test_refused_adapters_leave_the_group_usable_and_the_engine_serving(
     """An adapter refused before the workers are called (the engine's cache is full) or by them (a
     rank above max_lora_rank): the broadcast is taken in all the same (no sender waits for its
     timeout), the engine keeps serving the current adapter, and the next sync works."""
-    from skylift.weight_sync.lora import LoraPublisher
+    from skylift.weight_sync.lora.adapter import LoraPublisher
 
     perturb_adapter(policy, seed=8)
     policy.sync_weights()

@@ -11,15 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from skylift.weight_sync.buckets import BufferArena, unpack_bucket
-from skylift.weight_sync.process_group import WeightSyncError, create_weight_sync_group, find_free_port
-from skylift.weight_sync.stream import (
+from skylift.weight_sync.broadcast.stream import (
     BucketStream,
     broadcast_stream,
     decode_header,
     encode_header,
     packed_buckets,
 )
+from skylift.weight_sync.buckets import BufferArena, unpack_bucket
+from skylift.weight_sync.process_group import WeightSyncError, create_weight_sync_group, find_free_port
 
 pytestmark = pytest.mark.integration
 
@@ -144,8 +144,8 @@ def test_silent_sender_times_out_naming_both_ends(loopback_only: None) -> None:
 
 
 def test_large_tensors_and_a_long_header_arrive_bit_for_bit(loopback_only: None) -> None:
+    from skylift.weight_sync.broadcast.stream import HEADER_BYTES
     from skylift.weight_sync.buckets import pack_bucket
-    from skylift.weight_sync.stream import HEADER_BYTES
 
     gen = torch.Generator().manual_seed(1)
     state = [

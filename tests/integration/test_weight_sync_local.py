@@ -187,7 +187,7 @@ def test_stream_loads_directly_and_falls_back_to_vllms_reload(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
     """The stream loads every bucket of the tiny Qwen2 straight into its modules
-    (`weight_sync.direct_load`), to the bit what vLLM's reload (the sequential path) gives; a
+    (`weight_sync.broadcast.direct_load`), to the bit what vLLM's reload (the sequential path) gives; a
     bucket with a tensor that path does not map (a rotary `inv_freq`, which vLLM's loader drops)
     hands it and the buckets after it to vLLM's reload, with the same result."""
     original = list({k: v.clone() for k, v in hf_model.state_dict().items()}.items())
@@ -327,7 +327,7 @@ def test_tensors_transport_pushes_the_tensors_put_into_its_engine(
     engine: LocalVLLMEngine, loop: Any, hf_model: Any, original_weights: None
 ) -> None:
     """The Tinker sampler's transport: tensors put, then pushed as a version, over a group it hosts."""
-    from skylift.weight_sync.transports.tensors import TensorsTransport
+    from skylift.weight_sync.broadcast.tensors import TensorsTransport
 
     if loop.run(engine.has_weight_update_group()):
         loop.run(engine.destroy_weights_update_group())

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from skylift.weight_sync.delta_apply import DeltaStore
-from skylift.weight_sync.delta_format import BaseWeights, as_bytes
+from skylift.weight_sync.delta.apply import DeltaStore
+from skylift.weight_sync.delta.format import BaseWeights, as_bytes
 from skylift.weight_sync.protocol import RPC_LOAD_DELTA
 
 

@@ -247,7 +247,7 @@ def test_delta_weight_sync_refuses_what_it_cannot_do_with_one_clear_message(
     for sync_dir, words in cases.items():
         with pytest.raises(ConfigError, match=words):
             load_config([f"{ie}weight_sync_backend=delta", f"{ie}delta_weight_sync.sync_dir={sync_dir}"])
-    for uri in ("gs://bucket/run", "s3://bucket/run"):  # object storage (skylift.weight_sync.delta_cloud)
+    for uri in ("gs://bucket/run", "s3://bucket/run"):  # object storage (skylift.weight_sync.delta.cloud)
         cfg = load_config(
             [
                 f"{ie}weight_sync_backend=delta",

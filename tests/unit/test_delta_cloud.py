@@ -16,16 +16,16 @@ pytest.importorskip("s3fs", reason="s3fs is in skylift's dev extra (pyproject)")
 pytest.importorskip("moto", reason="moto[server] is in skylift's dev extra (pyproject)")
 
 from skylift.inference.delta_engine import MIRROR  # noqa: E402
-from skylift.weight_sync.delta_apply import DeltaStore  # noqa: E402
-from skylift.weight_sync.delta_cloud import drop_payloads, mirror_chain  # noqa: E402
-from skylift.weight_sync.delta_format import (  # noqa: E402
+from skylift.weight_sync.delta.apply import DeltaStore  # noqa: E402
+from skylift.weight_sync.delta.cloud import drop_payloads, mirror_chain  # noqa: E402
+from skylift.weight_sync.delta.format import (  # noqa: E402
     MANIFEST,
     DeltaError,
     DeltaVersionNotFound,
     as_bytes,
     version_dir,
 )
-from skylift.weight_sync.delta_publish import DeltaPublisher  # noqa: E402
+from skylift.weight_sync.delta.publish import DeltaPublisher  # noqa: E402
 from skylift.weight_sync.protocol import DeltaSyncRequest  # noqa: E402
 
 BUCKET = "skylift-deltas"

@@ -22,8 +22,8 @@ from skylift.inference.allowed_paths import AllowedRoots
 from skylift.inference.local import LocalVLLMEngine
 from skylift.inference.pool import EnginePool
 from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineUnavailableError
-from skylift.weight_sync.delta_format import read_manifest, version_dir
-from skylift.weight_sync.delta_publish import DeltaPublisher
+from skylift.weight_sync.delta.format import read_manifest, version_dir
+from skylift.weight_sync.delta.publish import DeltaPublisher
 from skylift.weight_sync.protocol import DeltaPublishSpec, DeltaSyncRequest
 
 

@@ -1,5 +1,5 @@
-"""Checkpoint-delta weight sync without vLLM: the publisher (`weight_sync.delta_publish`) and an
-engine host's store (`weight_sync.delta_apply`) over a tiny Qwen2's weights, version by version."""
+"""Checkpoint-delta weight sync without vLLM: the publisher (`weight_sync.delta.publish`) and an
+engine host's store (`weight_sync.delta.apply`) over a tiny Qwen2's weights, version by version."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from delta_fakes import sent, step, tiny_model
 
-from skylift.weight_sync.delta_apply import DeltaStore
-from skylift.weight_sync.delta_format import (
+from skylift.weight_sync.delta.apply import DeltaStore
+from skylift.weight_sync.delta.format import (
     CorruptPayloadError,
     DeltaError,
     DeltaVersionNotFound,
@@ -19,7 +19,7 @@ from skylift.weight_sync.delta_format import (
     read_manifest,
     version_dir,
 )
-from skylift.weight_sync.delta_publish import DeltaPublisher
+from skylift.weight_sync.delta.publish import DeltaPublisher
 
 
 def assert_store_equals(store: DeltaStore, model: torch.nn.Module) -> None:
@@ -153,7 +153,7 @@ def test_a_rebase_interval_keeps_at_most_that_many_versions_and_every_store_stil
 
 
 def test_a_delta_load_reads_in_chunks_that_never_split_a_fused_module() -> None:
-    from skylift.weight_sync.delta_receiver import chunks
+    from skylift.weight_sync.delta.receiver import chunks
 
     def unit_of(name: str) -> str:  # q/k/v load into one fused module, as in vLLM
         module, _, _ = name.rpartition(".")

@@ -171,7 +171,7 @@ class LoraPolicyRanks(Policy):
 def test_a_lora_policy_publishes_a_new_adapter_name_per_sync(
     loop: asyncio.AbstractEventLoop, tmp_path: Any
 ) -> None:
-    from skylift.weight_sync.transports import PolicySync
+    from skylift.weight_sync.policy_sync import PolicySync
 
     log: list[tuple] = []
     link = PolicySync(LoraPolicyRanks(log), lora=True)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
+from skylift.weight_sync.broadcast.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 
 # The load units of a two-layer Qwen2-like vLLM model: q/k/v (weights and biases) fuse into
 # qkv_proj, gate/up into gate_up_proj.

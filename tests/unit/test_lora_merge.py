@@ -1,4 +1,4 @@
-"""An adapter merged from tensors alone (`skylift.weight_sync.lora_merge`) equals PEFT's own
+"""An adapter merged from tensors alone (`skylift.weight_sync.lora.merge`) equals PEFT's own
 `merge_and_unload` of the same adapter, tensor by tensor, with and without rsLoRA; bad adapters
 are refused with a clear error."""
 
@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from skylift.weight_sync.lora_merge import merge_adapter
+from skylift.weight_sync.lora.merge import merge_adapter
 
 MODULES = ["q_proj", "v_proj", "down_proj", "lm_head"]
 

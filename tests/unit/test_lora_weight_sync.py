@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from skylift.inference.engine_args import lora_engine_args
-from skylift.weight_sync.lora import (
+from skylift.weight_sync.lora.adapter import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     RPC_RECEIVE_LORA,
@@ -65,7 +65,7 @@ def test_config_refuses_a_lora_sync_path_without_lora_and_a_rank_vllm_cannot_ser
 
 def test_skyrl_lora_sync_path_key_has_the_same_effect() -> None:
     from skylift.config import ConfigError, load_config
-    from skylift.weight_sync.transports import lora_sync_path
+    from skylift.weight_sync.factory import lora_sync_path
 
     lora = ["trainer.policy.model.lora.rank=8"]
     assert lora_sync_path(load_config(lora)) is None

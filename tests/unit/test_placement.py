@@ -13,7 +13,7 @@ from skylift.cluster.placement import (
 )
 from skylift.config import load_config
 from skylift.utils.network import interface_of, is_loopback, route_address, url_host
-from skylift.weight_sync.sender import weight_sync_master_address
+from skylift.weight_sync.broadcast.sender import weight_sync_master_address
 
 
 def test_separate_groups_for_policy_and_each_engine() -> None:

@@ -17,7 +17,7 @@ from skylift.tinker.sampling.adapter_slots import AdapterSlots
 from skylift.tinker.sampling.engine_host import EngineHost
 from skylift.tinker.sampling.lora_mode import ModeChoice
 from skylift.tinker.sampling.weights import AdapterSource, SamplerWeights, adapter_in
-from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, write_adapter_dir
+from skylift.weight_sync.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, write_adapter_dir
 
 CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 4, "target_modules": ["q_proj"]}
 

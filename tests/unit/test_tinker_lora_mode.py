@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from skylift.tinker.sampling.lora_mode import calibrate, zero_adapter
-from skylift.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from skylift.weight_sync.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 WEIGHTS = {
     "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 6),

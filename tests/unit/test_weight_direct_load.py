@@ -1,4 +1,4 @@
-"""`weight_sync.direct_load`: its building blocks on plain torch modules (the loads into a real vLLM
+"""`weight_sync.broadcast.direct_load`: its building blocks on plain torch modules (the loads into a real vLLM
 model, bit for bit against vLLM's reload, are in tests/integration/test_weight_sync_local.py)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skylift.weight_sync.broadcast.direct_load import DirectLoader, _adjacent, _restore_kernel_tensors
+from skylift.weight_sync.broadcast.fused_staging import LoadUnits
 from skylift.weight_sync.buckets import BufferArena, bucket_of, unpack_bucket, wire_pieces
-from skylift.weight_sync.direct_load import DirectLoader, _adjacent, _restore_kernel_tensors
-from skylift.weight_sync.fused_staging import LoadUnits
 
 
 def loader(model: torch.nn.Module | None = None) -> DirectLoader:

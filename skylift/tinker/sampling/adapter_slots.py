@@ -109,7 +109,7 @@ class AdapterSlots:
         return name
 
     def _write(self, name: str, adapter: AdapterSource) -> Path:
-        from skylift.weight_sync.lora import write_adapter_dir
+        from skylift.weight_sync.lora.adapter import write_adapter_dir
 
         if adapter.tensors is None or adapter.config is None:
             raise ValueError("an in-memory adapter needs its tensors and config")

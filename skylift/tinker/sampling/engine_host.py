@@ -153,7 +153,7 @@ class EngineHost:
                 if os.environ.get(FAIL_START_ENV) == "1":
                     raise EngineError(f"engine start-up refused: {FAIL_START_ENV}=1 is set (test hook)")
                 from skylift.inference.local import LocalVLLMEngine
-                from skylift.weight_sync.transports.tensors import TensorsTransport
+                from skylift.weight_sync.broadcast.tensors import TensorsTransport
 
                 s = self.settings
                 extra: dict[str, Any] = {}
@@ -211,7 +211,7 @@ class EngineHost:
             or (self.lora_mode is not None and self.lora_mode.mode == "swap")
         ):
             return {}
-        from skylift.weight_sync.lora import vllm_max_lora_rank
+        from skylift.weight_sync.lora.adapter import vllm_max_lora_rank
 
         return {
             "enable_lora": True,

@@ -73,7 +73,7 @@ def zero_adapter(
     attention and MLP layers by default, ``lm_head`` the unembedding, tied or not) whose B matrices
     are zero: it changes nothing and costs what a real one costs. None when the model has none of
     those layers."""
-    from skylift.weight_sync.lora import write_adapter_dir
+    from skylift.weight_sync.lora.adapter import write_adapter_dir
 
     layers = [m for m in modules if m != UNEMBED]
     pattern = re.compile(r"^(.*\.(" + "|".join(layers) + r"))\.weight$") if layers else None

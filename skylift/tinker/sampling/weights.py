@@ -105,8 +105,8 @@ def load_safetensors_dir(directory: str | Path) -> Tensors:
 def merged_into_base(base_dir: str | Path, adapter: AdapterSource) -> Tensors:
     """The base model's weights (from `base_dir`) with `adapter` merged in: what a weight swap
     pushes for a LoRA sampler that kept only its adapter."""
-    from skylift.weight_sync.lora import ADAPTER_WEIGHTS_FILE
-    from skylift.weight_sync.lora_merge import merge_adapter
+    from skylift.weight_sync.lora.adapter import ADAPTER_WEIGHTS_FILE
+    from skylift.weight_sync.lora.merge import merge_adapter
 
     tensors = adapter.tensors
     if tensors is None:

@@ -266,7 +266,7 @@ class TrainedModel:
         worker = self._worker()
         worker.export_hf(str(directory))
         if self.config.is_lora:
-            from skylift.weight_sync.lora import write_adapter_dir
+            from skylift.weight_sync.lora.adapter import write_adapter_dir
 
             tensors, peft_config = worker.lora_adapter()
             write_adapter_dir(str(directory / ADAPTER_DIR), tensors, peft_config)

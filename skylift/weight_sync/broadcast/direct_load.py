@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import torch
 
+from skylift.weight_sync.broadcast.fused_staging import LoadUnits
 from skylift.weight_sync.buckets import BufferArena, NamedTensor
-from skylift.weight_sync.fused_staging import LoadUnits
 from skylift.weight_sync.protocol import WeightBucket
 
 #: vLLM model classes whose `load_weights` maps Hugging Face tensors to modules as `plan` does

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from skylift.weight_sync.broadcast.sender import WeightSender
 from skylift.weight_sync.buckets import NamedTensor
 from skylift.weight_sync.protocol import WeightSyncTarget
-from skylift.weight_sync.sender import WeightSender
-from skylift.weight_sync.transports.base import WeightTransport
+from skylift.weight_sync.transport import WeightTransport
 
 
 class TensorsTransport(WeightTransport):

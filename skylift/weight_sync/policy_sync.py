@@ -6,7 +6,7 @@ One owner per job: the policy's ranks produce the weights and rank 0 broadcasts 
 the weight-update group (`weight_sync.control.EngineGroup`) and tells those engines to join, to
 receive and to leave, each time concurrently with the matching call on the policy (run in a
 thread: a Ray call or an in-process rank). Which engines are alive is the pool's to say
-(`transports.group` builds the group over the pool's live engines).
+(`broadcast.transport` builds the group over the pool's live engines).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from skylift.weight_sync.control import EngineGroup
-from skylift.weight_sync.lora import LoraPublisher
+from skylift.weight_sync.lora.adapter import LoraPublisher
 from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.protocol import WeightBucket, WeightSyncTarget
 
@@ -39,7 +39,7 @@ class PolicyRanks(Protocol):
 
 
 class _PolicyAdapter:
-    """The policy's rank 0 as a `weight_sync.lora.LoraSource` (its blocking calls in threads)."""
+    """The policy's rank 0 as a `weight_sync.lora.adapter.LoraSource` (its blocking calls in threads)."""
 
     def __init__(self, policy: PolicyRanks, dtype: str | None) -> None:
         self.policy, self.dtype = policy, dtype

@@ -1,9 +1,9 @@
-"""The LoRA half of the receiver vLLM mixes into every worker (see `skylift.weight_sync.lora`).
+"""The LoRA half of the receiver vLLM mixes into every worker (see `skylift.weight_sync.lora.adapter`).
 
 `LoraReceiverExtension.skylift_receive_lora_adapter` receives an adapter's one bucket over the
 weight-update group that `WeightSyncWorkerExtension` joined (every worker takes part in the
 broadcast) and installs it in the worker's LoRA manager straight from the received tensors
-(`skylift.weight_sync.lora_install`): no file, one engine round trip. The versions it supersedes
+(`skylift.weight_sync.lora.install`): no file, one engine round trip. The versions it supersedes
 leave the worker's adapter cache in the same call.
 """
 
@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from skylift.weight_sync.buckets import unpack_bucket
-from skylift.weight_sync.lora_install import (
+from skylift.weight_sync.lora.install import (
     LoraInstallError,
     build_lora_model,
     install_lora_model,

@@ -4,13 +4,17 @@ A transport is opened for the pool's engines, pushes versions, and is closed. `s
 that may overlap generation (a delta version published and fetched by every engine host); `push`
 is the moment the engines' weights change, which the caller wraps in a pause when requests are in
 flight (`skylift.cluster.engine_weights.EngineWeights`: wake, pause, resume and the version the
-engines hold are its, not a transport's). `make_transport` (`transports.factory`) picks one from
-the config: `BroadcastTransport` (full weights over a weight-update group), `LoraTransport` (a
-LoRA adapter, over the group or through a directory) or `DeltaTransport` (changed tensors
-through a shared directory or bucket).
+engines hold are its, not a transport's). `make_transport` (`weight_sync.factory`) picks one from
+the config: `BroadcastTransport` (full weights over a weight-update group,
+`weight_sync.broadcast`), `LoraTransport` (a LoRA adapter, over the group or through a
+directory, `weight_sync.lora`) or `DeltaTransport` (changed tensors through a shared directory or
+bucket, `weight_sync.delta`). Each transport's folder holds both its halves: the trainer's side
+and the engine's (the receiver vLLM mixes into its workers); what two of them share (the wire
+protocol, the group, the buckets, the engines' group client `control`, the driver's end of the
+group `policy_sync`) stays at `weight_sync`'s top.
 
 Where the weights come from is each transport's: the three above pull a version from the policy
-(its ranks broadcast or publish it when pushed). `TensorsTransport` (`transports.tensors`: the
+(its ranks broadcast or publish it when pushed). `TensorsTransport` (`broadcast.tensors`: the
 Tinker sampler's) has no policy behind it: its source is a set of tensors in this process, which
 the caller hands over with `put(tensors)` before each `push(version)` (a push with nothing put
 is an error, as a delta push with nothing staged is).

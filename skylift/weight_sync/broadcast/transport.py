@@ -1,20 +1,20 @@
-"""Transports over a weight-update group: the policy's rank 0 broadcasts, the engines receive.
+"""`BroadcastTransport`: full weights over a weight-update group; the policy's rank 0 broadcasts,
+the engines receive (bucketed, `weight_sync.broadcast.broadcaster` -> `broadcast.receiver`).
 
-`BroadcastTransport` sends the full weights (bucketed, `weight_sync.sender` -> `receiver`);
-`LoraTransport` sends the LoRA adapter under a new name each version (`weight_sync.lora`), in
-memory or through a directory. The group (`PolicySync`) is built over the set's live engines at
-`open` and rebuilt whenever the live set no longer matches its members (the set alone decides
-which engines are alive); a failed send probes the engines and is retried once. With no engine
-left nothing is sent: the push returns and the next generation stops the run with a checkpoint.
+The group (`PolicySync`) is built over the set's live engines at `open` and rebuilt whenever the
+live set no longer matches its members (the set alone decides which engines are alive); a failed
+send probes the engines and is retried once. With no engine left nothing is sent: the push
+returns and the next generation stops the run with a checkpoint. `LoraTransport`
+(`weight_sync.lora.transport`) is this transport with the adapter as its payload.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from skylift.weight_sync.policy_sync import PolicyRanks, PolicySync
 from skylift.weight_sync.process_group import WeightSyncError
-from skylift.weight_sync.transports.base import EngineSet, Say, WeightTransport
-from skylift.weight_sync.transports.group_link import PolicyRanks, PolicySync
+from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
 
 
 class BroadcastTransport(WeightTransport):
@@ -88,21 +88,3 @@ class BroadcastTransport(WeightTransport):
 
     async def close(self) -> None:
         await self.link.close()
-
-
-class LoraTransport(BroadcastTransport):
-    """The policy's LoRA adapter, under a new name per version: over the group, or written to
-    `sync_path` and loaded from there by each engine (`PolicySync` with a `LoraPublisher`)."""
-
-    _lora = True
-    # vLLM keys cached blocks by the adapter's name: base-model blocks stay valid
-    needs_prefix_reset = False
-
-    def __init__(
-        self, policy: PolicyRanks, engines: EngineSet, say: Say, *, sync_path: str | None, **kw: Any
-    ):
-        super().__init__(policy, engines, say, **kw)
-        self.sync_path = sync_path
-
-    async def _send(self) -> dict[str, float]:
-        return await self.link.push(self.dtype, self.sync_path)

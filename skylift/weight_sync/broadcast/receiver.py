@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 
+from skylift.weight_sync.broadcast.direct_load import DirectLoader
+from skylift.weight_sync.broadcast.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
+from skylift.weight_sync.broadcast.stream import STREAM_DEPTH, BucketStream
 from skylift.weight_sync.buckets import (
     BufferArena,
     NamedTensor,
     unpack_bucket,
 )
-from skylift.weight_sync.direct_load import DirectLoader
-from skylift.weight_sync.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 from skylift.weight_sync.process_group import (
     WeightSyncError,
     WeightSyncGroup,
@@ -42,7 +43,6 @@ from skylift.weight_sync.process_group import (
     receive_bucket,
 )
 from skylift.weight_sync.protocol import PER_TENSOR, WeightBucket
-from skylift.weight_sync.stream import STREAM_DEPTH, BucketStream
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class WeightSyncWorkerExtension:
             self.model_runner.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
 
     def skylift_receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync (`weight_sync.stream`) and load them in ONE reload
+        """Receive every bucket of one sync (`weight_sync.broadcast.stream`) and load them in ONE reload
         that runs while the next bucket arrives.
 
         Returns ``{"buckets", "tensors", "bytes", "receive_s", "seconds", "refused",

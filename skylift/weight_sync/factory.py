@@ -6,10 +6,11 @@ from typing import Any
 
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import overrides_update_group
+from skylift.weight_sync.broadcast.transport import BroadcastTransport
+from skylift.weight_sync.delta.transport import DeltaTransport
+from skylift.weight_sync.lora.transport import LoraTransport
 from skylift.weight_sync.protocol import DeltaPublishSpec
-from skylift.weight_sync.transports.base import EngineSet, Say, WeightTransport
-from skylift.weight_sync.transports.delta import DeltaTransport
-from skylift.weight_sync.transports.group import BroadcastTransport, LoraTransport
+from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
 
 
 def lora_sync_path(cfg: SkyliftConfig) -> str | None:

@@ -1,10 +1,10 @@
 """The vLLM worker's half of checkpoint-delta weight sync: load tensors of the host's delta store.
 
 The engine (`skylift.inference.delta_engine`) has brought the store to a version
-(`weight_sync.delta_apply`) and names the tensors that changed since the version the engine
+(`weight_sync.delta.apply`) and names the tensors that changed since the version the engine
 holds; every worker reads them from the store (shared lock; the base checkpoint for a tensor that
 never changed) and loads them in place, as a weight stream's bucket is loaded: straight into the
-modules where `direct_load` maps them, else through vLLM's reload. A fused module (q/k/v, gate/up)
+modules where `broadcast.direct_load` maps them, else through vLLM's reload. A fused module (q/k/v, gate/up)
 is always loaded whole: its parts that did not change are read too.
 
 The tensors are read and loaded in chunks of about `LOAD_CHUNK_BYTES` (a fused module's tensors
@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from skylift.weight_sync.broadcast.receiver import WeightSyncWorkerExtension
 from skylift.weight_sync.buckets import NamedTensor, bucket_of
-from skylift.weight_sync.delta_apply import DeltaStore
-from skylift.weight_sync.receiver import WeightSyncWorkerExtension
+from skylift.weight_sync.delta.apply import DeltaStore
 
 LOAD_CHUNK_BYTES = 256 << 20
 """About how many bytes of tensors one chunk of a delta load holds (a fused module is never split)."""

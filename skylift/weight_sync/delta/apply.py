@@ -1,11 +1,11 @@
 """`DeltaStore`: an engine host's copy of the policy's weights, patched version by version from
-what `delta_publish` wrote (``weight_sync_backend=delta``).
+what `delta.publish` wrote (``weight_sync_backend=delta``).
 
 The store is a directory (``local_checkpoint_dir``; the engines of one host may share it):
 ``state.json`` (the run and version applied, and the file of every tensor that changed since the
 base checkpoint), ``tensors/`` (each such tensor's bytes in one file) and ``.lock`` (an exclusive
 file lock while applying, a shared one while reading). Tensors absent from the state are the base
-checkpoint's (`delta_format.BaseWeights`).
+checkpoint's (`delta.format.BaseWeights`).
 
 `apply(sync_dir, v)` brings the store to version v: it follows the manifests back from v by their
 base versions to the version the store holds (replaying every version it missed, in order) or,
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from skylift.utils.durable_files import write_bytes_atomic
-from skylift.weight_sync.delta_format import (
+from skylift.weight_sync.delta.format import (
     BaseWeights,
     CorruptPayloadError,
     DeltaError,
@@ -213,7 +213,7 @@ class DeltaStore:
         while at > version:
             try:
                 manifest = read_manifest(sync_dir, at)
-            except DeltaVersionNotFound:  # deleted after a rebase (see delta_publish)
+            except DeltaVersionNotFound:  # deleted after a rebase (see delta.publish)
                 return None
             names.update(r.name for r in manifest.tensors)
             at = manifest.base_version

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from skylift.weight_sync.delta_format import (
+from skylift.weight_sync.delta.format import (
     DELTAS,
     MANIFEST,
     DeltaError,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from skylift.utils.devices import Backend, default_backend
 from skylift.utils.memory import release_free_heap
+from skylift.weight_sync.broadcast.stream import STREAM_DEPTH, StreamStats, broadcast_stream, packed_buckets
 from skylift.weight_sync.buckets import BufferArena, NamedTensor
 from skylift.weight_sync.process_group import (
     WeightSyncError,
@@ -27,7 +28,6 @@ from skylift.weight_sync.process_group import (
     group_device,
 )
 from skylift.weight_sync.protocol import DEFAULT_GROUP_NAME
-from skylift.weight_sync.stream import STREAM_DEPTH, StreamStats, broadcast_stream, packed_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class WeightBroadcaster:
         self._group = create_weight_sync_group(**pending)
 
     def broadcast_stream(self, named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> StreamStats:
-        """Broadcast `named_tensors` as one weight stream (`weight_sync.stream`): bucket k+1 is
+        """Broadcast `named_tensors` as one weight stream (`weight_sync.broadcast.stream`): bucket k+1 is
         packed (and pulled from `named_tensors`) while bucket k is on the wire."""
         group = self.require_group()
         if not self._arenas:

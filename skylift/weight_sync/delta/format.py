@@ -1,4 +1,4 @@
-"""What the delta publisher (`delta_publish`) and the engines' stores (`delta_apply`) agree on.
+"""What the delta publisher (`delta.publish`) and the engines' stores (`delta.apply`) agree on.
 
 A published version lives in ``<sync_dir>/deltas/delta-NNNNNNNN/``: ``manifest.json`` and payload
 files ``payload-NNNNN.bin``. A payload file is a run of zstd frames, one per changed tensor: the

@@ -6,7 +6,7 @@ every tensor's bytes as last published, seeded from the base checkpoint in the d
 engines' dtype). `publish` XORs each tensor's new bytes with the snapshot, skips the unchanged
 ones, zstd-compresses the patches (in `num_workers` threads) into payload files of at most
 `max_file_bytes` each (a frame larger than that gets a file of its own), writes the manifest
-(`delta_format`), and moves the whole version into place with one rename; then, and only then, it
+(`delta.format`), and moves the whole version into place with one rename; then, and only then, it
 updates the snapshot. The version directory appears complete or not at all.
 
 With `rebase_interval` N, every N-th version is published against the base checkpoint instead of
@@ -15,7 +15,7 @@ the base alone) and the versions before it are deleted, so `sync_dir` never hold
 versions. Without it every version is kept.
 
 A ``gs://`` or ``s3://`` `sync_dir` is written through a local staging directory: each version is
-published there as above, then uploaded (`delta_cloud.upload_version`: payloads first, the
+published there as above, then uploaded (`delta.cloud.upload_version`: payloads first, the
 manifest last) and removed locally.
 """
 
@@ -39,8 +39,8 @@ import torch
 from skylift.config.delta_sync import is_cloud_uri
 from skylift.utils.durable_files import fsync_dir, write_bytes_atomic
 from skylift.weight_sync.buckets import NamedTensor
-from skylift.weight_sync.delta_cloud import clear_versions, delete_versions_before, upload_version
-from skylift.weight_sync.delta_format import (
+from skylift.weight_sync.delta.cloud import clear_versions, delete_versions_before, upload_version
+from skylift.weight_sync.delta.format import (
     DELTAS,
     MANIFEST,
     ZSTD_LEVEL,

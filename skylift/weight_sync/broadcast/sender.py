@@ -1,10 +1,10 @@
 """`WeightSender`: pushes the weights of this process to any number of inference engines.
 
-It holds both halves of weight sync (`weight_sync.broadcaster` and `weight_sync.control`) in one
+It holds both halves of weight sync (`weight_sync.broadcast.broadcaster` and `weight_sync.control`) in one
 torch process, which is rank 0 of the weight-update group; each engine's workers take the ranks
 after it (a training run splits the halves: the policy's rank 0 broadcasts, the driver calls the
 engines, `cluster.engine_weights`). By default a sync is one weight stream
-(`weight_sync.stream`): each engine is called once (`receive_weight_stream`) while this process
+(`weight_sync.broadcast.stream`): each engine is called once (`receive_weight_stream`) while this process
 broadcasts every bucket with its metadata in band, packing bucket k+1 while bucket k is on the
 wire. The sequential path (`overlap=False`) tells every engine the metadata of one bucket at a
 time (`update_weights`) while it broadcasts that bucket's flat buffers; both happen concurrently
@@ -26,7 +26,7 @@ from skylift.utils.calls import call_with_timeout
 from skylift.utils.devices import Backend
 from skylift.utils.memory import release_free_heap
 from skylift.utils.network import route_address, url_host
-from skylift.weight_sync.broadcaster import WeightBroadcaster
+from skylift.weight_sync.broadcast.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import NamedTensor, iter_buckets, pack_bucket
 from skylift.weight_sync.control import EngineGroup
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
@@ -46,7 +46,7 @@ class SyncStats:
     bytes: int = 0
     seconds: float = 0.0
     bucket_seconds: list[float] = field(default_factory=list)  # sequential path only
-    overlapped: bool = False  # sent as one weight stream (`weight_sync.stream`)
+    overlapped: bool = False  # sent as one weight stream (`weight_sync.broadcast.stream`)
     receipts: list[Any] = field(default_factory=list)  # each engine's answer to the stream
 
 
@@ -84,7 +84,7 @@ class WeightSender:
     engine call end to end (metadata, broadcast and the engines' reload): a bucket, or with
     `overlap` the whole stream.
 
-    `overlap` (default): one weight stream per sync (`weight_sync.stream`): one call to each
+    `overlap` (default): one weight stream per sync (`weight_sync.broadcast.stream`): one call to each
     engine, bucket k+1 packed while bucket k is on the wire and broadcast while the engines reload
     bucket k. False: the sequential path, one `update_weights` call per bucket, each bucket loaded
     before the next is sent. Engines without `receive_weight_stream` always get the sequential path.

@@ -4,8 +4,8 @@ With `trainer.policy.model.lora.rank > 0` the engines serve the base model plus 
 adapter (vLLM's LoRA support), and a sync moves only the adapter's tensors, one of two ways:
 
 - in memory: one bucket (`WeightBucket` wire format) broadcast over the existing weight-update
-  group; each engine's workers receive it (`RPC_RECEIVE_LORA`, `lora_receiver`) and build vLLM's
-  LoRA model from the received tensors (`lora_install`: no file), all in one engine round trip;
+  group; each engine's workers receive it (`RPC_RECEIVE_LORA`, `lora.receiver`) and build vLLM's
+  LoRA model from the received tensors (`lora.install`: no file), all in one engine round trip;
 - through a directory (`generator.lora_sync_path`, a path the engines can read): rank 0 writes
   the adapter there in PEFT's layout (`adapter_model.safetensors` + `adapter_config.json`) and
   every engine loads it (vLLM's `/v1/load_lora_adapter` semantics).

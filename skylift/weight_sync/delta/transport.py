@@ -1,6 +1,6 @@
 """`DeltaTransport`: the changed tensors of each version, through a shared directory or bucket.
 
-The policy's rank 0 publishes the version (`weight_sync.delta_publish`) and every live engine
+The policy's rank 0 publishes the version (`weight_sync.delta.publish`) and every live engine
 host applies it to its store while the engine still generates (`stage`); then each engine loads
 what changed and resets its prefix cache (`push`, paused by the caller when requests are in
 flight). There is no weight-update group. Engines that fail are taken out by the engine set.
@@ -12,7 +12,7 @@ import asyncio
 from typing import Protocol
 
 from skylift.weight_sync.protocol import DeltaPublishSpec, DeltaSyncRequest
-from skylift.weight_sync.transports.base import EngineSet, WeightTransport
+from skylift.weight_sync.transport import EngineSet, WeightTransport
 
 
 class DeltaPolicy(Protocol):
