@@ -14,6 +14,7 @@ Layers (an arrow may only point to a lower layer, or stay inside its package):
     compat, integrations         (other projects' interfaces: SkyRL; verifiers, OpenEnv, tinker-cookbook)
     rl, tinker                   (the RL step; the Tinker service)
     cluster                      (what a run is made of: Ray, engines, worker groups)
+    gateway                      (the OpenAI-compatible endpoint agent programs are trained through)
     generator, data
     inference, worker            (never import each other)
     weight_sync
