@@ -3,19 +3,22 @@ and by an `openai`-client program through the gateway (`skylift.gateway`), on on
 
 The task is `skylift demo --task tools`'s (products with a calculator tool, xml calls, up to 3
 turns of 40 tokens, SmolLM2-135M-Instruct): skylift's side is `Generator` stepping the row's
-`calculator` environment; the gateway's is `HarnessRollouts` running
-examples/harness_agent/calculator_agent.py (the demo's agent, no skylift import) with the same
-environment as its verifier. Both get the same rows, sampling and seeds (sample j of a row: the
-row's seed + j, turn / call k: + k x 1,000,003), on one in-process `LocalVLLMEngine`. Rounds
-alternate between the sides (after one warm-up each; the prefix cache is reset before each), and
-the best round of each is compared (other load only slows a round down); medians reported too.
-Throughput is sampled tokens (the loss-masked ids) per second of the whole batch's rollouts.
+`calculator` environment; the gateway's is `HarnessRollouts` running benchmarks/_gateway_env_agent.py
+(an `openai`-client loop that handles each reply with the row's environment, as skylift's loop
+does: same tool-call parsing, same error observations, same turn limit and stop rule). Both get
+the same rows, sampling and seeds (sample j of a row: the row's seed + j, turn / call k:
++ k x 1,000,003), on one in-process `LocalVLLMEngine`. Rounds alternate between the sides (after
+one warm-up each; the prefix cache is reset before each), and the best round of each is compared
+(other load only slows a round down); medians reported too. Throughput is sampled tokens (the
+loss-masked ids) per second of the whole batch's rollouts.
 
-It also compares what each side captured, rollout by rollout: the sampled ids of every turn, and
-the whole sequence (prompt + response ids, where the gateway's calls merged into one).
+It also compares what each side did, rollout by rollout (a rollout is told by its seed): every
+model call's prompt ids and sampled ids (recorded at the engine) and the trajectories' whole
+sequences (prompt + response ids, the gateway's calls merged into one). For the first rollouts
+that differ it prints each side's calls (prompt length, sampled ids) and where the prompts part.
 
-Last line: JSON ``{"ratio": gateway_tok_s / loop_tok_s, "ids_identical": ..., ...}`` (goal >= 0.95,
-identical ids).
+Last line: JSON ``{"ratio": gateway_tok_s / loop_tok_s, "ids_identical": "k/n",
+"ids_identical_all": ..., ...}`` (goal >= 0.95, all identical).
 
 Run (CPU machine: inside a loopback-only namespace):
     bash scripts/loopback.sh .venv/bin/python benchmarks/gateway_overhead.py
@@ -27,14 +30,54 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from _servers import set_benchmark_env
 
-AGENT = Path(__file__).resolve().parent.parent / "examples" / "harness_agent" / "calculator_agent.py"
+AGENT = Path(__file__).resolve().parent / "_gateway_env_agent.py"
+SHOWN = 4  # differing rollouts printed call by call
+
+
+@dataclass
+class Call:
+    seed: int
+    prompt_ids: list[int]
+    sampled_ids: list[int]
+    stop_reason: str
+
+
+class RecordingEngine:
+    """The engine, with every call's seed, prompt ids and sampled ids kept (both sides)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.calls: list[Call] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate(self, prompts: Any, params: Any, session_id: Any = None) -> Any:
+        out = await self.engine.generate(prompts, params, session_id)
+        for prompt, result in zip(prompts, out, strict=True):
+            for c in result.completions:
+                self.calls.append(Call(params.seed, list(prompt), list(c.token_ids), c.stop_reason))
+        return out
+
+
+def calls_by_rollout(calls: list[Call], rollout_seeds: set[int], stride: int) -> dict[int, list[Call]]:
+    """Each rollout's calls in turn order (call k of a rollout samples with its seed + k x stride)."""
+    out: dict[int, dict[int, Call]] = {}
+    for call in calls:
+        for k in range(64):
+            if call.seed - k * stride in rollout_seeds:
+                out.setdefault(call.seed - k * stride, {})[k] = call
+                break
+    return {seed: [turns[k] for k in sorted(turns)] for seed, turns in out.items()}
 
 
 def rollouts_of(trajectories: list[Any]) -> list[list[Any]]:
@@ -53,6 +96,26 @@ def sequences(rollout: list[Any]) -> list[list[int]]:
     return [list(tr.prompt_ids) + list(tr.response_ids) for tr in rollout]
 
 
+def explain(seed: int, loop: list[Call], gateway: list[Call], decode: Any) -> None:
+    """Both sides' calls of one rollout, and where their prompts part."""
+    print(f"rollout seed {seed}: loop {len(loop)} calls, gateway {len(gateway)} calls")
+    for k in range(max(len(loop), len(gateway))):
+        for name, calls in (("loop", loop), ("gateway", gateway)):
+            if k >= len(calls):
+                print(f"  call {k} {name:7s} (none)")
+                continue
+            c = calls[k]
+            print(
+                f"  call {k} {name:7s} prompt {len(c.prompt_ids):4d} ids, sampled {len(c.sampled_ids):3d} "
+                f"({c.stop_reason}): {c.sampled_ids[:8]}... {decode(c.sampled_ids)!r}"
+            )
+        if k < min(len(loop), len(gateway)) and loop[k].prompt_ids != gateway[k].prompt_ids:
+            a, b = loop[k].prompt_ids, gateway[k].prompt_ids
+            j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            print(f"    prompts part at id {j}: loop ...{decode(a[j - 8 : j + 24])!r}")
+            print(f"    {'':24s}gateway ...{decode(b[j - 8 : j + 24])!r}")
+
+
 async def timed(side: Any, rows: list[Any], n: int, params: Any, seeds: list[int]) -> tuple[float, list[Any]]:
     start = time.perf_counter()
     out = await side.generate(rows, n, params, 0, seeds)
@@ -67,6 +130,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from skylift.gateway.rollouts import HarnessRollouts, HarnessSettings
     from skylift.generator import Generator, GeneratorSettings
     from skylift.generator.generator import rollout_seed
+    from skylift.generator.settings import TURN_SEED_STRIDE
     from skylift.inference.local import LocalVLLMEngine
     from skylift.inference.types import SamplingParams
     from skylift.models import resolve_model_path
@@ -85,20 +149,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens)
     seeds = [rollout_seed(0, 1, row.uid) for row in rows]
-    engine = await LocalVLLMEngine.create(
-        model,
-        max_model_len=512,
-        seed=0,
-        dtype=args.dtype,
-        enable_prefix_caching=True,
-        max_num_seqs=args.prompts * args.samples,
+    engine = RecordingEngine(
+        await LocalVLLMEngine.create(
+            model,
+            max_model_len=512,
+            seed=0,
+            dtype=args.dtype,
+            enable_prefix_caching=True,
+            max_num_seqs=args.prompts * args.samples,
+        )
     )
     loop_side = Generator(engine, tokenizer, settings)
     gateway_side = HarnessRollouts(
         Generator(engine, tokenizer, settings),
         HarnessSettings(
             entrypoint=f"{AGENT}:solve",
-            verifier="env",
+            options={"env_class": "calculator", "max_turns": settings.max_turns},
             tool_parser="xml",
             max_concurrent=args.prompts * args.samples,
         ),
@@ -107,39 +173,65 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     sides = {"loop": loop_side, "gateway": gateway_side}
     rates: dict[str, list[float]] = {"loop": [], "gateway": []}
     captured: dict[str, list[list[Any]]] = {}
+    calls: dict[str, list[Call]] = {}
     try:
         for side in sides.values():  # warm-up
             await timed(side, rows, args.samples, params, seeds)
         for r in range(args.rounds):
             for name in ("loop", "gateway") if r % 2 == 0 else ("gateway", "loop"):
                 await engine.reset_prefix_cache()
+                engine.calls = []
                 seconds, out = await timed(sides[name], rows, args.samples, params, seeds)
                 rollouts = rollouts_of(out)
                 tokens = sum(len(sampled_ids(ro)) for ro in rollouts)
                 rates[name].append(tokens / seconds)
-                captured[name] = rollouts
+                captured[name], calls[name] = rollouts, engine.calls
                 print(
-                    f"round {r} {name:7s} {seconds:7.3f} s {tokens:5d} tokens {tokens / seconds:8.1f} tok/s",
+                    f"round {r} {name:7s} {seconds:7.3f} s {len(engine.calls):3d} calls {tokens:5d} tokens "
+                    f"{tokens / seconds:8.1f} tok/s",
                     flush=True,
                 )
     finally:
         await gateway_side.aclose()
+        if gateway_side.agent is not None:  # the agent module's shared HTTP client
+            await sys.modules[gateway_side.agent.__module__].aclose_clients()
         await engine.close()
+    rollout_seeds = {seed + j for seed in seeds for j in range(args.samples)}
+    by_seed = {name: calls_by_rollout(c, rollout_seeds, TURN_SEED_STRIDE) for name, c in calls.items()}
+    same_calls = 0
+    shown = 0
+    for seed in sorted(rollout_seeds):
+        loop_calls, gate_calls = by_seed["loop"].get(seed, []), by_seed["gateway"].get(seed, [])
+        key = [(c.prompt_ids, c.sampled_ids) for c in loop_calls]
+        if key == [(c.prompt_ids, c.sampled_ids) for c in gate_calls]:
+            same_calls += 1
+        elif shown < SHOWN:
+            shown += 1
+            explain(seed, loop_calls, gate_calls, lambda ids: tokenizer.decode(ids))
     loop_r, gate_r = captured["loop"], captured["gateway"]
     same_sampled = sum(sampled_ids(a) == sampled_ids(b) for a, b in zip(loop_r, gate_r, strict=True))
     same_sequence = sum(sequences(a) == sequences(b) for a, b in zip(loop_r, gate_r, strict=True))
+    identical = sum(
+        sampled_ids(a) == sampled_ids(b) and sequences(a) == sequences(b)
+        for a, b in zip(loop_r, gate_r, strict=True)
+    )
+    all_identical = identical == len(loop_r) == same_calls == len(rollout_seeds)
+    if not all_identical:
+        print(f"IDS DIFFER: {identical}/{len(loop_r)} rollouts identical", file=sys.stderr, flush=True)
     turns = {name: statistics.fmean(float(ro[-1].num_turns) for ro in rs) for name, rs in captured.items()}
-    calls_loop = sum(max(ro[-1].num_turns, 1) for ro in loop_r)
-    calls_gate = sum(int(ro[-1].metrics.get("harness_calls", 0)) for ro in gate_r)
     loop_best, gate_best = max(rates["loop"]), max(rates["gateway"])
     return {
         "ratio": round(gate_best / loop_best, 4),
         "ratio_median": round(statistics.median(rates["gateway"]) / statistics.median(rates["loop"]), 4),
-        "ids_identical": same_sampled == len(loop_r) and same_sequence == len(loop_r),
+        "ids_identical": f"{identical}/{len(loop_r)}",
+        "ids_identical_all": all_identical,
         "rollouts": len(loop_r),
+        "rollouts_same_calls": same_calls,
         "rollouts_same_sampled_ids": same_sampled,
         "rollouts_same_sequences": same_sequence,
-        "model_calls": {"loop": calls_loop, "gateway": calls_gate},
+        "model_calls": {name: len(c) for name, c in calls.items()},
+        "sampled_tokens": {name: sum(len(c.sampled_ids) for c in cs) for name, cs in calls.items()},
+        "max_prompt_ids": {name: max(len(c.prompt_ids) for c in cs) for name, cs in calls.items()},
         "turns_mean": {k: round(v, 3) for k, v in turns.items()},
         "loop_tok_s": round(loop_best, 1),
         "gateway_tok_s": round(gate_best, 1),

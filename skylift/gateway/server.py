@@ -6,6 +6,15 @@ URL is the only way in). `Gateway.complete` serves one chat call: the messages r
 policy tokenizer's chat template (tools included), one sample on the engines token-in/token-out
 with the session's sampling, the call recorded (`CallRecord`), tool calls parsed with skylift's
 parsers (`skylift.envs.tool_parsers`) and answered in OpenAI's format.
+
+A call that goes on from an earlier call of its session (that call's conversation, its reply as
+sampled, then more messages: the agent's next step) is sent to the engine token-in/token-out as
+skylift's own loop does: the earlier call's prompt ids and sampled ids as they were, then what the
+template renders after them (`skylift.generator.chat.ChatFormat.extension`: the turn's close, the
+new messages, the next assistant header), never the sampled text re-tokenised (a sampler may
+choose another tokenisation of its text than the tokenizer's). Where the template renders the
+earlier turns differently once more follow (it rewrites history), the call's prompt is the
+rendering (a new sample of the rollout).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from skylift.gateway.openai_format import (
     tool_calls_of,
 )
 from skylift.gateway.session import BudgetExceeded, CallRecord, Session
+from skylift.generator.chat import ChatFormat, TemplateMismatch
 from skylift.generator.settings import TURN_SEED_STRIDE
 from skylift.inference.types import InferenceEngine
 
@@ -64,6 +74,7 @@ class Gateway:
         self.model_name = model_name
         self.host = host
         self.template_kwargs = dict(template_kwargs or {})
+        self.chat = ChatFormat(tokenizer, self.template_kwargs)
         self.sessions: dict[str, Session] = {}
         self.port: int | None = None
         self._server: Any = None
@@ -121,24 +132,28 @@ class Gateway:
 
     # ------------------------------------------------------------------ calls
     def render(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-            **self.template_kwargs,
-        )
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """`messages` rendered by the chat template, with the next assistant header."""
+        return self.chat.prompt_ids(messages, tools)
+
+    def prompt_ids(self, session: Session, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        """The ids of a call of `session`: where it goes on from an earlier call, that call's prompt
+        and sampled ids, then the rest of the rendering; else the rendering."""
+        rendered = self.render(messages, tools)
+        earlier = session.continued_call(messages, tools)
+        if earlier is None:
+            return rendered
+        done = earlier.prompt_ids + earlier.sampled_ids
+        try:
+            return done + self.chat.extension(done, rendered)
+        except TemplateMismatch:
+            return rendered
 
     async def complete(self, session: Session, request: ChatRequest) -> dict[str, Any]:
         """One call of `session`: sample, record, answer (a ``chat.completion`` body). Raises
         `BudgetExceeded` (ending the session) when its budget or the context length allows none."""
         left = session.admit()
         messages = template_messages(request.messages, session.replayed_text)
-        prompt_ids = self.render(messages, request.tools)
+        prompt_ids = self.prompt_ids(session, messages, request.tools)
         if len(prompt_ids) > self.limits.max_input_length:
             session.stop_reason = (
                 f"context exceeded: the prompt has {len(prompt_ids)} tokens, more than "
@@ -175,6 +190,8 @@ class Gateway:
                 text=text,
                 tool_call_ids=[c["id"] for c in calls],
                 content=content,
+                messages=messages,
+                tools=request.tools,
             )
         )
         session.tool_calls += len(calls)

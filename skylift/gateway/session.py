@@ -44,6 +44,10 @@ class CallRecord:
     text: str  # the sampled ids decoded (special tokens skipped), what a replayed turn renders as
     tool_call_ids: list[str] = field(default_factory=list)  # the ids of the calls parsed from it
     content: str | None = None  # the content the agent was answered with (tool calls taken out)
+    #: the conversation as the chat template got it, and the tools: a later call that goes on from
+    #: it (this call's reply as sampled, then more messages) starts with this call's ids
+    messages: list[dict[str, Any]] | None = field(default=None, repr=False)
+    tools: Any = field(default=None, repr=False)
 
 
 @dataclass
@@ -102,4 +106,18 @@ class Session:
                 and call.content == content
             ):
                 return call.text
+        return None
+
+    def continued_call(self, messages: list[dict[str, Any]], tools: Any) -> CallRecord | None:
+        """The latest call whose conversation `messages` go on from: that call's messages, then
+        its reply as sampled (an assistant message of its text), then more; the same tools."""
+        for call in reversed(self.calls):
+            n = len(call.messages) if call.messages is not None else -1
+            if (
+                0 <= n < len(messages) - 1
+                and call.tools == tools
+                and messages[n] == {"role": "assistant", "content": call.text}
+                and messages[:n] == call.messages
+            ):
+                return call
         return None
