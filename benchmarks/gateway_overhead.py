@@ -193,8 +193,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 )
     finally:
         await gateway_side.aclose()
-        if gateway_side.agent is not None:  # the agent module's shared HTTP client
-            await sys.modules[gateway_side.agent.__module__].aclose_clients()
         await engine.close()
     rollout_seeds = {seed + j for seed in seeds for j in range(args.samples)}
     by_seed = {name: calls_by_rollout(c, rollout_seeds, TURN_SEED_STRIDE) for name, c in calls.items()}

@@ -151,13 +151,14 @@ class HarnessRollouts:
             rollout_id = f"harness-{self._rollouts}"
             session = Session(params, policy_version, self.settings.budget, seed=seed)
             url = self.gateway.open(session)
-            workdir = Path(tempfile.mkdtemp(prefix="skylift-harness-"))
+            # in a thread: making and removing a directory waits on the disk (ms), not the loop
+            workdir = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="skylift-harness-"))
             task = _task_of(row, workdir, self.settings.options)
             try:
                 outcome = await self._run(row, task, url, workdir)
             finally:
                 self.gateway.close(session)
-                shutil.rmtree(workdir, ignore_errors=True)
+                await asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True)
         metrics = {
             **outcome.metrics,
             "harness_calls": float(len(session.calls)),
