@@ -16,6 +16,10 @@ It also compares what each side did, rollout by rollout (a rollout is told by it
 model call's prompt ids and sampled ids (recorded at the engine) and the trajectories' whole
 sequences (prompt + response ids, the gateway's calls merged into one). For the first rollouts
 that differ it prints each side's calls (prompt length, sampled ids) and where the prompts part.
+A rollout is identical when its calls are, its trained ids are, and its sequences are up to its
+last sampled id: skylift's loop ends a rollout that called a tool on its last allowed turn with
+the tool's result and the next header (untrained, read by no call), which the gateway never gets
+(the agent stops without sending them); `trailing_untrained` counts those rollouts and ids.
 
 Last line: JSON ``{"ratio": gateway_tok_s / loop_tok_s, "ids_identical": "k/n",
 "ids_identical_all": ..., ...}`` (goal >= 0.95, all identical).
@@ -94,6 +98,25 @@ def sampled_ids(rollout: list[Any]) -> list[int]:
 
 def sequences(rollout: list[Any]) -> list[list[int]]:
     return [list(tr.prompt_ids) + list(tr.response_ids) for tr in rollout]
+
+
+def trailing_untrained(rollout: list[Any]) -> int:
+    """Untrained ids after the rollout's last sampled id: skylift's loop keeps the observations
+    of a last turn (at max_turns) that called a tool, which no model call read; the gateway never
+    sees them (the agent stops without sending them)."""
+    mask = rollout[-1].loss_mask
+    n = 0
+    while n < len(mask) and not mask[len(mask) - 1 - n]:
+        n += 1
+    return n if n < len(mask) else 0
+
+
+def sequences_to_last_sample(rollout: list[Any]) -> list[list[int]]:
+    out = sequences(rollout)
+    cut = trailing_untrained(rollout)
+    if cut:
+        out[-1] = out[-1][:-cut]
+    return out
 
 
 def explain(seed: int, loop: list[Call], gateway: list[Call], decode: Any) -> None:
@@ -209,8 +232,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     loop_r, gate_r = captured["loop"], captured["gateway"]
     same_sampled = sum(sampled_ids(a) == sampled_ids(b) for a, b in zip(loop_r, gate_r, strict=True))
     same_sequence = sum(sequences(a) == sequences(b) for a, b in zip(loop_r, gate_r, strict=True))
+    same_to_last = sum(
+        sequences_to_last_sample(a) == sequences_to_last_sample(b)
+        for a, b in zip(loop_r, gate_r, strict=True)
+    )
+    trailing = {name: [trailing_untrained(ro) for ro in rs] for name, rs in captured.items()}
     identical = sum(
-        sampled_ids(a) == sampled_ids(b) and sequences(a) == sequences(b)
+        sampled_ids(a) == sampled_ids(b) and sequences_to_last_sample(a) == sequences_to_last_sample(b)
         for a, b in zip(loop_r, gate_r, strict=True)
     )
     all_identical = identical == len(loop_r) == same_calls == len(rollout_seeds)
@@ -227,6 +255,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "rollouts_same_calls": same_calls,
         "rollouts_same_sampled_ids": same_sampled,
         "rollouts_same_sequences": same_sequence,
+        "rollouts_same_sequences_to_last_sample": same_to_last,
+        "trailing_untrained": {
+            name: {"rollouts": sum(1 for n in ns if n), "ids": sum(ns)} for name, ns in trailing.items()
+        },
         "model_calls": {name: len(c) for name, c in calls.items()},
         "sampled_tokens": {name: sum(len(c.sampled_ids) for c in cs) for name, cs in calls.items()},
         "max_prompt_ids": {name: max(len(c.prompt_ids) for c in cs) for name, cs in calls.items()},
