@@ -106,22 +106,27 @@ def test_an_adapter_in_use_is_never_evicted_and_a_full_table_waits_for_a_release
     assert slots.report()["waits_for_a_slot"] == 1
 
 
-def test_in_memory_adapters_are_written_for_the_engine_and_deleted_once_loaded(tmp_path: Path) -> None:
+def test_in_memory_adapters_are_written_for_the_engine_and_deleted_once_evicted(tmp_path: Path) -> None:
+    """vLLM reads an adapter again from its path after a full-weight push dropped its cache: the
+    scratch copy of an in-memory adapter lives as long as its slot."""
     on_disk = AdapterSource(rank=4, directory=Path(write_adapter_dir(str(tmp_path / "ckpt"), [], CONFIG)))
 
-    async def go() -> tuple[FakeEngine, AdapterSlots]:
+    async def go() -> tuple[FakeEngine, AdapterSlots, list[str]]:
         engine = FakeEngine()
-        slots = AdapterSlots(engine, capacity=4)
+        slots = AdapterSlots(engine, capacity=2)
         await slots.release(await slots.acquire("ephemeral:1", _memory_adapter()))
         await slots.release(await slots.acquire("tinker://run/sampler_weights/x", on_disk))
-        return engine, slots
+        loaded = list(engine.loaded.values())
+        await slots.release(await slots.acquire("ephemeral:2", _memory_adapter()))  # evicts ephemeral:1
+        return engine, slots, loaded
 
-    engine, slots = asyncio.run(go())
-    written, given = engine.loaded.values()
-    assert not Path(written).exists()  # the scratch copy is gone ...
+    engine, slots, (written, given) = asyncio.run(go())
+    assert not Path(written).exists()  # evicted: the scratch copy is gone ...
     assert given == str(on_disk.directory) and Path(given).is_dir()  # ... a checkpoint's stays
+    newest = engine.loaded[slots._loaded["ephemeral:2"]]
+    assert Path(newest).is_dir()  # loaded and still in its slot: readable again
     slots.forget()
-    assert slots.in_use() == 0
+    assert slots.in_use() == 0 and not Path(newest).exists()
 
 
 def test_slots_must_be_positive() -> None:
@@ -232,3 +237,35 @@ def test_an_unembedding_adapter_swaps_where_the_engine_takes_none(tmp_path: Path
     assert host.lora_mode is not None
     host.lora_mode.unembed = True  # an engine that takes them (Llama's): served as an adapter
     assert host.serves_adapter(head)
+
+
+def test_an_unembedding_adapter_scores_its_prompt_on_merged_weights(tmp_path: Path) -> None:
+    """vLLM 0.32 leaves an lm_head adapter out of prompt logprobs (CUDA) or dies on them (CPU):
+    a request that scores its prompt with such an adapter takes the swap path; its plain sampling
+    requests, and any request of an adapter that leaves the unembedding alone, stay in the batch."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.full((2,), 7.0)}, str(tmp_path / "model.safetensors"))
+    host, engine, sender = _host("adapters", base_dir=str(tmp_path))
+    assert host.lora_mode is not None
+    host.lora_mode.unembed = True  # an engine that takes unembedding adapters (Llama's)
+    tensors, _ = _parts()
+    head = SamplerWeights(
+        "head",
+        lambda: {"w": torch.ones(2)},
+        AdapterSource(4, None, tensors, {**CONFIG, "target_modules": ["q_proj", "lm_head"]}),
+    )
+    assert host.serves_adapter(head) and not host.serves_adapter(head, scores_prompt=True)
+    assert host.serves_adapter(_lora("plain"), scores_prompt=True)
+
+    async def go() -> list[str]:
+        names = []
+        for weights, scores in ((head, False), (head, True), (_lora("plain"), True)):
+            names.append(await host._acquire(weights, scores_prompt=scores))
+            await host._release(names[-1])
+        return names
+
+    sampled, scored, plain = asyncio.run(go())
+    assert sampled != "" and scored == "" and plain != ""  # only the scoring request swapped ...
+    assert sender.pushes == 2 and host._tag == "base"  # ... head's merged weights, then the base back
+    assert host.stats()["prompt_scoring_swaps"] == 1

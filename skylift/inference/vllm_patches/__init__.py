@@ -1,9 +1,11 @@
-"""Every change skylift makes to vLLM's behaviour, in one folder.
+"""Every change skylift makes to vLLM's behaviour, and every vLLM bug it routes around, in one folder.
 
 Each module is one patch: its docstring names the upstream bug and the condition that makes it
 removable; ``NAME`` and ``WRITTEN_FOR`` (a PEP 440 specifier) say which vLLM it was written for,
 and its ``install`` goes through `versions.guard` first, so a vLLM outside that range fails at
-start-up with a message naming the patch (``SKYLIFT_UNTESTED_VLLM=1`` tries it anyway).
+start-up with a message naming the patch (``SKYLIFT_UNTESTED_VLLM=1`` tries it anyway). A
+workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift routes around) has no
+``install``; `check` guards its version all the same.
 
 | patch | where it is installed | what it does |
 |---|---|---|
@@ -11,6 +13,7 @@ start-up with a message naming the patch (``SKYLIFT_UNTESTED_VLLM=1`` tries it a
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
+| `lora_prompt_logprobs` | asked by the Tinker sampler (`skylift.tinker.sampling.engine_host`) | prompt scoring under an adapter of the unembedding runs on merged weights (vLLM drops or crashes on it) |
 
 `check` guards all of them at once: the engine and the server call it before vLLM starts, so the
 version message comes from the process the user started, not from a dying worker.
@@ -18,7 +21,13 @@ version message comes from the process the user started, not from a dying worker
 
 from __future__ import annotations
 
-from skylift.inference.vllm_patches import cpu_seed_rewind, generate_guard, quiet_teardown, responses_input
+from skylift.inference.vllm_patches import (
+    cpu_seed_rewind,
+    generate_guard,
+    lora_prompt_logprobs,
+    quiet_teardown,
+    responses_input,
+)
 from skylift.inference.vllm_patches.versions import (
     VllmPatchVersionError,
     guard_all,
@@ -29,7 +38,7 @@ from skylift.inference.vllm_patches.versions import (
 #: (name, the vLLM versions it was written for) of every patch.
 PATCHES: tuple[tuple[str, str], ...] = tuple(
     (module.NAME, module.WRITTEN_FOR)
-    for module in (cpu_seed_rewind, quiet_teardown, responses_input, generate_guard)
+    for module in (cpu_seed_rewind, quiet_teardown, responses_input, generate_guard, lora_prompt_logprobs)
 )
 
 __all__ = ["PATCHES", "VllmPatchVersionError", "check", "installed_vllm_version", "pinned_vllm_version"]

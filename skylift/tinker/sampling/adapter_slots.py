@@ -7,9 +7,13 @@ generations go on); a new tag is loaded into a free slot, or into the slot of th
 used adapter no request is using (evicted: unloaded from the engine; a later request loads it
 again from its checkpoint or snapshot). When every slot is in use the request waits for one.
 
-Adapters held in memory (ephemeral snapshots) are written to a scratch directory for vLLM to read
-and the directory is deleted once loaded: the table never holds more adapters than the cache, so
-vLLM never has to read one again.
+Adapters held in memory (ephemeral snapshots) are written to a scratch directory for vLLM to read,
+kept while the adapter holds its slot and deleted when it is evicted: vLLM reads an adapter again
+from its path whenever its workers' cache lost it, which every full-weight push into the engine
+does (vLLM's ``reset_lora_state`` after a reload; the engine swaps full weights for full
+fine-tunes and for requests an adapter cannot serve). Deleted at load, the next request of such
+an adapter made the engine process die ("No adapter found"), for every user. At most
+`capacity` adapters are on disk at once.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class AdapterSlots:
         self._ids = itertools.count(1)
         self._cond = asyncio.Condition()
         self._scratch: Path | None = None
+        self._written: dict[str, Path] = {}  # adapter name -> its scratch copy (in-memory adapters)
         self.stats = SlotStats()
 
     def in_use(self) -> int:
@@ -93,15 +98,14 @@ class AdapterSlots:
         name = f"sampler-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         start = loop.time()
-        written: Path | None = None
         directory = adapter.directory
         if directory is None:
-            written = directory = await asyncio.to_thread(self._write, name, adapter)
+            directory = self._written[name] = await asyncio.to_thread(self._write, name, adapter)
         try:
             await self.engine.load_lora_adapter(name, str(directory))
-        finally:
-            if written is not None:
-                shutil.rmtree(written, ignore_errors=True)
+        except BaseException:
+            self._drop_copy(name)
+            raise
         self.stats.loads += 1
         self.stats.load_s.append(loop.time() - start)
         logger.info("%s: LoRA adapter of %s in slot %s (%d of %d in use)", self.name, tag, name,
@@ -121,14 +125,23 @@ class AdapterSlots:
 
     async def _evict(self, tag: str) -> None:
         name = self._loaded.pop(tag)
-        await self.engine.unload_lora_adapter(name)
+        try:
+            await self.engine.unload_lora_adapter(name)
+        finally:
+            self._drop_copy(name)
         self.stats.evictions += 1
         logger.info("%s: evicted the LoRA adapter of %s (least recently used)", self.name, tag)
+
+    def _drop_copy(self, name: str) -> None:
+        written = self._written.pop(name, None)
+        if written is not None:
+            shutil.rmtree(written, ignore_errors=True)
 
     def forget(self) -> None:
         """The engine is gone: nothing is loaded any more."""
         self._loaded.clear()
         self._users.clear()
+        self._written.clear()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

@@ -31,6 +31,7 @@ import numpy as np
 
 from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
+from skylift.inference.vllm_patches.lora_prompt_logprobs import adapter_may_score_prompts
 from skylift.tinker.core.wire import SampledSequenceData
 from skylift.tinker.sampling.adapter_slots import AdapterSlots
 from skylift.tinker.sampling.lora_mode import ModeChoice, accepts_unembed, calibrate
@@ -106,6 +107,8 @@ class EngineHost:
         #: how LoRA samplers are served (decided once, at the first start-up) and the adapter slots
         self.lora_mode: ModeChoice | None = None
         self.slots: AdapterSlots | None = None
+        #: requests of samplers served in the batch that scored their prompt on swapped-in weights
+        self.prompt_scoring_swaps = 0
         self._active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -252,20 +255,26 @@ class EngineHost:
         finally:
             del weights
 
-    def serves_adapter(self, weights: SamplerWeights) -> bool:
-        """Whether `weights` are served as an adapter in the batch (else: a weight swap)."""
+    def serves_adapter(self, weights: SamplerWeights, scores_prompt: bool = False) -> bool:
+        """Whether `weights` are served as an adapter in the batch (else: a weight swap) for a
+        request that does (`scores_prompt`) or does not score its prompt: vLLM 0.32 scores prompt
+        tokens wrongly under an adapter of the unembedding (`vllm_patches.lora_prompt_logprobs`)."""
         adapter, mode = weights.adapter, self.lora_mode
         if self.slots is None or adapter is None or mode is None:
             return False
+        if scores_prompt and not adapter_may_score_prompts(adapter.unembed):
+            return False
         return adapter.rank <= self.settings.max_lora_rank and (mode.unembed or not adapter.unembed)
 
-    async def _acquire(self, weights: SamplerWeights) -> str:
+    async def _acquire(self, weights: SamplerWeights, scores_prompt: bool = False) -> str:
         """Make `weights` current (full weights swapped in, or the base under an adapter) and
         count one active user; returns the adapter name to sample with ("": none)."""
         await self._ensure_started()
         cond = self._cond
         assert cond is not None
-        as_adapter = self.serves_adapter(weights)
+        as_adapter = self.serves_adapter(weights, scores_prompt)
+        if scores_prompt and not as_adapter and self.serves_adapter(weights):
+            self.prompt_scoring_swaps += 1  # served in the batch but for this request
         tag = "base" if as_adapter else weights.tag
         async with cond:
             while self._tag != tag and self._active > 0:
@@ -299,17 +308,16 @@ class EngineHost:
     async def _sample(
         self, weights: SamplerWeights, prompt: list[int], params: SamplingParams, scores: PromptScores
     ) -> SampleResult:
-        lora = await self._acquire(weights)
+        want_plp = scores.logprobs and len(prompt) > 1
+        want_topk = bool(scores.topk) and len(prompt) > 1
+        targets = scores.target_sequences(prompt)
+        lora = await self._acquire(weights, scores_prompt=want_plp or want_topk or bool(targets))
         engine = self._engine
         try:
-            want_plp = scores.logprobs and len(prompt) > 1
-            targets = scores.target_sequences(prompt)
             results = await asyncio.gather(
                 engine.generate([prompt], params, lora_name=lora),
                 engine.prompt_logprobs([prompt], lora_name=lora) if want_plp else _none(),
-                engine.prompt_top_logprobs(prompt, scores.topk, lora_name=lora)
-                if scores.topk and len(prompt) > 1
-                else _none(),
+                engine.prompt_top_logprobs(prompt, scores.topk, lora_name=lora) if want_topk else _none(),
                 engine.prompt_logprobs([seq for _, _, seq in targets], lora_name=lora)
                 if targets
                 else _none(),
@@ -408,7 +416,12 @@ class EngineHost:
         mode = (
             self.lora_mode.report() if self.lora_mode is not None else {"mode": None, "reason": "not started"}
         )
-        return {**mode, "full_weights": self._tag, "adapters": self.slots.report() if self.slots else None}
+        return {
+            **mode,
+            "full_weights": self._tag,
+            "adapters": self.slots.report() if self.slots else None,
+            "prompt_scoring_swaps": self.prompt_scoring_swaps,
+        }
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Shut the engine down and stop its thread (blocking; call from outside its loop)."""
