@@ -85,6 +85,9 @@ class Runtime:
         self.placement: Any = None  # PlacedGroups (skylift.cluster.placement) when the run uses Ray
         self.generator: Any = None  # skylift's Generator, or a rollout plugin's around it
         #: e.g. ``environment.verifiers`` (rows of env_class verifiers played by a verifiers env server)
+        #: or ``environment.harness`` (an agent program through the gateway, which registers it here)
+        from skylift.gateway import rollouts as _harness_plugin  # noqa: F401
+
         self.rollout_plugin = rollout_plugin(cfg.environment)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:

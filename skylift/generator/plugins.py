@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 from skylift.generator.generator import Generator
 
-_BUILTIN_MODULES = ("skylift.integrations.verifiers.rollouts", "skylift.gateway.rollouts")
+#: plugins of the integrations wing, which the core reaches only by name (skylift's own gateway
+#: registers its plugin when the runtime, a layer above it, imports it)
+_BUILTIN_MODULES = ("skylift.integrations.verifiers.rollouts",)
 _PLUGINS: dict[str, RolloutPlugin] = {}
 
 
