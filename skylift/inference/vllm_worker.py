@@ -5,13 +5,14 @@
 of the weight-sync protocol (`skylift.weight_sync.broadcast.receiver` for full weights,
 `skylift.weight_sync.lora.receiver` for LoRA adapters, `skylift.weight_sync.delta.receiver` for
 checkpoint-delta sync); importing this module (vLLM does, in
-every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind` (a vLLM it was not
-written for fails the worker's start-up, naming the patch).
+every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind`,
+`cpu_lora_no_adapter` and `cpu_prompt_logprobs_lora` (a vLLM they were not written for fails the
+worker's start-up, naming the patch).
 """
 
 from __future__ import annotations
 
-from skylift.inference.vllm_patches import cpu_seed_rewind
+from skylift.inference.vllm_patches import cpu_lora_no_adapter, cpu_prompt_logprobs_lora, cpu_seed_rewind
 from skylift.weight_sync.delta.receiver import DeltaReceiverExtension
 from skylift.weight_sync.lora.receiver import LoraReceiverExtension
 
@@ -24,3 +25,5 @@ class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension):
 
 
 cpu_seed_rewind.install()
+cpu_lora_no_adapter.install()
+cpu_prompt_logprobs_lora.install()

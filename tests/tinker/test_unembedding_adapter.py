@@ -2,7 +2,10 @@
 vLLM adapts in the batch (SmolLM2, Llama family): it samples as an adapter, and its prompt
 scores (`compute_logprobs`) come from its merged weights, equal to its training forward, because
 vLLM 0.32 scores prompts without an lm_head adapter's delta (CUDA) or dies doing so (CPU):
-`skylift.inference.vllm_patches.lora_prompt_logprobs`. The engine keeps serving after it.
+`skylift.inference.vllm_patches.lora_prompt_logprobs`. The engine keeps serving after it. With
+every adapter slot of a batch taken (`--sampler-max-loras 2`, two samplers), requests without an
+adapter (the base model, merged weights swapped in) get no adapter's delta: on CPU vLLM's ops
+gave them the last slot's (`skylift.inference.vllm_patches.cpu_lora_no_adapter`).
 
 One server of its own on SmolLM2-135M-Instruct (the tiny Qwen2 model's unembedding takes no
 adapter in vLLM 0.32, so the shared server never meets this path)."""
@@ -41,7 +44,7 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerS
         data_dir=tmp / "data",
         log_path=tmp / "server.log",
         base_model=MODEL,
-        extra_args=["--sampler-lora", "adapters", "--max-model-len", "256"],
+        extra_args=["--sampler-lora", "adapters", "--sampler-max-loras", "2", "--max-model-len", "256"],
     ) as server:
         yield server
 
@@ -57,28 +60,46 @@ def test_an_unembedding_adapter_samples_in_the_batch_and_scores_its_prompt_as_tr
 ) -> None:
     service = tinker.ServiceClient(base_url=smollm2_server.url, api_key=API_KEY)
     try:
-        trainer = service.create_lora_training_client(base_model=MODEL, rank=8, seed=3).result()
-        for _ in range(2):
-            trainer.forward_backward(ROWS, "cross_entropy").result()
-            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        sampler = trainer.save_weights_and_get_sampling_client().result()
+        full = types.ModelInput.from_ints(
+            PROBE.model_input.to_ints() + [int(PROBE.loss_fn_inputs["target_tokens"].data[-1])]
+        )
+        base_sampler = service.create_sampling_client(base_model=MODEL).result()
+        base_before = np.asarray(base_sampler.compute_logprobs(full).result()[1:], dtype=float)
+        trainers, samplers = [], []
+        for seed in (3, 4):  # the unembedding alone: all of each adapter's effect is what vLLM mishandles
+            trainer = service.create_lora_training_client(
+                base_model=MODEL, rank=8, seed=seed, train_mlp=False, train_attn=False
+            ).result()
+            for _ in range(2):
+                trainer.forward_backward(ROWS[seed - 3 :], "cross_entropy").result()
+                trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            trainers.append(trainer)
+            samplers.append(trainer.save_weights_and_get_sampling_client().result())
         params = types.SamplingParams(max_tokens=4, seed=1)
-        sampled = sampler.sample(PROBE.model_input, num_samples=2, sampling_params=params).result()
-        assert len(sampled.sequences) == 2
+        for sampler in samplers:  # both adapters in the batch's two slots
+            sampled = sampler.sample(PROBE.model_input, num_samples=2, sampling_params=params).result()
+            assert len(sampled.sequences) == 2
         stats = _engine_stats(smollm2_server)
         assert stats["mode"] == "adapters" and stats["adapts_unembedding"], stats
         assert stats["full_weights"] == "base" and stats["prompt_scoring_swaps"] == 0  # in the batch
 
-        full = types.ModelInput.from_ints(
-            PROBE.model_input.to_ints() + [int(PROBE.loss_fn_inputs["target_tokens"].data[-1])]
+        base_after = np.asarray(base_sampler.compute_logprobs(full).result()[1:], dtype=float)
+        np.testing.assert_allclose(base_after, base_before, rtol=0, atol=1e-5)  # no adapter's delta
+        busy = types.SamplingParams(max_tokens=24, seed=2)
+        running = [s.sample(PROBE.model_input, num_samples=2, sampling_params=busy) for s in samplers]
+        during = base_sampler.compute_logprobs(full)  # prompt rows in a step beside 4 sequences
+        np.testing.assert_allclose(
+            np.asarray(during.result()[1:], dtype=float), base_before, rtol=0, atol=1e-5
         )
-        engine = np.asarray(sampler.compute_logprobs(full).result()[1:], dtype=float)
-        trained = logprobs_of(trainer.forward([PROBE], "cross_entropy").result())
-        base = service.create_sampling_client(base_model=MODEL).result().compute_logprobs(full).result()
-        base_gap = np.abs(np.asarray(base[1:], dtype=float) - trained).max()
+        assert all(len(f.result().sequences) == 2 for f in running)
+        engine = np.asarray(samplers[0].compute_logprobs(full).result()[1:], dtype=float)
+        trained = [logprobs_of(t.forward([PROBE], "cross_entropy").result()) for t in trainers]
+        base_gap = np.abs(base_before - trained[0]).max()
         assert base_gap > 1e-2, base_gap  # the adapter moves these scores: the check below means something
-        np.testing.assert_allclose(engine, trained, rtol=0, atol=1e-3)
+        assert np.abs(trained[1] - trained[0]).max() > 1e-2  # as does the other one
+        np.testing.assert_allclose(engine, trained[0], rtol=0, atol=1e-3)
         assert _engine_stats(smollm2_server)["prompt_scoring_swaps"] == 1
+        sampler = samplers[0]
 
         again = sampler.sample(PROBE.model_input, num_samples=1, sampling_params=params).result()
         assert len(again.sequences) == 1  # the engine serves on

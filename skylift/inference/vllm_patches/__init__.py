@@ -10,6 +10,8 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | patch | where it is installed | what it does |
 |---|---|---|
 | `cpu_seed_rewind` | every engine worker (`skylift.inference.vllm_worker`) | seeded requests on CPU survive the rewind of a discarded chunked-prefill sample |
+| `cpu_prompt_logprobs_lora` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, prompt logprobs in a LoRA engine add no unembedding delta instead of killing the engine |
+| `cpu_lora_no_adapter` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, tokens without an adapter get no adapter's delta (vLLM's torch ops read index -1 as the last slot) |
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
@@ -22,6 +24,8 @@ version message comes from the process the user started, not from a dying worker
 from __future__ import annotations
 
 from skylift.inference.vllm_patches import (
+    cpu_lora_no_adapter,
+    cpu_prompt_logprobs_lora,
     cpu_seed_rewind,
     generate_guard,
     lora_prompt_logprobs,
@@ -38,7 +42,15 @@ from skylift.inference.vllm_patches.versions import (
 #: (name, the vLLM versions it was written for) of every patch.
 PATCHES: tuple[tuple[str, str], ...] = tuple(
     (module.NAME, module.WRITTEN_FOR)
-    for module in (cpu_seed_rewind, quiet_teardown, responses_input, generate_guard, lora_prompt_logprobs)
+    for module in (
+        cpu_seed_rewind,
+        cpu_lora_no_adapter,
+        cpu_prompt_logprobs_lora,
+        quiet_teardown,
+        responses_input,
+        generate_guard,
+        lora_prompt_logprobs,
+    )
 )
 
 __all__ = ["PATCHES", "VllmPatchVersionError", "check", "installed_vllm_version", "pinned_vllm_version"]
