@@ -118,3 +118,21 @@ def test_unembedding_adapters_are_served_where_the_architecture_declares_them() 
     assert accepts_unembed(engine({"qkv_proj", "lm_head", "embed_tokens"}))  # Llama's in vLLM 0.32
     assert not accepts_unembed(engine({"qkv_proj", "gate_up_proj"}))  # Qwen2's
     assert not accepts_unembed(engine(RuntimeError("unknown architecture")))
+
+
+def test_the_choice_is_made_at_the_width_of_the_engines_batches() -> None:
+    """Measured on the CPU (tinker_multi_lora.py): a request under an adapter runs at about half
+    the speed of one without, so two samplers are served faster by a swap, four by the batch.
+    The calibration runs as many adapters at once as one batch mixes (`--sampler-max-loras`)."""
+
+    def choose(width: int) -> Any:
+        engine, transport = TimedEngine(adapter_s=0.1, base_s=0.04), TimedTransport(push_s=0.01)
+        choice = asyncio.run(calibrate(engine, transport, WEIGHTS, 8, width=width))
+        assert transport.pushed == 1 and not engine.loaded  # one push measured, every adapter unloaded
+        return choice
+
+    two, four = choose(2), choose(4)
+    assert two.mode == "swap" and four.mode == "adapters"
+    assert four.report()["calibration"]["adapters"] == 4 and four.swap_s is not None
+    assert four.swap_s >= 4 * 0.04 + 3 * 0.01  # four requests one after another, three pushes between
+    assert choose(1).width == 2  # one adapter at a time is no choice to make: measured with two

@@ -248,7 +248,8 @@ class EngineHost:
             return ModeChoice("adapters", "--sampler-lora adapters", unembed)
         weights = await asyncio.to_thread(load_safetensors_dir, self.model_path)
         try:
-            return await calibrate(engine, transport, weights, self.settings.max_lora_rank, unembed)
+            width = min(self.settings.max_loras, self.settings.lora_slots)  # what one batch mixes
+            return await calibrate(engine, transport, weights, self.settings.max_lora_rank, unembed, width)
         except Exception as exc:  # the engine serves on: LoRA samplers swap weights
             logger.warning("LoRA calibration of the %s engine failed: %s", self.base_model, exc)
             return ModeChoice("swap", f"the calibration failed: {exc}")

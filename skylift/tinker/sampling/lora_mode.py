@@ -6,12 +6,15 @@
   other users' generations and only the adapter is loaded.
 - ``swap``: the engine holds one set of full weights at a time (a LoRA sampler's merged weights);
   a request for other weights waits until running generations end, then they are pushed.
-- ``auto`` (the default): measured on each engine when it starts. Two requests for two different
-  adapters run once in the batch together (two zero adapters of the largest rank served, as fast
-  as real ones), and once as a swap does it: one request, a push of the full weights, the other
-  request. Adapters win when the batch takes no longer than the swap. On a GPU vLLM's LoRA
-  kernels cost little and adapters win; on a CPU they can be slower than a swap of a small model
-  (benchmarks/RESULTS.md, tinker_multi_lora.py), and the figures are logged either way.
+- ``auto`` (the default): measured on each engine when it starts, at the width of the batches it
+  is configured to mix (``--sampler-max-loras`` adapters, at least 2: a shared server is for many
+  samplers in flight). That many requests for as many different adapters run once in the batch
+  together (zero adapters of the largest rank served, as fast as real ones); a swap serves them
+  one after another with a full-weight push between two, which costs that many times one
+  request without an adapter plus one push fewer (each measured once). Adapters win when the
+  batch takes no longer. On a GPU vLLM's LoRA kernels cost little and adapters win; on a CPU a
+  request under an adapter can be about half as fast as one without, so a small model's swaps
+  may win (benchmarks/RESULTS.md, tinker_multi_lora.py); the figures are logged either way.
 A LoRA sampler whose rank is above ``--sampler-max-lora-rank``, or that adapts the unembedding
 where the engine's model takes no such adapter (`accepts_unembed`), takes the swap path in every mode.
 """
@@ -46,9 +49,10 @@ class ModeChoice:
     mode: str
     reason: str
     unembed: bool = False  # whether the engine takes adapters of the unembedding (lm_head)
-    adapters_s: float | None = None  # two adapters' requests in one batch
-    swap_s: float | None = None  # one request, a full-weight push, the other request
+    adapters_s: float | None = None  # `width` adapters' requests in one batch
+    swap_s: float | None = None  # the same requests served by swaps: width requests, width - 1 pushes
     push_s: float | None = None
+    width: int = 2  # how many adapters' requests the measurement ran at once
 
     def report(self) -> dict[str, Any]:
         return {
@@ -56,8 +60,9 @@ class ModeChoice:
             "reason": self.reason,
             "adapts_unembedding": self.unembed,
             "calibration": {
-                "two_adapters_batched_s": self.adapters_s,
-                "swap_between_two_s": self.swap_s,
+                "adapters": self.width,
+                "adapters_batched_s": self.adapters_s,
+                "swaps_between_them_s": self.swap_s,
                 "full_weight_push_s": self.push_s,
             },
         }
@@ -130,48 +135,57 @@ async def _timed(*calls: Any) -> float:
 
 
 async def calibrate(
-    engine: Any, transport: Any, weights: dict[str, torch.Tensor], rank: int, unembed: bool = False
+    engine: Any,
+    transport: Any,
+    weights: dict[str, torch.Tensor],
+    rank: int,
+    unembed: bool = False,
+    width: int = 2,
 ) -> ModeChoice:
     """Measure both ways on `engine` (started with LoRA, holding `weights`, pushed to through
-    `transport`, a `weight_sync` `TensorsTransport` opened for it) and choose (see the module's
-    docstring); the adapters cover the unembedding too where `unembed` (as Tinker's default
-    adapters do)."""
+    `transport`, a `weight_sync` `TensorsTransport` opened for it) with `width` adapters' requests
+    at once (at least 2) and choose (see the module's docstring); the adapters cover the
+    unembedding too where `unembed` (as Tinker's default adapters do)."""
+    width = max(2, width)
     scratch = Path(tempfile.mkdtemp(prefix="skylift-lora-calibration-"))
     try:
         names = []
-        for i in range(2):
+        for i in range(width):
             modules = (*CALIBRATION_MODULES, UNEMBED) if unembed else CALIBRATION_MODULES
             directory = zero_adapter(weights, rank, scratch / f"a{i}", modules)
             if directory is None:
                 return ModeChoice("swap", "the model has no attention or MLP layers a LoRA adapter covers")
             names.append(f"skylift-calibration-{i}")
             await engine.load_lora_adapter(names[-1], str(directory))
-        prompts = [[(7 * j + 3 * i) % 100 + 10 for j in range(CALIBRATION_PROMPT)] for i in range(2)]
+        prompts = [[(7 * j + 3 * i) % 100 + 10 for j in range(CALIBRATION_PROMPT)] for i in range(width)]
         params = _params()
         # warm both ways up (first calls compile and allocate)
         await engine.generate([prompts[0]], params, lora_name=names[0])
         await engine.generate([prompts[0]], params, lora_name="")
         adapters_s = await _timed(
-            engine.generate([prompts[0]], params, lora_name=names[0]),
-            engine.generate([prompts[1]], params, lora_name=names[1]),
+            *(engine.generate([p], params, lora_name=n) for p, n in zip(prompts, names, strict=True))
         )
-        start = time.perf_counter()
-        await engine.generate([prompts[0]], params, lora_name="")
+        request_s = await _timed(engine.generate([prompts[1]], params, lora_name=""))
         push_start = time.perf_counter()
         transport.put(weights)  # the same weights: a real push's cost
         await transport.push(0)
         push_s = time.perf_counter() - push_start
-        await engine.generate([prompts[1]], params, lora_name="")
-        swap_s = time.perf_counter() - start
         for name in names:
             await engine.unload_lora_adapter(name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    swap_s = width * request_s + (width - 1) * push_s
     mode = "adapters" if adapters_s <= swap_s else "swap"
     reason = (
-        f"two adapters' requests batched took {adapters_s:.2f} s, a swap between them {swap_s:.2f} s "
-        f"(of which the full-weight push {push_s:.2f} s)"
+        f"{width} adapters' requests batched took {adapters_s:.2f} s; served by a swap between them "
+        f"each, {swap_s:.2f} s ({width} requests of {request_s:.2f} s, {width - 1} full-weight pushes "
+        f"of {push_s:.2f} s)"
     )
     return ModeChoice(
-        mode, reason, adapters_s=round(adapters_s, 4), swap_s=round(swap_s, 4), push_s=round(push_s, 4)
+        mode,
+        reason,
+        adapters_s=round(adapters_s, 4),
+        swap_s=round(swap_s, 4),
+        push_s=round(push_s, 4),
+        width=width,
     )
