@@ -145,3 +145,17 @@ class ScriptedEngine:
             )
             outputs.append(GenerateOutput(prompt_token_ids=list(prompt), completions=[completion] * params.n))
         return outputs
+
+
+#: the gateway tests' task: a multiplication the agent answers with one tool call
+MULTIPLY_PROMPT = [
+    {"role": "system", "content": "You can multiply."},
+    {"role": "user", "content": "What is 12 * 34?"},
+]
+MULTIPLY_CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+MULTIPLY_ANSWER = "The answer is #### 408"
+
+
+def token_ids(tokenizer: Any, text: str) -> list[int]:
+    """`text`'s ids with no special tokens added."""
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]

@@ -15,11 +15,15 @@ import aiohttp
 import pytest
 from agentic_fakes import (
     CHATML_TOOLS_TEMPLATE,
+    MULTIPLY_ANSWER,
+    MULTIPLY_CALL,
+    MULTIPLY_PROMPT,
     Reply,
     Row,
     ScriptedEngine,
     chatml_tokenizer,
     llama3_tokenizer,
+    token_ids,
 )
 
 from skylift.gateway import Budget
@@ -28,16 +32,8 @@ from skylift.generator import Generator, GeneratorSettings
 from skylift.inference.types import SamplingParams
 
 HERE = Path(__file__).parent
-PROMPT = [
-    {"role": "system", "content": "You can multiply."},
-    {"role": "user", "content": "What is 12 * 34?"},
-]
-CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
-ANSWER = "The answer is #### 408"
-
-
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+PROMPT, CALL, ANSWER = MULTIPLY_PROMPT, MULTIPLY_CALL, MULTIPLY_ANSWER
+_ids = token_ids
 
 
 def _rollouts(tokenizer: Any, replies: list[Reply], **harness: Any) -> tuple[HarnessRollouts, ScriptedEngine]:
