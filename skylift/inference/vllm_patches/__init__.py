@@ -39,21 +39,27 @@ from skylift.inference.vllm_patches.versions import (
     pinned_vllm_version,
 )
 
-#: (name, the vLLM versions it was written for) of every patch.
-PATCHES: tuple[tuple[str, str], ...] = tuple(
-    (module.NAME, module.WRITTEN_FOR)
-    for module in (
-        cpu_seed_rewind,
-        cpu_lora_no_adapter,
-        cpu_prompt_logprobs_lora,
-        quiet_teardown,
-        responses_input,
-        generate_guard,
-        lora_prompt_logprobs,
-    )
+#: every patch module, in the table's order
+MODULES = (
+    cpu_seed_rewind,
+    cpu_lora_no_adapter,
+    cpu_prompt_logprobs_lora,
+    quiet_teardown,
+    responses_input,
+    generate_guard,
+    lora_prompt_logprobs,
 )
+#: (name, the vLLM versions it was written for) of every patch.
+PATCHES: tuple[tuple[str, str], ...] = tuple((module.NAME, module.WRITTEN_FOR) for module in MODULES)
 
-__all__ = ["PATCHES", "VllmPatchVersionError", "check", "installed_vllm_version", "pinned_vllm_version"]
+__all__ = [
+    "MODULES",
+    "PATCHES",
+    "VllmPatchVersionError",
+    "check",
+    "installed_vllm_version",
+    "pinned_vllm_version",
+]
 
 
 def check(version: str | None = None) -> None:
