@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from tinker_fakes import FakeTransport
 
 from skylift.config.services import EngineSettings
 from skylift.tinker.sampling.adapter_slots import AdapterSlots
@@ -38,23 +39,6 @@ class FakeEngine:
     async def unload_lora_adapter(self, name: str) -> None:
         del self.loaded[name]
         self.calls.append(("unload", name))
-
-
-class FakeTransport:
-    """What `EngineHost` calls on its `TensorsTransport`: tensors put, then pushed; counts pushes."""
-
-    def __init__(self) -> None:
-        self.pushes = 0
-        self.staged: dict[str, torch.Tensor] | None = None
-
-    def put(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.staged = tensors
-
-    async def push(self, version: int) -> dict[str, float]:
-        assert self.staged is not None  # every push sends tensors put before it
-        self.staged = None
-        self.pushes += 1
-        return {}
 
 
 def _memory_adapter() -> AdapterSource:

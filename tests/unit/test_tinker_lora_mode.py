@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from tinker_fakes import FakeTransport
 
 from skylift.tinker.sampling.lora_mode import calibrate, zero_adapter
 from skylift.weight_sync.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
@@ -42,24 +43,6 @@ class TimedEngine:
         return []
 
 
-class TimedTransport:
-    """A `TensorsTransport` whose push takes `push_s`."""
-
-    def __init__(self, push_s: float) -> None:
-        self.push_s, self.pushed = push_s, 0
-        self.staged: dict[str, torch.Tensor] | None = None
-
-    def put(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.staged = tensors
-
-    async def push(self, version: int) -> dict[str, float]:
-        assert self.staged is not None  # every push sends tensors put before it
-        self.staged = None
-        self.pushed += 1
-        await asyncio.sleep(self.push_s)
-        return {}
-
-
 def test_the_zero_adapter_covers_attention_and_mlp_and_changes_nothing(tmp_path: Path) -> None:
     folder = zero_adapter(WEIGHTS, 4, tmp_path / "zero")
     assert folder is not None
@@ -73,14 +56,14 @@ def test_the_zero_adapter_covers_attention_and_mlp_and_changes_nothing(tmp_path:
 
 
 def test_a_model_without_linear_layers_to_adapt_is_served_by_swaps() -> None:
-    choice = asyncio.run(calibrate(TimedEngine(0, 0), TimedTransport(0), {"norm.weight": torch.ones(3)}, 8))
+    choice = asyncio.run(calibrate(TimedEngine(0, 0), FakeTransport(0), {"norm.weight": torch.ones(3)}, 8))
     assert choice.mode == "swap" and "no attention or MLP layers" in choice.reason
 
 
 def test_adapters_win_when_batching_them_beats_a_swap() -> None:
-    engine, sender = TimedEngine(adapter_s=0.02, base_s=0.01), TimedTransport(push_s=0.5)
+    engine, sender = TimedEngine(adapter_s=0.02, base_s=0.01), FakeTransport(push_s=0.5)
     choice = asyncio.run(calibrate(engine, sender, WEIGHTS, 8))
-    assert choice.mode == "adapters" and sender.pushed == 1 and not engine.loaded
+    assert choice.mode == "adapters" and sender.pushes == 1 and not engine.loaded
     assert choice.adapters_s is not None and choice.swap_s is not None and choice.push_s is not None
     assert choice.adapters_s < choice.swap_s and choice.push_s <= choice.swap_s
     assert choice.report()["calibration"]["full_weight_push_s"] == choice.push_s
@@ -88,7 +71,7 @@ def test_adapters_win_when_batching_them_beats_a_swap() -> None:
 
 def test_swaps_win_when_the_adapter_kernels_are_slower_than_a_push() -> None:
     choice = asyncio.run(
-        calibrate(TimedEngine(adapter_s=0.6, base_s=0.01), TimedTransport(push_s=0.01), WEIGHTS, 8)
+        calibrate(TimedEngine(adapter_s=0.6, base_s=0.01), FakeTransport(push_s=0.01), WEIGHTS, 8)
     )
     assert choice.mode == "swap" and "a swap between them" in choice.reason
 
@@ -126,9 +109,9 @@ def test_the_choice_is_made_at_the_width_of_the_engines_batches() -> None:
     The calibration runs as many adapters at once as one batch mixes (`--sampler-max-loras`)."""
 
     def choose(width: int) -> Any:
-        engine, transport = TimedEngine(adapter_s=0.1, base_s=0.04), TimedTransport(push_s=0.01)
+        engine, transport = TimedEngine(adapter_s=0.1, base_s=0.04), FakeTransport(push_s=0.01)
         choice = asyncio.run(calibrate(engine, transport, WEIGHTS, 8, width=width))
-        assert transport.pushed == 1 and not engine.loaded  # one push measured, every adapter unloaded
+        assert transport.pushes == 1 and not engine.loaded  # one push measured, every adapter unloaded
         return choice
 
     two, four = choose(2), choose(4)
