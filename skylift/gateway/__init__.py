@@ -3,7 +3,8 @@ existing agent (an ``openai``-client loop, mini-SWE-agent, ...) trains unmodifie
 ``skylift train`` (``environment.harness``; docs/agentic.md, "Training an existing agent").
 
 - `skylift.gateway.server`: `Gateway`, the per-run server and one call's sampling and record;
-- `skylift.gateway.app`: its routes; `skylift.gateway.openai_format`: the wire format;
+- `skylift.gateway.app`: its routes; `skylift.gateway.openai_format`: the chat-completions wire
+  format; `skylift.gateway.responses_format`: the Responses API's, over the same calls;
 - `skylift.gateway.session`: a rollout's session, its budget and its calls;
 - `skylift.gateway.trajectories`: calls -> step-wise trajectories, merged where they extend;
 - `skylift.gateway.harness`: running an agent (entry point or command) and its verifier;

@@ -1,9 +1,10 @@
-"""The gateway's routes (FastAPI): ``/s/<session>/v1/models`` and ``/s/<session>/v1/chat/completions``.
+"""The gateway's routes (FastAPI): ``/s/<session>/v1/models``, ``/s/<session>/v1/chat/completions``
+and ``/s/<session>/v1/responses``.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 404 for a session
 that is unknown or over, 400 for a request the gateway does not serve or a budget the call would
 exceed (not 429: OpenAI clients retry that), 502 when the engines fail. With ``"stream": true``
-the answer is sent as server-sent events once it is sampled.
+the answer is sent as server-sent events (each API's own) once it is sampled.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from skylift.gateway.openai_format import RequestError, error_body, parse_chat_request, stream_events
+from skylift.gateway.responses_format import parse_responses_request, response_events
 from skylift.gateway.session import BudgetExceeded, Session
 
 logger = logging.getLogger("skylift.gateway")
@@ -39,8 +41,8 @@ def gateway_app(gateway: Any) -> FastAPI:
         entry = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "skylift"}
         return {"object": "list", "data": [entry]}
 
-    @app.post("/s/{session_id}/v1/chat/completions")
-    async def chat_completions(session_id: str, request: Request) -> Any:
+    async def served(session_id: str, request: Request, call: Any) -> Any:
+        """`call(session, body)` answered, or the error a client gets for it."""
         session = session_of(session_id)
         if session is None:
             return unknown()
@@ -49,8 +51,7 @@ def gateway_app(gateway: Any) -> FastAPI:
         except ValueError as exc:
             return JSONResponse(error_body(f"the body is not JSON: {exc}", "invalid_request_error"), 400)
         try:
-            chat = parse_chat_request(body)
-            answer = await gateway.complete(session, chat)
+            return await call(session, body)
         except RequestError as exc:
             return JSONResponse(error_body(str(exc), "invalid_request_error", exc.param), 400)
         except BudgetExceeded as exc:
@@ -60,15 +61,31 @@ def gateway_app(gateway: Any) -> FastAPI:
             return JSONResponse(
                 error_body(f"sampling failed: {type(exc).__name__}: {exc}", "server_error"), 502
             )
-        if not chat.stream:
-            return answer
-        events = stream_events(answer, chat.include_usage)
 
+    def events(lines: list[str]) -> StreamingResponse:
         async def send() -> Any:
-            for event in events:
-                yield event
+            for line in lines:
+                yield line
 
         return StreamingResponse(send(), media_type="text/event-stream")
+
+    async def chat(session: Session, body: Any) -> Any:
+        request = parse_chat_request(body)
+        answer = await gateway.complete(session, request)
+        return events(stream_events(answer, request.include_usage)) if request.stream else answer
+
+    async def respond(session: Session, body: Any) -> Any:
+        request = parse_responses_request(body, session.responses)
+        answer = await gateway.respond(session, request)
+        return events(response_events(answer)) if request.stream else answer
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def chat_completions(session_id: str, request: Request) -> Any:
+        return await served(session_id, request, chat)
+
+    @app.post("/s/{session_id}/v1/responses")
+    async def responses(session_id: str, request: Request) -> Any:
+        return await served(session_id, request, respond)
 
     @app.api_route("/s/{session_id}/v1/{rest:path}", methods=["GET", "POST"])
     async def other(session_id: str, rest: str) -> Any:
@@ -76,7 +93,8 @@ def gateway_app(gateway: Any) -> FastAPI:
             return unknown()
         return JSONResponse(
             error_body(
-                f"/v1/{rest} is not served by skylift's gateway (chat/completions, models)", "not_found_error"
+                f"/v1/{rest} is not served by skylift's gateway (chat/completions, responses, models)",
+                "not_found_error",
             ),
             404,
         )

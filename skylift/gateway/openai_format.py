@@ -198,27 +198,32 @@ def finish_reason(engine_reason: str, calls: bool) -> str:
     return "stop" if engine_reason == "stop" else "length"
 
 
-def completion_body(
-    model: str,
-    content: str | None,
-    calls: list[dict[str, Any]],
-    finish: str,
-    prompt_tokens: int,
-    sampled: int,
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
+@dataclass
+class Answer:
+    """One call's answer, whichever API carries it: what the agent is told."""
+
+    model: str
+    content: str | None  # the sampled text without the calls' markup (None when nothing is left)
+    calls: list[dict[str, Any]]  # OpenAI ``tool_calls`` (fresh ``call_...`` ids)
+    finish: str  # stop | length | tool_calls
+    prompt_tokens: int
+    sampled: int
+
+
+def completion_body(answer: Answer) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.calls:
+        message["tool_calls"] = answer.calls
     return {
         "id": f"chatcmpl-{secrets.token_hex(12)}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "model": answer.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": answer.finish, "logprobs": None}],
         "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": sampled,
-            "total_tokens": prompt_tokens + sampled,
+            "prompt_tokens": answer.prompt_tokens,
+            "completion_tokens": answer.sampled,
+            "total_tokens": answer.prompt_tokens + answer.sampled,
         },
     }
 

@@ -28,12 +28,20 @@ from typing import Any
 
 from skylift.envs.tool_parsers import ParsedCalls, get_tool_parser
 from skylift.gateway.openai_format import (
+    Answer,
     ChatRequest,
     completion_body,
     content_without_calls,
     finish_reason,
+    parse_chat_request,
     template_messages,
     tool_calls_of,
+)
+from skylift.gateway.responses_format import (
+    ResponsesRequest,
+    answer_messages,
+    new_response_id,
+    response_body,
 )
 from skylift.gateway.session import BudgetExceeded, CallRecord, Session
 from skylift.generator.chat import ChatFormat, TemplateMismatch
@@ -149,8 +157,20 @@ class Gateway:
             return rendered
 
     async def complete(self, session: Session, request: ChatRequest) -> dict[str, Any]:
-        """One call of `session`: sample, record, answer (a ``chat.completion`` body). Raises
-        `BudgetExceeded` (ending the session) when its budget or the context length allows none."""
+        """One chat call of `session`: its ``chat.completion`` body (`answer`)."""
+        return completion_body(await self.answer(session, request))
+
+    async def respond(self, session: Session, request: ResponsesRequest) -> dict[str, Any]:
+        """One Responses call of `session`: its ``response`` object, kept for a later request's
+        ``previous_response_id``."""
+        answer = await self.answer(session, parse_chat_request(request.chat_body))
+        response_id = new_response_id()
+        session.responses[response_id] = request.conversation + answer_messages(answer)
+        return response_body(request, answer, response_id)
+
+    async def answer(self, session: Session, request: ChatRequest) -> Answer:
+        """One call of `session`: sample, record, answer. Raises `BudgetExceeded` (ending the
+        session) when its budget or the context length allows none."""
         left = session.admit()
         messages = template_messages(request.messages, session.replayed_text)
         prompt_ids = self.prompt_ids(session, messages, request.tools)
@@ -196,9 +216,7 @@ class Gateway:
         )
         session.tool_calls += len(calls)
         finish = finish_reason(completion.stop_reason, bool(calls))
-        return completion_body(
-            request.model or self.model_name, content, calls, finish, len(prompt_ids), len(sampled)
-        )
+        return Answer(request.model or self.model_name, content, calls, finish, len(prompt_ids), len(sampled))
 
 
 class _QuietServer:

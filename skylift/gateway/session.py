@@ -66,6 +66,9 @@ class Session:
     closed: bool = False
     tool_calls: int = 0  # tool calls answered to the agent
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the conversations of this session's Responses answers (input and output as chat messages),
+    #: by response id, for a later request's ``previous_response_id`` (at most one per call)
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.started < 0:
