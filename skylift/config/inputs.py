@@ -51,10 +51,10 @@ class EnvironmentConfig:
         "modules imported before the run, for their register_env calls (or a gym "
         "registry's register calls; then env_class may name what they register)",
     )
-    skyrl_gym: dict[str, Any] = _f(
+    env_configs: dict[str, Any] = _f(
         {},
         "the env_config of gym-registry environments, by registered id, e.g. "
-        "environment.skyrl_gym.text2sql.db_path=...",
+        "environment.env_configs.text2sql.db_path=... (SkyRL command lines' name for the group works too)",
     )
     # agentic environments (issue 31): the model an environment calls, and its tools
     llm_base_url: str | None = _f(

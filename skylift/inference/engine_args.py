@@ -148,19 +148,21 @@ def executor_backend(requested: str | None, tensor_parallel_size: int = 1) -> st
 
 
 def worker_extension(requested: str | None) -> str:
-    """The `worker_extension_cls` to give vLLM: skylift's receiver in place of SkyRL's
-    (`skyrl_train....WorkerWrap`, which the seed's server command names), with one warning line;
-    any other class unchanged (None: ours)."""
+    """The `worker_extension_cls` to give vLLM: ours for None, ours in place of a class a server
+    plugin replaces (another project's receiver, e.g. the one the seed's server command names;
+    `skylift.inference.route_plugins.WORKER_EXTENSIONS`) with one warning line saying why; any
+    other class unchanged."""
     if not requested:
         return WORKER_EXTENSION_CLS
-    if requested.split(".")[0] in ("skyrl_train", "skyrl"):
-        logger.warning(
-            "--worker-extension-cls %s replaced by %s: skylift's weight receiver speaks SkyRL's "
-            "weight-update protocol",
-            requested,
-            WORKER_EXTENSION_CLS,
-        )
-        return WORKER_EXTENSION_CLS
+    from skylift.inference.route_plugins import WORKER_EXTENSIONS
+
+    for replaces in WORKER_EXTENSIONS.items():
+        why = replaces(requested)
+        if why:
+            logger.warning(
+                "--worker-extension-cls %s replaced by %s: %s", requested, WORKER_EXTENSION_CLS, why
+            )
+            return WORKER_EXTENSION_CLS
     return requested
 
 

@@ -467,3 +467,16 @@ def test_empty_external_server_keys_are_unset() -> None:
     default = load_config().generator
     assert cfg.generator.run_engines_locally
     assert cfg.generator.remote_inference_engine_urls == default.remote_inference_engine_urls
+
+
+def test_skyrl_gym_group_is_skylifts_env_configs_on_the_command_line_and_in_files(tmp_path: Path) -> None:
+    cfg = load_config(
+        ["environment.skyrl_gym.text2sql.db_path=/data/db", "environment.skyrl_gym.max_env_workers=3"]
+    )
+    assert cfg.environment.env_configs == {"text2sql": {"db_path": "/data/db"}}
+    assert cfg.environment.max_env_workers == 3
+    config = tmp_path / "run.yaml"
+    config.write_text("environment:\n  skyrl_gym:\n    search:\n      topk: 2\n")
+    assert load_config([], config_file=config).environment.env_configs == {"search": {"topk": 2}}
+    native = load_config(["environment.env_configs.search.topk=5"])
+    assert native.environment.env_configs == {"search": {"topk": 5}}

@@ -17,8 +17,8 @@ resolver this module registers; the registry imports this module by name):
 per trajectory when the generator calls ``init``: ``env_config`` is SkyRL's defaults for the id
 (``text2sql``'s ``db_path``; ``search``'s ``search_url``, ``topk``, ``timeout``, ``log_requests``:
 skyrl-gym's own config dataclasses, which SkyRL's schema embeds) updated with
-``environment.skyrl_gym.<registered id>`` and ``environment.env_kwargs`` (an OmegaConf mapping, as
-SkyRL passes it); ``extras`` is the row's other columns (e.g. text2sql's ``db_id`` and ``data``),
+``environment.env_configs.<registered id>`` (SkyRL's ``environment.skyrl_gym.<id>``) and
+``environment.env_kwargs`` (an OmegaConf mapping, as SkyRL passes it); ``extras`` is the row's other columns (e.g. text2sql's ``db_id`` and ``data``),
 ``reward_spec``, ``extra_info`` and ``data_source`` plus ``max_turns`` (``generator.max_turns``), as
 SkyRL's generator builds them. ``step``'s dict output becomes a `StepResult`: ``observations``,
 ``reward``, ``done`` and ``metadata`` as they are; ``postprocessed_action`` goes into the metadata,
@@ -58,10 +58,10 @@ def _warn_postprocessed_once(env_name: str) -> None:
         )
 
 
-#: Set by the trainer (`configure`): ``environment.skyrl_gym`` and ``generator.max_turns``.
+#: Set by the trainer (`configure`): ``environment.env_configs`` and ``generator.max_turns``.
 _RUN: dict[str, Any] = {"configs": {}, "max_turns": 1}
 
-#: SkyRL's schema defaults of ``environment.skyrl_gym.<id>``: skyrl-gym's config dataclasses.
+#: SkyRL's schema defaults of ``environment.env_configs.<id>``: skyrl-gym's config dataclasses.
 DEFAULT_CONFIGS = {
     "text2sql": "skyrl_gym.envs.sql.env:Text2SQLEnvConfig",
     "search": "skyrl_gym.envs.search.env:SearchEnvConfig",
@@ -81,13 +81,13 @@ def _defaults(env_id: str | None) -> dict[str, Any]:
 
 @register_run_configurer
 def configure_from(environment: EnvironmentConfig, max_turns: int) -> None:
-    """The registry's run configurer: ``environment.skyrl_gym`` and ``generator.max_turns``
+    """The registry's run configurer: ``environment.env_configs`` and ``generator.max_turns``
     (``environment.import_modules`` are already imported by `skylift.envs.registry.configure_run`)."""
-    configure(environment.skyrl_gym or {}, max_turns)
+    configure(environment.env_configs or {}, max_turns)
 
 
 def configure(configs: Mapping[str, Any], max_turns: int, import_modules: Sequence[str] = ()) -> None:
-    """The run's per-environment configs (``environment.skyrl_gym``) and turn limit; imports
+    """The run's per-environment configs (``environment.env_configs``) and turn limit; imports
     ``environment.import_modules`` (their ``register_env`` / ``skyrl_gym.register`` calls)."""
     for module in import_modules:
         try:

@@ -59,6 +59,7 @@ SKYRL_KEY_ALIASES: dict[str, str] = {
     "trainer.use_sample_packing": "trainer.remove_microbatch_padding",
     "trainer.max_training_steps": "trainer.max_steps",
     "environment.skyrl_gym.max_env_workers": "environment.max_env_workers",
+    "environment.skyrl_gym": "environment.env_configs",
     "generator.inference_engine.engine_init_kwargs": "generator.engine_init_kwargs",
     "trainer.algorithm.overlong_buffer_len": "trainer.algorithm.overlong_buffer.len",
     "trainer.algorithm.overlong_buffer_penalty_factor": "trainer.algorithm.overlong_buffer.penalty_factor",

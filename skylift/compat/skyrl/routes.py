@@ -14,6 +14,9 @@ sparse_nccl, sharded_rdt, nccl_m2n) need a GPU. On a GPU these routes go to vLLM
 server with `--weight-transfer-config`); on CPU they answer 501 and name the path that works
 there: skylift's (or SkyRL 0.3's) broadcast over a gloo group. `/update_weights` itself is
 skylift's route (`routes.py`), which hands bodies with `update_info` to `weight_transfer_update`.
+
+Also here: SkyRL's ``--worker-extension-cls skyrl_train....WorkerWrap`` (the seed's server command)
+is replaced by skylift's receiver with one warning (`skyrl_worker_wrap`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 
-from skylift.inference.route_plugins import ROUTES, WEIGHT_TRANSFER
+from skylift.inference.route_plugins import ROUTES, WEIGHT_TRANSFER, WORKER_EXTENSIONS
 
 #: What a CPU server says instead of vLLM's GPU-only weight transfer.
 GLOO_PATH = (
@@ -153,3 +156,12 @@ def install(app: FastAPI) -> None:
             control.add_api_route(path, endpoint, methods=[method])
     app.include_router(control)
     app.include_router(router)
+
+
+@WORKER_EXTENSIONS.register
+def skyrl_worker_wrap(requested: str) -> str | None:
+    """SkyRL's receiver (``skyrl_train....WorkerWrap``, which the seed's server command names) is
+    replaced by skylift's: it speaks SkyRL's weight-update protocol."""
+    if requested.split(".")[0] in ("skyrl_train", "skyrl"):
+        return "skylift's weight receiver speaks SkyRL's weight-update protocol"
+    return None
