@@ -6,18 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway_agents import MULTIPLY as CHAT_MULTIPLY
 from openai import AsyncOpenAI
 
-MULTIPLY = {
-    "type": "function",
-    "name": "multiply",
-    "description": "Multiply two integers.",
-    "parameters": {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
-    },
-}
+#: the chat agents' multiply tool in the Responses API's flat form
+MULTIPLY = {"type": "function", **CHAT_MULTIPLY["function"]}
 
 
 def _client(base_url: str) -> AsyncOpenAI:
