@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tinker_fakes import FakeTransport
 
 from skylift.tinker.sampling.lora_mode import calibrate, zero_adapter
@@ -119,3 +120,31 @@ def test_the_choice_is_made_at_the_width_of_the_engines_batches() -> None:
     assert four.report()["calibration"]["adapters"] == 4 and four.swap_s is not None
     assert four.swap_s >= 4 * 0.04 + 3 * 0.01  # four requests one after another, three pushes between
     assert choose(1).width == 2  # one adapter at a time is no choice to make: measured with two
+
+
+def test_a_swap_counts_building_its_weights_as_the_swap_path_does(tmp_path: Path) -> None:
+    """A LoRA sampler's swap reads the base and merges the adapter before the push: a calibration
+    that leaves that out prefers swaps that cost more than it measured (tinker_multi_lora.py)."""
+    from skylift.tinker.sampling.weights import merged_folder_into_base
+
+    for name, tensor in WEIGHTS.items():  # the base on disk, as the swap path reads it
+        save_file({name: tensor.contiguous()}, str(tmp_path / f"{name}.safetensors"))
+    built: list[dict[str, torch.Tensor]] = []
+
+    def swap_weights(folder: Path) -> dict[str, torch.Tensor]:
+        time.sleep(0.1)  # a slow disk
+        built.append(merged_folder_into_base(tmp_path, folder))
+        return built[-1]
+
+    def choose(swap: Any) -> Any:
+        engine, transport = TimedEngine(adapter_s=0.12, base_s=0.04), FakeTransport(push_s=0.01)
+        return asyncio.run(calibrate(engine, transport, WEIGHTS, 8, width=2, swap_weights=swap))
+
+    assert choose(None).mode == "swap" and choose(None).merge_s is None  # 0.12 s against 0.09 s
+    counted = choose(swap_weights)
+    assert counted.mode == "adapters" and counted.merge_s is not None and counted.merge_s >= 0.1
+    assert counted.swap_s is not None and counted.swap_s >= 2 * 0.04 + 0.1 + 0.01
+    assert "weights built in" in counted.reason
+    assert counted.report()["calibration"]["swap_weights_built_s"] == counted.merge_s
+    # a zero adapter merged into the base is the base itself
+    assert set(built[-1]) == set(WEIGHTS) and all(torch.equal(built[-1][n], WEIGHTS[n]) for n in WEIGHTS)

@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,7 +36,7 @@ from skylift.inference.vllm_patches.lora_prompt_logprobs import adapter_may_scor
 from skylift.tinker.core.wire import SampledSequenceData
 from skylift.tinker.sampling.adapter_slots import AdapterSlots
 from skylift.tinker.sampling.lora_mode import ModeChoice, accepts_unembed, calibrate
-from skylift.tinker.sampling.weights import SamplerWeights, load_safetensors_dir
+from skylift.tinker.sampling.weights import SamplerWeights, load_safetensors_dir, merged_folder_into_base
 from skylift.tinker.vision.images import ImageInput
 from skylift.utils.affinity import bind_this_thread
 
@@ -249,7 +250,10 @@ class EngineHost:
         weights = await asyncio.to_thread(load_safetensors_dir, self.model_path)
         try:
             width = min(self.settings.max_loras, self.settings.lora_slots)  # what one batch mixes
-            return await calibrate(engine, transport, weights, self.settings.max_lora_rank, unembed, width)
+            swap = partial(merged_folder_into_base, self.model_path)  # what a LoRA sampler's swap pushes
+            return await calibrate(
+                engine, transport, weights, self.settings.max_lora_rank, unembed, width, swap
+            )
         except Exception as exc:  # the engine serves on: LoRA samplers swap weights
             logger.warning("LoRA calibration of the %s engine failed: %s", self.base_model, exc)
             return ModeChoice("swap", f"the calibration failed: {exc}")

@@ -10,9 +10,10 @@
   is configured to mix (``--sampler-max-loras`` adapters, at least 2: a shared server is for many
   samplers in flight). That many requests for as many different adapters run once in the batch
   together (zero adapters of the largest rank served, as fast as real ones); a swap serves them
-  one after another with a full-weight push between two, which costs that many times one
-  request without an adapter plus one push fewer (each measured once). Adapters win when the
-  batch takes no longer. On a GPU vLLM's LoRA kernels cost little and adapters win; on a CPU a
+  one after another with a weight swap between two, which costs that many times one request
+  without an adapter plus one swap fewer; a swap is what the swap path does for a LoRA sampler:
+  the base's weights with the adapter merged in (read from disk, merged) and pushed (each
+  measured once). Adapters win when the batch takes no longer. On a GPU vLLM's LoRA kernels cost little and adapters win; on a CPU a
   request under an adapter can be about half as fast as one without, so a small model's swaps
   may win (benchmarks/RESULTS.md, tinker_multi_lora.py); the figures are logged either way.
 A LoRA sampler whose rank is above ``--sampler-max-lora-rank``, or that adapts the unembedding
@@ -27,6 +28,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,9 @@ class ModeChoice:
     reason: str
     unembed: bool = False  # whether the engine takes adapters of the unembedding (lm_head)
     adapters_s: float | None = None  # `width` adapters' requests in one batch
-    swap_s: float | None = None  # the same requests served by swaps: width requests, width - 1 pushes
+    swap_s: float | None = None  # the same requests served by swaps: width requests, width - 1 swaps
     push_s: float | None = None
+    merge_s: float | None = None  # one swap's weights built for a LoRA sampler (base read, adapter merged)
     width: int = 2  # how many adapters' requests the measurement ran at once
 
     def report(self) -> dict[str, Any]:
@@ -64,6 +67,7 @@ class ModeChoice:
                 "adapters_batched_s": self.adapters_s,
                 "swaps_between_them_s": self.swap_s,
                 "full_weight_push_s": self.push_s,
+                "swap_weights_built_s": self.merge_s,
             },
         }
 
@@ -141,21 +145,25 @@ async def calibrate(
     rank: int,
     unembed: bool = False,
     width: int = 2,
+    swap_weights: Callable[[Path], dict[str, torch.Tensor]] | None = None,
 ) -> ModeChoice:
     """Measure both ways on `engine` (started with LoRA, holding `weights`, pushed to through
     `transport`, a `weight_sync` `TensorsTransport` opened for it) with `width` adapters' requests
     at once (at least 2) and choose (see the module's docstring); the adapters cover the
-    unembedding too where `unembed` (as Tinker's default adapters do)."""
+    unembedding too where `unembed` (as Tinker's default adapters do). `swap_weights(adapter_dir)`
+    builds what a swap pushes for a sampler of that adapter (the swap path's own function; timed,
+    and its result is the push measured); None: `weights` are pushed as they are."""
     width = max(2, width)
     scratch = Path(tempfile.mkdtemp(prefix="skylift-lora-calibration-"))
     try:
-        names = []
+        names, directories = [], []
         for i in range(width):
             modules = (*CALIBRATION_MODULES, UNEMBED) if unembed else CALIBRATION_MODULES
             directory = zero_adapter(weights, rank, scratch / f"a{i}", modules)
             if directory is None:
                 return ModeChoice("swap", "the model has no attention or MLP layers a LoRA adapter covers")
             names.append(f"skylift-calibration-{i}")
+            directories.append(directory)
             await engine.load_lora_adapter(names[-1], str(directory))
         prompts = [[(7 * j + 3 * i) % 100 + 10 for j in range(CALIBRATION_PROMPT)] for i in range(width)]
         params = _params()
@@ -166,20 +174,25 @@ async def calibrate(
             *(engine.generate([p], params, lora_name=n) for p, n in zip(prompts, names, strict=True))
         )
         request_s = await _timed(engine.generate([prompts[1]], params, lora_name=""))
+        merge_start = time.perf_counter()
+        pushed = weights if swap_weights is None else await asyncio.to_thread(swap_weights, directories[0])
+        merge_s = time.perf_counter() - merge_start
         push_start = time.perf_counter()
-        transport.put(weights)  # the same weights: a real push's cost
+        transport.put(pushed)  # a zero adapter merged in: the same weights, a real push's cost
         await transport.push(0)
         push_s = time.perf_counter() - push_start
+        del pushed
         for name in names:
             await engine.unload_lora_adapter(name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    swap_s = width * request_s + (width - 1) * push_s
+    swap_s = width * request_s + (width - 1) * (merge_s + push_s)
     mode = "adapters" if adapters_s <= swap_s else "swap"
+    built = f"weights built in {merge_s:.2f} s and " if swap_weights is not None else ""
     reason = (
         f"{width} adapters' requests batched took {adapters_s:.2f} s; served by a swap between them "
-        f"each, {swap_s:.2f} s ({width} requests of {request_s:.2f} s, {width - 1} full-weight pushes "
-        f"of {push_s:.2f} s)"
+        f"each, {swap_s:.2f} s ({width} requests of {request_s:.2f} s, {width - 1} swaps: {built}"
+        f"a full-weight push of {push_s:.2f} s)"
     )
     return ModeChoice(
         mode,
@@ -187,5 +200,6 @@ async def calibrate(
         adapters_s=round(adapters_s, 4),
         swap_s=round(swap_s, 4),
         push_s=round(push_s, 4),
+        merge_s=round(merge_s, 4) if swap_weights is not None else None,
         width=width,
     )

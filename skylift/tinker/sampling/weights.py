@@ -82,10 +82,12 @@ def adapter_in(directory: Path) -> AdapterSource | None:
     """The adapter saved beside a sampler checkpoint's merged weights (None: the checkpoint has
     none: full fine-tuning, or written before adapters were saved)."""
     folder = directory / ADAPTER_DIR
-    config = folder / "adapter_config.json"
-    if not config.is_file():
-        return None
-    peft_config = json.loads(config.read_text())
+    return peft_adapter(folder) if (folder / "adapter_config.json").is_file() else None
+
+
+def peft_adapter(folder: Path) -> AdapterSource:
+    """The adapter in a PEFT folder (``adapter_config.json`` and its weights)."""
+    peft_config = json.loads((folder / "adapter_config.json").read_text())
     return AdapterSource(rank=int(peft_config["r"]), directory=folder, config=peft_config)
 
 
@@ -116,3 +118,8 @@ def merged_into_base(base_dir: str | Path, adapter: AdapterSource) -> Tensors:
 
         tensors = load_file(str(adapter.directory / ADAPTER_WEIGHTS_FILE))
     return merge_adapter(load_safetensors_dir(base_dir), tensors, adapter.config or {"r": adapter.rank})
+
+
+def merged_folder_into_base(base_dir: str | Path, folder: Path) -> Tensors:
+    """`merged_into_base` of the adapter in a PEFT folder."""
+    return merged_into_base(base_dir, peft_adapter(folder))
