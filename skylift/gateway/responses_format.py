@@ -75,8 +75,11 @@ def parse_responses_request(body: Any, earlier: dict[str, list[dict[str, Any]]])
         "tool_choice": chat_tool_choice(choice) if tools else "none",
         "model": body.get("model") or "",
     }
-    if body.get("max_output_tokens") is not None:
-        chat_body["max_tokens"] = body["max_output_tokens"]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise RequestError("max_output_tokens must be a positive integer", "max_output_tokens")
+        chat_body["max_tokens"] = limit
     return ResponsesRequest(
         chat_body=chat_body,
         conversation=conversation,

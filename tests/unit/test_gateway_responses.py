@@ -148,7 +148,7 @@ def test_responses_requests_the_gateway_does_not_serve_get_a_400_naming_what() -
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
         ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "hi", "instructions": 7}, "instructions"),
-        ({"input": "hi", "max_output_tokens": 0}, "max_tokens"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be a positive integer"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "text"),
         ({"input": "hi", "stream": "yes"}, "stream"),
     ]
