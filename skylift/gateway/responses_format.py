@@ -1,7 +1,7 @@
 """OpenAI Responses wire format (``POST /v1/responses``) over the gateway's chat calls.
 
-A Responses request is turned into a chat request (`to_chat_body`, then the chat checks of
-`skylift.gateway.openai_format.parse_chat_request`): ``instructions`` becomes the system message,
+A Responses request is turned into a chat request (`parse_responses_request`, which ends with the
+chat checks of `skylift.gateway.openai_format.parse_chat_request`): ``instructions`` becomes the system message,
 ``input`` (a string, or items) the conversation: message items as messages, ``function_call``
 items as the assistant's ``tool_calls`` (with their ``call_id``), ``function_call_output`` items
 as ``tool`` messages; ``reasoning`` items are skipped. ``previous_response_id`` names an earlier
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.gateway.openai_format import Answer, RequestError
+from skylift.gateway.openai_format import Answer, ChatRequest, RequestError, parse_chat_request
 
 #: Responses input item types that are not part of a chat conversation and are skipped
 SKIPPED_ITEMS = ("reasoning",)
@@ -33,7 +33,7 @@ SKIPPED_ITEMS = ("reasoning",)
 
 @dataclass
 class ResponsesRequest:
-    chat_body: dict[str, Any]  # the request as a chat-completions body (checked by the chat parser)
+    chat: ChatRequest  # the request as a chat call
     #: chat messages: the earlier response's conversation, then this input (not the instructions,
     #: which OpenAI does not carry over to a later response either)
     conversation: list[dict[str, Any]]
@@ -81,7 +81,7 @@ def parse_responses_request(body: Any, earlier: dict[str, list[dict[str, Any]]])
             raise RequestError("max_output_tokens must be a positive integer", "max_output_tokens")
         chat_body["max_tokens"] = limit
     return ResponsesRequest(
-        chat_body=chat_body,
+        chat=parse_chat_request(chat_body),
         conversation=conversation,
         stream=stream,
         tools=tools,
@@ -155,12 +155,12 @@ def chat_tool_choice(choice: Any) -> Any:
     return choice
 
 
-def answer_messages(answer: Answer) -> list[dict[str, Any]]:
+def answer_message(answer: Answer) -> dict[str, Any]:
     """The answer as the assistant message a later ``previous_response_id`` request continues."""
     message: dict[str, Any] = {"role": "assistant", "content": answer.content}
     if answer.calls:
         message["tool_calls"] = answer.calls
-    return [message]
+    return message
 
 
 def response_body(request: ResponsesRequest, answer: Answer, response_id: str) -> dict[str, Any]:

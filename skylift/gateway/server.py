@@ -33,13 +33,12 @@ from skylift.gateway.openai_format import (
     completion_body,
     content_without_calls,
     finish_reason,
-    parse_chat_request,
     template_messages,
     tool_calls_of,
 )
 from skylift.gateway.responses_format import (
     ResponsesRequest,
-    answer_messages,
+    answer_message,
     new_response_id,
     response_body,
 )
@@ -163,9 +162,9 @@ class Gateway:
     async def respond(self, session: Session, request: ResponsesRequest) -> dict[str, Any]:
         """One Responses call of `session`: its ``response`` object, kept for a later request's
         ``previous_response_id``."""
-        answer = await self.answer(session, parse_chat_request(request.chat_body))
+        answer = await self.answer(session, request.chat)
         response_id = new_response_id()
-        session.responses[response_id] = request.conversation + answer_messages(answer)
+        session.responses[response_id] = [*request.conversation, answer_message(answer)]
         return response_body(request, answer, response_id)
 
     async def answer(self, session: Session, request: ChatRequest) -> Answer:

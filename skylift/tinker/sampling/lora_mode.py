@@ -13,9 +13,10 @@
   one after another with a weight swap between two, which costs that many times one request
   without an adapter plus one swap fewer; a swap is what the swap path does for a LoRA sampler:
   the base's weights with the adapter merged in (read from disk, merged) and pushed (each
-  measured once). Adapters win when the batch takes no longer. On a GPU vLLM's LoRA kernels cost little and adapters win; on a CPU a
-  request under an adapter can be about half as fast as one without, so a small model's swaps
-  may win (benchmarks/RESULTS.md, tinker_multi_lora.py); the figures are logged either way.
+  measured once). Adapters win when the batch takes no longer. On a GPU vLLM's LoRA kernels
+  cost little and adapters win; on a CPU a request under an adapter can be about half as fast as
+  one without, so a small model's swaps may win (benchmarks/RESULTS.md, tinker_multi_lora.py);
+  the figures are logged either way.
 A LoRA sampler whose rank is above ``--sampler-max-lora-rank``, or that adapts the unembedding
 where the engine's model takes no such adapter (`accepts_unembed`), takes the swap path in every mode.
 """
