@@ -63,6 +63,27 @@ WINGS: set[str] = {"compat", "integrations"}
 #: collaborators). Each entry is the sorted tuple of the files in one cycle.
 ALLOWED_FILE_CYCLES: set[tuple[str, ...]] = set()
 
+#: Rooms whose own folders are layered too (the same rule, one level down): a unit is a sub-folder
+#: or a top-level module of the room. The Tinker service: the app and the service that wires the
+#: features; the features, each above the ones it uses; vision (image rendering); core (the
+#: requests: hub, ordered queues, submit, the training gate; the wire and bodies); storage (records);
+#: errors (what every layer raises).
+ROOM_LAYERS: dict[str, list[set[str]]] = {
+    "tinker": [
+        {"tinker", "commands"},
+        {"app"},
+        {"openapi", "service"},
+        {"sessions"},
+        {"checkpoints"},
+        {"training"},
+        {"sampling"},
+        {"vision"},
+        {"core"},
+        {"storage"},
+        {"errors"},
+    ],
+}
+
 
 def layer_of(package: str) -> int:
     for depth, names in enumerate(LAYERS):
@@ -202,6 +223,49 @@ def direction_problems(packages: dict[str, set[str]], files: dict[str, set[str]]
     return problems
 
 
+def room_unit(room: str, module: str) -> str | None:
+    """The unit of `room` that `module` belongs to (its sub-folder or top-level module; the room's
+    ``__init__`` is the room itself), or None outside the room."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] != room:
+        return None
+    return parts[2] if len(parts) > 2 else room
+
+
+def room_problems(room: str, layers: list[set[str]], files: dict[str, set[str]]) -> list[str]:
+    """Cycles and arrows that do not point downward between the units of one room."""
+
+    def depth(unit: str) -> int:
+        for d, names in enumerate(layers):
+            if unit in names:
+                return d
+        raise KeyError(
+            f"{room}/{unit} has no layer: add it to ROOM_LAYERS[{room!r}] in {Path(__file__).name}"
+        )
+
+    graph: dict[str, set[str]] = {}
+    culprits: dict[tuple[str, str], set[str]] = {}
+    for src, deps in files.items():
+        a = room_unit(room, module_name(ROOT / src))
+        if a is None:
+            continue
+        graph.setdefault(a, set())
+        for dst in deps:
+            b = room_unit(room, module_name(ROOT / dst))
+            if b is not None and b != a:
+                graph[a].add(b)
+                culprits.setdefault((a, b), set()).add(src)
+    problems = [
+        f"{room}/{a} -> {room}/{b} points {'across one layer' if depth(a) == depth(b) else 'upward'} "
+        f"(in {', '.join(sorted(culprits[a, b]))})"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if depth(b) <= depth(a)
+    ]
+    problems += [f"{room} folder cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", action="store_true", help="also print the file-level graph")
@@ -221,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
     problems = direction_problems(packages, files)
     problems += [f"package cycle: {' <-> '.join(c)}" for c in cycles(packages)]
+    for room, layers in ROOM_LAYERS.items():
+        problems += room_problems(room, layers, files)
     allowed = []
     for cycle in cycles(files):
         if cycle in ALLOWED_FILE_CYCLES:

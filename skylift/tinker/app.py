@@ -2,9 +2,9 @@
 
 The routes live in routers (`router` of each feature folder: `skylift.tinker.sessions.router`,
 `skylift.tinker.training.router`, ...) that
-take the service, the caller and a typed body (`skylift.tinker.core.bodies`) as dependencies
-(`skylift.tinker.core.deps`); this module assembles them with the service, the API keys and the
-error handlers.
+take their feature (`skylift.tinker.core.deps.app_part`: the service's part of that name, set on
+the app's state here), the caller and a typed body (`skylift.tinker.core.bodies`) as dependencies;
+this module assembles them with the service's parts, the API keys and the error handlers.
 
 Operation routes answer ``{"request_id", ...}`` at once; results come from ``retrieve_future``
 (long-poll, then HTTP 408 so the SDK polls again; 410 for a future lost in a restart, on which
@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse
 
 from skylift.tinker.checkpoints import router as checkpoint_routes
 from skylift.tinker.core.auth import KeyRing
-from skylift.tinker.core.deps import RefusedOperation, failed_future
+from skylift.tinker.core.deps import RefusedOperation
 from skylift.tinker.core.fairness import QuotaError
 from skylift.tinker.core.http_common import error_response, install_auth, install_error_handlers
 from skylift.tinker.core.limits import RequestLimits
@@ -75,6 +75,17 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="skylift Tinker-compatible service", lifespan=lifespan)
     app.state.service, app.state.keyring = service, keyring
+    for part in (
+        "requests",
+        "base_models",
+        "training",
+        "sampling",
+        "checkpoints",
+        "sessions",
+        "runs",
+        "stats",
+    ):
+        setattr(app.state, part, getattr(service, part))
     app.state.owners = Owners(service.store)
     app.state.limits = RequestLimits.from_config(config)
     install_auth(app, keyring, API)
@@ -83,7 +94,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(RefusedOperation)
     async def refused(request: Request, exc: RefusedOperation) -> JSONResponse:
         try:
-            return JSONResponse({"request_id": failed_future(service, exc.kind, exc.error)})
+            return JSONResponse({"request_id": service.requests.fail_now(exc.kind, exc.error)})
         except QuotaError as quota:
             return error_response(429, str(quota))
 

@@ -23,8 +23,8 @@ from tinker import types
 
 from skylift.models import prepare_model
 from skylift.models import tiny_qwen2_vl as vl
-from skylift.tinker.core.errors import UserError
-from skylift.tinker.vision.images import ImageInput, check_image
+from skylift.tinker.core.images import ImageInput, check_image
+from skylift.tinker.errors import UserError
 from skylift.tinker.vision.render import RenderedInput, VisionRenderer
 from skylift.tinker.vision.render_server import CPURenderServer, RenderServerClient
 

@@ -151,10 +151,10 @@ def test_a_client_that_does_not_fit_gets_a_400_and_the_server_keeps_serving(smal
     message = full.json()["error"]
     assert "not enough training memory" in message and "needs 15.3 MiB" in message
     assert "of the server's 10.0 MiB are in use by 1 training clients" in message
-    assert f"{bob}:train:0" not in service.models
+    assert f"{bob}:train:0" not in service.registry.models
     second = _create(small, BOB, bob, 1, 8)  # another LoRA client of the same base fits
     assert result(small, second.json()["request_id"], BOB)["model_id"] == f"{bob}:train:1"
-    a, b = service.models[f"{alice}:train:0"], service.models[f"{bob}:train:1"]
+    a, b = service.registry.models[f"{alice}:train:0"], service.registry.models[f"{bob}:train:1"]
     name = "base_model.model.model.layers.1.mlp.down_proj.base_layer.weight"
     pa, pb = dict(a.worker.model.named_parameters())[name], dict(b.worker.model.named_parameters())[name]
     assert pa is pb and pa.untyped_storage().data_ptr() == pb.untyped_storage().data_ptr()

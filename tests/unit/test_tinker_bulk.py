@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from skylift.tinker.core import bulk, limits
-from skylift.tinker.core.errors import TooLargeError
+from skylift.tinker.errors import TooLargeError
 
 
 def test_bulk_threads_run_at_a_lower_priority() -> None:

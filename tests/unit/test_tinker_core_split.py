@@ -31,22 +31,22 @@ def test_the_first_engine_splits_the_cores_with_the_server(
     service = TinkerService(config)
     threads = torch.get_num_threads()
     try:
-        service._executor.submit(lambda: None).result(timeout=30)  # the training thread exists
+        service.requests._executor.submit(lambda: None).result(timeout=30)  # the training thread exists
         assert bound == []  # pure SFT: training may use every core
         info = next(iter(service.sampling.base_models))
         host = service.sampling.host(info)  # no engine starts here
         assert host.cpus == engine and not host.started
-        train_tid = service._executor.submit(threading.get_native_id).result(timeout=30)
+        train_tid = service.requests._executor.submit(threading.get_native_id).result(timeout=30)
         tasks = {int(t) for t in os.listdir("/proc/self/task")}
         process_wide = {tid for tid, cpus in bound if tid != 0 and cpus == training}
         assert {threading.get_native_id(), train_tid} <= process_wide <= tasks
         assert (0, training) in bound  # the training thread itself, then torch's threads
-        assert service._executor.submit(torch.get_num_threads).result(timeout=30) == len(training)
+        assert service.requests._executor.submit(torch.get_num_threads).result(timeout=30) == len(training)
         calls = len(bound)
         assert service.sampling.host(info) is host and len(bound) == calls  # one split, on the first engine
     finally:
         torch.set_num_threads(threads)
-        service._executor.shutdown(wait=True)
+        service.requests._executor.shutdown(wait=True)
 
 
 def test_no_split_leaves_engines_every_core(
@@ -61,7 +61,7 @@ def test_no_split_leaves_engines_every_core(
         host = service.sampling.host(next(iter(service.sampling.base_models)))
         assert host.cpus is None
     finally:
-        service._executor.shutdown(wait=True)
+        service.requests._executor.shutdown(wait=True)
 
 
 def test_the_engines_thread_binds_itself_to_the_engines_cores(monkeypatch: pytest.MonkeyPatch) -> None:

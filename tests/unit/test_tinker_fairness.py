@@ -208,11 +208,13 @@ def test_the_training_thread_takes_users_in_turn(tmp_path: Path, tiny_model_dir:
             asyncio.run_coroutine_threadsafe(release.wait(), loop).result()
             order.append(user)
 
-        first = as_user("alice", lambda: service.run_training(blocking, "alice"))
+        first = as_user("alice", lambda: service.requests.run_training(blocking, "alice"))
         await started.wait()
-        flood = [as_user("alice", lambda: service.run_training(order.append, "alice")) for _ in range(10)]
+        flood = [
+            as_user("alice", lambda: service.requests.run_training(order.append, "alice")) for _ in range(10)
+        ]
         await settle()
-        bob = as_user("bob", lambda: service.run_training(order.append, "bob"))
+        bob = as_user("bob", lambda: service.requests.run_training(order.append, "bob"))
         await settle()
         release.set()
         await asyncio.gather(first, *flood, bob)
@@ -220,7 +222,7 @@ def test_the_training_thread_takes_users_in_turn(tmp_path: Path, tiny_model_dir:
     try:
         asyncio.run(go())
     finally:
-        service._executor.shutdown(wait=False)
+        service.requests._executor.shutdown(wait=False)
         service.store.close()
     assert order.index("bob") == 2, order
     assert service.sampling.gate_slots == config.sampling_slots
@@ -315,18 +317,16 @@ def test_stability_records_have_a_per_user_share() -> None:
 
 
 def test_checkpoint_disk_has_a_per_user_quota() -> None:
-    from skylift.tinker.checkpoints.operations import check_disk_quota
+    from skylift.tinker.checkpoints.operations import CheckpointOperations
 
     rows = {"alice": [SimpleNamespace(size_bytes=600 * 1024**2)] * 2, "bob": []}
-    svc = SimpleNamespace(
-        store=SimpleNamespace(checkpoints=lambda owner=None: rows[owner]),
-        config=SimpleNamespace(max_checkpoint_gb_per_user=1.0),
-    )
+    store = SimpleNamespace(checkpoints=lambda owner=None: rows[owner])
+    ops = CheckpointOperations(store, None, None, 1.0)  # type: ignore[arg-type]
     with pytest.raises(QuotaError, match="--max-checkpoint-gb-per-user"):
-        check_disk_quota(svc, "alice", 0)  # type: ignore[arg-type]
-    check_disk_quota(svc, "bob", 0)  # type: ignore[arg-type]
+        ops.check_disk_quota("alice", 0)
+    ops.check_disk_quota("bob", 0)
     with pytest.raises(QuotaError):
-        check_disk_quota(svc, "bob", 2 * 1024**3)  # type: ignore[arg-type]  (a copy larger than the share)
+        ops.check_disk_quota("bob", 2 * 1024**3)  # a copy larger than the share
 
 
 def test_an_exhausted_quota_is_a_429_over_http(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.images import ImageInput, check_image, image_from_json
 from skylift.tinker.core.model_input import json_parts
-from skylift.tinker.vision.images import ImageInput, check_image, image_from_json
+from skylift.tinker.errors import UserError
 
 
 def _image(fmt: str = "PNG", size: tuple[int, int] = (30, 20)) -> bytes:

@@ -31,8 +31,8 @@ from tinker_app import (
     tensor,
 )
 
-from skylift.tinker.core.errors import UserError
-from skylift.tinker.vision.images import MAX_IMAGE_BYTES, read_pointer
+from skylift.tinker.core.images import MAX_IMAGE_BYTES, read_pointer
+from skylift.tinker.errors import UserError
 
 __all__ = ["lab"]
 
@@ -126,7 +126,7 @@ def test_image_pointers_read_only_regular_files_under_the_allowed_roots(tmp_path
 def test_a_decompression_bomb_image_is_refused_from_its_header() -> None:
     from PIL import Image
 
-    from skylift.tinker.vision.images import MAX_IMAGE_PIXELS, check_image
+    from skylift.tinker.core.images import MAX_IMAGE_PIXELS, check_image
 
     buf = io.BytesIO()
     Image.new("1", (5000, 5000)).save(buf, "PNG")  # 25 Mpixels in a few KiB

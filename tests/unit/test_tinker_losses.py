@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.provenance import Span, StabilityRecords
+from skylift.tinker.errors import UserError
 from skylift.tinker.training.losses import RECORDED_LOGPROBS, SAMPLED_MASK, check_config, get_loss
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])

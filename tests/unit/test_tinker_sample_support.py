@@ -1,4 +1,4 @@
-"""Sampling-support replay in the Tinker service's RL losses (skylift.tinker.training.loss_sampling).
+"""Sampling-support replay in the Tinker service's RL losses (skylift.tinker.core.loss_sampling).
 
 A LoRA `TrainedModel` (tiny model, fp32; no server) gets data sampled the way the engine samples
 (vLLM's processed distribution, transcribed in vllm_sampler_reference.py) and the sampling
@@ -19,10 +19,10 @@ from tinker.proto import tinker_public_pb2 as pb
 from vllm_sampler_reference import reference_logprobs
 
 from skylift.algorithms.sample_support import TokenDistribution, support_mask
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.loss_sampling import loss_distribution, recorded_config, sampled_distribution
 from skylift.tinker.core.provenance import Span, StabilityRecords
 from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum
-from skylift.tinker.training.loss_sampling import loss_distribution, recorded_config, sampled_distribution
+from skylift.tinker.errors import UserError
 from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 PROMPTS = [[5, 17, 230, 999, 42, 8], [900, 3, 3, 64], [77, 12, 5]]

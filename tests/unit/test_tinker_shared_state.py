@@ -15,8 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from tinker_app import ALICE, API, BOB, lab, result, session
 
-from skylift.tinker.checkpoints.meta import META_FILE
 from skylift.tinker.service import ServerConfig
+from skylift.tinker.storage.meta import META_FILE
 from skylift.tinker.storage.store import ModelRow, SessionRow
 from skylift.tinker.training.trained_model import ModelConfig
 
@@ -42,14 +42,12 @@ def _writer(payload: str, public: bool = False, fail: bool = False) -> Any:
 
 
 def test_a_failed_overwrite_leaves_the_old_checkpoint_whole_and_recorded(lab: TestClient) -> None:
-    from skylift.tinker.checkpoints.operations import write_checkpoint
-
     svc = lab.app.state.service  # type: ignore[attr-defined]
     _alice_run(svc, str(lab.tiny_model_dir), "run-overwrite")  # type: ignore[attr-defined]
 
     async def write(payload: str, fail: bool = False) -> tuple[str, int]:
-        return await write_checkpoint(
-            svc, _writer(payload, fail=fail), "run-overwrite", "training", "c", None
+        return await svc.training.write_checkpoint(
+            _writer(payload, fail=fail), "run-overwrite", "training", "c", None
         )
 
     path, _ = lab.portal.call(write, "old")  # type: ignore[union-attr]
@@ -71,13 +69,13 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint_whole_and_recorded(lab: Te
 
 
 def test_copying_a_published_checkpoint_gives_the_copy_to_the_caller(lab: TestClient) -> None:
-    from skylift.tinker.checkpoints.operations import write_checkpoint
-
     svc = lab.app.state.service  # type: ignore[attr-defined]
     _alice_run(svc, str(lab.tiny_model_dir), "run-published")  # type: ignore[attr-defined]
 
     async def write() -> tuple[str, int]:
-        return await write_checkpoint(svc, _writer("w", public=True), "run-published", "training", "p", None)
+        return await svc.training.write_checkpoint(
+            _writer("w", public=True), "run-published", "training", "p", None
+        )
 
     path, _ = lab.portal.call(write)  # type: ignore[union-attr]
     resp = lab.post(f"{API}/copy_weights", json={"source_path": path, "destination_project_id": "mine"},
@@ -92,13 +90,13 @@ def test_copying_a_published_checkpoint_gives_the_copy_to_the_caller(lab: TestCl
 
 
 def test_a_sampler_loses_access_when_its_checkpoint_is_unpublished(lab: TestClient) -> None:
-    from skylift.tinker.checkpoints.operations import write_checkpoint
-
     svc = lab.app.state.service  # type: ignore[attr-defined]
     _alice_run(svc, str(lab.tiny_model_dir), "run-shared")  # type: ignore[attr-defined]
 
     async def write() -> tuple[str, int]:
-        return await write_checkpoint(svc, _writer("w", public=True), "run-shared", "sampler", "s", None)
+        return await svc.training.write_checkpoint(
+            _writer("w", public=True), "run-shared", "sampler", "s", None
+        )
 
     path, _ = lab.portal.call(write)  # type: ignore[union-attr]
     body = {"session_id": session(lab, BOB), "sampling_session_seq_id": 0, "model_path": path}

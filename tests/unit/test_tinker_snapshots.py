@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 from skylift.tinker.sampling.snapshots import MIB, SnapshotStore
 
 

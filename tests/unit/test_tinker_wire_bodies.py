@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.app import create_app
-from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.wire import decode_forward_backward
 from skylift.tinker.core.wire_bodies import MAX_NAMES
+from skylift.tinker.errors import UserError
 from skylift.tinker.service import ServerConfig
 
 API = "/api/v1"

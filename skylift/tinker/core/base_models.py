@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 
 
 @dataclass

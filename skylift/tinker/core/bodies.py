@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tinker import types as sdk
 
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 
 #: Sequence ids (model_seq_id, sampling_session_seq_id, seq_id) are 32-bit on the SDK's side.
 MAX_SEQ_ID = 2**31 - 1

@@ -1,6 +1,7 @@
-"""What the Tinker routers take from FastAPI's dependency injection: the service, the ownership
-checks, the caller, the idempotency key and the typed body of a request; and how an operation
-is submitted for the caller (`operation`).
+"""What the Tinker routers take from FastAPI's dependency injection: a feature of the app
+(`app_part`: the object the app's state holds under that name), the ownership checks, the caller,
+the idempotency key and the typed body of a request; and how an operation is submitted for the
+caller (`operation`).
 
 A typed body (`typed(Model)`) is read once (size-limited, zstd allowed, NaN refused: see
 `skylift.tinker.core.limits`), parsed in a worker thread when large, and validated into `Model` with
@@ -22,10 +23,10 @@ from pydantic import BaseModel, ValidationError
 
 from skylift.tinker.core import ownership
 from skylift.tinker.core.bodies import ModelBody, parse_body
-from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.http_common import caller, read_json, reading_request
 from skylift.tinker.core.ownership import Owners
-from skylift.tinker.service import TinkerService
+from skylift.tinker.core.requests import Requests
+from skylift.tinker.errors import UserError
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -41,8 +42,17 @@ class RefusedOperation(Exception):
         self.kind, self.error = kind, error
 
 
-def service_of(request: Request) -> TinkerService:
-    return request.app.state.service  # type: ignore[no-any-return]
+def app_part(name: str) -> Any:
+    """A dependency: the app's `name` (`request.app.state.<name>`: a feature's operations)."""
+
+    def part(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    return Depends(part)
+
+
+def requests_of(request: Request) -> Requests:
+    return request.app.state.requests  # type: ignore[no-any-return]
 
 
 def owners_of(request: Request) -> Owners:
@@ -53,7 +63,7 @@ def idem(request: Request) -> str | None:
     return request.headers.get("x-idempotency-key")
 
 
-Service = Annotated[TinkerService, Depends(service_of)]
+RequestsDep = Annotated[Requests, Depends(requests_of)]
 OwnersDep = Annotated[Owners, Depends(owners_of)]
 Caller = Annotated[str, Depends(caller)]
 IdemKey = Annotated[str | None, Depends(idem)]
@@ -100,23 +110,16 @@ def model_op(model: type[M], kind: str) -> Any:
     return Depends(read)
 
 
-def failed_future(service: TinkerService, kind: str, exc: Exception) -> str:
-    """A new future that fails with `exc` (a refused or broken operation)."""
-    request_id, _ = service.hub.submit(kind, None)
-    service.hub.fail(request_id, exc)
-    return request_id
-
-
 async def operation(
     request: Request, kind: str, refuse: Refusal, run: Callable[[], Awaitable[dict[str, Any]]]
 ) -> dict[str, Any]:
     """Submit an operation for the calling user: `refuse(user)` (run in a thread) names the error
     when the user may not (an unknown-id error); an internal failure while submitting becomes a
     failed future of category "server"."""
-    service = service_of(request)
+    requests = requests_of(request)
     refusal = await asyncio.to_thread(refuse, caller(request))
     if refusal is not None:
-        return {"request_id": failed_future(service, kind, refusal)}
+        return {"request_id": requests.fail_now(kind, refusal)}
     try:
         return await run()
     except UserError:
@@ -125,7 +128,7 @@ async def operation(
         if reading_request(exc):
             raise
         logger.error("%s: submitting failed: %s", kind, exc, exc_info=exc)
-        return {"request_id": failed_future(service, kind, exc)}
+        return {"request_id": requests.fail_now(kind, exc)}
 
 
 def model_refusal(owners: Owners, model_id: object) -> Refusal:

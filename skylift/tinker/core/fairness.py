@@ -21,7 +21,7 @@ import contextlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator
 
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 
 
 class QuotaError(UserError):

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from skylift.tinker.core.auth import current_user
-from skylift.tinker.core.errors import error_category, error_message
 from skylift.tinker.core.fairness import QuotaError
+from skylift.tinker.errors import error_category, error_message
 from skylift.tinker.storage.store import FutureRow, Store, utcnow
 
 logger = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import skylift
 from skylift.tinker.core.auth import DEFAULT_USER, KeyRing, current_user
-from skylift.tinker.core.errors import NotFoundError, TooLargeError, UserError
 from skylift.tinker.core.fairness import QuotaError
 from skylift.tinker.core.limits import parse_json, read_payload
+from skylift.tinker.errors import NotFoundError, TooLargeError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +62,20 @@ MAX_PAGE, MAX_OFFSET = 1000, 2**31 - 1
 def add_page_route(
     router: APIRouter,
     path: str,
+    part: str,
     page: Callable[[Any, int, int, str], dict[str, Any]],
     default_limit: int = 20,
 ) -> None:
-    """GET `path?limit=&offset=`: `page(service, limit, offset, user)` of the caller's records (a
-    thread; the service is the app's, `request.app.state.service`)."""
+    """GET `path?limit=&offset=`: `page(views, limit, offset, user)` of the caller's records (a
+    thread; `views` is the app's `part`, `request.app.state.<part>`)."""
 
     async def route(
         request: Request,
         limit: int = Query(default_limit, ge=1, le=MAX_PAGE),
         offset: int = Query(0, ge=0, le=MAX_OFFSET),
     ) -> dict[str, Any]:
-        return await asyncio.to_thread(page, request.app.state.service, limit, offset, caller(request))
+        views = getattr(request.app.state, part)
+        return await asyncio.to_thread(page, views, limit, offset, caller(request))
 
     router.get(path)(route)
 
@@ -82,15 +84,16 @@ def add_owned_route(
     router: APIRouter,
     path: str,
     check: Callable[[Any, str, str], None],
+    part: str,
     view: Callable[[Any, str], dict[str, Any]],
 ) -> None:
     """GET `path` (one parameter, `{key}`): `check(owners, user, key)` (raises for another user's
-    key), then `view(service, key)`, both in a thread."""
+    key), then `view(views, key)` with the app's `part` as `views`, both in a thread."""
 
     async def route(key: str, request: Request) -> dict[str, Any]:
         def get() -> dict[str, Any]:
             check(request.app.state.owners, caller(request), key)
-            return view(request.app.state.service, key)
+            return view(getattr(request.app.state, part), key)
 
         return await asyncio.to_thread(get)
 

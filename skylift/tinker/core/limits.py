@@ -22,7 +22,7 @@ from fastapi import Request
 
 from skylift.config.services import ServerConfig
 from skylift.tinker.core.bulk import BULK_AFTER_BYTES, run_bulk
-from skylift.tinker.core.errors import TooLargeError, UserError
+from skylift.tinker.errors import TooLargeError, UserError
 
 MIB = 1024 * 1024
 _CHUNK = 1 << 20

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from skylift.tinker.core.errors import UserError
-from skylift.tinker.vision.images import ImageInput, image_from_json
+from skylift.tinker.core.images import ImageInput, image_from_json
+from skylift.tinker.errors import UserError
 
 IMAGE_CHUNK_TYPES = ("image", "image_asset_pointer")
 

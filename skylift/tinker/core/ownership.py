@@ -8,8 +8,8 @@ its training run. Every method is blocking (one indexed query); the app calls th
 
 from __future__ import annotations
 
-from skylift.tinker.core.errors import NotFoundError, UserError, unknown
-from skylift.tinker.core.errors import missing_checkpoint as _missing
+from skylift.tinker.errors import NotFoundError, UserError, unknown
+from skylift.tinker.errors import missing_checkpoint as _missing
 from skylift.tinker.storage.store import SamplingSessionRow, Store
 from skylift.tinker.storage.views import is_public, parse_tinker_path
 

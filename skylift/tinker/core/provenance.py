@@ -21,7 +21,7 @@ import numpy as np
 
 from skylift.algorithms.sample_support import TokenDistribution
 from skylift.tinker.core.auth import current_user
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 
 DAY_S = 86400.0
 UNTRUNCATED = TokenDistribution()

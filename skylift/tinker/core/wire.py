@@ -18,10 +18,10 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.core.bodies import parse_body
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.images import ImageInput, image_from_proto
 from skylift.tinker.core.provenance import Span
 from skylift.tinker.core.wire_bodies import ForwardBackwardBody, TensorBody
-from skylift.tinker.vision.images import ImageInput, image_from_proto
+from skylift.tinker.errors import UserError
 
 
 @dataclass

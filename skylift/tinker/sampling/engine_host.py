@@ -33,11 +33,11 @@ import numpy as np
 from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
 from skylift.inference.vllm_patches.lora_prompt_logprobs import adapter_may_score_prompts
+from skylift.tinker.core.images import ImageInput
 from skylift.tinker.core.wire import SampledSequenceData
 from skylift.tinker.sampling.adapter_slots import AdapterSlots
 from skylift.tinker.sampling.lora_mode import ModeChoice, accepts_unembed, calibrate
 from skylift.tinker.sampling.weights import SamplerWeights, load_safetensors_dir, merged_folder_into_base
-from skylift.tinker.vision.images import ImageInput
 from skylift.utils.affinity import bind_this_thread
 
 logger = logging.getLogger(__name__)
@@ -448,7 +448,7 @@ def to_engine_params(
     raw: dict[str, Any], prompt_len: int, max_model_len: int, num_samples: int
 ) -> SamplingParams:
     """Tinker `sampling_params` JSON as engine `SamplingParams` (stop: None = EOS, [] = never)."""
-    from skylift.tinker.core.errors import UserError
+    from skylift.tinker.errors import UserError
 
     room = max_model_len - prompt_len
     if room < 1:

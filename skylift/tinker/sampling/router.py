@@ -15,16 +15,18 @@ from fastapi.responses import JSONResponse, Response
 
 from skylift.tinker.core import ownership
 from skylift.tinker.core.bodies import RetrieveBody
-from skylift.tinker.core.deps import Caller, IdemKey, OwnersDep, Service, operation, typed
+from skylift.tinker.core.deps import Caller, IdemKey, OwnersDep, RequestsDep, app_part, operation, typed
 from skylift.tinker.core.http_common import error_response
 from skylift.tinker.sampling.bodies import CreateSamplingSessionBody, SampleBody
+from skylift.tinker.sampling.service import SamplingService
 
 router = APIRouter()
+Sampling = Annotated[SamplingService, app_part("sampling")]
 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(
-    service: Service,
+    sampling: Sampling,
     owners: OwnersDep,
     user: Caller,
     body: Annotated[CreateSamplingSessionBody, typed(CreateSamplingSessionBody)],
@@ -33,17 +35,17 @@ async def create_sampling_session(
         owners.session(user, body.session_id)
         if body.model_path and not owners.may_read_path(user, body.model_path):
             raise ownership.missing_checkpoint(body.model_path, sampler=True)
-        return service.sampling.create_sampling_session(body)
+        return sampling.create_sampling_session(body)
 
     sampling_id = await asyncio.to_thread(create)
     return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, service: Service, owners: OwnersDep, user: Caller) -> dict[str, Any]:
+async def get_sampler(sampler_id: str, sampling: Sampling, owners: OwnersDep, user: Caller) -> dict[str, Any]:
     def get() -> dict[str, Any]:
         owners.sampler(user, sampler_id)
-        return service.sampling.get_sampler(sampler_id)
+        return sampling.get_sampler(sampler_id)
 
     return await asyncio.to_thread(get)
 
@@ -51,7 +53,7 @@ async def get_sampler(sampler_id: str, service: Service, owners: OwnersDep, user
 @router.post("/asample")
 async def asample(
     request: Request,
-    service: Service,
+    sampling: Sampling,
     owners: OwnersDep,
     key: IdemKey,
     body: Annotated[SampleBody, typed(SampleBody)],
@@ -65,7 +67,7 @@ async def asample(
         return None
 
     async def run() -> dict[str, Any]:
-        request_id, sequence_ids = await service.asample(body, key)
+        request_id, sequence_ids = await sampling.asample(body, key)
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     result = await operation(request, "sample", refuse, run)
@@ -75,11 +77,11 @@ async def asample(
 
 @router.post("/retrieve_future")
 async def retrieve_future(
-    service: Service, user: Caller, body: Annotated[RetrieveBody, typed(RetrieveBody)]
+    requests: RequestsDep, user: Caller, body: Annotated[RetrieveBody, typed(RetrieveBody)]
 ) -> Response:
     request_id = body.request_id
     try:
-        outcome = await service.hub.wait(request_id, service.config.long_poll_s, user=user)
+        outcome = await requests.hub.wait(request_id, requests.config.long_poll_s, user=user)
     except KeyError:  # unknown, pruned or another user's
         return error_response(404, f"unknown request id {request_id!r}")
     if outcome is None:

@@ -14,10 +14,10 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +25,15 @@ from skylift.inference.limits import MAX_N
 from skylift.tinker.core.auth import current_user
 from skylift.tinker.core.base_models import BaseModelInfo, BaseModels
 from skylift.tinker.core.bodies import MAX_TARGET_CELLS
-from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.fairness import FairGate
+from skylift.tinker.core.futures import Work
+from skylift.tinker.core.images import ImageInput
+from skylift.tinker.core.loss_sampling import sampled_distribution
 from skylift.tinker.core.model_input import check_token_range, json_parts
 from skylift.tinker.core.provenance import StabilityRecords
+from skylift.tinker.core.requests import Requests
 from skylift.tinker.core.wire import encode_sample_response
+from skylift.tinker.errors import UserError
 from skylift.tinker.sampling.bodies import CreateSamplingSessionBody, SampleBody, TargetTensor
 from skylift.tinker.sampling.engine_host import EngineHost, EngineSettings, PromptScores, to_engine_params
 from skylift.tinker.sampling.snapshots import SnapshotStore, Weights
@@ -42,12 +46,7 @@ from skylift.tinker.sampling.weights import (
 )
 from skylift.tinker.storage.store import ModelRow, SamplingSessionRow, SessionRow, Store
 from skylift.tinker.storage.views import parse_tinker_path
-from skylift.tinker.training.loss_sampling import sampled_distribution
 from skylift.tinker.vision.host import RenderHosts
-from skylift.tinker.vision.images import ImageInput
-
-if TYPE_CHECKING:
-    from skylift.tinker.training.trained_model import TrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +95,15 @@ class SamplingService:
         snapshots: SnapshotStore,
         records: StabilityRecords,
         render_hosts: RenderHosts,
-        spawn: Callable[[Awaitable[Any]], None],
+        requests: Requests,
         media_roots: Sequence[Path] = (),
         gate: tuple[int, float | None] = (4, 600.0),
-        confine_server: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.store = store
+        self.requests = requests
         # on a small CPU machine the first engine splits the cores (`colocated_cpu_split`): its
         # own, and those `confine_server` keeps the rest of the server (training included) on
-        self.confine_server = confine_server
+        self.confine_server = requests.confine_server
         self.engine_cpus: list[int] | None = None
         self._cores_split = False
         # each engine serves `slots` sample requests at once, the waiting ones round robin by user
@@ -118,7 +117,7 @@ class SamplingService:
         self.snapshots = snapshots
         self.records = records
         self.render_hosts = render_hosts
-        self.spawn = spawn
+        self.spawn = requests.spawn
         self.engines: dict[str, EngineHost] = {}
         self.vocab: dict[str, int] = {}
 
@@ -213,20 +212,27 @@ class SamplingService:
         self.spawn(go())
 
     async def bind_ephemeral(
-        self, sampling_id: str, session_id: str, model: TrainedModel, weights: Weights
+        self,
+        sampling_id: str,
+        session_id: str,
+        model_id: str,
+        base_model: str,
+        model_path: str,
+        weights: Weights,
     ) -> None:
-        """Hold `weights` for sampling session `sampling_id` (an error when they do not fit)."""
+        """Hold `weights` (of training model `model_id`, over `base_model` resolved to `model_path`)
+        for sampling session `sampling_id` (an error when they do not fit)."""
         tag = f"ephemeral:{sampling_id}"
         self.snapshots.add(tag, session_id, weights)
         row = SamplingSessionRow(
             id=sampling_id,
             session_id=session_id,
-            base_model=model.config.base_model,
+            base_model=base_model,
             source="ephemeral",
-            model_id=model.model_id,
+            model_id=model_id,
         )
         await asyncio.to_thread(self._add_once, row)
-        self.warm_up(model.config.model_path, tag)
+        self.warm_up(model_path, tag)
 
     def _add_once(self, row: SamplingSessionRow) -> None:
         if self.store.get(SamplingSessionRow, row.id) is None:
@@ -375,3 +381,18 @@ class SamplingService:
         if row is None:
             raise UserError("record_stability_info needs a sampling client created by a session")
         return str(row.session_id)
+
+    async def asample(self, body: SampleBody, idem: str | None) -> tuple[str, list[str]]:
+        """(request id, sequence ids) of a sample request, submitted through the request path."""
+        num = self.check_request(body)
+        sampling_id, seq = body.sampling_session_id, body.seq_id
+        keys = [
+            f"sample:{sampling_id}:{seq}" if sampling_id and seq is not None else None,
+            f"idem:{idem}" if idem else None,
+        ]
+
+        async def prepare(request_id: str) -> Work:
+            return lambda: self.sample(body, request_id)
+
+        request_id = await self.requests.submit("sample", None, keys, prepare)
+        return request_id, [f"{request_id}:{i}" for i in range(num)]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from skylift.tinker.core.auth import current_user
-from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.fairness import QuotaError
+from skylift.tinker.errors import UserError
 from skylift.tinker.sampling.weights import SamplerSnapshot, tensors_nbytes
 
 #: a snapshot's weights: merged full tensors, or a LoRA sampler's adapter (with or without them)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from sqlalchemy import create_engine, delete, event, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from skylift.tinker.core.errors import missing_checkpoint, unknown
+from skylift.tinker.errors import missing_checkpoint, unknown
 from skylift.tinker.storage.db.migrate import upgrade
 from skylift.tinker.storage.db.models import (
     Base,

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from skylift.tinker.checkpoints.meta import META_FILE
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
+from skylift.tinker.storage.meta import META_FILE
 from skylift.tinker.storage.store import CheckpointRow, ModelRow
 
 SCHEME = "tinker://"
@@ -44,6 +44,11 @@ def check_name(name: str | None, what: str) -> str:
 
 def tinker_path(model_id: str, kind: str, name: str) -> str:
     return f"{SCHEME}{model_id}/{KIND_SEGMENT[kind]}/{name}"
+
+
+def run_dir(data_dir: Path, model_id: str, kind: str, name: str) -> Path:
+    """Where checkpoint `name` of `kind` of run `model_id` lives under the server's `data_dir`."""
+    return data_dir / "runs" / model_id / KIND_SEGMENT[kind] / name
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from skylift.config.services import ServerConfig
 from skylift.tinker.core.auth import DEFAULT_USER, UserCaps, current_user
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 from skylift.tinker.training.trained_model import ModelConfig
 
 logger = logging.getLogger(__name__)

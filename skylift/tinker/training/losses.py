@@ -26,7 +26,7 @@ advantages), so gradients of chunks sent separately add up to the gradient of th
 The clip thresholds of ppo, cispo and gspo come from ``loss_fn_config`` (defaults 0.8 and 1.2).
 Every loss but cross_entropy also takes the sampling parameters the ``logprobs`` were sampled with
 (``temperature``, ``top_k``, ``top_p``, ``min_p``): ``logp`` is then taken under that processed,
-truncated distribution (`skylift.tinker.training.loss_sampling`), so ``r`` compares like with like and tokens
+truncated distribution (`skylift.tinker.core.loss_sampling`), so ``r`` compares like with like and tokens
 outside the sampler's support get no gradient.
 PPO, CISPO, GSPO and stable_reinforce use `skylift.algorithms.compute_policy_loss` (``regular``
 and ``cispo``), the KL term `skylift.algorithms.compute_kl`.
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from skylift.algorithms import PolicyLossConfig, compute_kl, compute_policy_loss
-from skylift.tinker.core.errors import UserError
-from skylift.tinker.training.loss_sampling import SAMPLING_KEYS
+from skylift.tinker.core.loss_sampling import SAMPLING_KEYS
+from skylift.tinker.errors import UserError
 
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2

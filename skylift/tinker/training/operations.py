@@ -10,23 +10,25 @@ follow; the ephemeral save creates one, so it asks the sampling side to warm up 
 
 Each operation's work runs on the model's ordered queue; its store reads and writes go through
 `db` (a worker thread), never on the event loop. What the operations use is handed to the
-constructor by the service that wires them (`skylift.tinker.service.TinkerService`): the store,
-the served base models, the loaded models, admission, the stability records, the sampling side,
-and the service's submit path, training thread, model registration and checkpoint writer.
+constructor by the service that wires them: the request path (`skylift.tinker.core.requests`:
+submit, the training thread, the store's thread), the loaded models (`training.registry`), the
+served base models, the stability records, the sampling side, the render hosts and the checkpoint
+writer.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.futures import Work
+from skylift.tinker.core.loss_sampling import SAMPLING_KEYS, recorded_config
 from skylift.tinker.core.wire import ForwardBackwardCall
+from skylift.tinker.errors import UserError
 from skylift.tinker.storage.store import CheckpointRow, ModelRow, utcnow
 from skylift.tinker.storage.views import check_name, parse_tinker_path, tinker_path
 from skylift.tinker.training.bodies import (
@@ -37,31 +39,17 @@ from skylift.tinker.training.bodies import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
-from skylift.tinker.training.loss_sampling import SAMPLING_KEYS, recorded_config
 from skylift.tinker.training.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
 from skylift.tinker.training.trained_model import ModelConfig, TrainedModel, read_checkpoint_config
 
 if TYPE_CHECKING:
     from skylift.tinker.core.base_models import BaseModels
     from skylift.tinker.core.provenance import StabilityRecords
+    from skylift.tinker.core.requests import Requests
     from skylift.tinker.sampling.service import SamplingService
-    from skylift.tinker.storage.store import Store
-    from skylift.tinker.training.admission import Admission
+    from skylift.tinker.training.registry import ModelRegistry
+    from skylift.tinker.vision.host import RenderHosts
 
-#: db(fn, *args): a blocking store call on a worker thread
-Db = Callable[..., Awaitable[Any]]
-#: run_training(fn, *args): `fn(*args)` on the one training thread, in the calling user's turn
-RunTraining = Callable[..., Awaitable[Any]]
-#: submit(kind, model_id, dedup_keys, prepare, queue_seq=...): record a request and run it
-Submit = Callable[..., Awaitable[str]]
-#: submit_model_op(kind, model_id, seq_id, fn(model), idem): queue `fn` on a loaded model
-SubmitModelOp = Callable[..., Awaitable[str]]
-#: render_images(model_path, data): render the image-bearing datums of a batch
-RenderImages = Callable[[str, list[Any]], Awaitable[None]]
-#: new_model(session_id, model_seq_id, config, user_metadata) -> (model id, model), registered
-NewModel = Callable[[str, int, ModelConfig, Any], Awaitable[tuple[str, TrainedModel]]]
-#: setup_work(model, (checkpoint dir, with optimizer) | None, result): the work that builds it
-SetupWork = Callable[[TrainedModel, tuple[Path, bool] | None, dict[str, Any]], Work]
 #: write_checkpoint(writer, model_id, kind, name, expires_at, user_metadata) -> (path, size)
 WriteCheckpoint = Callable[..., Awaitable[tuple[str, int]]]
 
@@ -77,35 +65,24 @@ class TrainingOperations:
     def __init__(
         self,
         *,
-        store: Store,
+        requests: Requests,
+        registry: ModelRegistry,
         base_models: BaseModels,
-        models: Mapping[str, TrainedModel],
-        admission: Admission,
         records: StabilityRecords,
         sampling: SamplingService,
-        db: Db,
-        run_training: RunTraining,
-        submit: Submit,
-        submit_model_op: SubmitModelOp,
-        render_images: RenderImages,
-        new_model: NewModel,
-        setup_work: SetupWork,
+        render_hosts: RenderHosts,
         write_checkpoint: WriteCheckpoint,
     ) -> None:
-        self.store = store
+        self.requests, self.registry = requests, registry
+        self.store, self.admission = registry.store, registry.admission
         self.base_models = base_models
-        self.models = models  # the loaded models (the service's registry; read here)
-        self.admission = admission
         self.records = records
         self.sampling = sampling
-        self.db = db
-        self.run_training = run_training
-        self.submit = submit
-        self.submit_model_op = submit_model_op
-        self.render_images = render_images
-        self.new_model = new_model
-        self.setup_work = setup_work
+        self.render_hosts = render_hosts
         self.write_checkpoint = write_checkpoint
+        # the request path's own calls, by their short names
+        self.db, self.run_training, self.submit = requests.db, requests.run_training, requests.submit
+        self.submit_model_op = registry.submit_model_op
 
     # ---------------------------------------------------------------- models
     async def create_model(self, body: CreateModelBody) -> tuple[str, str]:
@@ -117,8 +94,8 @@ class TrainingOperations:
 
         async def prepare(request_id: str) -> Work:
             config = self.model_config(body)
-            _, model = await self.new_model(session_id, seq, config, body.user_metadata)
-            return self.setup_work(model, None, {"model_id": model_id, "type": "create_model"})
+            _, model = await self.registry.new_model(session_id, seq, config, body.user_metadata)
+            return self.registry.setup_work(model, None, {"model_id": model_id, "type": "create_model"})
 
         request_id = await self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
         return request_id, model_id
@@ -165,7 +142,7 @@ class TrainingOperations:
     # ---------------------------------------------------------------- forward, backward, step
     def check_context(self, call: ForwardBackwardCall) -> None:
         """Refuse (a 400, before anything is queued) a datum longer than the model's context."""
-        model = self.models.get(call.model_id)
+        model = self.registry.models.get(call.model_id)
         info = self.base_models.find_path(model.config.model_path) if model is not None else None
         if info is None:
             return
@@ -200,7 +177,7 @@ class TrainingOperations:
                         f"{model.config.base_model} is not a vision-language model; image chunks need one "
                         "(a Qwen2-VL-family base model)"
                     )
-                await self.render_images(model.config.model_path, call.data)
+                await self.render_hosts.get(model.config.model_path).render_datums(call.data)
             return await self.run_training(model.forward_backward, call)
 
         return await self.submit_model_op(kind, call.model_id, call.seq_id or None, fn, idem)
@@ -268,7 +245,14 @@ class TrainingOperations:
             row = await self.db(self.store.get, ModelRow, model_id)
             sampling_id = f"{row.session_id}:sample:{seq}"
             weights = await self.run_training(model.snapshot_sampler)  # LoRA: the adapter only
-            await self.sampling.bind_ephemeral(sampling_id, row.session_id, model, weights)
+            await self.sampling.bind_ephemeral(
+                sampling_id,
+                row.session_id,
+                model.model_id,
+                model.config.base_model,
+                model.config.model_path,
+                weights,
+            )
             return {"sampling_session_id": sampling_id, "type": "save_weights_for_sampler"}
 
         fn = named if name is not None else ephemeral
@@ -324,9 +308,9 @@ class TrainingOperations:
                 config.base_model = body.base_model
             else:
                 self.base_models.get(config.base_model)
-            _, model = await self.new_model(session_id, seq, config, body.user_metadata)
+            _, model = await self.registry.new_model(session_id, seq, config, body.user_metadata)
             result = {"path": path, "model_id": model_id, "type": "load_weights"}
-            return self.setup_work(model, (Path(row.directory), optimizer), result)
+            return self.registry.setup_work(model, (Path(row.directory), optimizer), result)
 
         request_id = await self.submit("load_weights", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
         return request_id, model_id

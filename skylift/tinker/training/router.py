@@ -17,7 +17,7 @@ from skylift.tinker.core.deps import (
     Caller,
     IdemKey,
     OwnersDep,
-    Service,
+    app_part,
     model_op,
     model_refusal,
     operation,
@@ -35,19 +35,21 @@ from skylift.tinker.training.bodies import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
+from skylift.tinker.training.operations import TrainingOperations
 
 router = APIRouter()
+Training = Annotated[TrainingOperations, app_part("training")]
 
 
 @router.post("/create_model")
 async def create_model(
     request: Request,
-    service: Service,
+    training: Training,
     owners: OwnersDep,
     body: Annotated[CreateModelBody, typed(CreateModelBody)],
 ) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        request_id, model_id = await service.training.create_model(body)
+        request_id, model_id = await training.create_model(body)
         return {"request_id": request_id, "model_id": model_id}
 
     return await operation(request, "create_model", session_refusal(owners, body.session_id), run)
@@ -55,11 +57,11 @@ async def create_model(
 
 @router.post("/get_info")
 async def get_info(
-    service: Service, owners: OwnersDep, user: Caller, body: Annotated[GetInfoBody, typed(GetInfoBody)]
+    training: Training, owners: OwnersDep, user: Caller, body: Annotated[GetInfoBody, typed(GetInfoBody)]
 ) -> dict[str, Any]:
     def info() -> dict[str, Any]:
         owners.model(user, body.model_id)
-        return service.training.get_info(body.model_id)
+        return training.get_info(body.model_id)
 
     return await asyncio.to_thread(info)
 
@@ -77,74 +79,76 @@ async def _model_operation(
     return {"model_id": model_id, **result}
 
 
-def wire_limits(request: Request, service: Service) -> WireLimits:
+def wire_limits(request: Request, training: Training) -> WireLimits:
     cells = request.app.state.limits.max_cells
-    return WireLimits(max_tokens=max(b.max_model_len for b in service.base_models), max_cells=cells)
+    return WireLimits(max_tokens=max(b.max_model_len for b in training.base_models), max_cells=cells)
 
 
-async def _forward(request: Request, service: Service, owners: OwnersDep, kind: str, key: str | None) -> Any:
+async def _forward(
+    request: Request, training: Training, owners: OwnersDep, kind: str, key: str | None
+) -> Any:
     """Decode the protobuf body (size-limited, zstd allowed) in a worker thread with the server's
     shape limits, then submit it."""
     raw = await read_payload(request)
-    call = await asyncio.to_thread(decode_forward_backward, raw, wire_limits(request, service))
+    call = await asyncio.to_thread(decode_forward_backward, raw, wire_limits(request, training))
     call.forward_only = kind == "forward"
 
-    submit = partial(service.training.forward_backward, call, key)
+    submit = partial(training.forward_backward, call, key)
     return await _model_operation(request, owners, kind, call.model_id, submit)
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, service: Service, owners: OwnersDep, key: IdemKey) -> Any:
-    return await _forward(request, service, owners, "forward_backward", key)
+async def forward_backward(request: Request, training: Training, owners: OwnersDep, key: IdemKey) -> Any:
+    return await _forward(request, training, owners, "forward_backward", key)
 
 
 @router.post("/forward")
-async def forward(request: Request, service: Service, owners: OwnersDep, key: IdemKey) -> Any:
-    return await _forward(request, service, owners, "forward", key)
+async def forward(request: Request, training: Training, owners: OwnersDep, key: IdemKey) -> Any:
+    return await _forward(request, training, owners, "forward", key)
 
 
 @router.post("/optim_step")
 async def optim_step(
     request: Request,
-    service: Service,
+    training: Training,
     owners: OwnersDep,
     key: IdemKey,
     body: Annotated[OptimStepBody, model_op(OptimStepBody, "optim_step")],
 ) -> dict[str, Any]:
-    submit = partial(service.training.optim_step, body, key)
+    submit = partial(training.optim_step, body, key)
     return await _model_operation(request, owners, "optim_step", body.model_id, submit)
 
 
 @router.post("/save_weights")
 async def save_weights(
     request: Request,
-    service: Service,
+    training: Training,
     owners: OwnersDep,
     key: IdemKey,
     body: Annotated[SaveWeightsBody, model_op(SaveWeightsBody, "save_weights")],
 ) -> dict[str, Any]:
-    submit = partial(service.training.save_weights, body, key)
+    submit = partial(training.save_weights, body, key)
     return await _model_operation(request, owners, "save_weights", body.model_id, submit)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
     request: Request,
-    service: Service,
+    training: Training,
     owners: OwnersDep,
     key: IdemKey,
     body: Annotated[
         SaveWeightsForSamplerBody, model_op(SaveWeightsForSamplerBody, "save_weights_for_sampler")
     ],
 ) -> dict[str, Any]:
-    submit = partial(service.training.save_weights_for_sampler, body, key)
+    submit = partial(training.save_weights_for_sampler, body, key)
     return await _model_operation(request, owners, "save_weights_for_sampler", body.model_id, submit)
 
 
 @router.post("/load_weights")
 async def load_weights(
     request: Request,
-    service: Service,
+    training: Training,
     owners: OwnersDep,
     key: IdemKey,
     body: Annotated[LoadWeightsBody, typed(LoadWeightsBody)],
@@ -160,7 +164,7 @@ async def load_weights(
         return None
 
     async def run() -> dict[str, Any]:
-        request_id, model_id = await service.training.load_weights(body, key)
+        request_id, model_id = await training.load_weights(body, key)
         return {"request_id": request_id, "model_id": model_id}
 
     return await operation(request, "load_weights", refuse, run)

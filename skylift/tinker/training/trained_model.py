@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from skylift.tinker.checkpoints.meta import META_FILE
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.core.loss_sampling import loss_distribution
 from skylift.tinker.core.model_input import check_token_range
 from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
+from skylift.tinker.errors import UserError
 from skylift.tinker.sampling.weights import ADAPTER_DIR, AdapterSource, SamplerSnapshot
+from skylift.tinker.storage.meta import META_FILE
 from skylift.tinker.training.base_pool import BasePool
 from skylift.tinker.training.datum_batch import TinkerLoss, datums_to_batch
-from skylift.tinker.training.loss_sampling import loss_distribution
 from skylift.tinker.training.losses import RECORDED_LOGPROBS, SAMPLED_MASK, LossSpec, check_config, get_loss
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
@@ -149,7 +149,7 @@ class TrainedModel:
         """Run the loss over `call.data` on the worker; add gradients unless `forward_only`.
 
         The logprobs (those the loss reads and those returned) are taken under the sampling
-        distribution `loss_fn_config` names (`skylift.tinker.training.loss_sampling`; default: the plain
+        distribution `loss_fn_config` names (`skylift.tinker.core.loss_sampling`; default: the plain
         softmax). Gradients accumulate across calls until `optim_step`. Returns protobuf."""
         spec = get_loss(call.loss_fn)
         check_config(spec, call.loss_fn_config)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from skylift.inference.types import EngineError, GenerateOutput, SamplingParams
-from skylift.tinker.vision.images import ImageInput
+from skylift.tinker.core.images import ImageInput
 from skylift.tinker.vision.render import Part
 
 # Engine arguments a vision-language engine needs here: processor-side normalisation (as training
@@ -52,7 +52,7 @@ class EngineRenderer:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        from skylift.tinker.core.errors import UserError
+        from skylift.tinker.errors import UserError
 
         result = await self._serving.render_chat_request(ChatCompletionRequest(**payload))
         if isinstance(result, ErrorResponse):

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from skylift.tinker.core.errors import UserError
-from skylift.tinker.vision.images import ImageInput
+from skylift.tinker.core.images import ImageInput
+from skylift.tinker.errors import UserError
 
 Part = list[int] | ImageInput
 

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from skylift.inference.http_session import SessionPool, error_text
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 from skylift.utils.processes import stop_process_group
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
 MAX_IMAGE_BYTES = 32 * 1024 * 1024

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 
 from skylift.algorithms.sample_support import TokenDistribution
-from skylift.tinker.core.errors import UserError
+from skylift.tinker.errors import UserError
 
 #: ``loss_fn_config`` keys naming the sampling parameters of the ``logprobs`` input.
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
