@@ -25,7 +25,7 @@ import numpy as np
 from _servers import set_benchmark_env
 
 from skylift.models import prepare_model
-from skylift.tinker.vision.images import check_image
+from skylift.tinker.core.images import check_image
 from skylift.tinker.vision.render import VisionRenderer
 from skylift.tinker.vision.render_server import CPURenderServer, RenderServerClient, process_rss_mb
 
