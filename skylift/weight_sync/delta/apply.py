@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from skylift.utils.dtypes import str_to_dtype
 from skylift.utils.durable_files import write_bytes_atomic
+from skylift.weight_sync.delta.encoding import decode_patch
 from skylift.weight_sync.delta.format import (
     BaseWeights,
     CorruptPayloadError,
@@ -166,17 +168,18 @@ class DeltaStore:
                 f"{record.length} bytes) do not match the manifest's checksum; version not applied"
             )
         try:
-            patch = zstandard.ZstdDecompressor().decompress(frame, max_output_size=record.nbytes)
-        except zstandard.ZstdError as exc:
+            data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=record.nbytes)
+            element_size = str_to_dtype(record.dtype).itemsize
+            new = decode_patch(record.encoding, data, record.nbytes, element_size)
+        except (zstandard.ZstdError, ValueError) as exc:
             raise CorruptPayloadError(
-                f"payload {path}: tensor {record.name!r} does not decompress: {exc}"
+                f"payload {path}: tensor {record.name!r} does not decode: {exc}"
             ) from exc
-        if len(patch) != record.nbytes:
+        if new.numel() != record.nbytes:
             raise CorruptPayloadError(
-                f"payload {path}: tensor {record.name!r} has {len(patch)} bytes, the manifest says {record.nbytes}"
+                f"payload {path}: tensor {record.name!r} has {new.numel()} bytes, the manifest says {record.nbytes}"
             )
         old = self._bytes(record.name, record.dtype, record.shape, state)
-        new = torch.frombuffer(bytearray(patch), dtype=torch.uint8)
         if old is not None:
             if old.numel() != new.numel():
                 old = None

@@ -3,7 +3,9 @@
 A published version lives in ``<sync_dir>/deltas/delta-NNNNNNNN/``: ``manifest.json`` and payload
 files ``payload-NNNNN.bin``. A payload file is a run of zstd frames, one per changed tensor: the
 tensor's new bytes XOR its bytes in the version before (`Manifest.base_version`; 0 = the base
-checkpoint's weights in the same dtype, zeros for a tensor the checkpoint lacks). The manifest
+checkpoint's weights in the same dtype, zeros for a tensor the checkpoint lacks), laid out as its
+record's `encoding` says (`delta.encoding`: the patch itself, or its nonzero elements apart from
+their positions). The manifest
 lists, per changed tensor, its dtype, shape, byte size, where its frame is, and two checksums:
 of the frame (a corrupt payload is refused before anything is applied from it) and of the new
 bytes (a store that does not hold what the trainer XORed against is refused after patching).
@@ -26,7 +28,9 @@ from skylift.utils.dtypes import dtype_to_str, str_to_dtype
 
 DELTAS = "deltas"
 MANIFEST = "manifest.json"
-FORMAT = "skylift-delta-1"
+FORMAT = "skylift-delta-2"
+#: formats a store reads (1: before `TensorRecord.encoding`, every patch ``xor``)
+READABLE_FORMATS = ("skylift-delta-1", FORMAT)
 CHECKSUM = "blake2b-128"
 ZSTD_LEVEL = 1
 
@@ -83,6 +87,7 @@ class TensorRecord:
     length: int  # compressed bytes
     checksum: str  # of the new bytes
     payload_checksum: str  # of the compressed frame
+    encoding: str = "xor"  # how the patch is laid out in the frame (`delta.encoding`)
 
 
 @dataclass
@@ -101,9 +106,10 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
-        if data.get("format") != FORMAT or data.get("checksum") != CHECKSUM:
+        if data.get("format") not in READABLE_FORMATS or data.get("checksum") != CHECKSUM:
             raise DeltaError(
-                f"manifest format {data.get('format')!r}/{data.get('checksum')!r}, expected {FORMAT!r}/{CHECKSUM!r}"
+                f"manifest format {data.get('format')!r}/{data.get('checksum')!r}, expected one of "
+                f"{READABLE_FORMATS} with {CHECKSUM!r}"
             )
         records = [TensorRecord(**r) for r in data["tensors"]]
         return cls(int(data["version"]), int(data["base_version"]), str(data["run_id"]), records)

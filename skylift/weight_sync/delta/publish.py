@@ -40,6 +40,7 @@ from skylift.config.delta_sync import is_cloud_uri
 from skylift.utils.durable_files import fsync_dir, write_bytes_atomic
 from skylift.weight_sync.buckets import NamedTensor
 from skylift.weight_sync.delta.cloud import clear_versions, delete_versions_before, upload_version
+from skylift.weight_sync.delta.encoding import XOR, encode_patch
 from skylift.weight_sync.delta.format import (
     DELTAS,
     MANIFEST,
@@ -86,6 +87,7 @@ class _Patch:
     shape: list[int]
     new: torch.Tensor  # the new bytes (the snapshot's next value)
     frame: bytes | None  # None: unchanged
+    encoding: str = XOR
 
 
 class _PayloadWriter:
@@ -168,9 +170,12 @@ class DeltaPublisher:
             return _Patch(name, dtype, shape, new, None)
         import zstandard
 
-        patch = new if old is None else torch.bitwise_xor(old, new)
-        frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(patch.numpy().tobytes())
-        return _Patch(name, dtype, shape, new, frame)
+        if old is None:
+            encoding, data = XOR, new.numpy().tobytes()
+        else:
+            encoding, data = encode_patch(torch.bitwise_xor(old, new), tensor.element_size())
+        frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+        return _Patch(name, dtype, shape, new, frame, encoding)
 
     def _start(self) -> Path:
         """A fresh temporary directory for the next version; a new run first clears the versions
@@ -227,6 +232,7 @@ class DeltaPublisher:
                     length=len(patch.frame),
                     checksum=checksum(patch.new.numpy().data),
                     payload_checksum=checksum(patch.frame),
+                    encoding=patch.encoding,
                 )
             )
             updates[patch.name] = patch.new
