@@ -81,6 +81,7 @@ def make_source(
             rows,
             sampler,
             label_engines=parts.weights.label,
+            total_steps=total_steps,
             max_staleness=t.fully_async.max_staleness_steps,
             workers=t.fully_async.num_parallel_generation_workers or t.train_batch_size,
             timeout_s=cfg.generator.http_timeout_s,

@@ -68,11 +68,18 @@ class StepRows:
         index = step_rows(len(data), self.seed, step, start, count, lambda i: data[i].uid in taken)
         return [data[i] for i in index]
 
-    def stream(self, first_step: int) -> Iterator[tuple[PromptSample, int]]:
-        """Every row from step `first_step` on, with its step, through the last epoch."""
-        for step in range(first_step, self.total):
-            for row in self.batch(step):
-                yield row, step
+    def at(self, position: int) -> tuple[PromptSample, int]:
+        """The row at `position` of the run's data order (`step * batch_size + index` in the
+        step's batch) and its step."""
+        step, index = divmod(position, self.batch_size)
+        return self.batch(step)[index], step
+
+    def stream(self, start: int, end: int) -> Iterator[tuple[PromptSample, int]]:
+        """The rows at positions `start` to `end` (excluded) of the data order, each with its step."""
+        for step in range(start // self.batch_size, min(self.total, -(-end // self.batch_size))):
+            for index, row in enumerate(self.batch(step)):
+                if start <= step * self.batch_size + index < end:
+                    yield row, step
 
 
 @dataclass
