@@ -1,13 +1,20 @@
-"""How the run samples: the engines' sampling parameters and the per-prompt seeds."""
+"""How the run samples: the engines' sampling parameters, the distribution the trainer takes the
+policy's logprobs of the rollouts under, and the per-prompt seeds.
+
+`generator.sampling_params` (and `eval_sampling_params`) are read here only: `sampling_params`
+builds the engines' request, and `trainer_distribution` derives the trainer's distribution from
+that same request, so the sampler and the trainer cannot disagree on temperature or truncation.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from skylift.cluster.settings import max_generate_length
+from skylift.algorithms.sample_support import TokenDistribution
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
 from skylift.generator.generator import rollout_seed
+from skylift.generator.settings import max_generate_length
 from skylift.inference.types import SamplingParams
 
 
@@ -27,6 +34,19 @@ def sampling_params(cfg: SkyliftConfig, evaluation: bool) -> SamplingParams:
         stop=list(sp.stop) if sp.stop else None,
         logprobs=not evaluation,
     )
+
+
+def trainer_distribution(params: SamplingParams, replay: bool | None) -> TokenDistribution:
+    """The distribution the policy's logprobs of rollouts sampled with `params` are taken under:
+    its temperature and, with sampling-support replay (`replay`:
+    `trainer.algorithm.enable_sample_support_replay`; None = whenever the request truncates), its
+    top-k, top-p and min-p. Greedy requests (temperature 0): the plain distribution."""
+    if params.temperature <= 0:  # greedy: vLLM applies no truncation
+        return TokenDistribution()
+    dist = TokenDistribution(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p
+    )
+    return dist if (dist.truncates if replay is None else replay) else dist.full()
 
 
 def rollout_seeds(cfg: SkyliftConfig, rows: Sequence[PromptSample], step: int) -> list[int] | None:
