@@ -45,7 +45,7 @@ from skylift.tinker.storage.views import KIND_SEGMENT
 from skylift.tinker.training.admission import Admission
 from skylift.tinker.training.base_pool import BasePool
 from skylift.tinker.training.operations import TrainingOperations
-from skylift.tinker.training.trained_model import TrainedModel, TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 from skylift.tinker.vision.host import RenderHosts
 from skylift.utils.affinity import bind_this_process, bind_this_thread
 
@@ -402,7 +402,7 @@ class TinkerService:
 
     # ---------------------------------------------------------------- models
     async def new_model(
-        self, session_id: str, model_seq_id: int, config: TrainedModelConfig, user_metadata: Any
+        self, session_id: str, model_seq_id: int, config: ModelConfig, user_metadata: Any
     ) -> tuple[str, TrainedModel]:
         """Register model `<session>:train:<seq>` with its queue (not built yet: see `setup_work`)."""
         model_id = f"{session_id}:train:{int(model_seq_id)}"

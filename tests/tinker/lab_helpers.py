@@ -25,7 +25,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from skylift.tinker.storage.db.local_postgres import LocalPostgres, find_bin_dir
 from skylift.tinker.storage.db.migrate import upgrade
-from skylift.tinker.training.trained_model import TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig
 
 API = "/api/v1"
 RESULT_TIMEOUT_S = 120.0
@@ -50,7 +50,7 @@ def postgres_cluster() -> Iterator[LocalPostgres]:
 
 def _legacy_rows(model_path: str) -> list[tuple[str, dict]]:
     """One record of every table, as the code before migrations wrote them."""
-    config = TrainedModelConfig(base_model=TINY_SERVED_NAME, model_path=model_path, lora_rank=4).to_json()
+    config = ModelConfig(base_model=TINY_SERVED_NAME, model_path=model_path, lora_rank=4).to_json()
     return [
         ("INSERT INTO tinker_sessions (id, created_at, last_heartbeat, tags, user_metadata, sdk_version)"
          " VALUES ('s-old', :t, :t, '[\"x\"]', '{}', '0.38.0')", {}),

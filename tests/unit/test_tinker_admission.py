@@ -16,14 +16,14 @@ from skylift.tinker.core.auth import KeyFileError, UserCaps, parse_users_file
 from skylift.tinker.service import ServerConfig
 from skylift.tinker.training.admission import Admission, CapacityError, estimate
 from skylift.tinker.training.base_pool import BasePool
-from skylift.tinker.training.trained_model import TrainedModel, TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 MIB = 1024 * 1024
 ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
 
 
-def _config(path: Path, rank: int = 8, **kwargs: bool) -> TrainedModelConfig:
-    return TrainedModelConfig("tiny", str(path), lora_rank=rank, **kwargs)
+def _config(path: Path, rank: int = 8, **kwargs: bool) -> ModelConfig:
+    return ModelConfig("tiny", str(path), lora_rank=rank, **kwargs)
 
 
 def test_the_estimates_are_what_the_clients_hold(tiny_model_dir: Path) -> None:

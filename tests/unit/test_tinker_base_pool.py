@@ -11,14 +11,14 @@ import torch
 
 from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum
 from skylift.tinker.training.base_pool import BasePool, tensor_bytes
-from skylift.tinker.training.trained_model import TrainedModel, TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"
 
 
 def _client(pool: BasePool | None, path: Path, model_id: str, rank: int = 4, seed: int = 0) -> TrainedModel:
-    model = TrainedModel(model_id, TrainedModelConfig("tiny", str(path), lora_rank=rank, seed=seed), 2, pool)
+    model = TrainedModel(model_id, ModelConfig("tiny", str(path), lora_rank=rank, seed=seed), 2, pool)
     model.setup()
     return model
 

@@ -23,7 +23,7 @@ from skylift.tinker.core.errors import UserError
 from skylift.tinker.core.provenance import Span, StabilityRecords
 from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum
 from skylift.tinker.training.loss_sampling import loss_distribution, recorded_config, sampled_distribution
-from skylift.tinker.training.trained_model import TrainedModel, TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 PROMPTS = [[5, 17, 230, 999, 42, 8], [900, 3, 3, 64], [77, 12, 5]]
 CONFIGS = {
@@ -36,9 +36,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir: Path) -> TrainedModel:
-    m = TrainedModel(
-        "t", TrainedModelConfig(base_model="tiny", model_path=str(tiny_model_dir), lora_rank=4), 2
-    )
+    m = TrainedModel("t", ModelConfig(base_model="tiny", model_path=str(tiny_model_dir), lora_rank=4), 2)
     m.setup()
     assert m.worker is not None
     with torch.no_grad():  # the adapter starts at zero: move it, so that LoRA changes the logits

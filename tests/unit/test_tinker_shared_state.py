@@ -18,14 +18,14 @@ from tinker_app import ALICE, API, BOB, lab, result, session
 from skylift.tinker.checkpoints.meta import META_FILE
 from skylift.tinker.service import ServerConfig
 from skylift.tinker.storage.store import ModelRow, SessionRow
-from skylift.tinker.training.trained_model import TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig
 
 __all__ = ["lab"]
 
 
 def _alice_run(svc: Any, model_path: str, run_id: str) -> None:
     svc.store.add(SessionRow(id=f"s-{run_id}", tags=[], user_metadata={}, owner="alice"))
-    config = TrainedModelConfig(base_model=model_path, model_path=model_path, lora_rank=2).to_json()
+    config = ModelConfig(base_model=model_path, model_path=model_path, lora_rank=2).to_json()
     svc.store.add(ModelRow(model_id=run_id, session_id=f"s-{run_id}", base_model=model_path, config=config))
 
 

@@ -13,16 +13,14 @@ from tolerances import assert_gradients_close, assert_sums_close
 
 from skylift.models.tiny_qwen2 import VOCAB_SIZE
 from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum
-from skylift.tinker.training.trained_model import TrainedModel, TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel
 
 TOKENS = [5 + (j * 5) % 37 for j in range(12)]
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir: Path) -> TrainedModel:
-    m = TrainedModel(
-        "t", TrainedModelConfig(base_model="tiny", model_path=str(tiny_model_dir), lora_rank=4), 2
-    )
+    m = TrainedModel("t", ModelConfig(base_model="tiny", model_path=str(tiny_model_dir), lora_rank=4), 2)
     m.setup()
     return m
 

@@ -30,7 +30,7 @@ from typing import Any
 from skylift.config.services import ServerConfig
 from skylift.tinker.core.auth import DEFAULT_USER, UserCaps, current_user
 from skylift.tinker.core.errors import UserError
-from skylift.tinker.training.trained_model import TrainedModelConfig
+from skylift.tinker.training.trained_model import ModelConfig
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -96,7 +96,7 @@ class Need:
     own_bytes: int
 
 
-def estimate(config: TrainedModelConfig) -> Need:
+def estimate(config: ModelConfig) -> Need:
     shapes = weight_shapes(config.model_path)
     params = sum(_numel(s) for s in shapes.values())
     if not config.is_lora:
@@ -164,7 +164,7 @@ class Admission:
         with self._lock:
             return model_id in self._admitted
 
-    def check(self, model_id: str, make_config: Callable[[], TrainedModelConfig]) -> None:
+    def check(self, model_id: str, make_config: Callable[[], ModelConfig]) -> None:
         """Raise `CapacityError` if the client `make_config()` describes would not be admitted now
         (nothing reserved; a config that is wrong is left for the request itself to fail on)."""
         try:
@@ -176,7 +176,7 @@ class Admission:
         self.admit(model_id, config, reserve=False)
 
     def admit(
-        self, model_id: str, config: TrainedModelConfig, user: str | None = None, reserve: bool = True
+        self, model_id: str, config: ModelConfig, user: str | None = None, reserve: bool = True
     ) -> None:
         """Reserve what `config` needs for `model_id` (only check, without `reserve`) for `user`
         (default: the calling user), or raise `CapacityError` saying why not. An admitted

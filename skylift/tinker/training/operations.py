@@ -39,7 +39,7 @@ from skylift.tinker.training.bodies import (
 )
 from skylift.tinker.training.loss_sampling import SAMPLING_KEYS, recorded_config
 from skylift.tinker.training.losses import RECORDED_LOGPROBS, SAMPLED_MASK, get_loss
-from skylift.tinker.training.trained_model import TrainedModel, TrainedModelConfig, read_checkpoint_config
+from skylift.tinker.training.trained_model import ModelConfig, TrainedModel, read_checkpoint_config
 
 if TYPE_CHECKING:
     from skylift.tinker.core.base_models import BaseModels
@@ -59,7 +59,7 @@ SubmitModelOp = Callable[..., Awaitable[str]]
 #: render_images(model_path, data): render the image-bearing datums of a batch
 RenderImages = Callable[[str, list[Any]], Awaitable[None]]
 #: new_model(session_id, model_seq_id, config, user_metadata) -> (model id, model), registered
-NewModel = Callable[[str, int, TrainedModelConfig, Any], Awaitable[tuple[str, TrainedModel]]]
+NewModel = Callable[[str, int, ModelConfig, Any], Awaitable[tuple[str, TrainedModel]]]
 #: setup_work(model, (checkpoint dir, with optimizer) | None, result): the work that builds it
 SetupWork = Callable[[TrainedModel, tuple[Path, bool] | None, dict[str, Any]], Work]
 #: write_checkpoint(writer, model_id, kind, name, expires_at, user_metadata) -> (path, size)
@@ -123,13 +123,13 @@ class TrainingOperations:
         request_id = await self.submit("create_model", model_id, [f"create:{model_id}"], prepare, queue_seq=0)
         return request_id, model_id
 
-    def model_config(self, body: CreateModelBody) -> TrainedModelConfig:
+    def model_config(self, body: CreateModelBody) -> ModelConfig:
         info = self.base_models.get(body.base_model)
         lora = body.lora_config or LoraBody()
         optimizer = body.optimizer_config.type if body.optimizer_config else "adamw"
         if optimizer != "adamw":
             raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with adamw")
-        config = TrainedModelConfig(
+        config = ModelConfig(
             base_model=str(body.base_model),
             model_path=info.path,
             lora_rank=lora.rank,
@@ -147,7 +147,7 @@ class TrainingOperations:
     def get_info(self, model_id: str) -> dict[str, Any]:
         """Blocking (it reads the model's record)."""
         row = self.store.require(ModelRow, model_id, "model id")
-        config = TrainedModelConfig.from_json(row.config)
+        config = ModelConfig.from_json(row.config)
         info = self.base_models.find_path(config.model_path)
         return {
             "type": "get_info",
@@ -279,7 +279,7 @@ class TrainingOperations:
 
         return await self.submit_model_op("save_weights_for_sampler", model_id, body.seq_id, fn, idem)
 
-    def _training_checkpoint(self, path: str) -> tuple[CheckpointRow, TrainedModelConfig]:
+    def _training_checkpoint(self, path: str) -> tuple[CheckpointRow, ModelConfig]:
         """The training checkpoint at `path` and the model config saved with it (blocking)."""
         _, kind, _ = parse_tinker_path(path)
         if kind != "training":

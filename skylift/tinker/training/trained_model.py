@@ -44,7 +44,7 @@ PROVENANCE_INPUTS = (RECORDED_LOGPROBS, SAMPLED_MASK)
 
 
 @dataclass
-class TrainedModelConfig:
+class ModelConfig:
     """What a training model is: base model, LoRA settings (rank 0 = full fine-tuning)."""
 
     base_model: str  # as the client named it
@@ -76,7 +76,7 @@ class TrainedModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> TrainedModelConfig:
+    def from_json(cls, data: Mapping[str, Any]) -> ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
@@ -84,11 +84,7 @@ class TrainedModel:
     """One trainable model (a Tinker training run) held in memory."""
 
     def __init__(
-        self,
-        model_id: str,
-        config: TrainedModelConfig,
-        micro_batch_size: int = 8,
-        pool: BasePool | None = None,
+        self, model_id: str, config: ModelConfig, micro_batch_size: int = 8, pool: BasePool | None = None
     ) -> None:
         self.model_id = model_id
         self.config = config
@@ -294,12 +290,12 @@ class TrainedModel:
         return SamplerSnapshot(full, adapter)
 
 
-def read_checkpoint_config(directory: Path) -> TrainedModelConfig:
-    """The `TrainedModelConfig` stored beside a checkpoint."""
+def read_checkpoint_config(directory: Path) -> ModelConfig:
+    """The `ModelConfig` stored beside a checkpoint."""
     meta = directory / META_FILE
     if not meta.is_file():
         raise UserError(f"checkpoint at {directory} has no {META_FILE}; it was not written by this server")
-    return TrainedModelConfig.from_json(json.loads(meta.read_text())["model"])
+    return ModelConfig.from_json(json.loads(meta.read_text())["model"])
 
 
 def _dir_size(directory: Path) -> int:

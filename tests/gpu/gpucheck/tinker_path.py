@@ -69,7 +69,7 @@ def _decode(pb: Any, body: bytes) -> tuple[list[np.ndarray], dict[str, float]]:
 
 def tinker_steps(model_dir: Path, lora_rank: int) -> dict[str, Any]:
     backend, wire, pb, skipped = load_backend()
-    config = backend.TrainedModelConfig(
+    config = backend.ModelConfig(
         base_model="tiny-qwen2", model_path=str(model_dir), lora_rank=lora_rank, seed=SEED
     )
     model = backend.TrainedModel("gpu-check", config, micro_batch_size=2)
