@@ -30,8 +30,7 @@ from skylift.rl.eval_dumps import EvalDump, write_eval_dumps
 from skylift.rl.eval_weights import export_for_engines, push_to_engines, resolve_eval_weights
 from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.parts import MetricsLog, RolloutGenerator
-from skylift.rl.rows import Sampler
-from skylift.rl.sampling import rollout_seeds, sampling_params
+from skylift.rl.sampling import Sampler, rollout_seeds, sampling_params
 from skylift.utils.eval_stats import format_accuracy
 from skylift.utils.loop_thread import LoopThread
 

@@ -33,7 +33,7 @@ from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.experience import ExperienceStages, make_experience
 from skylift.rl.fully_async import RolloutsExhausted
 from skylift.rl.parts import ModelGroup, Parts
-from skylift.rl.rows import Sampler
+from skylift.rl.sampling import Sampler
 from skylift.rl.sources import RolloutSource
 from skylift.rl.step_wise import is_step_wise, step_wise_rows_per_mini_batch
 from skylift.rl.update import UpdateSettings, policy_objective, train_critic, train_policy

@@ -1,21 +1,28 @@
 """How the run samples: the engines' sampling parameters, the distribution the trainer takes the
-policy's logprobs of the rollouts under, and the per-prompt seeds.
+policy's logprobs of the rollouts under, the per-prompt seeds, and the `Sampler` that asks the
+generator for rollouts with them.
 
 `generator.sampling_params` (and `eval_sampling_params`) are read here only: `sampling_params`
-builds the engines' request, and `trainer_distribution` derives the trainer's distribution from
-that same request, so the sampler and the trainer cannot disagree on temperature or truncation.
+builds the engines' request (`SamplingParams`), the `Sampler` hands that object to the generator,
+and `trainer_distribution` derives the trainer's distribution from the same request, so the
+sampler and the trainer cannot disagree on temperature or truncation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from skylift.algorithms.sample_support import TokenDistribution
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
+from skylift.generator import Trajectory
 from skylift.generator.generator import rollout_seed
 from skylift.generator.settings import max_generate_length
 from skylift.inference.types import SamplingParams
+from skylift.rl.parts import Parts, RolloutGenerator
+from skylift.utils.loop_thread import LoopThread
 
 
 def sampling_params(cfg: SkyliftConfig, evaluation: bool) -> SamplingParams:
@@ -55,3 +62,59 @@ def rollout_seeds(cfg: SkyliftConfig, rows: Sequence[PromptSample], step: int) -
     if not cfg.generator.seeded_sampling:
         return None
     return [rollout_seed(cfg.trainer.seed, step, row.uid) for row in rows]
+
+
+@dataclass
+class Sampler:
+    """Asks the generator for `n` samples per prompt, seeded per (step, prompt)."""
+
+    generator: RolloutGenerator
+    loop: LoopThread
+    n: int
+    params: SamplingParams
+    seeds: Callable[[list[PromptSample], int], list[int] | None]
+    engine_version: Callable[[], int]
+
+    def coroutine(self, rows: list[PromptSample], step: int) -> Coroutine[Any, Any, list[Trajectory]]:
+        """The generation of `rows` as at training step `step` (-1: evaluation); its trajectories
+        record the engines' policy version now."""
+        return self.generator.generate(
+            rows, self.n, self.params, self.engine_version(), self.seeds(rows, step)
+        )
+
+    def run(self, rows: list[PromptSample], step: int) -> list[Trajectory]:
+        """Generate now, on the run's event loop (from a thread that is not the loop's)."""
+        return self.loop.run(self.coroutine(rows, step))
+
+
+def samplers(cfg: SkyliftConfig, parts: Parts) -> tuple[Sampler, Sampler]:
+    """(training, evaluation) samplers: `generator.sampling_params` with logprobs and
+    `n_samples_per_prompt`, and `eval_sampling_params` with `eval_n_samples_per_prompt`."""
+    g = cfg.generator
+
+    def version() -> int:
+        return parts.weights.version
+
+    def training_seeds(rows: list, step: int) -> list[int] | None:
+        return rollout_seeds(cfg, rows, step)
+
+    def eval_seeds(rows: list, _step: int) -> list[int] | None:
+        return rollout_seeds(cfg, rows, -1)
+
+    train = Sampler(
+        parts.generator,
+        parts.loop,
+        g.n_samples_per_prompt,
+        sampling_params(cfg, False),
+        training_seeds,
+        version,
+    )
+    evaluation = Sampler(
+        parts.generator,
+        parts.loop,
+        g.eval_n_samples_per_prompt,
+        sampling_params(cfg, True),
+        eval_seeds,
+        version,
+    )
+    return train, evaluation

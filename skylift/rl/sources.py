@@ -30,7 +30,8 @@ from skylift.generator.timing import Clock
 from skylift.rl.dynamic_sampling import dynamic_sample, zero_variance_uids
 from skylift.rl.fully_async import FullyAsyncRollouts, Prompt, PromptSource, StreamPosition
 from skylift.rl.one_step_off import BackgroundRollouts
-from skylift.rl.rows import Sampler, StepRows
+from skylift.rl.rows import StepRows
+from skylift.rl.sampling import Sampler
 from skylift.rl.staleness import needs_weight_sync
 
 
