@@ -250,7 +250,7 @@ def run_demo(
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(verbose)  # before vLLM and torch's C++ core print anything
-    from skylift.cluster.settings import RunPaths
+    from skylift.cluster.run_paths import RunPaths
     from skylift.config import ConfigError, load_config
     from skylift.rl.build import build_trainer
     from skylift.rl.loop import RLTrainer

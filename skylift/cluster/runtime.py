@@ -26,8 +26,8 @@ from skylift.cluster.engines import (
     start_local_engines,
 )
 from skylift.cluster.ray_start import start_ray_run
+from skylift.cluster.run_paths import RunPaths
 from skylift.cluster.settings import (
-    RunPaths,
     critic_worker_settings,
     generator_settings,
     local_engine_kwargs,

@@ -1,13 +1,11 @@
-"""What a run's parts are built from: directories, worker and optimizer settings, local engine
+"""What a run's parts are built from: worker and optimizer settings, local engine
 arguments and Ray's start-up. Pure functions of the configuration (Ray's start aside), so the
 trainer reads as the loop it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,29 +13,9 @@ import torch
 from skylift.config.errors import ConfigError
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.generator import GeneratorSettings
+from skylift.generator.settings import max_generate_length
 from skylift.inference.engine_args import lora_engine_args
 from skylift.worker.training_worker import OptimizerSettings, WorkerSettings
-
-
-@dataclasses.dataclass
-class RunPaths:
-    root: Path
-    ckpt: Path
-    export: Path
-    logs: Path
-
-    @classmethod
-    def from_config(cls, cfg: SkyliftConfig) -> RunPaths:
-        from skylift.config.validation import default_run_root
-
-        t = cfg.trainer
-        root = default_run_root(t.run_name, t.runs_dir)
-        return cls(
-            root=root,
-            ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
-            export=Path(t.export_path).expanduser() if t.export_path else root / "exports",
-            logs=Path(t.log_dir).expanduser() if t.log_dir else root / "logs",
-        )
 
 
 def total_steps(cfg: SkyliftConfig, batches_per_epoch: int) -> int:
@@ -45,11 +23,6 @@ def total_steps(cfg: SkyliftConfig, batches_per_epoch: int) -> int:
     t = cfg.trainer
     total = batches_per_epoch * t.epochs
     return min(total, t.max_steps) if t.max_steps is not None else total
-
-
-def max_generate_length(cfg: SkyliftConfig) -> int:
-    g = cfg.generator
-    return int(g.max_generate_length or g.sampling_params.max_generate_length)
 
 
 def policy_optimizer_steps_per_step(cfg: SkyliftConfig) -> int:

@@ -61,7 +61,7 @@ class LoraConfig(AdapterConfig):
 
 
 @dataclass
-class ModelConfig:
+class ModelWeightsConfig:
     """Which weights a worker loads."""
 
     path: str | None = _f(
@@ -70,7 +70,7 @@ class ModelConfig:
 
 
 @dataclass
-class PolicyModelConfig(ModelConfig):
+class PolicyModelConfig(ModelWeightsConfig):
     """The policy's weights, optionally trained through LoRA adapters."""
 
     path: str | None = _f(
@@ -81,7 +81,7 @@ class PolicyModelConfig(ModelConfig):
 
 
 @dataclass
-class CriticModelConfig(ModelConfig):
+class CriticModelConfig(ModelWeightsConfig):
     """The critic's weights, optionally trained through LoRA adapters (its value head in full)."""
 
     lora: AdapterConfig = _group(AdapterConfig, "critic LoRA settings (the value head trains in full)")
@@ -138,7 +138,9 @@ class PolicyConfig:
 class RefConfig:
     """The frozen reference model used for the KL term."""
 
-    model: ModelConfig = _group(ModelConfig, "reference weights; path null = same as the policy's")
+    model: ModelWeightsConfig = _group(
+        ModelWeightsConfig, "reference weights; path null = same as the policy's"
+    )
     fsdp_config: FSDPConfig = _group(FSDPConfig, "reference FSDP2 settings", cpu_offload=True)
     sequence_parallel_size: int = _f(
         1, "Ulysses sequence parallelism: groups of this many workers split each sequence", ge=1

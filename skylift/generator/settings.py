@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from skylift.config.schema import SkyliftConfig
+
+
+def max_generate_length(cfg: SkyliftConfig) -> int:
+    """A rollout's response budget in tokens: `generator.max_generate_length`, else
+    `generator.sampling_params.max_generate_length`."""
+    g = cfg.generator
+    return int(g.max_generate_length or g.sampling_params.max_generate_length)
+
 
 @dataclass
 class GeneratorSettings:

@@ -1,7 +1,7 @@
-"""From a configuration to a trainer: the rollout source and samplers a run's settings ask for.
+"""From a configuration to a trainer: the rollout source a run's settings ask for.
 
-The one place where the loop's side of the configuration is read (the cluster's side is read in
-`skylift.cluster.settings`).
+Where the loop's side of the configuration is read, with `skylift.rl.sampling` for how it samples
+(the cluster's side is read in `skylift.cluster.settings`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from skylift.config.schema import SkyliftConfig
 from skylift.rl.console import Console
 from skylift.rl.loop import RLTrainer
 from skylift.rl.parts import Parts
-from skylift.rl.rows import Sampler, StepRows
-from skylift.rl.sampling import rollout_seeds, sampling_params
+from skylift.rl.rows import StepRows
+from skylift.rl.sampling import Sampler, samplers
 from skylift.rl.sources import (
     DynamicSampling,
     FullyAsyncSource,
@@ -24,39 +24,6 @@ from skylift.rl.sources import (
     SyncSource,
 )
 from skylift.rl.step_wise import check_step_wise
-
-
-def samplers(cfg: SkyliftConfig, parts: Parts) -> tuple[Sampler, Sampler]:
-    """(training, evaluation) samplers: `generator.sampling_params` with logprobs and
-    `n_samples_per_prompt`, and `eval_sampling_params` with `eval_n_samples_per_prompt`."""
-    g = cfg.generator
-
-    def version() -> int:
-        return parts.weights.version
-
-    def training_seeds(rows: list, step: int) -> list[int] | None:
-        return rollout_seeds(cfg, rows, step)
-
-    def eval_seeds(rows: list, _step: int) -> list[int] | None:
-        return rollout_seeds(cfg, rows, -1)
-
-    train = Sampler(
-        parts.generator,
-        parts.loop,
-        g.n_samples_per_prompt,
-        sampling_params(cfg, False),
-        training_seeds,
-        version,
-    )
-    evaluation = Sampler(
-        parts.generator,
-        parts.loop,
-        g.eval_n_samples_per_prompt,
-        sampling_params(cfg, True),
-        eval_seeds,
-        version,
-    )
-    return train, evaluation
 
 
 def make_source(
@@ -81,6 +48,7 @@ def make_source(
             rows,
             sampler,
             label_engines=parts.weights.label,
+            total_steps=total_steps,
             max_staleness=t.fully_async.max_staleness_steps,
             workers=t.fully_async.num_parallel_generation_workers or t.train_batch_size,
             timeout_s=cfg.generator.http_timeout_s,

@@ -3,7 +3,8 @@
 Layout: `<ckpt_path>/global_step_<N>/` holding `policy/` (sharded model + optimizer, written by the
 workers), `trainer_state.json`, and `COMPLETE`, written last. A checkpoint is first written to
 `global_step_<N>.partial` and renamed when complete, so a crash mid-write never leaves a directory
-that resume could pick.
+that resume could pick. The trainer state holds the step, the policy version and where the rollout
+source is in the data (`TrainerState.rollouts`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class TrainerState:
     step_in_epoch: int = 0  # batches of `epoch` already consumed
     policy_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the rollout source's place in the data (`RolloutSource.state`: a fully async run's pending
+    #: prompts), so a resumed run neither repeats nor skips a prompt
+    rollouts: dict[str, Any] = field(default_factory=dict)
 
 
 def step_dir(ckpt_path: str | Path, step: int) -> Path:

@@ -21,17 +21,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from skylift.cluster.run_paths import RunPaths
 from skylift.cluster.runtime import Runtime
-from skylift.cluster.settings import RunPaths
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
 from skylift.rl.eval_dumps import EvalDump, write_eval_dumps
 from skylift.rl.eval_weights import export_for_engines, push_to_engines, resolve_eval_weights
 from skylift.rl.evaluation import dump_eval, evaluate
-from skylift.rl.parts import RolloutGenerator, Tracker
-from skylift.rl.rows import Sampler
-from skylift.rl.sampling import rollout_seeds, sampling_params
+from skylift.rl.parts import MetricsLog, RolloutGenerator
+from skylift.rl.sampling import Sampler, rollout_seeds, sampling_params
 from skylift.utils.eval_stats import format_accuracy
 from skylift.utils.loop_thread import LoopThread
 
@@ -54,7 +53,7 @@ def evaluate_once(
     cfg: SkyliftConfig,
     rows: Sequence[PromptSample],
     sampler: Sampler,
-    tracker: Tracker,
+    tracker: MetricsLog,
     logs_dir: Path,
     export_dump: tuple[Path, Callable[[list[int]], str]] | None = None,
 ) -> dict[str, float]:

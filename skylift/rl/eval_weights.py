@@ -17,7 +17,6 @@ by the same rank's `export_hf` (what `skylift train` exports) into `<run>/eval_e
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -127,21 +126,11 @@ def frozen_policy(cfg: SkyliftConfig, weights: EvalWeights) -> Any:
     """One in-process policy rank holding `weights` (a `WorkerGroup`, set up): the run's policy
     settings over `trainer.policy.model.path` with the checkpoint loaded as resume loads it, or
     over the Hugging Face directory (LoRA merged there: no adapter). No optimizer."""
-    from skylift.cluster.settings import model_worker_settings
-    from skylift.cluster.worker_group import WorkerGroup
+    from skylift.cluster.frozen_policy import frozen_policy_group
 
-    settings = dataclasses.replace(model_worker_settings(cfg, True, 1), trainable=False)
     if weights.kind == "hf":
-        settings = dataclasses.replace(settings, model_path=str(weights.path), lora_rank=0)
-    group = WorkerGroup("eval-policy", settings, 1, use_ray=False, timeout_s=cfg.trainer.worker_timeout_s)
-    try:
-        group.setup()
-        if weights.kind == "checkpoint":
-            group.load_checkpoint(str(weights.path / "policy"))
-    except BaseException:
-        group.shutdown()
-        raise
-    return group
+        return frozen_policy_group(cfg, str(weights.path), None)
+    return frozen_policy_group(cfg, None, str(weights.path / "policy"))
 
 
 def push_to_engines(

@@ -28,11 +28,15 @@ Design:
    fills with groups that carry a signal. Running out of data then raises `RolloutsExhausted`,
    which ends the run.
 
-Checkpoints save the trainer's state only, not the buffer: a resumed run starts generating at
-the prompt after the last trained batch's position in the data order (`global_step *
-train_batch_size`) and refills the buffer; groups that were buffered or in flight when the
-checkpoint was taken are generated again (with the resumed weights), and groups trained out of
-data order may repeat or skip a few prompts around the resume point.
+Resuming loses no prompt and repeats none. Every prompt has a position in the run's data order
+(`step * train_batch_size + index` in its step's batch), and a checkpoint records, at one instant
+under the buffer's lock, the position of the next prompt not yet started and the positions
+started but not trained: buffered, in flight, or dropped as too stale and waiting to be
+generated again (`StreamPosition`, in `TrainerState.rollouts`). A resumed run generates those
+pending prompts first (with the resumed weights; their per-prompt seeds are their data step's),
+then goes on from the next position, so it trains on exactly the prompts an uninterrupted run
+does, however far generation had run ahead of training when the run was killed. Prompts `keep`
+turned down count as used. Without `keep`, generation stops at the run's last step's prompts.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from skylift.generator import Trajectory
 from skylift.generator.timing import Clock
@@ -101,6 +105,7 @@ class Group:
     step: int  # the data position's step (its seeds), not the step that trains it
     finished_at: float = field(default_factory=time.perf_counter)
     completion_s: float | None = None  # from its generation's start to its end (None: not measured)
+    position: int = -1  # its prompt's place in the run's data order (`Prompt.position`)
 
     @property
     def version(self) -> int:
@@ -147,17 +152,57 @@ def token_version_metrics(trajectories: Sequence[Trajectory], policy_version: in
 
 
 # ================================================================== the generation side
+class Prompt(NamedTuple):
+    """A prompt to generate: its row, its data step (its seeds) and its position in the run's data
+    order (`step * batch_size + index`; what a checkpoint records)."""
+
+    row: Any
+    step: int
+    position: int
+
+
 @dataclass
 class PromptSource:
-    """Prompts to generate, in data order, each with its data step; dropped ones come first."""
+    """Prompts to generate, in data order, each with its data step; `again` (dropped ones, a
+    resumed run's pending ones) come first. `position` is the next row's place in the data order."""
 
     rows: Iterator[tuple[Any, int]]
-    again: deque[tuple[Any, int]] = field(default_factory=deque)
+    again: deque[Prompt] = field(default_factory=deque)
+    position: int = 0
 
-    def next(self) -> tuple[Any, int] | None:
+    def next(self) -> Prompt | None:
         if self.again:
             return self.again.popleft()
-        return next(self.rows, None)
+        item = next(self.rows, None)
+        if item is None:
+            return None
+        prompt = Prompt(item[0], item[1], self.position)
+        self.position += 1
+        return prompt
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """How far a fully async run got through its data, at one instant: every position below
+    `next_position` was started, and of those `pending` were not trained yet (buffered, in
+    flight or waiting to be generated again); the rest were trained or turned down."""
+
+    next_position: int
+    pending: tuple[int, ...]
+    batch_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "next_position": self.next_position,
+            "pending": list(self.pending),
+            "batch_size": self.batch_size,
+        }
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> StreamPosition:
+        return cls(
+            int(saved["next_position"]), tuple(int(p) for p in saved["pending"]), int(saved["batch_size"])
+        )
 
 
 GroupFn = Callable[[Any, int, int], Coroutine[Any, Any, list[Trajectory]]]
@@ -203,8 +248,9 @@ class FullyAsyncRollouts:
         self.gate = StalenessGate(batch_size, max_staleness, workers, base_version=engine_version())
         self._lock = threading.Condition()
         self._buffer: list[Group] = []
+        self._in_flight: dict[int, Prompt] = {}  # by position
         self._error: BaseException | None = None
-        self._exhausted = False
+        self._exhausted = False  # the data order has no prompt left (`again` may still get some)
         self._closing = False
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -223,31 +269,34 @@ class FullyAsyncRollouts:
                 if self._closing or self._error is not None:
                     return
                 item = self.source.next() if self.gate.may_start(self.engine_version()) else False
-                if item is None:  # the data is exhausted
+                if item is None:  # the data is used up; a group dropped as too stale may come back
                     self._exhausted = True
                     self._lock.notify_all()
-                    return
-                if item is not False:
+                    item = False
+                elif item is not False:
                     self.gate.start()
+                    self._in_flight[item.position] = item
             if item is False:
                 await self._wakeup.wait()
                 continue
-            row, step = item
             began = self.clock()
             try:
-                trajectories = await self.generate_group(row, step, self.engine_version())
+                trajectories = await self.generate_group(item.row, item.step, self.engine_version())
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread by take()
                 with self._lock:
                     self._error = exc
-                    self.gate.finish()
+                    self.gate.finish()  # its prompt stays pending (in flight) for a checkpoint
                     self._lock.notify_all()
                 return
             completion_s = self.clock() - began
             with self._lock:
                 self.gate.finish()
-                group = Group(trajectories, row, step, completion_s=completion_s)
+                del self._in_flight[item.position]
+                group = Group(
+                    trajectories, item.row, item.step, completion_s=completion_s, position=item.position
+                )
                 kept = self.keep is None or self.keep(trajectories)
                 if kept:
                     self._buffer.append(group)
@@ -285,12 +334,12 @@ class FullyAsyncRollouts:
                 if dropped:
                     dropped_total += len(dropped)
                     self.gate.drop(len(dropped))
-                    self.source.again.extend((g.row, g.step) for g in dropped)
+                    self.source.again.extend(Prompt(g.row, g.step, g.position) for g in dropped)
                     self._wake_workers()
                 self._buffer = kept
                 if taken:
                     break
-                if self._exhausted and self.gate.in_flight == 0:
+                if self._exhausted and self.gate.in_flight == 0 and not self.source.again:
                     turned_down = (
                         f" ({self.turned_down} groups without a reward spread dropped)" if self.keep else ""
                     )
@@ -318,6 +367,14 @@ class FullyAsyncRollouts:
             **token_version_metrics(trajectories, policy_version),
         }
         return taken, metrics
+
+    def position(self) -> StreamPosition:
+        """Where the run is in its data now (for a checkpoint taken after a step): the next
+        prompt to start and the started ones no step took yet."""
+        with self._lock:
+            pending = [p.position for p in self.source.again]
+            pending += [*self._in_flight, *(g.position for g in self._buffer)]
+            return StreamPosition(self.source.position, tuple(sorted(pending)), self.batch_size)
 
     def close(self) -> None:
         """Cancel the generation in flight (the engines abort its requests) and stop the workers."""

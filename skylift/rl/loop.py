@@ -33,7 +33,7 @@ from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.experience import ExperienceStages, make_experience
 from skylift.rl.fully_async import RolloutsExhausted
 from skylift.rl.parts import ModelGroup, Parts
-from skylift.rl.rows import Sampler
+from skylift.rl.sampling import Sampler
 from skylift.rl.sources import RolloutSource
 from skylift.rl.step_wise import is_step_wise, step_wise_rows_per_mini_batch
 from skylift.rl.update import UpdateSettings, policy_objective, train_critic, train_policy
@@ -209,6 +209,7 @@ class RLTrainer:
         parts.policy.save_checkpoint(str(tmp / "policy"))
         if parts.critic is not None:
             parts.critic.save_checkpoint(str(tmp / "critic"))
+        self.state.rollouts = self.source.state()  # where generation is in the data, at this instant
         return ckpt.commit_checkpoint(parts.ckpt_dir, step, self.state, self.cfg.trainer.max_ckpts_to_keep)
 
     def export(self) -> str:
@@ -230,6 +231,7 @@ class RLTrainer:
         if path is None:
             return False
         self.state = ckpt.load_trainer_state(path)
+        self.source.restore(self.state.rollouts)
         self.kl_ctrl.value = float(self.state.extra.get("kl_coef", self.kl_ctrl.value))
         parts.policy.load_checkpoint(str(path / "policy"))
         if parts.critic is not None:

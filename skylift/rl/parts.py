@@ -74,7 +74,9 @@ class EngineHealth(Protocol):
     def live_indices(self) -> list[int]: ...
 
 
-class Tracker(Protocol):
+class MetricsLog(Protocol):
+    """Where a step's metrics go (`skylift.tracking.Tracking`: every configured tracker)."""
+
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
 
@@ -101,7 +103,7 @@ class Parts:
     loop: LoopThread
     policy: ModelGroup
     weights: EngineWeightsLike
-    tracking: Tracker
+    tracking: MetricsLog
     ckpt_dir: Path
     export_dir: Path
     logs_dir: Path

@@ -1,22 +1,18 @@
-"""Which prompts a training step generates, and how one generation is asked for.
+"""Which prompts a training step generates.
 
-`StepRows` maps a global step to its rows (the seeded epoch order, resumable at any step) and,
-for dynamic sampling, to the step's own seeded draws of extra prompts. `Sampler` turns rows into
-the generator's coroutine with the run's sampling parameters and per-prompt seeds.
+`StepRows` maps a global step to its rows (the seeded epoch order, resumable at any step; a
+prompt's position in it is what a fully async checkpoint records) and, for dynamic sampling, to
+the step's own seeded draws of extra prompts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from skylift.data import PromptSample
-from skylift.generator import Trajectory
-from skylift.inference.types import SamplingParams
 from skylift.rl.dynamic_sampling import step_rows
-from skylift.rl.parts import PromptData, RolloutGenerator
-from skylift.utils.loop_thread import LoopThread
+from skylift.rl.parts import PromptData
 
 
 @dataclass
@@ -68,31 +64,15 @@ class StepRows:
         index = step_rows(len(data), self.seed, step, start, count, lambda i: data[i].uid in taken)
         return [data[i] for i in index]
 
-    def stream(self, first_step: int) -> Iterator[tuple[PromptSample, int]]:
-        """Every row from step `first_step` on, with its step, through the last epoch."""
-        for step in range(first_step, self.total):
-            for row in self.batch(step):
-                yield row, step
+    def at(self, position: int) -> tuple[PromptSample, int]:
+        """The row at `position` of the run's data order (`step * batch_size + index` in the
+        step's batch) and its step."""
+        step, index = divmod(position, self.batch_size)
+        return self.batch(step)[index], step
 
-
-@dataclass
-class Sampler:
-    """Asks the generator for `n` samples per prompt, seeded per (step, prompt)."""
-
-    generator: RolloutGenerator
-    loop: LoopThread
-    n: int
-    params: SamplingParams
-    seeds: Callable[[list[PromptSample], int], list[int] | None]
-    engine_version: Callable[[], int]
-
-    def coroutine(self, rows: list[PromptSample], step: int) -> Coroutine[Any, Any, list[Trajectory]]:
-        """The generation of `rows` as at training step `step` (-1: evaluation); its trajectories
-        record the engines' policy version now."""
-        return self.generator.generate(
-            rows, self.n, self.params, self.engine_version(), self.seeds(rows, step)
-        )
-
-    def run(self, rows: list[PromptSample], step: int) -> list[Trajectory]:
-        """Generate now, on the run's event loop (from a thread that is not the loop's)."""
-        return self.loop.run(self.coroutine(rows, step))
+    def stream(self, start: int, end: int) -> Iterator[tuple[PromptSample, int]]:
+        """The rows at positions `start` to `end` (excluded) of the data order, each with its step."""
+        for step in range(start // self.batch_size, min(self.total, -(-end // self.batch_size))):
+            for index, row in enumerate(self.batch(step)):
+                if start <= step * self.batch_size + index < end:
+                    yield row, step

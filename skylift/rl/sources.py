@@ -2,7 +2,9 @@
 
 The loop asks a `RolloutSource` for the step's batch (`take`), lets it start the next step's
 generation while the policy trains (`prefetch`), and tells it around every weight sync
-(`before_sync`, `needs_sync`, `after_sync`). Three schedules, one interface:
+(`before_sync`, `needs_sync`, `after_sync`). A checkpoint saves where the source is in the data
+(`state`) and a resumed run gives it back (`restore`), so a run killed at any point and resumed
+trains on exactly the prompts an uninterrupted run does. Three schedules, one interface:
 
 - `SyncSource`: generate the step's prompts, then train (on-policy).
 - `OneStepOffSource`: step t+1 is generated while step t trains; syncs wait for that generation
@@ -17,17 +19,19 @@ rounds of prompts until the batch is full (`skylift.rl.dynamic_sampling`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from skylift.generator import Trajectory
 from skylift.generator.metrics import GroupTimes, MetricsRequest, plugin_metrics
 from skylift.generator.timing import Clock
 from skylift.rl.dynamic_sampling import dynamic_sample, zero_variance_uids
-from skylift.rl.fully_async import FullyAsyncRollouts, PromptSource
+from skylift.rl.fully_async import FullyAsyncRollouts, Prompt, PromptSource, StreamPosition
 from skylift.rl.one_step_off import BackgroundRollouts
-from skylift.rl.rows import Sampler, StepRows
+from skylift.rl.rows import StepRows
+from skylift.rl.sampling import Sampler
 from skylift.rl.staleness import needs_weight_sync
 
 
@@ -85,6 +89,15 @@ class RolloutSource(Protocol):
         """The step's generation figures, read once after its sync."""
         ...
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint taken after the current step must record to resume without losing or
+        repeating a prompt (JSON-ready; {} when the step alone says it)."""
+        ...
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """A resumed run's source: `state` as `state()` saved it (before the first `take`)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -120,6 +133,14 @@ class SyncSource:
     def timing(self) -> RolloutTiming:
         timing, self._timing = self._timing, RolloutTiming()
         return timing
+
+    def state(self) -> dict[str, Any]:
+        """{}: step t trains the rows of step t (one-step-off: its generation launched during step
+        t-1 is not saved, the resumed run generates the same prompts with the same seeds again)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -181,6 +202,7 @@ class FullyAsyncSource:
         sampler: Sampler,
         *,
         label_engines: Callable[[], None],
+        total_steps: int,
         max_staleness: int,
         workers: int,
         timeout_s: float,
@@ -188,22 +210,31 @@ class FullyAsyncSource:
         zero_variance_tol: float | None = None,
     ) -> None:
         """`zero_variance_tol` set: groups whose rewards lie within it are dropped as they finish
-        (`trainer.fully_async.sample_full_batch`), and running out of data ends the run."""
+        (`trainer.fully_async.sample_full_batch`), and running out of data ends the run; else
+        generation stops at the prompts of step `total_steps`."""
         self.rows, self.sampler, self.label_engines = rows, sampler, label_engines
+        self.total_steps = total_steps
         self.zero_variance_tol = zero_variance_tol
         self.may_run_out = zero_variance_tol is not None
         self.max_staleness, self.workers, self.timeout_s = max_staleness, workers, timeout_s
         self.clock = clock  # times each group's generation
         self.stream: FullyAsyncRollouts | None = None
+        self._resumed: StreamPosition | None = None  # a checkpoint's position, until the stream starts
         self._step_started = self._paused_at = 0.0
         self._paused_s = self._wait_s = 0.0
 
     def _start(self, step: int) -> FullyAsyncRollouts:
-        """Start generating at step `step`'s rows (a resumed run's position in the data)."""
+        """Start generating at the restored position in the data (its pending prompts first), else
+        at step `step`'s rows."""
         self.label_engines()  # the engines label the tokens they sample with their version
+        size = self.rows.batch_size
+        last = self.rows.total if self.may_run_out else min(self.total_steps, self.rows.total)
+        end = last * size
+        at = self._resumed or StreamPosition(step * size, (), size)
+        again = deque(Prompt(*self.rows.at(p), p) for p in at.pending if p < end)
         return FullyAsyncRollouts(
             self.sampler.loop,
-            PromptSource(self.rows.stream(step)),
+            PromptSource(self.rows.stream(at.next_position, end), again, at.next_position),
             lambda row, at, _version: self.sampler.coroutine([row], at),
             self.sampler.engine_version,
             batch_size=self.rows.batch_size,
@@ -221,6 +252,7 @@ class FullyAsyncSource:
         self._step_started, self._paused_s = time.perf_counter(), 0.0
         if self.stream is None:
             self.stream = self._start(step)
+            self._resumed = None
         taken, metrics = self.stream.take(policy_version)
         self._wait_s = metrics["fully_async/wait_s"]
         kept = [(g.trajectories, g.completion_s) for g in taken]
@@ -248,6 +280,25 @@ class FullyAsyncSource:
         """The engines generated all step long except while paused for the sync."""
         busy = time.perf_counter() - self._step_started - self._paused_s
         return RolloutTiming(max(0.0, busy), self._wait_s)
+
+    def state(self) -> dict[str, Any]:
+        """The stream's position in the data (`StreamPosition`): the next prompt to start and the
+        started ones not trained yet, which a resumed run generates first."""
+        at = self.stream.position() if self.stream is not None else self._resumed
+        return {"fully_async": at.to_dict()} if at is not None else {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume at a checkpoint's position (a checkpoint without one: at its step's rows)."""
+        saved = state.get("fully_async")
+        if saved is None:
+            return
+        at = StreamPosition.from_dict(saved)
+        if at.batch_size != self.rows.batch_size:
+            raise ValueError(
+                f"the checkpoint's fully async position counts batches of {at.batch_size} prompts: resume "
+                f"with trainer.train_batch_size={at.batch_size} (this run has {self.rows.batch_size})"
+            )
+        self._resumed = at
 
     def close(self) -> None:
         if self.stream is not None:
@@ -324,6 +375,13 @@ class DynamicSampling:
 
     def after_sync(self, policy_version: int) -> None:
         self.inner.after_sync(policy_version)
+
+    def state(self) -> dict[str, Any]:
+        """The inner source's: a step's extra rounds are its own seeded draws, made again alike."""
+        return self.inner.state()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.inner.restore(state)
 
     def timing(self) -> RolloutTiming:
         """The inner source's figures; extra rounds are generated while the trainer waits."""

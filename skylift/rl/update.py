@@ -16,9 +16,10 @@ from typing import Any, Protocol
 
 from skylift.algorithms import OffPolicyCorrection, PolicyLossConfig, mini_batch_totals
 from skylift.algorithms.sample_support import Sampling, TokenDistribution
-from skylift.cluster.settings import max_generate_length
 from skylift.config.schema import SkyliftConfig
+from skylift.generator.settings import max_generate_length
 from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
+from skylift.rl.sampling import sampling_params, trainer_distribution
 from skylift.utils.plugins import import_user_modules
 from skylift.worker.batch import SequenceBatch
 
@@ -57,27 +58,12 @@ class UpdateSettings:
         )
 
 
-def sampling_temperature(cfg: SkyliftConfig) -> float:
-    """The temperature the rollouts were sampled at (greedy counts as 1): logits are divided by it."""
-    temp = cfg.generator.sampling_params.temperature
-    return temp if temp > 0 else 1.0
-
-
 def training_distribution(cfg: SkyliftConfig) -> TokenDistribution:
-    """The distribution the policy's logprobs of rollout tokens are taken under: the sampling
-    temperature and, with sampling-support replay (`trainer.algorithm.enable_sample_support_replay`,
-    null = whenever the rollouts' sampling truncates), the engine's top-k, top-p and min-p."""
-    sp = cfg.generator.sampling_params
-    if sp.temperature <= 0:  # greedy: vLLM applies no truncation
-        return TokenDistribution()
-    dist = TokenDistribution(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        min_p=sp.min_p,
+    """The distribution the policy's logprobs of rollout tokens are taken under: that of the
+    training rollouts' request (`skylift.rl.sampling.trainer_distribution`)."""
+    return trainer_distribution(
+        sampling_params(cfg, False), cfg.trainer.algorithm.enable_sample_support_replay
     )
-    replay = cfg.trainer.algorithm.enable_sample_support_replay
-    return dist if (dist.truncates if replay is None else replay) else dist.full()
 
 
 def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:

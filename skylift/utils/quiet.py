@@ -36,8 +36,3 @@ def quiet_libraries(verbose: bool = False) -> None:
     if os.environ["PYTHONWARNINGS"] == QUIET_ENV["PYTHONWARNINGS"]:  # this interpreter read it at start
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message="resource_tracker", category=UserWarning)
-
-
-def is_quiet() -> bool:
-    """Whether library progress bars should stay off (`quiet_libraries` ran without `verbose`)."""
-    return os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1"

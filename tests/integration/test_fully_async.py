@@ -1,12 +1,15 @@
 """Fully async training end to end on the tiny model (in-process engine, placement "local"):
-two steps with a staleness bound of 2, then weight syncs while requests are in flight (pause
-modes keep and abort), after which the engine's logprobs match the trainer's. What the scheduler
+two steps with a staleness bound of 2, the run resumed as if killed after its first checkpoint
+(it trains on the prompts the uninterrupted run did), then weight syncs while requests are in
+flight (pause modes keep and abort), after which the engine's logprobs match the trainer's. What the scheduler
 puts in each batch (versions, staleness) is asserted deterministically with fake parts in
 tests/unit/test_rl_loop.py; here the real engine, workers and syncs run it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,11 @@ from test_async_training import SEQUENCE, TOLERANCE, _engine_logprobs, _train_ro
 from test_rl_trainer import _overrides, arithmetic_data  # noqa: F401 - the fixture is used by name
 
 from skylift.config import load_config
+from skylift.config.schema import SkyliftConfig
+from skylift.generator import Trajectory
 from skylift.inference.types import SamplingParams
-from skylift.rl.build import build_trainer
+from skylift.rl import checkpoint as ckpt
+from skylift.rl.build import build_trainer, make_source
 from skylift.rl.loop import RLTrainer
 from skylift.utils.loop_thread import LoopThread
 from skylift.worker.batch import build_sequence_batch
@@ -51,6 +57,33 @@ def _versions_after_sync_in_flight(trainer: RLTrainer, loop: LoopThread, mode: s
     return completion.token_versions
 
 
+def _record_prompts(trainer: RLTrainer) -> list[list[str]]:
+    """The prompt uids of every batch the trainer updates on from now on (one per group)."""
+    batches: list[list[str]] = []
+    update = trainer.update
+
+    def recorded(trajectories: list[Trajectory]) -> dict[str, float]:
+        batches.append(sorted({tr.uid for tr in trajectories}))
+        return update(trajectories)
+
+    trainer.update = recorded  # type: ignore[method-assign]
+    return batches
+
+
+def _resumed_after_kill(trainer: RLTrainer, cfg: SkyliftConfig, step: int) -> RLTrainer:
+    """A fresh trainer and rollout source over the same engines and workers, resumed from the
+    checkpoint of `step`: the run as if killed after it (its generation ahead is lost)."""
+    path = ckpt.step_dir(trainer.parts.ckpt_dir, step)
+    cfg = dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, resume_mode="from_path", resume_path=str(path))
+    )
+    sampler = trainer.source.sampler  # type: ignore[attr-defined]
+    source = make_source(cfg, trainer.parts, sampler, trainer.total_steps, lambda _line: None)
+    resumed = RLTrainer(cfg, trainer.parts, source, trainer.eval_sampler, trainer.total_steps)
+    resumed.close_parts = trainer.close_parts
+    return resumed
+
+
 def _engine_vs_trainer(trainer: RLTrainer, loop: LoopThread) -> float:
     assert trainer.parts.engines is not None and trainer.parts.policy is not None
     engine = loop.submit(trainer.parts.engines.prompt_logprobs([SEQUENCE])).result(120)[0]
@@ -80,13 +113,21 @@ def test_fully_async_two_steps_and_syncs_in_flight(
             "trainer.max_prompt_length": 480,  # room for the long requests below
             "trainer.eval_before_train": False,
             "trainer.eval_interval": -1,
-            "trainer.ckpt_interval": -1,
+            "trainer.ckpt_interval": 1,
         },
     )
-    trainer = build_trainer(load_config(overrides), console=False)
+    cfg = load_config(overrides)
+    trainer = build_trainer(cfg, console=False)
     try:
         trainer.setup()
+        whole = _record_prompts(trainer)
         history = trainer.fit()
+        saved = ckpt.load_trainer_state(ckpt.step_dir(trainer.parts.ckpt_dir, 1)).rollouts["fully_async"]
+        trainer = _resumed_after_kill(trainer, cfg, 1)
+        trainer.setup()
+        again = _record_prompts(trainer)
+        trainer.fit()
+        again = list(again)  # the batches of the resumed run's fit (the checks below update too)
         loop = trainer.parts.loop  # the run's loop thread, still running after fit()
         keep = _versions_after_sync_in_flight(trainer, loop, "keep")
         abort = _versions_after_sync_in_flight(trainer, loop, "abort")
@@ -98,6 +139,10 @@ def test_fully_async_two_steps_and_syncs_in_flight(
     for h in rows:
         print({k: v for k, v in h.items() if "async" in k or "timing" in k})
     assert [h["step"] for h in rows] == [1, 2]
+    # resumed after step 1: no prompt repeated or skipped, as many steps
+    print("step 1's checkpoint:", saved)
+    assert len(whole) == 2 and len(again) == 1 and trainer.state.global_step == 2
+    assert Counter(whole[0] + again[0]) == Counter(whole[0] + whole[1])
     for row in rows:
         assert row["async/policy_version"] == row["step"] - 1
         assert 0 <= row["async/staleness_max"] <= BOUND
