@@ -28,6 +28,15 @@ def test_a_sparse_patch_round_trips_bit_for_bit(dtype: torch.dtype) -> None:
     assert torch.equal(decode_patch(encoding, data, patch.numel(), size), patch)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_patch_of_one_changed_element_round_trips(dtype: torch.dtype) -> None:
+    patch = _patch(dtype, 3000, 1)
+    size = torch.tensor([], dtype=dtype).element_size()
+    encoding, data = encode_patch(patch, size)
+    assert encoding == SPARSE
+    assert torch.equal(decode_patch(encoding, data, patch.numel(), size), patch)
+
+
 def test_a_dense_patch_stays_plain_and_round_trips() -> None:
     patch = _patch(torch.bfloat16, 1000, 900)
     encoding, data = encode_patch(patch, 2)

@@ -86,5 +86,5 @@ def decode_patch(encoding: str, data: bytes, nbytes: int, element_size: int) -> 
         planes = torch.frombuffer(
             buffer, dtype=torch.uint8, count=count * element_size, offset=start + count + 8 * far
         )
-        out[idx] = planes.reshape(element_size, count).t().contiguous().view(int_dtype).reshape(-1)
+        out[idx] = planes.reshape(element_size, count).t().contiguous().reshape(-1).view(int_dtype)
     return out.view(torch.uint8)
