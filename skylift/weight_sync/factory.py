@@ -1,4 +1,5 @@
-"""`make_transport`: the one place a run's config picks how weights reach its engines."""
+"""The one place that knows every transport: `make_transport` (a run's config picks how weights
+reach its engines: the driver's half) and `ENGINE_SIDES` (every transport's engine half)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ from typing import Any
 
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import overrides_update_group
+from skylift.weight_sync.broadcast.engine import BroadcastEngineSide
 from skylift.weight_sync.broadcast.transport import BroadcastTransport
+from skylift.weight_sync.delta.engine import DeltaEngineSide
 from skylift.weight_sync.delta.transport import DeltaTransport
+from skylift.weight_sync.engine_side import EngineHost, EngineSide, EngineSides
+from skylift.weight_sync.lora.engine import LoraEngineSide
 from skylift.weight_sync.lora.transport import LoraTransport
 from skylift.weight_sync.protocol import DeltaPublishSpec
 from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
@@ -53,3 +58,21 @@ def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say
     if cfg.trainer.policy.model.lora.rank > 0:
         return LoraTransport(policy, engines, say, sync_path=lora_sync_path(cfg), **group)
     return BroadcastTransport(policy, engines, say, **group)
+
+
+#: The engine half of every transport, by the name `weight_call` addresses it with
+#: (`weight_sync.engine_side`). A new transport adds its `EngineSide` here.
+ENGINE_SIDES: dict[str, type[EngineSide]] = {
+    BroadcastEngineSide.transport: BroadcastEngineSide,
+    LoraEngineSide.transport: LoraEngineSide,
+    DeltaEngineSide.transport: DeltaEngineSide,
+}
+
+#: The worker half of each transport that keeps one as an object (`weight_sync.worker_side`), by
+#: dotted path (imported in the vLLM worker on first use).
+WORKER_RECEIVERS: dict[str, str] = {}
+
+
+def make_engine_sides(host: EngineHost) -> EngineSides:
+    """Every transport's engine half for one engine (`LocalVLLMEngine`), sharing its weight state."""
+    return EngineSides(host, ENGINE_SIDES)
