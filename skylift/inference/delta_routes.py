@@ -1,5 +1,6 @@
 """The server's checkpoint-delta weight sync routes (``weight_sync_backend=delta``; see
-`skylift.weight_sync.delta.engine`; shims onto its `weight_call`). Bodies: `{"version", "sync_dir", "local_checkpoint_dir"?}`.
+`skylift.weight_sync.delta.engine`; shims onto its `weight_call`). Bodies: `{"version",
+"sync_dir", "local_checkpoint_dir"?}`.
 
 - POST `/skylift/delta/fetch`: bring this host's store to `version` (the server keeps generating);
 - POST `/skylift/delta/load`: the same, then load the tensors that changed since the version the

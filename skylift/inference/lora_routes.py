@@ -1,4 +1,5 @@
-"""The server's LoRA routes (shims onto the LoRA transport's engine half, `weight_sync.lora.engine`), with vLLM's semantics (start the server with --enable-lora
+"""The server's LoRA routes (shims onto the LoRA transport's engine half,
+`weight_sync.lora.engine`), with vLLM's semantics (start the server with --enable-lora
 --max-lora-rank N; without, these answer 409):
 
 - POST `/v1/load_lora_adapter` `{"lora_name", "lora_path", "load_inplace"?}`: load (or with

@@ -9,8 +9,9 @@ names every engine and why it failed.
 
 Weight-sync calls (`weight_call`, the one generic path of `weight_sync.engine_side`) go to every
 live engine too, as one `WeightSyncTarget` whose workers are those of all engines (server i takes
-the ranks after servers 0..i-1); they are never retried, since a broadcast cannot be replayed. The trainer instead hands the sender the live engines themselves
-(`live_indices`), so that a dead one can be left out of a new group.
+the ranks after servers 0..i-1); they are never retried, since a broadcast cannot be replayed.
+The trainer instead hands the sender the live engines themselves (`live_indices`), so that a dead
+one can be left out of a new group.
 """
 
 from __future__ import annotations
@@ -260,8 +261,9 @@ class EnginePool:
                 f"{payload['rank_offset']} on {self!r}"
             )
         offsets = [payload["rank_offset"] + sum(sizes[:k]) for k in range(len(sizes))]
+        engines: list[Any] = self.engines
         joins = [
-            self.engines[i].weight_call(transport, operation, {**payload, "rank_offset": offset})  # type: ignore[attr-defined]
+            engines[i].weight_call(transport, operation, {**payload, "rank_offset": offset})
             for i, offset in zip(live, offsets, strict=True)
         ]
         results = await gather_all(joins)
