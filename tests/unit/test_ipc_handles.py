@@ -80,3 +80,18 @@ def test_another_process_reads_the_shared_tensors(tmp_path: Path) -> None:
 def test_a_tensor_on_a_device_without_handles_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot be shared by handle"):
         share_tensors({"m": torch.empty(2, device="meta")})
+
+
+def test_a_handle_of_the_same_layout_is_refilled_in_place() -> None:
+    tensors = named()
+    handle = share_tensors(tensors)
+    opened = open_shared(handle)  # a receiver that keeps its views open
+    changed = {k: v + 1 if v.is_floating_point() else v * 2 for k, v in tensors.items()}
+    assert share_tensors(changed, reuse=handle) is handle  # the same buffers, the same handles
+    assert all(torch.equal(opened[k], v) for k, v in changed.items())  # seen without opening again
+    other = {**changed, "w": torch.zeros(4, 3)}  # another shape: new buffers
+    fresh = share_tensors(other, reuse=handle)
+    assert fresh is not handle and torch.equal(open_shared(fresh)["w"], torch.zeros(4, 3))
+    assert torch.equal(opened["w"], changed["w"])  # the old buffers untouched
+    handle.release()
+    fresh.release()

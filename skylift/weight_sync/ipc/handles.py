@@ -122,9 +122,37 @@ def _share(buf: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return rebuild, tuple(args)
 
 
-def share_tensors(named: dict[str, torch.Tensor]) -> SharedTensors:
+def _refill(handle: SharedTensors, named: dict[str, torch.Tensor]) -> bool:
+    """Copy `named` into `handle`'s buffers when it was made for the same names, shapes, dtypes
+    and devices (False, nothing copied, otherwise)."""
+    if tuple(named) != handle.order or len(handle._keep) != len(handle.buffers):
+        return False
+    places = {}
+    for buf, flat in zip(handle.buffers, handle._keep, strict=True):
+        for spec in buf.tensors:
+            places[spec.name] = (flat, spec)
+    for name, t in named.items():
+        flat, spec = places[name]
+        if tuple(t.shape) != spec.shape or t.dtype != flat.dtype or t.device != flat.device:
+            return False
+    with torch.no_grad():
+        for name, t in named.items():
+            flat, spec = places[name]
+            flat[spec.offset : spec.offset + spec.numel].copy_(t.detach().reshape(-1))
+    for flat in handle._keep:
+        if flat.device.type == "cuda":
+            torch.cuda.current_stream(flat.device).synchronize()
+    return True
+
+
+def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = None) -> SharedTensors:
     """Copy `named` into shared buffers (one per device and dtype, in the order given) and return
-    the handle object another process on this host opens with `open_shared`."""
+    the handle object another process on this host opens with `open_shared`. `reuse`: a handle
+    this process made before and has not released; when `named` has its layout, the tensors are
+    copied into its buffers and it is returned (same handles: a receiver that keeps them open
+    maps nothing new, and no fresh pages are touched)."""
+    if reuse is not None and _refill(reuse, named):
+        return reuse
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, t in named.items():
         groups.setdefault((t.device, t.dtype), []).append((name, t))

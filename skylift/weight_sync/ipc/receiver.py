@@ -16,15 +16,34 @@ from skylift.weight_sync.buckets import bucket_of
 from skylift.weight_sync.ipc.handles import handle_from_wire, open_shared
 
 
+def _key(wire: dict[str, Any]) -> str:
+    return repr([(b["device"], b["args"]) for b in wire["buffers"]])
+
+
 class IpcWorkerReceiver:
+    """Keeps the last CPU handle's views open: a sender that refills the same buffers
+    (`SharedTensorsTransport(keep_buffers=True)`) is read without mapping anything again. CUDA
+    views are dropped after each load (an open one would keep the sender's GPU memory alive)."""
+
     def __init__(self, worker: Any) -> None:
         self.worker = worker  # the vLLM worker, with `broadcast.receiver`'s loading helpers
+        self._open: tuple[str, dict[str, Any]] | None = None
+
+    def _views(self, wire: dict[str, Any]) -> dict[str, Any]:
+        key = _key(wire)
+        if self._open is not None and self._open[0] == key:
+            return self._open[1]
+        self._open = None  # the old mapping goes before the new one is made
+        views = open_shared(handle_from_wire(wire))
+        if all(b["device"] == "cpu" for b in wire["buffers"]):
+            self._open = (key, views)
+        return views
 
     def load(self, wire: dict[str, Any]) -> dict[str, Any]:
         """Load every tensor of the handle `wire` (`handles.handle_to_wire`); returns
         {"tensors", "bytes", "seconds", "direct"}."""
         start = time.perf_counter()
-        named = list(open_shared(handle_from_wire(wire)).items())
+        named = list(self._views(wire).items())
         worker = self.worker
         worker._skylift_check_whole_units([n for n, _ in named])
         direct = worker._skylift_direct_loader()

@@ -27,10 +27,20 @@ from skylift.weight_sync.transport import WeightTransport
 class SharedTensorsTransport(WeightTransport):
     """Tensors `put` here -> every engine of `engines` (on this host), by shared-memory handle.
 
-    `dtype`: cast floating tensors to it first (None: as put)."""
+    `dtype`: cast floating tensors to it first (None: as put). `keep_buffers` (default: on CPU):
+    the shared buffers live on between pushes and the next push of the same layout is copied
+    into them, so neither side touches fresh pages (one copy of the weights stays in shared
+    memory meanwhile); off, each push shares new buffers and frees them once loaded."""
 
-    def __init__(self, engines: Sequence[WeightCall], dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[WeightCall],
+        dtype: torch.dtype | None = None,
+        keep_buffers: bool | None = None,
+    ) -> None:
         self.engines, self.dtype = list(engines), dtype
+        self.keep_buffers = keep_buffers
+        self._kept: SharedTensors | None = None
         self.staged: list[NamedTensor] | None = None
         self.version: int | None = None  # the version the engines hold (None: what they started with)
 
@@ -45,7 +55,14 @@ class SharedTensorsTransport(WeightTransport):
     def _share(self, named: list[NamedTensor]) -> SharedTensors:
         cast = self.dtype
         tensors = {n: t.to(cast) if cast is not None and t.is_floating_point() else t for n, t in named}
-        return share_tensors(tensors)
+        keep = self.keep_buffers
+        if keep is None:
+            keep = all(t.device.type == "cpu" for t in tensors.values())
+        handle = share_tensors(tensors, reuse=self._kept)
+        if handle is not self._kept and self._kept is not None:
+            self._kept.release()
+        self._kept = handle if keep else None
+        return handle
 
     async def push(self, version: int) -> dict[str, float]:
         """Every engine loads the tensors `put` last (and resets its prefix cache)."""
@@ -59,7 +76,8 @@ class SharedTensorsTransport(WeightTransport):
             payload = {"handle": handle_to_wire(handle)}
             results = await gather_all([e.weight_call("ipc", "load", payload) for e in self.engines])
         finally:
-            handle.release()
+            if handle is not self._kept:
+                handle.release()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise WeightSyncError(f"shared-tensor weight sync: {failed[0]}") from failed[0]
@@ -71,3 +89,6 @@ class SharedTensorsTransport(WeightTransport):
 
     async def close(self) -> None:
         self.staged = None
+        if self._kept is not None:
+            self._kept.release()
+            self._kept = None
