@@ -1,8 +1,9 @@
 """The IPC transport's engine half: full weights by handle from a process on the same host.
 
-Operation ``load`` {"handle": `handles.handle_to_wire(...)`}: every worker opens the shared tensors
-(CUDA IPC on a GPU, /dev/shm on CPU) and loads them (`ipc.receiver`), then the prefix cache is
-reset. No weight-update group: the sender keeps the buffers alive until this call answers. A
+Operation ``load`` {"handle": `handles.handle_to_wire(...)`, "ready"?, "buckets"?}: every worker
+opens the shared tensors (CUDA IPC on a GPU, /dev/shm on CPU) and loads them (`ipc.receiver`;
+with a `ready` counter, bucket by bucket while the sender fills the next), then the prefix cache
+is reset. No weight-update group: the sender keeps the buffers alive until this call answers. A
 handle that does not decode is an `EngineRequestError`; a worker's failure (e.g. a bucket that
 holds part of a fused module) an `EngineStateError`, nothing loaded on that worker.
 """
@@ -26,9 +27,13 @@ class IpcEngineSide(EngineSide):
         self.operations = {"load": self.load}
 
     async def load(self, payload: Payload) -> dict[str, Any]:
-        wire = payload.get("handle")
+        wire, ready, buckets = payload.get("handle"), payload.get("ready"), payload.get("buckets")
         try:
             tensors = len(handle_from_wire(wire).order)  # type: ignore[arg-type]
+            if ready is not None:
+                handle_from_wire(ready)
+            if buckets is not None and sorted(n for b in buckets for n in b) != sorted(wire["order"]):  # type: ignore[index]
+                raise ValueError("the buckets do not name the handle's tensors")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise EngineRequestError(
                 f"{self.host.name}: ipc load: not a shared-tensors handle ({exc!r})"

@@ -22,6 +22,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 __all__ = [
+    "fits",
+    "write_tensors",
     "SharedBuffer",
     "SharedTensors",
     "TensorSpec",
@@ -122,19 +124,30 @@ def _share(buf: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return rebuild, tuple(args)
 
 
-def _refill(handle: SharedTensors, named: dict[str, torch.Tensor]) -> bool:
-    """Copy `named` into `handle`'s buffers when it was made for the same names, shapes, dtypes
-    and devices (False, nothing copied, otherwise)."""
+def _places(handle: SharedTensors) -> dict[str, tuple[torch.Tensor, TensorSpec]]:
+    return {
+        spec.name: (flat, spec)
+        for buf, flat in zip(handle.buffers, handle._keep, strict=True)
+        for spec in buf.tensors
+    }
+
+
+def fits(handle: SharedTensors, named: dict[str, torch.Tensor]) -> bool:
+    """Whether `handle` (made and still held by this process) has `named`'s layout: the same
+    names in the same order, shapes, dtypes and devices."""
     if tuple(named) != handle.order or len(handle._keep) != len(handle.buffers):
         return False
-    places = {}
-    for buf, flat in zip(handle.buffers, handle._keep, strict=True):
-        for spec in buf.tensors:
-            places[spec.name] = (flat, spec)
+    places = _places(handle)
     for name, t in named.items():
         flat, spec = places[name]
         if tuple(t.shape) != spec.shape or t.dtype != flat.dtype or t.device != flat.device:
             return False
+    return True
+
+
+def write_tensors(handle: SharedTensors, named: dict[str, torch.Tensor]) -> None:
+    """Copy `named` (some of `handle`'s tensors, layout as `fits` checks) into its buffers."""
+    places = _places(handle)
     with torch.no_grad():
         for name, t in named.items():
             flat, spec = places[name]
@@ -142,7 +155,6 @@ def _refill(handle: SharedTensors, named: dict[str, torch.Tensor]) -> bool:
     for flat in handle._keep:
         if flat.device.type == "cuda":
             torch.cuda.current_stream(flat.device).synchronize()
-    return True
 
 
 def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = None) -> SharedTensors:
@@ -151,7 +163,8 @@ def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = 
     this process made before and has not released; when `named` has its layout, the tensors are
     copied into its buffers and it is returned (same handles: a receiver that keeps them open
     maps nothing new, and no fresh pages are touched)."""
-    if reuse is not None and _refill(reuse, named):
+    if reuse is not None and fits(reuse, named):
+        write_tensors(reuse, named)
         return reuse
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, t in named.items():
