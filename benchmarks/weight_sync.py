@@ -13,7 +13,11 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
 - raw_broadcast: ONE flat buffer of the same number of bytes broadcast over a gloo group between
   two plain processes (plus a one-element acknowledgement back, so the receiver has it all);
 - reload: the engine's own in-place `reload_weights` of the same tensors, already in the worker's
-  memory (no transfer at all).
+  memory (no transfer at all);
+- shm_sync: the same state dict by shared-memory handle (`weight_sync.ipc.transport.
+  SharedTensorsTransport`: packed into /dev/shm, the workers load from it; what `weight_sync.topology`
+  picks for a CPU engine on the trainer's host), beside the gloo stream (`shm_vs_gloo`: shm_sync_s
+  / sync_s; checked against transformers like the stream).
 
 Prints one line per model and, last, a JSON line for the last model (SmolLM2-135M by default):
     {"ratio": sync_s / (raw_broadcast_s + reload_s), "sequential_ratio": sequential_sync_s / (...),
@@ -158,6 +162,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
     from skylift.inference.local import LocalVLLMEngine
     from skylift.models import prepare_model
     from skylift.weight_sync import WeightSender
+    from skylift.weight_sync.ipc.transport import SharedTensorsTransport
 
     model_dir = prepare_model(name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -197,7 +202,16 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
                 await rpc(_set_direct_load, args=(True,))
 
         await stream_with_vllm_reload()
+        shm = SharedTensorsTransport([engine])
+
+        async def shm_sync() -> float:
+            shm.put(state)
+            return (await shm.push(0))["timing/weight_sync_s"]
+
+        await shm_sync()
+        shm_err = _engine_vs_hf((await engine.prompt_logprobs([SEQUENCE]))[0], model)
         raw_times, reload_times, sync_times, seq_times, vllm_times, buckets = [], [], [], [], [], 0
+        shm_times: list[float] = []
         direct = 0
         for _ in range(repeats):
             raw_times.append(raw.round())
@@ -214,6 +228,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
             if any(r.get("direct_buckets") for r in generic.receipts):
                 raise SystemExit(f"{name}: the stream with vLLM's reload loaded buckets directly ({generic})")
             vllm_times.append(generic.seconds)
+            shm_times.append(await shm_sync())
         await rpc(_drop_reload_weights)
         await sender.close()
         after = (await engine.prompt_logprobs([SEQUENCE]))[0]
@@ -224,6 +239,9 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
     err_before, err_after = _engine_vs_hf(before, model), _engine_vs_hf(after, model)
     if not (err_after < err_before and err_after < 1e-2):
         raise SystemExit(f"{name}: the engine does not serve the synced weights ({err_before=} {err_after=})")
+    if not (shm_err < err_before and shm_err < 1e-2):
+        raise SystemExit(f"{name}: the engine does not serve the weights synced by handle ({shm_err=})")
+    shm_s = statistics.median(shm_times)
     sync_s = statistics.median(sync_times)
     seq_s = statistics.median(seq_times)
     vllm_s = statistics.median(vllm_times)
@@ -240,6 +258,9 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
         "stream_vllm_reload_s": round(vllm_s, 4),
         "direct_buckets": direct,
         "raw_broadcast_s": round(raw_s, 4),
+        "shm_sync_s": round(shm_s, 4),
+        "shm_vs_gloo": round(shm_s / sync_s, 3),
+        "logprob_err_after_shm_sync": shm_err,
         "reload_s": round(reload_s, 4),
         "init_group_s": round(init_s, 4),
         "engine_startup_s": round(startup_s, 1),
@@ -287,7 +308,8 @@ def main() -> None:
             f"| raw broadcast {1e3 * result['raw_broadcast_s']:.1f} ms "
             f"+ reload {1e3 * result['reload_s']:.1f} ms | ratio {result['ratio']:.2f} "
             f"(sequential {result['sequential_ratio']:.2f}) "
-            f"(vs raw broadcast {result['vs_raw_broadcast']:.2f}) | group init {1e3 * result['init_group_s']:.0f} ms",
+            f"(vs raw broadcast {result['vs_raw_broadcast']:.2f}) | group init {1e3 * result['init_group_s']:.0f} ms "
+            f"| shared memory {1e3 * result['shm_sync_s']:.1f} ms ({result['shm_vs_gloo']:.2f} of the gloo stream)",
             flush=True,
         )
     last = dict(results[-1])
@@ -302,6 +324,8 @@ def main() -> None:
                 "reload_s",
                 "ratio",
                 "sequential_ratio",
+                "shm_sync_s",
+                "shm_vs_gloo",
             )
         }
         for r in results

@@ -1,4 +1,5 @@
-"""A vLLM engine in a Ray actor and its driver-side client, one typed method per engine operation.
+"""A vLLM engine in a Ray actor and its driver-side client, one typed method per engine operation
+(weight sync: one method, `weight_call`, for every transport's operations).
 
 `EngineActor` holds a `LocalVLLMEngine` and forwards each operation to it; `RayEngineClient` is
 the `InferenceEngine` the driver holds: each of its methods calls the actor method it names by
@@ -18,16 +19,12 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    WeightBucket,
-    WeightUpdateGroupSpec,
 )
 from skylift.utils.calls import call_with_timeout
 from skylift.utils.messages import one_line, plain
 
 if TYPE_CHECKING:
     from skylift.inference.local import LocalVLLMEngine
-    from skylift.weight_sync.lora.adapter import LoraAdapterSpec
-    from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger(__name__)
 
@@ -85,38 +82,9 @@ class EngineActor:
     async def resume_generation(self, policy_version: int | None = None) -> None:
         await self._live("resume_generation").resume_generation(policy_version)
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self._live("init_weight_update_communicator").init_weight_update_communicator(spec)
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self._live("update_weights").update_weights(bucket)
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        return await self._live("receive_weight_stream").receive_weight_stream()
-
-    async def destroy_weights_update_group(self) -> None:
-        await self._live("destroy_weights_update_group").destroy_weights_update_group()
-
-    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        return await self._live("fetch_delta").fetch_delta(request)
-
-    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        return await self._live("load_delta").load_delta(request)
-
-    async def has_weight_update_group(self) -> bool:
-        return await self._live("has_weight_update_group").has_weight_update_group()
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
-    ) -> None:
-        engine = self._live("load_lora_adapter")
-        await engine.load_lora_adapter(lora_name, lora_path, load_inplace=load_inplace, activate=activate)
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        await self._live("unload_lora_adapter").unload_lora_adapter(lora_name)
-
-    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        await self._live("receive_lora_adapter").receive_lora_adapter(bucket, adapter)
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        """Every weight-sync operation (`weight_sync.engine_side`): one actor method."""
+        return await self._live(f"{transport}.{operation}").weight_call(transport, operation, payload)
 
     async def health(self) -> bool:
         return await self._live("health").health()
@@ -166,11 +134,14 @@ class RayEngineClient(EngineBase):
         self, method: Callable[Concatenate[EngineActor, P], Awaitable[R]], *args: P.args, **kwargs: P.kwargs
     ) -> R:
         """`method` run on the actor (through Ray's handle of the same name), with the timeout."""
-        operation = method.__name__
-        result = getattr(self.actor, operation).remote(*args, **kwargs)
+        return await self._remote(method.__name__, method.__name__, *args, **kwargs)
+
+    async def _remote(self, label: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The actor's `method`, its failures named `label`."""
+        result = getattr(self.actor, method).remote(*args, **kwargs)
         return await call_with_timeout(
             self.name,
-            operation,
+            label,
             result,
             self.timeout_s,
             timeout_error=EngineUnavailableError,
@@ -195,39 +166,10 @@ class RayEngineClient(EngineBase):
     async def resume_generation(self, policy_version: int | None = None) -> None:
         await self._call(EngineActor.resume_generation, policy_version)
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self._call(EngineActor.init_weight_update_communicator, spec)
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self._call(EngineActor.update_weights, bucket)
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        return await self._call(EngineActor.receive_weight_stream)
-
-    async def destroy_weights_update_group(self) -> None:
-        await self._call(EngineActor.destroy_weights_update_group)
-
-    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        return await self._call(EngineActor.fetch_delta, request)
-
-    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        return await self._call(EngineActor.load_delta, request)
-
-    async def has_weight_update_group(self) -> bool:
-        return await self._call(EngineActor.has_weight_update_group)
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
-    ) -> None:
-        await self._call(
-            EngineActor.load_lora_adapter, lora_name, lora_path, load_inplace=load_inplace, activate=activate
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        return await self._remote(
+            f"{transport}.{operation}", EngineActor.weight_call.__name__, transport, operation, payload
         )
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        await self._call(EngineActor.unload_lora_adapter, lora_name)
-
-    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        await self._call(EngineActor.receive_lora_adapter, bucket, adapter)
 
     async def health(self) -> bool:
         return await self._call(EngineActor.health)

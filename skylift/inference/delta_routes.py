@@ -1,5 +1,6 @@
 """The server's checkpoint-delta weight sync routes (``weight_sync_backend=delta``; see
-`skylift.inference.delta_engine`). Bodies: `{"version", "sync_dir", "local_checkpoint_dir"?}`.
+`skylift.weight_sync.delta.engine`; shims onto its `weight_call`). Bodies: `{"version",
+"sync_dir", "local_checkpoint_dir"?}`.
 
 - POST `/skylift/delta/fetch`: bring this host's store to `version` (the server keeps generating);
 - POST `/skylift/delta/load`: the same, then load the tensors that changed since the version the
@@ -49,13 +50,17 @@ def _request(body: DeltaSyncBody, request: Request) -> DeltaSyncRequest:
 @router.post("/skylift/delta/fetch")
 async def fetch_delta(body: DeltaSyncBody, request: Request) -> dict[str, Any]:
     """Apply published versions up to `version` to this host's store."""
-    return await engine_call(_state(request).engine.fetch_delta(_request(body, request)))
+    return await engine_call(
+        _state(request).engine.weight_call("delta", "fetch", _request(body, request).to_dict())
+    )
 
 
 @router.post("/skylift/delta/load")
 async def load_delta(body: DeltaSyncBody, request: Request) -> dict[str, Any]:
     """Apply, then load what changed into the engine and reset its prefix cache."""
-    return await engine_call(_state(request).engine.load_delta(_request(body, request)))
+    return await engine_call(
+        _state(request).engine.weight_call("delta", "load", _request(body, request).to_dict())
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -2,7 +2,8 @@
 
 The engine core and its workers run in child processes that vLLM spawns; scripts that create one
 need an ``if __name__ == "__main__":`` guard. Weight updates go to the weight-sync receiver in
-every worker (`skylift.weight_sync.broadcast.receiver`) through ``collective_rpc``.
+every worker through ``collective_rpc``, from the engine halves of the weight transports
+(`skylift.weight_sync.engine_side`), reached through the one `weight_call`.
 """
 
 from __future__ import annotations
@@ -11,18 +12,13 @@ import asyncio
 import gc
 import itertools
 import logging
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from skylift.inference import vllm_patches
-from skylift.inference.delta_engine import EngineDelta
 from skylift.inference.engine_args import apply_cpu_env_defaults, build_engine_args, is_cpu_platform
 from skylift.inference.engine_base import EngineBase, GenerateCall
-from skylift.inference.lora_adapters import LoraAdapters
-from skylift.inference.rendezvous import join_weight_update_group
 from skylift.inference.types import (
     PAUSE_MODES,
     TEACHER_FORCING,
@@ -33,24 +29,14 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    WeightBucket,
-    WeightUpdateGroupSpec,
     check_teacher_forcing,
 )
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
 from skylift.inference.vllm_patches import quiet_teardown
 from skylift.utils.calls import call_with_timeout
 from skylift.utils.watchdog import unless_failed
-from skylift.weight_sync.buckets import validate_bucket
-from skylift.weight_sync.lora.adapter import LoraAdapterSpec
-from skylift.weight_sync.protocol import (
-    RPC_DESTROY,
-    RPC_HAS_GROUP,
-    RPC_INIT_GROUP,
-    RPC_RECEIVE,
-    RPC_RECEIVE_STREAM,
-    DeltaSyncRequest,
-)
+from skylift.weight_sync.factory import make_engine_sides
+from skylift.weight_sync.lora.engine import LoraEngineSide
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +63,6 @@ def _engine_failure(message: str, exc: Exception) -> Exception:
     if isinstance(exc, EngineDeadError):  # its text points at a stack trace the log has
         return EngineUnavailableError(f"{message}: the vLLM engine process died (EngineDeadError)")
     return EngineError(f"{message}: {exc}")
-
-
-@dataclass
-class BucketReceipt:
-    """What receiving one weight bucket did."""
-
-    num_tensors: int
-    weight_version: int  # buckets received by this engine so far
-    prefix_cache_reset: bool
-    seconds: float
 
 
 class LocalVLLMEngine(EngineBase):
@@ -119,14 +95,10 @@ class LocalVLLMEngine(EngineBase):
         self.control_timeout_s = control_timeout_s
         self.update_timeout_s = update_timeout_s
         self._closed = False
-        self._weight_lock = asyncio.Lock()
-        #: The weight-update group the workers are in (None: none), as this engine's calls left it.
-        self.group_name: str | None = None
-        self.weight_version = 0
-        #: the LoRA adapters it serves (`lora_registry`: vLLM's OpenAIServingModels in the server)
-        self.lora = LoraAdapters(self, lora_registry)
-        #: checkpoint-delta weight sync (`skylift.inference.delta_engine`)
-        self.delta = EngineDelta(self)
+        #: vLLM's OpenAIServingModels in the server (the LoRA side serves its table), else None
+        self.lora_registry = lora_registry
+        #: every weight transport's engine half, sharing one weight state
+        self.weights = make_engine_sides(self)
 
     @classmethod
     async def create(
@@ -323,147 +295,39 @@ class LocalVLLMEngine(EngineBase):
             await self._call("set weight version", label, self.control_timeout_s)
         await self._call("resume", self._engine.resume_generation(), self.control_timeout_s)
 
-    # ---- weight updates ---------------------------------------------------------------------
+    # ---- weight sync: each transport's engine half (`skylift.weight_sync.engine_side`) ---------
 
-    async def _rpc(self, operation: str, method: str, args: tuple, timeout_s: float) -> list[Any]:
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        """One operation of a weight transport's engine half (`weight_sync.factory.ENGINE_SIDES`),
+        with a JSON-ready payload and answer."""
+        return await self.weights.call(transport, operation, payload)
+
+    @property
+    def workers(self) -> int:
+        return self._tp
+
+    async def rpc(self, operation: str, method: str, args: tuple, timeout_s: float) -> list[Any]:
+        """`method(*args)` on every vLLM worker (the weight receivers' ``collective_rpc``)."""
         rpc = self._engine.collective_rpc(method, timeout=timeout_s, args=args)
         return await self._call(operation, rpc, timeout_s + 5.0)
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        """Have every worker join the trainer's group (concurrently with the trainer's rendezvous)
-        once a store answers at its address (`skylift.inference.rendezvous`: an address where none
-        does is an `EngineRequestError` after `spec.timeout_s`, the engine untouched). An existing
-        group is an `EngineStateError` unless `spec.override_existing`."""
-        last = spec.rank_offset + self._tp - 1
-        if last >= spec.world_size:
-            raise EngineRequestError(
-                f"{self.name}: world_size={spec.world_size} is too small: this engine's {self._tp} "
-                f"worker(s) take ranks {spec.rank_offset}..{last}"
-            )
-        async with self._weight_lock:
-            if self.group_name is not None and not spec.override_existing:
-                raise EngineStateError(
-                    f"{self.name}: a weight-update group ({self.group_name!r}) already exists; "
-                    "pass override_existing=True to replace it"
-                )
-            self.group_name = None
-            await join_weight_update_group(self._rpc, spec, RPC_INIT_GROUP, ranks=self._tp)
-            self.group_name = spec.group_name
+    async def call(self, operation: str, awaitable: Awaitable[T], timeout_s: float) -> T:
+        return await self._call(operation, awaitable, timeout_s)
 
-    async def _receive(
-        self,
-        operation: str,
-        rpc: tuple[str, str, tuple],
-        refusal_of: Callable[[Any], str | None],
-        buckets_of: Callable[[list[Any]], int],
-    ) -> tuple[list[Any], float, bool]:
-        """One receiving call to every worker (`rpc`: its label, method and args), with the group
-        checked first, a worker's refusal (`refusal_of` its result) an `EngineStateError`, the
-        weight version advanced by `buckets_of(results)` and the prefix cache reset after it.
-        Returns the workers' results, the seconds they took and whether the cache was reset."""
-        async with self._weight_lock:
-            if self.group_name is None:
-                raise EngineStateError(
-                    f"{self.name}: {operation}: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
-            start = time.perf_counter()
-            results = await self._rpc(*rpc, self.update_timeout_s)
-            refusal = next((r for r in map(refusal_of, results) if r), None)
-            if refusal is not None:  # a staging group's fused module left incomplete: nothing loaded
-                raise EngineStateError(f"{self.name}: {operation}: {refusal}")
-            seconds = time.perf_counter() - start
-            self.weight_version += buckets_of(results)
-            return results, seconds, await self.try_reset_prefix_cache()
+    @property
+    def group_name(self) -> str | None:
+        """The weight-update group the workers are in (None: none), as this engine's calls left it."""
+        return self.weights.state.group_name
 
-    async def receive_weights(self, bucket: WeightBucket) -> BucketReceipt:
-        """Receive one bucket over the group (the sender broadcasts concurrently), load it in
-        place and reset the prefix cache. Bad metadata is an `EngineRequestError`, no group an
-        `EngineStateError` (nothing is received then)."""
-        try:
-            bucket = validate_bucket(bucket)
-        except ValueError as exc:
-            raise EngineRequestError(f"{self.name}: update_weights: {exc}") from exc
-        label = f"update_weights ({len(bucket.names)} tensors, first {bucket.names[0]!r})"
-        _, seconds, reset = await self._receive(
-            "update_weights",
-            (label, RPC_RECEIVE, bucket.rpc_args()),
-            lambda r: r if isinstance(r, str) else None,
-            lambda _: 1,
-        )
-        logger.debug("%s: bucket of %d tensors in %.3fs", self.name, len(bucket.names), seconds)
-        return BucketReceipt(len(bucket.names), self.weight_version, reset, seconds)
+    @property
+    def weight_version(self) -> int:
+        """How many times weights were loaded over a weight-update group."""
+        return self.weights.state.version
 
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        """`receive_weights` (the interface's form)."""
-        await self.receive_weights(bucket)
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync in ONE call to the workers (`weight_sync.broadcast.stream`: the
-        reload of a bucket overlaps the broadcast of the next), then reset the prefix cache.
-
-        The engine core runs no model step during the call, so no request sees a half-updated
-        model. Returns what arrived (buckets, tensors, bytes, seconds, weight_version, prefix_cache_reset,
-        direct_buckets: loaded without vLLM's reload, `weight_sync.broadcast.direct_load`); a refused
-        bucket is an `EngineStateError` (see the receiver)."""
-        results, seconds, reset = await self._receive(
-            "receive_weight_stream",
-            ("receive_weight_stream", RPC_RECEIVE_STREAM, ()),
-            lambda r: r.get("refused"),
-            lambda rs: int(rs[0]["buckets"]),
-        )
-        receipt = {k: results[0][k] for k in ("buckets", "tensors", "bytes")}
-        receipt.update(
-            seconds=seconds,
-            worker_seconds=max(r["seconds"] for r in results),
-            direct_buckets=min(r.get("direct_buckets", 0) for r in results),
-            weight_version=self.weight_version,
-            prefix_cache_reset=reset,
-        )
-        return receipt
-
-    async def destroy_weights_update_group(self) -> None:
-        """Leave and destroy the weight-update group on every worker (no-op when none)."""
-        async with self._weight_lock:
-            results = await self._rpc("destroy_weights_update_group", RPC_DESTROY, (), self.control_timeout_s)
-            self.group_name = None
-        pending = next((r for r in results if isinstance(r, str)), None)
-        if pending is not None:
-            raise EngineStateError(
-                f"{self.name}: weight-update group destroyed with fused modules never completed, so "
-                f"never loaded: {pending}"
-            )
-
-    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        """Delta sync: bring this host's store to `request.version` (no pause needed)."""
-        return await self.delta.fetch(request)
-
-    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        """Delta sync: load the tensors changed up to `request.version`, reset the prefix cache."""
-        return await self.delta.load(request)
-
-    # ---- LoRA adapters (skylift.inference.lora_adapters) -------------------------------------
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
-    ) -> None:
-        """Load the PEFT adapter in directory `lora_path` as `lora_name` (`activate`: the default)."""
-        await self.lora.load(lora_name, lora_path, load_inplace=load_inplace, activate=activate)
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        await self.lora.unload(lora_name)
-
-    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        """Receive a LoRA adapter over the weight-update group (broadcast concurrently), load it."""
-        await self.lora.receive(bucket, adapter, self._weight_lock)
-
-    async def has_weight_update_group(self) -> bool:
-        """True when every worker is in a weight-update group (while a weight call is running:
-        whether the last one left a group)."""
-        if self._weight_lock.locked():
-            return self.group_name is not None
-        results = await self._rpc("has_weight_update_group", RPC_HAS_GROUP, (), self.control_timeout_s)
-        return bool(results) and all(results)
+    @property
+    def lora(self) -> LoraEngineSide:
+        """The LoRA adapters it serves (`weight_sync.lora.engine`)."""
+        return self.weights["lora"]  # type: ignore[return-value]
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -485,7 +349,7 @@ class LocalVLLMEngine(EngineBase):
         if self._closed:
             return
         self._closed = True
-        self.lora.close()
+        self.weights.close()
         engine, self._engine = self._engine, None
         # Stop reading outputs first: otherwise the reader reports the engine core's exit as an error.
         handler = getattr(engine, "output_handler", None)

@@ -1,4 +1,5 @@
-"""The server's LoRA routes, with vLLM's semantics (start the server with --enable-lora
+"""The server's LoRA routes (shims onto the LoRA transport's engine half,
+`weight_sync.lora.engine`), with vLLM's semantics (start the server with --enable-lora
 --max-lora-rank N; without, these answer 409):
 
 - POST `/v1/load_lora_adapter` `{"lora_name", "lora_path", "load_inplace"?}`: load (or with
@@ -27,8 +28,6 @@ from fastapi.responses import PlainTextResponse
 from skylift.inference.bodies import LoadLoraAdapterBody, ReceiveLoraAdapterBody, UnloadLoraAdapterBody
 from skylift.inference.engine_http import engine_call
 from skylift.inference.routes import SkyliftState
-from skylift.inference.types import WeightBucket
-from skylift.weight_sync.lora.adapter import LoraAdapterSpec
 
 router = APIRouter()
 
@@ -53,30 +52,22 @@ async def load_lora_adapter(body: LoadLoraAdapterBody, request: Request) -> str:
             f"The lora adapter '{body.lora_name}' conflicts with a served base model.",
         )
     engine = _state(request).engine
-    await engine_call(
-        engine.load_lora_adapter(
-            body.lora_name, body.lora_path, load_inplace=body.load_inplace, activate=body.activate
-        )
-    )
+    await engine_call(engine.weight_call("lora", "load", body.model_dump()))
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(body: UnloadLoraAdapterBody, request: Request) -> str:
     """Unload a LoRA adapter by name."""
-    await engine_call(_state(request).engine.unload_lora_adapter(body.lora_name))
+    await engine_call(_state(request).engine.weight_call("lora", "unload", {"lora_name": body.lora_name}))
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
 @router.post("/skylift/receive_lora_adapter")
 async def receive_lora_adapter(body: ReceiveLoraAdapterBody, request: Request) -> dict[str, object]:
     """Receive a LoRA adapter over the weight-update group (the trainer broadcasts meanwhile)."""
-    bucket = WeightBucket(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
-    adapter = LoraAdapterSpec(
-        name=body.name, peft_config=body.peft_config, activate=body.activate, retire=body.retire
-    )
     engine = _state(request).engine
-    await engine_call(engine.receive_lora_adapter(bucket, adapter))
+    await engine_call(engine.weight_call("lora", "receive", body.model_dump()))
     return {"status": "ok", "lora_name": body.name, "default": engine.lora.default}
 
 

@@ -7,10 +7,11 @@ least-loaded engine; control calls go to every engine concurrently. An engine th
 the pool and its requests are retried on the others; with none left, `NoHealthyEngineError`
 names every engine and why it failed.
 
-Weight-sync calls go to every live engine too, as one `WeightSyncTarget` whose workers are those
-of all engines (server i takes the ranks after servers 0..i-1); they are never retried, since a
-broadcast cannot be replayed. The trainer instead hands the sender the live engines themselves
-(`live_indices`), so that a dead one can be left out of a new group.
+Weight-sync calls (`weight_call`, the one generic path of `weight_sync.engine_side`) go to every
+live engine too, as one `WeightSyncTarget` whose workers are those of all engines (server i takes
+the ranks after servers 0..i-1); they are never retried, since a broadcast cannot be replayed.
+The trainer instead hands the sender the live engines themselves (`live_indices`), so that a dead
+one can be left out of a new group.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from skylift.inference.routing import LoadRouter, NoServerLeftError
@@ -28,11 +28,8 @@ from skylift.inference.types import (
     InferenceEngine,
     PauseMode,
     SamplingParams,
-    WeightBucket,
-    WeightUpdateGroupSpec,
 )
 from skylift.utils.calls import call_with_timeout, gather_all
-from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger("skylift.inference.pool")
 
@@ -245,44 +242,35 @@ class EnginePool:
         """Workers of all live engines (the ranks a weight-update group must make room for)."""
         return sum(await self._every("tensor_parallel_size", strict=True))
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        """Every live engine joins one group: engine i takes the ranks after engines 0..i-1."""
+    async def weight_call(
+        self, transport: str, operation: str, payload: dict[str, Any] | None = None, *, strict: bool = True
+    ) -> list[Any]:
+        """One weight-sync operation (`weight_sync.engine_side`) on every live engine concurrently;
+        their answers in engine order. `strict` (a weight-update group's calls: every engine takes
+        part in each broadcast): an unavailable engine fails the call; else it is taken out and the
+        others go on (delta sync). A payload with a ``rank_offset`` (a group's join) is spread over
+        the engines: engine i takes the ranks after engines 0..i-1."""
+        payload = payload or {}
+        if "rank_offset" not in payload:
+            return await self._every("weight_call", transport, operation, payload, strict=strict)
         sizes = await self._every("tensor_parallel_size", strict=True)
         live = self.live_indices
-        if spec.rank_offset + sum(sizes) > spec.world_size:
+        if payload["rank_offset"] + sum(sizes) > payload.get("world_size", 0):
             raise ValueError(
-                f"world_size={spec.world_size} too small for {sum(sizes)} engine ranks from rank "
-                f"{spec.rank_offset} on {self!r}"
+                f"world_size={payload.get('world_size')} too small for {sum(sizes)} engine ranks from rank "
+                f"{payload['rank_offset']} on {self!r}"
             )
-        offsets = [spec.rank_offset + sum(sizes[:k]) for k in range(len(sizes))]
+        offsets = [payload["rank_offset"] + sum(sizes[:k]) for k in range(len(sizes))]
+        engines: list[Any] = self.engines
         joins = [
-            self.engines[i].init_weight_update_communicator(replace(spec, rank_offset=offset))
+            engines[i].weight_call(transport, operation, {**payload, "rank_offset": offset})
             for i, offset in zip(live, offsets, strict=True)
         ]
-        errors = [r for r in await gather_all(joins) if isinstance(r, BaseException)]
+        results = await gather_all(joins)
+        errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self._every("update_weights", bucket, strict=True)
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        """Every live engine receives the stream (they all take part in each broadcast)."""
-        receipts = await self._every("receive_weight_stream", strict=True)
-        return {**{k: receipts[0][k] for k in ("buckets", "tensors", "bytes")}, "engines": receipts}
-
-    async def destroy_weights_update_group(self) -> None:
-        await self._every("destroy_weights_update_group", strict=True)
-
-    # ---- checkpoint-delta weight sync: each engine on its own (no group), unavailable ones taken out
-
-    async def fetch_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]:
-        """Every live engine brings its host's store to `request.version`."""
-        return await self._every("fetch_delta", request)
-
-    async def load_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]:
-        """Every live engine loads what changed up to `request.version`."""
-        return await self._every("load_delta", request)
+        return results
 
     async def close(self) -> None:
         """Close every engine, failed ones included (best effort for those)."""

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import aiohttp
@@ -26,11 +24,7 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
-    WeightBucket,
-    WeightUpdateGroupSpec,
 )
-from skylift.weight_sync.lora.adapter import LoraAdapterSpec
-from skylift.weight_sync.protocol import DeltaSyncRequest
 
 logger = logging.getLogger("skylift.inference.remote")
 
@@ -194,62 +188,21 @@ class RemoteInferenceEngine(EngineBase):
     async def wake_up(self) -> None:
         await self.request("POST", "/wake_up", "wake_up")
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None:
-        await self.request(
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        """One weight-sync operation on the server's engine (`weight_sync.engine_side`): POST
+        /skylift/weights/{transport}/{operation} with the payload; the answer's ``result``. A
+        payload with its own ``timeout_s`` (a group rendezvous) gets that much more time. Never
+        retried: a broadcast cannot be replayed."""
+        payload = payload or {}
+        timeout_s = float(payload["timeout_s"]) + 30.0 if "timeout_s" in payload else None
+        answer = await self.request(
             "POST",
-            "/init_weight_update_communicator",
-            "init_weight_update_communicator",
-            json=spec.to_dict(),
-            timeout_s=spec.timeout_s + 30.0,
+            f"/skylift/weights/{transport}/{operation}",
+            f"{transport}.{operation}",
+            json=payload,
+            timeout_s=timeout_s,
         )
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        await self.request("POST", "/update_weights", "update_weights", json=bucket.to_dict())
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync (POST /update_weights_stream, open while the trainer
-        broadcasts); returns the server's receipt."""
-        data = await self.request("POST", "/update_weights_stream", "receive_weight_stream")
-        return dict(data)
-
-    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        """Delta sync: the server brings its host's store to `request.version` (/skylift/delta/fetch)."""
-        return dict(await self.request("POST", "/skylift/delta/fetch", "fetch_delta", json=request.to_dict()))
-
-    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
-        """Delta sync: the server loads what changed up to `request.version` (/skylift/delta/load)."""
-        return dict(await self.request("POST", "/skylift/delta/load", "load_delta", json=request.to_dict()))
-
-    async def update_weight(self, name: str, dtype: str, shape: Sequence[int]) -> None:
-        """Receive one tensor (the seed's /update_weight route)."""
-        body = {"name": name, "dtype": dtype, "shape": list(shape)}
-        await self.request("POST", "/update_weight", "update_weight", json=body)
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
-    ) -> None:
-        """vLLM's /v1/load_lora_adapter (a directory the server can read); `activate`: skylift's
-        extension, make it the default adapter of /skylift/generate."""
-        body = {
-            "lora_name": lora_name,
-            "lora_path": lora_path,
-            "load_inplace": load_inplace,
-            "activate": activate,
-        }
-        await self.request("POST", "/v1/load_lora_adapter", "load_lora_adapter", json=body)
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        await self.request(
-            "POST", "/v1/unload_lora_adapter", "unload_lora_adapter", json={"lora_name": lora_name}
-        )
-
-    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        """Receive a LoRA adapter over the weight-update group (the trainer broadcasts meanwhile)."""
-        body = {**bucket.to_dict(), **asdict(adapter)}
-        await self.request("POST", "/skylift/receive_lora_adapter", "receive_lora_adapter", json=body)
-
-    async def destroy_weights_update_group(self) -> None:
-        await self.request("POST", "/destroy_weights_update_group", "destroy_weights_update_group")
+        return (answer or {}).get("result")
 
     async def reset_prefix_cache(self) -> None:
         await self.request("POST", "/reset_prefix_cache", "reset_prefix_cache")

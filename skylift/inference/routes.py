@@ -8,6 +8,8 @@ Routes (all POST unless noted; JSON bodies; errors are `{"error": {"message", "t
   `/update_weights_stream` (every bucket of a sync, metadata in band): receive
   tensors that the trainer broadcasts while the request is open, then load them;
 - `/destroy_weights_update_group`, `/reset_prefix_cache`;
+- `/skylift/weights/{transport}/{operation}`: any operation of a weight transport's engine half
+  (the one generic path skylift's own client speaks; the weight routes above are shims onto it);
 - `/skylift/pause` (`{"mode": "keep"|"abort"}`) and `/skylift/resume` (`{"policy_version": v}`):
   a weight update while requests are in flight; sampled tokens are labelled with the version;
 - `/skylift/generate`: token ids in, exact sampled token ids + logprobs + stop reasons out
@@ -33,7 +35,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from starlette.middleware import Middleware
 
-from skylift.inference.allowed_paths import AllowedRoots
+from skylift.inference.allowed_paths import AllowedRoots, PathNotAllowed
 from skylift.inference.auth import ApiKeyMiddleware, api_key_problem
 from skylift.inference.bodies import (
     MAX_STOPS,
@@ -181,7 +183,7 @@ async def info(request: Request) -> dict[str, Any]:
     state = _state(request)
     engine = state.engine
     try:
-        has_group = await engine.has_weight_update_group()
+        has_group = bool(await engine.weight_call("broadcast", "has_group"))
     except EngineError as e:  # extension missing or busy: report what we know
         logger.debug("has-group RPC failed: %s", e)
         has_group = engine.group_name is not None
@@ -284,7 +286,7 @@ async def init_weight_update_communicator(body: InitGroupBody, request: Request)
     spec = WeightUpdateGroupSpec(**fields, protocol=body.resolved_protocol())
     started = time.perf_counter()
     # not cancelled when the client leaves: the workers' join, once started, must end as it ends
-    await engine_call(engine.init_weight_update_communicator(spec))
+    await engine_call(engine.weight_call("broadcast", "join", spec.to_dict()))
     state.group_dtype = dtype
     tp = await engine.tensor_parallel_size()
     return {
@@ -309,14 +311,8 @@ async def _receive_bucket(state: SkyliftState, bucket: WeightBucket) -> dict[str
                 f"tensor {bucket.names[wrong]!r} has dtype {bucket.dtypes[wrong]}, but the group was "
                 f"created with model_dtype_str={state.group_dtype}",
             )
-    receipt = await engine_call(state.engine.receive_weights(bucket))
-    return {
-        "status": "ok",
-        "num_tensors": receipt.num_tensors,
-        "weight_version": receipt.weight_version,
-        "prefix_cache_reset": receipt.prefix_cache_reset,
-        "seconds": round(receipt.seconds, 4),
-    }
+    receipt = await engine_call(state.engine.weight_call("broadcast", "bucket", bucket.to_dict()))
+    return {"status": "ok", **receipt, "seconds": round(receipt["seconds"], 4)}
 
 
 @router.post("/update_weights")
@@ -343,7 +339,7 @@ async def update_weights_stream(request: Request) -> dict[str, Any]:
             "this weight-update group was created with the per-tensor protocol (model_dtype_str): it "
             "sends one tensor per /update_weights request, not a weight stream",
         )
-    receipt = await engine_call(state.engine.receive_weight_stream())
+    receipt = await engine_call(state.engine.weight_call("broadcast", "stream"))
     return {"status": "ok", **receipt}
 
 
@@ -360,8 +356,35 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     state = _state(request)
     existed = state.engine.group_name is not None
     state.group_dtype = None
-    await engine_call(state.engine.destroy_weights_update_group())
+    await engine_call(state.engine.weight_call("broadcast", "leave"))
     return {"status": "ok", "destroyed": existed}
+
+
+@router.post("/skylift/weights/{transport}/{operation}")
+async def weight_call(transport: str, operation: str, request: Request) -> dict[str, Any]:
+    """Every weight transport's operations, one route (`skylift.weight_sync.engine_side`): the body
+    is the operation's JSON payload, the answer ``{"result": ...}``. The routes SkyRL's clients
+    and vLLM's speak (/init_weight_update_communicator, /update_weights, /v1/load_lora_adapter,
+    /skylift/delta/*, ...) are shims onto the same calls. Paths in a payload that the transport
+    marks (`EngineSide.checked_paths`) must lie under the server's ``--delta-sync-root``s (403)."""
+    state = _state(request)
+    try:
+        payload = await request.json() if await request.body() else {}
+    except ValueError as e:
+        raise _error(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {e}") from e
+    if not isinstance(payload, dict):
+        raise _error(HTTPStatus.BAD_REQUEST, "the body must be a JSON object (the operation's payload)")
+    side = state.engine.weights.sides.get(transport)
+    for key in side.checked_paths if side is not None else ():
+        value = payload.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise _error(HTTPStatus.BAD_REQUEST, f"{key} must be a string (a path)")
+            try:
+                payload[key] = state.delta_roots.check(key, value)
+            except PathNotAllowed as exc:
+                raise HTTPException(status_code=exc.status, detail=str(exc)) from exc
+    return {"result": await engine_call(state.engine.weight_call(transport, operation, payload))}
 
 
 @router.post("/reset_prefix_cache")

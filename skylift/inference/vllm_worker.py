@@ -15,13 +15,16 @@ from __future__ import annotations
 from skylift.inference.vllm_patches import cpu_lora_no_adapter, cpu_prompt_logprobs_lora, cpu_seed_rewind
 from skylift.weight_sync.delta.receiver import DeltaReceiverExtension
 from skylift.weight_sync.lora.receiver import LoraReceiverExtension
+from skylift.weight_sync.worker_side import WorkerReceivers
 
 __all__ = ["WeightSyncWorkerExtension"]
 
 
-class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension):
+class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension, WorkerReceivers):
     """Full-weight and LoRA-adapter receiving, on one weight-update group per worker, and loading
-    from a checkpoint-delta store (`weight_sync.delta.receiver`, which extends the full-weight receiver)."""
+    from a checkpoint-delta store (`weight_sync.delta.receiver`, which extends the full-weight
+    receiver); every later transport's worker half through one method (`weight_sync.worker_side`:
+    its receiver object, named in `weight_sync.factory.WORKER_RECEIVERS`)."""
 
 
 cpu_seed_rewind.install()

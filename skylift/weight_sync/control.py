@@ -120,7 +120,7 @@ class EngineGroup:
                     self._call(
                         i,
                         "init_weight_update_communicator",
-                        e.init_weight_update_communicator(spec(i)),
+                        e.weight_call("broadcast", "join", spec(i).to_dict()),
                         self.timeout_s + 30.0,
                     )
                     for i, e in enumerate(self.engines)
@@ -135,13 +135,18 @@ class EngineGroup:
         """Every engine receives one weight stream while rank 0 `broadcast`s it; returns
         (rank 0's result, each engine's receipt)."""
         return await self.with_rank_zero(
-            "weight stream broadcast", broadcast, "receive_weight_stream", lambda e: e.receive_weight_stream()
+            "weight stream broadcast",
+            broadcast,
+            "receive_weight_stream",
+            lambda e: e.weight_call("broadcast", "stream"),
         )
 
     async def receive_bucket(self, bucket: WeightBucket, broadcast: Awaitable[Any]) -> None:
         """Every engine receives and loads one bucket while rank 0 `broadcast`s its buffers."""
         what = f"update_weights ({len(bucket.names)} tensors)"
-        await self.with_rank_zero("broadcast", broadcast, what, lambda e: e.update_weights(bucket))
+        await self.with_rank_zero(
+            "broadcast", broadcast, what, lambda e: e.weight_call("broadcast", "bucket", bucket.to_dict())
+        )
 
     async def close(self, leave: Callable[[], Awaitable[Any]]) -> None:
         """Destroy the group on every engine, then on rank 0 (`leave()`); errors of engines that
@@ -149,7 +154,10 @@ class EngineGroup:
         results = await gather_all(
             [
                 self._call(
-                    i, "destroy_weights_update_group", e.destroy_weights_update_group(), self.timeout_s
+                    i,
+                    "destroy_weights_update_group",
+                    e.weight_call("broadcast", "leave"),
+                    self.timeout_s,
                 )
                 for i, e in enumerate(self.engines)
             ]

@@ -1,15 +1,26 @@
-"""`make_transport`: the one place a run's config picks how weights reach its engines."""
+"""The one place that knows every transport: `make_transport` (a run's config picks how weights
+reach its engines: the driver's half) and `ENGINE_SIDES` (every transport's engine half)."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Sequence
 from typing import Any
 
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import overrides_update_group
+from skylift.weight_sync.broadcast.engine import BroadcastEngineSide
+from skylift.weight_sync.broadcast.tensors import TensorsTransport
 from skylift.weight_sync.broadcast.transport import BroadcastTransport
+from skylift.weight_sync.delta.engine import DeltaEngineSide
 from skylift.weight_sync.delta.transport import DeltaTransport
+from skylift.weight_sync.engine_side import EngineHost, EngineSide, EngineSides, WeightCall
+from skylift.weight_sync.ipc.engine import IpcEngineSide
+from skylift.weight_sync.ipc.transport import SharedTensorsTransport
+from skylift.weight_sync.lora.engine import LoraEngineSide
 from skylift.weight_sync.lora.transport import LoraTransport
 from skylift.weight_sync.protocol import DeltaPublishSpec
+from skylift.weight_sync.topology import Place, check_forced, choose_transports
 from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
 
 
@@ -20,9 +31,31 @@ def lora_sync_path(cfg: SkyliftConfig) -> str | None:
     return cfg.generator.lora_sync_path or cfg.trainer.policy.model.lora.lora_sync_path or None
 
 
+def check_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> None:
+    """Refuse at start, in one line (`topology.check_forced`), a forced `weight_sync_backend` that
+    cannot work where the config puts the ranks: engines started by the run that share the
+    policy's GPUs (``colocate_all``, or everything in this process) on a CUDA host (`cuda`: None,
+    this process's) put the policy's rank 0 and an engine worker on one GPU, which NCCL refuses."""
+    backend = cfg.generator.weight_sync_backend
+    placement = cfg.trainer.placement
+    local_engines = cfg.generator.run_engines_locally
+    shared = local_engines and (placement.colocate_all or placement.backend == "local")
+    if backend != "nccl" or not shared:
+        return
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda:
+        gpu = Place(socket.gethostname(), "cuda", "0")
+        check_forced(backend, gpu, [[gpu]])
+
+
 def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say) -> WeightTransport:
     """`weight_sync_backend=delta` (with a sync_dir): `DeltaTransport`; a LoRA policy:
-    `LoraTransport`; else `BroadcastTransport` (``auto``: gloo on CPU, NCCL on GPU)."""
+    `LoraTransport`; else `BroadcastTransport` (``auto``: gloo on CPU, NCCL on GPU). A forced
+    backend that cannot work here is refused first (`check_backend`)."""
+    check_backend(cfg)
     g = cfg.generator
     dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
     d = g.delta_weight_sync
@@ -53,3 +86,36 @@ def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say
     if cfg.trainer.policy.model.lora.rank > 0:
         return LoraTransport(policy, engines, say, sync_path=lora_sync_path(cfg), **group)
     return BroadcastTransport(policy, engines, say, **group)
+
+
+#: The engine half of every transport, by the name `weight_call` addresses it with
+#: (`weight_sync.engine_side`). A new transport adds its `EngineSide` here.
+ENGINE_SIDES: dict[str, type[EngineSide]] = {
+    BroadcastEngineSide.transport: BroadcastEngineSide,
+    LoraEngineSide.transport: LoraEngineSide,
+    DeltaEngineSide.transport: DeltaEngineSide,
+    IpcEngineSide.transport: IpcEngineSide,
+}
+
+#: The worker half of each transport that keeps one as an object (`weight_sync.worker_side`), by
+#: dotted path (imported in the vLLM worker on first use).
+WORKER_RECEIVERS: dict[str, str] = {
+    IpcEngineSide.transport: "skylift.weight_sync.ipc.receiver.IpcWorkerReceiver",
+}
+
+
+def make_engine_sides(host: EngineHost) -> EngineSides:
+    """Every transport's engine half for one engine (`LocalVLLMEngine`), sharing its weight state."""
+    return EngineSides(host, ENGINE_SIDES)
+
+
+def local_tensors_transport(engines: Sequence[WeightCall]) -> WeightTransport:
+    """Full weights this process holds in host memory -> engines it started on its own host (the
+    Tinker sampler's), by the transport `topology.choose_transport` picks for those places:
+    shared memory (`ipc.transport.SharedTensorsTransport`) where every engine shares the host,
+    else the weight-update group this process hosts (`broadcast.tensors.TensorsTransport`)."""
+    here = Place(socket.gethostname())
+    choices = choose_transports(here, [[here] for _ in engines])
+    if all(c == "ipc" for c in choices):
+        return SharedTensorsTransport(engines)
+    return TensorsTransport(engines)  # type: ignore[arg-type]

@@ -1,5 +1,6 @@
 """`PolicySync`: the driver's end of a weight-update group between the policy and the engines
-(what `BroadcastTransport` and `LoraTransport` send over).
+(what `BroadcastTransport` sends over; `weight_sync.lora.transport.LoraPolicySync` is the LoRA
+transport's, with the adapter as its payload).
 
 One owner per job: the policy's ranks produce the weights and rank 0 broadcasts them
 (`RLWorker`, over its `WeightBroadcaster`); this driver-side object owns the engine clients of
@@ -18,9 +19,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from skylift.weight_sync.control import EngineGroup
-from skylift.weight_sync.lora.adapter import LoraPublisher
 from skylift.weight_sync.process_group import WeightSyncError
-from skylift.weight_sync.protocol import WeightBucket, WeightSyncTarget
+from skylift.weight_sync.protocol import WeightSyncTarget
 
 logger = logging.getLogger(__name__)
 
@@ -33,32 +33,13 @@ class PolicyRanks(Protocol):
     def join_weight_group(self) -> None: ...
     def close_weight_group(self) -> None: ...
     def broadcast_weights(self, dtype: str | None) -> dict[str, float]: ...
-    def stage_lora_adapter(self, dtype: str | None) -> Any: ...
-    def broadcast_lora_adapter(self) -> int: ...
-    def write_lora_adapter(self, directory: str, dtype: str | None) -> Any: ...
-
-
-class _PolicyAdapter:
-    """The policy's rank 0 as a `weight_sync.lora.adapter.LoraSource` (its blocking calls in threads)."""
-
-    def __init__(self, policy: PolicyRanks, dtype: str | None) -> None:
-        self.policy, self.dtype = policy, dtype
-
-    async def stage(self) -> tuple[WeightBucket, dict[str, Any]]:
-        return await asyncio.to_thread(self.policy.stage_lora_adapter, self.dtype)
-
-    async def broadcast(self) -> int:
-        return await asyncio.to_thread(self.policy.broadcast_lora_adapter)
-
-    async def write(self, directory: str) -> tuple[int, int]:
-        return await asyncio.to_thread(self.policy.write_lora_adapter, directory, self.dtype)
 
 
 class PolicySync:
     """The weight-update group policy rank 0 -> `engines`, seen from the driver.
 
-    `lora`: the policy trains a LoRA adapter, and a sync publishes the adapter (`LoraPublisher`:
-    one new name per sync), not the merged weights. `timeout_s` bounds the rendezvous and each
+    A sync broadcasts the policy's full weights (`weight_sync.lora.transport.LoraPolicySync`: its
+    LoRA adapter). `timeout_s` bounds the rendezvous and each
     engine call of a sync; `master_address` None: derived on rank 0 (see `RLWorker.host_weight_group`).
     """
 
@@ -66,13 +47,11 @@ class PolicySync:
         self,
         policy: PolicyRanks,
         *,
-        lora: bool = False,
         backend: str | None = None,
         timeout_s: float = 120.0,
         master_address: str | None = None,
     ) -> None:
         self.policy = policy
-        self.lora = LoraPublisher() if lora else None
         self.backend, self.timeout_s, self.master_address = backend, timeout_s, master_address
         self.group: EngineGroup | None = None
 
@@ -110,21 +89,16 @@ class PolicySync:
         self.group = group
         return address
 
-    async def push(self, dtype: str | None = None, lora_sync_path: str | None = None) -> dict[str, float]:
-        """One sync: the engines receive while the policy broadcasts (a LoRA policy: its adapter,
-        in memory or through `lora_sync_path`). Returns the sync's metrics."""
+    def require_group(self) -> EngineGroup:
         if self.group is None:
             raise WeightSyncError("no weight-update group: open() it before a sync")
+        return self.group
+
+    async def push(self, dtype: str | None = None) -> dict[str, float]:
+        """One sync: the engines receive while the policy broadcasts. Returns the sync's metrics."""
+        group = self.require_group()
         started = time.perf_counter()
-        if self.lora is not None:
-            stats = await self.lora.publish_from(
-                self.group, _PolicyAdapter(self.policy, dtype), lora_sync_path
-            )
-            return {
-                "timing/weight_sync_s": time.perf_counter() - started,
-                "weight_sync/bytes": float(stats.bytes),
-            }
-        metrics, _ = await self.group.receive_stream(asyncio.to_thread(self.policy.broadcast_weights, dtype))
+        metrics, _ = await group.receive_stream(asyncio.to_thread(self.policy.broadcast_weights, dtype))
         return {**metrics, "timing/weight_sync_s": time.perf_counter() - started}
 
     async def close(self) -> None:

@@ -35,7 +35,7 @@ _HANDSHAKE_VALUE = 12345.0
 #: A key of a skylift-layout group's store: how many ranks said they are joining (rank 0 when it
 #: hosts the group; each engine for its workers, from its control plane, before they join), so
 #: engines ask their workers to join only once every rank is on its way
-#: (`skylift.inference.rendezvous.await_every_rank`).
+#: (`skylift.weight_sync.broadcast.rendezvous.await_every_rank`).
 ANNOUNCED_KEY = "skylift/announced"
 
 

@@ -2,8 +2,9 @@
 
 The sender (`skylift.weight_sync.broadcast.sender`, in the trainer's rank 0) and the receiver
 (`skylift.weight_sync.broadcast.receiver`, mixed into every vLLM worker) agree on these alone. Transports
-(in-process `collective_rpc`, HTTP routes, Ray) carry them unchanged: any object with the methods
-of `WeightSyncTarget` can be a sender's peer.
+(in-process `collective_rpc`, HTTP routes, Ray) carry them unchanged through one generic call,
+`weight_call` (`weight_sync.engine_side`): any object with the methods of `WeightSyncTarget` can be
+a sender's peer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ RPC_HAS_GROUP = "skylift_has_weight_update_group"
 RPC_RECEIVE_STREAM = "skylift_receive_weight_stream"
 #: Load tensors of an engine host's delta store (`weight_sync.delta.receiver`).
 RPC_LOAD_DELTA = "skylift_load_delta"
+#: Any later transport's worker half, by (transport, method, *args) (`weight_sync.worker_side`).
+RPC_WORKER_CALL = "skylift_weight_rpc"
 
 DEFAULT_GROUP_NAME = "skylift_weight_sync"
 
@@ -91,22 +94,15 @@ class WeightBucket:
 
 
 class WeightSyncTarget(Protocol):
-    """What the sender needs of a peer (every `InferenceEngine` is one). All are coroutines."""
+    """What the sender needs of a peer (every engine client is one): its ranks, and the one
+    generic weight call (`weight_sync.engine_side`; the group's operations are the broadcast
+    transport's: ``join``, ``bucket``, ``stream``, ``leave``). Both are coroutines."""
 
     async def tensor_parallel_size(self) -> int: ...
 
-    async def init_weight_update_communicator(self, spec: WeightUpdateGroupSpec) -> None: ...
-
-    async def update_weights(self, bucket: WeightBucket) -> None:
-        """Receive one bucket over the group (the sender broadcasts concurrently) and load it."""
-        ...
-
-    async def receive_weight_stream(self) -> dict[str, Any]:
-        """Receive every bucket of one sync (`weight_sync.broadcast.stream`; the sender broadcasts
-        concurrently), load them, reset the prefix cache; returns what arrived."""
-        ...
-
-    async def destroy_weights_update_group(self) -> None: ...
+    async def weight_call(
+        self, transport: str, operation: str, payload: dict[str, Any] | None = None
+    ) -> Any: ...
 
 
 @dataclass

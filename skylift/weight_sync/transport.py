@@ -8,14 +8,15 @@ engines hold are its, not a transport's). `make_transport` (`weight_sync.factory
 the config: `BroadcastTransport` (full weights over a weight-update group,
 `weight_sync.broadcast`), `LoraTransport` (a LoRA adapter, over the group or through a
 directory, `weight_sync.lora`) or `DeltaTransport` (changed tensors through a shared directory or
-bucket, `weight_sync.delta`). Each transport's folder holds both its halves: the trainer's side
-and the engine's (the receiver vLLM mixes into its workers); what two of them share (the wire
+bucket, `weight_sync.delta`). Each transport's folder holds its halves: the trainer's side, the
+engine's (`weight_sync.engine_side.EngineSide`, reached through `weight_call`) and the workers';
+what two of them share (the wire
 protocol, the group, the buckets, the engines' group client `control`, the driver's end of the
 group `policy_sync`) stays at `weight_sync`'s top.
 
 Where the weights come from is each transport's: the three above pull a version from the policy
-(its ranks broadcast or publish it when pushed). `TensorsTransport` (`broadcast.tensors`: the
-Tinker sampler's) has no policy behind it: its source is a set of tensors in this process, which
+(its ranks broadcast or publish it when pushed). `TensorsTransport` (`broadcast.tensors`) and
+`SharedTensorsTransport` (`ipc.transport`; the Tinker sampler's on one host) have no policy behind them: its source is a set of tensors in this process, which
 the caller hands over with `put(tensors)` before each `push(version)` (a push with nothing put
 is an error, as a delta push with nothing staged is).
 """
@@ -25,8 +26,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
-
-from skylift.weight_sync.protocol import DeltaSyncRequest
 
 
 class EngineSet(Protocol):
@@ -38,8 +37,12 @@ class EngineSet(Protocol):
     @property
     def live_indices(self) -> list[int]: ...
     async def probe(self, timeout_s: float = 10.0) -> list[int]: ...
-    async def fetch_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]: ...
-    async def load_delta(self, request: DeltaSyncRequest) -> list[dict[str, Any]]: ...
+    async def weight_call(
+        self, transport: str, operation: str, payload: dict[str, Any] | None = None, *, strict: bool = True
+    ) -> list[Any]:
+        """One operation of `transport`'s engine half on every live engine (`engine_side`);
+        `strict=False`: an engine that fails is taken out and the others go on."""
+        ...
 
 
 Say = Callable[[str], None]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from skylift.cluster.worker_group import RLWorker, WorkerGroup
-from skylift.weight_sync.policy_sync import PolicySync
+from skylift.weight_sync.lora.transport import LoraPolicySync
 from skylift.worker.training_worker import WorkerSettings
 
 SEQUENCES = [[5, 17, 230, 999, 42, 8, 77, 301, 12, 64], [900, 3, 3, 64, 512, 1000, 12]]
@@ -25,7 +25,7 @@ class LoraPolicy:
     trainer's `EngineWeights` runs), over the real engines."""
 
     worker: RLWorker
-    link: PolicySync
+    link: LoraPolicySync
     run: Callable[..., Any]
 
     @property
@@ -52,7 +52,7 @@ def lora_policy(
         "policy", WorkerSettings(model_path=str(model_dir), lora_rank=RANK, lora_alpha=16), use_ray=False
     )
     group.setup()
-    link = PolicySync(group, lora=True, backend="gloo", timeout_s=60.0, master_address=master_address)
+    link = LoraPolicySync(group, backend="gloo", timeout_s=60.0, master_address=master_address)
     policy = LoraPolicy(group.workers[0], link, loop.run)
     perturb_adapter(policy, seed=1)
     loop.run(link.open(engines, override_existing=override_existing))

@@ -74,14 +74,14 @@ def test_a_delta_sync_gives_the_engine_what_a_group_sync_gives(
     try:
         perturb(model, None, seed=1)  # version 1: every parameter
         assert publisher.publish(model.state_dict().items()).changed == len(list(model.parameters()))
-        loop.run(engine.load_delta(request(1)))
+        loop.run(engine.weight_call("delta", "load", request(1).to_dict()))
         assert max_abs_diff(loop.run(engine.prompt_logprobs(SEQUENCES)), hf_logprobs(model)) <= TOLERANCE
 
         # version 2: one part of layer 0's fused q/k/v module and the final norm
         perturb(model, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"], seed=2)
         stats = publisher.publish(model.state_dict().items())
         assert stats.changed == 2 and stats.compressed_bytes < stats.raw_bytes
-        receipt = loop.run(engine.load_delta(request(2)))
+        receipt = loop.run(engine.weight_call("delta", "load", request(2).to_dict()))
         assert receipt["tensors"] == 7  # q/k/v weights and biases loaded whole, and the norm
         assert receipt["prefix_cache_reset"]
         by_delta = [loop.run(engine.prompt_top_logprobs(s, 20)) for s in SEQUENCES]

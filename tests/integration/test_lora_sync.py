@@ -28,9 +28,10 @@ from lora_helpers import (
 from skylift.cluster.ray_engine import EngineActor
 from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
-from skylift.inference.lora_adapters import LoraAdapterNotFoundError
 from skylift.inference.types import EngineRequestError, EngineStateError
 from skylift.weight_sync.lora.adapter import write_adapter_dir
+from skylift.weight_sync.lora.calls import load_adapter, unload_adapter
+from skylift.weight_sync.lora.engine import LoraAdapterNotFoundError
 from skylift.weight_sync.process_group import WeightSyncError
 
 pytestmark = pytest.mark.integration
@@ -110,13 +111,13 @@ def test_directory_sync(lora_engine: LocalVLLMEngine, loop: Any, policy: LoraPol
 
 def test_load_refusals(lora_engine: LocalVLLMEngine, loop: Any, tmp_path: Path) -> None:
     with pytest.raises(LoraAdapterNotFoundError, match="no LoRA adapter at"):
-        loop.run(lora_engine.load_lora_adapter("x", str(tmp_path / "missing")))
+        loop.run(load_adapter(lora_engine, "x", str(tmp_path / "missing")))
     current = lora_engine.lora.default
     assert current is not None
     with pytest.raises(EngineRequestError, match="already been loaded"):
-        loop.run(lora_engine.load_lora_adapter(current, str(tmp_path)))
+        loop.run(load_adapter(lora_engine, current, str(tmp_path)))
     with pytest.raises(LoraAdapterNotFoundError, match="cannot be found"):
-        loop.run(lora_engine.unload_lora_adapter("never-loaded"))
+        loop.run(unload_adapter(lora_engine, "never-loaded"))
 
 
 def test_an_adapter_received_in_memory_is_in_no_file_and_never_evicted(
@@ -133,7 +134,7 @@ def test_an_adapter_received_in_memory_is_in_no_file_and_never_evicted(
     tensors, config = policy.lora_adapter()
     write_adapter_dir(str(tmp_path / "extra"), tensors, config)
     with pytest.raises(EngineStateError, match="max_cpu_loras=2"):
-        loop.run(lora_engine.load_lora_adapter("extra", str(tmp_path / "extra")))
+        loop.run(load_adapter(lora_engine, "extra", str(tmp_path / "extra")))
     assert lora_engine.lora.names() == names
 
 
@@ -154,7 +155,7 @@ def test_refused_adapters_leave_the_group_usable_and_the_engine_serving(
     with pytest.raises(WeightSyncError, match="max_cpu_loras=2"):  # a publisher retiring nothing
         loop.run(LoraPublisher().publish([lora_engine], tensors, config, group=group, timeout_s=120.0))
     with pytest.raises(WeightSyncError, match="max_lora_rank"):
-        publisher = policy.link.lora
+        publisher = policy.link.publisher
         assert publisher is not None
         loop.run(publisher.publish([lora_engine], tensors, {**config, "r": 64}, group=group, timeout_s=120.0))
     assert time.monotonic() - started < 60.0
@@ -171,6 +172,6 @@ def test_ray_engine_actor_forwards_the_lora_calls(lora_engine: LocalVLLMEngine, 
     actor = EngineActor()
     actor.engine = lora_engine
     with pytest.raises(LoraAdapterNotFoundError):
-        loop.run(actor.unload_lora_adapter("never-loaded"))
-    for method in ("load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"):
-        assert callable(getattr(lora_engine, method))
+        loop.run(unload_adapter(actor, "never-loaded"))
+    for operation in ("load", "unload", "receive"):
+        assert callable(lora_engine.weights["lora"].operations[operation])

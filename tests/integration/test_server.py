@@ -257,7 +257,7 @@ def test_weight_update_over_http_and_gloo_with_override(server_url: str, hf_mode
         # Without override, a second group is refused (409) before any rendezvous.
         spec = WeightUpdateGroupSpec("127.0.0.1", 1, rank_offset=1, world_size=2, timeout_s=5.0)
         with pytest.raises(RemoteEngineError, match="HTTP 409.*override_existing"):
-            run(engine.init_weight_update_communicator(spec))
+            run(engine.weight_call("broadcast", "join", spec.to_dict()))
 
         # The first trainer "dies" (its side of the group vanishes); a new one overrides.
         assert sender1.group is not None

@@ -39,8 +39,8 @@ def original_weights(engine: LocalVLLMEngine, loop: Any, hf_model: Any) -> Itera
     """Put the checkpoint's weights back into the shared engine after the test."""
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     yield
-    if loop.run(engine.has_weight_update_group()):
-        loop.run(engine.destroy_weights_update_group())
+    if loop.run(engine.weight_call("broadcast", "has_group")):
+        loop.run(engine.weight_call("broadcast", "leave"))
 
     async def restore() -> None:
         sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
@@ -105,7 +105,7 @@ def test_update_makes_engine_match_new_weights(
     async def sync() -> Any:
         sender = WeightSender(timeout_s=GROUP_TIMEOUT_S)
         await sender.init_group([engine])
-        assert await engine.has_weight_update_group()
+        assert await engine.weight_call("broadcast", "has_group")
         try:
             # small buckets: several round trips, each whole transformer blocks
             return await sender.send_state_dict(hf_model.state_dict().items(), bucket_bytes=256 * 1024)
@@ -116,7 +116,7 @@ def test_update_makes_engine_match_new_weights(
     n_tensors = len(hf_model.state_dict())
     assert stats.buckets > 1 and stats.tensors == n_tensors
     assert stats.bytes == sum(t.numel() * t.element_size() for t in hf_model.state_dict().values())
-    assert loop.run(engine.has_weight_update_group()) is False  # close() destroyed both sides
+    assert loop.run(engine.weight_call("broadcast", "has_group")) is False  # close() destroyed both sides
 
     after = loop.run(engine.prompt_logprobs(SEQUENCES))
     assert max_abs_diff(after, expected) <= TOLERANCE
@@ -329,8 +329,8 @@ def test_tensors_transport_pushes_the_tensors_put_into_its_engine(
     """The Tinker sampler's transport: tensors put, then pushed as a version, over a group it hosts."""
     from skylift.weight_sync.broadcast.tensors import TensorsTransport
 
-    if loop.run(engine.has_weight_update_group()):
-        loop.run(engine.destroy_weights_update_group())
+    if loop.run(engine.weight_call("broadcast", "has_group")):
+        loop.run(engine.weight_call("broadcast", "leave"))
     perturb(hf_model, seed=4)
     expected = [hf_token_logprobs(hf_model, s) for s in SEQUENCES]
     transport = TensorsTransport([engine], WeightSender(timeout_s=GROUP_TIMEOUT_S))
@@ -351,11 +351,11 @@ def test_tensors_transport_pushes_the_tensors_put_into_its_engine(
 
 
 def test_update_without_group_is_a_clear_error(engine: LocalVLLMEngine, loop: Any) -> None:
-    if loop.run(engine.has_weight_update_group()):
-        loop.run(engine.destroy_weights_update_group())
+    if loop.run(engine.weight_call("broadcast", "has_group")):
+        loop.run(engine.weight_call("broadcast", "leave"))
     bucket = WeightBucket(names=["model.norm.weight"], dtypes=["float32"], shapes=[[128]])
     with pytest.raises(EngineError, match="no weight-update group"):
-        loop.run(engine.update_weights(bucket))
+        loop.run(engine.weight_call("broadcast", "bucket", bucket.to_dict()))
     with pytest.raises(WeightSyncError, match="init_group"):
         loop.run(WeightSender().send_state_dict([("model.norm.weight", torch.zeros(128))]))
 

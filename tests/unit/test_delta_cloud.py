@@ -15,9 +15,9 @@ from delta_fakes import sent, step, tiny_model
 pytest.importorskip("s3fs", reason="s3fs is in skylift's dev extra (pyproject)")
 pytest.importorskip("moto", reason="moto[server] is in skylift's dev extra (pyproject)")
 
-from skylift.inference.delta_engine import MIRROR  # noqa: E402
 from skylift.weight_sync.delta.apply import DeltaStore  # noqa: E402
 from skylift.weight_sync.delta.cloud import drop_payloads, mirror_chain  # noqa: E402
+from skylift.weight_sync.delta.engine import MIRROR  # noqa: E402
 from skylift.weight_sync.delta.format import (  # noqa: E402
     MANIFEST,
     DeltaError,

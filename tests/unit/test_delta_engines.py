@@ -37,10 +37,20 @@ class Engine(LocalVLLMEngine):
         )
         self.dead = False
 
-    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
         if self.dead:
             raise EngineUnavailableError(f"{self.name} is gone")
-        return await super().fetch_delta(request)
+        return await super().weight_call(transport, operation, payload)
+
+    async def fetch_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        return await self.weight_call("delta", "fetch", request.to_dict())
+
+    async def load_delta(self, request: DeltaSyncRequest) -> dict[str, Any]:
+        return await self.weight_call("delta", "load", request.to_dict())
+
+    @property
+    def delta(self) -> Any:
+        return self.weights["delta"]
 
 
 class Policy:
@@ -89,7 +99,7 @@ def test_an_engine_loads_only_what_changed_and_catches_up_on_missed_versions(
     assert engine.fake.loads[-1] == sorted([up, "model.norm.weight"])  # v2's and v3's changes
     assert engine.fake.holds(model)
     # weights received over a weight-update group since: the next version loads every tensor
-    engine.weight_version += 1
+    engine.weights.state.version += 1
     step(model, [q], seed=5)
     publisher.publish(sent(model))
     loop.run_until_complete(engine.load_delta(request(4)))

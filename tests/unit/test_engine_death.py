@@ -95,7 +95,7 @@ def test_a_control_or_weight_call_waiting_on_a_dead_core_ends_too() -> None:
         awaitable = (
             engine.pause_generation("keep")
             if call == "pause"
-            else engine._rpc("has_weight_update_group", "has_group", (), 300.0)
+            else engine.rpc("has_weight_update_group", "has_group", (), 300.0)
         )
         waited, message = asyncio.run(_ended_after_death(core, awaitable, EngineUnavailableError))
         assert waited < ENDED_BY_DEATH_S, (call, waited)

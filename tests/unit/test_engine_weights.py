@@ -15,6 +15,7 @@ from skylift.cluster.engine_weights import EngineWeights
 from skylift.config import load_config
 from skylift.inference.pool import EnginePool
 from skylift.inference.types import EngineUnavailableError
+from skylift.weight_sync.lora.adapter import LoraAdapterSpec
 from skylift.weight_sync.protocol import WeightBucket, WeightUpdateGroupSpec
 
 
@@ -50,6 +51,25 @@ class Engine:
 
     async def health(self) -> bool:
         return not self.dead
+
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        """The one generic weight call (`weight_sync.engine_side`) onto the recorded methods above."""
+        payload = payload or {}
+        if (transport, operation) == ("broadcast", "join"):
+            return await self.init_weight_update_communicator(WeightUpdateGroupSpec(**payload))
+        if (transport, operation) == ("broadcast", "stream"):
+            return await self.receive_weight_stream()
+        if (transport, operation) == ("broadcast", "leave"):
+            return await self.destroy_weights_update_group()
+        if (transport, operation) == ("lora", "receive"):
+            bucket = WeightBucket(payload.pop("names"), payload.pop("dtypes"), payload.pop("shapes"))
+            return await self.receive_lora_adapter(bucket, LoraAdapterSpec(**payload))  # type: ignore[attr-defined]
+        if (transport, operation) == ("lora", "load"):
+            load = self.load_lora_adapter  # type: ignore[attr-defined]
+            return await load(payload["lora_name"], payload["lora_path"], activate=payload["activate"])
+        if (transport, operation) == ("lora", "unload"):
+            return await self.unload_lora_adapter(payload["lora_name"])  # type: ignore[attr-defined]
+        raise AssertionError(f"unexpected weight call {transport}.{operation}")
 
 
 class Policy:
@@ -171,10 +191,10 @@ class LoraPolicyRanks(Policy):
 def test_a_lora_policy_publishes_a_new_adapter_name_per_sync(
     loop: asyncio.AbstractEventLoop, tmp_path: Any
 ) -> None:
-    from skylift.weight_sync.policy_sync import PolicySync
+    from skylift.weight_sync.lora.transport import LoraPolicySync
 
     log: list[tuple] = []
-    link = PolicySync(LoraPolicyRanks(log), lora=True)  # type: ignore[arg-type]
+    link = LoraPolicySync(LoraPolicyRanks(log))  # type: ignore[arg-type]
     loop.run_until_complete(link.open([LoraEngine("e0", log)]))  # type: ignore[list-item]
     log.clear()
     # in memory: staged on rank 0, then broadcast while the engine receives; the version two

@@ -94,14 +94,13 @@ def client_over(engine: Any, **kw: Any) -> tuple[RayEngineClient, EngineActor]:
 def test_actor_and_client_offer_the_same_operations_as_the_local_engine() -> None:
     assert operations(RayEngineClient) == sorted([*FORWARDED, "generate", "prompt_logprobs"])
     # what a Ray engine does not offer: start-up (the actor's `start`) and the in-process extras
-    extras = ["create", "prompt_top_logprobs", "receive_weights", "try_reset_prefix_cache"]
+    extras = ["call", "create", "prompt_top_logprobs", "rpc", "try_reset_prefix_cache"]
     assert operations(LocalVLLMEngine) == sorted([*operations(RayEngineClient), *extras])
     protocol = {
         n for n in vars(InferenceEngine) if not n.startswith("_") and callable(vars(InferenceEngine)[n])
     }
     assert protocol <= set(operations(RayEngineClient))
-    assert {"pause_generation", "resume_generation", "has_weight_update_group"} <= set(FORWARDED)
-    assert {"load_lora_adapter", "unload_lora_adapter", "receive_lora_adapter"} <= set(FORWARDED)
+    assert {"pause_generation", "resume_generation", "weight_call"} <= set(FORWARDED)
     for operation in operations(RayEngineClient):
         local = parameters(getattr(LocalVLLMEngine, operation))
         assert parameters(getattr(RayEngineClient, operation)) == local, operation
@@ -201,6 +200,6 @@ def test_a_dead_or_silent_actor_is_an_unavailable_engine() -> None:
     client, _ = client_over(RecordingEngine(), instead=silent)
     client.timeout_s = 0.05
     with pytest.raises(
-        EngineUnavailableError, match=r"^engine-0: receive_weight_stream gave no answer within 0 s$"
+        EngineUnavailableError, match=r"^engine-0: broadcast.stream gave no answer within 0 s$"
     ):
-        asyncio.run(client.receive_weight_stream())
+        asyncio.run(client.weight_call("broadcast", "stream"))

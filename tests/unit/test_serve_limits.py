@@ -23,8 +23,8 @@ from skylift.inference import routes
 from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
 from skylift.inference.limits import MAX_REQUEST_TOKENS, MAX_SEQUENCES, SEED_MAX, SEED_MIN
 from skylift.inference.local import LocalVLLMEngine
-from skylift.inference.rendezvous import join_rpc_timeout_s, join_weight_update_group, probe_store
 from skylift.inference.types import EngineError, EngineRequestError, WeightUpdateGroupSpec
+from skylift.weight_sync.broadcast.rendezvous import join_rpc_timeout_s, join_weight_update_group, probe_store
 from skylift.weight_sync.process_group import announce_ranks
 
 MAX_MODEL_LEN = 1 << 20  # large, so that the request limits, not the context, bind

@@ -40,6 +40,14 @@ class FakeEngine:
         del self.loaded[name]
         self.calls.append(("unload", name))
 
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any]) -> None:
+        """The LoRA transport's calls (`weight_sync.lora.calls`) onto the methods above."""
+        assert transport == "lora", transport
+        if operation == "load":
+            await self.load_lora_adapter(payload["lora_name"], payload["lora_path"])
+        else:
+            await self.unload_lora_adapter(payload["lora_name"])
+
 
 def _memory_adapter() -> AdapterSource:
     tensors = {"base_model.model.q_proj.lora_A.weight": torch.ones(4, 8)}

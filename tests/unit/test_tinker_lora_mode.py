@@ -38,6 +38,14 @@ class TimedEngine:
     async def unload_lora_adapter(self, name: str) -> None:
         self.loaded.remove(name)
 
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any]) -> None:
+        """The LoRA transport's calls (`weight_sync.lora.calls`) onto the methods above."""
+        assert transport == "lora", transport
+        if operation == "load":
+            await self.load_lora_adapter(payload["lora_name"], payload["lora_path"])
+        else:
+            await self.unload_lora_adapter(payload["lora_name"])
+
     async def generate(self, prompts: list[list[int]], params: Any, lora_name: str = "") -> list[Any]:
         assert not lora_name or lora_name in self.loaded
         await asyncio.sleep(self.adapter_s if lora_name else self.base_s)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from skylift.tinker.sampling.weights import AdapterSource
+from skylift.weight_sync.lora.calls import load_adapter, unload_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class AdapterSlots:
         if directory is None:
             directory = self._written[name] = await asyncio.to_thread(self._write, name, adapter)
         try:
-            await self.engine.load_lora_adapter(name, str(directory))
+            await load_adapter(self.engine, name, str(directory))
         except BaseException:
             self._drop_copy(name)
             raise
@@ -126,7 +127,7 @@ class AdapterSlots:
     async def _evict(self, tag: str) -> None:
         name = self._loaded.pop(tag)
         try:
-            await self.engine.unload_lora_adapter(name)
+            await unload_adapter(self.engine, name)
         finally:
             self._drop_copy(name)
         self.stats.evictions += 1

@@ -2,11 +2,11 @@
 
 Nothing here starts at import or at server start. The first `sample` (or a `prefetch`, which an
 ephemeral `save_weights_for_sampler` requests) starts the vLLM engine on a dedicated event-loop thread (its
-start-up blocks only that thread) and joins a weight-update group with it. The engine holds one
+start-up blocks only that thread) and opens a weight transport to it. The engine holds one
 set of full weights at a time, named by a *tag* ("base", a sampler checkpoint path, or an
 ephemeral sampling session): a request for other full weights waits until running generations
-finish, pushes the new weights over the group (a `TensorsTransport`, `skylift.weight_sync`'s one
-transport interface for a source of tensors) and proceeds. LoRA samplers of the
+finish, pushes the new weights (`skylift.weight_sync.factory.local_tensors_transport`: shared
+memory on one host) and proceeds. LoRA samplers of the
 base model are served as adapters in the batch instead where the engine's mode says so
 (`skylift.tinker.sampling.lora_mode`): every request carries its adapter, loaded into one of the engine's
 slots (`skylift.tinker.sampling.adapter_slots`), and nothing waits for other users' generations.
@@ -157,7 +157,7 @@ class EngineHost:
                 if os.environ.get(FAIL_START_ENV) == "1":
                     raise EngineError(f"engine start-up refused: {FAIL_START_ENV}=1 is set (test hook)")
                 from skylift.inference.local import LocalVLLMEngine
-                from skylift.weight_sync.broadcast.tensors import TensorsTransport
+                from skylift.weight_sync.factory import local_tensors_transport
 
                 s = self.settings
                 extra: dict[str, Any] = {}
@@ -179,7 +179,7 @@ class EngineHost:
                     cpus=self.cpus,
                     **extra,
                 )
-                transport = TensorsTransport([engine])
+                transport = local_tensors_transport([engine])
                 try:
                     await transport.open()
                 except Exception:

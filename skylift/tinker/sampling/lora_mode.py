@@ -38,6 +38,7 @@ import torch
 
 from skylift.inference.types import SamplingParams
 from skylift.tinker.sampling.weights import UNEMBED
+from skylift.weight_sync.lora.calls import load_adapter, unload_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ async def calibrate(
     swap_weights: Callable[[Path], dict[str, torch.Tensor]] | None = None,
 ) -> ModeChoice:
     """Measure both ways on `engine` (started with LoRA, holding `weights`, pushed to through
-    `transport`, a `weight_sync` `TensorsTransport` opened for it) with `width` adapters' requests
+    `transport`, a `weight_sync` tensors transport opened for it) with `width` adapters' requests
     at once (at least 2) and choose (see the module's docstring); the adapters cover the
     unembedding too where `unembed` (as Tinker's default adapters do). `swap_weights(adapter_dir)`
     builds what a swap pushes for a sampler of that adapter (the swap path's own function; timed,
@@ -165,7 +166,7 @@ async def calibrate(
                 return ModeChoice("swap", "the model has no attention or MLP layers a LoRA adapter covers")
             names.append(f"skylift-calibration-{i}")
             directories.append(directory)
-            await engine.load_lora_adapter(names[-1], str(directory))
+            await load_adapter(engine, names[-1], str(directory))
         prompts = [[(7 * j + 3 * i) % 100 + 10 for j in range(CALIBRATION_PROMPT)] for i in range(width)]
         params = _params()
         # warm both ways up (first calls compile and allocate)
@@ -184,7 +185,7 @@ async def calibrate(
         push_s = time.perf_counter() - push_start
         del pushed
         for name in names:
-            await engine.unload_lora_adapter(name)
+            await unload_adapter(engine, name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     swap_s = width * request_s + (width - 1) * (merge_s + push_s)

@@ -4,7 +4,7 @@ It holds both halves of weight sync (`weight_sync.broadcast.broadcaster` and `we
 torch process, which is rank 0 of the weight-update group; each engine's workers take the ranks
 after it (a training run splits the halves: the policy's rank 0 broadcasts, the driver calls the
 engines, `cluster.engine_weights`). By default a sync is one weight stream
-(`weight_sync.broadcast.stream`): each engine is called once (`receive_weight_stream`) while this process
+(`weight_sync.broadcast.stream`): each engine is called once (the broadcast transport's ``stream``) while this process
 broadcasts every bucket with its metadata in band, packing bucket k+1 while bucket k is on the
 wire. The sequential path (`overlap=False`) tells every engine the metadata of one bucket at a
 time (`update_weights`) while it broadcasts that bucket's flat buffers; both happen concurrently
@@ -86,8 +86,8 @@ class WeightSender:
 
     `overlap` (default): one weight stream per sync (`weight_sync.broadcast.stream`): one call to each
     engine, bucket k+1 packed while bucket k is on the wire and broadcast while the engines reload
-    bucket k. False: the sequential path, one `update_weights` call per bucket, each bucket loaded
-    before the next is sent. Engines without `receive_weight_stream` always get the sequential path.
+    bucket k. False: the sequential path, one ``bucket`` call per bucket, each bucket loaded
+    before the next is sent.
     """
 
     def __init__(
@@ -159,7 +159,7 @@ class WeightSender:
         group, engines = self.rank_zero.require_group(), self._require_engines()
         overlap = self.overlap if overlap is None else overlap
         start = time.perf_counter()
-        if overlap and all(callable(getattr(e, "receive_weight_stream", None)) for e in engines.engines):
+        if overlap:
             broadcast = asyncio.to_thread(self.rank_zero.broadcast_stream, named_tensors, bucket_bytes)
             sent, receipts = await engines.receive_stream(broadcast)
             return SyncStats(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from skylift.weight_sync.broadcast.fence import StreamFence
 from skylift.weight_sync.buckets import (
     BufferArena,
     NamedTensor,
@@ -204,17 +205,25 @@ class BucketStream:
     Iterate over it for `(bucket, buffers)`; each bucket is received into a free arena of
     `arenas` (default: two for this stream alone), freed again when the consumer asks for the next
     bucket. `drain()` receives whatever is left without handing it out (so rank 0's broadcasts
-    complete after the consumer gave up). Every wait is bounded by the group's timeout.
+    complete after the consumer gave up). Every wait is bounded by the group's timeout. An arena
+    handed back carries an event recorded on the consumer's CUDA stream (`fence`), which the
+    receive thread waits on before it broadcasts into that arena again (a no-op on CPU).
     """
 
-    def __init__(self, group: WeightSyncGroup, arenas: Sequence[BufferArena] | None = None) -> None:
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        arenas: Sequence[BufferArena] | None = None,
+        fence: StreamFence | None = None,
+    ) -> None:
         self.group = group
         self.stats = StreamStats()
         self.receive_s = 0.0
+        self.fence = fence if fence is not None else StreamFence(group.device)
         self._queue: queue.Queue[object] = queue.Queue()
-        self._free: queue.Queue[BufferArena] = queue.Queue()
+        self._free: queue.Queue[tuple[BufferArena, object]] = queue.Queue()
         for arena in arenas or [BufferArena(group.device) for _ in range(STREAM_DEPTH)]:
-            self._free.put(arena)
+            self._free.put((arena, None))
         self._done = False
         self._thread = threading.Thread(target=self._run, name="skylift-weight-stream", daemon=True)
         self._thread.start()
@@ -246,9 +255,10 @@ class BucketStream:
             _use_device_in_thread(self.group.device)
             while True:
                 try:
-                    arena = self._free.get(timeout=timeout_s)
+                    arena, done = self._free.get(timeout=timeout_s)
                 except queue.Empty:
                     raise WeightSyncError(f"the reload held every buffer for {timeout_s:.0f} s") from None
+                self.fence.wait(done)  # loads queued on the consumer's stream may still read it
                 start = time.perf_counter()
                 head = self._receive_header()
                 if head is None:
@@ -299,12 +309,12 @@ class BucketStream:
                 yield bucket, buffers
             finally:
                 del buffers
-                self._free.put(arena)
+                self._free.put((arena, self.fence.record()))
 
     def drain(self) -> None:
         """Receive the rest of the stream without handing it out; raises a receive failure."""
         while not self._done:
             item = self._next()
             if item is not None:
-                self._free.put(item[2])
+                self._free.put((item[2], None))
         self._thread.join(self.group.timeout_s)

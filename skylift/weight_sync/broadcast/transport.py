@@ -34,12 +34,13 @@ class BroadcastTransport(WeightTransport):
     ) -> None:
         self.engines, self.say, self.dtype = engines, say, dtype
         self.override_existing = override_existing
-        self.link = PolicySync(
-            policy, lora=self._lora, backend=backend, timeout_s=timeout_s, master_address=master_address
+        self.link = self.link_class(
+            policy, backend=backend, timeout_s=timeout_s, master_address=master_address
         )
         self._broken = False  # a send failed: the group must be rebuilt before the next
 
-    _lora = False
+    #: the driver's end of the group (a subclass sends another payload over the same group)
+    link_class: type[PolicySync] = PolicySync
 
     @property
     def members(self) -> list[Any]:

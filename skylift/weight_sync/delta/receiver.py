@@ -1,6 +1,6 @@
 """The vLLM worker's half of checkpoint-delta weight sync: load tensors of the host's delta store.
 
-The engine (`skylift.inference.delta_engine`) has brought the store to a version
+The engine (`skylift.weight_sync.delta.engine`) has brought the store to a version
 (`weight_sync.delta.apply`) and names the tensors that changed since the version the engine
 holds; every worker reads them from the store (shared lock; the base checkpoint for a tensor that
 never changed) and loads them in place, as a weight stream's bucket is loaded: straight into the

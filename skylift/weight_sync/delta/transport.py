@@ -50,13 +50,13 @@ class DeltaTransport(WeightTransport):
             self.store_dir,
             self.download_workers,
         )
-        await self.engines.fetch_delta(self.staged)
+        await self.engines.weight_call("delta", "fetch", self.staged.to_dict(), strict=False)
 
     async def push(self, version: int) -> dict[str, float]:
         if self.staged is None:
             raise RuntimeError("DeltaTransport.push before stage: nothing published to load")
         request, self.staged = self.staged, None
-        await self.engines.load_delta(request)
+        await self.engines.weight_call("delta", "load", request.to_dict(), strict=False)
         return self.published
 
     @property

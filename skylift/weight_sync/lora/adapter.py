@@ -28,7 +28,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +43,7 @@ from skylift.weight_sync.buckets import (
 )
 from skylift.weight_sync.control import EngineGroup
 from skylift.weight_sync.process_group import WeightSyncError, WeightSyncGroup
-from skylift.weight_sync.protocol import WeightBucket
+from skylift.weight_sync.protocol import WeightBucket, WeightSyncTarget
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +78,6 @@ class LoraSyncStats:
     bytes: int
     seconds: float
     mode: str  # "memory" | "directory"
-
-
-class LoraSyncTarget(Protocol):
-    """What a LoRA sync needs of an engine (every skylift engine client has these)."""
-
-    async def receive_lora_adapter(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
-        """Receive the adapter over the weight-update group (broadcast concurrently) and load it."""
-        ...
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, load_inplace: bool = False, activate: bool = False
-    ) -> None: ...
-
-    async def unload_lora_adapter(self, lora_name: str) -> None: ...
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -231,7 +217,7 @@ class LoraPublisher:
 
     async def publish(
         self,
-        engines: Sequence[LoraSyncTarget],
+        engines: Sequence[WeightSyncTarget],
         named_tensors: Sequence[NamedTensor],
         peft_config: dict[str, Any],
         *,
@@ -266,7 +252,9 @@ class LoraPublisher:
             tensors, nbytes = await source.write(directory)
             await engines.each(
                 f"load_lora_adapter ({name} from {directory})",
-                lambda e: e.load_lora_adapter(name, directory, activate=True),  # type: ignore[attr-defined]
+                lambda e: e.weight_call(
+                    "lora", "load", {"lora_name": name, "lora_path": directory, "activate": True}
+                ),
             )
         else:
             bucket, config = await source.stage()
@@ -279,7 +267,7 @@ class LoraPublisher:
                 f"LoRA adapter broadcast ({name})",
                 source.broadcast(),
                 f"receive_lora_adapter ({name}, {tensors} tensors)",
-                lambda e: e.receive_lora_adapter(bucket, adapter),  # type: ignore[attr-defined]
+                lambda e: e.weight_call("lora", "receive", {**bucket.to_dict(), **asdict(adapter)}),
             )
         for _, old_dir in superseded:
             if old_dir is not None:
@@ -292,7 +280,7 @@ class LoraPublisher:
         """Unload a superseded adapter; an engine that cannot is logged, not raised."""
         results = await engines.each(
             f"unload_lora_adapter ({name})",
-            lambda e: e.unload_lora_adapter(name),  # type: ignore[attr-defined]
+            lambda e: e.weight_call("lora", "unload", {"lora_name": name}),
             fail_fast=False,
         )
         for result in results:

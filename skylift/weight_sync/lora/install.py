@@ -11,7 +11,7 @@ between two engine steps: no forward pass sees a half-installed adapter.
 
 An adapter installed this way lives only in the worker's adapter cache: vLLM cannot load it again
 from its `lora_path`, so the engine keeps at most `max_cpu_loras` adapters while one of them is such
-(`skylift.inference.lora_adapters`), and vLLM's LRU never evicts it. vLLM also drops every adapter
+(`skylift.weight_sync.lora.engine`), and vLLM's LRU never evicts it. vLLM also drops every adapter
 after a full-weight reload (`reset_lora_state`): an engine serving an in-memory adapter takes
 adapter syncs only (skylift sends a LoRA policy's adapter, never merged weights).
 """

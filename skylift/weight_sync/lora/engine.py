@@ -1,4 +1,9 @@
-"""The LoRA adapters a `LocalVLLMEngine` serves: load, replace, unload, and pick one per request.
+"""The LoRA transport's engine half: the adapters an engine serves (load, replace, unload, receive
+in memory) and the pick of one per generation request.
+
+Operations (``weight_call("lora", operation, payload)``): ``load`` {lora_name, lora_path,
+load_inplace?, activate?}, ``unload`` {lora_name}, ``receive`` (a `WeightBucket`'s fields plus a
+`LoraAdapterSpec`'s: over the weight-update group the broadcast transport's ``join`` built).
 
 An engine started with LoRA (`enable_lora`, `max_lora_rank`, `max_loras`; see
 `engine_args.lora_engine_args`) serves its base model plus named adapters. Semantics follow
@@ -18,24 +23,25 @@ its LRU cache evicted it, so while the table holds one, loading beyond the cache
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
 import tempfile
 from typing import Any
 
-from skylift.inference.types import (
+from skylift.utils.calls import call_with_timeout
+from skylift.utils.engine_errors import (
     EngineError,
     EngineNotFoundError,
     EngineRequestError,
     EngineStateError,
     EngineUnavailableError,
-    WeightBucket,
 )
-from skylift.utils.calls import call_with_timeout
+from skylift.weight_sync.broadcast.engine import require_group
 from skylift.weight_sync.buckets import validate_bucket
+from skylift.weight_sync.engine_side import EngineHost, EngineSide, Payload, WeightState, decode
 from skylift.weight_sync.lora.adapter import ADAPTER_CONFIG_FILE, RPC_RECEIVE_LORA, LoraAdapterSpec
+from skylift.weight_sync.protocol import WeightBucket
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +59,16 @@ def in_memory_path(lora_name: str) -> str:
     return os.path.join(tempfile.gettempdir(), IN_MEMORY_PATH, lora_name)
 
 
-class LoraAdapters:
-    """The adapter table of one engine. `registry`: vLLM's `OpenAIServingModels` (server only)."""
+class LoraEngineSide(EngineSide):
+    """The adapter table of one engine (in the server: vLLM's `OpenAIServingModels`' own)."""
 
-    def __init__(self, owner: Any, registry: Any = None) -> None:
-        self._owner = owner  # the LocalVLLMEngine: its vLLM engine, `_call` and `_rpc`
+    transport = "lora"
+
+    def __init__(self, host: EngineHost, state: WeightState) -> None:
+        super().__init__(host, state)
+        self.operations = {"load": self._load_op, "unload": self._unload_op, "receive": self._receive_op}
+        self._owner = host
+        registry = host.lora_registry
         self._registry = registry
         self._requests: dict[str, Any] = registry.lora_requests if registry is not None else {}
         self._ids = itertools.count(1)
@@ -65,6 +76,24 @@ class LoraAdapters:
         self.default: str | None = None
         #: seconds of each part of the last in-memory receive, per worker (`weight_sync.lora.install`)
         self.last_receive: list[dict[str, float]] = []
+
+    async def _load_op(self, payload: Payload) -> None:
+        await self.load(
+            str(payload.get("lora_name") or ""),
+            str(payload.get("lora_path") or ""),
+            load_inplace=bool(payload.get("load_inplace")),
+            activate=bool(payload.get("activate")),
+        )
+
+    async def _unload_op(self, payload: Payload) -> None:
+        await self.unload(str(payload.get("lora_name") or ""))
+
+    async def _receive_op(self, payload: Payload) -> None:
+        fields = dict(payload)
+        bucket_fields = {k: fields.pop(k, None) for k in ("names", "dtypes", "shapes")}
+        bucket = decode(self._owner, "receive_lora_adapter", WeightBucket, bucket_fields)
+        adapter = decode(self._owner, "receive_lora_adapter", LoraAdapterSpec, fields)
+        await self.receive(bucket, adapter)
 
     @property
     def enabled(self) -> bool:
@@ -200,7 +229,7 @@ class LoraAdapters:
                 f"{self._owner.name}: The lora adapter '{lora_name}' cannot be found."
             )
         if self.enabled:
-            await self._owner._call(
+            await self._owner.call(
                 f"unload_lora_adapter({lora_name!r})",
                 self._owner.vllm_engine.remove_lora(request.lora_int_id),
                 self._owner.control_timeout_s,
@@ -213,9 +242,7 @@ class LoraAdapters:
         if self.default == lora_name:
             self.default = None
 
-    async def receive(
-        self, bucket: WeightBucket, adapter: LoraAdapterSpec, weight_lock: asyncio.Lock
-    ) -> None:
+    async def receive(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
         """Receive the adapter over the engine's weight-update group (under its `weight_lock`) and
         install it from the received tensors; the adapters it supersedes (`adapter.retire`) leave
         in the same engine call."""
@@ -223,12 +250,8 @@ class LoraAdapters:
             bucket = validate_bucket(bucket)
         except ValueError as exc:
             raise EngineRequestError(f"{self._owner.name}: receive_lora_adapter: {exc}") from exc
-        async with weight_lock:
-            if self._owner.group_name is None:
-                raise EngineStateError(
-                    f"{self._owner.name}: receive_lora_adapter: no weight-update group: call "
-                    "init_weight_update_communicator first"
-                )
+        async with self.state.lock:
+            require_group(self._owner, self.state, "receive_lora_adapter")
             await self._receive(bucket, adapter)
 
     async def _receive(self, bucket: WeightBucket, adapter: LoraAdapterSpec) -> None:
@@ -246,7 +269,7 @@ class LoraAdapters:
             self._require_room(operation, leaving=len(retire), in_memory=True)
         except EngineError:
             # the sender is broadcasting: take the bucket in and drop it, so the group stays usable
-            await self._owner._rpc(
+            await self._owner.rpc(
                 f"{operation} (dropped)",
                 RPC_RECEIVE_LORA,
                 (*bucket.rpc_args(), 0, {}, []),
@@ -259,7 +282,7 @@ class LoraAdapters:
         retire_ids = [self._requests[name].lora_int_id for name in retire]
         args = (*bucket.rpc_args(), request.lora_int_id, adapter.peft_config, retire_ids)
         try:
-            self.last_receive = await self._owner._rpc(
+            self.last_receive = await self._owner.rpc(
                 operation, RPC_RECEIVE_LORA, args, self._owner.update_timeout_s
             )
         finally:  # the workers drop the superseded adapters before they receive

@@ -1,4 +1,5 @@
-"""`EngineDelta`: a local engine's side of checkpoint-delta weight sync (``weight_sync_backend=delta``).
+"""The delta transport's engine half (``weight_sync_backend=delta``): operations ``fetch`` and
+``load``, each a `DeltaSyncRequest` (``weight_call("delta", operation, request.to_dict())``).
 
 `fetch` brings the host's store (`weight_sync.delta.apply.DeltaStore`) to a published version,
 replaying any it missed; it reads files only and can run while the engine generates. `load` (after
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from skylift.config.delta_sync import is_cloud_uri
-from skylift.inference.types import EngineNotFoundError, EngineRequestError, EngineStateError
+from skylift.utils.engine_errors import EngineNotFoundError, EngineRequestError, EngineStateError
 from skylift.weight_sync.delta.apply import DeltaStore
 from skylift.weight_sync.delta.cloud import drop_payloads, mirror_chain
 from skylift.weight_sync.delta.format import (
@@ -30,18 +31,32 @@ from skylift.weight_sync.delta.format import (
     default_store_dir,
     resolve_base_dir,
 )
+from skylift.weight_sync.engine_side import EngineHost, EngineSide, Payload, WeightState, decode
 from skylift.weight_sync.protocol import RPC_LOAD_DELTA, DeltaSyncRequest
 
 MIRROR = "mirror"  # a cloud sync dir's versions, copied beside the store
 
 
-class EngineDelta:
-    """The delta-sync state of one `LocalVLLMEngine`: the (run, version) its weights are."""
+class DeltaEngineSide(EngineSide):
+    """The delta-sync state of one engine: the (run, version) its weights are."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine  # the LocalVLLMEngine: its name, model_path, weight lock, `_rpc`
+    transport = "delta"
+    #: payload fields that are paths on the engine's host: a server checks them against the roots
+    #: it was started with (``--delta-sync-root``) before the call
+    checked_paths = ("sync_dir", "local_checkpoint_dir")  # noqa: RUF012 - a ClassVar of the base
+
+    def __init__(self, host: EngineHost, state: WeightState) -> None:
+        super().__init__(host, state)
+        self.operations = {"fetch": self._fetch_op, "load": self._load_op}
+        self.engine = host
         self.loaded: tuple[str, int] = ("", 0)  # ("", 0): the base checkpoint it started from
-        self._group_syncs = 0  # the engine's weight_version (buckets received) at the last load
+        self._group_syncs = 0  # the engine's weight loads over a group at the last delta load
+
+    async def _fetch_op(self, payload: Payload) -> dict[str, Any]:
+        return await self.fetch(decode(self.host, "fetch_delta", DeltaSyncRequest, payload))
+
+    async def _load_op(self, payload: Payload) -> dict[str, Any]:
+        return await self.load(decode(self.host, "load_delta", DeltaSyncRequest, payload))
 
     @functools.cached_property
     def base_dir(self) -> Path | None:
@@ -71,7 +86,7 @@ class EngineDelta:
     def _fetch_and_apply(request: DeltaSyncRequest, store: DeltaStore) -> list[int]:
         if not is_cloud_uri(request.sync_dir):
             return store.apply(request.sync_dir, request.version)
-        mirror = Path(EngineDelta._readable_dir(request, store))
+        mirror = Path(DeltaEngineSide._readable_dir(request, store))
         state = store.state()
         held = (state.run_id, state.version)
         mirror_chain(request.sync_dir, request.version, mirror, held, request.download_workers)
@@ -100,7 +115,7 @@ class EngineDelta:
 
     def _names(self, store: DeltaStore, sync_dir: str, run_id: str) -> list[str]:
         """The tensors to load: those changed since the weights this engine holds, or all."""
-        if self.engine.weight_version != self._group_syncs:  # weights came over a group since
+        if self.state.version != self._group_syncs:  # weights came over a group since
             return store.all_names()
         run, version = self.loaded
         if (run, version) == ("", 0):
@@ -112,7 +127,7 @@ class EngineDelta:
         """Fetch `request.version` (if not yet), load what changed into every worker, reset the
         prefix cache. Returns {"version", "tensors", "bytes", "seconds", "prefix_cache_reset"}."""
         engine = self.engine
-        async with engine._weight_lock:
+        async with self.state.lock:
             fetched = await self.fetch(request)
             store = self._store(request, "load_delta")
             start = time.perf_counter()
@@ -127,13 +142,13 @@ class EngineDelta:
                 raise EngineStateError(f"{engine.name}: load_delta {request.version}: {exc}") from exc
             base = self.base_dir
             args = (str(store.dir), str(base) if base else None, names, state.run_id, state.version)
-            results = await engine._rpc(
+            results = await engine.rpc(
                 f"load_delta {request.version} ({len(names)} tensors)",
                 RPC_LOAD_DELTA,
                 args,
                 engine.update_timeout_s,
             )
-            self.loaded, self._group_syncs = (state.run_id, state.version), engine.weight_version
+            self.loaded, self._group_syncs = (state.run_id, state.version), self.state.version
             reset = await engine.try_reset_prefix_cache()
         return {
             "version": request.version,

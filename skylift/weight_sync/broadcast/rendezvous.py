@@ -30,8 +30,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from skylift.inference.types import EngineError, EngineRequestError, WeightUpdateGroupSpec
+from skylift.utils.engine_errors import EngineError, EngineRequestError
 from skylift.weight_sync.process_group import announce_ranks
+from skylift.weight_sync.protocol import WeightUpdateGroupSpec
 
 #: (operation, worker method, args, timeout_s) -> one result per worker
 Rpc = Callable[[str, str, tuple, float], Awaitable[list[Any]]]

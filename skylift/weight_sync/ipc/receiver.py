@@ -1,0 +1,102 @@
+"""The IPC transport's worker half: open the shared tensors a handle names and load them.
+
+Built once per vLLM worker by `weight_sync.worker_side` (the engine side calls ``load`` through
+``RPC_WORKER_CALL``). The tensors stay where the sender put them (its GPU, or /dev/shm): they are
+loaded straight into the model's modules where `broadcast.direct_load` maps them, else through
+vLLM's reload, which copies them into the parameters; the views are dropped before the call
+returns, so the sender may release its buffers once every worker answered.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from skylift.weight_sync.buckets import bucket_of
+from skylift.weight_sync.ipc.handles import handle_from_wire, open_shared
+
+
+def _key(wire: dict[str, Any]) -> str:
+    return repr([(b["device"], b["args"]) for b in wire["buffers"]])
+
+
+class IpcWorkerReceiver:
+    """Keeps the last CPU handle's views open: a sender that refills the same buffers
+    (`SharedTensorsTransport(keep_buffers=True)`) is read without mapping anything again. CUDA
+    views are dropped after each load (an open one would keep the sender's GPU memory alive)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker  # the vLLM worker, with `broadcast.receiver`'s loading helpers
+        self._open: tuple[str, dict[str, Any]] | None = None
+
+    def _views(self, wire: dict[str, Any]) -> dict[str, Any]:
+        key = _key(wire)
+        if self._open is not None and self._open[0] == key:
+            return self._open[1]
+        self._open = None  # the old mapping goes before the new one is made
+        views = open_shared(handle_from_wire(wire))
+        if all(b["device"] == "cpu" for b in wire["buffers"]):
+            self._open = (key, views)
+        return views
+
+    def load(
+        self,
+        wire: dict[str, Any],
+        ready: dict[str, Any] | None = None,
+        buckets: list[list[str]] | None = None,
+    ) -> dict[str, Any]:
+        """Load every tensor of the handle `wire` (`handles.handle_to_wire`); returns
+        {"tensors", "bytes", "seconds", "direct"}. With `ready` (the handle of a one-element
+        counter in shared memory) and `buckets` (the names in the order the sender fills them),
+        bucket k is loaded once the counter reaches k + 1, while the sender still fills the next
+        ones (-1: the sender failed); a bucket the direct loader cannot take ends in one vLLM
+        reload of the rest."""
+        start = time.perf_counter()
+        views = self._views(wire)
+        worker = self.worker
+        worker._skylift_check_whole_units(list(views))
+        counter = open_shared(handle_from_wire(ready))["ready"] if ready is not None else None
+        order = buckets if buckets is not None else [list(views)]
+        direct, loaded, reloaded, nbytes = worker._skylift_direct_loader(), 0, False, 0
+        with worker._skylift_loading():
+            for k, names in enumerate(order):
+                if counter is not None:
+                    _wait_for(counter, k + 1, start)
+                named = [(n, views[n]) for n in names]
+                nbytes += sum(t.numel() * t.element_size() for _, t in named)
+                loads = direct.plan(bucket_of(named)) if direct is not None and named else None
+                if loads is None:
+                    if counter is not None:
+                        _wait_for(counter, len(order), start)
+                    rest = [(n, views[n]) for later in order[k:] for n in later]
+                    nbytes += sum(t.numel() * t.element_size() for _, t in rest[len(named) :])
+                    if rest:
+                        worker._skylift_reload(iter(rest))
+                    reloaded = True
+                    break
+                direct.load(loads, named)
+                loaded += 1
+            if loaded and not reloaded:
+                worker._skylift_reset_runner_caches()
+        return {
+            "tensors": len(wire["order"]),
+            "bytes": nbytes,
+            "seconds": time.perf_counter() - start,
+            "direct": loaded > 0 and not reloaded,
+        }
+
+
+#: how long a worker waits for the sender to fill the next bucket
+FILL_TIMEOUT_S = 120.0
+
+
+def _wait_for(counter: Any, value: int, start: float) -> None:
+    while True:
+        seen = int(counter[0])
+        if seen == -1:
+            raise RuntimeError("the sender failed while filling the shared buffers: nothing more to load")
+        if seen >= value:
+            return
+        if time.perf_counter() - start > FILL_TIMEOUT_S:
+            raise RuntimeError(f"the sender filled {seen} of the shared buckets within {FILL_TIMEOUT_S:g} s")
+        time.sleep(0.0002)

@@ -1,0 +1,94 @@
+"""Full weights by shared-memory handle into the shared in-process vLLM engine
+(`weight_sync.ipc`: the CPU form of the same-GPU CUDA IPC path), against the gloo broadcast.
+
+Run inside a loopback-only namespace (the gloo side), under the heavy lock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skylift.inference.local import LocalVLLMEngine
+from skylift.inference.types import EngineRequestError, EngineStateError
+from skylift.weight_sync import WeightSender
+from skylift.weight_sync.ipc.handles import handle_to_wire, share_tensors
+from skylift.weight_sync.ipc.transport import SharedTensorsTransport
+
+pytestmark = pytest.mark.integration
+
+SEQUENCES = [[5, 17, 230, 999, 42, 8, 77, 301], [900, 3, 3, 64, 512, 1000, 12]]
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def by_gloo(loop: Any, engine: LocalVLLMEngine, state: dict[str, torch.Tensor]) -> None:
+    async def sync() -> None:
+        sender = WeightSender(timeout_s=20.0)
+        await sender.init_group([engine], override_existing=True)
+        try:
+            await sender.send_state_dict(state.items())
+        finally:
+            await sender.close()
+
+    loop.run(sync())
+
+
+def test_logprobs_after_a_shared_memory_sync_equal_those_after_a_gloo_sync(
+    engine: LocalVLLMEngine, loop: Any, tiny_model_dir: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    original: dict[str, torch.Tensor] = {}
+    for shard in sorted(tiny_model_dir.glob("*.safetensors")):
+        original.update(load_file(str(shard)))
+    one, two = perturbed(tiny_model_dir, seed=11), perturbed(tiny_model_dir, seed=12)
+    try:
+        by_gloo(loop, engine, one)
+        after_gloo = loop.run(engine.prompt_logprobs(SEQUENCES))
+        by_gloo(loop, engine, two)  # something else in between
+        assert loop.run(engine.prompt_logprobs(SEQUENCES)) != after_gloo
+        version = engine.weight_version
+        transport = SharedTensorsTransport([engine])
+        assert "by handle" in loop.run(transport.open())
+        transport.put(one)
+        metrics = loop.run(transport.push(1))
+        assert metrics["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in one.values())
+        assert loop.run(engine.prompt_logprobs(SEQUENCES)) == after_gloo  # bit for bit
+        assert engine.weight_version == version + 1 and transport.version == 1
+        with pytest.raises(RuntimeError, match="push before put"):
+            loop.run(transport.push(2))
+        transport.put(two)  # the same layout: copied into the buffers the engine already holds open
+        loop.run(transport.push(2))
+        assert loop.run(engine.prompt_logprobs(SEQUENCES)) != after_gloo
+        transport.put(one)
+        loop.run(transport.push(3))
+        assert loop.run(engine.prompt_logprobs(SEQUENCES)) == after_gloo
+        loop.run(transport.close())
+        # a bad handle is refused before any worker is asked; the engine keeps serving
+        with pytest.raises(EngineRequestError, match="not a shared-tensors handle"):
+            loop.run(engine.weight_call("ipc", "load", {"handle": {"buffers": "x"}}))
+        # half of a fused module (q without k and v) is refused by the workers: nothing loaded
+        part = share_tensors(
+            {"model.layers.0.self_attn.q_proj.weight": two["model.layers.0.self_attn.q_proj.weight"]}
+        )
+        with pytest.raises(EngineStateError, match="loads together"):
+            loop.run(engine.weight_call("ipc", "load", {"handle": handle_to_wire(part)}))
+        part.release()
+        assert loop.run(engine.prompt_logprobs(SEQUENCES)) == after_gloo
+    finally:
+        transport = SharedTensorsTransport([engine])
+        transport.put(original)
+        loop.run(transport.push(0))
+        loop.run(transport.close())

