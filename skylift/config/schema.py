@@ -99,9 +99,10 @@ class OptimizerConfig:
     scheduler: str = _f(
         "constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}", choices=LR_SCHEDULERS
     )
-    offload_after_step: bool = _f(  # accepted without effect: see skylift.config.inert
+    offload_after_step: bool = _f(
         True,
-        "accepted for compatibility, no effect in skylift (where it has one: move optimizer state to CPU)",
+        "colocate_all on GPUs: keep the optimizer state in host memory while the engines are awake "
+        "(false: on the GPU; the parameters go to host memory either way)",
     )
 
 
