@@ -5,7 +5,8 @@ trainer's state moved to host memory while the engines are awake.
 - `colocation_plan`: engines sleep during training only where that frees memory (local engines
   on GPUs);
 - `engine_memory_split`: the engines' `gpu_memory_utilization`, from what the trainer keeps on
-  the GPU while they are awake (`trainer_footprint`; the Tinker server's: `tinker_engine_fraction`);
+  the GPU while they are awake (`trainer_footprint`; a Tinker server's engines:
+  `skylift.tinker.training.admission.sampling_engine_fraction`);
 - `OffloadingEngineWeights` (`colocated_weights`): the engines' weights as the RL loop sees them,
   with the training workers' state offloaded before the engines wake and brought back after they
   sleep (`skylift.worker.offload`).
@@ -155,26 +156,6 @@ def engine_memory_split(
             "shard the policy over more GPUs, or run the engines on GPUs of their own (colocate_all=false)"
         )
     return MemorySplit(fraction, trainer_bytes, gpu_bytes, requested)
-
-
-def tinker_engine_fraction(
-    training_fraction: float, engines: int = 1, requested: float | None = None
-) -> float:
-    """`gpu_memory_utilization` of each sampling engine of a Tinker server whose training clients
-    may hold `training_fraction` of the GPU: what is left after one process overhead's worth of
-    headroom per engine (a hundredth), shared by the `engines` base models' engines, at most
-    `requested`."""
-    left = (1.0 - training_fraction - 0.01 * max(1, engines)) / max(1, engines)
-    fraction = int(left * 100) / 100
-    if requested is not None:
-        fraction = min(fraction, requested)
-    if fraction < MIN_ENGINE_FRACTION:
-        raise ColocationError(
-            f"the Tinker server's training budget takes {training_fraction:.2f} of the GPU, leaving "
-            f"{max(left, 0):.2f} for each of {engines} sampling engine(s) (at least {MIN_ENGINE_FRACTION} "
-            "needed): lower --training-memory-gb"
-        )
-    return fraction
 
 
 def checkpoint_parameter_count(model_path: str | Path) -> int | None:

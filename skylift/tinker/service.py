@@ -15,6 +15,7 @@ model's ordered queue without awaiting anything, and the queue runs them one at 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import gc
 import logging
@@ -90,7 +91,10 @@ class TinkerService:
         self.sampling = SamplingService(
             self.store,
             self.base_models,
-            config.engine,
+            dataclasses.replace(  # the engines share what the training budget leaves of the GPU
+                config.engine,
+                gpu_memory_utilization=self.admission.sampler_memory_utilization(len(config.base_models)),
+            ),
             self.snapshots,
             self.records,
             self.render_hosts,

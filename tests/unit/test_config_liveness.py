@@ -73,9 +73,7 @@ def test_setting_a_key_without_effect_warns_naming_it(caplog: pytest.LogCaptureF
         load_config()
     assert not caplog.records  # defaults warn about nothing
     with caplog.at_level(logging.WARNING, logger="skylift.config"):
-        cfg = load_config(
-            ["generator.async_engine=false", "generator.sampling_params.logprobs=1"]
-        )
+        cfg = load_config(["generator.async_engine=false", "generator.sampling_params.logprobs=1"])
     messages = [r.getMessage() for r in caplog.records]
     assert keys_set_without_effect(cfg) == [
         "generator.async_engine",
