@@ -101,8 +101,7 @@ class OptimizerConfig:
     )
     offload_after_step: bool = _f(
         True,
-        "colocate_all on GPUs: keep the optimizer state in host memory while the engines are awake "
-        "(false: on the GPU; the parameters go to host memory either way)",
+        "colocate_all on GPUs: optimizer state in host memory while engines are awake (weights: always)",
     )
 
 
@@ -213,7 +212,7 @@ class TrainerConfig:
     bf16: bool = _f(
         False,
         "mixed precision: bfloat16 matmuls (torch.autocast) over float32 weights and optimizer "
-        "state (false = all float32)",
+        "state (false = all float32); default true on GPUs (skylift.config.device_defaults)",
     )
     seed: int = _f(42, "random seed for data order, sampling and initialisation")
     epochs: int = _f(1, "passes over the training data", ge=1)
@@ -390,7 +389,7 @@ class GeneratorConfig:
     inference_engine_tensor_parallel_size: int = _f(1, "tensor-parallel size of each local engine", ge=1)
     model_dtype: str = _f(
         "float32",
-        f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training",
+        f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training (default bfloat16 on GPUs)",
         choices=MODEL_DTYPES,
     )
     weight_sync_backend: str = _f(
@@ -416,7 +415,7 @@ class GeneratorConfig:
         ge=1,
     )
     enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")
-    enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
+    enforce_eager: bool = _f(True, "disable CUDA graphs in local engines (default false on GPUs)")
     async_engine: bool = _f(  # accepted without effect: see skylift.config.inert
         True,
         "accepted for compatibility, no effect in skylift (engines always run vLLM's async engine)",
