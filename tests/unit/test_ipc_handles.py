@@ -1,0 +1,82 @@
+"""`weight_sync.ipc.handles`: named tensors shared by handle with another process on this host
+(CPU: torch's file_system shared memory; the CUDA path is the same code with CUDA IPC handles)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from skylift.weight_sync.ipc.handles import handle_from_wire, handle_to_wire, open_shared, share_tensors
+
+
+def named() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(3, 4, generator=g),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "h": torch.randn(7, generator=g).to(torch.bfloat16),
+        "b": torch.randn(2, generator=g),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def test_a_handle_opens_the_same_tensors_in_the_order_given_and_not_by_copy() -> None:
+    tensors = named()
+    handle = share_tensors(tensors)
+    assert handle.names == list(tensors) and handle.nbytes == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
+    assert len(handle.buffers) == 3  # one per dtype
+    opened = open_shared(pickle.loads(pickle.dumps(handle)))
+    assert list(opened) == list(tensors)
+    assert all(torch.equal(opened[k], v) and opened[k].dtype == v.dtype for k, v in tensors.items())
+    opened["w"][0, 0] = 123.0  # the same memory as the sender's buffer, not a copy
+    assert open_shared(handle)["w"][0, 0].item() == 123.0
+    assert tensors["w"][0, 0].item() != 123.0  # the sender's own tensors are untouched
+    handle.release()
+
+
+def test_the_wire_form_is_json_and_names_only_known_functions() -> None:
+    tensors = named()
+    handle = share_tensors(tensors)
+    wire = json.loads(json.dumps(handle_to_wire(handle)))
+    opened = open_shared(handle_from_wire(wire))
+    assert all(torch.equal(opened[k], v) for k, v in tensors.items())
+    wire["buffers"][0]["rebuild"] = "os.system"
+    with pytest.raises(KeyError):
+        handle_from_wire(wire)
+    wire["buffers"][0]["rebuild"] = "open_cpu_storage"
+    wire["buffers"][0]["dtype"] = "Tensor"
+    with pytest.raises(ValueError, match="no torch dtype"):
+        handle_from_wire(wire)
+
+
+def test_another_process_reads_the_shared_tensors(tmp_path: Path) -> None:
+    tensors = named()
+    handle = share_tensors(tensors)
+    code = (
+        "import json, sys, torch\n"
+        "from skylift.weight_sync.ipc.handles import handle_from_wire, open_shared\n"
+        "got = open_shared(handle_from_wire(json.loads(sys.stdin.read())))\n"
+        "torch.save({k: v.clone() for k, v in got.items()}, sys.argv[1])\n"
+    )
+    out = tmp_path / "got.pt"
+    subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        input=json.dumps(handle_to_wire(handle)),
+        text=True,
+        check=True,
+    )
+    got = torch.load(out)
+    assert list(got) == list(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_a_tensor_on_a_device_without_handles_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be shared by handle"):
+        share_tensors({"m": torch.empty(2, device="meta")})
