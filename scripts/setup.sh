@@ -46,7 +46,7 @@ print(pin(project["dependencies"], "torch"), pin(project["optional-dependencies"
 PY
 )
 # The installed torch's local label ("cpu", "cu130"; empty for PyPI's CUDA build) and whether it
-# has CUDA. pip keeps torch 2.13.0+cpu when asked for torch==2.13.0 (PEP 440 ignores the local
+# has CUDA. pip keeps torch X+cpu when asked for torch==X (PEP 440 ignores the local
 # label), so a .venv that once got the CPU build would keep it on a GPU machine.
 torch_build() {
   "$VENV/bin/python" -c 'import torch; print(torch.__version__.partition("+")[2] or "-", torch.version.cuda or "none")' \
