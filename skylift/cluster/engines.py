@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.cluster.placement import PlacedGroups, engine_role
+from skylift.cluster.placement import PlacedGroups, PlacementPlan, engine_role
 from skylift.cluster.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.types import EngineUnavailableError
 
@@ -87,12 +87,32 @@ def start_local_engines(
 
 def _engine_options(placement: PlacedGroups, index: int, tp: int) -> dict[str, Any]:
     """Actor options of engine `index`: its rank-0 bundle; with TP > 1 on GPU the actor takes no
-    GPU itself and vLLM's Ray executor places the ranks on the engine's bundles."""
+    GPU itself and vLLM's Ray executor places the ranks on the engine's bundles
+    (`ray_executor_env`, in the actor's environment, which vLLM's engine process inherits)."""
     role = engine_role(index)
     options = placement.options(role, 0, capture_child_tasks=tp > 1)
     if tp > 1 and options.get("num_gpus"):
         options["num_gpus"] = 0
+        options["runtime_env"] = {"env_vars": ray_executor_env(placement.plan, index, tp)}
     return options
+
+
+def ray_executor_env(plan: PlacementPlan, index: int, tp: int) -> dict[str, str]:
+    """What vLLM's Ray executor needs to place engine `index`'s `tp` GPU workers on the engine's
+    bundles: their indices in its placement group (`VLLM_RAY_BUNDLE_INDICES`; under colocate_all
+    the engines share one group, engine i on bundles i*tp ... i*tp+tp-1) and the GPU share each
+    worker asks for (`VLLM_RAY_PER_WORKER_GPUS`, 1.0 by default in vLLM: a colocated bundle holds
+    one GPU shared with the training ranks, so each takes its share of it)."""
+    slots = [plan.slot(engine_role(index), rank) for rank in range(tp)]
+    shares = {slot.resources.get("GPU", 0.0) for slot in slots}
+    if len(shares) != 1 or not next(iter(shares)):
+        raise ValueError(
+            f"engine {index}'s ranks must each hold an equal share of a GPU, got {sorted(shares)}"
+        )
+    return {
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(str(slot.bundle) for slot in slots),
+        "VLLM_RAY_PER_WORKER_GPUS": f"{shares.pop():.6g}",
+    }
 
 
 async def start_inprocess_engines(count: int, model: str, engine_kwargs: dict[str, Any]) -> list[EngineRef]:

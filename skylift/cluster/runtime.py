@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from skylift.cluster.colocation import ColocationPlan, colocation_plan
+from skylift.cluster.colocated_weights import OffloadingEngineWeights, colocated_weights
+from skylift.cluster.colocation import ColocationPlan, colocated_engine_fraction, colocation_plan
 from skylift.cluster.engine_weights import EngineWeights
 from skylift.cluster.engines import (
     EngineRef,
@@ -81,7 +82,7 @@ class Runtime:
         self.colocation = ColocationPlan(sleep_engines=False)
         self.use_ray = False
         self._ray_started = False
-        self.weights: EngineWeights | None = None
+        self.weights: EngineWeights | OffloadingEngineWeights | None = None
         self.placement: Any = None  # PlacedGroups (skylift.cluster.placement) when the run uses Ray
         self.generator: Any = None  # skylift's Generator, or a rollout plugin's around it
         #: e.g. ``environment.verifiers`` (rows of env_class verifiers played by a verifiers env server)
@@ -176,6 +177,8 @@ class Runtime:
         assert self.engines is not None
         self.weights = EngineWeights(cfg, self.policy, self.engines, self.run, self.say)
         self.weights.open()
+        if self.colocation.sleep_engines:  # the trainer's state in host memory while engines are awake
+            self.weights = colocated_weights(cfg, self.weights, self.policy, self.ref, self.critic, self.say)
 
     def _start_generator(self) -> None:
         env = self.cfg.environment  # modules of registrations; the env plugins' settings
@@ -215,6 +218,11 @@ class Runtime:
         g = self.cfg.generator
         if g.run_engines_locally:
             kwargs = local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
+            if self.colocation.sleep_engines:  # what the trainer leaves of each GPU while they are awake
+                gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+                kwargs["gpu_memory_utilization"] = colocated_engine_fraction(
+                    self.cfg, self.model_path, gpu_bytes, self.say
+                )
             kwargs.setdefault("use_tqdm_on_load", self.verbose)  # vLLM's checkpoint-shard bar
             started = time.perf_counter()
             where = "as Ray actors" if self.use_ray else "in this process"

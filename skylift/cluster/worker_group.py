@@ -24,6 +24,7 @@ from skylift.weight_sync.buckets import str_to_dtype
 from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.protocol import DeltaPublishSpec, WeightBucket
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.offload import OffloadingWorker
 from skylift.worker.training_worker import LossFn, TrainingWorker, WorkerSettings
 
 # Bucket size of the policy's weight syncs. Each engine's worker keeps two buckets' worth of
@@ -37,8 +38,9 @@ logger = logging.getLogger("skylift.cluster.worker_group")
 R = TypeVar("R")
 
 
-class RLWorker(TrainingWorker):
-    """A training rank that also produces the policy's weights for the inference engines.
+class RLWorker(OffloadingWorker, TrainingWorker):
+    """A training rank that also produces the policy's weights for the inference engines, and
+    whose state can wait in host memory while colocated engines are awake (`OffloadingWorker`).
 
     Every rank gathers (a collective); rank 0 alone is in the weight-update group and broadcasts
     (`WeightBroadcaster`). No rank calls an engine: the driver (`weight_sync.policy_sync`) tells the

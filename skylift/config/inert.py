@@ -25,12 +25,6 @@ WITHOUT_EFFECT: dict[str, str] = {
         "rollouts always carry the sampled token's logprob and never top-k alternatives"
     ),
     "generator.eval_sampling_params.logprobs": "evaluation requests never return logprobs",
-    "trainer.policy.optimizer_config.offload_after_step": (
-        "the optimizer state stays with the parameters between steps"
-    ),
-    "trainer.critic.optimizer_config.offload_after_step": (
-        "the optimizer state stays with the parameters between steps"
-    ),
 }
 
 NO_EFFECT_HELP = "accepted for compatibility, no effect in skylift"

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from skylift.config.device_defaults import apply_device_defaults
 from skylift.config.dialects import KeyDialect, key_aliases, start_dialects
 from skylift.config.errors import ConfigError
 from skylift.config.formatting import set_derived_keys
@@ -21,6 +22,7 @@ from skylift.config.inert import warn_without_effect
 from skylift.config.keys import is_list_type, key_table, mapping_leaf_of, suggest_keys, type_name
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import finalize, validate_config
+from skylift.utils.devices import cuda_available
 
 _HYDRA_KEYS = ("defaults", "hydra")  # a Hydra config file's own entries, not settings
 
@@ -44,13 +46,14 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
     parsed = [(override, *parse_override(override)) for override in overrides]
     for dialect in dialects:
         dialect.refuse([*file_items, *((key, value) for _, key, value in parsed)])
+    given: set[str] = set()
     for key, value in file_items:
-        _assign(cfg, key, value, str(config_file), dialects)
+        _assign(cfg, key, value, str(config_file), dialects, given)
     for override, key, value in parsed:
-        _assign(cfg, key, value, f"override {override!r}", dialects)
+        _assign(cfg, key, value, f"override {override!r}", dialects, given)
     for dialect in dialects:
         for key, value in dialect.translations():
-            _assign(cfg, key, value, dialect.TRANSLATION_SOURCE, dialects)
+            _assign(cfg, key, value, dialect.TRANSLATION_SOURCE, dialects, given)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -59,6 +62,7 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
             f"cannot resolve {key or 'the configuration'}: {_first_line(exc)}", key=key
         ) from exc
     assert isinstance(obj, SkyliftConfig)
+    apply_device_defaults(obj, given, cuda_available())  # bf16 and CUDA graphs on GPUs
     derived = finalize(obj)
     validate_config(obj)
     set_derived_keys(obj, derived)
@@ -163,13 +167,21 @@ def _check_key(key: str, source: str, dialects: Sequence[KeyDialect]) -> None:
     raise ConfigError(f"unknown config key {key} (from {source}){hint}", key=key, suggestions=suggestions)
 
 
-def _assign(cfg: DictConfig, key: str, value: Any, source: str, dialects: Sequence[KeyDialect]) -> None:
-    """Set one dotted key, checking the key and the value's type (a dialect's own keys go to it)."""
+def _assign(
+    cfg: DictConfig,
+    key: str,
+    value: Any,
+    source: str,
+    dialects: Sequence[KeyDialect],
+    given: set[str] | None = None,
+) -> None:
+    """Set one dotted key, checking the key and the value's type (a dialect's own keys go to it);
+    `given` collects the keys set."""
     key = _canonical(key)
     known = key in key_table() or mapping_leaf_of(key) is not None
     if not known and isinstance(value, dict) and value:  # a group of keys, e.g. from a file
         for name, sub_value in value.items():
-            _assign(cfg, f"{key}.{name}", sub_value, source, dialects)
+            _assign(cfg, f"{key}.{name}", sub_value, source, dialects, given)
         return
     for dialect in dialects:
         value = dialect.value(key, value)
@@ -183,7 +195,7 @@ def _assign(cfg: DictConfig, key: str, value: Any, source: str, dialects: Sequen
                 f"{key} is a group of keys; set its members, e.g. {key}.<name>=... (from {source})", key=key
             )
         for sub_key, sub_value in _flatten(value, key + ".", source):
-            _assign(cfg, sub_key, sub_value, source, dialects)
+            _assign(cfg, sub_key, sub_value, source, dialects, given)
         return
     if (
         info is not None
@@ -192,6 +204,8 @@ def _assign(cfg: DictConfig, key: str, value: Any, source: str, dialects: Sequen
         and not _is_interp(value)
     ):
         value = [value]  # a single path or url where a list is expected
+    if given is not None:
+        given.add(key)
     try:
         OmegaConf.update(cfg, key, value, merge=True)
     except OmegaConfBaseException as exc:

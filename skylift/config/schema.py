@@ -99,9 +99,9 @@ class OptimizerConfig:
     scheduler: str = _f(
         "constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}", choices=LR_SCHEDULERS
     )
-    offload_after_step: bool = _f(  # accepted without effect: see skylift.config.inert
+    offload_after_step: bool = _f(
         True,
-        "accepted for compatibility, no effect in skylift (where it has one: move optimizer state to CPU)",
+        "colocate_all on GPUs: optimizer state in host memory while engines are awake (weights: always)",
     )
 
 
@@ -214,7 +214,7 @@ class TrainerConfig:
     bf16: bool = _f(
         False,
         "mixed precision: bfloat16 matmuls (torch.autocast) over float32 weights and optimizer "
-        "state (false = all float32)",
+        "state (false = all float32); default true on GPUs (skylift.config.device_defaults)",
     )
     seed: int = _f(42, "random seed for data order, sampling and initialisation")
     epochs: int = _f(1, "passes over the training data", ge=1)
@@ -391,7 +391,7 @@ class GeneratorConfig:
     inference_engine_tensor_parallel_size: int = _f(1, "tensor-parallel size of each local engine", ge=1)
     model_dtype: str = _f(
         "float32",
-        f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training",
+        f"engine weight dtype: {' | '.join(MODEL_DTYPES)}; should match training (default bfloat16 on GPUs)",
         choices=MODEL_DTYPES,
     )
     weight_sync_backend: str = _f(
@@ -417,7 +417,7 @@ class GeneratorConfig:
         ge=1,
     )
     enable_chunked_prefill: bool = _f(True, "split long prefills into chunks")
-    enforce_eager: bool = _f(True, "disable CUDA graphs in local engines")
+    enforce_eager: bool = _f(True, "disable CUDA graphs in local engines (default false on GPUs)")
     async_engine: bool = _f(  # accepted without effect: see skylift.config.inert
         True,
         "accepted for compatibility, no effect in skylift (engines always run vLLM's async engine)",

@@ -36,6 +36,9 @@ class EngineSettings:
     max_lora_rank: int = 32  # a LoRA sampler of a higher rank takes the swap path
     max_loras: int = 4  # adapters in one batch (vLLM's max_loras)
     lora_slots: int = 8  # adapters an engine holds at once, least recently used evicted (max_cpu_loras)
+    # vLLM's share of the GPU per engine (None: vLLM's default); the server sets what its training
+    # budget leaves (skylift.tinker.training.admission.sampling_engine_fraction)
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ The store is never touched on the event loop (`requests.db` runs a store call on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import shutil
@@ -72,7 +73,9 @@ class TinkerService:
         self.sampling = SamplingService(
             self.store,
             self.base_models,
-            c.engine,
+            dataclasses.replace(  # the engines share what the training budget leaves of the GPU
+                c.engine, gpu_memory_utilization=self.admission.sampler_memory_utilization(len(c.base_models))
+            ),
             self.snapshots,
             self.records,
             self.render_hosts,

@@ -1,4 +1,4 @@
-"""Which torch.distributed backend this process should use."""
+"""The devices this process sees: whether CUDA is there, which torch.distributed backend to use."""
 
 from __future__ import annotations
 
@@ -12,3 +12,8 @@ Backend = Literal["gloo", "nccl"]
 def default_backend() -> Backend:
     """`nccl` when CUDA is available in this process, else `gloo`."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device (the devices skylift's GPU defaults are for)."""
+    return torch.cuda.is_available()

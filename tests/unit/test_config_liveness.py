@@ -73,17 +73,15 @@ def test_setting_a_key_without_effect_warns_naming_it(caplog: pytest.LogCaptureF
         load_config()
     assert not caplog.records  # defaults warn about nothing
     with caplog.at_level(logging.WARNING, logger="skylift.config"):
-        cfg = load_config(
-            ["generator.async_engine=false", "trainer.policy.optimizer_config.offload_after_step=false"]
-        )
+        cfg = load_config(["generator.async_engine=false", "generator.sampling_params.logprobs=1"])
     messages = [r.getMessage() for r in caplog.records]
     assert keys_set_without_effect(cfg) == [
         "generator.async_engine",
-        "trainer.policy.optimizer_config.offload_after_step",
+        "generator.sampling_params.logprobs",
     ]
     assert len(messages) == 2
     assert messages[0].startswith("generator.async_engine=False has no effect: ")
-    assert "trainer.policy.optimizer_config.offload_after_step=False has no effect" in messages[1]
+    assert "generator.sampling_params.logprobs=1 has no effect" in messages[1]
 
 
 # ------------------------------------------------------------------------------ the check itself

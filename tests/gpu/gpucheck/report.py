@@ -52,6 +52,8 @@ class Item:
     seconds: float = 0.0
     # the item cannot run on a machine like the GPU machine (an import it needs is missing): why
     skipped: str | None = None
+    # the numbers of issue 50's items (what a first GPU run needs) that this check verifies
+    verifies: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -107,12 +109,41 @@ def limit_for(kind: str, calibration: float | None) -> float:
     return base if calibration is None else base + BF16_FACTOR * calibration
 
 
+#: Issue 50's items: what the first GPU run needs.
+ISSUE_50 = {
+    "1": "weight sync chosen by where the ranks are (same GPU: CUDA IPC; NCCL refused there)",
+    "2": "colocation that fits (trainer state offloaded while the engines are awake)",
+    "3": "stream-safe receive (buffers handed back only when the consumer's loads are done)",
+    "4": "set-up that yields the pinned CUDA stack",
+    "5": "this check",
+}
+
+
+def issue_50_summary(items: list[Item], device: str) -> dict[str, Any]:
+    """Per item of issue 50: the checks that verified it and whether they passed, on this device."""
+    out: dict[str, Any] = {}
+    for key, title in ISSUE_50.items():
+        checks = [i for i in items if key in i.verifies]
+        ran = [i for i in checks if i.skipped is None]
+        if key == "5":
+            status = "this report"
+        elif not ran:
+            status = "not verified by this run" + (" (skipped)" if checks else "")
+        elif all(i.ok for i in ran):
+            status = f"verified on {device}"
+        else:
+            status = "FAILED"
+        out[key] = {"title": title, "status": status, "checks": [i.key for i in checks]}
+    return out
+
+
 def write_report(path: Path, header: dict[str, Any], items: list[Item]) -> dict[str, Any]:
     report = {
         **header,
         "tolerances": {**TOLERANCES, "bf16_factor": BF16_FACTOR},
         "ok": all(i.ok for i in items),
         "items": [i.to_json() for i in items],
+        "issue_50": issue_50_summary(items, header.get("device", "?")),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
@@ -144,6 +175,9 @@ def print_summary(report: dict[str, Any], say: Callable[[str], None] = print) ->
         for key, value in item["figures"].items():
             if isinstance(value, int | float | str | bool):
                 say(f"      {key}: {value}")
+    for key, entry in report.get("issue_50", {}).items():
+        checks = f" ({', '.join(entry['checks'])})" if entry["checks"] else ""
+        say(f"  issue 50 item {key} ({entry['title']}): {entry['status']}{checks}")
     skipped = [i["key"] for i in report["items"] if i.get("skipped")]
     note = f" (items {', '.join(skipped)} SKIPPED: see above)" if skipped else ""
     say(f"report: {report['report_path']}  overall: {'PASS' if report['ok'] else 'FAIL'}{note}")

