@@ -16,6 +16,7 @@ from skylift.config.errors import ConfigError
 from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.generator import GeneratorSettings
 from skylift.inference.engine_args import lora_engine_args
+from skylift.worker.profiler import ProfilerSettings
 from skylift.worker.training_worker import OptimizerSettings, WorkerSettings
 
 
@@ -125,8 +126,19 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         sequence_parallel_size=(t.policy if trainable else t.ref).sequence_parallel_size,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
+        profiler=profiler_settings(cfg) if trainable else None,
         **micro_batch_settings(cfg),
     )
+
+
+def profiler_settings(cfg: SkyliftConfig) -> ProfilerSettings | None:
+    """`trainer.policy.torch_profiler_config`: which steps and ranks the policy traces, and where."""
+    p, t = cfg.trainer.policy.torch_profiler_config, cfg.trainer
+    if not p.enable:
+        return None
+    save_path = p.save_path or str(Path(t.log_dir or ".") / "profiles")
+    steps_per_step = policy_optimizer_steps_per_step(cfg)
+    return ProfilerSettings(str(Path(save_path).expanduser()), tuple(p.steps), tuple(p.ranks), steps_per_step)
 
 
 def micro_batch_settings(cfg: SkyliftConfig) -> dict[str, Any]:
