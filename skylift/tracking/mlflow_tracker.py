@@ -1,7 +1,8 @@
 """`trainer.logger=mlflow`: scalars, the run's config and sample tables in an MLflow run.
 
-The run goes to `MLFLOW_TRACKING_URI` when set, else to a file store in `<log_dir>/mlruns`
-(`mlflow ui --backend-store-uri <log_dir>/mlruns` shows it); the experiment is the project name.
+The run goes to `MLFLOW_TRACKING_URI` when set (a server, a database), else to a file store in
+`<log_dir>/mlruns` (MLflow 3 wants `MLFLOW_ALLOW_FILE_STORE=true` for it, which is then set;
+`mlflow ui --backend-store-uri <log_dir>/mlruns` shows the run); the experiment is the project name.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,10 @@ class MlflowTracker:
     def __init__(self, project: str, run_name: str, config: dict[str, Any], log_dir: Path) -> None:
         from mlflow import MlflowClient
 
-        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or (log_dir / "mlruns").resolve().as_uri()
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
+        if not self.uri:  # MLflow 3 keeps its file store behind this opt-in
+            self.uri = (log_dir / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self._client = MlflowClient(tracking_uri=self.uri)
         experiment = self._client.get_experiment_by_name(project)
         experiment_id = (
@@ -50,7 +55,11 @@ class MlflowTracker:
         """The rows as an MLflow table artifact (`<key>_step_<N>.json`)."""
         columns = list(rows[0]) if rows else []
         data = {c: [row[c] for row in rows] for c in columns}
-        self._client.log_table(self.run_id, data=data, artifact_file=f"{mlflow_key(key)}_step_{step}.json")
+        with warnings.catch_warnings():  # MLflow's own pandas deprecation notices, not the user's
+            warnings.simplefilter("ignore")
+            self._client.log_table(
+                self.run_id, data=data, artifact_file=f"{mlflow_key(key)}_step_{step}.json"
+            )
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
