@@ -15,9 +15,11 @@ prompts to ``eval_step_<N>.json``. One file is one JSON object::
 
 A segment is a run of response tokens with the same loss mask: the policy's sampled tokens
 (assistant), or what the environment added between turns (a tool's result, an observation). `diff`
-is the trainer's logprob minus the engine's per sampled token, the same tensors the batch dump
-(`skylift.rl.batch_dump.batch_record`) writes; null where the PPO anchor is the engine's own
-logprobs (nothing to compare). When the folder reaches `max_mb` the run stops recording and says so.
+is the trainer's logprob minus the engine's per sampled token: the experience's PPO anchor (the
+tensors the batch dump, `skylift.rl.batch_dump.batch_record`, writes) when the trainer computed it,
+else one forward pass of the recorded rows alone. When the folder reaches `max_mb` the run stops
+recording and says so. The trackers get `tracker_rows` of each record's samples as a table
+(`table_rows`; `skylift.tracking.Tracking.log_samples`).
 """
 
 from __future__ import annotations
