@@ -136,9 +136,29 @@ def profiler_settings(cfg: SkyliftConfig) -> ProfilerSettings | None:
     p, t = cfg.trainer.policy.torch_profiler_config, cfg.trainer
     if not p.enable:
         return None
-    save_path = p.save_path or str(Path(t.log_dir or ".") / "profiles")
-    steps_per_step = policy_optimizer_steps_per_step(cfg)
-    return ProfilerSettings(str(Path(save_path).expanduser()), tuple(p.steps), tuple(p.ranks), steps_per_step)
+    if p.export_type == "stacks" and not p.with_stack:
+        raise ConfigError(
+            "trainer.policy.torch_profiler_config.export_type=stacks needs "
+            "trainer.policy.torch_profiler_config.with_stack=true"
+        )
+    return ProfilerSettings(
+        save_path=str(Path(p.save_path or Path(t.log_dir or ".") / "profiles").expanduser()),
+        ranks=tuple(p.ranks),
+        skip_first=p.skip_first,
+        wait=p.wait,
+        warmup=p.warmup,
+        active=p.active,
+        repeat=p.repeat,
+        activities=tuple(p.activities),
+        record_shapes=p.record_shapes,
+        profile_memory=p.profile_memory,
+        with_stack=p.with_stack,
+        with_flops=p.with_flops,
+        with_modules=p.with_modules,
+        use_gzip=p.use_gzip,
+        export_type=p.export_type,
+        optimizer_steps_per_step=policy_optimizer_steps_per_step(cfg),
+    )
 
 
 def micro_batch_settings(cfg: SkyliftConfig) -> dict[str, Any]:

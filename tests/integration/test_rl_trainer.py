@@ -112,7 +112,7 @@ def _check_records_report_and_trace(run_dir: Path, history: list[dict]) -> None:
     events = EventAccumulator(str(run_dir / "logs" / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     assert [e.step for e in events.Tensors("samples/train/text_summary")] == [1, 2]
-    trace = run_dir / "logs" / "profiles" / "rank_0_step_2.json"
+    trace = run_dir / "logs" / "profiles" / "rank_0_step_2.pt.trace.json"
     assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]
     assert any(
         e.get("name", "").startswith("skylift/train_step_2")
@@ -123,10 +123,8 @@ def _check_records_report_and_trace(run_dir: Path, history: list[dict]) -> None:
 
 
 def test_two_steps_with_local_engines(arithmetic_data: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    profile = {
-        "trainer.policy.torch_profiler_config.enable": "true",
-        "trainer.policy.torch_profiler_config.steps": "[2]",
-    }
+    key = "trainer.policy.torch_profiler_config"
+    profile = {f"{key}.enable": "true", f"{key}.skip_first": 1, f"{key}.warmup": 0}  # trace step 2
     overrides = _overrides(
         arithmetic_data,
         tmp_path,
