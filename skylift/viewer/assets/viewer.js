@@ -253,7 +253,7 @@ const SKYLIFT_VIEW = (() => {
       box.replaceChildren(el("p", { class: "empty" }, "no step times in metrics.jsonl"));
       return;
     }
-    const width = 900, height = 320, left = 50, bottom = 30, top = 10;
+    const width = 900, height = 330, left = 50, bottom = 40, top = 10;
     const most = Math.max(...rows.map((r) => Math.max(r.step_s, PARTS.reduce((a, [p]) => a + r[p], 0))));
     const y = (s) => top + (height - top - bottom) * (1 - s / most);
     const bar = Math.min((width - left - 10) / rows.length, 48);
@@ -289,6 +289,7 @@ const SKYLIFT_VIEW = (() => {
         put("text", { x: x + bar * 0.4, y: height - bottom + 14, "text-anchor": "middle" }, r.step);
       }
     });
+    put("text", { x: left, y: height - 2 }, "training step");
     const legend = el("div", { class: "chart-legend" }, ...PARTS.map(([p, c]) => el("span", {}, el("i", { style: `background:${c}` }), p)),
       el("span", {}, el("i", { class: "total-key" }), "whole step"));
     const note = el("p", { class: "note" }, "Seconds per training step from metrics.jsonl. With one-step-off or fully async ",
