@@ -34,5 +34,11 @@ def run_view(args: argparse.Namespace) -> int:
     if args.serve:
         from skylift.viewer.serve import serve_folder
 
-        serve_folder(index.parent, args.port)
+        try:
+            serve_folder(index.parent, args.port)
+        except OSError as exc:  # the port is taken, or not ours to open
+            print(
+                f"skylift view: cannot serve on 127.0.0.1:{args.port}: {exc.strerror or exc}", file=sys.stderr
+            )
+            return 2
     return 0

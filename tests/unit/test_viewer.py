@@ -91,3 +91,14 @@ def test_serve_answers_the_reports_files_on_loopback(tool_run: Path) -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def test_serve_on_a_taken_port_says_so(tool_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = report_server(tool_run, 0)
+    try:
+        port = taken.server_address[1]
+        assert main(["view", str(tool_run), "--serve", "--port", str(port)]) == 2
+    finally:
+        taken.server_close()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"skylift view: cannot serve on 127.0.0.1:{port}: ") and "Traceback" not in err
