@@ -24,7 +24,13 @@ def mlflow_key(name: str) -> str:
 
 class MlflowTracker:
     def __init__(self, project: str, run_name: str, config: dict[str, Any], log_dir: Path) -> None:
-        from mlflow import MlflowClient
+        try:
+            from mlflow import MlflowClient
+        except ImportError as exc:
+            raise ValueError(
+                "trainer.logger includes mlflow but the MLflow client is not installed: "
+                "pip install 'skylift[mlflow]' (or pip install mlflow)"
+            ) from exc
 
         self.uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
         if not self.uri:  # MLflow 3 keeps its file store behind this opt-in
