@@ -2,7 +2,7 @@
 `trainer.rollout_records` settings and with recording off (`interval=0`), side by side.
 
 Each runs in its own child process (a fresh engine, the same seed and data): the demo's exact
-configuration (`skylift.demo.DEMO_OVERRIDES`: SmolLM2-135M, 8 prompts x 4 samples, dynamic
+configuration (`skylift.demo.demo_overrides()`: SmolLM2-135M, 8 prompts x 4 samples, dynamic
 sampling, prefix sharing, one process) for `--steps` steps without evaluation. The demo trains
 with one on-policy update a step, so it has no PPO-anchor logprob pass and the recorder runs a
 forward pass of its recorded rows of its own: the most recording can cost.
@@ -33,16 +33,17 @@ PHASES = ("generate_s", "logprobs_s", "train_s", "weight_sync_s", "rollout_recor
 
 
 def overrides(data: Path, run_dir: Path, mode: str, steps: int) -> list[str]:
-    from skylift.demo import DEMO_OVERRIDES
+    from skylift.demo import demo_overrides
 
     return [
-        *DEMO_OVERRIDES,
+        *demo_overrides(),
         *run_overrides(data, run_dir, f"viewer_cost_{mode}", steps),
         f"trainer.rollout_records.interval={1 if mode == 'records' else 0}",
     ]
 
 
 def child(args: argparse.Namespace) -> None:
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the demo sizes its KV cache itself (0.4 GiB)
     run_dir = Path(args.out).parent / args.child
     rows, figures = timed_fit(overrides(Path(args.data), run_dir, args.child, args.steps))
     timed = rows[1:-1] or rows
