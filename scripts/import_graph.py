@@ -10,7 +10,7 @@ still a dependency. Packages are the first component below `skylift` (`skylift.i
 Layers (an arrow may only point to a lower layer, or stay inside its package):
 
     cli                          (skylift/cli.py)
-    demo, entrypoints            (skylift/demo.py, skylift/entrypoints/)
+    demo, entrypoints, viewer    (skylift/demo.py, skylift/entrypoints/, skylift/viewer/: `skylift view`)
     compat, integrations         (other projects' interfaces: SkyRL; verifiers, OpenEnv, tinker-cookbook)
     rl, tinker                   (the RL step; the Tinker service)
     cluster                      (what a run is made of: Ray, engines, worker groups)
@@ -44,7 +44,7 @@ PACKAGE = "skylift"
 
 LAYERS: list[set[str]] = [
     {"cli"},
-    {"demo", "entrypoints"},
+    {"demo", "entrypoints", "viewer"},
     {"compat", "integrations"},
     {"rl", "tinker"},
     {"cluster"},

@@ -41,6 +41,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_trainer_commands(sub)
 
+    from skylift.viewer.commands import add_view_command
+
+    add_view_command(sub)
+
     demo = sub.add_parser(
         "demo",
         help="GRPO demo: SmolLM2-135M learns two-digit addition (or, --task tools, to use a calculator) on CPU",

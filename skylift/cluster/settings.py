@@ -15,6 +15,7 @@ from skylift.config.schema import OptimizerConfig, SkyliftConfig
 from skylift.generator import GeneratorSettings
 from skylift.generator.settings import max_generate_length
 from skylift.inference.engine_args import lora_engine_args
+from skylift.worker.profiler import ProfilerSettings
 from skylift.worker.training_worker import OptimizerSettings, WorkerSettings
 
 
@@ -98,7 +99,38 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         sequence_parallel_size=(t.policy if trainable else t.ref).sequence_parallel_size,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,
+        profiler=profiler_settings(cfg) if trainable else None,
         **micro_batch_settings(cfg),
+    )
+
+
+def profiler_settings(cfg: SkyliftConfig) -> ProfilerSettings | None:
+    """`trainer.policy.torch_profiler_config`: which steps and ranks the policy traces, and where."""
+    p, t = cfg.trainer.policy.torch_profiler_config, cfg.trainer
+    if not p.enable:
+        return None
+    if p.export_type == "stacks" and not p.with_stack:
+        raise ConfigError(
+            "trainer.policy.torch_profiler_config.export_type=stacks needs "
+            "trainer.policy.torch_profiler_config.with_stack=true"
+        )
+    return ProfilerSettings(
+        save_path=str(Path(p.save_path or Path(t.log_dir or ".") / "profiles").expanduser()),
+        ranks=tuple(p.ranks),
+        skip_first=p.skip_first,
+        wait=p.wait,
+        warmup=p.warmup,
+        active=p.active,
+        repeat=p.repeat,
+        activities=tuple(p.activities),
+        record_shapes=p.record_shapes,
+        profile_memory=p.profile_memory,
+        with_stack=p.with_stack,
+        with_flops=p.with_flops,
+        with_modules=p.with_modules,
+        use_gzip=p.use_gzip,
+        export_type=p.export_type,
+        optimizer_steps_per_step=policy_optimizer_steps_per_step(cfg),
     )
 
 

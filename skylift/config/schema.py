@@ -20,11 +20,12 @@ from skylift.config.delta_sync import DeltaWeightSyncConfig
 from skylift.config.fields import _f, _group
 from skylift.config.fully_async import FullyAsyncConfig
 from skylift.config.inputs import DataConfig, EnvironmentConfig
+from skylift.config.records import RolloutRecordsConfig, TorchProfilerConfig
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
 RESUME_MODES = ("none", "latest", "from_path")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 STRATEGIES = ("fsdp2", "fsdp")
 INFERENCE_BACKENDS = ("vllm",)
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "delta")
@@ -132,6 +133,7 @@ class PolicyConfig:
     sequence_parallel_size: int = _f(
         1, "Ulysses sequence parallelism: groups of this many workers split each sequence", ge=1
     )
+    torch_profiler_config: TorchProfilerConfig = _group(TorchProfilerConfig, "torch.profiler traces")
 
 
 @dataclass
@@ -259,15 +261,11 @@ class TrainerConfig:
         "shared prompt or system message, identical samples), with a tree attention mask; same "
         "numbers as the padded passes; sdpa or eager attention only; wins over remove_microbatch_padding",
     )
-    max_prompt_length: int = _f(
-        512, "longest prompt in tokens; longer prompts are dropped from the data", ge=1
-    )
+    max_prompt_length: int = _f(512, "longest prompt in tokens; longer prompts are dropped from data", ge=1)
     eval_batch_size: int = _f(64, "prompts per evaluation generation batch", ge=1)
     eval_before_train: bool = _f(True, "evaluate once before the first training step")
     eval_interval: int = _f(5, "evaluate every N steps; -1 or 0 disables", ge=-1)
-    ckpt_path: str | None = _f(
-        None, "resumable checkpoints directory; null = ~/skylift/runs/<run_name>/ckpts"
-    )
+    ckpt_path: str | None = _f(None, "resumable checkpoints directory; null = <runs_dir>/<run_name>/ckpts")
     ckpt_interval: int = _f(
         10, "save a resumable checkpoint every N steps; -1 disables", or_minus_one="to disable"
     )
@@ -314,6 +312,7 @@ class TrainerConfig:
         FullyAsyncConfig, "fully asynchronous training (in-flight weight updates)"
     )
     dump_eval_results: bool = _f(True, "write evaluation samples and scores to log_dir")
+    rollout_records: RolloutRecordsConfig = _group(RolloutRecordsConfig, "samples for skylift view")
     dump_data_batch: bool = _f(
         False,
         "write each step's training batch to <export_path>/dumped_data/global_step_N_training_input.pkl",

@@ -33,6 +33,7 @@ from skylift.rl.evaluation import dump_eval, evaluate
 from skylift.rl.experience import ExperienceStages, make_experience
 from skylift.rl.fully_async import RolloutsExhausted
 from skylift.rl.parts import ModelGroup, Parts
+from skylift.rl.rollout_records import RolloutRecorder
 from skylift.rl.sampling import Sampler
 from skylift.rl.sources import RolloutSource
 from skylift.rl.step_wise import is_step_wise, step_wise_rows_per_mini_batch
@@ -74,6 +75,7 @@ class RLTrainer:
         self.update_settings = UpdateSettings.from_config(cfg)
         self.objective = policy_objective(cfg)
         self.close_parts: Any = None  # set by `build_trainer`: takes down what it built
+        self.records = RolloutRecorder.from_parts(cfg, parts, self.console.say)  # for skylift view
         self.started_at = time.perf_counter()
 
     def setup(self) -> None:
@@ -148,7 +150,7 @@ class RLTrainer:
         if "kl_in_reward/kl_seq_mean" in experience.metrics:  # the next step's coefficient
             self.kl_ctrl.update(experience.metrics["kl_in_reward/kl_seq_mean"], experience.batch.batch_size)
             self.state.extra["kl_coef"] = self.kl_ctrl.value  # saved with checkpoints
-        metrics: dict[str, float] = {}
+        metrics = self.records.step(self.state.global_step + 1, experience, trajectories)
         if self.cfg.trainer.dump_data_batch:  # a debugging dump; its step count is 1-based
             tick = time.perf_counter()
             path = batch_dump_path(self.parts.export_dir, self.state.global_step + 1)
@@ -194,6 +196,7 @@ class RLTrainer:
             self.cfg.trainer.eval_batch_size,
             self.cfg.generator.eval_n_samples_per_prompt,
         )
+        self.records.evaluation(self.state.global_step, trajectories)
         if self.cfg.trainer.dump_eval_results:
             step = self.state.global_step
             dump_eval(self.parts.logs_dir / "eval" / f"step_{step}.jsonl", trajectories)

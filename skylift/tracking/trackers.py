@@ -1,4 +1,5 @@
-"""Where metrics go: every tracker gets `log(metrics, step)`; `Tracking` fans out to all of them."""
+"""Where metrics go: every tracker gets `log(metrics, step)` and `log_samples(rows, step, key)` (a
+table of sampled rollouts, `skylift.rl.rollout_records.table_rows`); `Tracking` fans out to all of them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+Rows = list[dict[str, Any]]
+
 
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_samples(self, rows: Rows, step: int, key: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -30,6 +36,9 @@ class JsonlTracker:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
+    def log_samples(self, rows: Rows, step: int, key: str) -> None:
+        """Nothing: the samples are in the run's records (`<log_dir>/rollouts`)."""
+
     def close(self) -> None:
         self._file.close()
 
@@ -46,6 +55,10 @@ class TensorboardTracker:
                 self._writer.add_scalar(key, float(value), step)
         self._writer.flush()
 
+    def log_samples(self, rows: Rows, step: int, key: str) -> None:
+        self._writer.add_text(key, markdown_table(rows), step)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 
@@ -59,6 +72,13 @@ class WandbTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
 
+    def log_samples(self, rows: Rows, step: int, key: str) -> None:
+        import wandb
+
+        columns = list(rows[0]) if rows else []
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        self._run.log({key: table}, step=step)
+
     def close(self) -> None:
         self._run.finish()
 
@@ -67,7 +87,9 @@ class Tracking:
     """The trackers named in `trainer.logger`; JSONL is always written to `log_dir`.
 
     `console` prints nothing here (the trainer prints its own one-line summaries); `wandb` is
-    used when named and `WANDB_API_KEY` is set, otherwise a note says why it is skipped.
+    used when named and `WANDB_API_KEY` is set or `WANDB_MODE` is offline, otherwise a note says
+    why it is skipped; `mlflow` logs to `MLFLOW_TRACKING_URI`, else a file store in
+    `<log_dir>/mlruns`.
     """
 
     def __init__(
@@ -86,23 +108,61 @@ class Tracking:
             if name == "tensorboard":
                 self.trackers.append(TensorboardTracker(log_dir))
             elif name == "wandb":
-                if not os.environ.get("WANDB_API_KEY"):
+                if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") not in _OFFLINE:
                     print(
                         "[skylift] trainer.logger includes wandb but WANDB_API_KEY is not set: skipping wandb",
                         file=sys.stderr,
                     )
                     continue
                 self.trackers.append(WandbTracker(project, run_name, config or {}, log_dir))
+            elif name == "mlflow":
+                from skylift.tracking.mlflow_tracker import MlflowTracker
+
+                self.trackers.append(MlflowTracker(project, run_name, config or {}, log_dir))
             else:
-                raise ValueError(f"unknown logger {name!r}; use console, jsonl, tensorboard or wandb")
+                raise ValueError(unknown_logger(name))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for tracker in self.trackers:
             tracker.log(metrics, step)
 
+    def log_samples(self, rows: Rows, step: int, key: str) -> None:
+        """A table of sampled rollouts (`key`: e.g. samples/train) in every tracker that shows one."""
+        if rows:
+            for tracker in self.trackers:
+                tracker.log_samples(rows, step, key)
+
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
+
+
+_OFFLINE = ("offline", "dryrun", "disabled")
+_NOT_SUPPORTED = {
+    "swanlab": "swanlab needs its cloud service or its own local server; use wandb (offline: "
+    "WANDB_MODE=offline), mlflow (a local file store) or tensorboard",
+}
+
+
+def unknown_logger(name: str) -> str:
+    """The one-line refusal of a tracker name skylift does not have."""
+    why = f" ({_NOT_SUPPORTED[name]})" if name in _NOT_SUPPORTED else ""
+    return f"unknown logger {name!r}{why}; known loggers: {', '.join(KNOWN_LOGGERS)}"
+
+
+def markdown_table(rows: Rows) -> str:
+    """`rows` as a Markdown table (tensorboard renders text summaries as Markdown)."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _jsonable(value: Any) -> Any:

@@ -35,6 +35,7 @@ from skylift.worker.micro_batches import (
 )
 from skylift.worker.optim import OptimizerSettings, make_lr_scheduler
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
+from skylift.worker.profiler import ProfilerSettings, StepProfiler, profiled
 from skylift.worker.sequence_parallel import SequenceSplit, pool_rows
 from skylift.worker.sharding import full_tensor, hybrid_mesh, shard_model
 from skylift.worker.ulysses import sequence_parallel_groups
@@ -82,6 +83,7 @@ class WorkerSettings:
     remove_microbatch_padding: bool = False
     # each micro-batch as one row holding every distinct prefix once (skylift.worker.prefix_tree)
     share_prefixes: bool = False
+    profiler: ProfilerSettings | None = None  # torch.profiler traces of chosen steps (worker.profiler)
 
 
 def is_vision_language(model_path: str) -> bool:
@@ -116,10 +118,8 @@ class TrainingWorker:
     def __init__(
         self, settings: WorkerSettings, rank: int = 0, world_size: int = 1, init_method: str | None = None
     ) -> None:
-        self.settings = settings
-        self.rank = rank
-        self.world_size = world_size
-        self.init_method = init_method
+        self.settings, self.rank, self.world_size, self.init_method = settings, rank, world_size, init_method
+        self.profiler = StepProfiler(settings.profiler, rank) if settings.profiler else None
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -308,9 +308,10 @@ class TrainingWorker:
         `loss_fn` must already be normalised for the whole mini-batch (across all ranks), so the
         accumulated gradient equals the gradient of one pass over the whole mini-batch.
         """
-        self.zero_grad()
-        metrics = self.accumulate_gradients(batch, loss_fn, micro_batch_size, temperature)
-        metrics.update(self.optimizer_step())
+        with profiled(self.profiler, self.global_step, self.device):
+            self.zero_grad()
+            metrics = self.accumulate_gradients(batch, loss_fn, micro_batch_size, temperature)
+            metrics.update(self.optimizer_step())
         return metrics
 
     def zero_grad(self) -> None:

@@ -90,12 +90,51 @@ def _check_steps(history: list[dict], steps: list[int]) -> None:
         assert row["policy/grad_norm"] > 0  # even-length rewards differ within groups
 
 
+def _check_records_report_and_trace(run_dir: Path, history: list[dict]) -> None:
+    """What the run recorded for `skylift view` (real tokens, the trainer's and the engine's
+    logprobs), the report built from it, the sample table in tensorboard, the profiler's trace."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from skylift.viewer import build_report
+
+    records = run_dir / "logs" / "rollouts"
+    names = sorted(p.name for p in records.iterdir())
+    assert names == ["eval_step_0.json", "eval_step_2.json", "train_step_1.json", "train_step_2.json"]
+    record = json.loads((records / "train_step_2.json").read_text())
+    samples = [s for g in record["groups"] for s in g["samples"]]
+    assert len(record["groups"]) == 4 and len(samples) == 16  # 4 groups of 4 (train_batch_size=4)
+    for sample in samples:
+        (turn,) = sample["segments"]
+        assert len(turn["tokens"]) == len(turn["diff"]) == sample["length"] > 0
+        assert sample["max_abs_diff"] < 1e-3  # fp32 trainer and engine agree token by token
+    index = (build_report(run_dir).parent / "data" / "index.js").read_text()
+    assert '"name": "train_step_2"' in index and '"timings": [{"step": 1' in index
+    events = EventAccumulator(str(run_dir / "logs" / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("samples/train/text_summary")] == [1, 2]
+    trace = run_dir / "logs" / "profiles" / "rank_0_step_2.pt.trace.json"
+    assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]
+    assert any(
+        e.get("name", "").startswith("skylift/train_step_2")
+        for e in json.loads(trace.read_text())["traceEvents"]
+    )
+    train = [h for h in history if "timing/step_s" in h]
+    assert all(0 < h["timing/rollout_records_s"] < h["timing/step_s"] for h in train)
+
+
 def test_two_steps_with_local_engines(arithmetic_data: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    key = "trainer.policy.torch_profiler_config"
+    profile = {f"{key}.enable": "true", f"{key}.skip_first": 1, f"{key}.warmup": 0}  # trace step 2
     overrides = _overrides(
-        arithmetic_data, tmp_path, tiny_model_dir, **{"trainer.max_steps": 2, "trainer.ckpt_interval": 2}
+        arithmetic_data,
+        tmp_path,
+        tiny_model_dir,
+        **{"trainer.max_steps": 2, "trainer.ckpt_interval": 2},
+        **profile,
     )
     trainer, history, exported = _run(overrides)
     _check_steps(history, [1, 2])
+    _check_records_report_and_trace(tmp_path, history)
     evals = [h for h in history if "eval/accuracy" in h]
     assert [h["step"] for h in evals] == [0, 2]  # before training and at the last step
     assert ckpt.latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "global_step_2"

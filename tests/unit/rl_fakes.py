@@ -234,9 +234,11 @@ def fake_run(
     num_train: int = 32,
     update_s: float = 0.0,
     policy: FakePolicy | None = None,
+    tracking: Any = None,
 ) -> FakeRun:
     """An `RLTrainer` over fake parts, with the rollout source the overrides ask for (built by
-    the same `make_source` a real run uses); `policy` replaces the default `FakePolicy`."""
+    the same `make_source` a real run uses); `policy` replaces the default `FakePolicy`, `tracking`
+    the `FakeTracker` the trainer logs to (e.g. a real `skylift.tracking.Tracking`)."""
     cfg = fake_config(root, *overrides)
     train, val = demo_data(root / "data", num_train=num_train)
     events: list[str] = []
@@ -254,7 +256,7 @@ def fake_run(
         loop=loop,
         policy=policy,
         weights=weights,
-        tracking=tracker,
+        tracking=tracking if tracking is not None else tracker,
         ckpt_dir=Path(cfg.trainer.ckpt_path or root / "ckpts"),
         export_dir=root / "exports",
         logs_dir=root / "logs",

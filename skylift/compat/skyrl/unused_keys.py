@@ -80,7 +80,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "trainer.policy.inference_only_init": (False, "skylift always loads the policy for training"),
     "trainer.policy.use_torch_compile": (False, "not implemented: no torch.compile of the logits"),
     "trainer.policy.record_memory": (False, "not implemented: no CUDA memory snapshots"),
-    "trainer.policy.torch_profiler_config.*": (ANY, "not implemented: no torch.profiler traces"),
     **{
         f"trainer.{role}.model.lora.{name}": (default, "not implemented: skylift's LoRA has no such setting")
         for role in ("policy", "critic")
