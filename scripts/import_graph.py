@@ -46,6 +46,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"demo", "entrypoints"},
     {"compat", "integrations"},
+    {"supervised"},  # beside rl, over it: the supervised stages reuse its checkpoint layout
     {"rl", "tinker"},
     {"cluster"},
     {"gateway"},
