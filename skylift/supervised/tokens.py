@@ -3,8 +3,9 @@
 A conversation is rendered by the tokenizer's chat template (`skylift.generator.chat.ChatFormat`,
 the renderer the RL generator uses) and an assistant message's tokens are the ids its rendering
 adds after the conversation before it and the template's assistant header: for assistant message
-``i``, ``render(messages[:i + 1])`` minus ``render(messages[:i], add_generation_prompt=True)``.
-That is what `apply_chat_template(..., return_assistant_tokens_mask=True)` marks for a template
+``i``, ``render(messages[:i + 1])`` minus ``render(messages[:i], add_generation_prompt=True)``, up
+to what the template ends only a whole conversation with when a later message follows (Phi-3's
+EOS). That is what `apply_chat_template(..., return_assistant_tokens_mask=True)` marks for a template
 whose ``{% generation %}`` block closes after the turn's end (ChatML: the content, ``<|im_end|>``
 and the newline), without needing the template to carry the tags. A template that renders earlier
 turns differently once later ones follow (it rewrites history: Qwen3 drops past reasoning) cannot
@@ -67,16 +68,41 @@ def assistant_mask(
     if last_only:
         turns = turns[-1:]
     for i in turns:
-        before = chat.render(messages[:i], add_generation_prompt=True, tools=tools) if i else []
-        through = chat.render(messages[: i + 1], add_generation_prompt=False, tools=tools)
-        if through[: len(before)] != before or full[: len(through)] != through:
+        start, end = _turn_span(chat, messages, i, tools)
+        content = messages[i].get("content")
+        text = chat.decode(full[start:end])
+        if full[:end] != chat.render(messages[: i + 1], add_generation_prompt=False, tools=tools)[:end] or (
+            isinstance(content, str) and content.strip() not in text
+        ):
             raise TokenizeError(
-                f"{where}: the chat template renders the conversation before assistant message {i} "
-                "differently once that message (or a later one) follows, so its tokens cannot be "
-                "told apart; train only the last assistant message (train_on_what=last_assistant_message)"
+                f"{where}: the chat template renders assistant message {i} differently once later "
+                "messages follow (it rewrites history), so its tokens cannot be told apart; train only "
+                "the last assistant message (train_on_what=last_assistant_message)"
             )
-        mask[len(before) : len(through)] = [1] * (len(through) - len(before))
+        mask[start:end] = [1] * (end - start)
     return full, mask
+
+
+def _turn_span(chat: ChatFormat, messages: list[dict[str, Any]], i: int, tools: Any) -> tuple[int, int]:
+    """[start, end) of assistant message `i`'s tokens in the rendering of `messages[: i + 1]`: after
+    the header the template puts before it, through the tokens that close the turn when the
+    conversation goes on (and, when it is the conversation's last message, what the template ends
+    a conversation with: Phi-3's EOS)."""
+    before = chat.render(messages[:i], add_generation_prompt=True, tools=tools) if i else []
+    through = chat.render(messages[: i + 1], add_generation_prompt=False, tools=tools)
+    if through[: len(before)] != before:
+        raise TokenizeError(
+            f"the chat template renders the conversation before assistant message {i} differently"
+        )
+    if i == len(messages) - 1:
+        return len(before), len(through)
+    going_on = chat.render(
+        [*messages[: i + 1], {"role": "user", "content": "."}], add_generation_prompt=False, tools=tools
+    )
+    k = len(before)
+    while k < min(len(through), len(going_on)) and through[k] == going_on[k]:
+        k += 1
+    return len(before), k
 
 
 def _text_tokens(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:

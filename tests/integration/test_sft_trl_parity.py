@@ -62,7 +62,9 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def skylift_losses(model: Path, data: Path, tmp: Path, packed: bool, extra: tuple[str, ...] = ()) -> list[float]:
+def skylift_losses(
+    model: Path, data: Path, tmp: Path, packed: bool, extra: tuple[str, ...] = ()
+) -> list[float]:
     cfg = load_sft_config(
         [
             f"model.path={model}",
@@ -125,7 +127,9 @@ def trl_losses(model: Path, rows: list[dict], tmp: Path, packed: bool) -> tuple[
         bf16=False,  # TRL turns bf16 autocast on by default; fp32 on both sides
         model_init_kwargs={"dtype": torch.float32},
     )
-    trainer = Recording(model=str(model), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer = Recording(
+        model=str(model), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok
+    )
     trainer.train()
     per_step = [recorded[i] + recorded[i + 1] for i in range(0, len(recorded), 2)]
     return per_step, trainer
