@@ -12,6 +12,10 @@ from collections.abc import Sequence
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.task == "sft-rl":
+        from skylift.demo_pipeline import run_pipeline_demo
+
+        return run_pipeline_demo(args.overrides, args.verbose)
     from skylift.demo import run_demo
 
     return run_demo(args.overrides, args.verbose, args.task, args.worked_example)
