@@ -58,6 +58,13 @@ class SFTConfig:
     fsdp_config: FSDPConfig = _group(FSDPConfig, "FSDP2 settings")
     placement: SFTPlacementConfig = _group(SFTPlacementConfig, "rank placement")
     sequence_parallel_size: int = _f(1, "Ulysses sequence-parallel group size", ge=1)
+    objective: str = _f(
+        "sft",
+        "sft: next-token loss on the assistant's tokens; dpo: preference pairs (chosen/rejected)",
+        choices=("sft", "dpo"),
+    )
+    dpo_loss: str = _f("sigmoid", "objective=dpo: sigmoid (DPO) or ipo", choices=("sigmoid", "ipo"))
+    dpo_beta: float = _f(0.1, "objective=dpo: beta (the strength of the reference)", gt=0)
     # data
     train_datasets: list[str] = _f([], "chat datasets: .jsonl/.json/.parquet files or Hub dataset names")
     train_dataset_splits: list[str] | None = _f(None, "Hub split of each train dataset (default 'train')")

@@ -56,9 +56,14 @@ def run_sft_command(args: argparse.Namespace) -> int:
     quiet_libraries(args.verbose)
     if not args.verbose:  # one rank saves its checkpoint without a process group: expected
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    trainer_cls = SupervisedTrainer
+    if cfg.objective == "dpo":
+        from skylift.supervised.dpo import PreferenceTrainer
+
+        trainer_cls = PreferenceTrainer
     try:
-        trainer = SupervisedTrainer(cfg)
-    except (ChatDataError, TokenizeError, ValueError) as exc:
+        trainer = trainer_cls(cfg)
+    except (ChatDataError, TokenizeError, ValueError) as exc:  # PreferenceDataError too
         print(f"skylift sft: {exc}", file=sys.stderr)
         return 2
     with trainer:

@@ -53,18 +53,22 @@ class SupervisedTrainer:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self.batches = StepBatches(
-            train_sources(cfg, self.tokenizer, say),
-            cfg.batch_size,
-            cfg.seed,
-            cfg.shuffle,
-            cfg.train_dataset_weights,
+            self.load_train(), cfg.batch_size, cfg.seed, cfg.shuffle, cfg.train_dataset_weights
         )
-        self.eval_data = eval_sources(cfg, self.tokenizer, say)
+        self.eval_data = self.load_eval()
         self.total_steps = total_steps(cfg, self.batches.steps_per_epoch)
         self.group: WorkerGroup | None = None
         self.tracking: Any = None
         self._ray_started = False
+        self.use_ray = False
         self.losses: list[float] = []
+
+    def load_train(self) -> list[list[Any]]:
+        """The train rows, one list per dataset (a subclass reads other rows: preference pairs)."""
+        return train_sources(self.cfg, self.tokenizer, self.say)
+
+    def load_eval(self) -> dict[str, list[Any]]:
+        return eval_sources(self.cfg, self.tokenizer, self.say)
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
@@ -73,22 +77,13 @@ class SupervisedTrainer:
         cfg = self.cfg
         world = cfg.world_size()
         use_ray = cfg.placement.backend == "ray" or (cfg.placement.backend == "auto" and world > 1)
+        self.use_ray = use_ray
         if use_ray:
             from skylift.cluster.ray_start import init_ray
 
             self._ray_started = init_ray(None, min_cpus=world)
-        gpu = torch.cuda.is_available()
         started = time.perf_counter()
-        self.group = WorkerGroup(
-            "sft",
-            worker_settings(cfg, self.total_steps),
-            world,
-            use_ray=use_ray,
-            num_cpus_per_worker=1 if gpu else 0,
-            num_gpus_per_worker=1 if gpu else 0,
-            timeout_s=cfg.worker_timeout_s,
-            worker_cls=SupervisedWorker,
-        )
+        self.group = self.worker_group("sft", trainable=True)
         self.group.setup()
         where = f"{world} Ray rank(s)" if use_ray else "this process"
         mode = f"LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.rank else "full fine-tuning"
@@ -97,6 +92,27 @@ class SupervisedTrainer:
             f"{self.total_steps} steps of {cfg.batch_size}; ready in {time.perf_counter() - started:.1f} s"
         )
         self.tracking = Tracking(cfg.loggers(), self.paths.logs, cfg.project_name, cfg.run_name)
+
+    def worker_group(self, name: str, trainable: bool) -> WorkerGroup:
+        """A group of the run's ranks (`SupervisedWorker`s) on the run's model; `trainable=False`:
+        frozen (a reference model)."""
+        import dataclasses
+
+        cfg = self.cfg
+        settings = worker_settings(cfg, self.total_steps)
+        if not trainable:
+            settings = dataclasses.replace(settings, trainable=False, lora_rank=0)
+        gpu = torch.cuda.is_available()
+        return WorkerGroup(
+            name,
+            settings,
+            cfg.world_size(),
+            use_ray=self.use_ray,
+            num_cpus_per_worker=1 if gpu else 0,
+            num_gpus_per_worker=1 if gpu else 0,
+            timeout_s=cfg.worker_timeout_s,
+            worker_cls=SupervisedWorker,
+        )
 
     def close(self) -> None:
         if self.group is not None:
