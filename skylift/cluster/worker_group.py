@@ -339,6 +339,10 @@ class WorkerGroup:
         """`method` (an `RLWorker` method, e.g. `RLWorker.setup`) on every rank, in lockstep."""
         return self._call(method, None, *args, **kwargs)
 
+    def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple]) -> list[R]:
+        """`method` on every rank in lockstep, rank r with the arguments `per_rank_args[r]`."""
+        return self._call(method, per_rank_args)
+
     def call_rank0(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`method` on rank 0 alone (what only the weight-update group's rank 0 does)."""
         return self._call(method, None, *args, ranks=1, **kwargs)[0]

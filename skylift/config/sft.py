@@ -144,8 +144,11 @@ def sft_keys() -> dict[str, Any]:
     return out
 
 
-def load_sft_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> SFTConfig:
-    """Defaults, then `config_file` (YAML), then `overrides`, through the dialects, validated."""
+def load_sft_config(
+    overrides: Sequence[str] = (), config_file: str | Path | None = None, validate: bool = True
+) -> SFTConfig:
+    """Defaults, then `config_file` (YAML), then `overrides`, through the dialects, validated
+    (`validate=False`: the types only, e.g. to print a configuration still missing its data)."""
     from skylift.config.loading import parse_override
 
     pairs: list[tuple[str, Any]] = []
@@ -169,8 +172,32 @@ def load_sft_config(overrides: Sequence[str] = (), config_file: str | Path | Non
             ) from exc
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, SFTConfig)
-    validate_sft_config(obj)
+    if validate:
+        validate_sft_config(obj)
     return obj
+
+
+def format_sft_config(cfg: SFTConfig, with_help: bool = False) -> str:
+    """The configuration as YAML (loadable again with ``--config``), each key's help after it."""
+    import yaml
+
+    lines: list[str] = []
+
+    def emit(node: Any, depth: int) -> None:
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            pad = "  " * depth
+            note = f"  # {f.metadata['help']}" if with_help and "help" in f.metadata else ""
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{pad}{f.name}:{note}")
+                emit(value, depth + 1)
+            else:
+                shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+                shown = shown.removesuffix("\n...").removesuffix("...").strip()
+                lines.append(f"{pad}{f.name}: {shown}{note}")
+
+    emit(cfg, 0)
+    return "\n".join(lines) + "\n"
 
 
 def _file_pairs(path: Path) -> list[tuple[str, Any]]:
@@ -225,4 +252,12 @@ def _same_length(problems: list[str], key: str, value: Iterable[Any] | None, n: 
         problems.append(f"{key} needs one entry per entry of {of} ({n}), got {list(value)}")
 
 
-__all__ = ["SFT_DIALECTS", "SFTConfig", "SFTModelConfig", "SFTPlacementConfig", "load_sft_config", "sft_keys"]
+__all__ = [
+    "SFT_DIALECTS",
+    "SFTConfig",
+    "format_sft_config",
+    "SFTModelConfig",
+    "SFTPlacementConfig",
+    "load_sft_config",
+    "sft_keys",
+]

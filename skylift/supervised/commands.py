@@ -35,16 +35,15 @@ def add_sft_command(sub: argparse._SubParsersAction) -> None:
 
 def run_sft_command(args: argparse.Namespace) -> int:
     from skylift.config.errors import ConfigError
-    from skylift.config.formatting import format_config
-    from skylift.config.sft import load_sft_config
+    from skylift.config.sft import format_sft_config, load_sft_config
 
     try:
-        cfg = load_sft_config(args.overrides, args.config_file)
+        cfg = load_sft_config(args.overrides, args.config_file, validate=not args.show_config)
     except ConfigError as exc:
         print(f"skylift sft: {exc}", file=sys.stderr)
         return 2
     if args.show_config or args.dry_run:
-        print(format_config(cfg, with_help=args.show_config))
+        print(format_sft_config(cfg, with_help=args.show_config), end="")
         if args.dry_run:
             print("configuration OK (dry run: nothing trained; Hub datasets are read when the run starts)")
         return 0

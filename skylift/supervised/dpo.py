@@ -82,7 +82,7 @@ class PreferenceTrainer(SupervisedTrainer):
         batch = batch.with_extras(weights=-grad[:, None] * batch.response_mask)
         shards = group.shards(batch) if group.world_size > 1 else [batch]
         mb = self.cfg.micro_train_batch_size_per_gpu
-        results = group._call(SupervisedWorker.train_step, [(s, WeightedObjective(), mb) for s in shards])
+        results = group.call_each(SupervisedWorker.train_step, [(s, WeightedObjective(), mb) for s in shards])
         seconds = time.perf_counter() - started
         tokens = int(batch.attention_mask.sum())
         return {

@@ -164,7 +164,7 @@ class SupervisedTrainer:
         count = float(loss_tokens(rows))
         shards = group.shards(batch) if group.world_size > 1 else [batch]
         mb = self.cfg.micro_train_batch_size_per_gpu
-        results = group._call(
+        results = group.call_each(
             SupervisedWorker.train_step, [(s, SupervisedObjective(token_count=count), mb) for s in shards]
         )
         nll = sum(r["nll_sum"] for r in results)
@@ -192,9 +192,9 @@ class SupervisedTrainer:
             )
             mb = self.cfg.micro_train_batch_size_per_gpu
             if shards is None:
-                results = group._call(SupervisedWorker.eval_nll, [(batch, mb)] * group.world_size)[:1]
+                results = group.call_each(SupervisedWorker.eval_nll, [(batch, mb)] * group.world_size)[:1]
             else:
-                results = group._call(SupervisedWorker.eval_nll, [(s, mb) for s in shards])
+                results = group.call_each(SupervisedWorker.eval_nll, [(s, mb) for s in shards])
             nll += sum(r[0] for r in results)
             count += sum(r[1] for r in results)
         return nll / max(count, 1.0)
