@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 
 from skylift.demo import BF16_OVERRIDES, PeakMemory, accuracy_cell, demo_overrides, write_demo_data
 
-SFT_EXAMPLES = 128  # worked train problems: 16 steps of 8
+SFT_EXAMPLES = 256  # worked train problems: 32 steps of 8
 SFT_OVERRIDES = [
     "model.path=smollm2-135m-instruct",
     "batch_size=8",
     "micro_train_batch_size_per_gpu=8",
-    "num_steps=16",
-    "optimizer_config.lr=3e-5",
+    "num_steps=32",
+    "optimizer_config.lr=5e-5",
     "optimizer_config.scheduler=cosine",
     "optimizer_config.num_warmup_steps=2",
     "optimizer_config.weight_decay=0.0",
@@ -33,7 +33,7 @@ SFT_OVERRIDES = [
     "run_name=demo-sft-rl-sft",
     "train_on_what=last_assistant_message",  # the answer, not the prompt's worked example again
 ]
-RL_STEPS = 10
+RL_STEPS = 16
 
 
 def write_sft_examples(train_parquet: Path, out: Path, limit: int = SFT_EXAMPLES) -> Path:
