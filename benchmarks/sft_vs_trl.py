@@ -13,7 +13,9 @@ side first takes `--warmup-steps` (1) untimed steps; the timed steps follow (`--
   the `on_step_end` callback.
 
 The ratio is skylift's time over TRL's for the same timed steps (the same tokens), so below 1 is
-skylift faster; the loss of the last step must agree within 2%. The last line is one JSON object.
+skylift faster: ``ratio`` of the process CPU time of the steps (on a shared machine the wall time
+depends on what else runs), ``ratio_wall`` of their wall time. The loss of the last step must
+agree within 2%. The last line is one JSON object.
 
     python benchmarks/sft_vs_trl.py            # (--model tiny-qwen2 for a quick check)
 """
@@ -28,8 +30,11 @@ import time
 from pathlib import Path
 
 WORDS = "the model adds two numbers and writes each step of the sum before the final answer".split()
-SMOLLM_TAGGED = (
+SMOLLM_TAGGED = (  # SmolLM2-Instruct's template with the assistant's turn tagged
     "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' -}}"
+    "{%- endif -%}"
     "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}{%- generation -%}"
     "{{- message['content'] + '<|im_end|>' + '\\n' -}}{%- endgeneration -%}"
     "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
@@ -75,16 +80,18 @@ def run_skylift(
             f"runs_dir={runs}",
         ]
     )
-    losses, times, tokens = [], [], 0
+    losses, times, cpu, tokens = [], [], [], 0
     with SupervisedTrainer(cfg, say=lambda _: None) as trainer:
         for step in range(steps + warmup):
             rows = trainer.batches.rows(step)
+            started = time.process_time()
             m = trainer.train_step(rows)
             losses.append(m["loss"])
             if step >= warmup:
                 times.append(m["step_s"])
+                cpu.append(time.process_time() - started)
                 tokens += sum(len(r.ids) for r in rows)
-    return losses, times, tokens
+    return losses, times, cpu, tokens
 
 
 def run_trl(
@@ -102,13 +109,15 @@ def run_trl(
     tok.chat_template = SMOLLM_TAGGED
     recorded: list[float] = []
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN003
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003
             times.append(time.perf_counter() - self.t)
+            cpu.append(time.process_time() - self.c)
 
     class Recording(SFTTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
@@ -145,7 +154,7 @@ def run_trl(
     )
     trainer.train()
     losses = [recorded[i] + recorded[i + 1] for i in range(0, len(recorded), 2)]
-    return losses, times[warmup:]
+    return losses, times[warmup:], cpu[warmup:]
 
 
 def main() -> None:
@@ -161,31 +170,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "chats.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        ours, our_times, tokens = run_skylift(
+        ours, our_times, our_cpu, tokens = run_skylift(
             args.model, data, Path(tmp) / "runs", args.steps, args.warmup_steps
         )
-        theirs, their_times = run_trl(args.model, rows, Path(tmp) / "trl", args.steps, args.warmup_steps)
+        theirs, their_times, their_cpu = run_trl(
+            args.model, rows, Path(tmp) / "trl", args.steps, args.warmup_steps
+        )
     ours_s, theirs_s = sum(our_times), sum(their_times)
+    ours_cpu, theirs_cpu = sum(our_cpu), sum(their_cpu)
     gap = abs(ours[-1] - theirs[-1]) / abs(theirs[-1])
     print(f"timed steps: {args.steps} of 8 rows ({tokens} tokens), after {args.warmup_steps} warm-up step(s)")
-    print(
-        f"skylift sft: {ours_s:.1f} s, {tokens / ours_s:.0f} tok/s; steps {[round(t, 2) for t in our_times]}"
-    )
-    print(
-        f"TRL SFTTrainer: {theirs_s:.1f} s, {tokens / theirs_s:.0f} tok/s; steps {[round(t, 2) for t in their_times]}"
-    )
+    for name, wall, cpu, steps in (
+        ("skylift sft", ours_s, ours_cpu, our_times),
+        ("TRL SFTTrainer", theirs_s, theirs_cpu, their_times),
+    ):
+        print(
+            f"{name}: {wall:.1f} s wall ({tokens / wall:.0f} tok/s), {cpu:.1f} s CPU "
+            f"({tokens / cpu:.0f} tok/CPU-s); steps {[round(t, 2) for t in steps]}"
+        )
     print(f"loss per step, skylift: {[round(x, 4) for x in ours]}")
     print(f"loss per step, TRL:     {[round(x, 4) for x in theirs]}")
     print(f"last-step loss gap {gap:.2%} (goal < 2%)")
     print(
         json.dumps(
             {
-                "ratio": round(ours_s / theirs_s, 3),
+                "ratio": round(ours_cpu / theirs_cpu, 3),
+                "ratio_wall": round(ours_s / theirs_s, 3),
+                "skylift_cpu_s": round(ours_cpu, 2),
+                "trl_cpu_s": round(theirs_cpu, 2),
                 "skylift_s": round(ours_s, 2),
                 "trl_s": round(theirs_s, 2),
                 "tokens": tokens,
-                "skylift_tok_s": round(tokens / ours_s, 1),
-                "trl_tok_s": round(tokens / theirs_s, 1),
                 "last_loss_skylift": round(ours[-1], 5),
                 "last_loss_trl": round(theirs[-1], 5),
                 "loss_gap": round(gap, 5),
