@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct on the addition demo's task (`skylift.data.synthetic`, the prompts of
 `skylift demo`): first `skylift sft` on worked examples of the train problems (each train prompt
-with its worked answer ``A + B = C\\n#### C`` as the assistant's turn; the held-out problems are
-never trained on), then GRPO from the SFT model with the addition demo's settings. One command;
+with a worked answer as the assistant's turn: the sum by place value, then the task's ``#### C``;
+the held-out problems are never trained on), then GRPO from the SFT model with the addition demo's settings. One command;
 the held-out greedy accuracy before, after SFT and after RL in one table, and one plot.
 """
 
@@ -25,7 +25,7 @@ SFT_OVERRIDES = [
     "batch_size=8",
     "micro_train_batch_size_per_gpu=8",
     "num_steps=32",
-    "optimizer_config.lr=5e-5",
+    "optimizer_config.lr=3e-5",
     "optimizer_config.scheduler=cosine",
     "optimizer_config.num_warmup_steps=2",
     "optimizer_config.weight_decay=0.0",
@@ -36,12 +36,22 @@ SFT_OVERRIDES = [
 RL_STEPS = 16
 
 
+def worked_answer(a: int, b: int) -> str:
+    """A + B worked out by place value, then the task's ``#### C`` line, e.g. ``"27 + 45: tens
+    20 + 40 = 60, units 7 + 5 = 12, 60 + 12 = 72\\n#### 72"``."""
+    tens, units = (a // 10 + b // 10) * 10, a % 10 + b % 10
+    return (
+        f"{a} + {b}: tens {a // 10 * 10} + {b // 10 * 10} = {tens}, units {a % 10} + {b % 10} = {units}, "
+        f"{tens} + {units} = {a + b}\n#### {a + b}"
+    )
+
+
 def write_sft_examples(train_parquet: Path, out: Path, limit: int = SFT_EXAMPLES) -> Path:
-    """The first `limit` train prompts with their worked answers as chat rows (``messages``)."""
+    """The first `limit` train prompts with their worked answers (`worked_answer`) as chat rows."""
     rows = pq.read_table(train_parquet).to_pylist()[:limit]
     with out.open("w") as f:
         for row in rows:
-            answer = row["extra_info"]["answer"]
+            answer = worked_answer(int(row["extra_info"]["a"]), int(row["extra_info"]["b"]))
             f.write(
                 json.dumps({"messages": [*row["prompt"], {"role": "assistant", "content": answer}]}) + "\n"
             )
