@@ -35,5 +35,5 @@ def test_sft_rows_are_worked_train_problems_and_only_the_answer_trains(
     trained = tok.decode([t for t, m in zip(row.ids, row.loss_mask, strict=True) if m])
     a, b = (int(x) for x in example.messages[-2]["content"].split("?")[0].split()[2::2])
     assert trained.startswith(f"{a} + {b}: tens ") and trained.endswith(
-        f", {a + b}\n#### {a + b}<|im_end|>\n"
+        f" = {a + b}\n#### {a + b}<|im_end|>\n"
     )
