@@ -44,8 +44,10 @@ PACKAGE = "skylift"
 
 LAYERS: list[set[str]] = [
     {"cli"},
+    {"demo_pipeline"},  # `skylift demo --task sft-rl`: on the demo's parts
     {"demo", "entrypoints", "viewer"},
     {"compat", "integrations"},
+    {"supervised"},  # beside rl, over it: the supervised stages reuse its checkpoint layout
     {"rl", "tinker"},
     {"cluster"},
     {"gateway"},

@@ -5,7 +5,8 @@
 reads every ``*.sh`` under ``EXAMPLES_DIR`` at ``REF`` of a SkyRL checkout (``git show``, no work
 tree needed), expands the shell variables the script itself assigns (``X=1``, ``export X=1``,
 ``: "${X:=1}"``, ``${X:-1}``; ``$HOME`` is ``/home/user``, an unset one is empty as in the shell), and writes
-one block per command that passes dotted overrides to a Python entry point::
+one block per command that passes dotted overrides to a Python entry point (``main_sft``: every
+``key=value``, its keys being flat)::
 
     # examples/train/gsm8k/run_gsm8k.sh:1 skyrl.train.entrypoints.main_base
     trainer.strategy=fsdp
@@ -27,6 +28,7 @@ _VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?::?[-=]([^}]*))?\}|\$([A-Za-z_]\w*)")
 _ARITH = re.compile(r"^\$\(\((.*)\)\)\s*(#.*)?$")
 _INLINE_ARITH = re.compile(r"\$\(\(([\d\s+*/()-]+)\)\)")
 _OVERRIDE = re.compile(r"^\+{0,2}[a-z_][\w]*(\.[\w\-]+)+=")
+_SFT_OVERRIDE = re.compile(r"^\+{0,2}[a-z_][\w]*(\.[\w\-]+)*=")
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
@@ -85,6 +87,9 @@ def commands(script: str) -> list[tuple[str, list[str]]]:
         try:
             tokens = shlex.split(_expand(line, env), comments=True)
         except ValueError:
+            continue
+        if _entry_point(tokens).endswith("main_sft"):  # SFT's keys are flat: every key=value
+            out.append((_entry_point(tokens), [t for t in tokens if _SFT_OVERRIDE.match(t)]))
             continue
         overrides = [t for t in tokens if _OVERRIDE.match(t)]
         if any(o.lstrip("+").startswith(("trainer.", "generator.")) for o in overrides):

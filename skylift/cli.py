@@ -12,6 +12,10 @@ from collections.abc import Sequence
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.task == "sft-rl":
+        from skylift.demo_pipeline import run_pipeline_demo
+
+        return run_pipeline_demo(args.overrides, args.verbose)
     from skylift.demo import run_demo
 
     return run_demo(args.overrides, args.verbose, args.task, args.worked_example)
@@ -45,6 +49,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_view_command(sub)
 
+    from skylift.supervised.commands import add_sft_command
+
+    add_sft_command(sub)
+
     demo = sub.add_parser(
         "demo",
         help="GRPO demo: SmolLM2-135M learns two-digit addition (or, --task tools, to use a calculator) on CPU",
@@ -70,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_main(args_list[1:]) or 0
 
-    if args_list and args_list[0] in ("train", "eval", "demo"):
+    if args_list and args_list[0] in ("train", "eval", "demo", "sft"):
         from skylift.utils.quiet import quiet_libraries
 
         quiet_libraries("--verbose" in args_list)  # before the parsers below import torch

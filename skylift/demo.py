@@ -113,7 +113,7 @@ HARNESS_TASK_OVERRIDES = [
     "environment.harness.max_concurrent=64",  # a step's 16 prompts x 4 samples at once
 ]
 
-DEMO_TASKS = ("addition", "tools", "harness")
+DEMO_TASKS = ("addition", "tools", "harness", "sft-rl")  # sft-rl: skylift.demo_pipeline
 # the tool prompt's solved problem (`skylift.data.tool_demo.TOOL_DEMO_EXAMPLES`) unless
 # --worked-example says; the base model's start and the run's figures: benchmarks/RESULTS.md
 TOOL_DEMO_WORKED_EXAMPLE = "sum"
@@ -397,7 +397,8 @@ def add_demo_arguments(parser: Any) -> None:
         choices=DEMO_TASKS,
         default="addition",
         help="addition: two-digit sums; tools: products with a calculator tool (agentic RL, multi-turn); "
-        "harness: the same task, the agent an openai-client program trained through the gateway",
+        "harness: the same task, the agent an openai-client program trained through the gateway; "
+        "sft-rl: addition, supervised fine-tuning on worked examples then GRPO",
     )
     parser.add_argument(
         "--worked-example",

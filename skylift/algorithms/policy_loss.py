@@ -52,6 +52,7 @@ from torch import Tensor
 
 from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
 from skylift.algorithms.reductions import masked_mean, masked_sum
+from skylift.algorithms.supervised import cross_entropy
 from skylift.utils.registry import POLICY_LOSS_REGISTRY, Registry
 
 LossAndMetrics = tuple[Tensor, dict[str, float]]
@@ -405,4 +406,4 @@ def cross_entropy_loss(
     """``-logp`` of each response token, advantages unused: supervised fine-tuning on the sampled
     responses (``policy_loss_type=cross_entropy``)."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    return -logprobs, _metrics(response_mask, ratio, log_ratio)
+    return cross_entropy(logprobs, torch.ones_like(logprobs)), _metrics(response_mask, ratio, log_ratio)

@@ -276,15 +276,18 @@ class WorkerGroup:
         timeout_s: float = 3600.0,
         placement: PlacedGroups | None = None,
         role: str | None = None,
+        worker_cls: type[TrainingWorker] = RLWorker,
     ) -> None:
         """`timeout_s`: the longest one call to the Ray workers may take (in-process calls cannot
         be interrupted; their collectives have the process group's own timeout).
 
         `placement`: the run's placement groups; rank r goes on the bundle of (`role`, r) (role
         defaults to `name`). The ranks meet over a file on one host, or over TCP at rank 0's node
-        IP (MASTER_ADDR) when any rank runs on another node.
+        IP (MASTER_ADDR) when any rank runs on another node. `worker_cls`: the ranks' class, a
+        `TrainingWorker` (the supervised stages' `SupervisedWorker`; default the policy's).
         """
         self.name = name
+        self.worker_cls = worker_cls
         self.world_size = world_size
         self.use_ray = use_ray
         self.timeout_s = timeout_s
@@ -292,7 +295,7 @@ class WorkerGroup:
         if use_ray:
             import ray
 
-            cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(RLWorker)
+            cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
             if placement is not None:
                 role = role or name
                 self.node_ips = [placement.node_ip(role, r) for r in range(world_size)]
@@ -312,7 +315,7 @@ class WorkerGroup:
             init_method = _file_rendezvous(name)
             if world_size != 1:
                 raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
-            self.workers = [RLWorker(settings, 0, 1, init_method)]
+            self.workers = [worker_cls(settings, 0, 1, init_method)]
 
     def _call(
         self,
@@ -337,6 +340,10 @@ class WorkerGroup:
     def call_all(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
         """`method` (an `RLWorker` method, e.g. `RLWorker.setup`) on every rank, in lockstep."""
         return self._call(method, None, *args, **kwargs)
+
+    def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple]) -> list[R]:
+        """`method` on every rank in lockstep, rank r with the arguments `per_rank_args[r]`."""
+        return self._call(method, per_rank_args)
 
     def call_rank0(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`method` on rank 0 alone (what only the weight-update group's rank 0 does)."""
@@ -446,7 +453,8 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         try:
-            self.close_weight_group()
+            if issubclass(self.worker_cls, RLWorker):
+                self.close_weight_group()
             self.call_all(RLWorker.shutdown)
         finally:
             if self.use_ray:

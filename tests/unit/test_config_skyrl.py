@@ -75,7 +75,9 @@ def _is_megatron(overrides: list[str]) -> bool:
 
 
 def _is_training(entry: str) -> bool:
-    return not entry.endswith(("serve", "main_generate", "main_tbench_generate"))
+    return not entry.endswith(
+        ("serve", "main_generate", "main_tbench_generate", "main_sft")
+    )  # sft: its own test
 
 
 # Non-Megatron training commands skylift refuses, each with the words of its refusal. Built into

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from skylift.algorithms import PolicyLossConfig, compute_kl, compute_policy_loss
+from skylift.algorithms.supervised import cross_entropy
 from skylift.tinker.core.loss_sampling import SAMPLING_KEYS
 from skylift.tinker.errors import UserError
 
@@ -83,12 +84,8 @@ def _number(config: Config, key: str, default: float) -> float:
 
 
 def _cross_entropy(logp, inputs, mask, config):
-    weights = inputs.get("weights")
-    if logp.dim() == 3:  # [B, T, K]: weights [B, T, K] (default: every scored token counts)
-        w = weights if weights is not None else torch.ones_like(logp)
-        return -(logp * w).sum(-1) * mask, {}
-    w = weights if weights is not None else mask
-    return -logp * w * mask, {}
+    # [B, T] or [B, T, K] targets: the one supervised loss (skylift.algorithms.supervised)
+    return cross_entropy(logp, mask, inputs.get("weights")), {}
 
 
 def _importance_sampling(logp, inputs, mask, config):

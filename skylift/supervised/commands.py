@@ -1,0 +1,77 @@
+"""`skylift sft`: supervised fine-tuning on chat datasets, on the RL trainer's Ray + FSDP2 ranks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+SFT_EPILOG = """\
+examples:
+  skylift sft model.path=smollm2-135m-instruct train_datasets=[chats.jsonl] batch_size=8 num_steps=100
+  skylift sft model.path=Qwen/Qwen2.5-0.5B-Instruct model.lora.rank=32 train_datasets=[HuggingFaceH4/no_robots] \\
+      train_dataset_splits=[train] eval_datasets=[HuggingFaceH4/no_robots] eval_dataset_splits=[test] eval_interval=50
+  skylift sft --dry-run <overrides>   # check a command line (SkyRL's main_sft keys too) without running it
+keys: `skylift sft --show-config` prints every key with its default and help (docs/sft.md).
+"""
+
+
+def add_sft_command(sub: argparse._SubParsersAction) -> None:
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on chat datasets (messages / prompt-completion), full or LoRA",
+        epilog=SFT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sft.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    sft.add_argument("--config", dest="config_file", default=None, help="YAML file of configuration values")
+    sft.add_argument(
+        "--dry-run", action="store_true", help="check the configuration and print it; train nothing"
+    )
+    sft.add_argument("--show-config", action="store_true", help="print every key with its default and help")
+    sft.add_argument("--verbose", action="store_true", help="let the libraries print their own messages")
+    sft.set_defaults(func=run_sft_command)
+
+
+def run_sft_command(args: argparse.Namespace) -> int:
+    from skylift.config.errors import ConfigError
+    from skylift.config.sft import format_sft_config, load_sft_config
+
+    try:
+        cfg = load_sft_config(args.overrides, args.config_file, validate=not args.show_config)
+    except ConfigError as exc:
+        print(f"skylift sft: {exc}", file=sys.stderr)
+        return 2
+    if args.show_config or args.dry_run:
+        print(format_sft_config(cfg, with_help=args.show_config), end="")
+        if args.dry_run:
+            print("configuration OK (dry run: nothing trained; Hub datasets are read when the run starts)")
+        return 0
+    from skylift.data.chat import ChatDataError
+    from skylift.supervised.tokens import TokenizeError
+    from skylift.supervised.trainer import SupervisedTrainer
+    from skylift.utils.quiet import quiet_libraries
+
+    quiet_libraries(args.verbose)
+    if not args.verbose:  # one rank saves its checkpoint without a process group: expected
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    trainer_cls = SupervisedTrainer
+    if cfg.objective == "dpo":
+        from skylift.supervised.dpo import PreferenceTrainer
+
+        trainer_cls = PreferenceTrainer
+    try:
+        trainer = trainer_cls(cfg)
+    except (ChatDataError, TokenizeError, ValueError) as exc:  # PreferenceDataError too
+        print(f"skylift sft: {exc}", file=sys.stderr)
+        return 2
+    with trainer:
+        losses = trainer.run()
+    if losses:
+        print(
+            f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; outputs in {trainer.paths.root}"
+        )
+    return 0
+
+
+__all__ = ["add_sft_command", "run_sft_command"]

@@ -1,0 +1,39 @@
+"""`skylift demo --task sft-rl`'s supervised data: the worked train problems as chat rows, whose
+trained tokens are exactly the worked answers, none of them a held-out problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from skylift.data import write_addition_demo
+from skylift.data.chat import read_examples
+from skylift.demo import DEMO_TASKS
+from skylift.demo_pipeline import write_sft_examples
+from skylift.supervised.tokens import tokenize_example
+
+
+def test_sft_rows_are_worked_train_problems_and_only_the_answer_trains(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    assert "sft-rl" in DEMO_TASKS
+    write_addition_demo(tmp_path, num_train=50, num_val=20, seed=0)
+    out = write_sft_examples(tmp_path / "train.parquet", tmp_path / "sft.jsonl", limit=30)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 30
+    heldout = {
+        r["extra_info"]["question"] for r in pq.read_table(tmp_path / "validation.parquet").to_pylist()
+    }
+    assert not heldout & {r["messages"][-2]["content"] for r in rows}
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    example = read_examples(str(out))[0]
+    row = tokenize_example(tok, example, last_only=True)  # the demo's train_on_what
+    trained = tok.decode([t for t, m in zip(row.ids, row.loss_mask, strict=True) if m])
+    a, b = (int(x) for x in example.messages[-2]["content"].split("?")[0].split()[2::2])
+    assert trained.startswith(f"{a} + {b}: tens ") and trained.endswith(
+        f" = {a + b}\n#### {a + b}<|im_end|>\n"
+    )
