@@ -45,13 +45,13 @@ _SPECS: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="tiny-qwen3-moe",
         description="deterministic tiny Qwen3-MoE (8 experts, top-2, every layer sparse), tiny-qwen2's tokenizer; fp32",
-        approx_size_mb=4.0,
+        approx_size_mb=6.6,
         recipe_module="skylift.models.tiny_qwen3_moe",
     ),
     ModelSpec(
         name="tiny-mixtral",
         description="deterministic tiny Mixtral (4 experts, top-2, block_sparse_moe layout), tiny-qwen2's tokenizer; fp32",
-        approx_size_mb=2.5,
+        approx_size_mb=4.3,
         recipe_module="skylift.models.tiny_mixtral",
     ),
     ModelSpec(

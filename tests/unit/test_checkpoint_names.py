@@ -57,7 +57,9 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
-def test_tiny_moe_state_dict_becomes_its_checkpoint(moe_dirs: dict[str, Path], name: str, tmp_path: Path) -> None:
+def test_tiny_moe_state_dict_becomes_its_checkpoint(
+    moe_dirs: dict[str, Path], name: str, tmp_path: Path
+) -> None:
     """The loaded model's fused experts convert back to exactly the checkpoint's tensors, by name,
     and a trained (perturbed) model's tensors reload into the same in-memory weights."""
     model_dir = moe_dirs[name]
@@ -128,13 +130,17 @@ def _family_models() -> list[tuple[str, Any]]:
 
 
 @pytest.mark.parametrize("family,config", _family_models(), ids=[name for name, _ in _family_models()])
-def test_moe_families_convert_to_what_save_pretrained_writes(tmp_path: Path, family: str, config: Any) -> None:
+def test_moe_families_convert_to_what_save_pretrained_writes(
+    tmp_path: Path, family: str, config: Any
+) -> None:
     """One rule for every family: the converted names and tensors are those save_pretrained writes."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    converted = dict(CheckpointNames(loaded, checkpoint_tensor_names(tmp_path)).convert(loaded.state_dict().items()))
+    converted = dict(
+        CheckpointNames(loaded, checkpoint_tensor_names(tmp_path)).convert(loaded.state_dict().items())
+    )
     on_disk = checkpoint_tensors(tmp_path)
     assert converted.keys() == on_disk.keys(), family
     assert all(torch.equal(converted[k], on_disk[k]) for k in on_disk), family
