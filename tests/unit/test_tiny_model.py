@@ -252,5 +252,8 @@ def test_models_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert " yes " in tiny_row
 
     args = parser.parse_args(["models", "prepare", "nope", "--cache-dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="known models: tiny-qwen2, tiny-qwen2-vl, tiny-qwen3-moe, tiny-mixtral, smollm2-135m-instruct"):
+    with pytest.raises(
+        SystemExit,
+        match="known models: tiny-qwen2, tiny-qwen2-vl, tiny-qwen3-moe, tiny-mixtral, smollm2-135m-instruct",
+    ):
         args.func(args)
