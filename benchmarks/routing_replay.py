@@ -19,6 +19,7 @@ and the raw figures.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -58,6 +59,7 @@ def trained_model_dir(out: Path) -> Path:
 
 def engine_samples(model_dir: Path) -> list[dict[str, Any]]:
     """Each prompt's token ids, sampled ids, their engine logprobs and routed experts."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM 0.32 captures routed experts only there
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
