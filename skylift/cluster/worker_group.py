@@ -19,6 +19,7 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling
 from skylift.cluster.placement import PlacedGroups
+from skylift.models.checkpoint_names import CheckpointNames, checkpoint_names_for
 from skylift.weight_sync.broadcast.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import str_to_dtype
 from skylift.weight_sync.process_group import WeightSyncError
@@ -55,6 +56,7 @@ class RLWorker(OffloadingWorker, TrainingWorker):
         self._staged: list[Tensor] = []  # a LoRA adapter's packed buffers, until it is broadcast
         self._peft_config: dict[str, Any] = {}
         self.delta_publisher: Any = None  # weight_sync_backend=delta: rank 0's DeltaPublisher
+        self._checkpoint_names: CheckpointNames | None = None  # rank 0's, built on the first sync
 
     def node_ip(self) -> str:
         """The address of this rank's node as the cluster knows it (127.0.0.1 without Ray)."""
@@ -101,7 +103,7 @@ class RLWorker(OffloadingWorker, TrainingWorker):
         tensors are cast to it before sending, so half the bytes travel. None sends them as they are.
         """
         started = time.perf_counter()
-        weights = self.iter_full_weights()
+        weights = self.engine_weights()
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -112,11 +114,24 @@ class RLWorker(OffloadingWorker, TrainingWorker):
         sent = broadcaster.broadcast_stream(weights, bucket_bytes=bucket_mb << 20)
         return {"timing/weight_sync_s": time.perf_counter() - started, "weight_sync/bytes": float(sent.bytes)}
 
+    def engine_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The full weights (every rank: a collective) as the engines load them: rank 0's under the
+        checkpoint's names and layouts (`models.checkpoint_names`: a mixture-of-experts layer's
+        fused experts back to one tensor per expert), the other ranks' as they are (they drop them)."""
+        weights = self.iter_full_weights()
+        if self.rank != 0:
+            return weights
+        if self._checkpoint_names is None:
+            model = self._model()
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            self._checkpoint_names = checkpoint_names_for(base, self.settings.model_path)
+        return self._checkpoint_names.convert(weights)
+
     def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None = None) -> dict[str, float]:
         """Gather the full weights (every rank: a collective) and publish them as the next
         checkpoint-delta version under `spec.sync_dir` (rank 0; `weight_sync.delta.publish`).
         Returns rank 0's metrics, among them the version published."""
-        weights = self.iter_full_weights()
+        weights = self.engine_weights()
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -381,6 +396,19 @@ class WorkerGroup:
     def broadcast_weights(self, dtype: str | None) -> dict[str, float]:
         """Every rank gathers the full weights, rank 0 broadcasts them (rank 0's metrics)."""
         return self.call_all(RLWorker.broadcast_weights, dtype=dtype)[0]
+
+    def engine_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The full weights (every rank: a collective) as the engines load them: rank 0's under the
+        checkpoint's names and layouts (`models.checkpoint_names`: a mixture-of-experts layer's
+        fused experts back to one tensor per expert), the other ranks' as they are (they drop them)."""
+        weights = self.iter_full_weights()
+        if self.rank != 0:
+            return weights
+        if self._checkpoint_names is None:
+            model = self._model()
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            self._checkpoint_names = checkpoint_names_for(base, self.settings.model_path)
+        return self._checkpoint_names.convert(weights)
 
     def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None) -> dict[str, float]:
         """Every rank gathers the full weights, rank 0 publishes the next delta version."""

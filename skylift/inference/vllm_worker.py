@@ -6,13 +6,18 @@ of the weight-sync protocol (`skylift.weight_sync.broadcast.receiver` for full w
 `skylift.weight_sync.lora.receiver` for LoRA adapters, `skylift.weight_sync.delta.receiver` for
 checkpoint-delta sync); importing this module (vLLM does, in
 every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind`,
-`cpu_lora_no_adapter` and `cpu_prompt_logprobs_lora` (a vLLM they were not written for fails the
+`cpu_lora_no_adapter`, `cpu_prompt_logprobs_lora` and `cpu_moe_reload` (a vLLM they were not written for fails the
 worker's start-up, naming the patch).
 """
 
 from __future__ import annotations
 
-from skylift.inference.vllm_patches import cpu_lora_no_adapter, cpu_prompt_logprobs_lora, cpu_seed_rewind
+from skylift.inference.vllm_patches import (
+    cpu_lora_no_adapter,
+    cpu_moe_reload,
+    cpu_prompt_logprobs_lora,
+    cpu_seed_rewind,
+)
 from skylift.weight_sync.delta.receiver import DeltaReceiverExtension
 from skylift.weight_sync.lora.receiver import LoraReceiverExtension
 from skylift.weight_sync.worker_side import WorkerReceivers
@@ -30,3 +35,4 @@ class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension, W
 cpu_seed_rewind.install()
 cpu_lora_no_adapter.install()
 cpu_prompt_logprobs_lora.install()
+cpu_moe_reload.install()

