@@ -6,6 +6,7 @@ trainer reads as the loop it is.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
