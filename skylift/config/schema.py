@@ -6,8 +6,7 @@ what ``format_config(cfg, with_help=True)`` and ``skylift train --help`` print. 
 constraint sits beside it (``_f(8, "...", ge=1)``: see ``skylift.config.fields.Bounds``);
 checks that involve several keys are in ``skylift.config.validation``. Fields whose default
 is ``None`` and whose help says "null = ..." get a derived value from ``load_config`` (see
-``skylift.config.validation.finalize``). Build a validated tree with ``skylift.config.load_config``
-(the dataclasses built directly hold defaults, nothing derived or checked).
+``skylift.config.validation.finalize``). Build a validated tree with ``skylift.config.load_config``.
 """
 
 from __future__ import annotations
