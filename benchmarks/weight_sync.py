@@ -15,7 +15,8 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
 - reload: the engine's own in-place `reload_weights` of the same tensors, already in the worker's
   memory (no transfer at all);
 - shm_sync: the same state dict by shared-memory handle (`weight_sync.ipc.transport.
-  SharedTensorsTransport`: packed into /dev/shm, the workers load from it; what `weight_sync.topology`
+  SharedTensorsTransport(keep_buffers=True)`: copied into kept /dev/shm buffers bucket by bucket
+  while the workers load the buckets already there; what `weight_sync.topology`
   picks for a CPU engine on the trainer's host), beside the gloo stream (`shm_vs_gloo`: shm_sync_s
   / sync_s; checked against transformers like the stream).
 
@@ -202,7 +203,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
                 await rpc(_set_direct_load, args=(True,))
 
         await stream_with_vllm_reload()
-        shm = SharedTensorsTransport([engine])
+        shm = SharedTensorsTransport([engine], keep_buffers=True)  # kept buffers, streamed pushes
 
         async def shm_sync() -> float:
             shm.put(state)

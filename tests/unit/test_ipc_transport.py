@@ -81,7 +81,9 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 def test_pushes_arrive_whole_and_kept_buffers_are_streamed_by_bucket() -> None:
     engine = Engine()
-    transport = SharedTensorsTransport([engine], bucket_bytes=2 * 64 * 64 * 4)  # two tensors a bucket
+    transport = SharedTensorsTransport(
+        [engine], keep_buffers=True, bucket_bytes=2 * 64 * 64 * 4
+    )  # two tensors a bucket
 
     async def run() -> None:
         for version, seed in enumerate((1, 2, 3), start=1):
@@ -104,7 +106,7 @@ def test_pushes_arrive_whole_and_kept_buffers_are_streamed_by_bucket() -> None:
 
 def test_a_sender_failing_mid_fill_ends_the_engine_call() -> None:
     engine = Engine()
-    transport = SharedTensorsTransport([engine], bucket_bytes=2 * 64 * 64 * 4)
+    transport = SharedTensorsTransport([engine], keep_buffers=True, bucket_bytes=2 * 64 * 64 * 4)
 
     async def run() -> None:
         transport.put(weights(1))

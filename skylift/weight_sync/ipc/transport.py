@@ -35,8 +35,9 @@ from skylift.weight_sync.transport import WeightTransport
 class SharedTensorsTransport(WeightTransport):
     """Tensors `put` here -> every engine of `engines` (on this host), by shared-memory handle.
 
-    `dtype`: cast floating tensors to it first (None: as put). `keep_buffers` (default: on CPU):
-    the shared buffers live on between pushes and the next push of the same layout is copied
+    `dtype`: cast floating tensors to it first (None: as put). `keep_buffers` (CPU only; off by
+    default: its streamed push failed an integration test not yet diagnosed, see
+    tests/integration/test_weight_sync_shm.py): the shared buffers live on between pushes and the next push of the same layout is copied
     into them, so neither side touches fresh pages (one copy of the weights stays in shared
     memory meanwhile), and a push copies them bucket by bucket (`bucket_bytes`) while the
     engines load the buckets already copied; off, each push shares new buffers, filled at once,
@@ -46,7 +47,7 @@ class SharedTensorsTransport(WeightTransport):
         self,
         engines: Sequence[WeightCall],
         dtype: torch.dtype | None = None,
-        keep_buffers: bool | None = None,
+        keep_buffers: bool = False,
         bucket_bytes: int = 64 << 20,
     ) -> None:
         self.engines, self.dtype = list(engines), dtype
@@ -76,9 +77,7 @@ class SharedTensorsTransport(WeightTransport):
             self._kept.release()
             self._kept = None
         handle = share_tensors(tensors)
-        keep = self.keep_buffers
-        if keep is None:
-            keep = all(t.device.type == "cpu" for t in tensors.values())
+        keep = bool(self.keep_buffers) and all(t.device.type == "cpu" for t in tensors.values())
         self._kept = handle if keep else None
         return handle, tensors, True
 
