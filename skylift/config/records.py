@@ -17,6 +17,13 @@ class RolloutRecordsConfig:
     groups_per_step: int = _f(
         4, "prompt groups recorded per training step (all their samples), the first of the batch", ge=1
     )
+    logprob_interval: int = _f(
+        10,
+        "a step with one on-policy update computes no trainer logprobs before it: every N-th such "
+        "recorded step (1, N+1, ...) gets a forward pass of its recorded rows for the per-token "
+        "trainer-vs-engine gap; 0 = never (steps with the trainer's logprobs always have it)",
+        ge=0,
+    )
     eval_prompts: int = _f(16, "prompts recorded per evaluation (all their samples)", ge=0)
     max_mb: float = _f(
         64.0, "stop recording once <log_dir>/rollouts holds this many MiB (one line says so)", gt=0

@@ -17,9 +17,9 @@ A segment is a run of response tokens with the same loss mask: the policy's samp
 (assistant), or what the environment added between turns (a tool's result, an observation). `diff`
 is the trainer's logprob minus the engine's per sampled token: the experience's PPO anchor (the
 tensors the batch dump, `skylift.rl.batch_dump.batch_record`, writes) when the trainer computed it,
-else one forward pass of the recorded rows alone. When the folder reaches `max_mb` the run stops
-recording and says so. The trackers get `tracker_rows` of each record's samples as a table
-(`table_rows`; `skylift.tracking.Tracking.log_samples`).
+else (every `logprob_interval`-th step) one forward pass of the recorded rows alone, else null.
+When the folder reaches `max_mb` the run stops recording and says so. The trackers get
+`tracker_rows` of each record's samples as a table (`table_rows`; `Tracking.log_samples`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class RolloutRecorder:
         record = batch_record(experience, trajectories)
         extras, mask = record["extras"], record["response_mask"]
         chosen = _groups(trajectories, self.cfg.groups_per_step)
-        diffs = self._diffs(experience, [i for _, rows in chosen for i in rows])
+        diffs = self._diffs(experience, [i for _, rows in chosen for i in rows], step)
         advantages = extras.get("advantages")
         groups: list[dict[str, Any]] = []
         for uid, rows in chosen:
@@ -130,15 +130,16 @@ class RolloutRecorder:
         self._to_trackers("train", step, groups)
         return {"timing/rollout_records_s": time.perf_counter() - tick}
 
-    def _diffs(self, experience: Experience, rows: list[int]) -> dict[int, list[float]]:
+    def _diffs(self, experience: Experience, rows: list[int], step: int) -> dict[int, list[float]]:
         """Per row of `rows`, the trainer's logprob minus the engine's per response token: the
-        experience's PPO anchor when the trainer computed it, else one forward pass of the
-        recorded rows (`trainer_logprobs`); {} when neither is there."""
+        experience's PPO anchor when the trainer computed it, else (every `logprob_interval`-th
+        step: it costs a forward pass) one forward pass of the recorded rows; {} otherwise."""
         batch = experience.batch
         if "policy/logprob_diff_vs_rollout" in experience.metrics and "old_logprobs" in batch.extras:
             gap = batch.extras["old_logprobs"] - batch.extras["rollout_logprobs"]
             return {i: gap[i].tolist() for i in rows}
-        if self.trainer_logprobs is None or not rows:
+        every = self.cfg.logprob_interval
+        if self.trainer_logprobs is None or not rows or every <= 0 or (step - 1) % every:
             return {}
         sub = batch.select(rows)
         gap = self.trainer_logprobs(sub)[: len(rows)] - sub.extras["rollout_logprobs"]

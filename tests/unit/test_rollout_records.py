@@ -72,6 +72,10 @@ def test_each_step_and_evaluation_is_recorded_with_its_samples(tmp_path: Path) -
             # one update a step: no PPO anchor pass, so the recorded rows get a forward of their
             # own; the fake policy's logprobs are the engine's, so the gap is 0 on every token
             assert segment["diff"] == [0.0] * 4 and sample["max_abs_diff"] == 0.0
+    # the forward pass runs every logprob_interval (10) steps: step 2 has no gap to show
+    second = json.loads((tmp_path / "logs" / RECORDS_DIR / "train_step_2.json").read_text())
+    assert all(s["segments"][0]["diff"] is None for g in second["groups"] for s in g["samples"])
+    assert all(s["max_abs_diff"] is None for g in second["groups"] for s in g["samples"])
     evaluation = json.loads((tmp_path / "logs" / RECORDS_DIR / "eval_step_0.json").read_text())
     assert evaluation["kind"] == "eval" and all(
         "correct" in s for g in evaluation["groups"] for s in g["samples"]

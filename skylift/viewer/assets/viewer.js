@@ -206,6 +206,9 @@ const SKYLIFT_VIEW = (() => {
       s.max_abs_diff !== null && s.max_abs_diff !== undefined
         ? el("span", { class: "badge" }, `|Δlogprob| mean ${s.mean_abs_diff.toExponential(1)} max ${s.max_abs_diff.toExponential(1)}`) : null,
     ];
+    if (kind === "train" && (s.max_abs_diff === null || s.max_abs_diff === undefined)) {
+      badges.push(el("span", { class: "badge" }, "no trainer logprobs this step"));
+    }
     for (const [key, value] of Object.entries(s.metrics || {})) badges.push(el("span", { class: "badge" }, `${key} ${fmt(value, 2)}`));
     const turns = s.segments.map((seg) => segment(seg, scale));
     return el("div", { class: "sample", "data-reward": s.reward }, el("div", { class: "sample-head" }, ...badges), ...turns);
