@@ -73,13 +73,15 @@ else
     PIP uninstall -q -y torch
   fi
   # PyPI's torch for Linux is the CUDA build vLLM's wheel is built against; an index that also
-  # serves the +cpu build would win (a local label sorts above none), so torch comes from PyPI
-  # alone (SKYLIFT_TORCH_INDEX_URL: a mirror of it)
-  PIP install -q --index-url "${SKYLIFT_TORCH_INDEX_URL:-https://pypi.org/simple}" "torch==$TORCH_PIN"
+  # serves the +cpu build would win (a local label sorts above none): SKYLIFT_TORCH_INDEX_URL
+  # names the one index torch comes from (PyPI's simple index or a mirror of it; unset: pip's own)
+  TORCH_INDEX=()
+  [[ -n "${SKYLIFT_TORCH_INDEX_URL:-}" ]] && TORCH_INDEX=(--index-url "$SKYLIFT_TORCH_INDEX_URL")
+  PIP install -q "${TORCH_INDEX[@]}" "torch==$TORCH_PIN"
   read -r LABEL CUDA < <(torch_build)
   if [[ "$CUDA" == none ]]; then
     echo "[setup] error: the torch installed (local label: $LABEL) has no CUDA; set" \
-      "SKYLIFT_TORCH_INDEX_URL to an index that serves PyPI's CUDA build of torch $TORCH_PIN" >&2
+      "SKYLIFT_TORCH_INDEX_URL to PyPI's simple index (or a mirror) for its CUDA build of torch $TORCH_PIN" >&2
     exit 1
   fi
   PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[gpu,dev,bench]"

@@ -31,6 +31,10 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SKYLIFT_AUTO_CPU_THREADS_BIND": ("engines (set by skylift)", "marks a CPU thread binding skylift chose, so a child server rebinds per rank"),
     "SKYLIFT_TINKER_API_KEY": ("skylift tinker serve", "the server's single X-API-Key when neither --api-key nor --api-keys-file is given (kept out of `ps`)"),
     "SKYLIFT_TINKER_FAIL_ENGINE_START": ("skylift tinker serve (tests)", "1: every sampling-engine start-up fails (tests that must never start vLLM)"),
+    "SKYLIFT_TORCH_INDEX_URL": (
+        "scripts/setup.sh (GPU machines)",
+        "the one index the CUDA build of torch comes from (PyPI's simple index or a mirror; unset: pip's own)",
+    ),
     "SKYLIFT_IN_NETNS": ("scripts (tests)", "1: already inside the loopback-only network namespace"),
     "SKYLIFT_TEST_SPLIT": ("scripts/test.sh", "0: run the suite in one pytest process instead of two halves pinned to one core each"),
     "SKYLIFT_TESTS_ALLOW_NETWORK": ("tests", "1: run server tests outside a loopback-only namespace"),

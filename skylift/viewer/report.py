@@ -61,9 +61,9 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     for path in sorted((logs / RECORDS_DIR).glob("*.json"), key=_record_order):
         record = json.loads(path.read_text())
         name = path.stem
-        (data_dir / f"{name}.js").write_text(f"SKYLIFT_VIEW.add({json.dumps(name)}, {json.dumps(record)});\n")
+        (data_dir / f"{name}.js").write_text(f"skyliftView.add({json.dumps(name)}, {json.dumps(record)});\n")
         index[record["kind"]].append({"name": name, **summary(record)})
-    (data_dir / "index.js").write_text(f"SKYLIFT_VIEW.index({json.dumps(index)});\n")
+    (data_dir / "index.js").write_text(f"skyliftView.index({json.dumps(index)});\n")
     assets = resources.files("skylift.viewer") / "assets"
     for asset in ASSETS:
         (out / asset).write_text((assets / asset).read_text(encoding="utf-8"), encoding="utf-8")

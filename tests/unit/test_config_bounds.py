@@ -41,7 +41,7 @@ def test_bounds_check_each_item_of_a_list_and_let_null_pass() -> None:
     loggers = Bounds(choices=LOGGERS)
     assert loggers.problem("trainer.logger", ["console", "jsonl"]) is None
     assert loggers.problem("trainer.logger", ["console", "neptune"]) == (
-        "trainer.logger='neptune' is not one of console, jsonl, tensorboard, wandb"
+        "trainer.logger='neptune' is not one of console, jsonl, tensorboard, wandb, mlflow"
     )
     assert Bounds(ge=1).problem("trainer.max_steps", None) is None
     assert Bounds(gt=0, lt=2).problem("k", 2) == "k=2 must be in (0, 2)"

@@ -50,7 +50,7 @@ def remote_error(cause: Exception) -> Exception:
 def test_one_line_drops_colours_traceback_frames_and_rays_header() -> None:
     raw = str(remote_error(EngineUnavailableError(DIED)))
     assert "\x1b[" in raw and "File " in raw and "\n" in raw  # what reached the message before
-    assert one_line(raw) == f"skylift.inference.types.EngineUnavailableError: {DIED}"
+    assert one_line(raw) == f"skylift.utils.engine_errors.EngineUnavailableError: {DIED}"
     assert plain("\x1b[31mred\x1b[0m and \x1b[1;36mbold cyan\x1b[39m") == "red and bold cyan"
     assert one_line("first line\nsecond line") == "first line second line"
     assert one_line("  only indented  ") == "only indented"  # nothing left: the text itself

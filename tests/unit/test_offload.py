@@ -43,12 +43,15 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return out
 
 
-def _storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
-    ptrs = {t.data_ptr() for t in model.state_dict().values()}
-    ptrs |= {p.grad.data_ptr() for p in model.parameters() if p.grad is not None}
+def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.state_dict().values()) + [p.grad for p in model.parameters() if p.grad is not None]
     for p in model.parameters():
-        ptrs |= {v.data_ptr() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)}
-    return ptrs
+        out += [v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
+    return {t.data_ptr() for t in _tensors(model, optimizer)}
 
 
 def test_round_trip_is_exact_and_keeps_the_parameter_objects() -> None:
@@ -56,6 +59,7 @@ def test_round_trip_is_exact_and_keeps_the_parameter_objects() -> None:
     _step(model, optimizer, seed=1)  # gradients and AdamW's state exist
     params = list(model.parameters())
     before, storages = _state(model, optimizer), _storages(model, optimizer)
+    held = _tensors(model, optimizer)  # the old tensors stay alive: their addresses cannot be reused
     offload = HostOffload(model, optimizer)
 
     moved = offload.offload([OPTIMIZER])
@@ -69,6 +73,7 @@ def test_round_trip_is_exact_and_keeps_the_parameter_objects() -> None:
     # every tensor is a new copy (on CPU the host copy is the bookkeeping), equal bit for bit
     assert not storages & _storages(model, optimizer)
     assert all(torch.equal(before[k], v) for k, v in _state(model, optimizer).items())
+    del held
 
     offload.backload()
     assert offload.offloaded == ()

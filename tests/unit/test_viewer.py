@@ -17,8 +17,8 @@ from skylift.viewer.serve import report_server
 
 def _index(report: Path) -> dict:
     text = (report / "data" / "index.js").read_text()
-    assert text.startswith("SKYLIFT_VIEW.index(") and text.rstrip().endswith(");")
-    return json.loads(text.strip()[len("SKYLIFT_VIEW.index(") : -2])
+    assert text.startswith("skyliftView.index(") and text.rstrip().endswith(");")
+    return json.loads(text.strip()[len("skyliftView.index(") : -2])
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_the_report_lists_every_record_and_the_step_times(tool_run: Path) -> Non
     assert [t["step"] for t in times] == [1, 2]
     assert times[0]["generate"] == 4.0 and times[0]["train"] == 4.5 and times[0]["records"] > 0
     record = (report / "data" / "train_step_1.js").read_text()
-    assert record.startswith('SKYLIFT_VIEW.add("train_step_1", {')
+    assert record.startswith('skyliftView.add("train_step_1", {')
 
 
 def test_the_command_prints_the_index_and_refuses_a_folder_without_records(
@@ -86,7 +86,7 @@ def test_serve_answers_the_reports_files_on_loopback(tool_run: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/index.html", timeout=10) as answer:
             assert b"skylift view" in answer.read()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/train_step_2.js", timeout=10) as answer:
-            assert answer.read().startswith(b'SKYLIFT_VIEW.add("train_step_2"')
+            assert answer.read().startswith(b'skyliftView.add("train_step_2"')
     finally:
         server.shutdown()
         server.server_close()

@@ -1,8 +1,8 @@
 // skylift view: the run's recorded rollouts, filtered in the page. Plain JavaScript, no network:
-// data/index.js calls SKYLIFT_VIEW.index(...), each data/<record>.js calls SKYLIFT_VIEW.add(...).
+// data/index.js calls skyliftView.index(...), each data/<record>.js calls skyliftView.add(...).
 "use strict";
 
-const SKYLIFT_VIEW = (() => {
+const skyliftView = (() => {
   const state = { index: null, records: {}, tab: "train", current: { train: null, eval: null } };
   const $ = (id) => document.getElementById(id);
 
@@ -302,4 +302,4 @@ const SKYLIFT_VIEW = (() => {
 
   return { index, add };
 })();
-window.SKYLIFT_VIEW = SKYLIFT_VIEW;
+window.skyliftView = skyliftView;
