@@ -69,12 +69,6 @@ def test_logprobs_after_a_shared_memory_sync_equal_those_after_a_gloo_sync(
         assert engine.weight_version == version + 1 and transport.version == 1
         with pytest.raises(RuntimeError, match="push before put"):
             loop.run(transport.push(2))
-        transport.put(two)  # the same layout: copied into the buffers the engine already holds open
-        loop.run(transport.push(2))
-        assert loop.run(engine.prompt_logprobs(SEQUENCES)) != after_gloo
-        transport.put(one)
-        loop.run(transport.push(3))
-        assert loop.run(engine.prompt_logprobs(SEQUENCES)) == after_gloo
         loop.run(transport.close())
         # a bad handle is refused before any worker is asked; the engine keeps serving
         with pytest.raises(EngineRequestError, match="not a shared-tensors handle"):
