@@ -1,7 +1,8 @@
 """A training rank of the supervised stages: one optimizer step on a batch of token sequences,
 returning the loss's exact sums, and the evaluation loss.
 
-`SupervisedWorker` is a `TrainingWorker` (the same FSDP2 rank the RL trainer drives) with two
+`SupervisedWorker` is a `TrainingWorker` (the same FSDP2 rank the RL trainer drives, with the same
+host offload, `worker.offload`: the worker group calls both through the RL worker's methods) with two
 methods that report the sums of the step's loss (negative log-likelihood and target tokens) so the
 driver can add them over ranks exactly, where the training worker reports per micro-batch means.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.offload import OffloadingWorker
 from skylift.worker.training_worker import LossFn, TrainingWorker
 
 
-class SupervisedWorker(TrainingWorker):
+class SupervisedWorker(OffloadingWorker, TrainingWorker):
     """A `TrainingWorker` for `skylift sft` (see the module docstring)."""
 
     def train_step(self, batch: SequenceBatch, objective: LossFn, micro_batch_size: int) -> dict[str, Any]:
