@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from skylift.config.schema import SkyliftConfig
+if TYPE_CHECKING:  # the config (omegaconf) stays out of the generator's imports: the GPU check
+    from skylift.config.schema import SkyliftConfig  # runs the trajectory code without it
 
 
 def max_generate_length(cfg: SkyliftConfig) -> int:
