@@ -397,19 +397,6 @@ class WorkerGroup:
         """Every rank gathers the full weights, rank 0 broadcasts them (rank 0's metrics)."""
         return self.call_all(RLWorker.broadcast_weights, dtype=dtype)[0]
 
-    def engine_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The full weights (every rank: a collective) as the engines load them: rank 0's under the
-        checkpoint's names and layouts (`models.checkpoint_names`: a mixture-of-experts layer's
-        fused experts back to one tensor per expert), the other ranks' as they are (they drop them)."""
-        weights = self.iter_full_weights()
-        if self.rank != 0:
-            return weights
-        if self._checkpoint_names is None:
-            model = self._model()
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            self._checkpoint_names = checkpoint_names_for(base, self.settings.model_path)
-        return self._checkpoint_names.convert(weights)
-
     def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None) -> dict[str, float]:
         """Every rank gathers the full weights, rank 0 publishes the next delta version."""
         return self.call_all(RLWorker.publish_delta, spec, dtype)[0]
