@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -22,13 +22,22 @@ T = TypeVar("T")
 class LoopThread:
     """Runs an event loop forever on a daemon thread until `stop()`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, name: str = "skylift-loop") -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop | None = None,
+        name: str = "skylift-loop",
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_start`: called on the new thread before its loop runs (e.g. binding it to cores)."""
         self.loop = loop or asyncio.new_event_loop()
+        self._on_start = on_start
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._stopped = False
         self._thread.start()
 
     def _main(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 

@@ -78,9 +78,8 @@ def test_the_engines_thread_binds_itself_to_the_engines_cores(monkeypatch: pytes
     for cpus, expected in (([1], [(0, [1], "tinker-engine-tiny")]), (None, [])):
         bound.clear()
         host = EngineHost("tiny", "/nowhere", EngineSettings(), cpus=cpus)
-        loop = host._ensure_loop()
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        assert host._thread is not None
-        host._thread.join(timeout=30)
+        loop_thread = host._ensure_loop()
+        loop_thread.run(asyncio.sleep(0), timeout_s=30)
+        host.close()  # no engine started: stops the loop's thread
+        assert loop_thread.closed
         assert bound == expected

@@ -39,6 +39,7 @@ from skylift.tinker.sampling.adapter_slots import AdapterSlots
 from skylift.tinker.sampling.lora_mode import ModeChoice, accepts_unembed, calibrate
 from skylift.tinker.sampling.weights import SamplerWeights, load_safetensors_dir, merged_folder_into_base
 from skylift.utils.affinity import bind_this_thread
+from skylift.utils.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,7 @@ class EngineHost:
         #: requests of samplers served in the batch that scored their prompt on swapped-in weights
         self.prompt_scoring_swaps = 0
         self._active = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop_thread: LoopThread | None = None  # the engine's own loop, made on first use
         self._thread_lock = threading.Lock()
         self._start_lock: asyncio.Lock | None = None
         self._cond: asyncio.Condition | None = None
@@ -122,27 +122,22 @@ class EngineHost:
         return self._engine is not None
 
     # ---------------------------------------------------------------- thread plumbing
-    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+    def _ensure_loop(self) -> LoopThread:
         with self._thread_lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(
-                    target=self._run_loop, args=(loop,), name=f"tinker-engine-{self.base_model}", daemon=True
+            if self._loop_thread is None:
+                self._loop_thread = LoopThread(
+                    name=f"tinker-engine-{self.base_model}", on_start=self._bind_cores
                 )
-                self._thread.start()
-                self._loop = loop
-            return self._loop
+            return self._loop_thread
 
-    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The engine's thread: on the engine's cores where it has its own (its scheduler process,
-        started from here, inherits them; the rest of the server keeps the others), then its loop."""
+    def _bind_cores(self) -> None:
+        """The engine's thread, before its loop runs: on the engine's cores where it has its own (its
+        scheduler process, started from here, inherits them; the rest of the server keeps the others)."""
         if self.cpus:
             bind_this_thread(self.cpus)
-        loop.run_forever()
 
     async def _on_engine_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        loop = self._ensure_loop()
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return await asyncio.wrap_future(self._ensure_loop().submit(coro))
 
     # ---------------------------------------------------------------- engine loop side
     async def _ensure_started(self) -> None:
@@ -432,18 +427,18 @@ class EngineHost:
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Shut the engine down and stop its thread (blocking; call from outside its loop)."""
-        loop = self._loop
-        if loop is None:
+        loop_thread, self._loop_thread = self._loop_thread, None
+        if loop_thread is None:
             return
         if self._engine is not None:
             try:
-                asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout_s)
+                loop_thread.run(self._close(), timeout_s)
             except Exception as exc:
                 logger.warning("engine shutdown failed: %s", exc)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._loop = None
+        try:
+            loop_thread.stop(timeout_s=10)
+        except RuntimeError as exc:
+            logger.warning("%s", exc)
 
 
 def to_engine_params(
