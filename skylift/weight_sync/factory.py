@@ -31,24 +31,39 @@ def lora_sync_path(cfg: SkyliftConfig) -> str | None:
     return cfg.generator.lora_sync_path or cfg.trainer.policy.model.lora.lora_sync_path or None
 
 
+def _engines_share_the_policys_gpu(cfg: SkyliftConfig, cuda: bool | None) -> bool:
+    """Whether the run's own engines share the policy's GPUs (``colocate_all``, or everything in
+    this process) on a CUDA host (`cuda`: None, this process's)."""
+    placement = cfg.trainer.placement
+    shared = cfg.generator.run_engines_locally and (placement.colocate_all or placement.backend == "local")
+    if not shared:
+        return False
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    return bool(cuda)
+
+
 def check_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> None:
     """Refuse at start, in one line (`topology.check_forced`), a forced `weight_sync_backend` that
     cannot work where the config puts the ranks: engines started by the run that share the
     policy's GPUs (``colocate_all``, or everything in this process) on a CUDA host (`cuda`: None,
     this process's) put the policy's rank 0 and an engine worker on one GPU, which NCCL refuses."""
-    backend = cfg.generator.weight_sync_backend
-    placement = cfg.trainer.placement
-    local_engines = cfg.generator.run_engines_locally
-    shared = local_engines and (placement.colocate_all or placement.backend == "local")
-    if backend != "nccl" or not shared:
-        return
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    if cuda:
+    if cfg.generator.weight_sync_backend == "nccl" and _engines_share_the_policys_gpu(cfg, cuda):
         gpu = Place(socket.gethostname(), "cuda", "0")
-        check_forced(backend, gpu, [[gpu]])
+        check_forced("nccl", gpu, [[gpu]])
+
+
+def group_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> str | None:
+    """The weight-update group's backend: a forced one as given; ``auto`` where the run's engines
+    share the policy's GPU: gloo (NCCL refuses two ranks on one GPU, and a training run's policy
+    does not take the same-GPU IPC path yet: slower, but it works); else None (``auto``: gloo on
+    CPU, NCCL on GPU, decided on the policy's rank 0)."""
+    backend = cfg.generator.weight_sync_backend
+    if backend not in ("auto", "delta"):
+        return backend
+    return "gloo" if _engines_share_the_policys_gpu(cfg, cuda) else None
 
 
 def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say) -> WeightTransport:
@@ -77,7 +92,7 @@ def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say
         )
     group = {
         "dtype": dtype,
-        "backend": None if g.weight_sync_backend in ("auto", "delta") else g.weight_sync_backend,
+        "backend": group_backend(cfg),
         "timeout_s": g.weight_sync_timeout_s,
         # None: derived on the policy's rank 0 (see RLWorker.host_weight_group)
         "master_address": g.weight_sync_master_address,

@@ -83,3 +83,16 @@ def test_a_run_that_forces_nccl_onto_a_shared_gpu_is_refused_at_start() -> None:
     check_backend(load_config(["trainer.placement.colocate_all=true"]), cuda=True)  # auto is not forced
     remote = [*forced, "trainer.placement.colocate_all=true", "generator.run_engines_locally=false"]
     check_backend(load_config(remote), cuda=True)  # the run starts no engine
+
+
+def test_auto_takes_gloo_where_the_runs_engines_share_the_policys_gpu() -> None:
+    from skylift.config import load_config
+    from skylift.weight_sync.factory import group_backend
+
+    shared = ["trainer.placement.colocate_all=true"]
+    assert group_backend(load_config(shared), cuda=True) == "gloo"  # NCCL would refuse the pair
+    assert group_backend(load_config(["trainer.placement.backend=local"]), cuda=True) == "gloo"
+    assert group_backend(load_config(shared), cuda=False) is None  # CPU: auto (gloo) as before
+    assert group_backend(load_config([]), cuda=True) is None  # engines on GPUs of their own: NCCL
+    forced = ["generator.weight_sync_backend=gloo", *shared]
+    assert group_backend(load_config(forced), cuda=True) == "gloo"
