@@ -63,7 +63,7 @@ def run_pipeline_demo(overrides: Sequence[str] = (), verbose: bool = False) -> i
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(verbose)
-    from skylift.cluster.settings import RunPaths
+    from skylift.cluster.run_paths import RunPaths
     from skylift.config import ConfigError, load_config
     from skylift.config.sft import load_sft_config
     from skylift.rl.build import build_trainer

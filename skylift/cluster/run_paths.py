@@ -21,10 +21,17 @@ class RunPaths:
     @classmethod
     def from_config(cls, cfg: SkyliftConfig) -> RunPaths:
         t = cfg.trainer
-        root = default_run_root(t.run_name, t.runs_dir)
+        return cls.of(t.run_name, t.runs_dir, t.ckpt_path, t.export_path, t.log_dir)
+
+    @classmethod
+    def of(
+        cls, run_name: str, runs_dir: str | None, ckpt: str | None, export: str | None, logs: str | None
+    ) -> RunPaths:
+        """The paths from a run's keys (any run: `skylift train`'s `trainer.*`, `skylift sft`'s)."""
+        root = default_run_root(run_name, runs_dir)
         return cls(
             root=root,
-            ckpt=Path(t.ckpt_path).expanduser() if t.ckpt_path else root / "ckpts",
-            export=Path(t.export_path).expanduser() if t.export_path else root / "exports",
-            logs=Path(t.log_dir).expanduser() if t.log_dir else root / "logs",
+            ckpt=Path(ckpt).expanduser() if ckpt else root / "ckpts",
+            export=Path(export).expanduser() if export else root / "exports",
+            logs=Path(logs).expanduser() if logs else root / "logs",
         )

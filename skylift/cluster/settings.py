@@ -76,6 +76,20 @@ def optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSetting
     )
 
 
+def adapter_and_sharding(lora: Any, fsdp: Any, rank: int) -> dict[str, Any]:
+    """A training worker's LoRA adapter (`rank` 0: none) and FSDP2 settings from their config groups
+    (`skylift train`'s and `skylift sft`'s have the same keys)."""
+    return {
+        "lora_rank": rank,
+        "lora_alpha": lora.alpha,
+        "lora_target_modules": lora.target_modules,
+        "lora_dropout": lora.dropout,
+        "reshard_after_forward": fsdp.reshard_after_forward,
+        "cpu_offload": fsdp.cpu_offload,
+        "fsdp_size": fsdp.fsdp_size,
+    }
+
+
 def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int) -> WorkerSettings:
     """The policy (`trainable`) or the frozen reference model; `total_steps`: training steps."""
     t = cfg.trainer
@@ -90,13 +104,7 @@ def model_worker_settings(cfg: SkyliftConfig, trainable: bool, total_steps: int)
         optimizer=optimizer_settings(
             t.policy.optimizer_config, total_steps * policy_optimizer_steps_per_step(cfg)
         ),
-        lora_rank=lora.rank if trainable else 0,
-        lora_alpha=lora.alpha,
-        lora_target_modules=lora.target_modules,
-        lora_dropout=lora.dropout,
-        reshard_after_forward=fsdp.reshard_after_forward,
-        cpu_offload=fsdp.cpu_offload,
-        fsdp_size=fsdp.fsdp_size,
+        **adapter_and_sharding(lora, fsdp, lora.rank if trainable else 0),
         sequence_parallel_size=(t.policy if trainable else t.ref).sequence_parallel_size,
         seed=t.seed,
         collective_timeout_s=t.collective_timeout_s,

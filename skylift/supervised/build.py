@@ -8,34 +8,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from skylift.cluster.settings import optimizer_settings
+from skylift.cluster.settings import adapter_and_sharding, optimizer_settings
 from skylift.config.sft import SFTConfig
-from skylift.config.validation import default_run_root
 from skylift.data.chat import read_examples
 from skylift.supervised.tokens import TokenizedRow, tokenize_example
 from skylift.worker.training_worker import WorkerSettings
-
-
-@dataclass
-class SFTPaths:
-    root: Path
-    ckpt: Path
-    export: Path
-    logs: Path
-
-    @classmethod
-    def of(cls, cfg: SFTConfig) -> SFTPaths:
-        root = default_run_root(cfg.run_name, cfg.runs_dir)
-        return cls(
-            root=root,
-            ckpt=Path(cfg.ckpt_path).expanduser() if cfg.ckpt_path else root / "ckpts",
-            export=Path(cfg.export_path).expanduser() if cfg.export_path else root / "exports",
-            logs=Path(cfg.log_dir).expanduser() if cfg.log_dir else root / "logs",
-        )
 
 
 def tokenized_source(
@@ -97,13 +76,7 @@ def worker_settings(cfg: SFTConfig, steps: int) -> WorkerSettings:
         compute_dtype="bfloat16" if cfg.bf16 else None,
         gradient_checkpointing=cfg.gradient_checkpointing,
         optimizer=optimizer_settings(cfg.optimizer_config, steps),
-        lora_rank=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_target_modules=lora.target_modules,
-        lora_dropout=lora.dropout,
-        reshard_after_forward=fsdp.reshard_after_forward,
-        cpu_offload=fsdp.cpu_offload,
-        fsdp_size=fsdp.fsdp_size,
+        **adapter_and_sharding(lora, fsdp, lora.rank),
         sequence_parallel_size=cfg.sequence_parallel_size,
         seed=cfg.seed,
         collective_timeout_s=cfg.collective_timeout_s,
@@ -112,4 +85,4 @@ def worker_settings(cfg: SFTConfig, steps: int) -> WorkerSettings:
     )
 
 
-__all__ = ["SFTPaths", "eval_sources", "total_steps", "train_sources", "worker_settings"]
+__all__ = ["eval_sources", "total_steps", "train_sources", "worker_settings"]

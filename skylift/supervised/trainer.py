@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from skylift.cluster.run_paths import RunPaths
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.sft import SFTConfig
 from skylift.rl.checkpoint import (
@@ -27,7 +28,7 @@ from skylift.rl.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
 )
-from skylift.supervised.build import SFTPaths, eval_sources, total_steps, train_sources, worker_settings
+from skylift.supervised.build import eval_sources, total_steps, train_sources, worker_settings
 from skylift.supervised.data import StepBatches, loss_tokens, sequence_batch
 from skylift.supervised.objective import SupervisedObjective
 from skylift.supervised.tokens import TokenizedRow
@@ -48,7 +49,7 @@ class SupervisedTrainer:
 
         self.cfg = cfg
         self.say = say
-        self.paths = SFTPaths.of(cfg)
+        self.paths = RunPaths.of(cfg.run_name, cfg.runs_dir, cfg.ckpt_path, cfg.export_path, cfg.log_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
