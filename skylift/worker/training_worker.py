@@ -425,7 +425,7 @@ class TrainingWorker:
         """Sharded model + optimizer state (torch.distributed.checkpoint); every rank calls."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._dcp_state(), checkpoint_id=directory, no_dist=not dist.is_initialized())
+        dcp.save(self._dcp_state(), checkpoint_id=directory)
         if self.rank == 0 and self.scheduler is not None:
             torch.save(
                 {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
@@ -448,7 +448,7 @@ class TrainingWorker:
         problem = model_mismatch(checkpoint_shapes(directory), expected, self.settings.model_path)
         if problem:
             raise ValueError(f"{directory}: {problem}")
-        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=directory)
         optimizers = [self.optimizer] if self.optimizer is not None else []
         set_state_dict(
             self._model(),
