@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from skylift.config.errors import ConfigError
-from skylift.config.schema import OptimizerConfig, SkyliftConfig
+from skylift.config.schema import AdapterConfig, FSDPConfig, LoraConfig, OptimizerConfig, SkyliftConfig
 from skylift.generator import GeneratorSettings
 from skylift.generator.settings import max_generate_length
 from skylift.inference.engine_args import lora_engine_args
@@ -76,7 +76,7 @@ def optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSetting
     )
 
 
-def adapter_and_sharding(lora: Any, fsdp: Any, rank: int) -> dict[str, Any]:
+def adapter_and_sharding(lora: LoraConfig | AdapterConfig, fsdp: FSDPConfig, rank: int) -> dict[str, Any]:
     """A training worker's LoRA adapter (`rank` 0: none) and FSDP2 settings from their config groups
     (`skylift train`'s and `skylift sft`'s have the same keys)."""
     return {
