@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 SFT_EPILOG = """\
 examples:
@@ -53,8 +52,6 @@ def run_sft_command(args: argparse.Namespace) -> int:
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(args.verbose)
-    if not args.verbose:  # one rank saves its checkpoint without a process group: expected
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     trainer_cls = SupervisedTrainer
     if cfg.objective == "dpo":
         from skylift.supervised.dpo import PreferenceTrainer

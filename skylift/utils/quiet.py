@@ -19,8 +19,12 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bar at every model load
     "RAY_LOGGER_LEVEL": "error",  # Ray's driver-side start-up lines
     # libraries' deprecation notices to their developers; multiprocessing's note at exit about
-    # vLLM's shared-memory segments
-    "PYTHONWARNINGS": "ignore::FutureWarning,ignore:resource_tracker:UserWarning",
+    # vLLM's shared-memory segments; torch.distributed.checkpoint's note that a worker alone (one
+    # rank, no process group) saves or loads its checkpoint in a single process, as it should
+    "PYTHONWARNINGS": (
+        "ignore::FutureWarning,ignore:resource_tracker:UserWarning,"
+        "ignore:torch.distributed is disabled:UserWarning"
+    ),
 }
 
 
@@ -36,3 +40,4 @@ def quiet_libraries(verbose: bool = False) -> None:
     if os.environ["PYTHONWARNINGS"] == QUIET_ENV["PYTHONWARNINGS"]:  # this interpreter read it at start
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message="resource_tracker", category=UserWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

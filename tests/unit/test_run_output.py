@@ -110,3 +110,29 @@ def test_torch_cpp_warnings_follow_the_quiet_default() -> None:
     assert "[W" not in quiet.stderr, quiet.stderr
     if "[W" not in loud.stderr:
         pytest.skip("this machine's resolver names the peer: no C++ warning to silence")
+
+
+DCP_ONE_RANK = """
+import tempfile, torch, torch.distributed.checkpoint as dcp
+dcp.save({"w": torch.zeros(2)}, checkpoint_id=tempfile.mkdtemp())
+"""
+
+
+def test_a_lone_ranks_checkpoint_note_follows_the_quiet_default() -> None:
+    """A one-rank run's worker saves its checkpoint without a process group, as it should;
+    torch.distributed.checkpoint says so in a UserWarning that the quiet default silences in the
+    processes a run starts (its Ray workers inherit `PYTHONWARNINGS`), and verbose shows."""
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}
+    loud = subprocess.run(
+        [sys.executable, "-c", DCP_ONE_RANK], env=env, capture_output=True, text=True, timeout=120
+    )
+    quiet = subprocess.run(
+        [sys.executable, "-c", DCP_ONE_RANK],
+        env={**env, **QUIET_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
+    assert "torch.distributed is disabled" in loud.stderr
+    assert "Warning" not in quiet.stderr, quiet.stderr
