@@ -103,6 +103,13 @@ def prepare_run(
         return 0
     if run.dry_run:
         print(format_config(cfg))
+        from skylift.models import is_missing_local_path
+
+        if is_missing_local_path(path := cfg.trainer.policy.model.path):
+            print(
+                f"{prog}: note: trainer.policy.model.path={path} names no directory on this machine",
+                file=sys.stderr,
+            )
         print(f"{prog}: dry run: the configuration is valid; nothing was started", file=sys.stderr)
         return 0
     if cfg.trainer.log_path:

@@ -6,7 +6,9 @@ directory; ``resolve_model_path`` lets anything that accepts a model path also a
 
 from skylift.models.cache import model_cache_dir
 from skylift.models.registry import (
+    ModelPathError,
     ModelSpec,
+    is_missing_local_path,
     is_prepared,
     list_models,
     prepare_model,
@@ -14,7 +16,9 @@ from skylift.models.registry import (
 )
 
 __all__ = [
+    "ModelPathError",
     "ModelSpec",
+    "is_missing_local_path",
     "is_prepared",
     "list_models",
     "model_cache_dir",

@@ -89,16 +89,33 @@ def prepare_model(name: str, force: bool = False, cache_dir: str | Path | None =
     return build_atomically(spec.name, spec.build, spec.recipe_version, force=force, cache_dir=cache_dir)
 
 
+def is_missing_local_path(name_or_path: str) -> bool:
+    """Whether a model reference is written as a local path (``/``, ``./``, ``../``, ``~``) and
+    names no directory on this machine."""
+    written_as_path = name_or_path.startswith(("/", "./", "../", "~"))
+    return written_as_path and not Path(name_or_path).expanduser().is_dir()
+
+
+class ModelPathError(ValueError):
+    """A model reference written as a local path that names no directory."""
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Turn a model reference into something ``from_pretrained`` and vLLM accept.
 
     A registry name becomes its prepared directory (prepared on first use); an existing local
     directory is returned as given (with ``~`` expanded); anything else is passed through unchanged
-    as a Hub id.
+    as a Hub id. A reference written as a local path (``/``, ``./``, ``../``, ``~``) that names no
+    directory is a `ModelPathError` saying so, rather than a Hub lookup of a path.
     """
     if any(spec.name == name_or_path for spec in _SPECS):
         return str(prepare_model(name_or_path))
     local = Path(name_or_path).expanduser()
     if local.is_dir():
         return str(local) if name_or_path.startswith("~") else name_or_path
+    if is_missing_local_path(name_or_path):
+        raise ModelPathError(
+            f"model {name_or_path!r}: no such directory on this machine (a Hub id looks like org/name; "
+            f"the built-in models: skylift models list)"
+        )
     return name_or_path

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from skylift.config import ConfigError
+from skylift.models import ModelPathError
 from skylift.models.checkpoint_names import UnmappedWeightError
 from skylift.rl.loop import TrainingStoppedError
 from skylift.utils.messages import one_line
@@ -32,7 +33,7 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str) ->
         trainer = build()
         trainer.setup()
         work(trainer)
-    except ConfigError as exc:
+    except (ConfigError, ModelPathError) as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
         return 2
     except UnmappedWeightError as exc:  # from a Ray worker: the cause's text, without the traceback

@@ -44,6 +44,10 @@ def run_sft_command(args: argparse.Namespace) -> int:
     if args.show_config or args.dry_run:
         print(format_sft_config(cfg, with_help=args.show_config), end="")
         if args.dry_run:
+            from skylift.models import is_missing_local_path
+
+            if is_missing_local_path(cfg.model.path):
+                print(f"note: model.path={cfg.model.path} names no directory on this machine")
             print("configuration OK (dry run: nothing trained; Hub datasets are read when the run starts)")
         return 0
     from skylift.data.chat import ChatDataError

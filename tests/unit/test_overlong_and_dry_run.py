@@ -73,3 +73,23 @@ def test_train_dry_run_validates_prints_and_starts_nothing() -> None:
         timeout=300,
     )
     assert bad.returncode == 2 and "skylift has no Megatron backend" in bad.stderr
+
+
+def test_a_dry_run_notes_a_model_path_that_names_no_directory() -> None:
+    """The dry run may run where the model is not (a cluster's nodes hold it): a note, not an error;
+    the run itself stops at its start with one line (`skylift.models.ModelPathError`)."""
+    dry = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skylift.cli",
+            "train",
+            "--dry-run",
+            "trainer.policy.model.path=/no/such/model",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert "note: trainer.policy.model.path=/no/such/model names no directory on this machine" in dry.stderr

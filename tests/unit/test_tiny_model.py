@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from skylift.models import list_models, model_cache_dir, prepare_model, resolve_model_path
+from skylift.models import ModelPathError, list_models, model_cache_dir, prepare_model, resolve_model_path
 from skylift.models.cache import MARKER_FILE, build_atomically, file_lock
 from skylift.models.commands import add_models_command
 from skylift.models.tiny_qwen2 import QWEN2_SPLIT_PATTERN, train_tokenizer
@@ -182,6 +182,12 @@ def test_resolve_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     local.mkdir()
     assert resolve_model_path(str(local)) == str(local)
     assert resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@pytest.mark.parametrize("written", ["/no/such/model", "./no-such-model", "~/no-such-model-here"])
+def test_a_missing_local_path_is_not_taken_for_a_hub_id(written: str) -> None:
+    with pytest.raises(ModelPathError, match=f"model '{written}': no such directory on this machine"):
+        resolve_model_path(written)
 
 
 def test_failed_build_leaves_no_directory(tmp_path: Path) -> None:
