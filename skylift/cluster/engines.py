@@ -1,6 +1,6 @@
 """Inference engines for a training run: local (vLLM in Ray actors) or remote (HTTP servers).
 
-A Ray engine is an `EngineActor` reached through a `RayEngineClient` (`cluster.ray_engine`).
+A Ray engine is an `EngineActor` reached through a `RayEngineClient` (`inference.ray_engine`).
 `EngineRef`s are small picklable descriptions that the driver turns into `InferenceEngine`
 clients with `connect()` (the pool's clients, which weight sync uses too: `weight_sync.policy_sync`).
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skylift.cluster.placement import PlacedGroups, PlacementPlan, engine_role
-from skylift.cluster.ray_engine import EngineActor, RayEngineClient
+from skylift.inference.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.types import EngineUnavailableError
 
 

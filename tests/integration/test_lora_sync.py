@@ -25,9 +25,9 @@ from lora_helpers import (
     perturb_adapter,
 )
 
-from skylift.cluster.ray_engine import EngineActor
 from skylift.inference.engine_args import lora_engine_args
 from skylift.inference.local import LocalVLLMEngine
+from skylift.inference.ray_engine import EngineActor
 from skylift.inference.types import EngineRequestError, EngineStateError
 from skylift.weight_sync.lora.adapter import write_adapter_dir
 from skylift.weight_sync.lora.calls import load_adapter, unload_adapter

@@ -15,8 +15,8 @@ import pytest
 from rl_fakes import FakeGenerator, fake_run
 from test_ray_engine_proxy import FakeActorHandle
 
-from skylift.cluster.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.pool import EnginePool, NoHealthyEngineError
+from skylift.inference.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.types import EngineRequestError, EngineUnavailableError, SamplingParams
 from skylift.rl.checkpoint import latest_checkpoint
 from skylift.rl.loop import TrainingStoppedError
@@ -68,7 +68,7 @@ def test_an_engine_error_from_the_actor_keeps_its_type_and_loses_the_traceback(
 
     actor = EngineActor()
     client = RayEngineClient(FakeActorHandle(actor, instead=raises), name="LocalVLLMEngine(engine-0)")
-    with caplog.at_level(logging.INFO, logger="skylift.cluster.ray_engine"):
+    with caplog.at_level(logging.INFO, logger="skylift.inference.ray_engine"):
         with pytest.raises(type(cause)) as info:
             asyncio.run(client.generate([[1]], SamplingParams()))
     assert str(info.value) == str(cause)  # one line, no colours, no frames

@@ -1,4 +1,4 @@
-"""The Ray engine proxy (`skylift.cluster.ray_engine`) without starting Ray: a fake actor handle
+"""The Ray engine proxy (`skylift.inference.ray_engine`) without starting Ray: a fake actor handle
 does what Ray's does for one call (arguments through pickle, the actor method run, an awaitable
 back), the engine behind the actor records what reached it.
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from skylift.cluster.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.local import LocalVLLMEngine
+from skylift.inference.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.types import (
     TEACHER_FORCING,
     EngineError,
