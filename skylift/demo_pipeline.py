@@ -34,6 +34,10 @@ SFT_OVERRIDES = [
     "train_on_what=last_assistant_message",  # the answer, not the prompt's worked example again
 ]
 RL_STEPS = 16
+#: the GRPO stage's rollout budget: the worked answers SFT teaches are 41-51 tokens (with the end
+#: of turn), more than the addition demo's 40 for its direct answers; a rollout cut before its
+#: ``#### C`` line scores 0, so with 40 GRPO learned from truncated rollouts only
+RL_MAX_GENERATE_LENGTH = 64
 
 
 def worked_answer(a: int, b: int) -> str:
@@ -77,6 +81,7 @@ def run_pipeline_demo(overrides: Sequence[str] = (), verbose: bool = False) -> i
         *demo_overrides(task="addition"),
         "trainer.run_name=demo-sft-rl",
         f"trainer.max_steps={RL_STEPS}",
+        f"generator.max_generate_length={RL_MAX_GENERATE_LENGTH}",
     ]
     bf16 = BF16_OVERRIDES[1] in settings
     try:
@@ -158,4 +163,4 @@ def _say(line: str) -> None:
     print(f"[skylift demo] {line}", flush=True)
 
 
-__all__ = ["run_pipeline_demo", "write_sft_examples"]
+__all__ = ["RL_MAX_GENERATE_LENGTH", "run_pipeline_demo", "worked_answer", "write_sft_examples"]

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from skylift.data import write_addition_demo
 from skylift.data.chat import read_examples
 from skylift.demo import DEMO_TASKS
-from skylift.demo_pipeline import write_sft_examples
+from skylift.demo_pipeline import RL_MAX_GENERATE_LENGTH, worked_answer, write_sft_examples
 from skylift.supervised.tokens import tokenize_example
 
 
@@ -37,3 +37,21 @@ def test_sft_rows_are_worked_train_problems_and_only_the_answer_trains(
     assert trained.startswith(f"{a} + {b}: tens ") and trained.endswith(
         f" = {a + b}\n#### {a + b}<|im_end|>\n"
     )
+
+
+def test_the_grpo_stage_has_room_for_every_worked_answer_sft_teaches() -> None:
+    """A GRPO rollout cut before its ``#### C`` line scores 0: the GRPO stage's rollout budget must
+    hold the longest worked answer (and the end of turn) in the demo model's tokens."""
+    from agentic_fakes import smollm2_tokenizer
+
+    from skylift.data.synthetic import ADDITION_RANGE
+
+    tok = smollm2_tokenizer()
+    low, high = ADDITION_RANGE
+    longest = max(
+        len(tok(worked_answer(a, b))["input_ids"]) + 1
+        for a in range(low, high + 1, 7)
+        for b in (low, high - 1, high)
+    )
+    assert longest > 40  # the addition demo's own budget, for its direct answers, would cut them
+    assert longest <= RL_MAX_GENERATE_LENGTH
