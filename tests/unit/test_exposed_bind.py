@@ -17,7 +17,7 @@ def serve_args(**flags: object) -> argparse.Namespace:
     """`skylift serve`'s parsed flags as prepare_args reads them (vLLM's parser not needed)."""
     base = {
         "model_tag": None,
-        "model": "/models/m",
+        "model": "org/m",  # a Hub id: a local path must exist (test_serve_refuses_a_missing_model_directory)
         "served_model_name": None,
         "tokenizer": None,
         "enable_sleep_mode": False,
@@ -92,3 +92,9 @@ def test_tinker_takes_its_key_from_the_environment() -> None:
     assert api_key_from(tinker_args("--api-key", "flag"), env) == "flag"
     assert api_key_from(tinker_args("--api-keys-file", "users.txt"), env) is None
     assert api_key_from(tinker_args(), {}) is None
+
+
+def test_serve_refuses_a_missing_model_directory() -> None:
+    """A model written as a local path that names no directory is one line, not a Hub lookup."""
+    with pytest.raises(ValueError, match="model '/no/such/model': no such directory on this machine"):
+        prepare_args(serve_args(model="/no/such/model"))
