@@ -87,6 +87,8 @@ def test_tiny_moe_state_dict_becomes_its_checkpoint(
 def _family_models() -> list[tuple[str, Any]]:
     from transformers import (
         DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -124,6 +126,31 @@ def _family_models() -> list[tuple[str, Any]]:
                 qk_rope_head_dim=16,
                 qk_nope_head_dim=16,
                 v_head_dim=32,
+            ),
+        ),
+        (
+            "gpt_oss (fused gate_up, expert biases, sliding layers)",
+            GptOssConfig(
+                **TINY,
+                intermediate_size=32,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+        ),
+        (
+            "glm4_moe (shared expert, dense first layer)",
+            Glm4MoeConfig(
+                **TINY,
+                intermediate_size=64,
+                moe_intermediate_size=32,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
             ),
         ),
     ]
