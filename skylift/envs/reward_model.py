@@ -16,7 +16,8 @@ rendered pairs, and scored by a scorer (`skylift.inference.reward_scoring`):
 
 A group's rollouts are scored together in `finish_group` (one call per group; the reward is added
 there, and logged as ``env/group/reward_model_score``); `step` ends the single-turn episode with
-reward 0. Scorers are made once per process and (path, backend) and shared by every environment;
+reward 0. Scorers are made once per run and (path, backend) and shared by every environment (a run's
+start releases an earlier run's);
 ``timeout_s`` bounds each wait for them (the first one loads the model).
 """
 
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from skylift.envs.base import Environment, StepResult
-from skylift.envs.registry import register_env
+from skylift.envs.registry import register_env, register_run_configurer
 from skylift.utils.hooks import Hook
 
 BACKENDS = ("actor", "local", "vllm")
@@ -74,6 +75,13 @@ def close_scorers() -> None:
         for scorer in _SCORERS.values():
             scorer.close()
         _SCORERS.clear()
+
+
+@register_run_configurer
+def _fresh_scorers(environment: Any, max_turns: int) -> None:
+    """A run makes its own scorers: an earlier run's (in this process) are released first (a Ray
+    actor of an earlier Ray session would not answer)."""
+    close_scorers()
 
 
 @register_env("reward_model")

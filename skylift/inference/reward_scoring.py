@@ -102,7 +102,11 @@ class RayActorScorer(RewardScorer):
     def close(self) -> None:
         import ray
 
-        ray.kill(self.actor)
+        if ray.is_initialized():  # else the actor ended with its Ray session
+            try:
+                ray.kill(self.actor)
+            except ray.exceptions.ActorHandleNotFoundError:  # made in an earlier session
+                pass
 
 
 def make_torch_scorer(path: str, backend: str, batch_size: int) -> RewardModelScorer | None:
