@@ -135,6 +135,14 @@ class RewardModelTrainer(SupervisedTrainer):
             "step_s": seconds,
         }
 
+    def _progress(self, step: int, m: dict[str, float]) -> None:
+        width = len(str(self.total_steps))
+        self.say(
+            f"step {step:>{width}}/{self.total_steps} | loss {m['loss']:.4f} | accuracy {m['accuracy']:.2f} | "
+            f"reward chosen {m['reward_chosen']:+.3f} rejected {m['reward_rejected']:+.3f} | lr {m['lr']:.2e} | "
+            f"grad_norm {m['grad_norm']:.3f} | {int(m['tokens'])} tokens | {m['step_s']:.2f} s"
+        )
+
     def eval_loss(self, rows: Sequence[Any]) -> float:
         """The mean Bradley-Terry loss of `rows` (no gradient; every rank scores the same pairs)."""
         import torch

@@ -129,3 +129,28 @@ def test_export_loads_as_sequence_classification_with_our_scores(
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask).logits[:, 0].tolist()
     assert theirs == pytest.approx(ours[0] + ours[1], abs=1e-5)
+
+
+def test_cli_names_a_dataset_without_pairs(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from skylift.cli import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
+    code = main(
+        [
+            "sft",
+            "objective=reward",
+            f"model.path={tiny_model_dir}",
+            f"train_datasets=[{chats}]",
+            f"runs_dir={tmp_path}",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == (
+        f"skylift sft: {chats} row 0: a reward-model row needs 'chosen' and 'rejected' columns (found ['messages'])"
+    )
