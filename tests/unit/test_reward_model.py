@@ -109,12 +109,16 @@ def test_config_checks_for_reward_objective() -> None:
         load_sft_config(["objective=reward", "train_datasets=[p.jsonl]", "max_tokens_per_microbatch=64"])
 
 
+@pytest.mark.parametrize("lora_rank", [0, 8])
 def test_export_loads_as_sequence_classification_with_our_scores(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, lora_rank: int
 ) -> None:
+    """Full fine-tuning, and LoRA (adapters merged; the head trained whole)."""
     from transformers import AutoModelForSequenceClassification
 
-    worker = RewardWorker(WorkerSettings(model_path=str(tiny_model_dir)))
+    settings = WorkerSettings(model_path=str(tiny_model_dir), lora_rank=lora_rank)
+    settings.optimizer.lr = 1e-2
+    worker = RewardWorker(settings)
     worker.setup()
     pairs = RewardPairs([[5, 6, 7, 8, 9], [10, 11]], [[5, 6, 7], [12, 13, 14, 15]], [0.5, 0.0])
     first = worker.train_pairs(pairs, total_pairs=2, micro_pairs=1)
