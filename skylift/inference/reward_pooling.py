@@ -17,6 +17,8 @@ from typing import Any
 from skylift.envs.reward_model import SCORER_FACTORIES, RewardModelScorer
 from skylift.inference.reward_scoring import RewardScorer
 
+SHUTDOWN_TIMEOUT_S = 30.0
+
 
 class VLLMPoolingScorer(RewardScorer):
     """A vLLM ``LLM`` (pooling runner) over the reward model, one call at a time."""
@@ -42,16 +44,24 @@ class VLLMPoolingScorer(RewardScorer):
 
         prompts: Any = [{"prompt_token_ids": r} for r in rows]
         with self._lock:
+            if self.llm is None:
+                raise RuntimeError(f"reward model {self.path}: the vLLM pooling engine is closed")
             outputs = self.llm.classify(
                 prompts, pooling_params=PoolingParams(use_activation=False), use_tqdm=False
             )
         return [float(o.outputs.probs[0]) for o in outputs]
 
     def close(self) -> None:
-        engine = getattr(self.llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        """Stop the engine's processes (idempotent)."""
+        import gc
+
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        with self._lock:
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        del llm
+        gc.collect()  # the engine's finalisers now, not during interpreter teardown
 
 
 def make_pooling_scorer(path: str, backend: str, batch_size: int) -> RewardModelScorer | None:
