@@ -7,7 +7,7 @@ no generation prompt) and scores the rows with `score_rows`, which the backends 
 - ``local``, `TorchScorer`: the model (`skylift.models.reward_model`) in this process, one call
   at a time;
 - ``actor``, `RayActorScorer`: the torch model (`TorchModel`) in a Ray actor, with 0 CPUs reserved
-  (it shares the run's) and a torch thread per core; Ray is started if this process has none;
+  (it shares the run's) and Ray's one torch thread; Ray is started if this process has none;
 - ``vllm``: a vLLM pooling engine (`skylift.inference.reward_pooling`).
 
 The environment (`skylift.envs.reward_model`) reaches them through its `SCORER_FACTORIES` hook.
@@ -15,7 +15,6 @@ The environment (`skylift.envs.reward_model`) reaches them through its `SCORER_F
 
 from __future__ import annotations
 
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -58,13 +57,9 @@ class RewardScorer(ABC):
 class TorchModel:
     """A reward model in torch, scoring token rows (`score_rows`) one call at a time."""
 
-    def __init__(self, path: str, batch_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, path: str, batch_size: int) -> None:
         from skylift.models.reward_model import load_reward_model
 
-        if num_threads:
-            import torch
-
-            torch.set_num_threads(num_threads)
         self.model = load_reward_model(path).eval()
         self.model.requires_grad_(False)
         self.batch_size = batch_size
@@ -97,8 +92,9 @@ class RayActorScorer(RewardScorer):
         super().__init__(path)
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        # Ray gives an actor without CPUs one torch thread: it uses the machine's, as a vLLM engine does
-        self.actor = ray.remote(num_cpus=0)(TorchModel).remote(path, batch_size, os.cpu_count())
+        # Ray gives an actor without CPUs one torch thread (OMP_NUM_THREADS=1): on this loaded
+        # 2-core machine, faster than a thread per core (benchmarks/reward_model_scoring.py)
+        self.actor = ray.remote(num_cpus=0)(TorchModel).remote(path, batch_size)
 
     def score_rows(self, rows: list[list[int]]) -> list[float]:
         import ray
