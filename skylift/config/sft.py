@@ -60,11 +60,15 @@ class SFTConfig:
     sequence_parallel_size: int = _f(1, "Ulysses sequence-parallel group size", ge=1)
     objective: str = _f(
         "sft",
-        "sft: next-token loss on the assistant's tokens; dpo: preference pairs (chosen/rejected)",
-        choices=("sft", "dpo"),
+        "sft: next-token loss on the assistant's tokens; dpo: preference pairs (chosen/rejected); "
+        "reward: a reward model (scalar head, Bradley-Terry loss) on preference pairs",
+        choices=("sft", "dpo", "reward"),
     )
     dpo_loss: str = _f("sigmoid", "objective=dpo: sigmoid (DPO) or ipo", choices=("sigmoid", "ipo"))
     dpo_beta: float = _f(0.1, "objective=dpo: beta (the strength of the reference)", gt=0)
+    center_rewards_coefficient: float | None = _f(
+        None, "objective=reward: add this times mean((r_chosen + r_rejected)^2) to the loss", ge=0
+    )
     # data
     train_datasets: list[str] = _f([], "chat datasets: .jsonl/.json/.parquet files or Hub dataset names")
     train_dataset_splits: list[str] | None = _f(None, "Hub split of each train dataset (default 'train')")
@@ -85,11 +89,15 @@ class SFTConfig:
     num_steps: int | None = _f(None, "optimizer steps; null = num_epochs over the data", ge=1)
     num_epochs: int = _f(1, "passes over the train data when num_steps is null", ge=1)
     batch_size: int = _f(4, "sequences per optimizer step, over all ranks", ge=1)
-    micro_train_batch_size_per_gpu: int = _f(2, "sequences per forward/backward pass on one rank", ge=1)
+    micro_train_batch_size_per_gpu: int = _f(
+        2, "sequences (objective=reward: pairs) per forward/backward pass on one rank", ge=1
+    )
     max_tokens_per_microbatch: int | None = _f(
         None, "micro-batches by a token budget instead of a sequence count", ge=1
     )
-    remove_microbatch_padding: bool = _f(True, "pack each micro-batch's sequences into one padding-free row")
+    remove_microbatch_padding: bool = _f(
+        True, "pack each micro-batch's sequences into one padding-free row (objective=reward pads its pairs)"
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     bf16: bool = _f(False, "bfloat16 compute over float32 weights")
     seed: int = _f(42, "data order and initialisation seed")
@@ -240,11 +248,31 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         problems.append(f"batch_size={cfg.batch_size} is less than the {cfg.world_size()} ranks")
     if cfg.dummy_run_full_ctx and cfg.max_length is None:
         problems.append("dummy_run_full_ctx=true needs max_length (the length of the fabricated rows)")
+    if cfg.objective == "reward":
+        _reward_problems(cfg, problems)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(
             f"invalid sft configuration ({len(problems)} problem(s)):\n{lines}", problems=problems
         )
+
+
+def _reward_problems(cfg: SFTConfig, problems: list[str]) -> None:
+    """What reward-model training cannot do: its ranks take equal shares of whole pairs, padded."""
+    if cfg.batch_size % cfg.world_size():
+        problems.append(
+            f"objective=reward: batch_size={cfg.batch_size} pairs must split evenly over the "
+            f"{cfg.world_size()} ranks"
+        )
+    if cfg.sequence_parallel_size > 1:
+        problems.append("objective=reward: sequence_parallel_size must be 1 (sequences are not split)")
+    if cfg.max_tokens_per_microbatch is not None:
+        problems.append(
+            "objective=reward: micro-batches are micro_train_batch_size_per_gpu pairs; "
+            "unset max_tokens_per_microbatch"
+        )
+    if cfg.dummy_run_full_ctx:
+        problems.append("objective=reward: dummy_run_full_ctx has no pairs to train on")
 
 
 def _same_length(problems: list[str], key: str, value: Iterable[Any] | None, n: int, of: str) -> None:

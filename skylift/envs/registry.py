@@ -43,6 +43,7 @@ _BUILTIN_MODULES = (
     "skylift.envs.gsm8k",
     "skylift.envs.arithmetic",
     "skylift.envs.calculator",
+    "skylift.envs.reward_model",
     "skylift.integrations.openenv.env",
     "skylift.integrations.tinker_cookbook.env",
     "skylift.compat.skyrl.gym",

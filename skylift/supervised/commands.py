@@ -10,6 +10,7 @@ examples:
   skylift sft model.path=smollm2-135m-instruct train_datasets=[chats.jsonl] batch_size=8 num_steps=100
   skylift sft model.path=Qwen/Qwen2.5-0.5B-Instruct model.lora.rank=32 train_datasets=[HuggingFaceH4/no_robots] \\
       train_dataset_splits=[train] eval_datasets=[HuggingFaceH4/no_robots] eval_dataset_splits=[test] eval_interval=50
+  skylift sft objective=reward model.path=smollm2-135m-instruct train_datasets=[pairs.jsonl] batch_size=8
   skylift sft --dry-run <overrides>   # check a command line (SkyRL's main_sft keys too) without running it
 keys: `skylift sft --show-config` prints every key with its default and help (docs/sft.md).
 """
@@ -61,6 +62,10 @@ def run_sft_command(args: argparse.Namespace) -> int:
         from skylift.supervised.dpo import PreferenceTrainer
 
         trainer_cls = PreferenceTrainer
+    elif cfg.objective == "reward":
+        from skylift.supervised.reward import RewardModelTrainer
+
+        trainer_cls = RewardModelTrainer
     try:
         trainer = trainer_cls(cfg)
     except (ChatDataError, TokenizeError, ValueError) as exc:  # PreferenceDataError too

@@ -42,6 +42,9 @@ def _print(line: str) -> None:
 class SupervisedTrainer:
     """One supervised run (see the module docstring). `run()` returns the per-step losses."""
 
+    #: the ranks' class (a subclass trains another model: `skylift.supervised.reward`)
+    worker_cls: type[SupervisedWorker] = SupervisedWorker
+
     def __init__(self, cfg: SFTConfig, say: Callable[[str], None] = _print) -> None:
         from transformers import AutoTokenizer
 
@@ -85,7 +88,7 @@ class SupervisedTrainer:
             self._ray_started = init_ray(None, min_cpus=world)
         started = time.perf_counter()
         self.group = self.worker_group("sft", trainable=True)
-        self.group.setup()
+        self.group.call_all(self.worker_cls.setup)
         where = f"{world} Ray rank(s)" if use_ray else "this process"
         mode = f"LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.rank else "full fine-tuning"
         self.say(
@@ -112,7 +115,7 @@ class SupervisedTrainer:
             num_cpus_per_worker=1 if gpu else 0,
             num_gpus_per_worker=1 if gpu else 0,
             timeout_s=cfg.worker_timeout_s,
-            worker_cls=SupervisedWorker,
+            worker_cls=self.worker_cls,
         )
 
     def close(self) -> None:
