@@ -10,6 +10,7 @@ import torch
 from tolerances import assert_gradients_close, assert_sums_close, sum_tolerance
 
 from skylift.algorithms import mini_batch_totals
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.models.tiny_qwen2 import INTERMEDIATE_SIZE, VOCAB_SIZE
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -313,8 +314,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(
     batch = batch.with_extras(advantages=advantages, old_logprobs=batch.extras["advantages"] * 0.01 - 1.0)
     totals = mini_batch_totals(batch.response_mask)
     objective = PolicyObjective(
-        loss_type=loss_type,
-        loss_reduction=reduction,
+        AlgorithmConfig(policy_loss_type=loss_type, loss_reduction=reduction),
         token_count=totals.token_count,
         seq_count=totals.seq_count,
         max_len=batch.response_len,

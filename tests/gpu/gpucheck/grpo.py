@@ -22,6 +22,7 @@ import torch
 from gpucheck.device import Context
 from gpucheck.env import import_skipping_package_init
 from gpucheck.report import TOLERANCES, Item, max_abs, scalar_rel
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
@@ -143,7 +144,9 @@ def grpo_update(model_dir: Path, rollouts: dict[str, Any]) -> dict[str, Any]:
     )
     batch = exp.batch
     objective = PolicyObjective(
-        loss_type="regular", loss_reduction="token_mean", use_kl_loss=True, kl_loss_coef=0.01
+        AlgorithmConfig(
+            policy_loss_type="regular", loss_reduction="token_mean", use_kl_loss=True, kl_loss_coef=0.01
+        )
     )
     recorder = _LossRecorder(policy)
     rows = batch.batch_size
