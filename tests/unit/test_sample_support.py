@@ -278,6 +278,7 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
     """A LoRA worker (its adapter starts at zero: the base model's logits) gives the truncated
     logprobs, a KL loss trains against the untruncated ones (the worker hands them to the
     objective), and the policy loss gives no gradient outside the support."""
+    from skylift.config.schema import OptimizerConfig
     from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
     batch = _group_batch(seed=5)
@@ -286,7 +287,11 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         want = response_logprobs(tiny_lm, batch, DIST) * batch.response_mask
         untruncated = response_logprobs(tiny_lm, batch, DIST.full()) * batch.response_mask
     worker = TrainingWorker(
-        WorkerSettings(model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1e-3), lora_rank=4),
+        WorkerSettings(
+            model_path=str(tiny_model_dir),
+            optimizer=OptimizerSettings(OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+            lora_rank=4,
+        ),
         init_method=f"file://{tmp_path / 'rdzv'}",
     )
     worker.setup()
