@@ -85,6 +85,7 @@ def grpo_step(model: torch.nn.Module, tokenizer) -> dict[str, float]:  # noqa: A
     """One GRPO step at `LR` on the model's own samples; its figures."""
     from skylift.algorithms.advantages import compute_advantages
     from skylift.algorithms.policy_loss import compute_policy_loss
+    from skylift.config.algorithm import AlgorithmConfig
 
     torch.manual_seed(SEED)
     with torch.no_grad():
@@ -97,7 +98,7 @@ def grpo_step(model: torch.nn.Module, tokenizer) -> dict[str, float]:  # noqa: A
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model.train()
     logprobs = _token_logprobs(model, seqs)
-    per_token, _ = compute_policy_loss("regular", logprobs, old, advantages, response_mask)
+    per_token, _ = compute_policy_loss("regular", logprobs, old, advantages, response_mask, AlgorithmConfig())
     loss = (per_token * response_mask).sum() / response_mask.sum()
     loss.backward()
     optimizer.step()

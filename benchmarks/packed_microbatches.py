@@ -30,6 +30,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from skylift.algorithms import mini_batch_totals  # noqa: E402
+from skylift.config.schema import OptimizerConfig  # noqa: E402
 from skylift.models import prepare_model  # noqa: E402
 from skylift.rl.objective import PolicyObjective  # noqa: E402
 from skylift.worker.batch import SequenceBatch, build_sequence_batch  # noqa: E402
@@ -78,7 +79,9 @@ def main() -> None:
         ("packed", {"remove_microbatch_padding": True, "max_tokens_per_microbatch": TOKEN_BUDGET}),
         ("shared", {"share_prefixes": True}),
     ):
-        settings = WorkerSettings(model_path=model, optimizer=OptimizerSettings(lr=1e-6), **extra)
+        settings = WorkerSettings(
+            model_path=model, optimizer=OptimizerSettings(OptimizerConfig(lr=1e-6, weight_decay=0.0)), **extra
+        )
         workers[name] = TrainingWorker(settings, init_method=f"file://{rdzv}/{name}")
         workers[name].setup()
     figures: dict[str, float] = {}

@@ -27,12 +27,12 @@ from skylift.algorithms.kl import (
     compute_kl,
     make_kl_controller,
 )
-from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
+from skylift.algorithms.loss_settings import PolicyLossSettings
+from skylift.algorithms.off_policy import OffPolicyCorrectionSettings, apply_off_policy_correction
 from skylift.algorithms.policy_loss import (
     ROLLOUT_ANCHORED,
     ROLLOUT_PREFERRED,
     PolicyLoss,
-    PolicyLossConfig,
     compute_policy_loss,
     get_policy_loss,
     policy_loss_names,
@@ -63,9 +63,9 @@ __all__ = [
     "ROLLOUT_ANCHORED",
     "ROLLOUT_PREFERRED",
     "MiniBatchTotals",
-    "OffPolicyCorrection",
+    "OffPolicyCorrectionSettings",
     "PolicyLoss",
-    "PolicyLossConfig",
+    "PolicyLossSettings",
     "SequenceAdvantageEstimator",
     "UnknownNameError",
     "advantage_estimator_names",

@@ -7,11 +7,11 @@ batch the loss is called on (one micro-batch):
 covariance are those that drive the policy's entropy down; these losses restrain them.
 
 - ``clip_cov``: the PPO clip loss (``eps_clip_low``/``eps_clip_high``), except that
-  ``max(1, int(clip_cov_ratio * N))`` tokens (``N`` valid tokens) are dropped (loss 0, no gradient),
+  ``max(1, int(clip_cov.clip_ratio * N))`` tokens (``N`` valid tokens) are dropped (loss 0, no gradient),
   drawn uniformly at random (torch's global generator) among the valid tokens the PPO clip left
-  alone whose covariance lies strictly inside ``(clip_cov_lb, clip_cov_ub)`` (all of them when fewer).
-- ``kl_cov``: the unclipped surrogate ``-A r`` on every token, plus ``kl_cov_coef * |log r|`` on the
-  ``max(1, int(kl_cov_frac * N))`` valid tokens of largest covariance.
+  alone whose covariance lies strictly inside ``(clip_cov.clip_cov_lb, clip_cov.clip_cov_ub)`` (all of them when fewer).
+- ``kl_cov``: the unclipped surrogate ``-A r`` on every token, plus ``kl_cov.ppo_kl_coef * |log r|`` on
+  the ``max(1, int(kl_cov.kl_cov_frac * N))`` valid tokens of largest covariance.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from skylift.algorithms.loss_settings import PolicyLossSettings
 from skylift.algorithms.policy_loss import (
     LossAndMetrics,
-    PolicyLossConfig,
     _metrics,
     _ppo_clip,
     _ratio,
@@ -43,7 +43,7 @@ def clip_cov_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """PPO clip with a random share of the mid-covariance unclipped tokens dropped."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
@@ -51,8 +51,10 @@ def clip_cov_loss(
     valid = response_mask != 0
     with torch.no_grad():
         cov = token_covariance(advantages, logprobs, response_mask)
-        candidates = valid & ~clipped & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
-        count = max(int(config.clip_cov_ratio * int(valid.sum().item())), 1)
+        candidates = (
+            valid & ~clipped & (cov > config.clip_cov.clip_cov_lb) & (cov < config.clip_cov.clip_cov_ub)
+        )
+        count = max(int(config.clip_cov.clip_ratio * int(valid.sum().item())), 1)
         flat = torch.nonzero(candidates.reshape(-1)).squeeze(-1)
         if flat.numel() > count:
             flat = flat[torch.randperm(flat.numel())[:count].to(flat.device)]
@@ -69,9 +71,9 @@ def kl_cov_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
-    """``-A r``, plus ``kl_cov_coef * |log r|`` on the share of valid tokens of largest covariance."""
+    """``-A r``, plus ``ppo_kl_coef * |log r|`` on the share of valid tokens of largest covariance."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
     loss = -advantages * ratio
     valid = response_mask != 0
@@ -80,8 +82,8 @@ def kl_cov_loss(
         n_valid = int(valid.sum().item())
         selected = torch.zeros_like(valid)
         if n_valid > 0:
-            count = min(max(int(n_valid * config.kl_cov_frac), 1), n_valid)
+            count = min(max(int(n_valid * config.kl_cov.kl_cov_frac), 1), n_valid)
             ranked = torch.where(valid, cov, torch.full_like(cov, -torch.inf)).reshape(-1)
             selected.view(-1)[torch.topk(ranked, count).indices] = True
-    loss = loss + torch.where(selected, config.kl_cov_coef * log_ratio.abs(), torch.zeros_like(loss))
+    loss = loss + torch.where(selected, config.kl_cov.ppo_kl_coef * log_ratio.abs(), torch.zeros_like(loss))
     return loss, _metrics(response_mask, ratio, log_ratio, kl_cov_frac=selected)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from skylift.algorithms.loss_settings import DPPOSettings, PolicyLossSettings
 from skylift.algorithms.policy_loss import (
     LossAndMetrics,
-    PolicyLossConfig,
     _metrics,
     _ratio,
     register_policy_loss,
@@ -36,9 +36,7 @@ KL_EPS = 1e-8
 """Added to both ``1 - p`` terms of the binary KL so that ``p = 1`` stays finite."""
 
 
-def dppo_dropped(
-    logprobs: Tensor, mu_logprobs: Tensor, advantages: Tensor, config: PolicyLossConfig
-) -> Tensor:
+def dppo_dropped(logprobs: Tensor, mu_logprobs: Tensor, advantages: Tensor, config: DPPOSettings) -> Tensor:
     """The tokens DPPO drops (boolean, no gradient), see the module's docstring."""
     with torch.no_grad():
         logp, logm = logprobs.detach(), mu_logprobs.detach()
@@ -46,11 +44,9 @@ def dppo_dropped(
         moved = p - m
         up, down = advantages > 0, advantages < 0
         if config.dppo_type == "binary_tv":
-            return (up & (moved > config.dppo_delta_high)) | (down & (-moved > config.dppo_delta_low))
+            return (up & (moved > config.delta_high)) | (down & (-moved > config.delta_low))
         kl = m * (logm - logp) + (1 - m) * torch.log((1 - m + KL_EPS) / (1 - p + KL_EPS))
-        return (up & (moved > 0) & (kl > config.dppo_delta_high)) | (
-            down & (moved < 0) & (kl > config.dppo_delta_low)
-        )
+        return (up & (moved > 0) & (kl > config.delta_high)) | (down & (moved < 0) & (kl > config.delta_low))
 
 
 @register_policy_loss("dppo")
@@ -59,10 +55,10 @@ def dppo_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """``-A r`` on the tokens DPPO keeps, 0 on those it drops (`old_logprobs` is the anchor ``mu``)."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    dropped = dppo_dropped(logprobs, old_logprobs, advantages, config)
+    dropped = dppo_dropped(logprobs, old_logprobs, advantages, config.dppo)
     loss = torch.where(dropped, torch.zeros_like(ratio), -advantages * ratio)
     return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=dropped)

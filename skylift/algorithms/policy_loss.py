@@ -4,7 +4,8 @@ behind a registry users can extend.
 
 Every loss takes `[batch, response_len]` tensors: ``logprobs`` (current policy, with gradient),
 ``old_logprobs`` (the policy that is being optimised away from, usually the trainer's logprobs before
-this step's updates), ``advantages`` and ``response_mask``, plus a `PolicyLossConfig`. It returns the
+this step's updates), ``advantages`` and ``response_mask``, plus the ``trainer.algorithm`` group as
+it is (`skylift.algorithms.loss_settings.PolicyLossSettings`: SkyRL's nested names). It returns the
 **per-token** loss (0 on masked positions) and a dict of float metrics computed over the valid tokens;
 `skylift.algorithms.reductions.reduce_loss` turns the per-token loss into the scalar to backpropagate.
 
@@ -18,39 +19,38 @@ With ``r_t = exp(logp_t - old_logp_t)`` and advantage ``A_t``:
   replaces ``r_t`` in the PPO clip. Per token it is written ``sg(s_i) * exp(logp_t - sg(logp_t))``,
   equal to ``s_i`` in value, whose gradient averaged over a sequence's tokens is the gradient of
   ``s_i`` (GSPO-token form). Reduce it with ``sequence_mean`` to get the paper's objective;
-- ``cispo``: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``: every
-  token keeps a gradient, with its importance weight clipped and not differentiated. CISPO has its
+- ``cispo``: ``-sg(clip(r, 1 - cispo.cispo_eps_clip_low, 1 + cispo.cispo_eps_clip_high)) * A * logp``:
+  every token keeps a gradient, with its importance weight clipped and not differentiated. CISPO has its
   own bounds (default 0 and 5: the weight is kept at or above 1 - 0 and capped at 1 + 5), the PPO
   ones do not apply to it;
 - ``sapo`` (Soft Adaptive Policy Optimization, arXiv 2511.20347): ``-A * (4 / tau) * sigmoid(tau (r - 1))``
-  with ``tau = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg``: a smooth gate instead of the
+  with ``tau = sapo.tau_pos`` where ``A > 0``, else ``sapo.tau_neg``: a smooth gate instead of the
   hard clip, whose gradient at ``r = 1`` equals PPO's and fades as ``r`` leaves 1 (SAPO's paper
   reduces it with ``sequence_mean``);
 - ``rollout_is``: ``-sg(r') * A * logp`` with ``r' = exp(logp - rollout_logp)`` where it lies strictly
   inside ``(1 - eps_clip_low, 1 + eps_clip_high)`` and 0 elsewhere: anchored on the engine's logprobs
   of the sampled tokens instead of ``old_logprobs`` (`ROLLOUT_ANCHORED`; they are required);
 - ``dppo``: ``-A r`` with ``r`` taken against the rollout logprobs when given, else ``old_logprobs``
-  (`ROLLOUT_PREFERRED`), and the tokens whose probability moved past ``dppo_delta_low/high`` in the
+  (`ROLLOUT_PREFERRED`), and the tokens whose probability moved past ``dppo.delta_low/high`` in the
   advantage's direction dropped (`skylift.algorithms.divergence_losses`).
 
-Off-policy corrections (``off_policy``, `skylift.algorithms.off_policy`: truncated importance
+Off-policy corrections (``off_policy_correction``, `skylift.algorithms.off_policy`: truncated importance
 sampling per token or per sequence, outlier/token/sequence masks) compare ``old_logprobs`` with the
-engine's ``rollout_logprobs`` and reweight or mask every per-token loss. ``tis_imp_ratio_cap`` is
-skylift's older spelling of token TIS: every per-token loss is multiplied by
+engine's ``rollout_logprobs`` and reweight or mask every per-token loss. ``use_tis`` with
+``tis_imp_ratio_cap`` is the older spelling of token TIS: every per-token loss is multiplied by
 ``sg(min(exp(old_logp - rollout_logp), cap))``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from skylift.algorithms.off_policy import OffPolicyCorrection, apply_off_policy_correction
+from skylift.algorithms.loss_settings import PolicyLossSettings, legacy_token_tis_cap
+from skylift.algorithms.off_policy import apply_off_policy_correction, corrections_enabled
 from skylift.algorithms.reductions import masked_mean, masked_sum
 from skylift.algorithms.supervised import cross_entropy
 from skylift.utils.registry import POLICY_LOSS_REGISTRY, Registry
@@ -62,81 +62,6 @@ LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-this before `exp`, so the ratio stays finite (exp(20) ~ 4.9e8)."""
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Hyper-parameters of the policy losses (each loss reads the fields it needs)."""
-
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    """Dual-clip cap on ``-A * r`` for negative advantages; must be > 1."""
-    cispo_eps_clip_low: float = 0.0
-    cispo_eps_clip_high: float = 5.0
-    """CISPO's importance weights are clipped to ``[1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high]``."""
-    tis_imp_ratio_cap: float | None = None
-    """Token-level truncated importance sampling cap (None: off); the same as
-    ``off_policy=OffPolicyCorrection(tis="token", token_tis_cap=cap)``."""
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    """SAPO's gate temperatures for tokens with positive, resp. zero or negative, advantages."""
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    """clip_cov: share of valid tokens dropped, drawn among those with covariance in (lb, ub)."""
-    kl_cov_frac: float = 0.2
-    kl_cov_coef: float = 1.0
-    """kl_cov: share of valid tokens (largest covariance) penalised by ``coef * |log r|``."""
-    dppo_type: str = "binary_tv"
-    dppo_delta_low: float = 0.2
-    dppo_delta_high: float = 0.2
-    """dppo: divergence (``binary_tv`` or ``binary_kl``) and its bounds for negative, resp. positive,
-    advantages."""
-    off_policy: OffPolicyCorrection = OffPolicyCorrection()
-    """Corrections against the rollout engine's logprobs (`skylift.algorithms.off_policy`)."""
-
-    def __post_init__(self) -> None:
-        if self.eps_clip_low < 0 or self.eps_clip_high < 0:
-            raise ValueError(
-                f"eps_clip_low and eps_clip_high must be >= 0, got {self.eps_clip_low} and {self.eps_clip_high}"
-            )
-        if self.cispo_eps_clip_low < 0 or self.cispo_eps_clip_high < 0:
-            raise ValueError(
-                "cispo_eps_clip_low and cispo_eps_clip_high must be >= 0, got "
-                f"{self.cispo_eps_clip_low} and {self.cispo_eps_clip_high}"
-            )
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.tis_imp_ratio_cap is not None and self.tis_imp_ratio_cap <= 0:
-            raise ValueError(f"tis_imp_ratio_cap must be > 0 or None, got {self.tis_imp_ratio_cap}")
-        if self.tis_imp_ratio_cap is not None and self.off_policy.tis is not None:
-            raise ValueError(
-                f"tis_imp_ratio_cap and off_policy.tis={self.off_policy.tis!r} both ask for truncated "
-                "importance sampling; set one"
-            )
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
-            raise ValueError(f"sapo taus must be > 0, got {self.sapo_tau_pos} and {self.sapo_tau_neg}")
-        if not 0 <= self.clip_cov_ratio <= 1 or not 0 <= self.kl_cov_frac <= 1:
-            raise ValueError(
-                f"clip_cov_ratio and kl_cov_frac must be in [0, 1], got {self.clip_cov_ratio} and {self.kl_cov_frac}"
-            )
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}")
-        if self.kl_cov_coef < 0:
-            raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
-        if self.dppo_type not in ("binary_tv", "binary_kl"):
-            raise ValueError(f"dppo_type must be binary_tv or binary_kl, got {self.dppo_type!r}")
-        if self.dppo_delta_low < 0 or self.dppo_delta_high < 0:
-            raise ValueError(
-                f"dppo deltas must be >= 0, got {self.dppo_delta_low} and {self.dppo_delta_high}"
-            )
-
-    def corrections(self) -> OffPolicyCorrection:
-        """`off_policy` with ``tis_imp_ratio_cap`` folded in as token TIS."""
-        if self.tis_imp_ratio_cap is None:
-            return self.off_policy
-        return dataclasses.replace(self.off_policy, tis="token", token_tis_cap=self.tis_imp_ratio_cap)
-
-
 class PolicyLoss(Protocol):
     """A policy loss: returns (per-token loss, metrics)."""
 
@@ -146,7 +71,7 @@ class PolicyLoss(Protocol):
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
-        config: PolicyLossConfig,
+        config: PolicyLossSettings,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
@@ -187,17 +112,17 @@ def compute_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: PolicyLossConfig | None = None,
+    config: PolicyLossSettings,
     rollout_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token loss and metrics of the loss registered as `name`, with the configured off-policy
-    corrections (`PolicyLossConfig.corrections`).
+    """Per-token loss and metrics of the loss registered as `name` under the settings `config` (the
+    ``trainer.algorithm`` group), with its off-policy corrections (``config.off_policy_correction``,
+    and ``use_tis`` / ``tis_imp_ratio_cap``).
 
     The per-token loss is 0 on masked positions. Metrics (over valid tokens): ``clip_frac``,
     ``ppo_kl`` (mean of ``old_logp - logp``), ``ratio_mean``/``ratio_min``/``ratio_max``, loss-specific
     ones, and those of the corrections (``tis_weight_mean``/``tis_clip_frac`` with token TIS).
     """
-    config = config or PolicyLossConfig()
     shape = logprobs.shape
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [batch, response_len], got shape {tuple(shape)}")
@@ -216,8 +141,8 @@ def compute_policy_loss(
     logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
     old_logprobs = torch.where(valid, old_logprobs.detach(), torch.zeros_like(logprobs))
     advantages = torch.where(valid, advantages.detach(), torch.zeros_like(logprobs))
-    corrections = config.corrections()
-    needs_rollout = corrections.enabled or name in ROLLOUT_ANCHORED
+    corrections, token_tis_cap = config.off_policy_correction, legacy_token_tis_cap(config)
+    needs_rollout = corrections_enabled(corrections, token_tis_cap) or name in ROLLOUT_ANCHORED
     if needs_rollout and rollout_logprobs is None:
         what = f"policy loss {name!r}" if name in ROLLOUT_ANCHORED else "an off-policy correction"
         raise ValueError(f"{what} needs the rollout engine's logprobs, but rollout_logprobs were not given")
@@ -234,7 +159,7 @@ def compute_policy_loss(
     loss, metrics = loss_fn(logprobs, anchor, advantages, mask, config)
     if rollout_logprobs is not None:
         loss, correction_metrics = apply_off_policy_correction(
-            loss, old_logprobs, rollout_logprobs, mask, corrections
+            loss, old_logprobs, rollout_logprobs, mask, corrections, token_tis_cap
         )
         metrics.update(correction_metrics)
     loss = torch.where(mask != 0, loss * mask, torch.zeros_like(loss))
@@ -270,7 +195,7 @@ def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Ten
 
 
 def _ppo_clip(
-    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped per-token loss and the indicator of tokens where the clipped term is active."""
     unclipped = -advantages * ratio
@@ -284,7 +209,7 @@ def ppo_clip_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """PPO clipped surrogate, per token."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
@@ -298,7 +223,7 @@ def dual_clip_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """Dual-clip PPO: PPO clip, then ``min(., -A * clip_ratio_c)`` where ``A < 0``."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
@@ -316,7 +241,7 @@ def gspo_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """GSPO: PPO clip on the sequence-level ratio (geometric mean of token ratios), GSPO-token form."""
     token_log_ratio = logprobs - old_logprobs
@@ -334,11 +259,11 @@ def cispo_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """CISPO: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    low, high = 1.0 - config.cispo_eps_clip_low, 1.0 + config.cispo_eps_clip_high
+    low, high = 1.0 - config.cispo.cispo_eps_clip_low, 1.0 + config.cispo.cispo_eps_clip_high
     weight = ratio.detach().clamp(low, high)
     loss = -weight * advantages * logprobs
     outside = (ratio.detach() < low) | (ratio.detach() > high)
@@ -351,14 +276,14 @@ def sapo_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """SAPO: ``-A * (4 / tau) * sigmoid(tau * (r - 1))``, ``tau`` by the advantage's sign."""
     log_ratio, ratio = _ratio(logprobs, old_logprobs)
     tau = torch.where(
         advantages > 0,
-        torch.full_like(ratio, config.sapo_tau_pos),
-        torch.full_like(ratio, config.sapo_tau_neg),
+        torch.full_like(ratio, config.sapo.tau_pos),
+        torch.full_like(ratio, config.sapo.tau_neg),
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return -advantages * gate, _metrics(response_mask, ratio, log_ratio)
@@ -370,7 +295,7 @@ def rollout_is_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """``-sg(r') * A * logp``, ``r'`` the ratio to the rollout logprobs (given as `old_logprobs`, see
     `ROLLOUT_ANCHORED`) inside ``(1 - eps_clip_low, 1 + eps_clip_high)``, else 0."""
@@ -387,7 +312,7 @@ def importance_sampling_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """``-r * A`` with the unclipped ratio ``r`` to `old_logprobs` (``importance_sampling``, also
     Tinker's loss of that name; on-policy distillation trains with it)."""
@@ -401,7 +326,7 @@ def cross_entropy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig,
+    config: PolicyLossSettings,
 ) -> LossAndMetrics:
     """``-logp`` of each response token, advantages unused: supervised fine-tuning on the sampled
     responses (``policy_loss_type=cross_entropy``)."""

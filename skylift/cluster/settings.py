@@ -5,7 +5,6 @@ trainer reads as the loop it is.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +63,9 @@ def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
 
 
 def optimizer_settings(o: OptimizerConfig, total_steps: int) -> OptimizerSettings:
-    """A training worker's optimizer from the config (`total_steps`: its optimizer steps in the run)."""
-    return OptimizerSettings(
-        lr=o.lr,
-        betas=(o.adam_betas[0], o.adam_betas[1]),
-        weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm if o.max_grad_norm > 0 else math.inf,
-        num_warmup_steps=o.num_warmup_steps,
-        scheduler=o.scheduler,
-        total_steps=total_steps,
-    )
+    """A training worker's optimizer: the config group as it is (`total_steps`: its optimizer
+    steps in the run)."""
+    return OptimizerSettings(o, total_steps=total_steps)
 
 
 def adapter_and_sharding(lora: LoraConfig | AdapterConfig, fsdp: FSDPConfig, rank: int) -> dict[str, Any]:

@@ -10,43 +10,40 @@ reference's are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from skylift.algorithms import (
-    PolicyLossConfig,
     compute_kl,
     compute_policy_loss,
     compute_value_loss,
     masked_mean,
     reduce_loss,
 )
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.utils.plugins import import_user_modules
 from skylift.worker.batch import SequenceBatch
 
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    loss_type: str = "regular"
-    loss_reduction: str = "token_mean"
-    loss_config: PolicyLossConfig = PolicyLossConfig()
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_estimator: str = "k3"
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The ``trainer.algorithm`` group as it is: the loss (``policy_loss_type``, read with its
+    settings by `compute_policy_loss`), ``loss_reduction``, the KL loss (``use_kl_loss``,
+    ``kl_loss_coef``, ``kl_estimator_type``) and the modules registering a custom loss
+    (``import_modules``, imported in the worker)."""
     max_len: int = 256  # L of seq_mean_token_sum_norm
     # totals of the whole mini-batch (over all ranks): set per mini-batch by the trainer
     token_count: float = 1.0
     seq_count: float = 1.0
-    # modules registering a custom loss (trainer.algorithm.import_modules), imported in the worker
-    import_modules: tuple[str, ...] = ()
     search_dir: str | None = None  # where the driver ran, for modules found there
 
     @property
     def needs_full_logprobs(self) -> bool:
         """The KL to the reference is taken on the untruncated distribution (see the worker)."""
-        return self.use_kl_loss
+        return self.algorithm.use_kl_loss
 
     def __call__(self, logprobs: Tensor, micro: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
         mask = micro.response_mask.to(logprobs.dtype)
@@ -55,24 +52,21 @@ class PolicyObjective:
         if old is None:  # exactly on-policy: one update on freshly sampled data
             old = logprobs.detach()
         rollout = extras.get("rollout_logprobs")
-        import_user_modules(self.import_modules, "trainer.algorithm.import_modules", self.search_dir)
+        alg = self.algorithm
+        import_user_modules(alg.import_modules, "trainer.algorithm.import_modules", self.search_dir)
         per_token, metrics = compute_policy_loss(
-            self.loss_type,
-            logprobs,
-            old,
-            extras["advantages"],
-            mask,
-            self.loss_config,
-            rollout_logprobs=rollout,
+            alg.policy_loss_type, logprobs, old, extras["advantages"], mask, alg, rollout_logprobs=rollout
         )
-        if self.use_kl_loss:
-            kl = compute_kl(extras.get("full_logprobs", logprobs), extras["ref_logprobs"], self.kl_estimator)
-            per_token = per_token + self.kl_loss_coef * kl * mask
+        if alg.use_kl_loss:
+            kl = compute_kl(
+                extras.get("full_logprobs", logprobs), extras["ref_logprobs"], alg.kl_estimator_type
+            )
+            per_token = per_token + alg.kl_loss_coef * kl * mask
             metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
         loss = reduce_loss(
             per_token,
             mask,
-            self.loss_reduction,
+            alg.loss_reduction,
             global_token_count=self.token_count,
             global_seq_count=self.seq_count,
             max_len=self.max_len,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from skylift.algorithms import OffPolicyCorrection, PolicyLossConfig, mini_batch_totals
+from skylift.algorithms import mini_batch_totals
 from skylift.algorithms.sample_support import Sampling, TokenDistribution
 from skylift.config.schema import SkyliftConfig
 from skylift.generator.settings import max_generate_length
@@ -67,58 +67,15 @@ def training_distribution(cfg: SkyliftConfig) -> TokenDistribution:
 
 
 def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:
-    """The policy loss, built from the `trainer.algorithm` group as it is (mini-batch totals are
-    filled in per mini-batch; L of seq_mean_token_sum_norm defaults to the response budget).
-
-    The loss functions (`skylift.algorithms`, which the Tinker service and registered losses share)
-    read their parameters under `PolicyLossConfig`'s flat names: this is the one place the group's
-    keys (and its sub-groups' and `off_policy_correction`'s) are given them.
-    """
-    alg, o = cfg.trainer.algorithm, cfg.trainer.algorithm.off_policy_correction
+    """The policy loss: the `trainer.algorithm` group as it is, which the loss functions
+    (`skylift.algorithms`, SkyRL's custom losses) read under SkyRL's nested names; mini-batch totals
+    are filled in per mini-batch; L of seq_mean_token_sum_norm defaults to the response budget."""
+    alg = cfg.trainer.algorithm
     # the driver computes advantages with what these register, the workers the loss
     import_user_modules(alg.import_modules, "trainer.algorithm.import_modules")
-    corrections = OffPolicyCorrection(
-        tis=o.tis_ratio_type,
-        token_tis_cap=o.token_tis_ratio_clip_high,
-        sequence_tis_cap=o.sequence_tis_ratio_clip_high,
-        sequence_mask=o.sequence_mask_metric,
-        geo_mask_low=o.geo_mask_low,
-        geo_mask_high=o.geo_mask_high,
-        product_mask_low=o.product_mask_low,
-        product_mask_high=o.product_mask_high,
-        outlier_token_low=o.outlier_token_is_threshold_low,
-        outlier_token_high=o.outlier_token_is_threshold_high,
-        token_mask_low=o.token_mask_is_threshold_low,
-        token_mask_high=o.token_mask_is_threshold_high,
-    )
-    loss = PolicyLossConfig(
-        eps_clip_low=alg.eps_clip_low,
-        eps_clip_high=alg.eps_clip_high,
-        clip_ratio_c=alg.clip_ratio_c,
-        cispo_eps_clip_low=alg.cispo.cispo_eps_clip_low,
-        cispo_eps_clip_high=alg.cispo.cispo_eps_clip_high,
-        tis_imp_ratio_cap=alg.tis_imp_ratio_cap if alg.use_tis else None,
-        sapo_tau_pos=alg.sapo.tau_pos,
-        sapo_tau_neg=alg.sapo.tau_neg,
-        clip_cov_ratio=alg.clip_cov.clip_ratio,
-        clip_cov_lb=alg.clip_cov.clip_cov_lb,
-        clip_cov_ub=alg.clip_cov.clip_cov_ub,
-        kl_cov_frac=alg.kl_cov.kl_cov_frac,
-        kl_cov_coef=alg.kl_cov.ppo_kl_coef,
-        dppo_type=alg.dppo.dppo_type,
-        dppo_delta_low=alg.dppo.delta_low,
-        dppo_delta_high=alg.dppo.delta_high,
-        off_policy=corrections,
-    )
     return PolicyObjective(
-        import_modules=tuple(alg.import_modules),
+        algorithm=alg,
         search_dir=os.getcwd() if alg.import_modules else None,
-        loss_type=alg.policy_loss_type,
-        loss_reduction=alg.loss_reduction,
-        loss_config=loss,
-        use_kl_loss=alg.use_kl_loss,
-        kl_loss_coef=alg.kl_loss_coef,
-        kl_estimator=alg.kl_estimator_type,
         max_len=alg.max_seq_len or max_generate_length(cfg),
     )
 

@@ -182,9 +182,7 @@ class TrainingWorker:
             # (foreach) step, which also needs temporaries the size of all parameters
             # (benchmarks/RESULTS.md). Sharded (DTensor) parameters keep the per-tensor loop.
             fused = {"fused": True} if not shard else {"foreach": False}
-            self.optimizer = torch.optim.AdamW(
-                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **fused
-            )
+            self.optimizer = o.adamw(params, **fused)
             self.scheduler = make_lr_scheduler(self.optimizer, o)
         n_params = sum(p.numel() for p in model.parameters())
         return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
@@ -368,9 +366,7 @@ class TrainingWorker:
         model = self._model()
         if self.optimizer is None or self.scheduler is None:
             raise RuntimeError("this worker is not trainable (reference model)")
-        max_norm = self.settings.optimizer.max_grad_norm if max_grad_norm is None else max_grad_norm
-        if max_norm <= 0:
-            max_norm = math.inf
+        max_norm = self.settings.optimizer.clip_norm(max_grad_norm)
         params = [p for p in model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         grad_norm_value = float(full_tensor(grad_norm))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from skylift.algorithms import compute_advantages, mini_batch_totals, sequence_rewards_to_token_level
+from skylift.config.schema import OptimizerConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import build_sequence_batch
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
@@ -43,7 +44,11 @@ def test_policy_gradient_matches_trl(tiny_model_dir: Path, tmp_path: Path) -> No
     reward_t = torch.tensor(rewards)
 
     # skylift: advantages from the grpo estimator, gradient from the training worker
-    worker = TrainingWorker(WorkerSettings(model_path=str(tiny_model_dir), optimizer=OptimizerSettings()))
+    worker = TrainingWorker(
+        WorkerSettings(
+            model_path=str(tiny_model_dir), optimizer=OptimizerSettings(OptimizerConfig(weight_decay=0.0))
+        )
+    )
     worker.setup()
     batch = build_sequence_batch(prompts, responses, pad_token_id=pad)
     token_rewards = sequence_rewards_to_token_level(reward_t, batch.response_mask)

@@ -13,6 +13,10 @@ resolved to schema paths, not matched by attribute name alone (``params.min_p`` 
 - ``<expr>.field`` and ``getattr(<expr>, "field")`` extend the paths of ``<expr>`` by ``field``;
   ``getattr(<expr>, name)`` where ``name`` loops over string constants extends by each of them;
 - a method of a schema class reads ``self.<field>`` of its own paths (``TrainerConfig.loggers``);
+- a name annotated with a ``typing.Protocol`` defined in the sources (the layers below
+  ``skylift.config`` declare what they read of a group so, e.g. ``PolicyLossSettings``) holds the
+  paths of every schema class that has all the protocol's members (its annotated attributes,
+  properties and methods): at run time such an object is the config's group;
 - ``register_rollout_plugin("<group>", ...)`` reads the leaf ``environment.<group>``, which
   ``skylift.generator.plugins.rollout_plugin`` hands to that plugin.
 """
@@ -40,6 +44,7 @@ class Schema:
     leaves: frozenset[str]
     groups: frozenset[str]
     class_paths: dict[str, Paths]  # class name -> paths holding an instance of it (or of a subclass)
+    class_members: dict[str, frozenset[str]]  # class name -> its fields and public attributes
 
     @classmethod
     def of(cls, root: type) -> Schema:
@@ -61,10 +66,21 @@ class Schema:
 
         walk(root, "")
         class_paths: dict[str, Paths] = {}
+        class_members: dict[str, frozenset[str]] = {}
         for tp in held:
             paths = {p for sub, ps in held.items() if issubclass(sub, tp) for p in ps}
             class_paths[tp.__name__] = frozenset(paths)
-        return cls(root.__name__, frozenset(leaves), frozenset(groups), class_paths)
+            fields = {f.name for f in dataclasses.fields(tp)}
+            class_members[tp.__name__] = frozenset(fields | {n for n in dir(tp) if not n.startswith("_")})
+        return cls(root.__name__, frozenset(leaves), frozenset(groups), class_paths, class_members)
+
+    def protocol_paths(self, members: frozenset[str]) -> Paths:
+        """The paths of every schema class having all of `members` (a protocol's)."""
+        out: set[str] = set()
+        for name, has in self.class_members.items():
+            if members <= has:
+                out |= self.class_paths[name]
+        return frozenset(out)
 
     def child(self, parents: Paths, name: str) -> Paths:
         out = set()
@@ -91,10 +107,37 @@ def read_keys(
                 reads: set[str] = set()
                 _Module(schema, tree, reads, {}).function(fn, {}, {}, schema.class_paths[cls.name])
                 methods.setdefault(fn.name, set()).update(reads)
+    trees = [ast.parse(text, filename=name) for name, text in sources]
+    protocols: dict[str, Paths] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            members = _protocol_members(node)
+            if members and (paths := schema.protocol_paths(members)):
+                assert isinstance(node, ast.ClassDef)
+                protocols[node.name] = paths
     found: set[str] = set()
-    for name, text in sources:
-        _Module(schema, ast.parse(text, filename=name), found, methods).run()
+    for tree in trees:
+        _Module(schema, tree, found, methods, protocols).run()
     return found
+
+
+def _protocol_members(node: ast.AST) -> frozenset[str]:
+    """The members of a ``class X(Protocol)`` (annotated names and functions), else nothing."""
+    if not isinstance(node, ast.ClassDef):
+        return frozenset()
+    bases = {
+        b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+        for b in node.bases
+    }
+    if "Protocol" not in bases:
+        return frozenset()
+    members = set()
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            members.add(stmt.target.id)
+        elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef) and not stmt.name.startswith("__"):
+            members.add(stmt.name)
+    return frozenset(members)
 
 
 def package_sources(package_dir: Path, exclude: Iterable[str] = ()) -> list[tuple[str, str]]:
@@ -120,10 +163,16 @@ def _rollout_plugin_group(node: ast.AST) -> str | None:
 
 class _Module:
     def __init__(
-        self, schema: Schema, tree: ast.Module, found: set[str], methods: dict[str, set[str]]
+        self,
+        schema: Schema,
+        tree: ast.Module,
+        found: set[str],
+        methods: dict[str, set[str]],
+        protocols: dict[str, Paths] | None = None,
     ) -> None:
         self.schema = schema
         self.methods = methods
+        self.protocols = protocols or {}  # protocol name -> paths of the schema classes matching it
         self.tree = tree
         self.found = found
         self.classes: dict[str, str] = {}  # local name -> schema class name
@@ -273,6 +322,8 @@ class _Module:
             return self._annotation(node.left) | self._annotation(node.right)
         if isinstance(node, ast.Name) and node.id in self.classes:
             return self.schema.class_paths[self.classes[node.id]]
+        if isinstance(node, ast.Name) and node.id in self.protocols:
+            return self.protocols[node.id]
         return _EMPTY
 
 

@@ -161,3 +161,23 @@ def test_the_check_fails_when_the_code_stops_reading_a_key(schema: Schema, read:
     unread = schema.leaves - read_keys(schema, without, SCHEMA_SOURCE)
     assert "generator.sampling_params.min_p" in read
     assert {"generator.sampling_params.min_p", "generator.eval_sampling_params.min_p"} <= unread
+
+
+def test_the_check_reads_through_a_protocol_a_group_satisfies() -> None:
+    """A lower layer declares what it reads of a group as a Protocol (it cannot import the config):
+    a name annotated with it holds the paths of every schema class having all its members."""
+    source = """
+from typing import Protocol
+
+class Temperature(Protocol):
+    temperature: float
+
+class Unrelated(Protocol):
+    temperature: float
+    def sample(self) -> int: ...
+
+def scale(logits, s: Temperature, u: Unrelated) -> float:
+    return logits / s.temperature + u.temperature
+"""
+    toy = Schema.of(_Root)
+    assert read_keys(toy, [("toy.py", source)]) == {"sampling.temperature"}

@@ -312,10 +312,12 @@ def test_off_policy_correction_and_skyrl_losses_reach_the_policy_loss() -> None:
 
     p = "trainer.algorithm.off_policy_correction"
     loss = policy_objective(load_config([f"{p}.tis_ratio_type=token", f"{p}.token_tis_ratio_clip_high=3.0"]))
-    c = loss.loss_config.corrections()
-    assert (c.tis, c.token_tis_cap) == ("token", 3.0)
+    c = loss.algorithm.off_policy_correction
+    assert (c.tis_ratio_type, c.token_tis_ratio_clip_high) == ("token", 3.0)
     assert (
-        policy_objective(load_config([f"{p}.tis_ratio_type=token"])).loss_config.corrections().token_tis_cap
+        policy_objective(
+            load_config([f"{p}.tis_ratio_type=token"])
+        ).algorithm.off_policy_correction.token_tis_ratio_clip_high
         == 2.0
     )
     cfg = load_config(
@@ -330,15 +332,26 @@ def test_off_policy_correction_and_skyrl_losses_reach_the_policy_loss() -> None:
             f"{p}.token_mask_is_threshold_high=2",
         ]
     )
-    c = policy_objective(cfg).loss_config.corrections()
-    assert (c.tis, c.sequence_tis_cap, c.sequence_mask, c.geo_mask_low, c.geo_mask_high) == (
+    c = policy_objective(cfg).algorithm.off_policy_correction
+    assert (
+        c.tis_ratio_type,
+        c.sequence_tis_ratio_clip_high,
+        c.sequence_mask_metric,
+        c.geo_mask_low,
+        c.geo_mask_high,
+    ) == (
         "sequence",
         4.0,
         "geometric",
         0.98,
         1.02,
     )
-    assert (c.outlier_token_low, c.outlier_token_high, c.token_mask_low, c.token_mask_high) == (
+    assert (
+        c.outlier_token_is_threshold_low,
+        c.outlier_token_is_threshold_high,
+        c.token_mask_is_threshold_low,
+        c.token_mask_is_threshold_high,
+    ) == (
         None,
         100,
         0.5,
@@ -358,15 +371,21 @@ def test_off_policy_correction_and_skyrl_losses_reach_the_policy_loss() -> None:
                 f"{a}.sapo.tau_neg=1.2",
             ]
         )
-    ).loss_config
-    assert (lc.clip_cov_ratio, lc.clip_cov_lb, lc.clip_cov_ub, lc.kl_cov_frac, lc.kl_cov_coef) == (
+    ).algorithm
+    assert (
+        lc.clip_cov.clip_ratio,
+        lc.clip_cov.clip_cov_lb,
+        lc.clip_cov.clip_cov_ub,
+        lc.kl_cov.kl_cov_frac,
+        lc.kl_cov.ppo_kl_coef,
+    ) == (
         0.01,
         0.5,
         4,
         0.1,
         2,
     )
-    assert (lc.sapo_tau_pos, lc.sapo_tau_neg) == (0.9, 1.2)
+    assert (lc.sapo.tau_pos, lc.sapo.tau_neg) == (0.9, 1.2)
 
 
 @pytest.mark.parametrize(

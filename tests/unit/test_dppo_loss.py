@@ -16,9 +16,10 @@ import torch
 from rl_fakes import fake_run
 from test_skyrl_training import LossPolicy
 
-from skylift.algorithms import PolicyLossConfig, compute_policy_loss, policy_loss_names
+from skylift.algorithms import compute_policy_loss, policy_loss_names
 from skylift.compat.skyrl.unused_keys import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOUT_EFFECT
 from skylift.config import ConfigError, load_config
+from skylift.config.algorithm import AlgorithmConfig, DPPOConfig
 from skylift.rl.update import policy_objective
 
 DTYPES = [torch.float32, torch.float64]
@@ -49,7 +50,7 @@ def test_binary_tv_drops_tokens_moved_past_the_bound_in_the_advantages_direction
     adv = torch.tensor([[1.0, 1.0, -1.0, -2.0, -1.0, 3.0]], dtype=dtype)
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]], dtype=dtype)
     old = torch.zeros_like(rollout)  # not the anchor: the rollout logprobs are given
-    loss, metrics = compute_policy_loss("dppo", logp, old, adv, mask, PolicyLossConfig(), rollout)
+    loss, metrics = compute_policy_loss("dppo", logp, old, adv, mask, AlgorithmConfig(), rollout)
     # loss = -A r on kept tokens: -1.2, 1.6, 1.6
     close(loss, [[0.0, -1.2, 0.0, 1.6, 1.6, 0.0]], ops=4)
     loss.sum().backward()  # d(-A r)/dlogp = -A r: the same values, 0 on dropped tokens
@@ -68,7 +69,7 @@ def test_binary_kl_drops_by_the_bernoulli_kl_with_skyrls_bounds(dtype: torch.dty
     # t4 p=0.3 A=-1 with delta_low 0.1: 0.5 ln(5/3) + 0.5 ln(5/7) = 0.08718 < 0.1 -> kept, r = 0.6
     logp, rollout = probs([0.8, 0.55, 0.2, 0.8, 0.3], [0.5] * 5, dtype)
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]], dtype=dtype)
-    cfg = PolicyLossConfig(dppo_type="binary_kl", dppo_delta_low=0.1, dppo_delta_high=0.05)
+    cfg = AlgorithmConfig(dppo=DPPOConfig(dppo_type="binary_kl", delta_low=0.1, delta_high=0.05))
     loss, metrics = compute_policy_loss("dppo", logp, rollout, adv, torch.ones_like(adv), cfg, rollout)
 
     def kl(p: float, m: float = 0.5, e: float = 1e-8) -> float:
@@ -79,7 +80,7 @@ def test_binary_kl_drops_by_the_bernoulli_kl_with_skyrls_bounds(dtype: torch.dty
     close(loss, [[0.0, -1.1, 0.0, 1.6, 0.6]], ops=4)
     assert metrics["clip_frac"] == pytest.approx(2 / 5)
     # delta_low 0.05: t4 (KL 0.087, moved down, A < 0) is dropped too
-    tight = PolicyLossConfig(dppo_type="binary_kl", dppo_delta_low=0.05, dppo_delta_high=0.05)
+    tight = AlgorithmConfig(dppo=DPPOConfig(dppo_type="binary_kl", delta_low=0.05, delta_high=0.05))
     loss, _ = compute_policy_loss("dppo", logp, rollout, adv, torch.ones_like(adv), tight, rollout)
     close(loss, [[0.0, -1.1, 0.0, 1.6, 0.0]], ops=4)
 
@@ -90,10 +91,10 @@ def test_the_anchor_is_the_rollout_when_given_else_the_old_logprobs() -> None:
     adv = torch.ones(1, 2, dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
     # against the rollout: t0 moved up 0.4 -> dropped; t1 up 0.05 -> kept, r = 0.9 / 0.85
-    loss, _ = compute_policy_loss("dppo", logp, old, adv, mask, PolicyLossConfig(), rollout)
+    loss, _ = compute_policy_loss("dppo", logp, old, adv, mask, AlgorithmConfig(), rollout)
     close(loss, [[0.0, -0.9 / 0.85]], ops=4)
     # without rollout logprobs: the ratio to the old policy, 1, and nothing dropped
-    loss, metrics = compute_policy_loss("dppo", logp, old, adv, mask, PolicyLossConfig())
+    loss, metrics = compute_policy_loss("dppo", logp, old, adv, mask, AlgorithmConfig())
     close(loss, [[-1.0, -1.0]], ops=4)
     assert metrics["clip_frac"] == 0.0
 
@@ -110,15 +111,17 @@ def test_dppo_keys_are_live_and_checked() -> None:
         ]
     )
     objective = policy_objective(cfg)
-    lc = objective.loss_config
-    assert objective.loss_type == "dppo"
-    assert (lc.dppo_type, lc.dppo_delta_low, lc.dppo_delta_high) == ("binary_kl", 0.05, 0.07)
+    lc = objective.algorithm
+    assert objective.algorithm.policy_loss_type == "dppo"
+    assert (lc.dppo.dppo_type, lc.dppo.delta_low, lc.dppo.delta_high) == ("binary_kl", 0.05, 0.07)
     with pytest.raises(ConfigError, match="binary_tv"):
         load_config(["trainer.algorithm.dppo.dppo_type=topk_tv"])
     with pytest.raises(ConfigError, match="delta_low"):
         load_config(["trainer.algorithm.dppo.delta_low=-0.1"])
-    with pytest.raises(ValueError, match="dppo_type must be binary_tv or binary_kl"):
-        PolicyLossConfig(dppo_type="tv")
+    with pytest.raises(
+        ConfigError, match=r"trainer\.algorithm\.dppo\.dppo_type='tv' is not one of binary_tv, binary_kl"
+    ):
+        load_config(["trainer.algorithm.dppo.dppo_type=tv"])
 
 
 def test_dppo_trains_through_the_loop(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from tolerances import sum_tolerance
 
 from skylift.algorithms import mini_batch_totals
 from skylift.config import ConfigError, load_config
+from skylift.config.schema import OptimizerConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
 from skylift.worker.sharding import hybrid_mesh
@@ -25,10 +26,11 @@ from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, Wo
 # group's contiguous shards), then rank 0 writes the full weights and the mesh it sharded over.
 RANK = r"""
 import json, sys, torch
+from skylift.config.schema import OptimizerConfig
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 rank, rdzv, model_dir, inputs, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 batch, objective = torch.load(inputs, weights_only=False)
-settings = WorkerSettings(model_path=model_dir, fsdp_size=1, optimizer=OptimizerSettings(lr=1.0, eps=1.0))
+settings = WorkerSettings(model_path=model_dir, fsdp_size=1, optimizer=OptimizerSettings(OptimizerConfig(lr=1.0, weight_decay=0.0), eps=1.0))
 w = TrainingWorker(settings, rank=rank, world_size=2, init_method=rdzv)
 w.setup()
 param = next(w.model.parameters())
@@ -74,7 +76,10 @@ def test_hybrid_sharding_update_equals_one_ranks(tiny_model_dir: Path, tmp_path:
     hybrid = torch.load(out + ".pt")
 
     single = TrainingWorker(
-        WorkerSettings(model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1.0, eps=1.0)),
+        WorkerSettings(
+            model_path=str(tiny_model_dir),
+            optimizer=OptimizerSettings(OptimizerConfig(lr=1.0, weight_decay=0.0), eps=1.0),
+        ),
         init_method=f"file://{tmp_path / 'rdzv1'}",
     )
     single.setup()

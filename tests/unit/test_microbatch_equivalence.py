@@ -11,7 +11,6 @@ from torch import nn
 
 from skylift.algorithms import (
     LOSS_REDUCTIONS,
-    PolicyLossConfig,
     compute_advantages,
     compute_kl,
     compute_policy_loss,
@@ -19,6 +18,7 @@ from skylift.algorithms import (
     reduce_loss,
     sequence_rewards_to_token_level,
 )
+from skylift.config.algorithm import AlgorithmConfig
 
 NAN = float("nan")
 # Three sequences: lengths 3, 2 and 0 (fully masked); masked positions hold garbage (NaN).
@@ -144,7 +144,7 @@ def loss_of(
     rows: slice,
     loss_name: str,
     mode: str,
-    config: PolicyLossConfig,
+    config: AlgorithmConfig,
     kl_coef: float,
     absolute: bool = False,
     **totals: float,
@@ -177,17 +177,17 @@ def grads(policy: nn.Module) -> list[torch.Tensor]:
 
 
 CASES = [
-    ("regular", PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28), 0.0),
-    ("dual_clip", PolicyLossConfig(clip_ratio_c=1.5, tis_imp_ratio_cap=1.2), 0.0),
-    ("gspo", PolicyLossConfig(eps_clip_low=0.1, eps_clip_high=0.1), 0.1),
-    ("cispo", PolicyLossConfig(eps_clip_low=0.5, eps_clip_high=0.2), 0.1),
+    ("regular", AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28), 0.0),
+    ("dual_clip", AlgorithmConfig(clip_ratio_c=1.5, use_tis=True, tis_imp_ratio_cap=1.2), 0.0),
+    ("gspo", AlgorithmConfig(eps_clip_low=0.1, eps_clip_high=0.1), 0.1),
+    ("cispo", AlgorithmConfig(eps_clip_low=0.5, eps_clip_high=0.2), 0.1),
 ]
 
 
 @pytest.mark.parametrize("mode", LOSS_REDUCTIONS)
 @pytest.mark.parametrize(("loss_name", "config", "kl_coef"), CASES, ids=[c[0] for c in CASES])
 def test_micro_batches_give_the_mini_batch_gradient(
-    mode: str, loss_name: str, config: PolicyLossConfig, kl_coef: float
+    mode: str, loss_name: str, config: AlgorithmConfig, kl_coef: float
 ) -> None:
     batch = make_batch()
     policy = batch["policy"]
@@ -232,7 +232,7 @@ def test_naive_micro_batch_means_give_a_different_gradient(mode: str) -> None:
     batch = make_batch()
     policy = batch["policy"]
     n = len(LENGTHS)
-    config = PolicyLossConfig()
+    config = AlgorithmConfig()
 
     policy.zero_grad()
     loss_of(policy, batch, slice(0, n), "regular", mode, config, 0.0)[0].backward()

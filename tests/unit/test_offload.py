@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from skylift.algorithms import mini_batch_totals
+from skylift.config.schema import OptimizerConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
 from skylift.worker.offload import MODEL, OPTIMIZER, HostOffload, OffloadingWorker
@@ -140,7 +141,9 @@ def test_worker_brings_its_sharded_state_back_before_using_it(tiny_model_dir: Pa
     results = []
     for i, cls in enumerate((TrainingWorker, _Worker)):
         settings = WorkerSettings(
-            model_path=str(tiny_model_dir), fsdp=True, optimizer=OptimizerSettings(lr=1e-2)
+            model_path=str(tiny_model_dir),
+            fsdp=True,
+            optimizer=OptimizerSettings(OptimizerConfig(lr=1e-2, weight_decay=0.0)),
         )
         w = cls(settings, init_method=f"file://{tmp_path / f'rdzv{i}'}")
         w.setup()

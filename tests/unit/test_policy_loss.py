@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from skylift.algorithms import (
-    PolicyLossConfig,
     UnknownNameError,
     compute_policy_loss,
     get_policy_loss,
@@ -17,6 +16,10 @@ from skylift.algorithms import (
     register_policy_loss,
     unregister_policy_loss,
 )
+from skylift.config import ConfigError, load_config
+from skylift.config.algorithm import AlgorithmConfig, CISPOConfig
+
+DEFAULTS = AlgorithmConfig()  # the trainer.algorithm group at its defaults
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
@@ -38,7 +41,7 @@ def test_regular_ppo_clip_asymmetric() -> None:
     logp, old = logprobs_with_ratios([[1.5, 0.5, 1.1, 0.7, 50.0]])
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
-    cfg = PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28)
+    cfg = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28)
     loss, metrics = compute_policy_loss("regular", logp, old, adv, mask, cfg)
     # t0: max(-1*1.5, -1*1.28) = -1.28 (clipped)   t1: max(-0.5, -0.8) = -0.5
     # t2: max(1.1, 1.1) = 1.1                       t3: max(0.7, 0.8) = 0.8 (clipped)   t4: masked -> 0
@@ -58,7 +61,7 @@ def test_dual_clip_caps_negative_advantages() -> None:
     logp, old = logprobs_with_ratios([[5.0, 5.0, 0.5, 2.0]])
     adv = torch.tensor([[-1.0, 1.0, -1.0, -2.0]], dtype=torch.float64)
     mask = torch.ones(1, 4, dtype=torch.float64)
-    loss, metrics = compute_policy_loss("dual_clip", logp, old, adv, mask, PolicyLossConfig(clip_ratio_c=3.0))
+    loss, metrics = compute_policy_loss("dual_clip", logp, old, adv, mask, AlgorithmConfig(clip_ratio_c=3.0))
     # t0: ppo = max(5, 1.2) = 5; A<0 -> min(5, 1*3) = 3 (dual clip)
     # t1: A>0 -> ppo = max(-5, -1.2) = -1.2
     # t2: ppo = max(0.5, 0.8) = 0.8; min(0.8, 3) = 0.8
@@ -79,7 +82,7 @@ def test_gspo_sequence_ratio_and_clip() -> None:
     old = logp.detach() - log_ratios
     adv = torch.ones(2, 3, dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
-    loss, metrics = compute_policy_loss("gspo", logp, old, adv, mask)
+    loss, metrics = compute_policy_loss("gspo", logp, old, adv, mask, DEFAULTS)
     # every token carries its sequence's term: seq 0 -> -1.105171; seq 1 -> max(-1.648721, -1.2) = -1.2
     close(loss, [[-1.105171, -1.105171, -1.105171], [-1.2, -1.2, 0.0]])
     assert metrics["clip_frac"] == pytest.approx(2 / 5)
@@ -94,7 +97,9 @@ def test_gspo_gradient_is_gradient_of_sequence_ratio() -> None:
     old = logp.detach() + torch.randn(3, 4, dtype=torch.float64) * 0.01
     adv = torch.tensor([[0.7], [-1.3], [0.2]], dtype=torch.float64).expand(3, 4)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.float64)
-    loss, metrics = compute_policy_loss("gspo", logp, old, adv, mask, PolicyLossConfig(0.5, 0.5))
+    loss, metrics = compute_policy_loss(
+        "gspo", logp, old, adv, mask, AlgorithmConfig(eps_clip_low=0.5, eps_clip_high=0.5)
+    )
     assert metrics["clip_frac"] == 0.0
     reduce_loss(loss, mask, "sequence_mean").backward()
     got = logp.grad.clone()
@@ -111,7 +116,7 @@ def test_cispo_clipped_stop_gradient_weight() -> None:
     logp, old = logprobs_with_ratios([[1.5, 0.5, 1.0]], logp=[[-1.0, -2.0, -0.5]])
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.float64)
-    cfg = PolicyLossConfig(cispo_eps_clip_low=0.2, cispo_eps_clip_high=0.28)
+    cfg = AlgorithmConfig(cispo=CISPOConfig(cispo_eps_clip_low=0.2, cispo_eps_clip_high=0.28))
     loss, metrics = compute_policy_loss("cispo", logp, old, adv, mask, cfg)
     # weights sg(clip(r)) = 1.28, 0.8, 1.0; loss = -w A logp:
     #   -1.28*1*(-1) = 1.28;  -0.8*(-1)*(-2) = -1.6;  -1*2*(-0.5) = 1.0
@@ -128,15 +133,17 @@ def test_cispo_reads_its_own_clip_bounds_not_ppo_ones() -> None:
     logp, old = logprobs_with_ratios([[1.5, 0.5]], logp=[[-1.0, -1.0]])
     adv = torch.ones(1, 2, dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
-    cfg = PolicyLossConfig(eps_clip_low=0.01, eps_clip_high=0.01)
+    cfg = AlgorithmConfig(eps_clip_low=0.01, eps_clip_high=0.01)
     loss, metrics = compute_policy_loss("cispo", logp, old, adv, mask, cfg)
     close(loss, [[1.5, 1.0]])  # -w * A * logp = w
     assert metrics["clip_frac"] == pytest.approx(0.5)  # only 0.5 < 1 - 0 is outside
     # and the cispo bounds do not touch the PPO loss: eps 0.2 clips r = 1.5 to 1.2 for A > 0
-    ppo, _ = compute_policy_loss("regular", logp, old, adv, mask, PolicyLossConfig(cispo_eps_clip_high=0.0))
+    ppo, _ = compute_policy_loss(
+        "regular", logp, old, adv, mask, AlgorithmConfig(cispo=CISPOConfig(cispo_eps_clip_high=0.0))
+    )
     close(ppo, [[-1.2, -0.5]])
-    with pytest.raises(ValueError, match="cispo_eps_clip_low"):
-        PolicyLossConfig(cispo_eps_clip_low=-0.1)
+    with pytest.raises(ConfigError, match=r"trainer\.algorithm\.cispo\.cispo_eps_clip_low=-0.1 must be >= 0"):
+        load_config(["trainer.algorithm.cispo.cispo_eps_clip_low=-0.1"])
 
 
 def test_truncated_importance_sampling() -> None:
@@ -144,7 +151,7 @@ def test_truncated_importance_sampling() -> None:
     rollout = old - torch.tensor([[math.log(3.0), math.log(0.5)]], dtype=torch.float64)
     adv = torch.ones(1, 2, dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
-    cfg = PolicyLossConfig(tis_imp_ratio_cap=2.0)
+    cfg = AlgorithmConfig(use_tis=True, tis_imp_ratio_cap=2.0)
     loss, metrics = compute_policy_loss("regular", logp, old, adv, mask, cfg, rollout_logprobs=rollout)
     # old/rollout ratios 3 and 0.5 -> weights min(3, 2) = 2 and 0.5; ppo loss -1 each -> -2, -0.5
     close(loss, [[-2.0, -0.5]])
@@ -164,7 +171,7 @@ def test_masked_tokens_cannot_leak_nan_or_inf() -> None:
     for name in policy_loss_names():
         logp.grad = None
         rollout = torch.tensor([[-1.0, float("nan")]])  # read by rollout-anchored losses only
-        loss, metrics = compute_policy_loss(name, logp, old, adv, mask, rollout_logprobs=rollout)
+        loss, metrics = compute_policy_loss(name, logp, old, adv, mask, DEFAULTS, rollout_logprobs=rollout)
         assert loss[0, 1].item() == 0.0, name
         assert torch.isfinite(loss).all(), name
         assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
@@ -178,24 +185,27 @@ def test_all_masked_batch_gives_zero_loss_and_finite_metrics() -> None:
     mask = torch.zeros(2, 3)
     for name in policy_loss_names():
         zeros = torch.zeros(2, 3)
-        loss, metrics = compute_policy_loss(name, logp, zeros, torch.ones(2, 3), mask, rollout_logprobs=zeros)
+        loss, metrics = compute_policy_loss(
+            name, logp, zeros, torch.ones(2, 3), mask, DEFAULTS, rollout_logprobs=zeros
+        )
         assert reduce_loss(loss, mask, "token_mean").item() == 0.0
         assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        PolicyLossConfig(clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="eps_clip_low"):
-        PolicyLossConfig(eps_clip_low=-0.1)
-    with pytest.raises(ValueError, match="tis_imp_ratio_cap"):
-        PolicyLossConfig(tis_imp_ratio_cap=0.0)
+    a = "trainer.algorithm"
+    with pytest.raises(ConfigError, match=rf"{a}\.clip_ratio_c=1.0 must be > 1"):
+        load_config([f"{a}.policy_loss_type=dual_clip", f"{a}.clip_ratio_c=1.0"])
+    with pytest.raises(ConfigError, match=rf"{a}\.eps_clip_low=-0.1 must be >= 0"):
+        load_config([f"{a}.eps_clip_low=-0.1"])
+    with pytest.raises(ConfigError, match=rf"{a}\.use_tis=true needs {a}\.tis_imp_ratio_cap > 0"):
+        load_config([f"{a}.use_tis=true", f"{a}.tis_imp_ratio_cap=0.0"])
 
 
 def test_shape_mismatch_is_named() -> None:
     with pytest.raises(ValueError, match=r"advantages shape \(1, 2\) != logprobs shape \(1, 3\)"):
         compute_policy_loss(
-            "regular", torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 3)
+            "regular", torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 3), DEFAULTS
         )
 
 
@@ -220,6 +230,7 @@ def test_user_registered_loss() -> None:
             torch.zeros(1, 2),
             torch.tensor([[0.5, 3.0]]),
             torch.tensor([[1.0, 0.0]]),
+            DEFAULTS,
         )
         close(loss, [[1.0, 0.0]])  # -0.5 * -2 = 1; masked token -> 0
         assert metrics == {"custom": 1.0}

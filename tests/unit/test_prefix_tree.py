@@ -11,6 +11,7 @@ import torch
 from tolerances import assert_gradients_close, assert_sums_close
 
 from skylift.algorithms import mini_batch_totals
+from skylift.config.schema import OptimizerConfig
 from skylift.models.tiny_qwen2 import INTERMEDIATE_SIZE, VOCAB_SIZE
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -58,7 +59,9 @@ def test_tree_holds_each_distinct_prefix_once() -> None:
 
 def _worker(model_dir: Path, rdzv: Path, **overrides) -> TrainingWorker:
     settings = WorkerSettings(
-        model_path=str(model_dir), optimizer=OptimizerSettings(lr=1.0, eps=1.0), **overrides
+        model_path=str(model_dir),
+        optimizer=OptimizerSettings(OptimizerConfig(lr=1.0, weight_decay=0.0), eps=1.0),
+        **overrides,
     )
     w = TrainingWorker(settings, init_method=f"file://{rdzv}")
     w.setup()

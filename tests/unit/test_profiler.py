@@ -14,6 +14,7 @@ from skylift.algorithms import mini_batch_totals
 from skylift.cluster.settings import model_worker_settings
 from skylift.compat.skyrl.unused_keys import SKYRL_WITHOUT_EFFECT
 from skylift.config import ConfigError, load_config
+from skylift.config.schema import OptimizerConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.profiler import ProfilerSettings
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
@@ -27,7 +28,9 @@ def test_the_scheduled_steps_trace_opens_and_holds_that_steps_passes(
     profiler = ProfilerSettings(str(tmp_path / "profiles"), skip_first=1, optimizer_steps_per_step=2)
     assert profiler.last_step() == 3
     settings = WorkerSettings(
-        model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1e-3), profiler=profiler
+        model_path=str(tiny_model_dir),
+        optimizer=OptimizerSettings(OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+        profiler=profiler,
     )
     worker = TrainingWorker(settings, init_method=f"file://{tmp_path / 'rdzv'}")
     worker.setup()
@@ -54,7 +57,9 @@ def test_the_scheduled_steps_trace_opens_and_holds_that_steps_passes(
 def test_a_rank_not_chosen_writes_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     profiler = ProfilerSettings(str(tmp_path / "profiles"), ranks=(1,), skip_first=0, warmup=0)
     settings = WorkerSettings(
-        model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1e-3), profiler=profiler
+        model_path=str(tiny_model_dir),
+        optimizer=OptimizerSettings(OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+        profiler=profiler,
     )
     worker = TrainingWorker(settings, init_method=f"file://{tmp_path / 'rdzv'}")
     worker.setup()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -31,7 +29,10 @@ def test_policy_and_reference_settings() -> None:
     policy = model_worker_settings(cfg, trainable=True, total_steps=10)
     assert policy.trainable and policy.lora_rank == 8 and policy.model_path == "/models/policy"
     assert policy.optimizer.total_steps == 80  # the scheduler spans every optimizer step of the run
-    assert math.isinf(policy.optimizer.max_grad_norm)  # 0 disables clipping
+    # the optimizer_config group as it is; its max_grad_norm 0 disables clipping in the worker
+    # (test_training_worker.py::test_a_clip_norm_of_zero_disables_clipping)
+    assert policy.optimizer.config is cfg.trainer.policy.optimizer_config
+    assert policy.optimizer.config.max_grad_norm == 0
     reference = model_worker_settings(cfg, trainable=False, total_steps=10)
     assert not reference.trainable and reference.lora_rank == 0  # the frozen base model
     assert reference.model_path == "/models/policy"  # ref.model.path unset: the policy's

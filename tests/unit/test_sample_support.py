@@ -23,6 +23,7 @@ from skylift.algorithms.sample_support import (
     token_logprobs,
 )
 from skylift.config import load_config
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.rl.update import training_distribution
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -261,7 +262,9 @@ def test_the_kl_loss_reads_the_untruncated_logprobs() -> None:
     batch = build_sequence_batch([[1]], [[2, 3]]).with_extras(
         advantages=torch.zeros(1, 2), ref_logprobs=full.clone(), full_logprobs=full
     )
-    objective = PolicyObjective(use_kl_loss=True, kl_loss_coef=1.0, token_count=2.0, seq_count=1.0)
+    objective = PolicyObjective(
+        AlgorithmConfig(use_kl_loss=True, kl_loss_coef=1.0), token_count=2.0, seq_count=1.0
+    )
     assert objective.needs_full_logprobs and not PolicyObjective().needs_full_logprobs
     _, metrics = objective(logprobs, batch)
     assert metrics["kl_loss"] == 0.0  # full == ref: no KL, although the truncated logprobs differ
@@ -275,6 +278,7 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
     """A LoRA worker (its adapter starts at zero: the base model's logits) gives the truncated
     logprobs, a KL loss trains against the untruncated ones (the worker hands them to the
     objective), and the policy loss gives no gradient outside the support."""
+    from skylift.config.schema import OptimizerConfig
     from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
     batch = _group_batch(seed=5)
@@ -283,7 +287,11 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         want = response_logprobs(tiny_lm, batch, DIST) * batch.response_mask
         untruncated = response_logprobs(tiny_lm, batch, DIST.full()) * batch.response_mask
     worker = TrainingWorker(
-        WorkerSettings(model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1e-3), lora_rank=4),
+        WorkerSettings(
+            model_path=str(tiny_model_dir),
+            optimizer=OptimizerSettings(OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+            lora_rank=4,
+        ),
         init_method=f"file://{tmp_path / 'rdzv'}",
     )
     worker.setup()
@@ -292,7 +300,7 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         totals = mini_batch_totals(batch.response_mask)
         objective = dataclasses.replace(
-            PolicyObjective(use_kl_loss=True, kl_loss_coef=1.0),
+            PolicyObjective(AlgorithmConfig(use_kl_loss=True, kl_loss_coef=1.0)),
             token_count=totals.token_count,
             seq_count=totals.seq_count,
         )
@@ -302,7 +310,7 @@ def test_a_lora_worker_scores_and_trains_under_the_distribution(
         assert abs(metrics["kl_loss"]) < 1e-6  # policy == reference on the untruncated distribution
         # the policy loss alone (the KL reads the untruncated distribution by design) gives no
         # gradient to logits outside the support, but for sampled tokens that joined it
-        policy_only = dataclasses.replace(objective, use_kl_loss=False)
+        policy_only = dataclasses.replace(objective, algorithm=AlgorithmConfig())
         worker.zero_grad()
         grads = _logit_grads(worker.model, lambda: worker.accumulate_gradients(batch, policy_only, 4, DIST))
         sampled = set(batch.response_ids[batch.response_mask.bool()].tolist())

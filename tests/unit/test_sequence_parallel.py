@@ -17,6 +17,7 @@ from tolerances import assert_gradients_close, assert_sums_close, sum_tolerance
 from skylift.algorithms import mini_batch_totals
 from skylift.algorithms.advantages import grpo_advantages
 from skylift.config import ConfigError, load_config
+from skylift.config.schema import OptimizerConfig
 from skylift.models.tiny_qwen2 import INTERMEDIATE_SIZE
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -28,6 +29,7 @@ from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, Wo
 RANK = r"""
 import sys, torch
 from skylift.worker.sharding import full_tensor
+from skylift.config.schema import OptimizerConfig
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 rank, rdzv, model_dir, odd_dir, inputs, out = int(sys.argv[1]), *sys.argv[2:]
 batch, objective = torch.load(inputs, weights_only=False)
@@ -37,7 +39,7 @@ def worker(path, **kw):
     w = TrainingWorker(WorkerSettings(model_path=path, sequence_parallel_size=2, **kw), rank, 2, rdzv)
     w.setup()
     return w
-policy = worker(model_dir, gradient_checkpointing=True, optimizer=OptimizerSettings(lr=1.0, eps=1.0))
+policy = worker(model_dir, gradient_checkpointing=True, optimizer=OptimizerSettings(OptimizerConfig(lr=1.0, weight_decay=0.0), eps=1.0))
 old = policy.compute_logprobs(mine, micro_batch_size=2)
 policy.zero_grad()
 policy.accumulate_gradients(mine.with_extras(old_logprobs=old), objective, micro_batch_size=2)
@@ -121,7 +123,9 @@ def test_two_sequence_parallel_ranks_equal_one_rank(tiny_model_dir: Path, tmp_pa
             full[r * half : (r + 1) * half, : part.shape[1]] = part
         return full
 
-    policy = _single(tiny_model_dir, optimizer=OptimizerSettings(lr=1.0, eps=1.0))
+    policy = _single(
+        tiny_model_dir, optimizer=OptimizerSettings(OptimizerConfig(lr=1.0, weight_decay=0.0), eps=1.0)
+    )
     old = policy.compute_logprobs(batch, micro_batch_size=2)
     start = {k: v.detach().clone() for k, v in policy.iter_full_weights()}
     policy.zero_grad()

@@ -20,6 +20,7 @@ from skylift.compat.skyrl.registries import (
     register_policy_loss,
 )
 from skylift.config import ConfigError, load_config
+from skylift.config.algorithm import AlgorithmConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.rl.update import policy_objective
 from skylift.worker.batch import SequenceBatch
@@ -97,13 +98,73 @@ def test_per_token_losses_pass_through_and_a_bare_number_is_the_clip_ratio() -> 
     try:
         mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
         logprobs, adv = torch.randn(2, 2), torch.randn(2, 2)
-        loss, metrics = PolicyObjective(loss_type="test_per_token_skyrl", token_count=3.0)(
-            logprobs, _batch(logprobs, adv, mask)
-        )
+        loss, metrics = PolicyObjective(
+            AlgorithmConfig(policy_loss_type="test_per_token_skyrl"), token_count=3.0
+        )(logprobs, _batch(logprobs, adv, mask))
         torch.testing.assert_close(loss, reduce_loss(-logprobs * adv * mask, mask, "token_mean"))
         assert metrics["clip_ratio"] == 0.25
     finally:
         PolicyLossRegistry.unregister("test_per_token_skyrl")
+
+
+def test_a_skyrl_loss_reads_the_algorithm_group_under_skyrls_nested_names() -> None:
+    """A custom loss written as SkyRL's own losses are (``ppo_utils.compute_policy_loss_sapo``): it
+    reads ``config.sapo.tau_pos``, ``config.loss_reduction``, ... of the algorithm group it is handed,
+    reduces itself, and trains through skylift's objective like skylift's built-in sapo."""
+    seen: dict[str, object] = {}
+
+    @register_policy_loss("test_nested_sapo")
+    def nested_sapo(log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):  # noqa: ANN001, ANN202
+        seen.update(
+            dppo=config.dppo.dppo_type,
+            tis=config.off_policy_correction.tis_ratio_type,
+            cispo=config.cispo.cispo_eps_clip_high,
+            clip=(config.eps_clip_low, config.clip_ratio_c),
+        )
+        ratio = torch.exp(log_probs - old_log_probs)
+        tau_pos = torch.as_tensor(config.sapo.tau_pos, dtype=advantages.dtype)
+        tau_neg = torch.as_tensor(config.sapo.tau_neg, dtype=advantages.dtype)
+        tau = torch.where(advantages > 0, tau_pos, tau_neg)
+        loss = -advantages * torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau) * loss_mask
+        if config.loss_reduction == "sequence_mean":
+            loss = (loss.sum(-1) / loss_mask.sum(-1).clamp(min=1)).mean()
+        else:
+            loss = loss.sum() / loss_mask.sum()
+        return loss, {"clip_ratio": 0.0}
+
+    a = "trainer.algorithm"
+    try:
+        cfg = load_config(
+            [
+                f"{a}.policy_loss_type=test_nested_sapo",
+                f"{a}.sapo.tau_pos=2.0",
+                f"{a}.sapo.tau_neg=0.5",
+                f"{a}.loss_reduction=sequence_mean",
+                f"{a}.dppo.dppo_type=binary_kl",
+                f"{a}.cispo.cispo_eps_clip_high=3.0",
+            ]
+        )
+        mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+        base = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, -0.7]], dtype=torch.float64)
+        advantages = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+        old = base + torch.tensor([[0.3, -0.2, 0.0], [0.1, -0.4, 0.25]], dtype=torch.float64)
+        batch = _batch(base, advantages, mask).with_extras(old_logprobs=old)
+        objective = dataclasses.replace(policy_objective(cfg), token_count=5.0, seq_count=2.0)
+        builtin = dataclasses.replace(
+            objective, algorithm=dataclasses.replace(cfg.trainer.algorithm, policy_loss_type="sapo")
+        )
+        custom_logp, builtin_logp = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+        got, _ = objective(custom_logp, batch)
+        want, _ = builtin(builtin_logp, batch)
+        (got + want).backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(custom_logp.grad, builtin_logp.grad)
+        assert custom_logp.grad.abs().sum() > 0
+        assert seen == {"dppo": "binary_kl", "tis": None, "cispo": 3.0, "clip": (0.2, 3.0)}
+        # the group travels to the workers as it is (pickled), nested names and all
+        assert pickle.loads(pickle.dumps(objective)).algorithm.sapo.tau_neg == 0.5
+    finally:
+        PolicyLossRegistry.unregister("test_nested_sapo")
 
 
 def test_wrong_returns_name_the_function_and_the_shapes() -> None:
@@ -122,7 +183,7 @@ def test_wrong_returns_name_the_function_and_the_shapes() -> None:
         with pytest.raises(TypeError, match="must return \\(advantages, returns\\)"):
             compute_advantages("test_not_a_pair", torch.ones(2), mask)
         with pytest.raises(ValueError, match=r"loss of shape \(3,\); expected one number or \(2, 3\)"):
-            PolicyObjective(loss_type="test_bad_loss")(
+            PolicyObjective(AlgorithmConfig(policy_loss_type="test_bad_loss"))(
                 torch.zeros(2, 3), _batch(torch.zeros(2, 3), mask, mask)
             )
         with pytest.raises(ValueError, match="already registered"):
@@ -168,7 +229,9 @@ def test_a_worker_process_imports_the_module_the_objective_names(tmp_path: Path)
         "((-lp * adv).sum(), {'clip_ratio': 0.5}))\n"
     )
     objective = PolicyObjective(
-        loss_type="mine", import_modules=("my_losses",), search_dir=str(tmp_path), token_count=2.0
+        AlgorithmConfig(policy_loss_type="mine", import_modules=["my_losses"]),
+        search_dir=str(tmp_path),
+        token_count=2.0,
     )
     script = (
         "import pickle, sys, torch\n"
@@ -234,8 +297,8 @@ def test_importance_sampling_and_cross_entropy_losses() -> None:
         torch.tensor([[-1.2, -0.5, 0.0]]),
         torch.tensor([[2.0, -1.0, 5.0]]),
     )
-    loss, metrics = compute_policy_loss("importance_sampling", logp, old, adv, mask)
+    loss, metrics = compute_policy_loss("importance_sampling", logp, old, adv, mask, AlgorithmConfig())
     torch.testing.assert_close(loss, torch.tensor([[-2.0 * torch.exp(torch.tensor(0.2)).item(), 1.0, 0.0]]))
     assert metrics["ratio_max"] == pytest.approx(torch.exp(torch.tensor(0.2)).item())
-    loss, _ = compute_policy_loss("cross_entropy", logp, old, adv, mask)
+    loss, _ = compute_policy_loss("cross_entropy", logp, old, adv, mask, AlgorithmConfig())
     torch.testing.assert_close(loss, torch.tensor([[1.0, 0.5, 0.0]]))

@@ -10,6 +10,8 @@ import torch
 from tolerances import assert_gradients_close, assert_sums_close, sum_tolerance
 
 from skylift.algorithms import mini_batch_totals
+from skylift.config.algorithm import AlgorithmConfig
+from skylift.config.schema import OptimizerConfig
 from skylift.models.tiny_qwen2 import INTERMEDIATE_SIZE, VOCAB_SIZE
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
@@ -33,7 +35,11 @@ def _batch(vocab: int, rows: int = 8, seed: int = 0) -> SequenceBatch:
 
 @pytest.fixture()
 def worker(tiny_model_dir: Path, tmp_path: Path):
-    settings = WorkerSettings(model_path=str(tiny_model_dir), fsdp=True, optimizer=OptimizerSettings(lr=1e-2))
+    settings = WorkerSettings(
+        model_path=str(tiny_model_dir),
+        fsdp=True,
+        optimizer=OptimizerSettings(OptimizerConfig(lr=1e-2, weight_decay=0.0)),
+    )
     w = TrainingWorker(settings, init_method=f"file://{tmp_path / 'rdzv'}")
     w.setup()
     yield w
@@ -75,7 +81,8 @@ def test_micro_batches_give_the_same_update(tiny_model_dir: Path, tmp_path: Path
         # eps=1 makes the Adam step ~ lr * grad, so updated weights compare gradients (a plain Adam
         # step is ~ lr * sign(grad): round-off on near-zero gradients would flip it)
         settings = WorkerSettings(
-            model_path=str(tiny_model_dir), optimizer=OptimizerSettings(lr=1.0, eps=1.0)
+            model_path=str(tiny_model_dir),
+            optimizer=OptimizerSettings(OptimizerConfig(lr=1.0, weight_decay=0.0), eps=1.0),
         )
         w = TrainingWorker(settings, init_method=f"file://{tmp_path / f'rdzv{i}'}")
         w.setup()
@@ -96,6 +103,29 @@ def test_micro_batches_give_the_same_update(tiny_model_dir: Path, tmp_path: Path
         tol += torch.finfo(weight.dtype).eps * float(weight.abs().max())
         worst = float((params[0][name] - params[1][name]).abs().max())
         assert worst <= tol, (name, worst, tol)
+
+
+def test_a_clip_norm_of_zero_disables_clipping(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``max_grad_norm`` <= 0 (the config's way to turn clipping off) steps as an unreachable norm
+    does, and a small norm changes the step (eps=1: the Adam step ~ lr * grad sees the clip)."""
+    batch = _batch(vocab=500, seed=4)
+    totals = mini_batch_totals(batch.response_mask)
+    objective = dataclasses.replace(
+        PolicyObjective(), token_count=totals.token_count, seq_count=totals.seq_count
+    )
+    weights = {}
+    for i, norm in enumerate((0.0, 1e9, 1e-3)):
+        config = OptimizerConfig(lr=1.0, weight_decay=0.0, max_grad_norm=norm)
+        settings = WorkerSettings(
+            model_path=str(tiny_model_dir), optimizer=OptimizerSettings(config, eps=1.0)
+        )
+        w = TrainingWorker(settings, init_method=f"file://{tmp_path / f'rdzv{i}'}")
+        w.setup()
+        w.train_mini_batch(batch, objective, micro_batch_size=8)
+        weights[norm] = {k: v.detach().clone() for k, v in w.iter_full_weights()}
+        w.shutdown()
+    assert all(torch.equal(weights[0.0][k], weights[1e9][k]) for k in weights[0.0])
+    assert any(not torch.equal(weights[0.0][k], weights[1e-3][k]) for k in weights[0.0])
 
 
 def test_training_step_changes_weights_and_checkpoint_round_trips(
@@ -197,7 +227,8 @@ def test_lr_schedules_by_hand(name: str, warmup: int, expected: list[float]) -> 
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = make_lr_scheduler(
-        opt, OptimizerSettings(lr=1.0, scheduler=name, num_warmup_steps=warmup, total_steps=4)
+        opt,
+        OptimizerSettings(OptimizerConfig(lr=1.0, scheduler=name, num_warmup_steps=warmup), total_steps=4),
     )
     seen = []
     for _ in range(4):
@@ -212,9 +243,9 @@ def test_lr_schedule_errors_are_clear() -> None:
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="decays over total_steps"):
-        make_lr_scheduler(opt, OptimizerSettings(scheduler="linear"))
+        make_lr_scheduler(opt, OptimizerSettings(OptimizerConfig(scheduler="linear")))
     with pytest.raises(ValueError, match="unknown scheduler 'step'"):
-        make_lr_scheduler(opt, OptimizerSettings(scheduler="step"))
+        make_lr_scheduler(opt, OptimizerSettings(OptimizerConfig(scheduler="step")))
 
 
 def test_value_head_worker_reads_values_where_logits_would_predict(tiny_model_dir: Path) -> None:
@@ -224,7 +255,11 @@ def test_value_head_worker_reads_values_where_logits_would_predict(tiny_model_di
     from skylift.rl.objective import ValueObjective
 
     critic = TrainingWorker(
-        WorkerSettings(model_path=str(tiny_model_dir), head="value", optimizer=OptimizerSettings(lr=1e-3))
+        WorkerSettings(
+            model_path=str(tiny_model_dir),
+            head="value",
+            optimizer=OptimizerSettings(OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+        )
     )
     critic.setup()
     batch = _batch(vocab=500, rows=4)
@@ -313,8 +348,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(
     batch = batch.with_extras(advantages=advantages, old_logprobs=batch.extras["advantages"] * 0.01 - 1.0)
     totals = mini_batch_totals(batch.response_mask)
     objective = PolicyObjective(
-        loss_type=loss_type,
-        loss_reduction=reduction,
+        AlgorithmConfig(policy_loss_type=loss_type, loss_reduction=reduction),
         token_count=totals.token_count,
         seq_count=totals.seq_count,
         max_len=batch.response_len,
@@ -353,7 +387,9 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_weights(
     batch = _batch(vocab=500, seed=3)
     want = _reference_logprobs(tiny_model_dir, batch)
     settings = WorkerSettings(
-        model_path=str(tiny_model_dir), compute_dtype="bfloat16", optimizer=OptimizerSettings(lr=1e-7)
+        model_path=str(tiny_model_dir),
+        compute_dtype="bfloat16",
+        optimizer=OptimizerSettings(OptimizerConfig(lr=1e-7, weight_decay=0.0)),
     )
     w = TrainingWorker(settings, init_method=f"file://{tmp_path / 'rdzv'}")
     w.setup()

@@ -22,8 +22,10 @@ SkyRL (``skyrl.backends.skyrl_train.utils.ppo_utils`` there). How a SkyRL functi
   numpy array of each sequence's prompt uid: equal uids form a group), ``values`` (critic values or
   None), ``grpo_norm_by_std``, ``gamma``, ``lambd`` and ``config=None`` (skylift passes the settings
   an estimator reads as the arguments above). They return ``(advantages, returns)``.
-- **Losses** get ``log_probs``, ``old_log_probs``, ``advantages``, ``config`` (skylift's
-  `PolicyLossConfig`: ``eps_clip_low``, ``eps_clip_high``, ``clip_ratio_c``, ...), ``loss_mask``
+- **Losses** get ``log_probs``, ``old_log_probs``, ``advantages``, ``config`` (the
+  ``trainer.algorithm`` group as it is, as SkyRL passes it: ``config.eps_clip_low``,
+  ``config.clip_ratio_c``, ``config.sapo.tau_pos``, ``config.off_policy_correction.tis_ratio_type``,
+  ``config.loss_reduction``, ... under SkyRL's names), ``loss_mask``
   and ``rollout_logprobs=None`` (off-policy corrections are applied after the loss, as for every
   skylift loss). They return ``(loss, metrics)``: ``loss`` is per token (``[batch, response_len]``)
   or one number for the micro-batch, which counts as that value on each of its valid tokens before
@@ -49,8 +51,8 @@ from skylift.algorithms.advantages import (
 from skylift.algorithms.advantages import (
     register_advantage_estimator as _register_estimator,
 )
+from skylift.algorithms.loss_settings import PolicyLossSettings
 from skylift.algorithms.policy_loss import (
-    PolicyLossConfig,
     get_policy_loss,
     policy_loss_names,
     unregister_policy_loss,
@@ -117,7 +119,7 @@ def _as_policy_loss(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, dict
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
-        config: PolicyLossConfig,
+        config: PolicyLossSettings,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         out = fn(
             logprobs, old_logprobs, advantages, config=config, loss_mask=response_mask, rollout_logprobs=None

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from skylift.algorithms import PolicyLossConfig, compute_kl, compute_policy_loss
+from skylift.algorithms import compute_kl, compute_policy_loss
 from skylift.algorithms.supervised import cross_entropy
+from skylift.config.algorithm import AlgorithmConfig, CISPOConfig
 from skylift.tinker.core.loss_sampling import SAMPLING_KEYS
 from skylift.tinker.errors import UserError
 
@@ -97,7 +98,9 @@ def _importance_sampling(logp, inputs, mask, config):
     return per_token, metrics
 
 
-def _clip_config(config: Config, low_default: float, high_default: float) -> PolicyLossConfig:
+def _clip_config(config: Config, low_default: float, high_default: float) -> AlgorithmConfig:
+    """The policy-loss settings of a request: the ``trainer.algorithm`` group with the PPO and the
+    CISPO clips both set from the thresholds (every other key at its default)."""
     low = _number(config, "clip_low_threshold", low_default)
     high = _number(config, "clip_high_threshold", high_default)
     if not 0.0 <= low <= 1.0 <= high:
@@ -105,8 +108,10 @@ def _clip_config(config: Config, low_default: float, high_default: float) -> Pol
             f"loss_fn_config: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {low} and {high}"
         )
     eps_low, eps_high = 1.0 - low, high - 1.0  # the same thresholds for either loss
-    return PolicyLossConfig(
-        eps_clip_low=eps_low, eps_clip_high=eps_high, cispo_eps_clip_low=eps_low, cispo_eps_clip_high=eps_high
+    return AlgorithmConfig(
+        eps_clip_low=eps_low,
+        eps_clip_high=eps_high,
+        cispo=CISPOConfig(cispo_eps_clip_low=eps_low, cispo_eps_clip_high=eps_high),
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from skylift.config.schema import OptimizerConfig
 from skylift.tinker.core.loss_sampling import loss_distribution
 from skylift.tinker.core.model_input import check_token_range
 from skylift.tinker.core.wire import ForwardBackwardCall, WireDatum, encode_forward_backward_output
@@ -113,7 +114,10 @@ class TrainedModel:
             seed=c.seed,
             # the Tinker API sends the hyper-parameters with every step (constant schedule)
             optimizer=OptimizerSettings(
-                lr=1e-4, betas=(0.9, 0.95), eps=1e-12, max_grad_norm=0.0, scheduler="constant"
+                OptimizerConfig(
+                    lr=1e-4, adam_betas=[0.9, 0.95], weight_decay=0.0, max_grad_norm=0.0, scheduler="constant"
+                ),
+                eps=1e-12,
             ),
         )
         worker = TrainingWorker(settings, rank=0, world_size=1)

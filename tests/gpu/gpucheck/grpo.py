@@ -22,6 +22,8 @@ import torch
 from gpucheck.device import Context
 from gpucheck.env import import_skipping_package_init
 from gpucheck.report import TOLERANCES, Item, max_abs, scalar_rel
+from skylift.config.algorithm import AlgorithmConfig
+from skylift.config.schema import OptimizerConfig
 from skylift.rl.objective import PolicyObjective
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
@@ -124,7 +126,9 @@ def grpo_update(model_dir: Path, rollouts: dict[str, Any]) -> dict[str, Any]:
         )
     ]
     settings = WorkerSettings(
-        model_path=str(model_dir), optimizer=OptimizerSettings(lr=1e-3, scheduler="constant"), seed=5
+        model_path=str(model_dir),
+        optimizer=OptimizerSettings(OptimizerConfig(lr=1e-3, scheduler="constant", weight_decay=0.0)),
+        seed=5,
     )
     policy = TrainingWorker(settings)
     ref = TrainingWorker(WorkerSettings(model_path=str(model_dir), trainable=False))
@@ -143,7 +147,9 @@ def grpo_update(model_dir: Path, rollouts: dict[str, Any]) -> dict[str, Any]:
     )
     batch = exp.batch
     objective = PolicyObjective(
-        loss_type="regular", loss_reduction="token_mean", use_kl_loss=True, kl_loss_coef=0.01
+        AlgorithmConfig(
+            policy_loss_type="regular", loss_reduction="token_mean", use_kl_loss=True, kl_loss_coef=0.01
+        )
     )
     recorder = _LossRecorder(policy)
     rows = batch.batch_size

@@ -20,6 +20,7 @@ from torch import Tensor
 from gpucheck.device import Context, peak_label, peak_memory_mb, reset_peak_memory
 from gpucheck.models import long_batch, policy_batch
 from gpucheck.report import Item, limit_for, max_abs, rel_err, scalar_rel
+from skylift.config.schema import OptimizerConfig
 from skylift.worker.batch import SequenceBatch
 from skylift.worker.training_worker import OptimizerSettings, TrainingWorker, WorkerSettings
 
@@ -63,7 +64,9 @@ def objective_value(logp: Tensor, batch: SequenceBatch) -> float:
 def settings_for(model_dir: Path, config: str, **extra: Any) -> WorkerSettings:
     return WorkerSettings(
         model_path=str(model_dir),
-        optimizer=OptimizerSettings(lr=LR, max_grad_norm=1e9, scheduler="constant"),
+        optimizer=OptimizerSettings(
+            OptimizerConfig(lr=LR, max_grad_norm=1e9, scheduler="constant", weight_decay=0.0)
+        ),
         seed=7,
         **CONFIGS[config],
         **extra,
