@@ -5,6 +5,7 @@ Run inside a loopback-only namespace (the gloo side), under the heavy lock."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,4 +86,41 @@ def test_logprobs_after_a_shared_memory_sync_equal_those_after_a_gloo_sync(
         transport = SharedTensorsTransport([engine])
         transport.put(original)
         loop.run(transport.push(0))
+        loop.run(transport.close())
+
+
+def test_kept_buffers_streamed_while_the_sender_fills_load_what_a_gloo_sync_loads(
+    engine: LocalVLLMEngine, loop: Any, tiny_model_dir: Path
+) -> None:
+    """Pushes into kept buffers, streamed bucket by bucket (1 MiB buckets: 4 of them) with the
+    sender's fill held back, so the workers are called before any bucket is in: each must wait for
+    the fill counter (before the fix the engine side dropped it, and the workers loaded the
+    previous push's weights)."""
+    from safetensors.torch import load_file
+
+    original: dict[str, torch.Tensor] = {}
+    for shard in sorted(tiny_model_dir.glob("*.safetensors")):
+        original.update(load_file(str(shard)))
+    one, two = perturbed(tiny_model_dir, seed=21), perturbed(tiny_model_dir, seed=22)
+    by_gloo(loop, engine, one)
+    after_one = loop.run(engine.prompt_logprobs(SEQUENCES))
+    by_gloo(loop, engine, two)
+    after_two = loop.run(engine.prompt_logprobs(SEQUENCES))
+    transport = SharedTensorsTransport([engine], keep_buffers=True, bucket_bytes=1 << 20)
+    fill = transport._fill
+
+    def held_back(handle: Any, buckets: Any, counter: torch.Tensor) -> None:
+        time.sleep(0.5)
+        fill(handle, buckets, counter)
+
+    transport._fill = held_back  # type: ignore[method-assign]
+    try:
+        for version, (state, expected) in enumerate([(one, after_one), (two, after_two), (one, after_one)]):
+            transport.put(state)
+            loop.run(transport.push(version))
+            assert loop.run(engine.prompt_logprobs(SEQUENCES)) == expected, f"push {version}"
+    finally:
+        transport._fill = fill  # type: ignore[method-assign]
+        transport.put(original)
+        loop.run(transport.push(9))
         loop.run(transport.close())

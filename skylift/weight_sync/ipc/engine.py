@@ -44,7 +44,7 @@ class IpcEngineSide(EngineSide):
                 results = await self.host.rpc(
                     f"ipc load ({tensors} tensors)",
                     RPC_WORKER_CALL,
-                    ("ipc", "load", wire),
+                    ("ipc", "load", wire, ready, buckets),  # the fill counter reaches the workers
                     self.host.update_timeout_s,
                 )
             except EngineError as exc:
