@@ -29,6 +29,14 @@ class IpcWorkerReceiver:
         self.worker = worker  # the vLLM worker, with `broadcast.receiver`'s loading helpers
         self._open: tuple[str, dict[str, Any]] | None = None
 
+    def place(self) -> dict[str, Any]:
+        """Where this worker's model lives (`ipc.place.place_of`): the transport rule's input."""
+        from skylift.weight_sync.ipc.place import place_of
+
+        worker = self.worker
+        device = getattr(worker, "device", None) or getattr(getattr(worker, "worker", None), "device", None)
+        return place_of(device)
+
     def _views(self, wire: dict[str, Any]) -> dict[str, Any]:
         key = _key(wire)
         if self._open is not None and self._open[0] == key:
