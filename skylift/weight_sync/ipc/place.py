@@ -1,5 +1,5 @@
-"""Where this process runs, as the transport rule (`weight_sync.topology`) sees a rank: its host,
-"cpu" or "cuda", and the physical GPU (its UUID, so that processes with different
+"""Where this process runs, as the transport rule (`weight_sync.topology`) sees a rank: its host
+(name and boot id), "cpu" or "cuda", and the physical GPU (its UUID, so that processes with different
 CUDA_VISIBLE_DEVICES agree). The policy's rank 0 and every engine worker say it of themselves
 (`ipc.policy_rank.SharedWeightsRank.weight_sync_place`, the IPC engine side's ``places``), so the
 rule gets the devices the ranks are really on, whatever placement put them there.
@@ -19,10 +19,20 @@ import torch
 from skylift.weight_sync.topology import Place
 
 
+def host_id() -> str:
+    """This host as the rule compares hosts: its name, and (Linux) the first 8 characters of the
+    kernel's boot id, so that two machines that happen to share a host name (containers) differ."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{socket.gethostname()}/{f.read().strip()[:8]}"
+    except OSError:
+        return socket.gethostname()
+
+
 def place_of(device: torch.device | str | None) -> dict[str, Any]:
     """{"host", "device", "gpu"} of a rank whose tensors live on `device` (None: CPU)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    host = socket.gethostname()
+    host = host_id()
     if device.type != "cuda":
         return {"host": host, "device": "cpu", "gpu": None}
     index = device.index if device.index is not None else torch.cuda.current_device()
