@@ -18,7 +18,8 @@ For each model (default: tiny-qwen2 and smollm2-135m-instruct) it measures, in o
   SharedTensorsTransport(keep_buffers=True)`: copied into kept /dev/shm buffers bucket by bucket
   while the workers load the buckets already there; what `weight_sync.topology`
   picks for a CPU engine on the trainer's host), beside the gloo stream (`shm_vs_gloo`: shm_sync_s
-  / sync_s; checked against transformers like the stream).
+  / sync_s; checked against transformers like the stream, after a streamed push); and with new
+  buffers each push (`keep_buffers=False`: `shm_fresh_sync_s`, `shm_fresh_vs_gloo`).
 
 Prints one line per model and, last, a JSON line for the last model (SmolLM2-135M by default):
     {"ratio": sync_s / (raw_broadcast_s + reload_s), "sequential_ratio": sequential_sync_s / (...),
@@ -204,13 +205,17 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
 
         await stream_with_vllm_reload()
         shm = SharedTensorsTransport([engine], keep_buffers=True)  # kept buffers, streamed pushes
+        fresh = SharedTensorsTransport([engine], keep_buffers=False)  # new buffers each push
 
-        async def shm_sync() -> float:
-            shm.put(state)
-            return (await shm.push(0))["timing/weight_sync_s"]
+        async def shm_sync(transport: SharedTensorsTransport = shm) -> float:
+            transport.put(state)
+            return (await transport.push(0))["timing/weight_sync_s"]
 
+        await shm_sync(fresh)
         await shm_sync()
+        await shm_sync()  # a streamed push into the kept buffers, checked below
         shm_err = _engine_vs_hf((await engine.prompt_logprobs([SEQUENCE]))[0], model)
+        shm_fresh_times: list[float] = []
         raw_times, reload_times, sync_times, seq_times, vllm_times, buckets = [], [], [], [], [], 0
         shm_times: list[float] = []
         direct = 0
@@ -230,7 +235,10 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
                 raise SystemExit(f"{name}: the stream with vLLM's reload loaded buckets directly ({generic})")
             vllm_times.append(generic.seconds)
             shm_times.append(await shm_sync())
+            shm_fresh_times.append(await shm_sync(fresh))
         await rpc(_drop_reload_weights)
+        await shm.close()
+        await fresh.close()
         await sender.close()
         after = (await engine.prompt_logprobs([SEQUENCE]))[0]
     finally:
@@ -243,6 +251,7 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
     if not (shm_err < err_before and shm_err < 1e-2):
         raise SystemExit(f"{name}: the engine does not serve the weights synced by handle ({shm_err=})")
     shm_s = statistics.median(shm_times)
+    shm_fresh_s = statistics.median(shm_fresh_times)
     sync_s = statistics.median(sync_times)
     seq_s = statistics.median(seq_times)
     vllm_s = statistics.median(vllm_times)
@@ -261,6 +270,8 @@ async def bench_model(name: str, repeats: int, bucket_bytes: int, enforce_eager:
         "raw_broadcast_s": round(raw_s, 4),
         "shm_sync_s": round(shm_s, 4),
         "shm_vs_gloo": round(shm_s / sync_s, 3),
+        "shm_fresh_sync_s": round(shm_fresh_s, 4),
+        "shm_fresh_vs_gloo": round(shm_fresh_s / sync_s, 3),
         "logprob_err_after_shm_sync": shm_err,
         "reload_s": round(reload_s, 4),
         "init_group_s": round(init_s, 4),
@@ -310,7 +321,9 @@ def main() -> None:
             f"+ reload {1e3 * result['reload_s']:.1f} ms | ratio {result['ratio']:.2f} "
             f"(sequential {result['sequential_ratio']:.2f}) "
             f"(vs raw broadcast {result['vs_raw_broadcast']:.2f}) | group init {1e3 * result['init_group_s']:.0f} ms "
-            f"| shared memory {1e3 * result['shm_sync_s']:.1f} ms ({result['shm_vs_gloo']:.2f} of the gloo stream)",
+            f"| shared memory, kept buffers {1e3 * result['shm_sync_s']:.1f} ms ({result['shm_vs_gloo']:.2f} of "
+            f"the gloo stream), new buffers {1e3 * result['shm_fresh_sync_s']:.1f} ms "
+            f"({result['shm_fresh_vs_gloo']:.2f})",
             flush=True,
         )
     last = dict(results[-1])
@@ -327,6 +340,8 @@ def main() -> None:
                 "sequential_ratio",
                 "shm_sync_s",
                 "shm_vs_gloo",
+                "shm_fresh_sync_s",
+                "shm_fresh_vs_gloo",
             )
         }
         for r in results

@@ -173,6 +173,17 @@ def checkpoint_parameter_count(model_path: str | Path) -> int | None:
     return total
 
 
+def sync_transfer_bytes(cfg: SkyliftConfig, params: int) -> int:
+    """What a push holds on the policy's GPU besides its parameters: three buckets for a broadcast,
+    or (full weights by CUDA IPC, the path ``auto`` takes where an engine shares the GPU) one whole
+    copy of the weights in the engines' dtype, on rank 0, until every engine loaded it."""
+    g = cfg.generator
+    buckets = 3 * SYNC_TRANSFER_BYTES
+    if g.weight_sync_backend not in ("auto", "ipc") or cfg.trainer.policy.model.lora.rank > 0:
+        return buckets
+    return max(buckets, params * (2 if g.model_dtype in ("bfloat16", "float16") else 4))
+
+
 def colocated_engine_fraction(
     cfg: SkyliftConfig, model_path: str | Path, gpu_bytes: int, say: Callable[[str], None]
 ) -> float:
@@ -195,7 +206,7 @@ def colocated_engine_fraction(
         shards=t.placement.policy_num_nodes * t.placement.policy_num_gpus_per_node,
         offload_optimizer=t.policy.optimizer_config.offload_after_step,
         processes=processes,
-        transfer_bytes=3 * SYNC_TRANSFER_BYTES,
+        transfer_bytes=sync_transfer_bytes(cfg, params),
     )
     split = engine_memory_split(gpu_bytes, footprint.total_bytes, requested)
     say(split.describe())

@@ -118,7 +118,8 @@ def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
 
     import ray
 
-    from skylift.cluster.placement import PlacedGroups, plan_placement, request_from_config
+    from skylift.cluster.gpu_sharing import gpu_share
+    from skylift.cluster.placement import PlacedGroups, cluster_nodes, plan_placement, request_from_config
 
     started_at = time.perf_counter()
     address = ray_address(cfg.trainer.ray_address)
@@ -131,15 +132,10 @@ def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
         address, min_cpus=plan.total().get("CPU", 0.0), object_store_gb=cfg.trainer.ray_object_store_gb
     )
     lines = [ray_cluster_line(joined=bool(address))]
-    needed, have = plan.total().get("GPU", 0.0), float(ray.cluster_resources().get("GPU", 0.0))
-    if not address and 0 < have < needed:
-        # one machine with fewer GPUs than bundles: they share its GPUs, as actors without
-        # placement groups did (a cluster that is short of GPUs fails below instead)
-        share = have / needed
-        plan = plan_placement(dataclasses.replace(request, gpus_per_bundle=share))
-        lines.append(
-            f"{needed:g} GPU bundles on this machine's {have:g} GPU(s): each bundle gets {share:.2f} GPU"
-        )
+    shared = gpu_share(plan.total().get("GPU", 0.0), cluster_nodes(), joined=bool(address))
+    if shared is not None:  # one machine with fewer GPUs than bundles: they share its GPUs
+        plan = plan_placement(dataclasses.replace(request, gpus_per_bundle=shared.share))
+        lines.append(shared.line)
     try:
         placement = PlacedGroups(plan, cfg.trainer.placement.timeout_s)
     except BaseException:

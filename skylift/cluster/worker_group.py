@@ -22,6 +22,7 @@ from skylift.cluster.placement import PlacedGroups
 from skylift.models.checkpoint_names import CheckpointNames, checkpoint_names_for
 from skylift.weight_sync.broadcast.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import str_to_dtype
+from skylift.weight_sync.ipc.policy_rank import SharedWeightsRank
 from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.protocol import DeltaPublishSpec, WeightBucket
 from skylift.worker.batch import SequenceBatch
@@ -39,12 +40,13 @@ logger = logging.getLogger("skylift.cluster.worker_group")
 R = TypeVar("R")
 
 
-class RLWorker(OffloadingWorker, TrainingWorker):
+class RLWorker(OffloadingWorker, TrainingWorker, SharedWeightsRank):
     """A training rank that also produces the policy's weights for the inference engines, and
     whose state can wait in host memory while colocated engines are awake (`OffloadingWorker`).
 
     Every rank gathers (a collective); rank 0 alone is in the weight-update group and broadcasts
-    (`WeightBroadcaster`). No rank calls an engine: the driver (`weight_sync.policy_sync`) tells the
+    (`WeightBroadcaster`), or shares the weights by handle with engines on its host
+    (`SharedWeightsRank`). No rank calls an engine: the driver (`weight_sync.policy_sync`) tells the
     engines to join and to receive while rank 0 runs the matching call here.
     """
 

@@ -27,7 +27,7 @@ RESUME_MODES = ("none", "latest", "from_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 STRATEGIES = ("fsdp2", "fsdp")
 INFERENCE_BACKENDS = ("vllm",)
-WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "delta")
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc", "delta")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 UPDATE_GROUP_OVERRIDES = ("auto", "enable", "disable")
 PLACEMENT_BACKENDS = ("auto", "ray", "local")
@@ -394,8 +394,8 @@ class GeneratorConfig:
     )
     weight_sync_backend: str = _f(
         "auto",
-        f"weight sync: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto = nccl on GPU, gloo on CPU; delta = "
-        "changed tensors through generator.delta_weight_sync.sync_dir)",
+        f"weight sync: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto: ipc on a shared GPU or one CPU host, "
+        "nccl between GPUs, else gloo; delta: changed tensors through delta_weight_sync.sync_dir)",
         choices=WEIGHT_SYNC_BACKENDS,
     )
     gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use", gt=0, le=1)

@@ -16,12 +16,21 @@ from skylift.weight_sync.delta.engine import DeltaEngineSide
 from skylift.weight_sync.delta.transport import DeltaTransport
 from skylift.weight_sync.engine_side import EngineHost, EngineSide, EngineSides, WeightCall
 from skylift.weight_sync.ipc.engine import IpcEngineSide
+from skylift.weight_sync.ipc.policy_transport import PolicySharedTransport
 from skylift.weight_sync.ipc.transport import SharedTensorsTransport
 from skylift.weight_sync.lora.engine import LoraEngineSide
 from skylift.weight_sync.lora.transport import LoraTransport
+from skylift.weight_sync.placed import PlacedTransport
+from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.protocol import DeltaPublishSpec
 from skylift.weight_sync.topology import Place, check_forced, choose_transports
 from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
+
+#: whether the shared-memory transport keeps its buffers between pushes and streams into them
+#: (`ipc.policy_rank`); CUDA buffers are never kept. `benchmarks/weight_sync.py` (2 shared cores):
+#: SmolLM2-135M kept 0.64 of the gloo stream's time, new buffers 1.70; tiny-qwen2 (4 MB) kept
+#: 1.71 (18 ms more per sync), new buffers 4.49
+KEEP_SHARED_BUFFERS = True
 
 
 def lora_sync_path(cfg: SkyliftConfig) -> str | None:
@@ -56,10 +65,10 @@ def check_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> None:
 
 
 def group_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> str | None:
-    """The weight-update group's backend: a forced one as given; ``auto`` where the run's engines
-    share the policy's GPU: gloo (NCCL refuses two ranks on one GPU, and a training run's policy
-    does not take the same-GPU IPC path yet: slower, but it works); else None (``auto``: gloo on
-    CPU, NCCL on GPU, decided on the policy's rank 0)."""
+    """The weight-update group's backend where the config alone decides (a LoRA policy's group,
+    and full weights to engines that cannot say where they run): a forced one as given; ``auto``
+    where the run's engines share the policy's GPU: gloo (NCCL refuses two ranks on one GPU);
+    else None (``auto``: gloo on CPU, NCCL on GPU, decided on the policy's rank 0)."""
     backend = cfg.generator.weight_sync_backend
     if backend not in ("auto", "delta"):
         return backend
@@ -68,8 +77,11 @@ def group_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> str | None:
 
 def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say) -> WeightTransport:
     """`weight_sync_backend=delta` (with a sync_dir): `DeltaTransport`; a LoRA policy:
-    `LoraTransport`; else `BroadcastTransport` (``auto``: gloo on CPU, NCCL on GPU). A forced
-    backend that cannot work here is refused first (`check_backend`)."""
+    `LoraTransport` (a group: ``auto`` gloo on CPU, NCCL on GPU); full weights: `PlacedTransport`,
+    which picks at open, from where rank 0 and the engines' workers say they run
+    (`weight_sync.topology`), `PolicySharedTransport` (``ipc``: CUDA IPC / shared memory on the
+    policy's host) or `BroadcastTransport` (a gloo or NCCL group). A forced backend that cannot
+    work is refused: from the config alone here (`check_backend`), from the places at open."""
     check_backend(cfg)
     g = cfg.generator
     dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
@@ -99,8 +111,21 @@ def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say
         "override_existing": overrides_update_group(g.override_existing_update_group),
     }
     if cfg.trainer.policy.model.lora.rank > 0:
+        if g.weight_sync_backend == "ipc":
+            raise WeightSyncError(
+                "weight_sync_backend=ipc carries full weights, and a LoRA policy syncs its adapter over a "
+                "group or a directory: use weight_sync_backend=auto (or gloo/nccl)"
+            )
         return LoraTransport(policy, engines, say, sync_path=lora_sync_path(cfg), **group)
-    return BroadcastTransport(policy, engines, say, **group)
+
+    def build(choice: str | None) -> WeightTransport:
+        if choice == "ipc":
+            return PolicySharedTransport(policy, engines, say, dtype=dtype, keep_buffers=KEEP_SHARED_BUFFERS)
+        backend = choice if choice is not None else group["backend"]
+        return BroadcastTransport(policy, engines, say, **{**group, "backend": backend})
+
+    rule = "auto" if g.weight_sync_backend in ("auto", "delta") else g.weight_sync_backend
+    return PlacedTransport(rule, policy, engines, say, build)
 
 
 #: The engine half of every transport, by the name `weight_call` addresses it with

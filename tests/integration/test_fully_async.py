@@ -206,6 +206,8 @@ def test_fully_async_with_ray_engines(
     # at least 2 batches of 4 prompts x 4 samples, spread over both engines
     assert len(served) == 2 and sum(served) >= 32 and min(served) > 0, served
     assert trainer.parts.weights.version == trainer.state.policy_version == 2
+    # the Ray policy rank and both Ray engines report this host's CPU: shared memory (weight_sync.placed)
+    assert trainer.parts.weights.transport.chosen == "ipc"  # type: ignore[attr-defined]
     changed = max(abs(a - b) for a, b in zip(before[0], expected, strict=True))
     assert changed > 10 * TOLERANCE, "training did not move the logprobs: the check below would be vacuous"
     for index, engine_lp in enumerate(after):

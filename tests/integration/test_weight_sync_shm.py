@@ -5,6 +5,7 @@ Run inside a loopback-only namespace (the gloo side), under the heavy lock."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,104 @@ def test_logprobs_after_a_shared_memory_sync_equal_those_after_a_gloo_sync(
         transport.put(original)
         loop.run(transport.push(0))
         loop.run(transport.close())
+
+
+def test_kept_buffers_streamed_while_the_sender_fills_load_what_a_gloo_sync_loads(
+    engine: LocalVLLMEngine, loop: Any, tiny_model_dir: Path
+) -> None:
+    """Pushes into kept buffers, streamed bucket by bucket (1 MiB buckets: 4 of them) with the
+    sender's fill held back, so the workers are called before any bucket is in: each must wait for
+    the fill counter (before the fix the engine side dropped it, and the workers loaded the
+    previous push's weights)."""
+    from safetensors.torch import load_file
+
+    original: dict[str, torch.Tensor] = {}
+    for shard in sorted(tiny_model_dir.glob("*.safetensors")):
+        original.update(load_file(str(shard)))
+    one, two = perturbed(tiny_model_dir, seed=21), perturbed(tiny_model_dir, seed=22)
+    by_gloo(loop, engine, one)
+    after_one = loop.run(engine.prompt_logprobs(SEQUENCES))
+    by_gloo(loop, engine, two)
+    after_two = loop.run(engine.prompt_logprobs(SEQUENCES))
+    transport = SharedTensorsTransport([engine], keep_buffers=True, bucket_bytes=1 << 20)
+    fill = transport._fill
+
+    def held_back(handle: Any, buckets: Any, counter: torch.Tensor) -> None:
+        time.sleep(0.5)
+        fill(handle, buckets, counter)
+
+    transport._fill = held_back  # type: ignore[method-assign]
+    try:
+        for version, (state, expected) in enumerate([(one, after_one), (two, after_two), (one, after_one)]):
+            transport.put(state)
+            loop.run(transport.push(version))
+            assert loop.run(engine.prompt_logprobs(SEQUENCES)) == expected, f"push {version}"
+    finally:
+        transport._fill = fill  # type: ignore[method-assign]
+        transport.put(original)
+        loop.run(transport.push(9))
+        loop.run(transport.close())
+
+
+def test_a_training_policys_shared_memory_sync_loads_what_its_gloo_broadcast_loads(
+    engine: LocalVLLMEngine, loop: Any, tiny_model_dir: Path
+) -> None:
+    """`skylift train`'s full-weight transport (`make_transport`, weight_sync_backend=auto) with the
+    policy's rank in this process and the engine on this host: rank 0 and the engine's worker say
+    where they run, the rule picks shared memory; the first push shares new buffers, the second is
+    streamed into the kept ones; after each, the engine's logprobs equal those after a gloo
+    broadcast of the same policy, bit for bit."""
+    from skylift.cluster.worker_group import WorkerGroup
+    from skylift.config import load_config
+    from skylift.inference.pool import EnginePool
+    from skylift.weight_sync.broadcast.transport import BroadcastTransport
+    from skylift.weight_sync.factory import make_transport
+    from skylift.worker.training_worker import WorkerSettings
+
+    original = perturbed(tiny_model_dir, seed=0)  # noise 0.05 x N(0, 1) with seed 0: not the engine's
+    group = WorkerGroup("policy", WorkerSettings(model_path=str(tiny_model_dir)), use_ray=False)
+    group.setup()
+    pool = EnginePool([engine])
+    said: list[str] = []
+    shm = make_transport(load_config([]), group, pool, said.append)
+    gloo = BroadcastTransport(
+        group,
+        pool,
+        said.append,
+        backend="gloo",
+        timeout_s=60.0,
+        master_address="127.0.0.1",
+        override_existing=True,
+    )
+    reset = SharedTensorsTransport([engine])
+    try:
+        line = loop.run(shm.open())
+        assert "[ipc: policy rank 0 on" in line and "by handle" in line, line
+        loop.run(gloo.open())
+        for version, seed in ((1, 31), (2, 32)):
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for param in group.workers[0]._model().parameters():
+                    param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+            metrics = loop.run(shm.push(version))
+            assert (
+                metrics["weight_sync/streamed"] == float(version == 2) and metrics["weight_sync/engines"] == 1
+            )
+            after_shm = loop.run(engine.prompt_logprobs(SEQUENCES))
+            reset.put(original)
+            loop.run(reset.push(0))
+            assert loop.run(engine.prompt_logprobs(SEQUENCES)) != after_shm
+            loop.run(gloo.push(version))
+            assert loop.run(engine.prompt_logprobs(SEQUENCES)) == after_shm, f"push {version}"
+    finally:
+        loop.run(gloo.close())
+        loop.run(shm.close())
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted(tiny_model_dir.glob("*.safetensors")):
+            weights.update(load_file(str(shard)))
+        reset.put(weights)
+        loop.run(reset.push(0))
+        loop.run(reset.close())
+        group.shutdown()

@@ -155,3 +155,18 @@ def test_state_leaves_before_the_engines_wake_and_returns_after_they_sleep(tiny_
         ((), (MODEL,))
     ]
     policy.shutdown()
+
+
+def test_a_cuda_ipc_push_counts_a_whole_copy_of_the_weights_in_the_engines_dtype() -> None:
+    from skylift.cluster.colocation import SYNC_TRANSFER_BYTES, sync_transfer_bytes
+
+    buckets = 3 * SYNC_TRANSFER_BYTES
+    bf16 = load_config(["trainer.placement.colocate_all=true", "generator.model_dtype=bfloat16"])
+    assert sync_transfer_bytes(bf16, 1_000_000_000) == 2_000_000_000  # auto: CUDA IPC, rank 0's copy
+    assert sync_transfer_bytes(bf16, 10_000) == buckets  # a tiny model: the buckets are more
+    fp32 = load_config(["trainer.placement.colocate_all=true", "generator.weight_sync_backend=ipc"])
+    assert sync_transfer_bytes(fp32, 1_000_000_000) == 4_000_000_000
+    gloo = load_config(["trainer.placement.colocate_all=true", "generator.weight_sync_backend=gloo"])
+    assert sync_transfer_bytes(gloo, 1_000_000_000) == buckets  # a broadcast streams buckets
+    lora = load_config(["trainer.placement.colocate_all=true", "trainer.policy.model.lora.rank=8"])
+    assert sync_transfer_bytes(lora, 1_000_000_000) == buckets  # an adapter, over a group

@@ -55,6 +55,11 @@ class Engine:
     async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
         """The one generic weight call (`weight_sync.engine_side`) onto the recorded methods above."""
         payload = payload or {}
+        if (transport, operation) == ("ipc", "places"):  # where its workers run: another host's CPU
+            self._check()
+            return [
+                {"host": f"{self.name}-host", "device": "cpu", "gpu": None}
+            ] * await self.tensor_parallel_size()
         if (transport, operation) == ("broadcast", "join"):
             return await self.init_weight_update_communicator(WeightUpdateGroupSpec(**payload))
         if (transport, operation) == ("broadcast", "stream"):
@@ -77,6 +82,11 @@ class Policy:
 
     def __init__(self, log: list[tuple]) -> None:
         self.log = log
+
+    def call_rank0(self, method: Any, *args: Any) -> Any:
+        """`WorkerGroup.call_rank0`: only rank 0's place is asked of the fake (a CPU host of its own)."""
+        assert method.__name__ == "weight_sync_place"
+        return {"host": "trainer-host", "device": "cpu", "gpu": None}
 
     def host_weight_group(self, world_size: int, *how: Any) -> tuple[str, int, str]:
         self.log.append(("policy", "host", world_size))
@@ -120,9 +130,14 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     weights.open()
     # rank 0 hosts for 1 + 1 + 2 ranks; the engines join at their offsets while rank 0 joins
     assert log[0] == ("policy", "host", 4)
-    keep = weights.transport.override_existing  # generator.override_existing_update_group
+    # the engines' workers run on other hosts than rank 0: a gloo group (weight_sync.placed)
+    assert said == [
+        "weight sync: 2 engine(s) dial 10.0.0.7 [gloo: policy rank 0 on trainer-host cpu; engines on "
+        "e0-host cpu, e1-host cpu]"
+    ]
+    broadcast = weights.transport.inner  # type: ignore[attr-defined]
+    keep = broadcast.override_existing  # generator.override_existing_update_group
     assert sorted(log[1:]) == [("e0", "join", 1, 4, keep), ("e1", "join", 2, 4, keep), ("policy", "join")]
-    assert said == ["weight sync: 2 engine(s) dial 10.0.0.7"]
 
     log.clear()
     weights.sync(1)
@@ -144,7 +159,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
         "engines and retrying once",
         "rebuilding the weight-update group with 1 live engine(s) of 2",
     ]
-    assert weights.transport.members == [engines[0]] and weights.version == 2
+    assert broadcast.members == [engines[0]] and weights.version == 2
 
     # nothing changed since: no new group
     log.clear()
@@ -156,7 +171,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     log.clear()
     weights.sync(4)
     assert log == [("e0", "leave"), ("policy", "close")]
-    assert weights.transport.members == [] and weights.version == 4
+    assert broadcast.members == [] and weights.version == 4
 
 
 class LoraEngine(Engine):

@@ -1,6 +1,7 @@
 """The IPC transport's engine half: full weights by handle from a process on the same host.
 
-Operation ``load`` {"handle": `handles.handle_to_wire(...)`, "ready"?, "buckets"?}: every worker
+Operation ``places``: where each worker runs (`ipc.place`), for the transport rule. Operation
+``load`` {"handle": `handles.handle_to_wire(...)`, "ready"?, "buckets"?}: every worker
 opens the shared tensors (CUDA IPC on a GPU, /dev/shm on CPU) and loads them (`ipc.receiver`;
 with a `ready` counter, bucket by bucket while the sender fills the next), then the prefix cache
 is reset. No weight-update group: the sender keeps the buffers alive until this call answers. A
@@ -24,7 +25,14 @@ class IpcEngineSide(EngineSide):
 
     def __init__(self, host: EngineHost, state: WeightState) -> None:
         super().__init__(host, state)
-        self.operations = {"load": self.load}
+        self.operations = {"load": self.load, "places": self.places}
+
+    async def places(self, payload: Payload) -> list[dict[str, Any]]:
+        """Where each of the engine's workers runs (`ipc.place.place_of`), in worker order: what
+        `weight_sync.topology` chooses a transport from."""
+        return list(
+            await self.host.rpc("ipc places", RPC_WORKER_CALL, ("ipc", "place"), self.host.control_timeout_s)
+        )
 
     async def load(self, payload: Payload) -> dict[str, Any]:
         wire, ready, buckets = payload.get("handle"), payload.get("ready"), payload.get("buckets")
@@ -44,7 +52,7 @@ class IpcEngineSide(EngineSide):
                 results = await self.host.rpc(
                     f"ipc load ({tensors} tensors)",
                     RPC_WORKER_CALL,
-                    ("ipc", "load", wire),
+                    ("ipc", "load", wire, ready, buckets),  # the fill counter reaches the workers
                     self.host.update_timeout_s,
                 )
             except EngineError as exc:

@@ -31,6 +31,7 @@ __all__ = [
     "handle_to_wire",
     "open_shared",
     "share_tensors",
+    "tensor_slots",
 ]
 
 
@@ -124,7 +125,8 @@ def _share(buf: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return rebuild, tuple(args)
 
 
-def _places(handle: SharedTensors) -> dict[str, tuple[torch.Tensor, TensorSpec]]:
+def tensor_slots(handle: SharedTensors) -> dict[str, tuple[torch.Tensor, TensorSpec]]:
+    """Each tensor's flat buffer and place in it (a handle this process made and still holds)."""
     return {
         spec.name: (flat, spec)
         for buf, flat in zip(handle.buffers, handle._keep, strict=True)
@@ -137,7 +139,7 @@ def fits(handle: SharedTensors, named: dict[str, torch.Tensor]) -> bool:
     names in the same order, shapes, dtypes and devices."""
     if tuple(named) != handle.order or len(handle._keep) != len(handle.buffers):
         return False
-    places = _places(handle)
+    places = tensor_slots(handle)
     for name, t in named.items():
         flat, spec = places[name]
         if tuple(t.shape) != spec.shape or t.dtype != flat.dtype or t.device != flat.device:
@@ -147,7 +149,7 @@ def fits(handle: SharedTensors, named: dict[str, torch.Tensor]) -> bool:
 
 def write_tensors(handle: SharedTensors, named: dict[str, torch.Tensor]) -> None:
     """Copy `named` (some of `handle`'s tensors, layout as `fits` checks) into its buffers."""
-    places = _places(handle)
+    places = tensor_slots(handle)
     with torch.no_grad():
         for name, t in named.items():
             flat, spec = places[name]

@@ -28,6 +28,21 @@ class IpcWorkerReceiver:
     def __init__(self, worker: Any) -> None:
         self.worker = worker  # the vLLM worker, with `broadcast.receiver`'s loading helpers
         self._open: tuple[str, dict[str, Any]] | None = None
+        self._ready: tuple[str, Any] | None = None  # the sender's fill counter, mapped once
+
+    def _counter(self, ready: dict[str, Any]) -> Any:
+        key = _key(ready)
+        if self._ready is None or self._ready[0] != key:
+            self._ready = key, open_shared(handle_from_wire(ready))["ready"]
+        return self._ready[1]
+
+    def place(self) -> dict[str, Any]:
+        """Where this worker's model lives (`ipc.place.place_of`): the transport rule's input."""
+        from skylift.weight_sync.ipc.place import place_of
+
+        worker = self.worker
+        device = getattr(worker, "device", None) or getattr(getattr(worker, "worker", None), "device", None)
+        return place_of(device)
 
     def _views(self, wire: dict[str, Any]) -> dict[str, Any]:
         key = _key(wire)
@@ -55,7 +70,7 @@ class IpcWorkerReceiver:
         views = self._views(wire)
         worker = self.worker
         worker._skylift_check_whole_units(list(views))
-        counter = open_shared(handle_from_wire(ready))["ready"] if ready is not None else None
+        counter = self._counter(ready) if ready is not None else None
         order = buckets if buckets is not None else [list(views)]
         direct, loaded, reloaded, nbytes = worker._skylift_direct_loader(), 0, False, 0
         with worker._skylift_loading():

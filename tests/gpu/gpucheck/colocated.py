@@ -89,34 +89,33 @@ def _failed(values: list[Any]) -> str | None:
 
 
 def _place(device: str) -> dict[str, Any]:
-    """Where this process runs, as the weight-sync rule sees a rank (`topology.Place`)."""
-    import socket
+    """Where this process runs, as a training run's ranks report it (`ipc.place.place_of`)."""
+    from skylift.weight_sync.ipc.place import place_of
 
-    dev = torch.device(device)
-    gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
-    return {"host": socket.gethostname(), "device": dev.type, "gpu": gpu}
+    return place_of(torch.device(device))
 
 
 def item_same_device_group(item: Item) -> None:
     """Two processes on one device, placed as skylift's weight-sync rule sees ranks: the rule picks
     the same-device path (CUDA IPC on a GPU, shared memory on CPU), never NCCL, and a forced NCCL is
     refused by skylift, with its one line, before any NCCL group is made."""
+    from skylift.weight_sync.ipc.place import place_from_wire
+    from skylift.weight_sync.placed import resolve
     from skylift.weight_sync.process_group import WeightSyncError
-    from skylift.weight_sync.topology import Place, check_forced, choose_transport
 
     item.verifies.append("1")
     device = _device()
     places = _spawn([(_place, (str(device),)) for _ in range(2)])
     if (why := _failed(places)) is not None:
         raise RuntimeError(why)
-    trainer, worker = (Place(**p) for p in places)
-    chosen = choose_transport(trainer, [worker])
+    trainer, worker = (place_from_wire(p) for p in places)
+    chosen, _ = resolve("auto", trainer, [[worker]])  # what a training run's weight sync opens
     item.figures["transport_skylift_picks"] = chosen
     item.figures["same_gpu"] = trainer.gpu is not None and trainer.gpu == worker.gpu
     item.holds("the two processes see the same device", trainer == worker, f"{trainer} / {worker}")
     item.holds("the rule picks the same-device path (ipc), not NCCL", chosen == "ipc", chosen)
     try:
-        check_forced("nccl", trainer, [[worker]])
+        resolve("nccl", trainer, [[worker]])
         refusal = ""
     except WeightSyncError as exc:
         refusal = str(exc)
@@ -134,29 +133,33 @@ def item_same_device_group(item: Item) -> None:
 
 
 def _share(device: str, scale: int, handles: Any, done: Any) -> dict[str, Any]:
-    """The trainer's side: share the weights by handle, keep them alive until the engine's side
-    has copied them out."""
-    from skylift.weight_sync.ipc.handles import share_tensors
+    """The trainer's side, as a training run's policy rank 0 shares (`ipc.policy_rank`: new
+    buffers, never kept on a GPU), the handle in the wire form engines get; the buffers stay alive
+    until the engine's side has copied them out."""
+    from skylift.weight_sync.ipc.handles import handle_to_wire
+    from skylift.weight_sync.ipc.policy_rank import SharedWeightsSender
 
     weights = _weights(torch.device(device), scale)
+    sender = SharedWeightsSender()
     started = time.perf_counter()
-    handle = share_tensors(weights)
+    handle = sender.share(iter(weights.items()), keep=True)  # kept on CPU only, as in a run
     share_s = time.perf_counter() - started
-    handles.put(handle)
+    handles.put(handle_to_wire(handle))
     received = done.get(timeout=WAIT_S)
-    handle.release()
-    return {"bytes": handle.nbytes, "share_s": share_s, "received": received}
+    nbytes = handle.nbytes
+    sender.close()
+    return {"bytes": nbytes, "share_s": share_s, "received": received}
 
 
 def _open_and_copy(device: str, scale: int, handles: Any, done: Any) -> dict[str, Any]:
     """The engine's side: open the handle, copy the tensors out (what a load does), compare them
     bit for bit with the same weights made here."""
-    from skylift.weight_sync.ipc.handles import open_shared
+    from skylift.weight_sync.ipc.handles import handle_from_wire, open_shared
 
     try:
-        handle = handles.get(timeout=WAIT_S)
+        wire = handles.get(timeout=WAIT_S)
         started = time.perf_counter()
-        views = open_shared(handle)
+        views = open_shared(handle_from_wire(wire))
         own = {name: v.clone() for name, v in views.items()}
         if torch.cuda.is_available():
             torch.cuda.synchronize()

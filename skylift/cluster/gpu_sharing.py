@@ -1,0 +1,42 @@
+"""A local Ray on a machine with fewer GPUs than the run's GPU bundles: the bundles share its GPUs.
+
+`start_ray_run` (`cluster.ray_start`) asks `gpu_share` before it reserves the placement groups:
+a run started without a cluster to join, on a machine whose GPUs are fewer than the bundles the
+placement plan asks for, gets bundles of a share of a GPU each (as actors without placement groups
+would), and one line says so: what was asked, what the node has, and what that means for weight
+sync (two ranks on one GPU: NCCL refuses them, the transport rule, `weight_sync.placed`, takes
+CUDA IPC there from the GPUs the ranks report). A joined cluster short of GPUs is not shrunk: its
+placement fails with what was asked and what it has (`cluster.placement.PlacedGroups`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """Each GPU bundle's share of a GPU, and the line that says why."""
+
+    share: float
+    line: str
+
+
+def gpu_share(needed: float, nodes: Sequence[Mapping[str, Any]], joined: bool) -> GpuShare | None:
+    """`needed` GPU bundles on the cluster's `nodes` (`placement.cluster_nodes()`: "ip",
+    "resources"): a `GpuShare` when a local Ray (not `joined`) has fewer GPUs, at least one, than
+    bundles; else None (enough GPUs, no GPU, or a joined cluster)."""
+    gpus = {str(n["ip"]): float(n["resources"].get("GPU", 0.0)) for n in nodes}
+    have = sum(gpus.values())
+    if joined or not 0 < have < needed:
+        return None
+    share = have / needed
+    where = ", ".join(f"{ip} has {n:g} GPU(s)" for ip, n in gpus.items() if n > 0)
+    line = (
+        f"fewer GPUs than GPU bundles: the placement asks for {needed:g} GPU bundle(s), and {where}; "
+        f"the bundles share the GPUs ({share:.2f} GPU each), so ranks may share a GPU: weight sync "
+        "takes CUDA IPC where the policy's rank 0 and an engine do (NCCL refuses two ranks on one GPU)"
+    )
+    return GpuShare(share, line)

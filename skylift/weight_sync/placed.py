@@ -1,0 +1,112 @@
+"""`PlacedTransport`: a training run's full-weight transport, chosen where the ranks really are.
+
+At `open` (the engines are up) the policy's rank 0 and every engine worker say where they run
+(`ipc.place`: host, CPU or the physical GPU's UUID; the engines through the IPC engine side's
+``places``), and `weight_sync.topology` picks the transport from those places:
+
+- ``auto``: every engine ``ipc`` (a worker on rank 0's GPU, or CPU engines on rank 0's host:
+  shared memory) -> `ipc.policy_transport.PolicySharedTransport`; every engine ``nccl`` or every
+  engine ``gloo`` -> `broadcast.transport.BroadcastTransport` over that backend; a mix -> one gloo
+  group for all (it carries every layout, NCCL would refuse a same-GPU pair);
+- a forced backend (``nccl``, ``gloo``, ``ipc``) is checked against the places
+  (`topology.check_forced`: one line saying why it cannot work and what to use) and used.
+
+Engines that cannot say where they run (an older server) get the broadcast path with the
+backend the config alone gives (`factory.group_backend`), said in the open line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from skylift.weight_sync.ipc.place import place_from_wire
+from skylift.weight_sync.ipc.policy_rank import SharedWeightsRank
+from skylift.weight_sync.process_group import WeightSyncError
+from skylift.weight_sync.topology import Place, Transport, check_forced, choose_transports
+from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
+
+#: builds the transport for one choice: "ipc", or a group backend ("nccl", "gloo", None: the
+#: config's own, `factory.group_backend`)
+Build = Callable[[str | None], WeightTransport]
+
+
+def resolve(backend: str, trainer: Place, engines: list[list[Place]]) -> tuple[str, str]:
+    """(transport, why) for `backend` ("auto" or forced) and these places: "ipc", "nccl" or
+    "gloo". A forced backend that cannot work raises `WeightSyncError` (one line)."""
+    if backend != "auto":
+        check_forced(backend, trainer, engines)
+        return backend, "forced by generator.weight_sync_backend"
+    choices: list[Transport] = choose_transports(trainer, engines)
+    kinds = sorted(set(choices))
+    where = f"policy rank 0 on {_describe(trainer)}; engines on " + ", ".join(
+        "/".join(sorted({_describe(w) for w in workers})) for workers in engines
+    )
+    if len(kinds) == 1:
+        return kinds[0], where
+    return "gloo", f"{where}: engines need {' and '.join(kinds)}, one gloo group carries both"
+
+
+def _describe(place: Place) -> str:
+    return f"{place.host} {place.device}" + (f" GPU {place.gpu[:12]}" if place.gpu else "")
+
+
+class PlacedTransport(WeightTransport):
+    """Delegates to the transport the ranks' places call for (chosen at `open`)."""
+
+    def __init__(self, backend: str, policy: Any, engines: EngineSet, say: Say, build: Build) -> None:
+        self.backend, self.policy, self.engines, self.say, self.build = backend, policy, engines, say, build
+        self.chosen: str | None = None
+        self.inner: WeightTransport | None = None
+
+    async def places(self) -> tuple[Place, list[list[Place]]] | None:
+        """(rank 0's place, each live engine's workers' places), or None when an engine cannot say."""
+        trainer = await asyncio.to_thread(self.policy.call_rank0, SharedWeightsRank.weight_sync_place)
+        try:
+            answers = await self.engines.weight_call("ipc", "places", {}, strict=True)
+        except WeightSyncError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine without the operation: config alone decides
+            self.say(f"weight sync: the engines cannot say where they run ({type(exc).__name__}: {exc})")
+            return None
+        try:
+            return place_from_wire(trainer), [[place_from_wire(w) for w in workers] for workers in answers]
+        except (ValueError, TypeError) as exc:
+            self.say(f"weight sync: an engine's place does not decode ({exc})")
+            return None
+
+    async def open(self) -> str:
+        places = await self.places()
+        if places is None:
+            if self.backend == "ipc":
+                raise WeightSyncError(
+                    "weight_sync_backend=ipc cannot work: the engines cannot say where they run, so "
+                    "sharing by handle cannot be checked; use weight_sync_backend=auto"
+                )
+            chosen, why = None, "the engines' places unknown: the config's backend"
+        else:
+            chosen, why = resolve(self.backend, *places)
+        self.chosen = chosen or "broadcast"
+        self.inner = self.build(chosen)
+        line = await self.inner.open()
+        return f"{line} [{self.chosen}: {why}]"
+
+    def _require(self) -> WeightTransport:
+        if self.inner is None:
+            raise WeightSyncError("weight sync: open() the transport before a push")
+        return self.inner
+
+    @property
+    def needs_prefix_reset(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_prefix_reset if self.inner is not None else True
+
+    async def stage(self, version: int) -> None:
+        await self._require().stage(version)
+
+    async def push(self, version: int) -> dict[str, float]:
+        return await self._require().push(version)
+
+    async def close(self) -> None:
+        if self.inner is not None:
+            await self.inner.close()

@@ -1,0 +1,40 @@
+"""A local Ray with fewer GPUs than GPU bundles is seen at start, over fake cluster views
+(`placement.cluster_nodes()`'s shape): one line with what was asked and what the node has."""
+
+from __future__ import annotations
+
+from skylift.cluster.gpu_sharing import gpu_share
+from skylift.cluster.placement import PlacementRequest, plan_placement
+
+
+def node(ip: str, gpus: float, cpus: float = 16) -> dict:
+    return {"ip": ip, "id": f"id-{ip}", "resources": {"CPU": cpus, "GPU": gpus, "memory": 1e9}}
+
+
+def test_fewer_gpus_than_bundles_on_a_local_ray_share_them_and_say_so() -> None:
+    # a one-GPU policy and two one-GPU engines: three GPU bundles on a two-GPU machine
+    plan = plan_placement(PlacementRequest(num_engines=2, gpu=True))
+    needed = plan.total()["GPU"]
+    assert needed == 3
+    shared = gpu_share(needed, [node("10.0.0.5", 2)], joined=False)
+    assert shared is not None and abs(shared.share - 2 / 3) < 1e-9
+    assert shared.line.startswith(
+        "fewer GPUs than GPU bundles: the placement asks for 3 GPU bundle(s), and 10.0.0.5 has 2 GPU(s); "
+        "the bundles share the GPUs (0.67 GPU each)"
+    )
+    assert "CUDA IPC" in shared.line and "NCCL refuses" in shared.line
+
+
+def test_enough_gpus_no_gpu_or_a_joined_cluster_are_left_alone() -> None:
+    assert gpu_share(3, [node("10.0.0.5", 4)], joined=False) is None
+    assert gpu_share(3, [node("10.0.0.5", 3)], joined=False) is None
+    assert gpu_share(3, [node("10.0.0.5", 0)], joined=False) is None  # no GPU: placement says so
+    assert gpu_share(0, [node("10.0.0.5", 1)], joined=False) is None  # a CPU run
+    # a joined cluster short of GPUs is not shrunk: its placement fails with both sides
+    assert gpu_share(3, [node("10.0.0.5", 1), node("10.0.0.6", 1)], joined=True) is None
+
+
+def test_every_gpu_node_of_a_local_view_is_named() -> None:
+    shared = gpu_share(4, [node("10.0.0.5", 1), node("10.0.0.6", 0), node("10.0.0.7", 1)], joined=False)
+    assert shared is not None and shared.share == 0.5
+    assert "10.0.0.5 has 1 GPU(s), 10.0.0.7 has 1 GPU(s)" in shared.line and "10.0.0.6" not in shared.line

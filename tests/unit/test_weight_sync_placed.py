@@ -1,0 +1,171 @@
+"""A training run's full-weight transport chosen from where the ranks say they run
+(`weight_sync.placed`), and the policy's shared-memory path (`ipc.policy_rank` +
+`ipc.policy_transport`) against the real IPC engine side and worker receiver over a fake worker
+(no vLLM; the real engine: tests/integration/test_weight_sync_shm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_ipc_transport import Engine, weights
+
+from skylift.weight_sync.ipc.place import place_from_wire, place_of
+from skylift.weight_sync.ipc.policy_rank import SharedWeightsRank
+from skylift.weight_sync.ipc.policy_transport import PolicySharedTransport
+from skylift.weight_sync.placed import PlacedTransport, resolve
+from skylift.weight_sync.process_group import WeightSyncError
+from skylift.weight_sync.topology import Place
+
+A, B = "node-a", "node-b"
+CPU_A, CPU_B = Place(A), Place(B)
+GPU0, GPU1 = Place(A, "cuda", "GPU-0"), Place(A, "cuda", "GPU-1")
+
+
+def test_auto_picks_from_the_places() -> None:
+    assert resolve("auto", CPU_A, [[CPU_A], [CPU_A]])[0] == "ipc"  # shared memory on one host
+    assert resolve("auto", CPU_A, [[CPU_B]])[0] == "gloo"
+    assert resolve("auto", GPU0, [[GPU0]])[0] == "ipc"  # CUDA IPC: NCCL refuses the pair
+    assert resolve("auto", GPU0, [[GPU1], [Place(B, "cuda", "GPU-9")]])[0] == "nccl"
+    assert resolve("auto", GPU0, [[GPU1, GPU0]])[0] == "ipc"  # a TP engine with a worker on rank 0's GPU
+    chosen, why = resolve("auto", GPU0, [[GPU0], [GPU1]])  # one engine needs IPC, one NCCL
+    assert chosen == "gloo" and "ipc and nccl" in why
+
+
+def test_a_forced_backend_is_checked_against_the_places() -> None:
+    assert resolve("gloo", GPU0, [[GPU0]]) == ("gloo", "forced by generator.weight_sync_backend")
+    with pytest.raises(WeightSyncError, match="weight_sync_backend=nccl cannot work: .* share GPU GPU-0"):
+        resolve("nccl", GPU0, [[GPU1], [GPU0]])
+    with pytest.raises(
+        WeightSyncError, match="weight_sync_backend=ipc cannot work: engine 0's worker 0 runs on node-b"
+    ):
+        resolve("ipc", CPU_A, [[CPU_B]])
+
+
+def test_a_place_round_trips_and_bad_ones_are_refused() -> None:
+    here = place_from_wire(place_of(None))
+    assert here.device == "cpu" and here.gpu is None
+    assert place_from_wire({"host": A, "device": "cuda", "gpu": "GPU-0"}) == GPU0
+    for bad in ({"host": A, "device": "tpu"}, {"device": "cpu"}, {"host": A, "device": "cuda"}):
+        with pytest.raises(ValueError):
+            place_from_wire(bad)
+
+
+class Rank(SharedWeightsRank):
+    """A policy rank: its weights (rank 0's are what the engines get) and the gathers it ran."""
+
+    def __init__(self, rank: int, state: dict[str, torch.Tensor]) -> None:
+        self.rank, self.device, self.state, self.gathers = rank, torch.device("cpu"), state, 0
+        self.yielded = 0
+
+    def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.gathers += 1
+        for item in self.state.items():
+            self.yielded += 1  # a gather of one tensor: every rank must take part in each
+            yield item
+
+
+class Policy:
+    """`WorkerGroup.call_rank0` / `call_all` over in-process ranks."""
+
+    def __init__(self, ranks: list[Rank]) -> None:
+        self.ranks = ranks
+
+    def call_rank0(self, method: Any, *args: Any) -> Any:
+        return method(self.ranks[0], *args)
+
+    def call_all(self, method: Any, *args: Any) -> list[Any]:
+        return [method(r, *args) for r in self.ranks]
+
+
+class Engines:
+    """An `EngineSet` of fake engines whose weight calls reach the real IPC engine side."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.engines = engines
+        self.live_indices = list(range(len(engines)))
+
+    async def probe(self, timeout_s: float = 10.0) -> list[int]:
+        return self.live_indices
+
+    async def weight_call(
+        self, transport: str, operation: str, payload: Any = None, *, strict: bool = True
+    ) -> list[Any]:
+        if operation == "places":
+            return [[place_of(None)] for _ in self.engines]
+        return list(
+            await asyncio.gather(*(e.weight_call(transport, operation, payload) for e in self.engines))
+        )
+
+
+def test_the_policy_shares_new_buffers_first_then_streams_into_the_kept_ones() -> None:
+    ranks = [Rank(0, weights(1)), Rank(1, {})]
+    engines = Engines([Engine(), Engine()])
+    transport = PolicySharedTransport(Policy(ranks), engines, print, bucket_bytes=2 * 64 * 64 * 4)
+
+    async def run() -> list[dict[str, float]]:
+        out = []
+        for seed in (1, 2, 3):
+            ranks[0].state = weights(seed)
+            out.append(await transport.push(seed))
+            for engine in engines.engines:
+                assert all(torch.equal(engine.worker.model[k], v) for k, v in weights(seed).items())
+        await transport.close()
+        return out
+
+    metrics = asyncio.run(run())
+    assert [m["weight_sync/streamed"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all(m["weight_sync/bytes"] == 6 * 64 * 64 * 4 for m in metrics)
+    assert [r.gathers for r in ranks] == [3, 3]  # every rank gathers each push (a collective)
+    first, second, third = engines.engines[0].payloads
+    assert "ready" not in first and second["handle"] == third["handle"] == first["handle"]
+    assert second["buckets"] == [[f"layers.{i}.w", f"layers.{i + 1}.w"] for i in (0, 2, 4)]
+    assert ranks[0].__dict__["_skylift_shared_sender"].kept is None  # close released them
+
+
+def test_another_layout_stops_the_workers_and_the_gathers_complete() -> None:
+    ranks = [Rank(0, weights(1)), Rank(1, {})]
+    engine = Engine()
+    transport = PolicySharedTransport(Policy(ranks), Engines([engine]), print, bucket_bytes=2 * 64 * 64 * 4)
+
+    async def run() -> None:
+        await transport.push(1)
+        ranks[0].state = {**weights(2), "layers.2.w": torch.zeros(3)}  # another shape
+        with pytest.raises(WeightSyncError, match="'layers.2.w' \\(3,\\) does not fit the kept buffers"):
+            await transport.push(2)
+        await transport.close()
+
+    asyncio.run(run())
+    assert any("sender failed" in str(e) for e in engine.errors), engine.errors
+    assert ranks[0].yielded == 12  # rank 0 drained its gather: no other rank is left waiting in one
+
+
+def test_new_buffers_each_push_are_freed_once_loaded() -> None:
+    ranks = [Rank(0, weights(1))]
+    engine = Engine()
+    transport = PolicySharedTransport(Policy(ranks), Engines([engine]), print, keep_buffers=False)
+    asyncio.run(transport.push(1))
+    sender = ranks[0].__dict__["_skylift_shared_sender"]
+    assert sender.kept is None and sender.fresh is None
+    assert all(torch.equal(engine.worker.model[k], v) for k, v in weights(1).items())
+
+
+def test_placed_transport_opens_what_the_places_call_for() -> None:
+    ranks = [Rank(0, weights(1))]
+    engines = Engines([Engine()])
+    built: list[str | None] = []
+
+    def build(choice: str | None) -> Any:
+        built.append(choice)
+        return PolicySharedTransport(Policy(ranks), engines, print)
+
+    placed = PlacedTransport("auto", Policy(ranks), engines, print, build)
+    line = asyncio.run(placed.open())
+    assert built == ["ipc"] and "[ipc: policy rank 0 on" in line
+    with pytest.raises(
+        WeightSyncError, match="weight_sync_backend=nccl cannot work: the trainer's rank 0 runs on CPU"
+    ):
+        asyncio.run(PlacedTransport("nccl", Policy(ranks), engines, print, build).open())
