@@ -10,6 +10,7 @@ from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 from skylift.generator.vision import VisionInputs, has_images
 from skylift.inference.engine_args import VISION_ENGINE_ARGS
+from skylift.inference.vllm_patches import qwen2_vl_site
 
 
 def _rows_with_images(datasets: Iterable[Any]) -> str | None:
@@ -45,6 +46,7 @@ def run_vision(cfg: SkyliftConfig, model_path: str, datasets: Iterable[Any]) -> 
             "a vision-language policy needs local engines (generator.run_engines_locally=true): "
             "images do not travel over /skylift/generate to remote servers"
         )
+    qwen2_vl_site.enable()  # before any engine starts: its processes inherit it
     return vision
 
 

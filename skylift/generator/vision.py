@@ -53,6 +53,25 @@ def has_images(messages: Sequence[dict[str, Any]]) -> bool:
     )
 
 
+def printable_messages(messages: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """`messages` with each image part as ``{"type": "image", "size": [width, height]}`` (what a
+    JSON record or a report shows of it)."""
+    if messages is None:
+        return None
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str | None):
+            content = [
+                {"type": "image", "size": list(getattr(part.get("image"), "size", ()) or ())}
+                if isinstance(part, dict) and part.get("type") in ("image", "image_url")
+                else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
 @dataclass
 class VisionInputs:
     """A vision-language model's image processing, for the generator."""
@@ -161,4 +180,4 @@ def _expand_response(tr: Trajectory, image_token: int, repeat: Any) -> None:
     tr.turn_rewards = [(where[index], reward) for index, reward in tr.turn_rewards]
 
 
-__all__ = ["VisionError", "VisionInputs", "has_images", "message_images"]
+__all__ = ["VisionError", "VisionInputs", "has_images", "message_images", "printable_messages"]
