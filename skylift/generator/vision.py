@@ -9,8 +9,10 @@ Once the rollout is done, `VisionInputs.attach` expands the trajectory's ids as 
 logprob 0) and gives it the images' processed tensors (`Trajectory.vision_inputs`), which the
 trainer's forward takes (`skylift.worker.vision_inputs`). A prompt's `n` samples share one
 processing of its images; a single-turn trajectory's expanded prompt is checked against the
-engine's own expansion. Sampling never picks an image or vision-start token (`banned_tokens`):
-such a token in a response would stand for an image that is not there.
+engine's own expansion. Sampling never picks an image, video or vision-start token
+(`banned_tokens`, a logit bias): such a token in a response would stand for an image that is not
+there. vLLM's returned logprobs are those of the biased distribution, and the trainer scores that
+same distribution (`skylift.worker.vision_inputs.with_sampling_bias`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from skylift.generator.trajectory import Trajectory
 from skylift.utils.images import load_image
+from skylift.worker.vision_inputs import BANNED_BIAS, banned_token_ids
 
 
 class VisionError(ValueError):
@@ -97,20 +100,17 @@ class VisionInputs:
         image_token = getattr(config, "image_token_id", None)
         if image_token is None:
             raise VisionError(f"{model_path}: a vision-language config without image_token_id")
-        banned = (
-            image_token,
-            getattr(config, "video_token_id", None),
-            getattr(config, "vision_start_token_id", None),
-        )
         return cls(
             image_processor=AutoImageProcessor.from_pretrained(model_path),
             image_token_id=int(image_token),
             merge_size=int(getattr(vision, "spatial_merge_size", 1) or 1),
-            banned_tokens=tuple(int(t) for t in banned if t is not None),
+            banned_tokens=banned_token_ids(config),
         )
 
     def logit_bias(self) -> dict[int, float]:
-        return {token: -100.0 for token in self.banned_tokens}
+        """The engine's logit bias: the banned tokens are never sampled (the trainer scores the
+        same biased distribution: `skylift.worker.vision_inputs.with_sampling_bias`)."""
+        return {token: BANNED_BIAS for token in self.banned_tokens}
 
     def process(self, images: Sequence[Any]) -> tuple[dict[str, Any], list[int]]:
         """The images' ``pixel_values`` / ``image_grid_thw`` and each image's token count; the

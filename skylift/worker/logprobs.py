@@ -14,7 +14,7 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch
-from skylift.worker.vision_inputs import vision_kwargs
+from skylift.worker.vision_inputs import vision_kwargs, with_sampling_bias
 
 
 def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
@@ -70,7 +70,7 @@ def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
         logits_to_keep=batch.response_len + 1,
         **kwargs,
     )
-    return out.logits[:, :-1, :]
+    return with_sampling_bias(model, out.logits[:, :-1, :])
 
 
 def _shared_prompt_forward(
@@ -99,7 +99,7 @@ def _shared_prompt_forward(
         past_key_values=cache,
         use_cache=True,
     )
-    return torch.cat([last_prompt_logits, resp_out.logits], dim=1)
+    return with_sampling_bias(model, torch.cat([last_prompt_logits, resp_out.logits], dim=1))
 
 
 def response_values(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:

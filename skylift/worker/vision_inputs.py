@@ -7,10 +7,13 @@ forward takes them concatenated in row order, with ``mm_token_type_ids`` marking
 tokens, from which the model derives its multimodal positions. Rows selected into micro-batches
 keep their own tensors (`SequenceBatch.select`). Such batches run the padded forward: the packed
 (padding-free) and prefix-sharing paths score text rows only, so ``remove_microbatch_padding`` and
-``share_prefixes`` fall back to padded micro-batches for them.
+``share_prefixes`` fall back to padded micro-batches for them. The engines never sample the image
+and vision tokens (a logit bias); the padded forward scores the same biased distribution.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +35,33 @@ def load_vision_language(path: str, dtype: torch.dtype) -> torch.nn.Module | Non
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+
+
+#: the bias the engines add to the logits of a vision-language model's banned tokens (vLLM's
+#: ``logit_bias``, at its bound): they are never sampled, and the logprobs the engine returns are
+#: those of the biased distribution, so the trainer scores the same one (`with_sampling_bias`)
+BANNED_BIAS = -100.0
+
+
+def banned_token_ids(config: Any) -> tuple[int, ...]:
+    """The tokens a vision-language model's rollouts never sample: its image, video and
+    vision-start tokens (one in a response would stand for an image that is not there); none for
+    a text-only config."""
+    if getattr(config, "vision_config", None) is None:
+        return ()
+    names = ("image_token_id", "video_token_id", "vision_start_token_id")
+    return tuple(int(t) for t in (getattr(config, n, None) for n in names) if t is not None)
+
+
+def with_sampling_bias(model: torch.nn.Module, logits: Tensor) -> Tensor:
+    """`logits` (`[..., V]`) with `BANNED_BIAS` added at the model's banned tokens, as the engine
+    sampled them (unchanged for a text-only model)."""
+    banned = banned_token_ids(getattr(model, "config", None))
+    if not banned:
+        return logits
+    bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    bias[list(banned)] = BANNED_BIAS
+    return logits + bias
 
 
 def image_token_count(grid_thw: Tensor, merge_size: int) -> int:
@@ -75,6 +105,9 @@ def row_inputs(per_row: list[dict[str, Tensor] | None]) -> list[dict[str, Tensor
 
 
 __all__ = [
+    "BANNED_BIAS",
+    "banned_token_ids",
+    "with_sampling_bias",
     "check_rows",
     "image_token_count",
     "is_vision_language",

@@ -24,7 +24,7 @@ from skylift.generator.vision import VisionError, VisionInputs
 from skylift.inference.types import Completion, GenerateOutput, SamplingParams
 from skylift.models import tiny_qwen2_vl
 from skylift.rl.experience import trajectory_batch
-from skylift.worker.vision_inputs import check_rows, vision_kwargs
+from skylift.worker.vision_inputs import banned_token_ids, check_rows, vision_kwargs, with_sampling_bias
 
 SINGLE = "test_vision_single"
 MULTI = "test_vision_multi"
@@ -279,3 +279,20 @@ def test_images_for_a_text_only_policy_are_refused(
 
 def replace_bias(vision: VisionInputs) -> SamplingParams:
     return SamplingParams(max_tokens=2, logit_bias=vision.logit_bias())
+
+
+def test_the_trainer_scores_the_distribution_the_engine_sampled_without_image_tokens(tokenizer: Any) -> None:
+    config = tiny_qwen2_vl.build_config(tokenizer)
+    banned = banned_token_ids(config)
+    assert banned == (config.image_token_id, config.video_token_id, config.vision_start_token_id)
+    model = torch.nn.Module()
+    model.config = config  # type: ignore[assignment]
+    logits = torch.randn(2, 3, config.text_config.vocab_size)
+    biased = with_sampling_bias(model, logits).log_softmax(-1)
+    assert float(biased[..., list(banned)].exp().max()) < 1e-30  # never sampled
+    # the other tokens' logprobs: renormalised without the banned ones, as vLLM returns them
+    kept = [t for t in range(logits.shape[-1]) if t not in banned]
+    torch.testing.assert_close(biased[..., kept], logits[..., kept].log_softmax(-1))
+    text = torch.nn.Module()
+    text.config = config.text_config  # type: ignore[assignment]  # no vision_config: unchanged
+    assert with_sampling_bias(text, logits) is logits
