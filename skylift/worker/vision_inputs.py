@@ -8,7 +8,8 @@ tokens, from which the model derives its multimodal positions. Rows selected int
 keep their own tensors (`SequenceBatch.select`). Such batches run the padded forward: the packed
 (padding-free) and prefix-sharing paths score text rows only, so ``remove_microbatch_padding`` and
 ``share_prefixes`` fall back to padded micro-batches for them. The engines never sample the image
-and vision tokens (a logit bias); the padded forward scores the same biased distribution.
+and vision tokens (a logit bias); every forward (padded, packed, prefix tree) scores the same
+biased distribution (`with_sampling_bias`).
 """
 
 from __future__ import annotations
