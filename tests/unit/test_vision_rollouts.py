@@ -296,3 +296,35 @@ def test_the_trainer_scores_the_distribution_the_engine_sampled_without_image_to
     text = torch.nn.Module()
     text.config = config.text_config  # type: ignore[assignment]  # no vision_config: unchanged
     assert with_sampling_bias(text, logits) is logits
+
+
+def _config_dir(path: Any, config: Any) -> str:
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_a_run_refuses_images_it_cannot_train_in_one_line(tmp_path: Any, tokenizer: Any) -> None:
+    from transformers import Qwen2Config
+
+    from skylift.cluster.vision_run import run_vision
+    from skylift.config import ConfigError, load_config
+
+    text_model = _config_dir(
+        tmp_path / "text", Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1)
+    )
+    cfg = load_config(["trainer.policy.model.path=my-text-model", "generator.vision_language_generator=true"])
+    with pytest.raises(
+        ConfigError, match="vision_language_generator=true but my-text-model is not a vision-language"
+    ):
+        run_vision(cfg, text_model, [])
+    data = _image_rows(tmp_path, SINGLE)
+    cfg = load_config(["trainer.policy.model.path=my-text-model"])
+    with pytest.raises(ConfigError, match="prompt 0:0 has images but the policy my-text-model is not"):
+        run_vision(cfg, text_model, [None, data])
+    assert run_vision(cfg, text_model, [None]) is None  # text rows, text policy: nothing to do
+    vlm = tmp_path / "vlm"
+    tiny_qwen2_vl.build_image_processor().save_pretrained(vlm)
+    _config_dir(vlm, tiny_qwen2_vl.build_config(tokenizer))
+    remote = load_config(["generator.run_engines_locally=false"])
+    with pytest.raises(ConfigError, match="needs local engines"):
+        run_vision(remote, str(vlm), [data])
