@@ -35,12 +35,14 @@ from skylift.cluster.settings import (
     model_worker_settings,
     total_steps,
 )
+from skylift.cluster.vision_run import run_vision, vision_engine_kwargs
 from skylift.cluster.worker_group import WorkerGroup
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset
 from skylift.envs.registry import configure_run
 from skylift.generator import Generator
 from skylift.generator.plugins import RolloutContext, rollout_plugin
+from skylift.generator.vision import VisionInputs
 from skylift.inference.pool import EnginePool
 from skylift.utils.loop_thread import LoopThread
 from skylift.utils.quiet import quiet_libraries
@@ -85,6 +87,7 @@ class Runtime:
         self.weights: EngineWeights | OffloadingEngineWeights | None = None
         self.placement: Any = None  # PlacedGroups (skylift.cluster.placement) when the run uses Ray
         self.generator: Any = None  # skylift's Generator, or a rollout plugin's around it
+        self.vision: VisionInputs | None = None  # a vision-language policy's image processing
         #: e.g. ``environment.verifiers`` (rows of env_class verifiers played by a verifiers env server)
         #: or ``environment.harness`` (an agent program through the gateway, which registers it here)
         from skylift.gateway import rollouts as _harness_plugin  # noqa: F401
@@ -136,6 +139,7 @@ class Runtime:
             if cfg.data.val_data
             else None
         )
+        self.vision = run_vision(cfg, str(self.model_path), [self.train_data, self.val_data])
         self.tracking = Tracking(t.loggers(), self.paths.logs, t.project_name, t.run_name)
         self.say(
             f"run '{t.run_name}': model {t.policy.model.path}, "
@@ -183,7 +187,7 @@ class Runtime:
     def _start_generator(self) -> None:
         env = self.cfg.environment  # modules of registrations; the env plugins' settings
         configure_run(env.env_class, env.import_modules, self.cfg.generator.max_turns, env)
-        generator = Generator(self.engines, self.tokenizer, generator_settings(self.cfg))
+        generator = Generator(self.engines, self.tokenizer, generator_settings(self.cfg), vision=self.vision)
         if self.rollout_plugin is None:
             self.generator = generator
             return
@@ -217,7 +221,9 @@ class Runtime:
     def _start_engines(self) -> None:
         g = self.cfg.generator
         if g.run_engines_locally:
-            kwargs = local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
+            kwargs = vision_engine_kwargs(
+                self.vision, local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
+            )
             if self.colocation.sleep_engines:  # what the trainer leaves of each GPU while they are awake
                 gpu_bytes = torch.cuda.get_device_properties(0).total_memory
                 kwargs["gpu_memory_utilization"] = colocated_engine_fraction(

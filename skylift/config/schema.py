@@ -100,8 +100,7 @@ class OptimizerConfig:
         "constant_with_warmup", f"learning-rate schedule: {' | '.join(LR_SCHEDULERS)}", choices=LR_SCHEDULERS
     )
     offload_after_step: bool = _f(
-        True,
-        "colocate_all on GPUs: optimizer state in host memory while engines are awake (weights: always)",
+        True, "colocate_all on GPUs: optimizer state in host memory while engines are awake (weights: always)"
     )
 
 
@@ -447,6 +446,7 @@ class GeneratorConfig:
         False, "step-wise: merge a rollout's steps that extend the one before into one sample"
     )
     on_template_mismatch: str = _f("error", "history change: error|step_wise", choices=("error", "step_wise"))
+    vision_language_generator: bool = _f(False, "true: the policy must be a vision-language model")
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from skylift.data.image_prompts import IMAGES_COLUMN, ImagePromptError, has_image_parts, image_messages
 from skylift.data.schema import OPTIONAL_COLUMNS, REQUIRED_COLUMNS
 
 
@@ -34,7 +35,7 @@ class PromptSample:
     passes to environments among their extras.
     """
 
-    prompt: list[dict[str, str]]
+    prompt: list[dict[str, Any]]  # content: text, or parts with images (`skylift.data.image_prompts`)
     env_class: str
     reward_spec: dict[str, Any]
     extra_info: dict[str, Any]
@@ -63,7 +64,7 @@ def _as_file_list(files: str | os.PathLike[str] | Iterable[str | os.PathLike[str
     return [_expand(f) for f in files]
 
 
-def _parse_prompt(value: Any, where: str, column: str = "prompt") -> list[dict[str, str]]:
+def _parse_prompt(value: Any, where: str, column: str = "prompt") -> list[dict[str, Any]]:
     if isinstance(value, str):  # a bare string is one user message
         value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -80,7 +81,10 @@ def _parse_prompt(value: Any, where: str, column: str = "prompt") -> list[dict[s
             raise DataFileError(
                 f"{where}: column {column!r} has a message without role/content: {message!r:.80}"
             )
-        messages.append({"role": message["role"], "content": str(message["content"])})
+        content = message["content"]  # chat-content parts (images) stay a list
+        messages.append(
+            {"role": message["role"], "content": content if isinstance(content, list) else str(content)}
+        )
     return messages
 
 
@@ -107,7 +111,7 @@ def load_prompt_file(
     if missing:
         raise DataFileError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(names)})")
     rows = pq.read_table(path).to_pylist()
-    own = {*wanted, *OPTIONAL_COLUMNS}
+    own = {*wanted, *OPTIONAL_COLUMNS, IMAGES_COLUMN}
     samples = []
     for row_index, row in enumerate(rows):
         where = f"{path} row {row_index}"
@@ -119,9 +123,16 @@ def load_prompt_file(
         data_source = row.get("data_source")
         if not isinstance(data_source, str):
             raise DataFileError(f"{where}: column 'data_source' must be a string, got {data_source!r}")
+        prompt = _parse_prompt(row.get(prompt_key), where, prompt_key)
+        images = row.get(IMAGES_COLUMN) or []
+        if images or has_image_parts(prompt):
+            try:
+                prompt = image_messages(prompt, list(images), where)
+            except ImagePromptError as e:
+                raise DataFileError(str(e)) from e
         samples.append(
             PromptSample(
-                prompt=_parse_prompt(row.get(prompt_key), where, prompt_key),
+                prompt=prompt,
                 env_class=str(env_class),
                 reward_spec=dict(row.get("reward_spec") or {}),
                 extra_info=dict(row.get("extra_info") or {}),

@@ -35,6 +35,7 @@ from skylift.generator.multi_turn import TurnLoop
 from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
+from skylift.generator.vision import VisionError, VisionInputs, message_images
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
 __all__ = [
@@ -93,8 +94,10 @@ class Generator:
         tokenizer: Any,
         settings: GeneratorSettings,
         clock: Clock = time.monotonic,
+        vision: VisionInputs | None = None,
     ) -> None:
         self.engine = engine
+        self.vision = vision  # a vision-language model's image processing (None: text only)
         self.clock = clock  # times the rollouts
         self.tokenizer = tokenizer
         self.settings = settings
@@ -107,7 +110,7 @@ class Generator:
             if settings.llm_base_url is None
             else OpenAIChatClient(settings.llm_base_url, settings.llm_model, timeout_s=settings.llm_timeout_s)
         )
-        self._turns = TurnLoop(engine, self.chat, settings, self._call_env, self._resubmitted, clock)
+        self._turns = TurnLoop(engine, self.chat, settings, self._call_env, self._resubmitted, clock, vision)
 
     # ------------------------------------------------------------------ public
     async def generate(
@@ -129,6 +132,8 @@ class Generator:
         if workers > 0 and self._env_pool is None:  # shared by concurrent calls (fully async)
             self._env_pool = ThreadPoolExecutor(workers, thread_name_prefix="env")
         self._env_users += 1
+        if self.vision is not None:  # the model's own logits stay untouched (see generator.vision)
+            params = replace(params, logit_bias={**(params.logit_bias or {}), **self.vision.logit_bias()})
         try:
             groups = [[self._make_env(row) for _ in range(n)] for row in rows]
             token_level = any(isinstance(envs[0], TokenEnvironment) for envs in groups if envs)
@@ -144,8 +149,12 @@ class Generator:
             names = {row.uid: row.env_class or self.settings.default_env_class for row in rows}
             for tr in out:
                 tr.env_class = names.get(tr.uid, "")
+                if tr.images and self.vision is not None:  # a multi-turn rollout's images
+                    self.vision.attach(tr, tr.images)
             return out
         finally:
+            if self.vision is not None:
+                self.vision.forget()
             self._env_users -= 1
             if self._env_users == 0:
                 if self._env_pool is not None:
@@ -155,6 +164,15 @@ class Generator:
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
         return self.chat.prompt_ids(messages, tools)
+
+    def prompt_images(self, uid: str, messages: list[dict[str, Any]]) -> list[Any]:
+        """The images of a prompt's messages; `VisionError` when the model takes none."""
+        images = message_images(messages, f"prompt {uid}")
+        if images and self.vision is None:
+            raise VisionError(
+                f"prompt {uid} has {len(images)} image(s) but the policy is not a vision-language model"
+            )
+        return images
 
     # ------------------------------------------------------------------ single turn
     async def _single_turn(
@@ -169,6 +187,7 @@ class Generator:
         start = self.clock()  # every rollout of the batch starts here
         envs_per_row = []
         prompts: list[list[int]] = []
+        images: list[list[Any]] = []
         for row, envs in zip(rows, groups, strict=True):
             await self._setup_group(row, envs)
             inits = await asyncio.gather(
@@ -181,18 +200,30 @@ class Generator:
                     f"{self.settings.max_prompt_length}"
                 )
             prompts.append(ids)
+            images.append(self.prompt_images(row.uid, inits[0]))
             envs_per_row.append(envs)
         params = replace(params, max_tokens=min(params.max_tokens, self.settings.max_generate_length))
+        with_images = any(images)
         if seeds is None:
             timer = TrajectoryTimer(self.clock, start)
-            outputs = await timer.timed("llm", self.engine.generate(prompts, params))
+            call = (
+                self.engine.generate(prompts, params, images=images)  # type: ignore[call-arg]
+                if with_images
+                else self.engine.generate(prompts, params)
+            )
+            outputs = await timer.timed("llm", call)
             llm_s = [timer.split["llm"]] * len(prompts)  # one call for the batch
         else:
             timers = [TrajectoryTimer(self.clock, start) for _ in prompts]
             answers = await asyncio.gather(
                 *(
-                    timer.timed("llm", self.engine.generate([p], replace(params, seed=s)))
-                    for p, s, timer in zip(prompts, seeds, timers, strict=True)
+                    timer.timed(
+                        "llm",
+                        self.engine.generate([p], replace(params, seed=s), images=[imgs])  # type: ignore[call-arg]
+                        if imgs
+                        else self.engine.generate([p], replace(params, seed=s)),
+                    )
+                    for p, s, imgs, timer in zip(prompts, seeds, images, timers, strict=True)
                 )
             )
             outputs = [answer[0] for answer in answers]
@@ -210,6 +241,11 @@ class Generator:
                 timer.add("llm", llm_s[i])
                 scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params, timer))
         scored = [[tr] for tr in await asyncio.gather(*scoring)]
+        if with_images:
+            assert self.vision is not None
+            for i, output in enumerate(outputs):  # the engine's expansion of the prompt, checked
+                for (tr,) in scored[i * n : (i + 1) * n]:
+                    self.vision.attach(tr, images[i], output.prompt_token_ids)
         finished = await asyncio.gather(
             *(self._finish_group(envs, scored[i * n : (i + 1) * n]) for i, envs in enumerate(envs_per_row))
         )

@@ -31,6 +31,7 @@ from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
+from skylift.generator.vision import VisionError, VisionInputs, message_images
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
 EnvCall = Callable[..., Awaitable[Any]]
@@ -47,6 +48,7 @@ class TurnLoop:
     call_env: EnvCall  # awaits env.init/step/close, sync or async
     resubmit: Resubmit  # continues an aborted sample
     clock: Clock = time.monotonic  # times each rollout
+    vision: VisionInputs | None = None  # a vision-language model's (None: images are refused)
 
     async def run(
         self,
@@ -83,6 +85,7 @@ class TurnLoop:
         tools = env.tool_schemas()
         track = ConversationIds(self.chat, messages, tools)  # what the template renders so far
         rollout = RolloutRecord(list(track.ids), policy_version)
+        rollout.images = self._images(row.uid, messages, s)
         conversation = [dict(m) for m in messages]  # step-wise: rendered afresh every turn
         turns: list[TurnRecord] = []  # for a switch to step-wise (generator.on_template_mismatch)
         while rollout.turns < s.max_turns:
@@ -105,6 +108,7 @@ class TurnLoop:
             rollout.add_answer(result.reward, result.metrics, result.metadata)
             if result.done or not result.observations:
                 break
+            rollout.images += self._images(row.uid, result.observations, s)
             conversation += [{"role": "assistant", "content": text}, *map(dict, result.observations)]
             if s.step_wise:
                 continue
@@ -132,7 +136,11 @@ class TurnLoop:
     ) -> tuple[Completion, str, list[int]]:
         """Sample one turn after `context` (an aborted sample continued: `resubmit`) and record it in
         `rollout` and `turns`: (its completion, its text, the ids `rollout` holds as sampled)."""
-        out = await timer.timed("llm", self.engine.generate([context], params, rollout.session_id))
+        if rollout.images:  # every image so far, one image token each in `context`
+            call = self.engine.generate([context], params, rollout.session_id, images=[list(rollout.images)])  # type: ignore[call-arg]
+        else:
+            call = self.engine.generate([context], params, rollout.session_id)
+        out = await timer.timed("llm", call)
         completion = await timer.timed(
             "llm", self.resubmit(context, out[0].completions[0], params, rollout.session_id)
         )
@@ -140,6 +148,22 @@ class TurnLoop:
         sampled = rollout.add_turn(s, context, completion, text)
         turns.append((len(context), completion, text))
         return completion, text, sampled
+
+    def _images(self, uid: str, messages: list[dict[str, Any]], s: GeneratorSettings) -> list[Any]:
+        """The images of a prompt's or an observation's messages (`VisionError` where they
+        cannot go: a text-only model, step-wise samples, observations as plain text)."""
+        images = message_images(messages, f"prompt {uid}")
+        if not images:
+            return images
+        if self.vision is None:
+            raise VisionError(f"prompt {uid} has image(s) but the policy is not a vision-language model")
+        if s.step_wise or s.on_template_mismatch == "step_wise" or not s.conversation_multi_turn:
+            raise VisionError(
+                f"prompt {uid}: images in multi-turn rollouts need whole trajectories with chat observations "
+                "(generator.step_wise_trajectories=false, generator.on_template_mismatch=error, "
+                "generator.use_conversation_multi_turn=true)"
+            )
+        return images
 
     def _between_turns(
         self,

@@ -35,6 +35,8 @@ class RolloutRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str = "length"
     turns: int = 0
+    #: the rollout's images so far (a vision-language model's), one image token each in its ids
+    images: list[Any] = field(default_factory=list)
     #: after `replace_turn`, the response index of the turn's last token still trained
     _reward_at: int | None = None
 
@@ -153,5 +155,6 @@ class RolloutRecord:
             response_text="\n".join(self.texts),
             turn_rewards=turn_rewards,
             metrics=self.metrics,
+            images=self.images,
         )
         return [trajectory]

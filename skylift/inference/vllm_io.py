@@ -37,6 +37,7 @@ def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False, pro
         stop_token_ids=params.stop_token_ids,
         seed=params.seed,
         ignore_eos=params.ignore_eos,
+        logit_bias=params.logit_bias,
         logprobs=params.top_logprobs if params.top_logprobs > 0 else (0 if params.logprobs else None),
         prompt_logprobs=prompt_top if prompt_top > 0 else (0 if prompt_logprobs else None),
         output_kind=RequestOutputKind.FINAL_ONLY,

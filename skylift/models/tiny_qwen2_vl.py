@@ -59,7 +59,7 @@ def build_image_processor():
 
     Saved as ``preprocessor_config.json`` with type ``Qwen2VLImageProcessor``, so loaders pick
     whichever backend their environment has. (transformers' ``Qwen2VLProcessor`` itself cannot be
-    built without torchvision: it insists on a video processor; see ``skylift.tinker.vision.render_compat``.)
+    built without torchvision: it insists on a video processor; see ``skylift.inference.vllm_patches.qwen2_vl_site``.)
     """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -44,6 +44,7 @@ from skylift.rl.dynamic_sampling import zero_variance_uids
 from skylift.rl.staleness import StalenessPolicy
 from skylift.rl.step_wise import check_step_wise, is_step_wise, step_wise_advantages
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
+from skylift.worker.vision_inputs import row_inputs
 
 BatchFn = Callable[[SequenceBatch], Tensor]
 """A per-token quantity of a batch: `[batch, response_len]` (logprobs or values)."""
@@ -270,14 +271,17 @@ class Experience:
 
 
 def trajectory_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> SequenceBatch:
-    """Padded prompt + response ids of the trajectories, with their rollout logprobs."""
-    return build_sequence_batch(
+    """Padded prompt + response ids of the trajectories, with their rollout logprobs and (a
+    vision-language model's) each row's image inputs."""
+    batch = build_sequence_batch(
         [tr.prompt_ids for tr in trajectories],
         [tr.response_ids for tr in trajectories],
         [tr.loss_mask for tr in trajectories],
         pad_token_id=pad_token_id,
         per_token={"rollout_logprobs": [tr.rollout_logprobs for tr in trajectories]},
     )
+    batch.row_inputs = row_inputs([tr.vision_inputs for tr in trajectories])
+    return batch
 
 
 def make_experience(

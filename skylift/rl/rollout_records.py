@@ -38,6 +38,7 @@ from torch import Tensor
 from skylift.config.records import RolloutRecordsConfig
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory
+from skylift.generator.vision import printable_messages
 from skylift.rl.batch_dump import batch_record
 from skylift.rl.experience import Experience
 from skylift.rl.parts import Parts
@@ -171,7 +172,7 @@ class RolloutRecorder:
             "uid": uid,
             "data_source": first.data_source,
             "env_class": first.env_class,
-            "messages": self._prompts.get(uid),
+            "messages": printable_messages(self._prompts.get(uid)),
             "prompt_text": self.decode(list(first.prompt_ids)),
             "samples": samples,
         }

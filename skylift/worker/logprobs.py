@@ -14,6 +14,7 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.vision_inputs import vision_kwargs, with_sampling_bias
 
 
 def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
@@ -61,7 +62,7 @@ def response_logprobs(
 def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
     kwargs: dict[str, Tensor] = {"position_ids": batch.position_ids}
     if batch.row_inputs is not None:
-        kwargs = _vision_kwargs(model, batch)
+        kwargs = vision_kwargs(model, batch)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -69,19 +70,7 @@ def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
         logits_to_keep=batch.response_len + 1,
         **kwargs,
     )
-    return out.logits[:, :-1, :]
-
-
-def _vision_kwargs(model: torch.nn.Module, batch: SequenceBatch) -> dict[str, Tensor]:
-    """A vision-language model's image inputs: the rows' tensors concatenated in row order, and
-    which positions hold image placeholders (the model derives its multimodal positions from them)."""
-    rows = batch.row_inputs or []
-    names = sorted({k for row in rows for k in row})
-    kwargs = {k: torch.cat([row[k] for row in rows if k in row]) for k in names}
-    image_token_id = getattr(getattr(model, "config", None), "image_token_id", None)
-    if kwargs and image_token_id is not None:
-        kwargs["mm_token_type_ids"] = (batch.input_ids == image_token_id).long()
-    return kwargs
+    return with_sampling_bias(model, out.logits[:, :-1, :])
 
 
 def _shared_prompt_forward(
@@ -110,7 +99,7 @@ def _shared_prompt_forward(
         past_key_values=cache,
         use_cache=True,
     )
-    return torch.cat([last_prompt_logits, resp_out.logits], dim=1)
+    return with_sampling_bias(model, torch.cat([last_prompt_logits, resp_out.logits], dim=1))
 
 
 def response_values(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:

@@ -22,6 +22,7 @@ from torch import Tensor
 from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch, split_rows
 from skylift.worker.logprobs import unique_prompts
+from skylift.worker.vision_inputs import with_sampling_bias
 
 
 def ordered_rows(batch: SequenceBatch) -> list[int]:
@@ -118,7 +119,8 @@ def packed_response_logprobs(
         logits_to_keep=layout.keep,
     )
     score = logprobs_with_full if with_full else token_logprobs
-    return _scatter(micro, layout, score(out.logits[0], layout.targets, temperature))
+    logits = with_sampling_bias(model, out.logits[0])  # a vision-language policy's banned tokens
+    return _scatter(micro, layout, score(logits, layout.targets, temperature))
 
 
 def packed_response_values(model: torch.nn.Module, micro: SequenceBatch) -> Tensor:

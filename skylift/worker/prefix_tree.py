@@ -20,6 +20,7 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.vision_inputs import with_sampling_bias
 
 #: Attention implementations that take a dense 4D mask (flash-attention kernels do not).
 TREE_ATTENTION = ("sdpa", "eager")
@@ -140,7 +141,7 @@ def prefix_tree_response_logprobs(
     (`temperature` and `with_full` as in `skylift.worker.logprobs.response_logprobs`)."""
     device = micro.input_ids.device
     tree = build_prefix_tree(micro)
-    logits = _forward(model, tree, device, logits_to_keep=tree.keep.to(device))  # [K, V]
+    logits = with_sampling_bias(model, _forward(model, tree, device, logits_to_keep=tree.keep.to(device)))
     score = logprobs_with_full if with_full else token_logprobs
     return _scatter(micro, tree, score(logits, tree.targets.to(device), temperature, tree.index.to(device)))
 

@@ -39,6 +39,7 @@ from skylift.worker.profiler import ProfilerSettings, StepProfiler, profiled
 from skylift.worker.sequence_parallel import SequenceSplit, pool_rows
 from skylift.worker.sharding import full_tensor, hybrid_mesh, shard_model
 from skylift.worker.ulysses import sequence_parallel_groups
+from skylift.worker.vision_inputs import load_vision_language
 
 # loss_fn(new_logprobs [b, R], micro_batch) -> (loss to backpropagate, metrics). A loss function
 # with a true `needs_full_logprobs` attribute also finds, when the sampling distribution is
@@ -86,13 +87,6 @@ class WorkerSettings:
     profiler: ProfilerSettings | None = None  # torch.profiler traces of chosen steps (worker.profiler)
 
 
-def is_vision_language(model_path: str) -> bool:
-    """True for an image-text-to-text checkpoint (e.g. Qwen2-VL: its config has a vision_config)."""
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
-
-
 def load_pretrained(model_path: str, dtype: str = "float32", head: str = "lm") -> torch.nn.Module:
     """A checkpoint's transformers model in `dtype`: a causal LM, an image-text-to-text model, or
     with head "value" the backbone with a new scalar head (transformers initialises it from the
@@ -105,11 +99,8 @@ def load_pretrained(model_path: str, dtype: str = "float32", head: str = "lm") -
     torch_dtype = str_to_dtype(dtype, FLOAT_DTYPES)
     if head == "value":
         return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype)
-    if is_vision_language(path):
-        from transformers import AutoModelForImageTextToText
-
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    vision = load_vision_language(path, torch_dtype)
+    return vision if vision is not None else AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
 
 
 class TrainingWorker:

@@ -163,7 +163,6 @@ SKYRL_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
         "not implemented yet: prompts use the tokenizer's own chat template",
     ),
     "generator.use_cache_salt": (True, "not implemented: prefix caching is shared between requests"),
-    "generator.vision_language_generator": (False, "skylift generates text only"),
     "generator.sampling_params.additional_kwargs*": (
         None,
         "not implemented yet: no extra sampling arguments",

@@ -16,6 +16,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
+| `qwen2_vl_site` (+ `qwen2_vl_without_torchvision/`) | a vision-language run or the Tinker render server, before vLLM starts (`skylift.cluster.vision_run`, `skylift.tinker.vision.render_server`) | Qwen2-VL loads without torchvision (transformers' PIL image processor; no video processor) |
 | `lora_prompt_logprobs` | asked by the Tinker sampler (`skylift.tinker.sampling.engine_host`) | prompt scoring under an adapter of the unembedding runs on merged weights (vLLM drops or crashes on it) |
 
 `check` guards all of them at once: the engine and the server call it before vLLM starts, so the

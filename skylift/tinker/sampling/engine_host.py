@@ -157,7 +157,7 @@ class EngineHost:
                 s = self.settings
                 extra: dict[str, Any] = {}
                 if self.vision:
-                    from skylift.tinker.vision.engine_render import VISION_ENGINE_ARGS
+                    from skylift.inference.engine_args import VISION_ENGINE_ARGS
                     from skylift.tinker.vision.render_server import enable_vision_compat
 
                     enable_vision_compat()

@@ -140,7 +140,7 @@ class SamplingService:
     def host(self, info: BaseModelInfo) -> EngineHost:
         host = self.engines.get(info.path)
         if host is None:
-            from skylift.worker.training_worker import is_vision_language
+            from skylift.worker.vision_inputs import is_vision_language
 
             settings = dataclasses.replace(self.engine_settings, max_model_len=info.max_model_len)
             vision = is_vision_language(info.path)

