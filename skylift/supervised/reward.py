@@ -84,12 +84,10 @@ class RewardModelTrainer(SupervisedTrainer):
     worker_cls = RewardWorker
 
     def load_train(self) -> list[list[Any]]:
-        splits = self.cfg.train_dataset_splits or [None] * len(self.cfg.train_datasets)
-        return [self._pairs(s, sp) for s, sp in zip(self.cfg.train_datasets, splits, strict=True)]
+        return self.read_each_source(self._pairs)
 
     def load_eval(self) -> dict[str, list[Any]]:
-        splits = self.cfg.eval_dataset_splits or ["validation"] * len(self.cfg.eval_datasets)
-        return {s: self._pairs(s, sp) for s, sp in zip(self.cfg.eval_datasets, splits, strict=True)}
+        return self.read_each_eval_source(self._pairs)
 
     def _pairs(self, source: str, split: str | None) -> list[RewardRow]:
         kwargs = dict(self.cfg.chat_template_kwargs)

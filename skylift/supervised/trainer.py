@@ -74,6 +74,17 @@ class SupervisedTrainer:
     def load_eval(self) -> dict[str, list[Any]]:
         return eval_sources(self.cfg, self.tokenizer, self.say)
 
+    def read_each_source(self, read: Callable[[str, str | None], list[Any]]) -> list[list[Any]]:
+        """`read(source, split)` of every train dataset, for a subclass whose rows are not chat
+        examples (preference pairs); the splits as `train_sources` reads them."""
+        splits = self.cfg.train_dataset_splits or [None] * len(self.cfg.train_datasets)
+        return [read(s, sp) for s, sp in zip(self.cfg.train_datasets, splits, strict=True)]
+
+    def read_each_eval_source(self, read: Callable[[str, str | None], list[Any]]) -> dict[str, list[Any]]:
+        """`read(source, split)` of every evaluation dataset (split "validation" unless given)."""
+        splits = self.cfg.eval_dataset_splits or ["validation"] * len(self.cfg.eval_datasets)
+        return {s: read(s, sp) for s, sp in zip(self.cfg.eval_datasets, splits, strict=True)}
+
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
         from skylift.tracking import Tracking
