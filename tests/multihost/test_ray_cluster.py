@@ -125,6 +125,9 @@ def test_engines_and_policy_on_different_nodes(
         "generator.num_inference_engines": 1,
         "generator.http_timeout_s": 60,
         "generator.weight_sync_timeout_s": 60,
+        # the two simulated hosts share one kernel (one boot id, one /dev/shm), so `auto` rightly
+        # shares memory between them; this test is about a group over the network between nodes
+        "generator.weight_sync_backend": "gloo",
         "generator.engine_startup_timeout_s": 400,
         "trainer.train_batch_size": 4,
         "trainer.policy_mini_batch_size": 4,
