@@ -4,8 +4,9 @@ At `open` (the engines are up) the policy's rank 0 and every engine worker say w
 (`ipc.place`: host, CPU or the physical GPU's UUID; the engines through the IPC engine side's
 ``places``), and `weight_sync.topology` picks the transport from those places:
 
-- ``auto``: every engine ``ipc`` (a worker on rank 0's GPU, or CPU engines on rank 0's host:
-  shared memory) -> `ipc.policy_transport.PolicySharedTransport`; every engine ``nccl`` or every
+- ``auto``: every engine ``ipc`` (a worker on rank 0's GPU: CUDA IPC; CPU engines on rank 0's
+  host take gloo under ``auto``, shared memory only when ``ipc`` is forced) ->
+  `ipc.policy_transport.PolicySharedTransport`; every engine ``nccl`` or every
   engine ``gloo`` -> `broadcast.transport.BroadcastTransport` over that backend; a mix -> one gloo
   group for all (it carries every layout, NCCL would refuse a same-GPU pair);
 - a forced backend (``nccl``, ``gloo``, ``ipc``) is checked against the places

@@ -58,6 +58,10 @@ def choose_transport(trainer: Place, workers: Sequence[Place]) -> Transport:
         return "ipc"
     if trainer.device == "cuda" and all(w.device == "cuda" for w in workers):
         return "nccl"
+    if trainer.device == "cpu" and all(w.device == "cpu" for w in workers):
+        # CPUs on one host could share memory (`weight_sync_backend=ipc`), but that path killed a
+        # remote server's load in CI (session 22): gloo until it is diagnosed
+        return "gloo"
     return "ipc" if same_host else "gloo"
 
 
@@ -81,7 +85,7 @@ def check_forced(backend: str, trainer: Place, engines: Sequence[Sequence[Place]
                 side = "the trainer's rank 0" if trainer.device == "cpu" else where
                 raise WeightSyncError(
                     f"weight_sync_backend=nccl cannot work: {side} runs on CPU and NCCL moves GPU memory "
-                    "only; use weight_sync_backend=auto (shared memory on one host, else gloo) or gloo"
+                    "only; use weight_sync_backend=auto (gloo on CPU), ipc (shared memory on one host) or gloo"
                 )
             if backend == "ipc" and place.host != trainer.host:
                 raise WeightSyncError(

@@ -130,6 +130,7 @@ def test_two_steps_with_local_engines(arithmetic_data: Path, tiny_model_dir: Pat
         tmp_path,
         tiny_model_dir,
         **{"trainer.max_steps": 2, "trainer.ckpt_interval": 2},
+        **{"generator.weight_sync_backend": "ipc"},  # shared memory: auto takes gloo on CPU
         **profile,
     )
     trainer, history, exported = _run(overrides)

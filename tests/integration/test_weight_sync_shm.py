@@ -129,9 +129,9 @@ def test_kept_buffers_streamed_while_the_sender_fills_load_what_a_gloo_sync_load
 def test_a_training_policys_shared_memory_sync_loads_what_its_gloo_broadcast_loads(
     engine: LocalVLLMEngine, loop: Any, tiny_model_dir: Path
 ) -> None:
-    """`skylift train`'s full-weight transport (`make_transport`, weight_sync_backend=auto) with the
+    """`skylift train`'s full-weight transport (`make_transport`, weight_sync_backend=ipc) with the
     policy's rank in this process and the engine on this host: rank 0 and the engine's worker say
-    where they run, the rule picks shared memory; the first push shares new buffers, the second is
+    where they run, the check lets shared memory through; the first push shares new buffers, the second is
     streamed into the kept ones; after each, the engine's logprobs equal those after a gloo
     broadcast of the same policy, bit for bit."""
     from skylift.cluster.worker_group import WorkerGroup
@@ -146,7 +146,7 @@ def test_a_training_policys_shared_memory_sync_loads_what_its_gloo_broadcast_loa
     group.setup()
     pool = EnginePool([engine])
     said: list[str] = []
-    shm = make_transport(load_config([]), group, pool, said.append)
+    shm = make_transport(load_config(["generator.weight_sync_backend=ipc"]), group, pool, said.append)
     gloo = BroadcastTransport(
         group,
         pool,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,7 +51,9 @@ def step(model: torch.nn.Module, names: list[str], seed: int) -> None:
 class FakeVllm:
     """What `LocalVLLMEngine`'s delta sync uses of vLLM's AsyncLLM: `collective_rpc` to one worker
     that loads tensors of the store into `weights` (seeded with the base checkpoint, as vLLM loads
-    it in `dtype`), and the prefix-cache reset."""
+    it in `dtype`), and the prefix-cache reset (of a text-only model: `model_config`)."""
+
+    model_config = SimpleNamespace(is_multimodal_model=False)
 
     def __init__(self, base: Path, dtype: torch.dtype = torch.bfloat16) -> None:
         index = BaseWeights(base)

@@ -26,7 +26,8 @@ GPU0, GPU1 = Place(A, "cuda", "GPU-0"), Place(A, "cuda", "GPU-1")
 
 
 def test_auto_picks_from_the_places() -> None:
-    assert resolve("auto", CPU_A, [[CPU_A], [CPU_A]])[0] == "ipc"  # shared memory on one host
+    assert resolve("auto", CPU_A, [[CPU_A], [CPU_A]])[0] == "gloo"  # shared memory only when forced
+    assert resolve("ipc", CPU_A, [[CPU_A], [CPU_A]])[0] == "ipc"
     assert resolve("auto", CPU_A, [[CPU_B]])[0] == "gloo"
     assert resolve("auto", GPU0, [[GPU0]])[0] == "ipc"  # CUDA IPC: NCCL refuses the pair
     assert resolve("auto", GPU0, [[GPU1], [Place(B, "cuda", "GPU-9")]])[0] == "nccl"
@@ -162,9 +163,9 @@ def test_placed_transport_opens_what_the_places_call_for() -> None:
         built.append(choice)
         return PolicySharedTransport(Policy(ranks), engines, print)
 
-    placed = PlacedTransport("auto", Policy(ranks), engines, print, build)
+    placed = PlacedTransport("ipc", Policy(ranks), engines, print, build)  # CPU: auto takes gloo
     line = asyncio.run(placed.open())
-    assert built == ["ipc"] and "[ipc: policy rank 0 on" in line
+    assert built == ["ipc"] and "[ipc: forced by generator.weight_sync_backend]" in line
     with pytest.raises(
         WeightSyncError, match="weight_sync_backend=nccl cannot work: the trainer's rank 0 runs on CPU"
     ):

@@ -16,7 +16,7 @@ def test_each_layout_gets_its_transport() -> None:
     assert choose_transport(GPU0, [GPU0]) == "ipc"  # same GPU: CUDA IPC, never NCCL
     assert choose_transport(GPU0, [GPU1]) == "nccl"  # another GPU
     assert choose_transport(GPU0, [Place("h2", "cuda", "GPU-0")]) == "nccl"  # same index, other host
-    assert choose_transport(CPU_H1, [CPU_H1]) == "ipc"  # CPU, one host: shared memory
+    assert choose_transport(CPU_H1, [CPU_H1]) == "gloo"  # CPU, one host: shared memory only when forced
     assert choose_transport(CPU_H1, [CPU_H2]) == "gloo"  # CPU, another host
     assert choose_transport(GPU0, [CPU_H1]) == "ipc" and choose_transport(GPU0, [CPU_H2]) == "gloo"
     assert choose_transport(CPU_H1, [GPU1]) == "ipc"  # a CPU trainer's tensors in shared memory
@@ -26,7 +26,7 @@ def test_tensor_parallel_engines_and_several_engines() -> None:
     # TP=2 with one worker on the trainer's GPU: IPC for the whole engine (NCCL would refuse it)
     assert choose_transport(GPU0, [GPU0, GPU1]) == "ipc"
     assert choose_transport(GPU0, [GPU1, GPU2]) == "nccl"
-    assert choose_transport(CPU_H1, [CPU_H1, CPU_H1]) == "ipc"
+    assert choose_transport(CPU_H1, [CPU_H1, CPU_H1]) == "gloo"
     assert choose_transport(CPU_H1, [CPU_H1, CPU_H2]) == "gloo"  # one worker elsewhere: the wire
     # several engines: each its own
     assert choose_transports(GPU0, [[GPU0], [GPU1], [Place("h2", "cuda", "GPU-9")]]) == [

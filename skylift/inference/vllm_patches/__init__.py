@@ -33,6 +33,7 @@ from skylift.inference.vllm_patches import (
     generate_guard,
     lora_prompt_logprobs,
     quiet_teardown,
+    qwen2_vl_site,
     responses_input,
 )
 from skylift.inference.vllm_patches.versions import (
@@ -52,6 +53,7 @@ MODULES = (
     responses_input,
     generate_guard,
     lora_prompt_logprobs,
+    qwen2_vl_site,
 )
 #: (name, the vLLM versions it was written for) of every patch.
 PATCHES: tuple[tuple[str, str], ...] = tuple((module.NAME, module.WRITTEN_FOR) for module in MODULES)

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 NAME = "qwen2_vl_site"
+#: checked against the installed vLLM by `skylift.inference.vllm_patches.check` as every patch is
+WRITTEN_FOR = "==0.32.*"
 #: the directory put on PYTHONPATH (it holds only ``sitecustomize.py``)
 COMPAT_DIR = Path(__file__).resolve().parent / "qwen2_vl_without_torchvision"
 

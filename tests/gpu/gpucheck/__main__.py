@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from gpucheck.colocated import ITEMS as COLOCATED_ITEMS
-from gpucheck.env import BLOCKED, CARRIED_WHEELS, add_wheels, install_blocker, loaded_blocked_modules
+from gpucheck.env import (
+    BLOCKED,
+    CARRIED_WHEELS,
+    add_wheels,
+    import_skipping_package_init,
+    install_blocker,
+    loaded_blocked_modules,
+)
 from gpucheck.stack import stack_header
 
 ITEMS = {
@@ -48,6 +55,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     blocker = install_blocker()
+    # skylift.config's __init__ imports omegaconf (the loader), which the GPU machine lacks; the
+    # worker and trainer modules need only the config's dataclasses (skylift.config.schema)
+    import_skipping_package_init("skylift.config.schema", "skylift.config")
     args = parse(sys.argv[1:] if argv is None else argv)
     work = (args.work or Path(tempfile.gettempdir()) / f"skylift-gpu-check-{os.getuid()}").resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -97,8 +97,9 @@ def _place(device: str) -> dict[str, Any]:
 
 def item_same_device_group(item: Item) -> None:
     """Two processes on one device, placed as skylift's weight-sync rule sees ranks: the rule picks
-    the same-device path (CUDA IPC on a GPU, shared memory on CPU), never NCCL, and a forced NCCL is
-    refused by skylift, with its one line, before any NCCL group is made."""
+    the same-device path on a GPU (CUDA IPC; on CPU, where `auto` takes gloo, the path a forced
+    ``ipc`` takes: shared memory), never NCCL, and a forced NCCL is refused by skylift, with its one
+    line, before any NCCL group is made."""
     from skylift.weight_sync.ipc.place import place_from_wire
     from skylift.weight_sync.placed import resolve
     from skylift.weight_sync.process_group import WeightSyncError
@@ -109,7 +110,8 @@ def item_same_device_group(item: Item) -> None:
     if (why := _failed(places)) is not None:
         raise RuntimeError(why)
     trainer, worker = (place_from_wire(p) for p in places)
-    chosen, _ = resolve("auto", trainer, [[worker]])  # what a training run's weight sync opens
+    # what a training run's weight sync opens (on CPU: with weight_sync_backend=ipc)
+    chosen, _ = resolve("auto" if trainer.device == "cuda" else "ipc", trainer, [[worker]])
     item.figures["transport_skylift_picks"] = chosen
     item.figures["same_gpu"] = trainer.gpu is not None and trainer.gpu == worker.gpu
     item.holds("the two processes see the same device", trainer == worker, f"{trainer} / {worker}")
