@@ -159,7 +159,7 @@ def test_a_training_policys_shared_memory_sync_loads_what_its_gloo_broadcast_loa
     reset = SharedTensorsTransport([engine])
     try:
         line = loop.run(shm.open())
-        assert "[ipc: policy rank 0 on" in line and "by handle" in line, line
+        assert "[ipc: forced by generator.weight_sync_backend]" in line and "by handle" in line, line
         loop.run(gloo.open())
         for version, seed in ((1, 31), (2, 32)):
             gen = torch.Generator().manual_seed(seed)
