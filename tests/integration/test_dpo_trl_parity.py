@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from trl_parity import recording, trl_args
 
 from skylift.config.sft import load_sft_config
 from skylift.supervised.dpo import PreferenceTrainer
@@ -60,40 +61,22 @@ def ours(model: Path, data: Path, runs: Path, loss: str) -> list[float]:
 
 
 def theirs(model: Path, rows: list[dict], tmp: Path, loss: str) -> list[float]:
-    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     recorded: list[float] = []
 
-    class Recording(DPOTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            recorded.append(float((out[0] if isinstance(out, tuple) else out).detach()))
-            return out
+    Recording = recording(DPOTrainer, recorded)
 
-    args = DPOConfig(
-        output_dir=str(tmp / "trl"),
+    args = trl_args(
+        DPOConfig,
+        str(tmp / "trl"),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=1,
         max_steps=STEPS,
-        learning_rate=1e-3,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=1.0,
         beta=0.1,
         loss_type=[loss],
-        train_sampling_strategy="sequential",
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=42,
-        gradient_checkpointing=False,
-        model_init_kwargs={"dtype": torch.float32},
     )
     tok = AutoTokenizer.from_pretrained(model)
     trainer = Recording(

@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 import pytest
+from trl_parity import recording, trl_args
 
 from skylift.config.sft import load_sft_config
 from skylift.supervised.trainer import SupervisedTrainer
@@ -88,7 +89,6 @@ def skylift_losses(
 
 
 def trl_losses(model: Path, rows: list[dict], tmp: Path, packed: bool) -> tuple[list[float], object]:
-    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -97,35 +97,17 @@ def trl_losses(model: Path, rows: list[dict], tmp: Path, packed: bool) -> tuple[
     tok.chat_template = TAGGED_TEMPLATE
     recorded: list[float] = []
 
-    class Recording(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            loss = out[0] if isinstance(out, tuple) else out
-            recorded.append(float(loss.detach()))
-            return out
+    Recording = recording(SFTTrainer, recorded)
 
-    args = SFTConfig(
-        output_dir=str(tmp / "trl"),
+    args = trl_args(
+        SFTConfig,
+        str(tmp / "trl"),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         max_steps=STEPS,
-        learning_rate=1e-3,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=1.0,
         assistant_only_loss=True,
         padding_free=packed,
         max_length=None,
-        train_sampling_strategy="sequential",
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=42,
-        gradient_checkpointing=False,
-        bf16=False,  # TRL turns bf16 autocast on by default; fp32 on both sides
-        model_init_kwargs={"dtype": torch.float32},
     )
     trainer = Recording(
         model=str(model), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok
