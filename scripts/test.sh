@@ -12,7 +12,7 @@ if [[ "${SKYLIFT_IN_NETNS:-0}" != 1 ]]; then
     exec bash scripts/loopback.sh bash scripts/test.sh "$@"
   fi
 fi
-export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check skylift tests benchmarks
 .venv/bin/ruff format --check skylift tests benchmarks
 .venv/bin/python scripts/import_graph.py  # the package graph; fails on a cycle or an upward import

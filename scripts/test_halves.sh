@@ -14,6 +14,20 @@ HALF_A=(tests/integration tests/multihost)
 HALF_B=(tests/unit tests/tinker tests/reliability tests/gpu)
 START=$(date +%s)
 
+# The machine's peak memory in use (MemTotal - MemAvailable, sampled every 2 s), printed at the end:
+# the halves share the memory, and a run near the limit has Ray kill workers (OutOfMemoryError).
+PEAK_FILE="$TMP/peak_mib"
+watch_memory() {
+  local peak=0 used
+  while true; do
+    used=$(awk '/^MemTotal:/{t=$2} /^MemAvailable:/{a=$2} END{print int((t-a)/1024)}' /proc/meminfo)
+    if (( used > peak )); then peak=$used; echo "$peak" > "$PEAK_FILE"; fi
+    sleep 2
+  done
+}
+watch_memory &
+pid_mem=$!
+
 ok() {  # a part passed (0), or a part that may select nothing selected nothing (5)
   [[ $1 -eq 0 || ( $1 -eq 5 && ${2:-} == may_be_empty ) ]]
 }
@@ -36,6 +50,9 @@ half b 1 "${HALF_B[@]}" &
 pid_b=$!
 wait $pid_a; rc_a=$?
 wait $pid_b; rc_b=$?
+kill "$pid_mem" 2>/dev/null
+total_mib=$(awk '/^MemTotal:/{print int($2/1024)}' /proc/meminfo)
+echo "[test] peak memory in use: $(cat "$PEAK_FILE" 2>/dev/null || echo '?') MiB of $total_mib MiB"
 rm -rf "$TMP"
 
 echo "[test] exit codes: whole-machine $rc_w, half a $rc_a, half b $rc_b"

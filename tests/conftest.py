@@ -24,10 +24,10 @@ from server_helpers import (
     wait_healthy,
 )
 
-# Everything runs offline and on loopback; vLLM on CPU gets a small KV cache.
+# Everything runs offline and on loopback. (No VLLM_CPU_KVCACHE_SPACE: a CPU engine sizes its KV
+# cache to its model and max_model_len, skylift.inference.engine_args.cpu_kv_cache_default.)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

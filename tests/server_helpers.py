@@ -104,7 +104,6 @@ def start_server(
         cmd += ["--api-key", api_key]
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

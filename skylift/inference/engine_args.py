@@ -31,9 +31,13 @@ CPU_ENV_DEFAULTS = {
 LOGPROBS_MODE = "processed_logprobs"
 
 # KV cache of a CPU engine when neither `kv_cache_memory_bytes` nor VLLM_CPU_KVCACHE_SPACE says
-# (vLLM's own default is 4 GiB). Pages are only touched as the cache fills, so what a run really
-# holds is at most this.
+# (vLLM's own default is 4 GiB): what `max_num_seqs` sequences of `max_model_len` tokens need, at
+# most 1 GiB and at least 32 MiB. vLLM's CPU backend writes the whole cache at start-up, so a tiny
+# model's engine would otherwise hold a full GiB it never uses.
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+CPU_MIN_KV_CACHE_BYTES = 32 << 20
+# vLLM's max_num_seqs when the caller leaves it out
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 # machines with at most this many cores give the engine all of them (see apply_cpu_env_defaults)
@@ -171,8 +175,14 @@ def worker_extension(requested: str | None) -> str:
     return requested
 
 
-def kv_cache_bytes(requested: int | None) -> int | None:
-    """The `kv_cache_memory_bytes` to give vLLM: `requested`, or on CPU 1 GiB when nothing says.
+def kv_cache_bytes(
+    requested: int | None,
+    model: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+) -> int | None:
+    """The `kv_cache_memory_bytes` to give vLLM: `requested`, or on CPU, when nothing says, what
+    `model` needs (`cpu_kv_cache_default`).
 
     vLLM's CPU backend lets the legacy VLLM_CPU_KVCACHE_SPACE variable silently override the
     engine argument, so asking for both is refused.
@@ -186,8 +196,43 @@ def kv_cache_bytes(requested: int | None) -> int | None:
             "cache (vLLM would silently use the environment variable); unset one of them"
         )
     if not legacy and requested is None:
-        return CPU_DEFAULT_KV_CACHE_BYTES
+        return cpu_kv_cache_default(model, max_model_len, max_num_seqs)
     return requested
+
+
+def cpu_kv_cache_default(model: str | None, max_model_len: int | None, max_num_seqs: int | None) -> int:
+    """Bytes for `max_num_seqs` full-length sequences of `model` (plus one), in fp32, between
+    32 MiB and 1 GiB; 1 GiB when the model's config cannot say (not readable, no plain attention)."""
+    per_token = _kv_bytes_per_token(model) if model else None
+    if per_token is None:
+        return CPU_DEFAULT_KV_CACHE_BYTES
+    per_token, positions = per_token
+    tokens = (max_model_len or positions) * ((max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS) + 1)
+    return max(CPU_MIN_KV_CACHE_BYTES, min(CPU_DEFAULT_KV_CACHE_BYTES, per_token * tokens))
+
+
+def _kv_bytes_per_token(model: str) -> tuple[int, int] | None:
+    """(KV-cache bytes one token takes in fp32 across all layers, the model's max positions), or None."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model).get_text_config()
+    except Exception as exc:  # a name vLLM resolves itself, a GGUF file, ...: the plain default
+        logger.debug("KV cache default for %s: config not readable (%s)", model, exc)
+        return None
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        return None  # linear attention or state-space layers: not sized per token here
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
+    )
+    positions = getattr(config, "max_position_embeddings", None)
+    if not (layers and kv_heads and head_dim and positions):
+        return None
+    return 2 * layers * kv_heads * head_dim * 4, int(positions)
 
 
 def build_engine_args(
@@ -225,7 +270,9 @@ def build_engine_args(
         )
     extra.setdefault("disable_log_stats", True)
     extra.setdefault("logprobs_mode", LOGPROBS_MODE)
-    extra["kv_cache_memory_bytes"] = kv_cache_bytes(extra.get("kv_cache_memory_bytes"))
+    extra["kv_cache_memory_bytes"] = kv_cache_bytes(
+        extra.get("kv_cache_memory_bytes"), model, max_model_len, max_num_seqs
+    )
     return AsyncEngineArgs(
         model=model,
         max_model_len=max_model_len,

@@ -26,16 +26,20 @@ class VLLMPoolingScorer(RewardScorer):
     def __init__(self, path: str, batch_size: int, max_model_len: int = 4096) -> None:
         from vllm import LLM
 
+        from skylift.inference.engine_args import kv_cache_bytes
         from skylift.models import resolve_model_path
 
         super().__init__(path)
+        model = resolve_model_path(path)
+        max_num_seqs = max(batch_size, 1)
         self.llm: Any = LLM(
-            model=resolve_model_path(path),
+            model=model,
             runner="pooling",
             dtype="float32",
             enforce_eager=True,
             max_model_len=max_model_len,
-            max_num_seqs=max(batch_size, 1),
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=kv_cache_bytes(None, model, max_model_len, max_num_seqs),
         )
         self._lock = threading.Lock()
 

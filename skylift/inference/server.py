@@ -302,7 +302,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.distributed_executor_backend = executor_backend(
             args.distributed_executor_backend, int(args.tensor_parallel_size or 1)
         )
-        args.kv_cache_memory_bytes = kv_cache_bytes(args.kv_cache_memory_bytes)
     except ValueError as exc:
         parser.error(str(exc))
     from skylift.inference.limits import MAX_N
@@ -310,7 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One limit on samples per prompt for every route (vLLM's /v1 routes would allow n <= 16384).
     os.environ.setdefault("VLLM_MAX_N_SEQUENCES", str(MAX_N))
     try:
-        prepare_args(args)
+        prepare_args(args)  # resolves the model, whose config sizes a CPU engine's KV cache
+        args.kv_cache_memory_bytes = kv_cache_bytes(
+            args.kv_cache_memory_bytes, args.model, args.max_model_len, args.max_num_seqs
+        )
     except ValueError as exc:
         parser.error(str(exc))
     validate_parsed_serve_args(args)

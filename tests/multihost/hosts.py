@@ -186,7 +186,6 @@ def make_two_hosts() -> TwoHosts:
         raise
     env = {k: v for k, v in os.environ.items() if k not in HOST_ONLY_ENV}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     hosts.env = env
     return hosts
 

@@ -49,9 +49,30 @@ def test_sleep_mode_is_refused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cpu_kv_cache_defaults_to_one_gib(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
     monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    # the tiny model's full context (its max_position_embeddings) times 256 sequences: over 1 GiB
     assert engine_args.build_engine_args(str(tiny_model_dir)).kv_cache_memory_bytes == 1 << 30
     args = engine_args.build_engine_args(str(tiny_model_dir), kv_cache_memory_bytes=256 << 20)
     assert args.kv_cache_memory_bytes == 256 << 20
+
+
+def test_cpu_kv_cache_default_fits_the_model_and_its_sequences(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    c = AutoConfig.from_pretrained(tiny_model_dir)
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    args = engine_args.build_engine_args(str(tiny_model_dir), max_model_len=512, max_num_seqs=64)
+    assert args.kv_cache_memory_bytes == per_token * 512 * 65
+    small = engine_args.build_engine_args(str(tiny_model_dir), max_model_len=64, max_num_seqs=2)
+    assert small.kv_cache_memory_bytes == engine_args.CPU_MIN_KV_CACHE_BYTES
+
+
+def test_cpu_kv_cache_default_is_one_gib_when_the_config_cannot_say(tmp_path: Path) -> None:
+    assert engine_args.cpu_kv_cache_default(str(tmp_path / "absent"), 512, 64) == 1 << 30
+    assert engine_args.cpu_kv_cache_default(None, 512, 64) == 1 << 30
 
 
 def test_cpu_kv_cache_env_is_left_to_vllm(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
