@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -55,9 +55,11 @@ from skylift.algorithms.advantages import (
 from skylift.algorithms.advantages import (
     register_advantage_estimator as _register_estimator,
 )
-from skylift.algorithms.loss_settings import PolicyLossSettings
 from skylift.algorithms.policy_loss import (
+    LossInputs,
+    PolicyLoss,
     get_policy_loss,
+    policy_loss_from,
     policy_loss_names,
     unregister_policy_loss,
 )
@@ -76,6 +78,24 @@ def _group_index(group_ids: GroupIds | None, batch: int) -> np.ndarray:
     return np.asarray(list(group_ids), dtype=object)
 
 
+def _returned_pair(fn: SkyRLFunction, out: object, kind: str, pair: str) -> tuple[Any, Any]:
+    """What the SkyRL function `fn` (a `kind`) returned, which must be the 2-tuple ``(pair)``;
+    anything else raises naming `fn`."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"{kind} {fn.__name__!r} must return ({pair}), got {type(out).__name__}")
+    return out
+
+
+Call = TypeVar("Call", bound=Callable[..., Any])
+
+
+def _named_like(fn: SkyRLFunction, call: Call) -> Call:
+    """`call` (the adapter of the SkyRL function `fn`) under `fn`'s name and docstring."""
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "skyrl_function")
+    call.__doc__ = fn.__doc__
+    return call
+
+
 def _as_estimator(fn: SkyRLFunction) -> AdvantageEstimator:
     def skyrl_call(batch: TokenRewards) -> tuple[torch.Tensor, torch.Tensor]:
         response_mask = batch.response_mask
@@ -89,11 +109,7 @@ def _as_estimator(fn: SkyRLFunction) -> AdvantageEstimator:
             lambd=batch.lambd,
             config=None,
         )
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"advantage estimator {fn.__name__!r} must return (advantages, returns), got {out!r}"
-            )
-        advantages, returns = out
+        advantages, returns = _returned_pair(fn, out, "advantage estimator", "advantages, returns")
         for what, tensor in (("advantages", advantages), ("returns", returns)):
             if not isinstance(tensor, torch.Tensor) or tensor.shape != response_mask.shape:
                 shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -103,44 +119,35 @@ def _as_estimator(fn: SkyRLFunction) -> AdvantageEstimator:
                 )
         return advantages * response_mask, returns * response_mask
 
-    skyrl_call.__name__ = getattr(fn, "__name__", "skyrl_estimator")
-    skyrl_call.__doc__ = fn.__doc__
-    return token_level_estimator(skyrl_call)
+    return token_level_estimator(_named_like(fn, skyrl_call))
 
 
-def _as_policy_loss(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    def loss(
-        logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        config: PolicyLossSettings,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+def _as_policy_loss(fn: SkyRLFunction) -> PolicyLoss:
+    def skyrl_call(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         out = fn(
-            logprobs, old_logprobs, advantages, config=config, loss_mask=response_mask, rollout_logprobs=None
+            x.logprobs,
+            x.old_logprobs,
+            x.advantages,
+            config=x.config,
+            loss_mask=x.response_mask,
+            rollout_logprobs=None,
         )
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"policy loss {fn.__name__!r} must return (loss, metrics), got {type(out).__name__}"
-            )
-        value, raw = out
+        value, raw = _returned_pair(fn, out, "policy loss", "loss, metrics")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"policy loss {fn.__name__!r} returned a {type(value).__name__}, not a tensor")
         if value.dim() == 0:
-            per_token = value.expand_as(logprobs)
-        elif value.shape == logprobs.shape:
+            per_token = value.expand_as(x.logprobs)
+        elif value.shape == x.logprobs.shape:
             per_token = value
         else:
             raise ValueError(
                 f"policy loss {fn.__name__!r} returned a loss of shape {tuple(value.shape)}; expected one "
-                f"number or {tuple(logprobs.shape)} (one per token)"
+                f"number or {tuple(x.logprobs.shape)} (one per token)"
             )
         items = raw.items() if isinstance(raw, dict) else [("clip_ratio", raw)]
         return per_token, {str(k): float(v) for k, v in items}
 
-    loss.__name__ = getattr(fn, "__name__", "skyrl_policy_loss")
-    loss.__doc__ = fn.__doc__
-    return loss
+    return policy_loss_from(_named_like(fn, skyrl_call))
 
 
 @dataclass(frozen=True)
