@@ -23,7 +23,7 @@ from typing import Any
 from skylift.algorithms.reward_model import pair_losses
 from skylift.data.chat import read_rows
 from skylift.generator.chat import ChatFormat
-from skylift.supervised.preference import PreferenceDataError
+from skylift.supervised.preference import PreferenceDataError, ending_with_eos, preference_columns
 from skylift.supervised.trainer import SupervisedTrainer
 from skylift.worker.reward_head import RewardPairs, RewardWorker
 
@@ -41,21 +41,16 @@ def reward_row_of(
     row: dict[str, Any], tokenizer: Any, template_kwargs: dict[str, Any] | None = None, where: str = "row"
 ) -> RewardRow:
     """A TRL-format preference row tokenized for a reward model (see the module docstring)."""
-    if "chosen" not in row or "rejected" not in row:
-        raise PreferenceDataError(
-            f"{where}: a reward-model row needs 'chosen' and 'rejected' columns (found {sorted(row)})"
-        )
-    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    prompt, chosen, rejected = preference_columns(row, where, "a reward-model row")
     margin = row.get("margin")
     if margin is not None and not isinstance(margin, int | float):
         raise PreferenceDataError(f"{where}: 'margin' must be a number, got {margin!r}")
     margin = None if margin is None else float(margin)
     if isinstance(chosen, str) and isinstance(rejected, str) and isinstance(prompt, str | None):
-        eos = tokenizer.eos_token or ""
 
         def text(completion: str) -> list[int]:
-            completion = completion if completion.endswith(eos) else completion + eos
-            return [int(t) for t in tokenizer((prompt or "") + completion)["input_ids"]]
+            ids = tokenizer((prompt or "") + ending_with_eos(completion, tokenizer))["input_ids"]
+            return [int(t) for t in ids]
 
         return RewardRow(text(chosen), text(rejected), margin)
     if not (isinstance(chosen, list) and isinstance(rejected, list) and isinstance(prompt, list | None)):
