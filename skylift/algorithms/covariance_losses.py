@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from skylift.algorithms.loss_settings import PolicyLossSettings
 from skylift.algorithms.policy_loss import LossAndMetrics, LossInputs, _ppo_clip, register_loss_rule
 from skylift.algorithms.reductions import masked_mean
 
@@ -31,10 +32,10 @@ def token_covariance(advantages: Tensor, logprobs: Tensor, mask: Tensor) -> Tens
 
 
 @register_loss_rule("clip_cov")
-def clip_cov_loss(x: LossInputs) -> LossAndMetrics:
+def clip_cov_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """PPO clip with a random share of the mid-covariance unclipped tokens dropped."""
-    loss, clipped = _ppo_clip(x.ratio, x.advantages, x.config)
-    valid, settings = x.response_mask != 0, x.config.clip_cov
+    loss, clipped = _ppo_clip(x.ratio, x.advantages, config)
+    valid, settings = x.response_mask != 0, config.clip_cov
     with torch.no_grad():
         cov = token_covariance(x.advantages, x.logprobs, x.response_mask)
         candidates = valid & ~clipped & (cov > settings.clip_cov_lb) & (cov < settings.clip_cov_ub)
@@ -50,10 +51,10 @@ def clip_cov_loss(x: LossInputs) -> LossAndMetrics:
 
 
 @register_loss_rule("kl_cov")
-def kl_cov_loss(x: LossInputs) -> LossAndMetrics:
+def kl_cov_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-A r``, plus ``ppo_kl_coef * |log r|`` on the share of valid tokens of largest covariance."""
     loss = -x.advantages * x.ratio
-    valid, settings = x.response_mask != 0, x.config.kl_cov
+    valid, settings = x.response_mask != 0, config.kl_cov
     with torch.no_grad():
         cov = token_covariance(x.advantages, x.logprobs, x.response_mask)
         n_valid = int(valid.sum().item())

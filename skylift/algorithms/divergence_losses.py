@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skylift.algorithms.loss_settings import DPPOSettings
+from skylift.algorithms.loss_settings import DPPOSettings, PolicyLossSettings
 from skylift.algorithms.policy_loss import LossAndMetrics, LossInputs, register_loss_rule
 
 DPPO_TYPES = ("binary_tv", "binary_kl")
@@ -45,8 +45,8 @@ def dppo_dropped(logprobs: Tensor, mu_logprobs: Tensor, advantages: Tensor, conf
 
 
 @register_loss_rule("dppo")
-def dppo_loss(x: LossInputs) -> LossAndMetrics:
+def dppo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-A r`` on the tokens DPPO keeps, 0 on those it drops (`old_logprobs` is the anchor ``mu``)."""
-    dropped = dppo_dropped(x.logprobs, x.old_logprobs, x.advantages, x.config.dppo)
+    dropped = dppo_dropped(x.logprobs, x.old_logprobs, x.advantages, config.dppo)
     loss = torch.where(dropped, torch.zeros_like(x.ratio), -x.advantages * x.ratio)
     return loss, x.metrics(clip_frac=dropped)

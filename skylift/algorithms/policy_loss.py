@@ -132,16 +132,18 @@ class LossInputs:
         return _metrics(self.response_mask, self.ratio, self.log_ratio, **fractions)
 
 
-LossRule = Callable[[LossInputs], LossAndMetrics]
-"""A policy loss's rule: its `LossInputs` to (per-token loss, metrics)."""
+LossRule = Callable[[LossInputs, PolicyLossSettings], LossAndMetrics]
+"""A policy loss's rule: its `LossInputs` and settings (`LossInputs.config`, apart so that what a
+rule reads of them is visible) to (per-token loss, metrics)."""
 
 
 def policy_loss_from(rule: LossRule) -> PolicyLoss:
     """`rule` as a `PolicyLoss`: the loss takes `PolicyLoss`'s arguments (positional or by name)
-    and hands them to `rule` as one `LossInputs`."""
+    and hands them to `rule` as one `LossInputs`, with its settings."""
 
     def loss(*arguments: Any, **named: Any) -> LossAndMetrics:
-        return rule(LossInputs(*arguments, **named))
+        inputs = LossInputs(*arguments, **named)
+        return rule(inputs, inputs.config)
 
     loss.__name__ = loss.__qualname__ = getattr(rule, "__name__", "policy_loss")
     loss.__doc__ = rule.__doc__
@@ -252,17 +254,17 @@ def _ppo_clip(
 
 
 @register_loss_rule("regular")
-def ppo_clip_loss(x: LossInputs) -> LossAndMetrics:
+def ppo_clip_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """PPO clipped surrogate, per token."""
-    loss, clipped = _ppo_clip(x.ratio, x.advantages, x.config)
+    loss, clipped = _ppo_clip(x.ratio, x.advantages, config)
     return loss, x.metrics(clip_frac=clipped)
 
 
 @register_loss_rule("dual_clip")
-def dual_clip_loss(x: LossInputs) -> LossAndMetrics:
+def dual_clip_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """Dual-clip PPO: PPO clip, then ``min(., -A * clip_ratio_c)`` where ``A < 0``."""
-    ppo_loss, clipped = _ppo_clip(x.ratio, x.advantages, x.config)
-    cap = -x.advantages * x.config.clip_ratio_c
+    ppo_loss, clipped = _ppo_clip(x.ratio, x.advantages, config)
+    cap = -x.advantages * config.clip_ratio_c
     negative = x.advantages < 0
     dual_clipped = negative & (cap < ppo_loss)
     loss = torch.where(negative, torch.minimum(ppo_loss, cap), ppo_loss)
@@ -270,7 +272,7 @@ def dual_clip_loss(x: LossInputs) -> LossAndMetrics:
 
 
 @register_loss_rule("gspo")
-def gspo_loss(x: LossInputs) -> LossAndMetrics:
+def gspo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """GSPO: PPO clip on the sequence-level ratio (geometric mean of token ratios), GSPO-token form."""
     logprobs, response_mask = x.logprobs, x.response_mask
     token_log_ratio = logprobs - x.old_logprobs
@@ -278,23 +280,23 @@ def gspo_loss(x: LossInputs) -> LossAndMetrics:
     seq_log_ratio = masked_sum(token_log_ratio, response_mask, dim=-1) / lengths  # [batch]
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    loss, clipped = _ppo_clip(ratio, x.advantages, x.config)
+    loss, clipped = _ppo_clip(ratio, x.advantages, config)
     return loss, _metrics(response_mask, ratio, token_log_ratio, clip_frac=clipped)
 
 
 @register_loss_rule("cispo")
-def cispo_loss(x: LossInputs) -> LossAndMetrics:
+def cispo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """CISPO: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``."""
-    low, high = 1.0 - x.config.cispo.cispo_eps_clip_low, 1.0 + x.config.cispo.cispo_eps_clip_high
+    low, high = 1.0 - config.cispo.cispo_eps_clip_low, 1.0 + config.cispo.cispo_eps_clip_high
     r = x.ratio.detach()
     loss = -r.clamp(low, high) * x.advantages * x.logprobs
     return loss, x.metrics(clip_frac=(r < low) | (r > high))
 
 
 @register_loss_rule("sapo")
-def sapo_loss(x: LossInputs) -> LossAndMetrics:
+def sapo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """SAPO: ``-A * (4 / tau) * sigmoid(tau * (r - 1))``, ``tau`` by the advantage's sign."""
-    ratio, sapo = x.ratio, x.config.sapo
+    ratio, sapo = x.ratio, config.sapo
     tau = torch.where(
         x.advantages > 0, torch.full_like(ratio, sapo.tau_pos), torch.full_like(ratio, sapo.tau_neg)
     )
@@ -303,24 +305,24 @@ def sapo_loss(x: LossInputs) -> LossAndMetrics:
 
 
 @register_loss_rule("rollout_is")
-def rollout_is_loss(x: LossInputs) -> LossAndMetrics:
+def rollout_is_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-sg(r') * A * logp``, ``r'`` the ratio to the rollout logprobs (given as `old_logprobs`, see
     `ROLLOUT_ANCHORED`) inside ``(1 - eps_clip_low, 1 + eps_clip_high)``, else 0."""
     r = x.ratio.detach()
-    inside = (r > 1.0 - x.config.eps_clip_low) & (r < 1.0 + x.config.eps_clip_high)
+    inside = (r > 1.0 - config.eps_clip_low) & (r < 1.0 + config.eps_clip_high)
     weight = torch.where(inside, r, torch.zeros_like(r))
     return -weight * x.advantages * x.logprobs, x.metrics(clip_frac=~inside)
 
 
 @register_loss_rule("importance_sampling")
-def importance_sampling_loss(x: LossInputs) -> LossAndMetrics:
+def importance_sampling_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-r * A`` with the unclipped ratio ``r`` to `old_logprobs` (``importance_sampling``, also
     Tinker's loss of that name; on-policy distillation trains with it)."""
     return -x.ratio * x.advantages, x.metrics()
 
 
 @register_loss_rule("cross_entropy")
-def cross_entropy_loss(x: LossInputs) -> LossAndMetrics:
+def cross_entropy_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-logp`` of each response token, advantages unused: supervised fine-tuning on the sampled
     responses (``policy_loss_type=cross_entropy``)."""
     return cross_entropy(x.logprobs, torch.ones_like(x.logprobs)), x.metrics()

@@ -55,6 +55,7 @@ from skylift.algorithms.advantages import (
 from skylift.algorithms.advantages import (
     register_advantage_estimator as _register_estimator,
 )
+from skylift.algorithms.loss_settings import PolicyLossSettings
 from skylift.algorithms.policy_loss import (
     LossInputs,
     PolicyLoss,
@@ -123,12 +124,12 @@ def _as_estimator(fn: SkyRLFunction) -> AdvantageEstimator:
 
 
 def _as_policy_loss(fn: SkyRLFunction) -> PolicyLoss:
-    def skyrl_call(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    def skyrl_call(x: LossInputs, config: PolicyLossSettings) -> tuple[torch.Tensor, dict[str, float]]:
         out = fn(
             x.logprobs,
             x.old_logprobs,
             x.advantages,
-            config=x.config,
+            config=config,
             loss_mask=x.response_mask,
             rollout_logprobs=None,
         )
