@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -340,79 +340,93 @@ def maxrl_advantages(group: GroupScores, norm_by_std: bool, eps: float) -> torch
     return torch.where(group.counts > 1, (group.scores - means) / (means + eps), group.scores)
 
 
-@register_advantage_estimator("reinforce++")
-def reinforce_plus_plus_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds | None = None,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lambd: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class TokenRewards:
+    """What a token-level estimator reads: the keyword arguments of `AdvantageEstimator` as one value,
+    with `compute_advantages`'s defaults."""
+
+    token_level_rewards: torch.Tensor
+    response_mask: torch.Tensor
+    group_ids: GroupIds | None = None
+    values: torch.Tensor | None = None
+    gamma: float = 1.0
+    lambd: float = 1.0
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+
+TokenAdvantage = Callable[[TokenRewards], tuple[torch.Tensor, torch.Tensor]]
+"""A token-level estimator's rule: the batch's `TokenRewards` to (advantages, returns)."""
+
+
+def token_level_estimator(rule: TokenAdvantage) -> AdvantageEstimator:
+    """`rule` as an `AdvantageEstimator`: the estimator takes the registry's keyword arguments (the
+    fields of `TokenRewards`; an unknown one raises) and hands them to `rule` as one `TokenRewards`."""
+
+    def estimator(**arguments: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return rule(TokenRewards(**arguments))
+
+    estimator.__name__ = estimator.__qualname__ = getattr(rule, "__name__", "token_level_estimator")
+    estimator.__doc__ = rule.__doc__
+    return estimator
+
+
+def _register_token_estimator(name: str) -> Callable[[TokenAdvantage], AdvantageEstimator]:
+    """Decorator registering `rule` as the token-level estimator `name` (see `token_level_estimator`)."""
+
+    def decorator(rule: TokenAdvantage) -> AdvantageEstimator:
+        estimator = token_level_estimator(rule)
+        register_advantage_estimator(name)(estimator)
+        return estimator
+
+    return decorator
+
+
+@_register_token_estimator("reinforce++")
+def reinforce_plus_plus_advantages(batch: TokenRewards) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted return ``G_t = r_t + gamma * G_{t+1}`` over valid tokens, then the
     advantages are the returns whitened over all valid tokens of the batch."""
-    returns = _discounted_backward(response_mask, lambda t, carry: token_level_rewards[:, t] + gamma * carry)
-    return masked_whiten(returns, response_mask, eps), returns
+    rewards, mask, gamma = batch.token_level_rewards, batch.response_mask, batch.gamma
+    returns = _discounted_backward(mask, lambda t, carry: rewards[:, t] + gamma * carry)
+    return masked_whiten(returns, mask, batch.eps), returns
 
 
-@register_advantage_estimator("gae")
-def gae_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds | None = None,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lambd: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@_register_token_estimator("gae")
+def gae_advantages(batch: TokenRewards) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation with critic `values` (``V_t`` per response token).
 
     ``delta_t = r_t + gamma * V_next - V_t`` (``V_next`` the value at the next valid token, 0 after the
     last), ``A_t = delta_t + gamma * lambd * A_next``; returns (value targets) ``A_t + V_t`` before any
     whitening; advantages are whitened over the batch when `norm_by_std`.
     """
-    if values is None:
+    rewards, response_mask, gamma = batch.token_level_rewards, batch.response_mask, batch.gamma
+    if batch.values is None:
         raise ValueError("advantage estimator 'gae' needs values (critic values per response token)")
-    if values.shape != token_level_rewards.shape:
+    if batch.values.shape != rewards.shape:
         raise ValueError(
-            f"values shape {tuple(values.shape)} != token_level_rewards shape {tuple(token_level_rewards.shape)}"
+            f"values shape {tuple(batch.values.shape)} != token_level_rewards shape {tuple(rewards.shape)}"
         )
-    values = values.to(token_level_rewards.dtype)
-    batch, length = response_mask.shape
-    advantages = torch.zeros_like(token_level_rewards)
-    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    values = batch.values.to(rewards.dtype)
+    size, length = response_mask.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(size, dtype=values.dtype, device=values.device)
     next_adv = torch.zeros_like(next_value)
     for t in reversed(range(length)):
         valid = response_mask[:, t] != 0
-        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-        adv_t = delta + gamma * lambd * next_adv
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * batch.lambd * next_adv
         next_adv = torch.where(valid, adv_t, next_adv)
         next_value = torch.where(valid, values[:, t], next_value)
         advantages[:, t] = torch.where(valid, adv_t, torch.zeros_like(adv_t))
     returns = torch.where(response_mask != 0, advantages + values, torch.zeros_like(values))
-    if norm_by_std:
-        advantages = masked_whiten(advantages, response_mask, eps)
+    if batch.norm_by_std:
+        advantages = masked_whiten(advantages, response_mask, batch.eps)
     return advantages, returns
 
 
-@register_advantage_estimator("no_op")
-def no_op_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds | None = None,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lambd: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@_register_token_estimator("no_op")
+def no_op_advantages(batch: TokenRewards) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's reward is its advantage and its return (on-policy distillation, where the
     per-token reward is already the signal: ``trainer.algorithm.on_policy_distillation``)."""
-    advantages = token_level_rewards * response_mask
+    advantages = batch.token_level_rewards * batch.response_mask
     return advantages, advantages.clone()

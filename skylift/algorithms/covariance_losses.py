@@ -20,13 +20,7 @@ import torch
 from torch import Tensor
 
 from skylift.algorithms.loss_settings import PolicyLossSettings
-from skylift.algorithms.policy_loss import (
-    LossAndMetrics,
-    _metrics,
-    _ppo_clip,
-    _ratio,
-    register_policy_loss,
-)
+from skylift.algorithms.policy_loss import LossAndMetrics, LossInputs, _ppo_clip, register_loss_rule
 from skylift.algorithms.reductions import masked_mean
 
 
@@ -37,24 +31,15 @@ def token_covariance(advantages: Tensor, logprobs: Tensor, mask: Tensor) -> Tens
         return (advantages - masked_mean(advantages, mask)) * (logp - masked_mean(logp, mask))
 
 
-@register_policy_loss("clip_cov")
-def clip_cov_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("clip_cov")
+def clip_cov_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """PPO clip with a random share of the mid-covariance unclipped tokens dropped."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    loss, clipped = _ppo_clip(ratio, advantages, config)
-    valid = response_mask != 0
+    loss, clipped = _ppo_clip(x.ratio, x.advantages, config)
+    valid, settings = x.response_mask != 0, config.clip_cov
     with torch.no_grad():
-        cov = token_covariance(advantages, logprobs, response_mask)
-        candidates = (
-            valid & ~clipped & (cov > config.clip_cov.clip_cov_lb) & (cov < config.clip_cov.clip_cov_ub)
-        )
-        count = max(int(config.clip_cov.clip_ratio * int(valid.sum().item())), 1)
+        cov = token_covariance(x.advantages, x.logprobs, x.response_mask)
+        candidates = valid & ~clipped & (cov > settings.clip_cov_lb) & (cov < settings.clip_cov_ub)
+        count = max(int(settings.clip_ratio * int(valid.sum().item())), 1)
         flat = torch.nonzero(candidates.reshape(-1)).squeeze(-1)
         if flat.numel() > count:
             flat = flat[torch.randperm(flat.numel())[:count].to(flat.device)]
@@ -62,28 +47,21 @@ def clip_cov_loss(
         dropped[flat] = True
         dropped = dropped.reshape(candidates.shape)
     loss = torch.where(dropped, torch.zeros_like(loss), loss)
-    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=clipped, cov_clip_frac=dropped)
+    return loss, x.metrics(clip_frac=clipped, cov_clip_frac=dropped)
 
 
-@register_policy_loss("kl_cov")
-def kl_cov_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("kl_cov")
+def kl_cov_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-A r``, plus ``ppo_kl_coef * |log r|`` on the share of valid tokens of largest covariance."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    loss = -advantages * ratio
-    valid = response_mask != 0
+    loss = -x.advantages * x.ratio
+    valid, settings = x.response_mask != 0, config.kl_cov
     with torch.no_grad():
-        cov = token_covariance(advantages, logprobs, response_mask)
+        cov = token_covariance(x.advantages, x.logprobs, x.response_mask)
         n_valid = int(valid.sum().item())
         selected = torch.zeros_like(valid)
         if n_valid > 0:
-            count = min(max(int(n_valid * config.kl_cov.kl_cov_frac), 1), n_valid)
+            count = min(max(int(n_valid * settings.kl_cov_frac), 1), n_valid)
             ranked = torch.where(valid, cov, torch.full_like(cov, -torch.inf)).reshape(-1)
             selected.view(-1)[torch.topk(ranked, count).indices] = True
-    loss = loss + torch.where(selected, config.kl_cov.ppo_kl_coef * log_ratio.abs(), torch.zeros_like(loss))
-    return loss, _metrics(response_mask, ratio, log_ratio, kl_cov_frac=selected)
+    loss = loss + torch.where(selected, settings.ppo_kl_coef * x.log_ratio.abs(), torch.zeros_like(loss))
+    return loss, x.metrics(kl_cov_frac=selected)

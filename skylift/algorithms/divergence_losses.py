@@ -24,12 +24,7 @@ import torch
 from torch import Tensor
 
 from skylift.algorithms.loss_settings import DPPOSettings, PolicyLossSettings
-from skylift.algorithms.policy_loss import (
-    LossAndMetrics,
-    _metrics,
-    _ratio,
-    register_policy_loss,
-)
+from skylift.algorithms.policy_loss import LossAndMetrics, LossInputs, register_loss_rule
 
 DPPO_TYPES = ("binary_tv", "binary_kl")
 KL_EPS = 1e-8
@@ -49,16 +44,9 @@ def dppo_dropped(logprobs: Tensor, mu_logprobs: Tensor, advantages: Tensor, conf
         return (up & (moved > 0) & (kl > config.delta_high)) | (down & (moved < 0) & (kl > config.delta_low))
 
 
-@register_policy_loss("dppo")
-def dppo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("dppo")
+def dppo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-A r`` on the tokens DPPO keeps, 0 on those it drops (`old_logprobs` is the anchor ``mu``)."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    dropped = dppo_dropped(logprobs, old_logprobs, advantages, config.dppo)
-    loss = torch.where(dropped, torch.zeros_like(ratio), -advantages * ratio)
-    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=dropped)
+    dropped = dppo_dropped(x.logprobs, x.old_logprobs, x.advantages, config.dppo)
+    loss = torch.where(dropped, torch.zeros_like(x.ratio), -x.advantages * x.ratio)
+    return loss, x.metrics(clip_frac=dropped)

@@ -44,7 +44,9 @@ engine's ``rollout_logprobs`` and reweight or mask every per-token loss. ``use_t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -104,6 +106,60 @@ def get_policy_loss(name: str) -> PolicyLoss:
 def policy_loss_names() -> list[str]:
     """Names of all registered policy losses."""
     return _LOSSES.names()
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """A policy loss's arguments (`PolicyLoss`) as one value, with the clamped per-token log-ratio to
+    `old_logprobs` and the ratio, each taken once."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    config: PolicyLossSettings
+
+    @cached_property
+    def log_ratio(self) -> Tensor:
+        return (self.logprobs - self.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+    @cached_property
+    def ratio(self) -> Tensor:
+        return torch.exp(self.log_ratio)
+
+    def metrics(self, **fractions: Tensor) -> dict[str, float]:
+        """Each named boolean tensor's fraction of valid tokens, then the ratio metrics."""
+        return _metrics(self.response_mask, self.ratio, self.log_ratio, **fractions)
+
+
+LossRule = Callable[[LossInputs, PolicyLossSettings], LossAndMetrics]
+"""A policy loss's rule: its `LossInputs` and settings (`LossInputs.config`, apart so that what a
+rule reads of them is visible) to (per-token loss, metrics)."""
+
+
+def policy_loss_from(rule: LossRule) -> PolicyLoss:
+    """`rule` as a `PolicyLoss`: the loss takes `PolicyLoss`'s arguments (positional or by name)
+    and hands them to `rule` as one `LossInputs`, with its settings."""
+
+    def loss(*arguments: Any, **named: Any) -> LossAndMetrics:
+        inputs = LossInputs(*arguments, **named)
+        return rule(inputs, inputs.config)
+
+    loss.__name__ = loss.__qualname__ = getattr(rule, "__name__", "policy_loss")
+    loss.__doc__ = rule.__doc__
+    return loss
+
+
+def register_loss_rule(name: str) -> Callable[[LossRule], PolicyLoss]:
+    """Decorator registering `rule` as the policy loss `name` (see `policy_loss_from`); returns the
+    registered loss."""
+
+    def decorator(rule: LossRule) -> PolicyLoss:
+        loss = policy_loss_from(rule)
+        register_policy_loss(name)(loss)
+        return loss
+
+    return decorator
 
 
 def compute_policy_loss(
@@ -170,12 +226,6 @@ def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(values.detach(), mask).item())
 
 
-def _ratio(logprobs: Tensor, old_logprobs: Tensor) -> tuple[Tensor, Tensor]:
-    """The clamped per-token log-ratio and the ratio."""
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return log_ratio, torch.exp(log_ratio)
-
-
 def _metrics(mask: Tensor, ratio: Tensor, log_ratio: Tensor, **fractions: Tensor) -> dict[str, float]:
     """Each named boolean tensor's fraction of valid tokens, then the ratio metrics."""
     metrics = {name: _mean(flags.to(mask.dtype), mask) for name, flags in fractions.items()}
@@ -203,132 +253,76 @@ def _ppo_clip(
     return torch.maximum(unclipped, clipped), (clipped > unclipped)
 
 
-@register_policy_loss("regular")
-def ppo_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("regular")
+def ppo_clip_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """PPO clipped surrogate, per token."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    loss, clipped = _ppo_clip(ratio, advantages, config)
-    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=clipped)
+    loss, clipped = _ppo_clip(x.ratio, x.advantages, config)
+    return loss, x.metrics(clip_frac=clipped)
 
 
-@register_policy_loss("dual_clip")
-def dual_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("dual_clip")
+def dual_clip_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """Dual-clip PPO: PPO clip, then ``min(., -A * clip_ratio_c)`` where ``A < 0``."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    ppo_loss, clipped = _ppo_clip(ratio, advantages, config)
-    cap = -advantages * config.clip_ratio_c
-    negative = advantages < 0
+    ppo_loss, clipped = _ppo_clip(x.ratio, x.advantages, config)
+    cap = -x.advantages * config.clip_ratio_c
+    negative = x.advantages < 0
     dual_clipped = negative & (cap < ppo_loss)
     loss = torch.where(negative, torch.minimum(ppo_loss, cap), ppo_loss)
-    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=clipped, dual_clip_frac=dual_clipped)
+    return loss, x.metrics(clip_frac=clipped, dual_clip_frac=dual_clipped)
 
 
-@register_policy_loss("gspo")
-def gspo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("gspo")
+def gspo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """GSPO: PPO clip on the sequence-level ratio (geometric mean of token ratios), GSPO-token form."""
-    token_log_ratio = logprobs - old_logprobs
+    logprobs, response_mask = x.logprobs, x.response_mask
+    token_log_ratio = logprobs - x.old_logprobs
     lengths = response_mask.sum(dim=-1).clamp(min=1)
     seq_log_ratio = masked_sum(token_log_ratio, response_mask, dim=-1) / lengths  # [batch]
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    loss, clipped = _ppo_clip(ratio, advantages, config)
+    loss, clipped = _ppo_clip(ratio, x.advantages, config)
     return loss, _metrics(response_mask, ratio, token_log_ratio, clip_frac=clipped)
 
 
-@register_policy_loss("cispo")
-def cispo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("cispo")
+def cispo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """CISPO: ``-sg(clip(r, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high)) * A * logp``."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
     low, high = 1.0 - config.cispo.cispo_eps_clip_low, 1.0 + config.cispo.cispo_eps_clip_high
-    weight = ratio.detach().clamp(low, high)
-    loss = -weight * advantages * logprobs
-    outside = (ratio.detach() < low) | (ratio.detach() > high)
-    return loss, _metrics(response_mask, ratio, log_ratio, clip_frac=outside)
+    r = x.ratio.detach()
+    loss = -r.clamp(low, high) * x.advantages * x.logprobs
+    return loss, x.metrics(clip_frac=(r < low) | (r > high))
 
 
-@register_policy_loss("sapo")
-def sapo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("sapo")
+def sapo_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """SAPO: ``-A * (4 / tau) * sigmoid(tau * (r - 1))``, ``tau`` by the advantage's sign."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
+    ratio, sapo = x.ratio, config.sapo
     tau = torch.where(
-        advantages > 0,
-        torch.full_like(ratio, config.sapo.tau_pos),
-        torch.full_like(ratio, config.sapo.tau_neg),
+        x.advantages > 0, torch.full_like(ratio, sapo.tau_pos), torch.full_like(ratio, sapo.tau_neg)
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    return -advantages * gate, _metrics(response_mask, ratio, log_ratio)
+    return -x.advantages * gate, x.metrics()
 
 
-@register_policy_loss("rollout_is")
-def rollout_is_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("rollout_is")
+def rollout_is_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-sg(r') * A * logp``, ``r'`` the ratio to the rollout logprobs (given as `old_logprobs`, see
     `ROLLOUT_ANCHORED`) inside ``(1 - eps_clip_low, 1 + eps_clip_high)``, else 0."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    r = ratio.detach()
+    r = x.ratio.detach()
     inside = (r > 1.0 - config.eps_clip_low) & (r < 1.0 + config.eps_clip_high)
     weight = torch.where(inside, r, torch.zeros_like(r))
-    return -weight * advantages * logprobs, _metrics(response_mask, ratio, log_ratio, clip_frac=~inside)
+    return -weight * x.advantages * x.logprobs, x.metrics(clip_frac=~inside)
 
 
-@register_policy_loss("importance_sampling")
-def importance_sampling_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("importance_sampling")
+def importance_sampling_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-r * A`` with the unclipped ratio ``r`` to `old_logprobs` (``importance_sampling``, also
     Tinker's loss of that name; on-policy distillation trains with it)."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    return -ratio * advantages, _metrics(response_mask, ratio, log_ratio)
+    return -x.ratio * x.advantages, x.metrics()
 
 
-@register_policy_loss("cross_entropy")
-def cross_entropy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    config: PolicyLossSettings,
-) -> LossAndMetrics:
+@register_loss_rule("cross_entropy")
+def cross_entropy_loss(x: LossInputs, config: PolicyLossSettings) -> LossAndMetrics:
     """``-logp`` of each response token, advantages unused: supervised fine-tuning on the sampled
     responses (``policy_loss_type=cross_entropy``)."""
-    log_ratio, ratio = _ratio(logprobs, old_logprobs)
-    return cross_entropy(logprobs, torch.ones_like(logprobs)), _metrics(response_mask, ratio, log_ratio)
+    return cross_entropy(x.logprobs, torch.ones_like(x.logprobs)), x.metrics()

@@ -32,6 +32,7 @@ from skylift.envs.tools import ToolRunner
 from skylift.generator.chat import ChatFormat
 from skylift.generator.llm import EngineChatClient
 from skylift.generator.multi_turn import TurnLoop
+from skylift.generator.rollout_end import RolloutTask
 from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
@@ -85,6 +86,15 @@ def join_completions(first: Completion, rest: Completion) -> Completion:
     )
 
 
+def seed_of_each_row(rows: Sequence[Any], seeds: Sequence[int] | None) -> list[int | None]:
+    """The seed of each of `rows` (None for each without `seeds`); `seeds` must hold one per row."""
+    if seeds is None:
+        return [None] * len(rows)
+    if len(seeds) != len(rows):
+        raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
+    return list(seeds)
+
+
 class Generator:
     """Rolls out prompts on an engine (or a router over several) and scores them."""
 
@@ -126,8 +136,7 @@ class Generator:
         `seeds`: one per row (e.g. `rollout_seed`); sample j of a row uses seed + j (vLLM's own rule
         for n > 1), turn t of a multi-turn trajectory adds t * `TURN_SEED_STRIDE`.
         """
-        if seeds is not None and len(seeds) != len(rows):
-            raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
+        row_seeds = seed_of_each_row(rows, seeds)
         workers = self.settings.env_workers
         if workers > 0 and self._env_pool is None:  # shared by concurrent calls (fully async)
             self._env_pool = ThreadPoolExecutor(workers, thread_name_prefix="env")
@@ -140,7 +149,7 @@ class Generator:
             if self.settings.max_turns > 1 or not self.settings.batched or token_level:
                 one = replace(params, n=1)
                 runs = [
-                    self._turn_group(row, envs, one, policy_version, None if seeds is None else seeds[i])
+                    self._turn_group(row, envs, one, policy_version, row_seeds[i])
                     for i, (row, envs) in enumerate(zip(rows, groups, strict=True))
                 ]
                 out = [tr for group in await asyncio.gather(*runs) for tr in group]
@@ -259,7 +268,9 @@ class Generator:
         await self._setup_group(row, envs)
         runs = [
             self._turns.run(
-                row, env, self._extras(row), params, policy_version, None if seed is None else seed + j
+                RolloutTask(
+                    row, env, self._extras(row), params, policy_version, None if seed is None else seed + j
+                )
             )
             for j, env in enumerate(envs)
         ]

@@ -25,7 +25,7 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat, ConversationIds, TemplateMismatch
-from skylift.generator.rollout_end import RolloutRecord
+from skylift.generator.rollout_end import RolloutRecord, RolloutTask
 from skylift.generator.settings import GeneratorSettings
 from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import Clock, TrajectoryTimer
@@ -50,41 +50,24 @@ class TurnLoop:
     clock: Clock = time.monotonic  # times each rollout
     vision: VisionInputs | None = None  # a vision-language model's (None: images are refused)
 
-    async def run(
-        self,
-        row: Any,
-        env: Any,
-        extras: dict[str, Any],
-        params: SamplingParams,
-        policy_version: int,
-        seed: int | None,
-    ) -> list[Trajectory]:
-        """The rollout's trajectory, or its steps (`generator.step_wise_trajectories`); the last
-        one carries the rollout's `timing`."""
+    async def run(self, task: RolloutTask) -> list[Trajectory]:
+        """The trajectory of the rollout `task`, or its steps (`generator.step_wise_trajectories`);
+        the last one carries the rollout's `timing`."""
         timer = TrajectoryTimer(self.clock)
-        if isinstance(env, TokenEnvironment):  # token ids in and out (tinker-cookbook's Env)
-            out = await run_token_turns(self, timer, row, env, extras, params, policy_version, seed)
+        if isinstance(task.env, TokenEnvironment):  # token ids in and out (tinker-cookbook's Env)
+            out = await run_token_turns(self, timer, task)
         else:
-            out = await self._text_turns(timer, row, env, extras, params, policy_version, seed)
+            out = await self._text_turns(timer, task)
         if out:
             out[-1].timing = timer.times()
         return out
 
-    async def _text_turns(
-        self,
-        timer: TrajectoryTimer,
-        row: Any,
-        env: Any,
-        extras: dict[str, Any],
-        params: SamplingParams,
-        policy_version: int,
-        seed: int | None,
-    ) -> list[Trajectory]:
-        s = self.settings
-        messages = await self.call_env(env.init, row.prompt, extras)
+    async def _text_turns(self, timer: TrajectoryTimer, task: RolloutTask) -> list[Trajectory]:
+        s, row, env = self.settings, task.row, task.env
+        messages = await self.call_env(env.init, row.prompt, task.extras)
         tools = env.tool_schemas()
         track = ConversationIds(self.chat, messages, tools)  # what the template renders so far
-        rollout = RolloutRecord(list(track.ids), policy_version)
+        rollout = RolloutRecord(list(track.ids), task.policy_version)
         rollout.images = self._images(row.uid, messages, s)
         conversation = [dict(m) for m in messages]  # step-wise: rendered afresh every turn
         turns: list[TurnRecord] = []  # for a switch to step-wise (generator.on_template_mismatch)
@@ -93,7 +76,7 @@ class TurnLoop:
                 context = self.chat.prompt_ids(conversation, tools)
             else:
                 context = rollout.prompt_ids + rollout.response_ids
-            turn_params = rollout.turn_params(s, params, context, seed)
+            turn_params = rollout.turn_params(s, task.params, context, task.seed)
             if turn_params is None:
                 break
             completion, text, sampled = await self.sample_turn(timer, rollout, s, context, turn_params, turns)

@@ -15,6 +15,19 @@ from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion, SamplingParams
 
 
+@dataclass(frozen=True)
+class RolloutTask:
+    """One rollout to run: its prompt row, its environment and the row's extras for it, the sampling
+    parameters, the policy version that samples and the rollout's seed (None: unseeded)."""
+
+    row: Any
+    env: Any
+    extras: dict[str, Any]
+    params: SamplingParams
+    policy_version: int
+    seed: int | None
+
+
 @dataclass
 class RolloutRecord:
     """One rollout so far: the response after `prompt_ids`, its mask, logprobs and versions, the

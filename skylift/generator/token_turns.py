@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
-from skylift.generator.rollout_end import RolloutRecord
+from skylift.generator.rollout_end import RolloutRecord, RolloutTask
 from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
@@ -36,20 +36,13 @@ def _with_stop(params: SamplingParams, stop: Any) -> SamplingParams:
     return replace(params, **fields)
 
 
-async def run_token_turns(
-    loop: Any,
-    timer: TrajectoryTimer,
-    row: Any,
-    env: TokenEnvironment,
-    extras: dict[str, Any],
-    params: SamplingParams,
-    policy_version: int,
-    seed: int | None,
-) -> list[Trajectory]:
-    """One trajectory of `env` (or its steps, `generator.step_wise_trajectories`); `loop` is the
-    generator's `TurnLoop` (engine, settings, env calls), `timer` the rollout's clock."""
-    s = loop.settings
-    first: TokenPrompt = await loop.call_env(env.init_tokens, row.prompt, extras)
+async def run_token_turns(loop: Any, timer: TrajectoryTimer, task: RolloutTask) -> list[Trajectory]:
+    """One trajectory of `task`'s token-level environment (or its steps,
+    `generator.step_wise_trajectories`); `loop` is the generator's `TurnLoop` (engine, settings, env
+    calls), `timer` the rollout's clock."""
+    s, row = loop.settings, task.row
+    env: TokenEnvironment = task.env
+    first: TokenPrompt = await loop.call_env(env.init_tokens, row.prompt, task.extras)
     prompt_ids = [int(t) for t in first.ids]
     if len(prompt_ids) > s.max_prompt_length:
         raise ValueError(
@@ -57,10 +50,10 @@ async def run_token_turns(
         )
     stop = first.stop
     context = list(prompt_ids)
-    rollout = RolloutRecord(prompt_ids, policy_version)
+    rollout = RolloutRecord(prompt_ids, task.policy_version)
     turns: list[TurnRecord] = []  # for a switch to step-wise (generator.on_template_mismatch)
     while rollout.turns < s.max_turns:
-        turn_params = rollout.turn_params(s, params, context, seed)
+        turn_params = rollout.turn_params(s, task.params, context, task.seed)
         if turn_params is None:
             break
         turn_params = _with_stop(turn_params, stop)

@@ -9,30 +9,23 @@ from typing import TypeVar
 
 from fastapi import HTTPException
 
-from skylift.inference.types import (
-    EngineCapabilityError,
-    EngineError,
-    EngineNotFoundError,
-    EngineRequestError,
-    EngineStateError,
-    EngineUnavailableError,
-)
+from skylift.utils import engine_errors as errors
 
 logger = logging.getLogger("skylift.inference.engine_http")
 
 T = TypeVar("T")
 
 
-def status_of(exc: EngineError) -> HTTPStatus:
+def status_of(exc: errors.EngineError) -> HTTPStatus:
     """The HTTP status of an engine error: 404 something named that the engine does not have,
     400 bad request, 409 wrong state, 501 unsupported by the backend, 503 engine gone or silent,
     500 otherwise."""
     for cls, status in (
-        (EngineNotFoundError, HTTPStatus.NOT_FOUND),
-        (EngineRequestError, HTTPStatus.BAD_REQUEST),
-        (EngineStateError, HTTPStatus.CONFLICT),
-        (EngineCapabilityError, HTTPStatus.NOT_IMPLEMENTED),
-        (EngineUnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
+        (errors.EngineNotFoundError, HTTPStatus.NOT_FOUND),
+        (errors.EngineRequestError, HTTPStatus.BAD_REQUEST),
+        (errors.EngineStateError, HTTPStatus.CONFLICT),
+        (errors.EngineCapabilityError, HTTPStatus.NOT_IMPLEMENTED),
+        (errors.EngineUnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
     ):
         if isinstance(exc, cls):
             return status
@@ -43,7 +36,7 @@ async def engine_call(awaitable: Awaitable[T]) -> T:
     """Await an engine call; its `EngineError` becomes the HTTP error `status_of` says (logged when 5xx)."""
     try:
         return await awaitable
-    except EngineError as exc:
+    except errors.EngineError as exc:
         status = status_of(exc)
         if status >= 500:
             logger.error("%s", exc)

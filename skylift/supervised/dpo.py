@@ -15,29 +15,16 @@ from typing import Any
 
 import torch
 
-from skylift.data.chat import read_rows
+from skylift.supervised.pair_trainer import PairTrainer
 from skylift.supervised.preference import PairRow, WeightedObjective, dpo_loss, pair_batch, pair_of
-from skylift.supervised.trainer import SupervisedTrainer
 from skylift.worker.supervised import SupervisedWorker
 
 
-class PreferenceTrainer(SupervisedTrainer):
+class PreferenceTrainer(PairTrainer):
     """DPO / IPO (see the module docstring); `run()` returns the per-step losses."""
 
-    def load_train(self) -> list[list[Any]]:
-        return self.read_each_source(self._pairs)
-
-    def load_eval(self) -> dict[str, list[Any]]:
-        return self.read_each_eval_source(self._pairs)
-
-    def _pairs(self, source: str, split: str | None) -> list[PairRow]:
-        kwargs = dict(self.cfg.chat_template_kwargs)
-        pairs = [
-            pair_of(r, self.tokenizer, kwargs, f"{source} row {i}")
-            for i, r in enumerate(read_rows(source, split))
-        ]
-        self.say(f"{source}: {len(pairs)} preference pairs")
-        return pairs
+    def pair_of(self, row: dict[str, Any], template_kwargs: dict[str, Any], where: str) -> PairRow:
+        return pair_of(row, self.tokenizer, template_kwargs, where)
 
     def start(self) -> None:
         super().start()

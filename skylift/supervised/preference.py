@@ -45,22 +45,35 @@ class PairRow:
     rejected: list[int]
 
 
+def preference_columns(
+    row: dict[str, Any], where: str, kind: str = "a preference row"
+) -> tuple[Any, Any, Any]:
+    """A TRL-format preference row's ``prompt`` (None when absent), ``chosen`` and ``rejected``; a row
+    without the last two raises naming `where` and what `kind` of row it is."""
+    if "chosen" not in row or "rejected" not in row:
+        raise PreferenceDataError(
+            f"{where}: {kind} needs 'chosen' and 'rejected' columns (found {sorted(row)})"
+        )
+    return row.get("prompt"), row["chosen"], row["rejected"]
+
+
+def ending_with_eos(completion: str, tokenizer: Any) -> str:
+    """A string completion with the tokenizer's EOS text appended unless it ends with it (as TRL)."""
+    eos = tokenizer.eos_token or ""
+    return completion if completion.endswith(eos) else completion + eos
+
+
 def pair_of(
     row: dict[str, Any], tokenizer: Any, template_kwargs: dict[str, Any] | None = None, where: str = "row"
 ) -> PairRow:
     """A TRL-format preference row tokenized (see the module docstring)."""
-    if "chosen" not in row or "rejected" not in row:
-        raise PreferenceDataError(
-            f"{where}: a preference row needs 'chosen' and 'rejected' (found {sorted(row)})"
-        )
-    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    prompt, chosen, rejected = preference_columns(row, where)
     if isinstance(chosen, str) and isinstance(rejected, str):
-        eos = tokenizer.eos_token or ""
         p = list(tokenizer(prompt or "")["input_ids"])
 
         def text(completion: str) -> list[int]:
-            completion = completion if completion.endswith(eos) else completion + eos
-            return list(tokenizer((prompt or "") + completion)["input_ids"])[len(p) :]
+            ids = tokenizer((prompt or "") + ending_with_eos(completion, tokenizer))["input_ids"]
+            return list(ids)[len(p) :]
 
         return PairRow(p, text(chosen), text(rejected))
     if prompt is None:  # implicit prompt: the messages both conversations start with

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from skylift.algorithms.reward_model import pair_losses
-from skylift.data.chat import read_rows
 from skylift.generator.chat import ChatFormat
-from skylift.supervised.preference import PreferenceDataError
-from skylift.supervised.trainer import SupervisedTrainer
+from skylift.supervised.pair_trainer import PairTrainer
+from skylift.supervised.preference import PreferenceDataError, ending_with_eos, preference_columns
 from skylift.worker.reward_head import RewardPairs, RewardWorker
 
 
@@ -41,21 +40,16 @@ def reward_row_of(
     row: dict[str, Any], tokenizer: Any, template_kwargs: dict[str, Any] | None = None, where: str = "row"
 ) -> RewardRow:
     """A TRL-format preference row tokenized for a reward model (see the module docstring)."""
-    if "chosen" not in row or "rejected" not in row:
-        raise PreferenceDataError(
-            f"{where}: a reward-model row needs 'chosen' and 'rejected' columns (found {sorted(row)})"
-        )
-    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    prompt, chosen, rejected = preference_columns(row, where, "a reward-model row")
     margin = row.get("margin")
     if margin is not None and not isinstance(margin, int | float):
         raise PreferenceDataError(f"{where}: 'margin' must be a number, got {margin!r}")
     margin = None if margin is None else float(margin)
     if isinstance(chosen, str) and isinstance(rejected, str) and isinstance(prompt, str | None):
-        eos = tokenizer.eos_token or ""
 
         def text(completion: str) -> list[int]:
-            completion = completion if completion.endswith(eos) else completion + eos
-            return [int(t) for t in tokenizer((prompt or "") + completion)["input_ids"]]
+            ids = tokenizer((prompt or "") + ending_with_eos(completion, tokenizer))["input_ids"]
+            return [int(t) for t in ids]
 
         return RewardRow(text(chosen), text(rejected), margin)
     if not (isinstance(chosen, list) and isinstance(rejected, list) and isinstance(prompt, list | None)):
@@ -78,32 +72,16 @@ def as_pairs(rows: Sequence[RewardRow]) -> RewardPairs:
     return RewardPairs([r.chosen for r in rows], [r.rejected for r in rows], margins)
 
 
-class RewardModelTrainer(SupervisedTrainer):
+class RewardModelTrainer(PairTrainer):
     """Reward-model training (see the module docstring); `run()` returns the per-step losses."""
 
     worker_cls = RewardWorker
 
-    def load_train(self) -> list[list[Any]]:
-        return self.read_each_source(self._pairs)
+    def pair_of(self, row: dict[str, Any], template_kwargs: dict[str, Any], where: str) -> RewardRow:
+        return reward_row_of(row, self.tokenizer, template_kwargs, where)
 
-    def load_eval(self) -> dict[str, list[Any]]:
-        return self.read_each_eval_source(self._pairs)
-
-    def _pairs(self, source: str, split: str | None) -> list[RewardRow]:
-        kwargs = dict(self.cfg.chat_template_kwargs)
-        rows = [
-            reward_row_of(r, self.tokenizer, kwargs, f"{source} row {i}")
-            for i, r in enumerate(read_rows(source, split))
-        ]
-        limit = self.cfg.max_length
-        kept = [r for r in rows if limit is None or max(len(r.chosen), len(r.rejected)) <= limit]
-        dropped = (
-            f", {len(rows) - len(kept)} longer than max_length={limit} left out"
-            if len(kept) < len(rows)
-            else ""
-        )
-        self.say(f"{source}: {len(kept)} preference pairs{dropped}")
-        return kept
+    def pair_length(self, pair: RewardRow) -> int:
+        return max(len(pair.chosen), len(pair.rejected))
 
     def train_step(self, rows: Sequence[Any]) -> dict[str, float]:
         group = self._group()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -185,6 +186,17 @@ class OffloadingWorker:
         """The parts of the state in host memory now."""
         return list(self._host_offload.offloaded) if self._host_offload is not None else []
 
+    @contextmanager
+    def state_on_device(self) -> Iterator[None]:
+        """The state on its devices for the block; what was in host memory goes back after it."""
+        parts = self._host_offload.offloaded if self._host_offload is not None else ()
+        self.backload_to_device(parts)
+        try:
+            yield
+        finally:
+            if parts:
+                self.offload_to_host(parts)
+
 
 #: `TrainingWorker` methods that need the whole state on its devices: they bring it back first.
 BACKLOADING_METHODS = (
@@ -201,50 +213,36 @@ BACKLOADING_METHODS = (
 READING_METHODS = ("iter_full_weights", "lora_adapter", "save_checkpoint", "export_hf")
 
 
+def _named(method: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]:
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = doc
+    return method
+
+
 def _backloading(name: str) -> Callable[..., Any]:
     def method(self: OffloadingWorker, *args: Any, **kwargs: Any) -> Any:
         self.backload_to_device()
         return getattr(super(OffloadingWorker, self), name)(*args, **kwargs)
 
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"`TrainingWorker.{name}`, with the state brought back to its devices first."
-    return method
+    return _named(method, name, f"`TrainingWorker.{name}`, with the state brought back to its devices first.")
 
 
 def _reading(name: str) -> Callable[..., Any]:
     def method(self: OffloadingWorker, *args: Any, **kwargs: Any) -> Any:
-        parts = self._host_offload.offloaded if self._host_offload is not None else ()
-        self.backload_to_device(parts)
-        try:
+        with self.state_on_device():
             return getattr(super(OffloadingWorker, self), name)(*args, **kwargs)
-        finally:
-            if parts:
-                self.offload_to_host(parts)
 
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"`TrainingWorker.{name}` on the state's devices; offloaded parts go back after."
-    return method
+    def iterator(self: OffloadingWorker, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with self.state_on_device():
+            yield from getattr(super(OffloadingWorker, self), name)(*args, **kwargs)
+
+    reads = iterator if name == "iter_full_weights" else method
+    return _named(
+        reads, name, f"`TrainingWorker.{name}` on the state's devices; offloaded parts go back after."
+    )
 
 
 for _name in BACKLOADING_METHODS:
     setattr(OffloadingWorker, _name, _backloading(_name))
-
-
-def _reading_iterator(name: str) -> Callable[..., Any]:
-    def method(self: OffloadingWorker, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        parts = self._host_offload.offloaded if self._host_offload is not None else ()
-        self.backload_to_device(parts)
-        try:
-            yield from getattr(super(OffloadingWorker, self), name)(*args, **kwargs)
-        finally:
-            if parts:
-                self.offload_to_host(parts)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"`TrainingWorker.{name}` on the state's devices; offloaded parts go back after."
-    return method
-
-
 for _name in READING_METHODS:
-    wrap = _reading_iterator if _name == "iter_full_weights" else _reading
-    setattr(OffloadingWorker, _name, wrap(_name))
+    setattr(OffloadingWorker, _name, _reading(_name))

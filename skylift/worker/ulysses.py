@@ -78,26 +78,19 @@ def _heads_to_seq(y: Tensor, group: Any) -> Tensor:
     return recv.transpose(0, 1).reshape(b, sp * h, t // sp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+class _AllToAll(torch.autograd.Function):
+    """`_seq_to_heads` (`to_heads`) or its inverse `_heads_to_seq`; the gradient goes back through
+    the other one."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _heads_to_seq(y, group)
+    def forward(ctx: Any, x: Tensor, group: Any, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        inverse = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return inverse(grad.contiguous(), ctx.group), None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -154,9 +147,9 @@ def _attention(
     pad = -heads % sp
     if pad:
         key, value, query = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (key, value, query))
-    q, k, v = (_SeqToHeads.apply(t.contiguous(), active.group) for t in (query, key, value))
+    q, k, v = (_AllToAll.apply(t.contiguous(), active.group, True) for t in (query, key, value))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=active.mask, dropout_p=dropout, scale=scaling)
-    out = _HeadsToSeq.apply(out.contiguous(), active.group)[:, :heads]
+    out = _AllToAll.apply(out.contiguous(), active.group, False)[:, :heads]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -37,15 +37,19 @@ SkyRL (``skyrl.backends.skyrl_train.utils.ppo_utils`` there). How a SkyRL functi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from skylift.algorithms.advantages import (
+    AdvantageEstimator,
     GroupIds,
+    TokenRewards,
     advantage_estimator_names,
     get_advantage_estimator,
+    token_level_estimator,
     unregister_advantage_estimator,
 )
 from skylift.algorithms.advantages import (
@@ -53,7 +57,10 @@ from skylift.algorithms.advantages import (
 )
 from skylift.algorithms.loss_settings import PolicyLossSettings
 from skylift.algorithms.policy_loss import (
+    LossInputs,
+    PolicyLoss,
     get_policy_loss,
+    policy_loss_from,
     policy_loss_names,
     unregister_policy_loss,
 )
@@ -72,33 +79,38 @@ def _group_index(group_ids: GroupIds | None, batch: int) -> np.ndarray:
     return np.asarray(list(group_ids), dtype=object)
 
 
-def _as_estimator(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    def estimator(
-        *,
-        token_level_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        group_ids: GroupIds | None = None,
-        values: torch.Tensor | None = None,
-        gamma: float = 1.0,
-        lambd: float = 1.0,
-        norm_by_std: bool = True,
-        eps: float = 1e-6,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _returned_pair(fn: SkyRLFunction, out: object, kind: str, pair: str) -> tuple[Any, Any]:
+    """What the SkyRL function `fn` (a `kind`) returned, which must be the 2-tuple ``(pair)``;
+    anything else raises naming `fn`."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"{kind} {fn.__name__!r} must return ({pair}), got {type(out).__name__}")
+    return out
+
+
+Call = TypeVar("Call", bound=Callable[..., Any])
+
+
+def _named_like(fn: SkyRLFunction, call: Call) -> Call:
+    """`call` (the adapter of the SkyRL function `fn`) under `fn`'s name and docstring."""
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "skyrl_function")
+    call.__doc__ = fn.__doc__
+    return call
+
+
+def _as_estimator(fn: SkyRLFunction) -> AdvantageEstimator:
+    def skyrl_call(batch: TokenRewards) -> tuple[torch.Tensor, torch.Tensor]:
+        response_mask = batch.response_mask
         out = fn(
-            token_level_rewards=token_level_rewards,
+            token_level_rewards=batch.token_level_rewards,
             response_mask=response_mask,
-            index=_group_index(group_ids, response_mask.shape[0]),
-            values=values,
-            grpo_norm_by_std=norm_by_std,
-            gamma=gamma,
-            lambd=lambd,
+            index=_group_index(batch.group_ids, response_mask.shape[0]),
+            values=batch.values,
+            grpo_norm_by_std=batch.norm_by_std,
+            gamma=batch.gamma,
+            lambd=batch.lambd,
             config=None,
         )
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"advantage estimator {fn.__name__!r} must return (advantages, returns), got {out!r}"
-            )
-        advantages, returns = out
+        advantages, returns = _returned_pair(fn, out, "advantage estimator", "advantages, returns")
         for what, tensor in (("advantages", advantages), ("returns", returns)):
             if not isinstance(tensor, torch.Tensor) or tensor.shape != response_mask.shape:
                 shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -108,103 +120,92 @@ def _as_estimator(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, torch.
                 )
         return advantages * response_mask, returns * response_mask
 
-    estimator.__name__ = getattr(fn, "__name__", "skyrl_estimator")
-    estimator.__doc__ = fn.__doc__
-    return estimator
+    return token_level_estimator(_named_like(fn, skyrl_call))
 
 
-def _as_policy_loss(fn: SkyRLFunction) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    def loss(
-        logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        config: PolicyLossSettings,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+def _as_policy_loss(fn: SkyRLFunction) -> PolicyLoss:
+    def skyrl_call(x: LossInputs, config: PolicyLossSettings) -> tuple[torch.Tensor, dict[str, float]]:
         out = fn(
-            logprobs, old_logprobs, advantages, config=config, loss_mask=response_mask, rollout_logprobs=None
+            x.logprobs,
+            x.old_logprobs,
+            x.advantages,
+            config=config,
+            loss_mask=x.response_mask,
+            rollout_logprobs=None,
         )
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"policy loss {fn.__name__!r} must return (loss, metrics), got {type(out).__name__}"
-            )
-        value, raw = out
+        value, raw = _returned_pair(fn, out, "policy loss", "loss, metrics")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"policy loss {fn.__name__!r} returned a {type(value).__name__}, not a tensor")
         if value.dim() == 0:
-            per_token = value.expand_as(logprobs)
-        elif value.shape == logprobs.shape:
+            per_token = value.expand_as(x.logprobs)
+        elif value.shape == x.logprobs.shape:
             per_token = value
         else:
             raise ValueError(
                 f"policy loss {fn.__name__!r} returned a loss of shape {tuple(value.shape)}; expected one "
-                f"number or {tuple(logprobs.shape)} (one per token)"
+                f"number or {tuple(x.logprobs.shape)} (one per token)"
             )
         items = raw.items() if isinstance(raw, dict) else [("clip_ratio", raw)]
         return per_token, {str(k): float(v) for k, v in items}
 
-    loss.__name__ = getattr(fn, "__name__", "skyrl_policy_loss")
-    loss.__doc__ = fn.__doc__
-    return loss
+    return policy_loss_from(_named_like(fn, skyrl_call))
 
 
-class AdvantageEstimatorRegistry:
-    """SkyRL's ``AdvantageEstimatorRegistry`` API over skylift's estimator registry."""
+@dataclass(frozen=True)
+class SkyRLRegistry:
+    """SkyRL's registry API (``register``, ``get``, ``list_available``, ``unregister``) over one of
+    skylift's registries: `adapt` makes a function with SkyRL's signature a skylift one; `add`,
+    `lookup`, `names` and `remove` are the skylift registry's functions."""
 
-    @classmethod
-    def register(cls, name: str, func: SkyRLFunction) -> None:
-        """Register `func` (SkyRL's estimator signature) as `name`; a taken name raises."""
-        _register_estimator(str(name))(_as_estimator(func))
+    adapt: Callable[[SkyRLFunction], Any]
+    add: Callable[[str], Callable[[Any], Any]]
+    lookup: Callable[[str], Callable[..., Any]]
+    names: Callable[[], list[str]]
+    remove: Callable[[str], None]
 
-    @classmethod
-    def get(cls, name: str) -> Callable[..., Any]:
-        return get_advantage_estimator(str(name))
+    def register(self, name: str, func: SkyRLFunction) -> None:
+        """Register `func` (with SkyRL's signature for this kind) as `name`; a taken name raises."""
+        self.add(str(name))(self.adapt(func))
 
-    @classmethod
-    def list_available(cls) -> list[str]:
-        return advantage_estimator_names()
+    def get(self, name: str) -> Callable[..., Any]:
+        return self.lookup(str(name))
 
-    @classmethod
-    def unregister(cls, name: str) -> None:
-        unregister_advantage_estimator(str(name))
+    def list_available(self) -> list[str]:
+        return self.names()
+
+    def unregister(self, name: str) -> None:
+        self.remove(str(name))
+
+    def decorator(self, name: str) -> Callable[[SkyRLFunction], SkyRLFunction]:
+        """SkyRL's ``register_*`` decorator: registers the function as `name`; returns it unchanged."""
+
+        def register(fn: SkyRLFunction) -> SkyRLFunction:
+            self.register(name, fn)
+            return fn
+
+        return register
 
 
-class PolicyLossRegistry:
-    """SkyRL's ``PolicyLossRegistry`` API over skylift's policy-loss registry."""
+AdvantageEstimatorRegistry = SkyRLRegistry(
+    _as_estimator,
+    _register_estimator,
+    get_advantage_estimator,
+    advantage_estimator_names,
+    unregister_advantage_estimator,
+)
+"""SkyRL's ``AdvantageEstimatorRegistry`` over skylift's estimator registry."""
 
-    @classmethod
-    def register(cls, name: str, func: SkyRLFunction) -> None:
-        """Register `func` (SkyRL's policy-loss signature) as `name`; a taken name raises."""
-        _register_loss(str(name))(_as_policy_loss(func))
-
-    @classmethod
-    def get(cls, name: str) -> Callable[..., Any]:
-        return get_policy_loss(str(name))
-
-    @classmethod
-    def list_available(cls) -> list[str]:
-        return policy_loss_names()
-
-    @classmethod
-    def unregister(cls, name: str) -> None:
-        unregister_policy_loss(str(name))
+PolicyLossRegistry = SkyRLRegistry(
+    _as_policy_loss, _register_loss, get_policy_loss, policy_loss_names, unregister_policy_loss
+)
+"""SkyRL's ``PolicyLossRegistry`` over skylift's policy-loss registry."""
 
 
 def register_advantage_estimator(name: str) -> Callable[[SkyRLFunction], SkyRLFunction]:
     """SkyRL's decorator: registers a function with SkyRL's estimator signature; returns it unchanged."""
-
-    def decorator(fn: SkyRLFunction) -> SkyRLFunction:
-        AdvantageEstimatorRegistry.register(name, fn)
-        return fn
-
-    return decorator
+    return AdvantageEstimatorRegistry.decorator(name)
 
 
 def register_policy_loss(name: str) -> Callable[[SkyRLFunction], SkyRLFunction]:
     """SkyRL's decorator: registers a function with SkyRL's policy-loss signature; returns it unchanged."""
-
-    def decorator(fn: SkyRLFunction) -> SkyRLFunction:
-        PolicyLossRegistry.register(name, fn)
-        return fn
-
-    return decorator
+    return PolicyLossRegistry.decorator(name)

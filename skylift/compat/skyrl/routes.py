@@ -22,6 +22,7 @@ is replaced by skylift's receiver with one warning (`skyrl_worker_wrap`).
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -99,20 +100,6 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     return {"message": "Weight transfer initialized"}
 
 
-@router.post("/start_weight_update")
-async def start_weight_update(request: Request) -> dict[str, Any]:
-    _refuse_on_cpu(request, "/start_weight_update")
-    await _engine(request).start_weight_update()
-    return {"message": "Weight update started"}
-
-
-@router.post("/start_draft_weight_update")
-async def start_draft_weight_update(request: Request) -> dict[str, Any]:
-    _refuse_on_cpu(request, "/start_draft_weight_update")
-    await _engine(request).start_draft_weight_update()
-    return {"message": "Draft weight update started"}
-
-
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict[str, Any]:
     _refuse_on_cpu(request, "/finish_weight_update")
@@ -123,11 +110,25 @@ async def finish_weight_update(request: Request) -> dict[str, Any]:
     return {"message": "Weight update finished"}
 
 
-@router.post("/shutdown_weight_transfer_engine")
-async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
-    _refuse_on_cpu(request, "/shutdown_weight_transfer_engine")
-    await _engine(request).shutdown_weight_transfer_engine()
-    return {"message": "Weight transfer shut down"}
+def _engine_step_route(name: str, message: str) -> Callable[[Request], Awaitable[dict[str, Any]]]:
+    """The route ``/name`` of vLLM's weight-transfer protocol that takes no body: the engine
+    client's method of that name, answered with `message`; 501 on CPU."""
+
+    async def route(request: Request) -> dict[str, Any]:
+        _refuse_on_cpu(request, f"/{name}")
+        await getattr(_engine(request), name)()
+        return {"message": message}
+
+    route.__name__ = route.__qualname__ = name
+    return route
+
+
+for _name, _message in (
+    ("start_weight_update", "Weight update started"),
+    ("start_draft_weight_update", "Draft weight update started"),
+    ("shutdown_weight_transfer_engine", "Weight transfer shut down"),
+):
+    router.post(f"/{_name}")(_engine_step_route(_name, _message))
 
 
 @WEIGHT_TRANSFER.register

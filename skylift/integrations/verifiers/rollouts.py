@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from skylift.generator.generator import PromptRow
+from skylift.generator.generator import PromptRow, seed_of_each_row
 from skylift.generator.plugins import RolloutContext, register_rollout_plugin
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.remote import normalize_url
@@ -148,15 +148,12 @@ class VerifiersRollouts:
     ) -> list[Trajectory]:
         """`n` trajectories (or more: an episode may hold several trainable contexts) per row,
         grouped by row in order, as `Generator.generate`."""
-        if seeds is not None and len(seeds) != len(rows):
-            raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
+        row_seeds = seed_of_each_row(rows, seeds)
         mine = [i for i, row in enumerate(rows) if self.is_verifiers(row)]
         others = sorted(set(range(len(rows))) - set(mine))
         if others and self.inner is None:
             raise ValueError(f"row {rows[others[0]].uid}: only verifiers rows can be generated here")
-        jobs = [
-            self._row(rows[i], n, params, policy_version, None if seeds is None else seeds[i]) for i in mine
-        ]
+        jobs = [self._row(rows[i], n, params, policy_version, row_seeds[i]) for i in mine]
         if others:
             jobs.append(
                 self.inner.generate(

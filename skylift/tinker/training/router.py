@@ -107,42 +107,35 @@ async def forward(request: Request, training: Training, owners: OwnersDep, key: 
     return await _forward(request, training, owners, "forward", key)
 
 
-@router.post("/optim_step")
-async def optim_step(
-    request: Request,
-    training: Training,
-    owners: OwnersDep,
-    key: IdemKey,
-    body: Annotated[OptimStepBody, model_op(OptimStepBody, "optim_step")],
-) -> dict[str, Any]:
-    submit = partial(training.optim_step, body, key)
-    return await _model_operation(request, owners, "optim_step", body.model_id, submit)
+def _body_model_route(kind: str, body_type: type[Any]) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """The route of the model operation `kind`: its body (a `body_type`) goes to the training
+    operations' method of that name, with the idempotency key."""
+
+    async def route(
+        request: Request, training: Training, owners: OwnersDep, key: IdemKey, body: Any
+    ) -> dict[str, Any]:
+        submit = partial(getattr(training, kind), body, key)
+        return await _model_operation(request, owners, kind, body.model_id, submit)
+
+    route.__name__ = route.__qualname__ = kind
+    # FastAPI reads the parameters' types off the annotations: the body's is this route's own
+    route.__annotations__ = {
+        "request": Request,
+        "training": Training,
+        "owners": OwnersDep,
+        "key": IdemKey,
+        "body": Annotated[body_type, model_op(body_type, kind)],
+        "return": dict[str, Any],
+    }
+    return route
 
 
-@router.post("/save_weights")
-async def save_weights(
-    request: Request,
-    training: Training,
-    owners: OwnersDep,
-    key: IdemKey,
-    body: Annotated[SaveWeightsBody, model_op(SaveWeightsBody, "save_weights")],
-) -> dict[str, Any]:
-    submit = partial(training.save_weights, body, key)
-    return await _model_operation(request, owners, "save_weights", body.model_id, submit)
-
-
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    request: Request,
-    training: Training,
-    owners: OwnersDep,
-    key: IdemKey,
-    body: Annotated[
-        SaveWeightsForSamplerBody, model_op(SaveWeightsForSamplerBody, "save_weights_for_sampler")
-    ],
-) -> dict[str, Any]:
-    submit = partial(training.save_weights_for_sampler, body, key)
-    return await _model_operation(request, owners, "save_weights_for_sampler", body.model_id, submit)
+for _kind, _body_type in (
+    ("optim_step", OptimStepBody),
+    ("save_weights", SaveWeightsBody),
+    ("save_weights_for_sampler", SaveWeightsForSamplerBody),
+):
+    router.post(f"/{_kind}")(_body_model_route(_kind, _body_type))
 
 
 @router.post("/load_weights")
