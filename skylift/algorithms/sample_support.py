@@ -58,6 +58,20 @@ class TokenDistribution:
         return TokenDistribution(temperature=self.temperature)
 
 
+def sampled_distribution(
+    temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> TokenDistribution:
+    """The distribution vLLM samples from with these sampling parameters (greedy, temperature 0:
+    temperature 1 and nothing cut, as vLLM applies no truncation to greedy requests; top_k <= 0
+    is off and reads -1, so that equal distributions compare equal). The RL trainer
+    (`skylift.rl.sampling.trainer_distribution`) and the Tinker service take theirs from here."""
+    if temperature <= 0:
+        return TokenDistribution()
+    return TokenDistribution(
+        temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p, min_p=min_p
+    )
+
+
 Sampling = float | TokenDistribution
 """A sampling temperature (no truncation), or the whole `TokenDistribution`."""
 

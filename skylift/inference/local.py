@@ -1,5 +1,8 @@
 """`LocalVLLMEngine`: an `InferenceEngine` over vLLM's in-process `AsyncLLM`.
 
+A generate request becomes vLLM's here, whole: the prompt and its images (`TokensPrompt`), the
+LoRA request and the sampling parameters (`to_vllm_params`); `skylift.inference.vllm_io` reads
+vLLM's outputs back.
 The engine core and its workers run in child processes that vLLM spawns; scripts that create one
 need an ``if __name__ == "__main__":`` guard. Weight updates go to the weight-sync receiver in
 every worker through ``collective_rpc``, from the engine halves of the weight transports
@@ -29,9 +32,10 @@ from skylift.inference.types import (
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
+    SamplingParams,
     check_teacher_forcing,
 )
-from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output, to_vllm_params
+from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output
 from skylift.inference.vllm_patches import quiet_teardown
 from skylift.utils.calls import call_with_timeout
 from skylift.utils.watchdog import unless_failed
@@ -63,6 +67,32 @@ def _engine_failure(message: str, exc: Exception) -> Exception:
     if isinstance(exc, EngineDeadError):  # its text points at a stack trace the log has
         return EngineUnavailableError(f"{message}: the vLLM engine process died (EngineDeadError)")
     return EngineError(f"{message}: {exc}")
+
+
+def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False, prompt_top: int = 0) -> Any:
+    """vLLM's `SamplingParams` for ours: final output only, sampled-token logprobs if asked (and
+    the `top_logprobs` most likely tokens), the prompt's token logprobs if `prompt_logprobs` (and
+    its `prompt_top` most likely tokens). vLLM's own checks raise ValueError."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0 if params.top_k in (-1, 0) else params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        seed=params.seed,
+        ignore_eos=params.ignore_eos,
+        logit_bias=params.logit_bias,
+        logprobs=params.top_logprobs if params.top_logprobs > 0 else (0 if params.logprobs else None),
+        prompt_logprobs=prompt_top if prompt_top > 0 else (0 if prompt_logprobs else None),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 class LocalVLLMEngine(EngineBase):

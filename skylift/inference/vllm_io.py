@@ -1,7 +1,8 @@
-"""skylift's request and output types <-> vLLM's: the one place that knows vLLM's shapes.
+"""vLLM's outputs -> skylift's: the one place that reads vLLM's `RequestOutput`.
 
-`LocalVLLMEngine` (and through it every transport: in process, HTTP, Ray) builds vLLM's sampling
-parameters with `to_vllm_params` and reads vLLM's final `RequestOutput` with `to_generate_output`.
+`LocalVLLMEngine` (and through it every transport: in process, HTTP, Ray) builds vLLM's request
+itself (`skylift.inference.local`: the prompt, its images, the LoRA request and `to_vllm_params`)
+and reads vLLM's final `RequestOutput` with `to_generate_output`.
 """
 
 from __future__ import annotations
@@ -9,39 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from skylift.inference.types import Completion, EngineError, GenerateOutput, SamplingParams, StopReason
+from skylift.inference.types import Completion, EngineError, GenerateOutput, StopReason
 
 logger = logging.getLogger(__name__)
 
 #: vLLM finish reasons skylift passes on as they are; any other ends as "abort" (the sample did
 #: not finish normally: callers drop or zero it, as for an aborted request).
 _STOP_REASONS: tuple[StopReason, ...] = ("stop", "length", "abort")
-
-
-def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False, prompt_top: int = 0) -> Any:
-    """vLLM's `SamplingParams` for ours: final output only, sampled-token logprobs if asked (and
-    the `top_logprobs` most likely tokens), the prompt's token logprobs if `prompt_logprobs` (and
-    its `prompt_top` most likely tokens). vLLM's own checks raise ValueError."""
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return VllmSamplingParams(
-        n=params.n,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=0 if params.top_k in (-1, 0) else params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        max_tokens=params.max_tokens,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        seed=params.seed,
-        ignore_eos=params.ignore_eos,
-        logit_bias=params.logit_bias,
-        logprobs=params.top_logprobs if params.top_logprobs > 0 else (0 if params.logprobs else None),
-        prompt_logprobs=prompt_top if prompt_top > 0 else (0 if prompt_logprobs else None),
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
 
 
 def stop_reason(finish_reason: str | None) -> StopReason:

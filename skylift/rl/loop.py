@@ -75,7 +75,9 @@ class RLTrainer:
         self.update_settings = UpdateSettings.from_config(cfg)
         self.objective = policy_objective(cfg)
         self.close_parts: Any = None  # set by `build_trainer`: takes down what it built
-        self.records = RolloutRecorder.from_parts(cfg, parts, self.console.say)  # for skylift view
+        self.records = RolloutRecorder.from_parts(  # for skylift view
+            cfg, parts, self.update_settings.temperature, self.console.say
+        )
         self.started_at = time.perf_counter()
 
     def setup(self) -> None:

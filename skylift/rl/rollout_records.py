@@ -35,6 +35,7 @@ from typing import Any
 
 from torch import Tensor
 
+from skylift.algorithms.sample_support import Sampling
 from skylift.config.records import RolloutRecordsConfig
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory
@@ -42,7 +43,7 @@ from skylift.generator.vision import printable_messages
 from skylift.rl.batch_dump import batch_record
 from skylift.rl.experience import Experience
 from skylift.rl.parts import Parts
-from skylift.rl.update import pad_rows, training_distribution
+from skylift.rl.update import pad_rows
 from skylift.worker.batch import SequenceBatch
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,12 @@ class RolloutRecorder:
         self._full = False
 
     @classmethod
-    def from_parts(cls, cfg: SkyliftConfig, parts: Parts, say: Callable[[str], None]) -> RolloutRecorder:
-        """The recorder of a run (`trainer.rollout_records`) over its parts."""
-        forward_rows, sampling = cfg.trainer.micro_forward_batch_size_per_gpu, training_distribution(cfg)
+    def from_parts(
+        cls, cfg: SkyliftConfig, parts: Parts, sampling: Sampling, say: Callable[[str], None]
+    ) -> RolloutRecorder:
+        """The recorder of a run (`trainer.rollout_records`) over its parts; the policy's logprobs
+        are taken under `sampling`, the trainer's distribution (`UpdateSettings.temperature`)."""
+        forward_rows = cfg.trainer.micro_forward_batch_size_per_gpu
 
         def trainer_logprobs(batch: SequenceBatch) -> Tensor:
             padded = pad_rows(batch, parts.policy.world_size)  # every rank gets rows

@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from skylift.algorithms.sample_support import TokenDistribution
+from skylift.algorithms.sample_support import TokenDistribution, sampled_distribution
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptSample
 from skylift.generator import Trajectory
@@ -48,11 +48,7 @@ def trainer_distribution(params: SamplingParams, replay: bool | None) -> TokenDi
     its temperature and, with sampling-support replay (`replay`:
     `trainer.algorithm.enable_sample_support_replay`; None = whenever the request truncates), its
     top-k, top-p and min-p. Greedy requests (temperature 0): the plain distribution."""
-    if params.temperature <= 0:  # greedy: vLLM applies no truncation
-        return TokenDistribution()
-    dist = TokenDistribution(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p
-    )
+    dist = sampled_distribution(params.temperature, params.top_k, params.top_p, params.min_p)
     return dist if (dist.truncates if replay is None else replay) else dist.full()
 
 

@@ -39,7 +39,7 @@ def test_the_trainer_asks_the_engines_for_the_configured_min_p_and_penalty() -> 
 
 
 def test_the_local_engine_builds_vllm_params_with_them() -> None:
-    from skylift.inference.vllm_io import to_vllm_params  # the local engine's one builder
+    from skylift.inference.local import to_vllm_params  # the local engine's one builder
 
     train, _ = _trainer_params(OVERRIDES)
     vllm_params = to_vllm_params(train)
@@ -55,8 +55,8 @@ def test_a_remote_engine_is_sent_them_and_the_server_passes_them_to_vllm(tiny_mo
 
     from skylift.inference.bodies import GenerateBody
     from skylift.inference.http_session import SessionPool
+    from skylift.inference.local import to_vllm_params
     from skylift.inference.remote import RemoteInferenceEngine
-    from skylift.inference.vllm_io import to_vllm_params
 
     train, _ = _trainer_params(OVERRIDES)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from skylift.algorithms.sample_support import TokenDistribution
+from skylift.algorithms.sample_support import TokenDistribution, sampled_distribution
 from skylift.tinker.errors import UserError
 
 #: ``loss_fn_config`` keys naming the sampling parameters of the ``logprobs`` input.
@@ -56,18 +56,6 @@ def loss_distribution(config: Mapping[str, float | str]) -> TokenDistribution:
     if top_k != int(top_k) or top_k < -1:
         raise UserError(f"loss_fn_config['top_k'] must be an integer >= -1 (-1 or 0 = off), got {top_k}")
     return sampled_distribution(temperature, int(top_k), top_p, min_p)
-
-
-def sampled_distribution(
-    temperature: float, top_k: int, top_p: float, min_p: float = 0.0
-) -> TokenDistribution:
-    """The distribution vLLM samples from with these parameters (greedy: temperature 1, none cut;
-    top_k <= 0 is off and reads -1, so that equal distributions compare equal)."""
-    if temperature <= 0:  # greedy: vLLM applies no truncation
-        return TokenDistribution()
-    return TokenDistribution(
-        temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p, min_p=min_p
-    )
 
 
 def as_config(dist: TokenDistribution) -> dict[str, float | str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from skylift.algorithms.sample_support import sampled_distribution
 from skylift.inference.limits import MAX_N
 from skylift.tinker.core.auth import current_user
 from skylift.tinker.core.base_models import BaseModelInfo, BaseModels
@@ -28,7 +29,6 @@ from skylift.tinker.core.bodies import MAX_TARGET_CELLS
 from skylift.tinker.core.fairness import FairGate
 from skylift.tinker.core.futures import Work
 from skylift.tinker.core.images import ImageInput
-from skylift.tinker.core.loss_sampling import sampled_distribution
 from skylift.tinker.core.model_input import check_token_range, json_parts
 from skylift.tinker.core.provenance import StabilityRecords
 from skylift.tinker.core.requests import Requests
