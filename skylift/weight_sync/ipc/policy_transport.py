@@ -36,6 +36,8 @@ class PolicySharedTransport(WeightTransport):
     `ipc.policy_rank`); CUDA buffers are never kept (they would hold a second copy of the weights
     on the GPU). `bucket_bytes`: the streamed push's bucket size."""
 
+    kind = "ipc"
+
     def __init__(
         self,
         policy: PolicyCalls,

@@ -43,6 +43,8 @@ class SharedTensorsTransport(WeightTransport):
     and frees them once loaded (`benchmarks/weight_sync.py`: kept 0.64 of the gloo stream's time
     on SmolLM2-135M, new buffers 1.70)."""
 
+    kind = "ipc"
+
     def __init__(
         self,
         engines: Sequence[WeightCall],
