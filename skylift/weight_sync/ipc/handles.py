@@ -14,7 +14,7 @@ imports torch and the standard library only, so a GPU machine with nothing but t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "TensorSpec",
     "handle_from_wire",
     "handle_to_wire",
+    "new_shared",
     "open_shared",
     "share_tensors",
     "tensor_slots",
@@ -159,6 +160,35 @@ def write_tensors(handle: SharedTensors, named: dict[str, torch.Tensor]) -> None
             torch.cuda.current_stream(flat.device).synchronize()
 
 
+def new_shared(
+    layout: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None
+) -> SharedTensors:
+    """Shared buffers for tensors of `layout`'s names, shapes and dtypes (meta tensors will do:
+    nothing is read from them), on `device` (None: each tensor's own), one buffer per device and
+    dtype in the order given, nothing written yet: the handle `share_tensors` would return for such
+    tensors, to be filled (`write_tensors`). CPU pages are touched only as they are written."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, t in layout:
+        groups.setdefault((device if device is not None else t.device, t.dtype), []).append((name, t))
+    buffers: list[SharedBuffer] = []
+    keep: list[torch.Tensor] = []
+    for (where, dtype), items in groups.items():
+        specs, offset = [], 0
+        for name, t in items:
+            specs.append(TensorSpec(name, tuple(t.shape), offset, t.numel()))
+            offset += t.numel()
+        buf = _new_buffer(where, dtype, offset)
+        rebuild, args = _share(buf)
+        uuid = (
+            _gpu_uuid(where.index if where.index is not None else torch.cuda.current_device())
+            if where.type == "cuda"
+            else None
+        )
+        buffers.append(SharedBuffer(where.type, dtype, offset, rebuild, args, tuple(specs), uuid))
+        keep.append(buf)
+    return SharedTensors(tuple(buffers), tuple(name for name, _ in layout), keep)
+
+
 def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = None) -> SharedTensors:
     """Copy `named` into shared buffers (one per device and dtype, in the order given) and return
     the handle object another process on this host opens with `open_shared`. `reuse`: a handle
@@ -168,31 +198,9 @@ def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = 
     if reuse is not None and fits(reuse, named):
         write_tensors(reuse, named)
         return reuse
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named.items():
-        groups.setdefault((t.device, t.dtype), []).append((name, t))
-    buffers: list[SharedBuffer] = []
-    keep: list[torch.Tensor] = []
-    for (device, dtype), items in groups.items():
-        specs, offset = [], 0
-        for name, t in items:
-            specs.append(TensorSpec(name, tuple(t.shape), offset, t.numel()))
-            offset += t.numel()
-        buf = _new_buffer(device, dtype, offset)
-        with torch.no_grad():
-            for spec, (_, t) in zip(specs, items, strict=True):
-                buf[spec.offset : spec.offset + spec.numel].copy_(t.detach().reshape(-1))
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the copies land before another process reads
-        rebuild, args = _share(buf)
-        uuid = (
-            _gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
-            if device.type == "cuda"
-            else None
-        )
-        buffers.append(SharedBuffer(device.type, dtype, offset, rebuild, args, tuple(specs), uuid))
-        keep.append(buf)
-    return SharedTensors(tuple(buffers), tuple(named), keep)
+    handle = new_shared(list(named.items()))
+    write_tensors(handle, named)  # a CUDA copy lands before another process reads
+    return handle
 
 
 def _local_cuda_index(uuid: str | None) -> int | None:

@@ -2,7 +2,8 @@
 
 The driver's half of the IPC transport in `skylift train` (`ipc.policy_rank` is the policy's):
 no weight-update group. A push asks the policy's rank 0 for a streamed push into its kept
-buffers (`shared_weights_plan`); with one, the engines load it bucket by bucket
+buffers (`shared_weights_plan`; on CPU the first push lays them out from the weights' layout);
+with one, the engines load it bucket by bucket
 (``weight_call("ipc", "load", ...)``) while every rank gathers and rank 0 fills
 (`fill_shared_weights`); else every rank gathers and rank 0 copies into new buffers
 (`share_weights`), the engines load them, and rank 0 frees them unless it keeps them for the next
@@ -86,7 +87,9 @@ class PolicySharedTransport(WeightTransport):
 
     async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        plan = await self._rank0(SharedWeightsRank.shared_weights_plan, self.bucket_bytes)
+        plan = await self._rank0(
+            SharedWeightsRank.shared_weights_plan, self.bucket_bytes, self.dtype, self.keep_buffers
+        )
         nbytes, results = await (self._streamed(plan) if plan is not None else self._fresh())
         return {
             "timing/weight_sync_s": time.perf_counter() - start,
