@@ -14,6 +14,9 @@ imports torch and the standard library only, so a GPU machine with nothing but t
 
 from __future__ import annotations
 
+import mmap
+import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,9 +106,46 @@ def _gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+#: the names torch's ``file_system`` sharing gives its segments (``shm_open`` names)
+_SEGMENT = re.compile(r"/torch_\d+_\d+_\d+")
+SHM_DIR = "/dev/shm"
+#: the reference count torch's shared-memory allocator keeps before the data (64-byte aligned)
+_SEGMENT_HEADER = 64
+
+
 def _open_cpu_storage(manager: bytes, handle: bytes, nbytes: int) -> torch.UntypedStorage:
-    """Map a shared-memory segment made by `_share_cpu` (the module-level name pickles by reference)."""
-    return torch.UntypedStorage._new_shared_filename_cpu(manager, handle, nbytes)
+    """Map the shared-memory segment `handle` (made by the sender's `_new_buffer`) straight from
+    /dev/shm, without registering with the sender's ``torch_shm_manager`` (`manager`, unused):
+    torch's own opening (``_new_shared_filename_cpu``) registers the mapping with that process and
+    keeps a socket to it for the receiver's lifetime, so the manager outlived every sender whose
+    weights a long-lived engine had loaded, and once it was gone (killed with the sender's Ray
+    worker) the receiver's next unmap wrote to a dead socket: ``std::system_error: Broken pipe``,
+    abort, and vLLM's worker died mid-load ("collective_rpc ... cancelled"). Here the segment's
+    lifetime stays the sender's (its manager unlinks it when the sender frees it or dies) and an
+    open mapping keeps its pages until the receiver drops it."""
+    name = handle.decode() if isinstance(handle, bytes) else str(handle)
+    if not _SEGMENT.fullmatch(name):
+        raise ValueError(f"shared tensors: {name!r} is not a torch shared-memory segment name")
+    path = SHM_DIR + name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as exc:
+        raise RuntimeError(
+            f"shared tensors: segment {path} is gone (the sender released its buffers or exited)"
+        ) from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes + _SEGMENT_HEADER:
+            raise RuntimeError(
+                f"shared tensors: segment {path} holds {size} bytes, the handle says {nbytes} "
+                f"after torch's {_SEGMENT_HEADER}-byte header"
+            )
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if nbytes == 0:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(mapped, dtype=torch.uint8, offset=_SEGMENT_HEADER, count=nbytes).untyped_storage()
 
 
 def _new_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
