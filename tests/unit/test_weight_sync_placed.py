@@ -125,6 +125,8 @@ def test_the_policy_shares_new_buffers_first_then_streams_into_the_kept_ones() -
     assert "ready" not in first and second["handle"] == third["handle"] == first["handle"]
     assert second["buckets"] == [[f"layers.{i}.w", f"layers.{i + 1}.w"] for i in (0, 2, 4)]
     assert ranks[0].__dict__["_skylift_shared_sender"].kept is None  # close released them
+    # and the engines' workers dropped the views they kept (a server would hold them until its next load)
+    assert all(e.receiver._open is None and e.receiver._ready is None for e in engines.engines)
 
 
 class LaidOutRank(Rank):

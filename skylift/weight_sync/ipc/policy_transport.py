@@ -99,4 +99,14 @@ class PolicySharedTransport(WeightTransport):
         }
 
     async def close(self) -> None:
+        await release_engines(self.engines, self.say)
         await self._rank0(SharedWeightsRank.release_shared_weights, True)
+
+
+async def release_engines(engines: EngineSet, say: Say) -> None:
+    """Tell every live engine to drop the views its workers keep of the sender's buffers; an
+    engine that cannot (gone, or an older server) is said, not raised: its mapping goes with it."""
+    try:
+        await engines.weight_call("ipc", "release", {}, strict=False)
+    except Exception as exc:  # noqa: BLE001 - closing goes on
+        say(f"weight sync: the engines could not release the shared buffers ({type(exc).__name__}: {exc})")

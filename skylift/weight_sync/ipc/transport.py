@@ -11,6 +11,7 @@ on the sender's GPU (where NCCL refuses), or a CPU engine on the sender's host.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -30,6 +31,8 @@ from skylift.weight_sync.ipc.handles import (
 )
 from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.transport import WeightTransport
+
+logger = logging.getLogger(__name__)
 
 
 class SharedTensorsTransport(WeightTransport):
@@ -143,6 +146,15 @@ class SharedTensorsTransport(WeightTransport):
     async def close(self) -> None:
         self.staged = None
         if self._kept is not None:
+            failed = [
+                r
+                for r in await gather_all([e.weight_call("ipc", "release", {}) for e in self.engines])
+                if isinstance(r, BaseException)
+            ]
+            if failed:  # the engine's mapping goes with it; closing goes on
+                logger.warning(
+                    "shared-tensor weight sync: an engine could not release the buffers: %s", failed[0]
+                )
             self._kept.release()
             self._kept = None
         if self._ready is not None:
