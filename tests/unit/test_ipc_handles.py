@@ -111,3 +111,17 @@ def test_a_receiver_outlives_the_senders_shm_manager() -> None:
     assert not report["manager_outlived_sender"]
     assert report["read_after_sender_died"] == [499500.0, list(range(7))]
     assert report["survived_dropping_views"]
+
+
+def test_buffers_that_dev_shm_cannot_hold_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's /dev/shm is 64 MB unless told otherwise; writing past a full tmpfs would kill
+    the sender with SIGBUS, so the buffers are refused before anything is written."""
+    import os
+
+    class Full:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    with pytest.raises(RuntimeError, match=r"^shared tensors: 1 MiB do not fit in /dev/shm \(0 MiB free\)"):
+        share_tensors({"w": torch.zeros(256, 1024)})
+    assert share_tensors({"w": torch.ones(8)}).nbytes == 32  # what fits is shared

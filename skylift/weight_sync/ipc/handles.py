@@ -148,6 +148,25 @@ def _open_cpu_storage(manager: bytes, handle: bytes, nbytes: int) -> torch.Untyp
     return torch.frombuffer(mapped, dtype=torch.uint8, offset=_SEGMENT_HEADER, count=nbytes).untyped_storage()
 
 
+def _check_room(nbytes: int) -> None:
+    """Refuse, in one line, CPU buffers that /dev/shm cannot hold (a container's default is 64
+    MB): writing past a full tmpfs kills the writer with SIGBUS instead of raising."""
+    if nbytes <= 0:
+        return
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise RuntimeError(
+            f"shared tensors: {SHM_DIR} is not usable ({exc}); use a group backend (gloo)"
+        ) from exc
+    free = stat.f_bavail * stat.f_frsize
+    if nbytes > free:
+        raise RuntimeError(
+            f"shared tensors: {nbytes / 2**20:.0f} MiB do not fit in {SHM_DIR} ({free / 2**20:.0f} MiB free): "
+            "enlarge it (docker run --shm-size) or use generator.weight_sync_backend=gloo"
+        )
+
+
 def _new_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
     if device.type == "cpu":  # born in a /dev/shm file, so nothing is copied to share it
         nbytes = max(numel, 1) * _element_size(dtype)
@@ -210,6 +229,14 @@ def new_shared(
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, t in layout:
         groups.setdefault((device if device is not None else t.device, t.dtype), []).append((name, t))
+    _check_room(
+        sum(
+            t.numel() * _element_size(dtype)
+            for (where, dtype), items in groups.items()
+            if where.type == "cpu"
+            for _, t in items
+        )
+    )
     buffers: list[SharedBuffer] = []
     keep: list[torch.Tensor] = []
     for (where, dtype), items in groups.items():
