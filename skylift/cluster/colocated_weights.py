@@ -97,15 +97,16 @@ class OffloadingEngineWeights:
             RLWorker.backload_to_device, lambda e: (*e.before_wake, *e.after_push)
         )
 
-    def sync(self, policy_version: int) -> None:
+    def sync(self, policy_version: int) -> dict[str, float]:
         """Offload what the push does not read, wake the engines and push, then offload the
-        policy's parameters."""
+        policy's parameters; the push's figures and the moves' (this step's backload included)."""
         seconds = 0.0
         if self.inner.asleep:
             seconds += self._move(RLWorker.offload_to_host, lambda e: e.before_wake)
-        self.inner.sync(policy_version)
+        pushed = self.inner.sync(policy_version)
         seconds += self._move(RLWorker.offload_to_host, lambda e: (*e.before_wake, *e.after_push))
         self.figures["timing/offload_s"] = seconds
+        return {**pushed, **self.figures}
 
 
 def colocated_weights(

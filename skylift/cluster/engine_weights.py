@@ -48,33 +48,41 @@ class EngineWeights:
         self.run(self.engines.sleep())
         self.asleep = True
 
-    def sync(self, policy_version: int) -> None:
-        """Push the policy's weights (of `policy_version`) to every live engine.
+    def sync(self, policy_version: int) -> dict[str, float]:
+        """Push the policy's weights (of `policy_version`) to every live engine; the sync's figures
+        (`sync_metrics`: what the transport moved, how long its push took, which transport).
 
         The transport first stages what may overlap generation (a delta version published and
         fetched), then pushes; with requests in flight (fully async) the engines are paused
         around the push and their prefix caches reset when the new weights make them stale.
         Engines that failed are left out by the pool; with none left nothing is loaded: the step
         still completes (its update is applied) and the next generation stops training with a
-        checkpoint.
+        checkpoint (no figures).
         """
         if self.asleep:  # colocated on GPU: weights must be resident to be overwritten
             self.run(self.engines.wake_up())
             self.asleep = False
+        pushed: dict[str, float] = {}
         try:
             self.run(self.transport.stage(policy_version))
             if self.pause_mode is None or not self.engines.live_indices:
-                self.run(self.transport.push(policy_version))
+                pushed = self.run(self.transport.push(policy_version))
             else:  # requests in flight: no engine may sample while its weights change
-                self._paused(self.pause_mode, policy_version, lambda: self._push_and_reset(policy_version))
+                self._paused(
+                    self.pause_mode,
+                    policy_version,
+                    lambda: pushed.update(self._push_and_reset(policy_version)),
+                )
         except NoHealthyEngineError as exc:
             self.say(f"weights of version {policy_version} published, loaded by no engine: {exc}")
         self.version = policy_version
+        return sync_metrics(self.transport.name, pushed)
 
-    def _push_and_reset(self, policy_version: int) -> None:
-        self.run(self.transport.push(policy_version))
+    def _push_and_reset(self, policy_version: int) -> dict[str, float]:
+        pushed = self.run(self.transport.push(policy_version))
         if self.transport.needs_prefix_reset:
             self.run(self.engines.reset_prefix_cache())
+        return pushed
 
     def _paused(self, mode: str, policy_version: int, update: Callable[[], None]) -> None:
         """Pause the engines (requests in flight kept or aborted), `update` them, resume them
@@ -97,3 +105,15 @@ class EngineWeights:
     def close(self) -> None:
         """Close the transport (a weight-update group: engines first, then the policy's rank 0)."""
         self.run(self.transport.close())
+
+
+def sync_metrics(transport: str, pushed: dict[str, float]) -> dict[str, float]:
+    """A push's figures as a step's metrics: the transport's own keys (`weight_sync/bytes`, ...),
+    its push time as `weight_sync/push_s` (the step's `timing/weight_sync_s` is the driver's, the
+    whole sync) and `weight_sync/via/<transport>` = 1 (trackers take numbers). A push that loaded
+    nothing (no engine left, or a transport that returned no figures) gives nothing."""
+    if not pushed:
+        return {}
+    out = {("weight_sync/push_s" if k == "timing/weight_sync_s" else k): float(v) for k, v in pushed.items()}
+    out[f"weight_sync/via/{transport}"] = 1.0
+    return out

@@ -123,11 +123,27 @@ class RLWorker(OffloadingWorker, TrainingWorker, SharedWeightsRank):
         weights = self.iter_full_weights()
         if self.rank != 0:
             return weights
+        return self._names().convert(weights)
+
+    def engine_weight_layout(self) -> list[tuple[str, Tensor]] | None:
+        """What `engine_weights` yields on rank 0 as meta tensors, gathering nothing; None where it
+        cannot be known so (a LoRA policy merges its adapter, a conversion needs real values)."""
+        if self.settings.lora_rank > 0:
+            return None
+        state = self._model().state_dict()  # a DTensor's shape is the full one
+        meta = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in state.items())
+        try:
+            return list(self._names().convert(meta))
+        except Exception as exc:  # noqa: BLE001 - the gathered path still works
+            logger.info("the engines' weight layout is not known before gathering: %r", exc)
+            return None
+
+    def _names(self) -> CheckpointNames:
         if self._checkpoint_names is None:
             model = self._model()
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             self._checkpoint_names = checkpoint_names_for(base, self.settings.model_path)
-        return self._checkpoint_names.convert(weights)
+        return self._checkpoint_names
 
     def publish_delta(self, spec: DeltaPublishSpec, dtype: str | None = None) -> dict[str, float]:
         """Gather the full weights (every rank: a collective) and publish them as the next

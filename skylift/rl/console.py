@@ -65,6 +65,16 @@ def step_summary(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"staleness {m['async/staleness_max']:.0f}")
     parts.append(
         f"gen {m['timing/generate_s']:.1f}s wait {m['timing/wait_s']:.1f}s train {m['timing/train_s']:.1f}s "
-        f"sync {m['timing/weight_sync_s']:.1f}s idle {m['timing/idle_s']:.1f}s"
+        f"sync {m['timing/weight_sync_s']:.1f}s{sync_detail(m)} idle {m['timing/idle_s']:.1f}s"
     )
     return " | ".join(parts)
+
+
+def sync_detail(m: dict[str, float]) -> str:
+    """` (ipc 270 MB)`: the transport and what it moved, where the step's sync pushed weights."""
+    via = [key.rsplit("/", 1)[1] for key in m if key.startswith("weight_sync/via/")]
+    if not via:
+        return ""
+    mb = m.get("weight_sync/bytes", -1.0) / 1e6
+    moved = "" if mb < 0 else f" {mb:.1f} MB" if mb < 10 else f" {mb:.0f} MB"
+    return f" ({via[0]}{moved})"

@@ -179,10 +179,9 @@ class RLTrainer:
         weights, version = self.parts.weights, self.state.policy_version
         tick = time.perf_counter()
         self.source.before_sync()
-        if self.source.needs_sync(version, weights.version):
-            weights.sync(version)
+        pushed = weights.sync(version) if self.source.needs_sync(version, weights.version) else {}
         self.source.after_sync(version)
-        return {"timing/weight_sync_s": time.perf_counter() - tick}
+        return {**pushed, "timing/weight_sync_s": time.perf_counter() - tick}
 
     # ================================================================== evaluation
     def evaluate(self) -> dict[str, float]:

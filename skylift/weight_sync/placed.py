@@ -99,6 +99,11 @@ class PlacedTransport(WeightTransport):
         return self.inner
 
     @property
+    def name(self) -> str:
+        """The transport chosen at open ("ipc", "gloo", "nccl"; "broadcast": the config's backend)."""
+        return self.inner.name if self.inner is not None else "unopened"
+
+    @property
     def needs_prefix_reset(self) -> bool:  # type: ignore[override]
         return self.inner.needs_prefix_reset if self.inner is not None else True
 

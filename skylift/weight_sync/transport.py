@@ -56,6 +56,14 @@ class WeightTransport(ABC):
     #: comes under a new name, so base-model blocks stay valid; a delta load resets it itself)
     needs_prefix_reset: bool = True
 
+    #: what carries the weights, in the run's metrics (`weight_sync/via/<name>`): "ipc", "gloo",
+    #: "nccl", "lora", "delta", ... (a transport that learns it at `open` overrides the property)
+    kind: str = "broadcast"
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
     @abstractmethod
     async def open(self) -> str:
         """Set up for the set's live engines; one line for the run's log saying how."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from skylift.cluster.engine_weights import sync_metrics
 from skylift.config import load_config
 from skylift.config.schema import SkyliftConfig
 from skylift.data import PromptDataset, PromptSample, write_addition_demo
@@ -156,12 +157,18 @@ class FakeWeights:
     labels: int = 0
     sleeps: int = 0
     events: list[str] | None = None
+    #: what each push returns, as a transport's push does (`EngineWeights.sync` turns it into the
+    #: step's figures with `sync_metrics`)
+    pushed: dict[str, float] = field(
+        default_factory=lambda: {"timing/weight_sync_s": 0.25, "weight_sync/bytes": 2.5e6}
+    )
 
-    def sync(self, policy_version: int) -> None:
+    def sync(self, policy_version: int) -> dict[str, float]:
         self.syncs.append(policy_version)
         self.version = policy_version
         if self.events is not None:
             self.events.append(f"sync v{policy_version}")
+        return sync_metrics("fake", self.pushed)
 
     def sleep(self) -> None:
         self.sleeps += 1

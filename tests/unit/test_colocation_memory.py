@@ -119,10 +119,11 @@ class _FakeEngineWeights:
         self.asleep = True
         self.events.append(("sleep", self._worker_parts()))
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int) -> dict[str, float]:
         self.asleep, self.version = False, version
         self.events.append(("wake+push", self._worker_parts()))
         dict(self.policy.workers[0].iter_full_weights())  # the push reads the weights
+        return {"weight_sync/bytes": 1.0}
 
     def label(self) -> str:
         return "delegated"
@@ -141,7 +142,7 @@ def test_state_leaves_before_the_engines_wake_and_returns_after_they_sleep(tiny_
     assert worker.offloaded_parts() == [MODEL, OPTIMIZER]
     weights.sleep()
     assert worker.offloaded_parts() == []  # training runs on the GPU's state
-    weights.sync(1)
+    assert weights.sync(1)["weight_sync/bytes"] == 1.0  # the push's figures, with the moves'
     # the optimizer state left before the engines woke; the parameters after the push
     assert inner.events == [("sleep", [MODEL, OPTIMIZER]), ("wake+push", [OPTIMIZER])]
     assert worker.offloaded_parts() == [MODEL, OPTIMIZER]

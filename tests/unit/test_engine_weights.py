@@ -140,9 +140,12 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     assert sorted(log[1:]) == [("e0", "join", 1, 4, keep), ("e1", "join", 2, 4, keep), ("policy", "join")]
 
     log.clear()
-    weights.sync(1)
+    figures = weights.sync(1)
     assert sorted(log) == [("e0", "receive"), ("e1", "receive"), ("policy", "broadcast", "bfloat16")]
     assert weights.version == 1
+    # the push's figures, for the step's metrics (rank 0's bytes, the push's time, the transport)
+    assert figures["weight_sync/bytes"] == 8.0 and figures["weight_sync/via/gloo"] == 1.0
+    assert figures["weight_sync/push_s"] >= 0 and "timing/weight_sync_s" not in figures
 
     # engine 1 dies: the broadcast fails, the pool's probe takes it out, the group is rebuilt over
     # engine 0 alone (its membership replaced) and the sync retried once
@@ -169,7 +172,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     # the pool takes the last engine out: the group is destroyed and nothing is sent
     pool.mark_failed(0, "test")
     log.clear()
-    weights.sync(4)
+    assert weights.sync(4) == {}  # nothing loaded: no figures
     assert log == [("e0", "leave"), ("policy", "close")]
     assert broadcast.members == [] and weights.version == 4
 

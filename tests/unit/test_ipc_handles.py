@@ -95,3 +95,33 @@ def test_a_handle_of_the_same_layout_is_refilled_in_place() -> None:
     assert torch.equal(opened["w"], changed["w"])  # the old buffers untouched
     handle.release()
     fresh.release()
+
+
+def test_a_receiver_outlives_the_senders_shm_manager() -> None:
+    """A long-lived engine loads from a sender that is then killed: the sender's
+    ``torch_shm_manager`` goes with it (the receiver does not register with it and keep it alive:
+    session 22's left-behind managers), the receiver still reads the tensors it mapped, and it
+    survives dropping them (torch's own opening, registered with the manager, aborted the receiver
+    with "Broken pipe" once the manager was gone: the vLLM worker that died mid-load)."""
+    peer = Path(__file__).with_name("shm_peer.py")
+    done = subprocess.run([sys.executable, str(peer), "receiver"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["managers"] == 1  # the sender started one (torch's file_system sharing)
+    assert not report["manager_outlived_sender"]
+    assert report["read_after_sender_died"] == [499500.0, list(range(7))]
+    assert report["survived_dropping_views"]
+
+
+def test_buffers_that_dev_shm_cannot_hold_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's /dev/shm is 64 MB unless told otherwise; writing past a full tmpfs would kill
+    the sender with SIGBUS, so the buffers are refused before anything is written."""
+    import os
+
+    class Full:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    with pytest.raises(RuntimeError, match=r"^shared tensors: 1 MiB do not fit in /dev/shm \(0 MiB free\)"):
+        share_tensors({"w": torch.zeros(256, 1024)})
+    assert share_tensors({"w": torch.ones(8)}).nbytes == 32  # what fits is shared

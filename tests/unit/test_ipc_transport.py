@@ -86,7 +86,8 @@ class Engine:
 
     async def weight_call(self, transport: str, operation: str, payload: dict[str, Any]) -> Any:
         assert transport == "ipc"
-        self.payloads.append(payload)
+        if operation == "load":
+            self.payloads.append(payload)
         try:
             return await self.side.call(operation, payload)
         except Exception as exc:
@@ -110,7 +111,9 @@ def test_pushes_arrive_whole_and_kept_buffers_are_streamed_by_bucket() -> None:
             transport.put(weights(seed))
             await transport.push(version)
             assert all(torch.equal(engine.worker.model[k], v) for k, v in weights(seed).items())
+        assert engine.receiver._open is not None  # the kept buffers stay mapped between pushes
         await transport.close()
+        assert engine.receiver._open is None and engine.receiver._ready is None  # until the sender closes
 
     asyncio.run(run())
     first, second, third = engine.payloads

@@ -125,6 +125,41 @@ def test_the_policy_shares_new_buffers_first_then_streams_into_the_kept_ones() -
     assert "ready" not in first and second["handle"] == third["handle"] == first["handle"]
     assert second["buckets"] == [[f"layers.{i}.w", f"layers.{i + 1}.w"] for i in (0, 2, 4)]
     assert ranks[0].__dict__["_skylift_shared_sender"].kept is None  # close released them
+    # and the engines' workers dropped the views they kept (a server would hold them until its next load)
+    assert all(e.receiver._open is None and e.receiver._ready is None for e in engines.engines)
+
+
+class LaidOutRank(Rank):
+    """A rank that knows its weights' layout before gathering (`RLWorker.engine_weight_layout`)."""
+
+    def engine_weight_layout(self) -> list[tuple[str, torch.Tensor]]:
+        return [(k, torch.empty(v.shape, dtype=v.dtype, device="meta")) for k, v in self.state.items()]
+
+
+def test_a_known_layout_streams_the_first_push_too_in_the_engines_dtype() -> None:
+    ranks = [LaidOutRank(0, weights(1)), LaidOutRank(1, {})]
+    engines = Engines([Engine()])
+    transport = PolicySharedTransport(
+        Policy(ranks), engines, print, dtype="bfloat16", bucket_bytes=2 * 64 * 64 * 2
+    )
+
+    async def run() -> list[dict[str, float]]:
+        out = []
+        for seed in (1, 2):
+            ranks[0].state = weights(seed)
+            out.append(await transport.push(seed))
+            for k, v in weights(seed).items():
+                assert torch.equal(engines.engines[0].worker.model[k], v.to(torch.bfloat16)), k
+        await transport.close()
+        return out
+
+    metrics = asyncio.run(run())
+    # no whole gathered copy on rank 0: buffers laid out first, filled as the gather yields
+    assert [m["weight_sync/streamed"] for m in metrics] == [1.0, 1.0]
+    assert all(m["weight_sync/bytes"] == 6 * 64 * 64 * 2 for m in metrics)
+    first, second = engines.engines[0].payloads
+    assert first["handle"] == second["handle"] and first["buckets"] == second["buckets"]
+    assert [r.gathers for r in ranks] == [2, 2]
 
 
 def test_another_layout_stops_the_workers_and_the_gathers_complete() -> None:
@@ -170,3 +205,21 @@ def test_placed_transport_opens_what_the_places_call_for() -> None:
         WeightSyncError, match="weight_sync_backend=nccl cannot work: the trainer's rank 0 runs on CPU"
     ):
         asyncio.run(PlacedTransport("nccl", Policy(ranks), engines, print, build).open())
+
+
+def test_a_workers_layout_is_what_its_gather_yields(tiny_model_dir: Any) -> None:
+    """`RLWorker.engine_weight_layout` (meta tensors, nothing gathered) names, shapes and types
+    what `engine_weights` yields, in its order: the kept buffers a first push fills fit it."""
+    from skylift.cluster.worker_group import WorkerGroup
+    from skylift.worker.training_worker import WorkerSettings
+
+    group = WorkerGroup("policy", WorkerSettings(model_path=str(tiny_model_dir)), use_ray=False)
+    group.setup()
+    try:
+        worker: Any = group.workers[0]
+        layout = worker.engine_weight_layout()
+        gathered = list(worker.engine_weights())
+        assert all(t.device.type == "meta" for _, t in layout)
+        assert [(n, t.shape, t.dtype) for n, t in layout] == [(n, t.shape, t.dtype) for n, t in gathered]
+    finally:
+        group.shutdown()

@@ -43,6 +43,11 @@ class BroadcastTransport(WeightTransport):
     link_class: type[PolicySync] = PolicySync
 
     @property
+    def name(self) -> str:
+        """The group's backend where the config forced one ("gloo", "nccl"), else "broadcast"."""
+        return self.link.backend or self.kind
+
+    @property
     def members(self) -> list[Any]:
         """The engines in the live group."""
         return self.link.members

@@ -20,6 +20,7 @@ class DeltaPolicy(Protocol):
 
 
 class DeltaTransport(WeightTransport):
+    kind = "delta"
     needs_prefix_reset = False  # each engine's load_delta resets its prefix cache
 
     def __init__(

@@ -4,7 +4,8 @@ Operation ``places``: where each worker runs (`ipc.place`), for the transport ru
 ``load`` {"handle": `handles.handle_to_wire(...)`, "ready"?, "buckets"?}: every worker
 opens the shared tensors (CUDA IPC on a GPU, /dev/shm on CPU) and loads them (`ipc.receiver`;
 with a `ready` counter, bucket by bucket while the sender fills the next), then the prefix cache
-is reset. No weight-update group: the sender keeps the buffers alive until this call answers. A
+is reset. Operation ``release``: the workers drop the views they keep open of the sender's
+buffers (the sender closed). No weight-update group: the sender keeps the buffers alive until this call answers. A
 handle that does not decode is an `EngineRequestError`; a worker's failure (e.g. a bucket that
 holds part of a fused module) an `EngineStateError`, nothing loaded on that worker.
 """
@@ -25,7 +26,7 @@ class IpcEngineSide(EngineSide):
 
     def __init__(self, host: EngineHost, state: WeightState) -> None:
         super().__init__(host, state)
-        self.operations = {"load": self.load, "places": self.places}
+        self.operations = {"load": self.load, "places": self.places, "release": self.release}
 
     async def places(self, payload: Payload) -> list[dict[str, Any]]:
         """Where each of the engine's workers runs (`ipc.place.place_of`), in worker order: what
@@ -33,6 +34,16 @@ class IpcEngineSide(EngineSide):
         return list(
             await self.host.rpc("ipc places", RPC_WORKER_CALL, ("ipc", "place"), self.host.control_timeout_s)
         )
+
+    async def release(self, payload: Payload) -> dict[str, Any]:
+        """Every worker drops the views it keeps open of a sender's buffers (the sender is done
+        with them: without this a long-lived engine would hold a closed run's weights in memory
+        until its next shared-memory load)."""
+        async with self.state.lock:
+            held = await self.host.rpc(
+                "ipc release", RPC_WORKER_CALL, ("ipc", "release"), self.host.control_timeout_s
+            )
+        return {"released": any(held)}
 
     async def load(self, payload: Payload) -> dict[str, Any]:
         wire, ready, buckets = payload.get("handle"), payload.get("ready"), payload.get("buckets")

@@ -14,7 +14,10 @@ imports torch and the standard library only, so a GPU machine with nothing but t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import mmap
+import os
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,7 @@ __all__ = [
     "TensorSpec",
     "handle_from_wire",
     "handle_to_wire",
+    "new_shared",
     "open_shared",
     "share_tensors",
     "tensor_slots",
@@ -102,9 +106,65 @@ def _gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+#: the names torch's ``file_system`` sharing gives its segments (``shm_open`` names)
+_SEGMENT = re.compile(r"/torch_\d+_\d+_\d+")
+SHM_DIR = "/dev/shm"
+#: the reference count torch's shared-memory allocator keeps before the data (64-byte aligned)
+_SEGMENT_HEADER = 64
+
+
 def _open_cpu_storage(manager: bytes, handle: bytes, nbytes: int) -> torch.UntypedStorage:
-    """Map a shared-memory segment made by `_share_cpu` (the module-level name pickles by reference)."""
-    return torch.UntypedStorage._new_shared_filename_cpu(manager, handle, nbytes)
+    """Map the shared-memory segment `handle` (made by the sender's `_new_buffer`) straight from
+    /dev/shm, without registering with the sender's ``torch_shm_manager`` (`manager`, unused):
+    torch's own opening (``_new_shared_filename_cpu``) registers the mapping with that process and
+    keeps a socket to it for the receiver's lifetime, so the manager outlived every sender whose
+    weights a long-lived engine had loaded, and once it was gone (killed with the sender's Ray
+    worker) the receiver's next unmap wrote to a dead socket: ``std::system_error: Broken pipe``,
+    abort, and vLLM's worker died mid-load ("collective_rpc ... cancelled"). Here the segment's
+    lifetime stays the sender's (its manager unlinks it when the sender frees it or dies) and an
+    open mapping keeps its pages until the receiver drops it."""
+    name = handle.decode() if isinstance(handle, bytes) else str(handle)
+    if not _SEGMENT.fullmatch(name):
+        raise ValueError(f"shared tensors: {name!r} is not a torch shared-memory segment name")
+    path = SHM_DIR + name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as exc:
+        raise RuntimeError(
+            f"shared tensors: segment {path} is gone (the sender released its buffers or exited)"
+        ) from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes + _SEGMENT_HEADER:
+            raise RuntimeError(
+                f"shared tensors: segment {path} holds {size} bytes, the handle says {nbytes} "
+                f"after torch's {_SEGMENT_HEADER}-byte header"
+            )
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if nbytes == 0:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(mapped, dtype=torch.uint8, offset=_SEGMENT_HEADER, count=nbytes).untyped_storage()
+
+
+def _check_room(nbytes: int) -> None:
+    """Refuse, in one line, CPU buffers that /dev/shm cannot hold (a container's default is 64
+    MB): writing past a full tmpfs kills the writer with SIGBUS instead of raising."""
+    if nbytes <= 0:
+        return
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise RuntimeError(
+            f"shared tensors: {SHM_DIR} is not usable ({exc}); use a group backend (gloo)"
+        ) from exc
+    free = stat.f_bavail * stat.f_frsize
+    if nbytes > free:
+        raise RuntimeError(
+            f"shared tensors: {nbytes / 2**20:.0f} MiB do not fit in {SHM_DIR} ({free / 2**20:.0f} MiB free): "
+            "enlarge it (docker run --shm-size) or use generator.weight_sync_backend=gloo"
+        )
 
 
 def _new_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -159,6 +219,43 @@ def write_tensors(handle: SharedTensors, named: dict[str, torch.Tensor]) -> None
             torch.cuda.current_stream(flat.device).synchronize()
 
 
+def new_shared(
+    layout: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None
+) -> SharedTensors:
+    """Shared buffers for tensors of `layout`'s names, shapes and dtypes (meta tensors will do:
+    nothing is read from them), on `device` (None: each tensor's own), one buffer per device and
+    dtype in the order given, nothing written yet: the handle `share_tensors` would return for such
+    tensors, to be filled (`write_tensors`). CPU pages are touched only as they are written."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, t in layout:
+        groups.setdefault((device if device is not None else t.device, t.dtype), []).append((name, t))
+    _check_room(
+        sum(
+            t.numel() * _element_size(dtype)
+            for (where, dtype), items in groups.items()
+            if where.type == "cpu"
+            for _, t in items
+        )
+    )
+    buffers: list[SharedBuffer] = []
+    keep: list[torch.Tensor] = []
+    for (where, dtype), items in groups.items():
+        specs, offset = [], 0
+        for name, t in items:
+            specs.append(TensorSpec(name, tuple(t.shape), offset, t.numel()))
+            offset += t.numel()
+        buf = _new_buffer(where, dtype, offset)
+        rebuild, args = _share(buf)
+        uuid = (
+            _gpu_uuid(where.index if where.index is not None else torch.cuda.current_device())
+            if where.type == "cuda"
+            else None
+        )
+        buffers.append(SharedBuffer(where.type, dtype, offset, rebuild, args, tuple(specs), uuid))
+        keep.append(buf)
+    return SharedTensors(tuple(buffers), tuple(name for name, _ in layout), keep)
+
+
 def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = None) -> SharedTensors:
     """Copy `named` into shared buffers (one per device and dtype, in the order given) and return
     the handle object another process on this host opens with `open_shared`. `reuse`: a handle
@@ -168,31 +265,9 @@ def share_tensors(named: dict[str, torch.Tensor], reuse: SharedTensors | None = 
     if reuse is not None and fits(reuse, named):
         write_tensors(reuse, named)
         return reuse
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named.items():
-        groups.setdefault((t.device, t.dtype), []).append((name, t))
-    buffers: list[SharedBuffer] = []
-    keep: list[torch.Tensor] = []
-    for (device, dtype), items in groups.items():
-        specs, offset = [], 0
-        for name, t in items:
-            specs.append(TensorSpec(name, tuple(t.shape), offset, t.numel()))
-            offset += t.numel()
-        buf = _new_buffer(device, dtype, offset)
-        with torch.no_grad():
-            for spec, (_, t) in zip(specs, items, strict=True):
-                buf[spec.offset : spec.offset + spec.numel].copy_(t.detach().reshape(-1))
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the copies land before another process reads
-        rebuild, args = _share(buf)
-        uuid = (
-            _gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
-            if device.type == "cuda"
-            else None
-        )
-        buffers.append(SharedBuffer(device.type, dtype, offset, rebuild, args, tuple(specs), uuid))
-        keep.append(buf)
-    return SharedTensors(tuple(buffers), tuple(named), keep)
+    handle = new_shared(list(named.items()))
+    write_tensors(handle, named)  # a CUDA copy lands before another process reads
+    return handle
 
 
 def _local_cuda_index(uuid: str | None) -> int | None:

@@ -8,13 +8,15 @@ collective, as the broadcast path does with FSDP2; rank 0 alone gets them). The 
 tells the engines to load meanwhile; no rank calls an engine.
 
 Two ways a push goes, as `SharedWeightsSender` keeps them:
-- fresh buffers (the first push, and every push on a GPU): the weights are copied into new shared
-  buffers, the engines load them, the driver releases them (`release_shared_weights`);
-- kept buffers (CPU, after the first push; `keep_buffers`): the buffers of the last push stay
-  mapped on both sides, and the next push is copied into them tensor by tensor as the gather
-  yields them, a shared counter telling the engines' workers how many buckets are in: they load
-  bucket k while bucket k+1 is copied (`ipc.receiver`). One copy of the weights stays in shared
-  memory between pushes.
+- fresh buffers (every push on a GPU, and a first push whose layout is not known before
+  gathering): the weights are gathered whole, copied into new shared buffers, the engines load
+  them, the driver releases them (`release_shared_weights`);
+- kept buffers (CPU; `keep_buffers`): buffers laid out from the weights' names, shapes and dtypes
+  (`engine_weight_layout`, meta tensors: nothing gathered) stay mapped on both sides, and each
+  push, the first included, is copied into them tensor by tensor as the gather yields them, a
+  shared counter telling the engines' workers how many buckets are in: they load bucket k while
+  bucket k+1 is copied (`ipc.receiver`). Rank 0 holds one copy of the weights in shared memory
+  and one gathered tensor at a time (gathering the whole state first held a second full copy).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from skylift.weight_sync.buckets import NamedTensor, iter_buckets, str_to_dtype
 from skylift.weight_sync.ipc.handles import (
     SharedTensors,
     handle_to_wire,
+    new_shared,
     open_shared,
     share_tensors,
     tensor_slots,
@@ -70,6 +73,11 @@ class SharedWeightsSender:
         ready, counter = self._counter()
         counter[0] = 0
         return {"handle": handle_to_wire(self.kept), "ready": handle_to_wire(ready), "buckets": buckets}
+
+    def allocate(self, layout: list[NamedTensor]) -> None:
+        """Kept buffers (host memory) for weights of `layout` (meta tensors), nothing written yet."""
+        self.drop_kept()
+        self.kept = new_shared(layout, torch.device("cpu"))
 
     def fill(self, weights: Iterator[NamedTensor], buckets: list[list[str]]) -> int:
         """Copy `weights` (in the kept buffers' order and layout) into the kept buffers, raising the
@@ -153,9 +161,25 @@ class SharedWeightsRank:
         """Where this rank's tensors live (`ipc.place.place_of`)."""
         return place_of(getattr(self, "device", None))
 
-    def shared_weights_plan(self, bucket_bytes: int) -> dict[str, Any] | None:
-        """Rank 0: the payload of a streamed push into the kept buffers, or None (none kept)."""
-        return self._shared_sender().plan(bucket_bytes) if self.rank == 0 else None
+    def engine_weight_layout(self) -> list[NamedTensor] | None:
+        """What `engine_weights` yields, as meta tensors (None: not known before gathering; the
+        worker's, `cluster.worker_group.RLWorker`)."""
+        return None
+
+    def shared_weights_plan(
+        self, bucket_bytes: int, dtype: str | None = None, allocate: bool = False
+    ) -> dict[str, Any] | None:
+        """Rank 0: the payload of a streamed push into the kept buffers, or None (none kept).
+        `allocate`: with none kept and the weights in host memory, lay kept buffers out from
+        `engine_weight_layout` (cast to `dtype`) first, so the first push streams too."""
+        if self.rank != 0:
+            return None
+        sender = self._shared_sender()
+        if sender.kept is None and allocate and torch.device(getattr(self, "device", "cpu")).type == "cpu":
+            layout = self.engine_weight_layout()
+            if layout is not None:
+                sender.allocate(list(_cast(iter(layout), str_to_dtype(dtype) if dtype else None)))
+        return sender.plan(bucket_bytes)
 
     def share_weights(self, dtype: str | None = None, keep: bool = False) -> dict[str, Any] | None:
         """Gather the full weights (every rank) and copy them into new shared buffers (rank 0):

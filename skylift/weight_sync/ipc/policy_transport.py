@@ -2,7 +2,8 @@
 
 The driver's half of the IPC transport in `skylift train` (`ipc.policy_rank` is the policy's):
 no weight-update group. A push asks the policy's rank 0 for a streamed push into its kept
-buffers (`shared_weights_plan`); with one, the engines load it bucket by bucket
+buffers (`shared_weights_plan`; on CPU the first push lays them out from the weights' layout);
+with one, the engines load it bucket by bucket
 (``weight_call("ipc", "load", ...)``) while every rank gathers and rank 0 fills
 (`fill_shared_weights`); else every rank gathers and rank 0 copies into new buffers
 (`share_weights`), the engines load them, and rank 0 frees them unless it keeps them for the next
@@ -35,6 +36,8 @@ class PolicySharedTransport(WeightTransport):
     `keep_buffers`: on CPU, keep the buffers between pushes and stream into them (see
     `ipc.policy_rank`); CUDA buffers are never kept (they would hold a second copy of the weights
     on the GPU). `bucket_bytes`: the streamed push's bucket size."""
+
+    kind = "ipc"
 
     def __init__(
         self,
@@ -84,7 +87,9 @@ class PolicySharedTransport(WeightTransport):
 
     async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        plan = await self._rank0(SharedWeightsRank.shared_weights_plan, self.bucket_bytes)
+        plan = await self._rank0(
+            SharedWeightsRank.shared_weights_plan, self.bucket_bytes, self.dtype, self.keep_buffers
+        )
         nbytes, results = await (self._streamed(plan) if plan is not None else self._fresh())
         return {
             "timing/weight_sync_s": time.perf_counter() - start,
@@ -94,4 +99,14 @@ class PolicySharedTransport(WeightTransport):
         }
 
     async def close(self) -> None:
+        await release_engines(self.engines, self.say)
         await self._rank0(SharedWeightsRank.release_shared_weights, True)
+
+
+async def release_engines(engines: EngineSet, say: Say) -> None:
+    """Tell every live engine to drop the views its workers keep of the sender's buffers; an
+    engine that cannot (gone, or an older server) is said, not raised: its mapping goes with it."""
+    try:
+        await engines.weight_call("ipc", "release", {}, strict=False)
+    except Exception as exc:  # noqa: BLE001 - closing goes on
+        say(f"weight sync: the engines could not release the shared buffers ({type(exc).__name__}: {exc})")

@@ -36,6 +36,13 @@ class IpcWorkerReceiver:
             self._ready = key, open_shared(handle_from_wire(ready))["ready"]
         return self._ready[1]
 
+    def release(self) -> bool:
+        """Drop the kept views (the sender closed: its buffers' pages are freed once no process
+        maps them); whether any were open."""
+        held = self._open is not None or self._ready is not None
+        self._open = self._ready = None
+        return held
+
     def place(self) -> dict[str, Any]:
         """Where this worker's model lives (`ipc.place.place_of`): the transport rule's input."""
         from skylift.weight_sync.ipc.place import place_of

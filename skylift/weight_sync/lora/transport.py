@@ -74,6 +74,10 @@ class LoraTransport(BroadcastTransport):
     # vLLM keys cached blocks by the adapter's name: base-model blocks stay valid
     needs_prefix_reset = False
 
+    @property
+    def name(self) -> str:
+        return "lora"
+
     def __init__(
         self, policy: LoraPolicyRanks, engines: EngineSet, say: Say, *, sync_path: str | None, **kw: Any
     ):
