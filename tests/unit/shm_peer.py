@@ -1,9 +1,10 @@
-"""The two processes of `test_ipc_handles.test_a_receiver_outlives_the_senders_shm_manager`:
+"""The two processes of `test_ipc_handles.test_a_receiver_outlives_a_killed_sender`:
 ``python shm_peer.py sender`` shares tensors and prints the handle's wire form, then waits;
-``python shm_peer.py receiver`` starts a sender, opens its handle, kills it (as Ray kills a policy
-rank at a run's end) and reports, as one JSON line, whether the sender's ``torch_shm_manager``
-outlived it (the receiver kept it alive) and whether the receiver survives dropping its views once
-that manager is gone (torch's own opening aborted the receiver: "Broken pipe")."""
+``python shm_peer.py receiver`` starts a sender, opens its handle, kills it outright (as Ray kills a
+policy rank at a run's end) and reports, as one JSON line, what the receiver still reads, whether
+the sender had started any helper process (torch's sharing starts a ``torch_shm_manager``), whether
+the dead sender's segment file was left and then swept, and whether the receiver survives
+dropping its views."""
 
 from __future__ import annotations
 
@@ -13,36 +14,28 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import torch
 
 from skylift.weight_sync.ipc.handles import handle_from_wire, handle_to_wire, open_shared, share_tensors
+from skylift.weight_sync.ipc.shm_segments import SHM_DIR, sweep_stale
 
 
-def _listener_of(path: str) -> list[int]:
-    """The processes holding the listening unix socket bound to `path` (the manager's)."""
-    with open("/proc/net/unix") as f:
-        inodes = {line.split()[6] for line in f.read().splitlines()[1:] if line.endswith(" " + path)}
-    found = []
+def _children_of(pid: int) -> list[str]:
+    """The command names of `pid`'s child processes."""
+    names = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            links = {os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")}
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
         except OSError:
             continue
-        if any(f"socket:[{inode}]" in links for inode in inodes):
-            found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
+        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(rest[1]) == pid:
+            names.append(comm)
+    return names
 
 
 def sender() -> None:
@@ -57,22 +50,21 @@ def receiver() -> None:
     )
     wire = json.loads(peer.stdout.readline())  # type: ignore[union-attr]
     views = open_shared(handle_from_wire(wire))
-    socket_path = bytes.fromhex(wire["buffers"][0]["args"][0]["hex"]).decode()
-    managers = [pid for pid in _listener_of(socket_path) if pid != peer.pid]
-    peer.kill()  # the sender dies; its manager should follow within ~2 s (no client left)
+    segments = {b["args"][0] for b in wire["buffers"]}
+    helpers = _children_of(peer.pid)
+    os.kill(peer.pid, signal.SIGKILL)  # no finalizer runs: the sender's files stay behind
     peer.wait(timeout=10)
-    deadline = time.monotonic() + 6.0
-    while any(_alive(m) for m in managers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    outlived = [m for m in managers if _alive(m)]
-    for m in outlived:  # as Ray does to a dead rank's children: the receiver now holds a dead socket
-        os.kill(m, signal.SIGKILL)
-    time.sleep(0.5)
+    left = sorted(s for s in segments if os.path.exists(os.path.join(SHM_DIR, s)))
+    swept = sweep_stale()
     report = {
-        "managers": len(managers),
-        "manager_outlived_sender": bool(outlived),
+        "segments": len(segments),
+        "sender_helpers": helpers,
         "read_after_sender_died": [float(views["w"].sum()), views["ids"].tolist()],
+        "left_by_killed_sender": len(left),
+        "swept": sorted(set(swept) & segments) == sorted(segments),
+        "gone_after_sweep": not any(os.path.exists(os.path.join(SHM_DIR, s)) for s in segments),
     }
+    report["read_after_sweep"] = float(views["w"].sum())
     del views
     gc.collect()
     report["survived_dropping_views"] = True

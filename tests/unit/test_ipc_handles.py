@@ -97,20 +97,46 @@ def test_a_handle_of_the_same_layout_is_refilled_in_place() -> None:
     fresh.release()
 
 
-def test_a_receiver_outlives_the_senders_shm_manager() -> None:
-    """A long-lived engine loads from a sender that is then killed: the sender's
-    ``torch_shm_manager`` goes with it (the receiver does not register with it and keep it alive:
-    session 22's left-behind managers), the receiver still reads the tensors it mapped, and it
-    survives dropping them (torch's own opening, registered with the manager, aborted the receiver
-    with "Broken pipe" once the manager was gone: the vLLM worker that died mid-load)."""
+def test_a_receiver_outlives_a_killed_sender() -> None:
+    """A long-lived engine loads from a sender that is then killed outright: the receiver still
+    reads what it mapped and survives dropping it; the sender started no helper process (torch's
+    sharing starts a ``torch_shm_manager``, whose death broke a later push or unmap: session 22's
+    dead server, session 23's "Connection reset by peer"); the dead sender's file is left, then
+    swept by the next sweep on the host."""
     peer = Path(__file__).with_name("shm_peer.py")
     done = subprocess.run([sys.executable, str(peer), "receiver"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["managers"] == 1  # the sender started one (torch's file_system sharing)
-    assert not report["manager_outlived_sender"]
+    assert report["segments"] == 2  # one buffer per dtype: float32 and int64
+    assert report["sender_helpers"] == []
     assert report["read_after_sender_died"] == [499500.0, list(range(7))]
+    assert report["left_by_killed_sender"] == 2
+    assert report["swept"] and report["gone_after_sweep"]
+    assert report["read_after_sweep"] == 499500.0
     assert report["survived_dropping_views"]
+
+
+def test_a_released_handle_unlinks_its_segments() -> None:
+    import gc
+    import os
+
+    from skylift.weight_sync.ipc.shm_segments import SHM_DIR
+
+    handle = share_tensors({"w": torch.ones(8)})
+    path = os.path.join(SHM_DIR, handle.buffers[0].args[0])
+    assert os.path.exists(path)
+    opened = open_shared(handle)
+    handle.release()
+    gc.collect()
+    assert not os.path.exists(path)
+    assert float(opened["w"].sum()) == 8.0  # a mapping outlives the file
+
+
+def test_a_segment_name_that_is_not_skylifts_is_refused() -> None:
+    from skylift.weight_sync.ipc.shm_segments import open_segment
+
+    with pytest.raises(ValueError, match="not a skylift shared-memory segment name"):
+        open_segment("../etc/passwd", 8)
 
 
 def test_buffers_that_dev_shm_cannot_hold_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,26 +3,27 @@
 `share_tensors(named)` packs the tensors into one flat buffer per (device, dtype) and returns a
 picklable `SharedTensors`: for a CUDA buffer the CUDA IPC handle `torch.multiprocessing`'s tensor
 reduction makes (`reduce_tensor`), for a CPU buffer the name of the shared-memory segment it lives
-in (torch's ``file_system`` sharing: a file under /dev/shm that any process on the host can map).
+in (`shm_segments`: a file under /dev/shm that any process on the host can map).
 `open_shared(handle)` in the other process maps the buffers back and returns views named as given.
 One design for both devices: what differs is only how a buffer is rebuilt.
 
 The sender keeps the buffers alive while the handle object lives (`SharedTensors.release()` drops
 them); a receiver copies what it needs out of the views before the sender releases. This module
-imports torch and the standard library only, so a GPU machine with nothing but torch can run it.
+imports torch, the standard library and `shm_segments` only, so a GPU machine with nothing but torch
+can run it.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from skylift.weight_sync.ipc.shm_segments import SHM_DIR, create_segment, open_segment
 
 __all__ = [
     "fits",
@@ -106,48 +107,6 @@ def _gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-#: the names torch's ``file_system`` sharing gives its segments (``shm_open`` names)
-_SEGMENT = re.compile(r"/torch_\d+_\d+_\d+")
-SHM_DIR = "/dev/shm"
-#: the reference count torch's shared-memory allocator keeps before the data (64-byte aligned)
-_SEGMENT_HEADER = 64
-
-
-def _open_cpu_storage(manager: bytes, handle: bytes, nbytes: int) -> torch.UntypedStorage:
-    """Map the shared-memory segment `handle` (made by the sender's `_new_buffer`) straight from
-    /dev/shm, without registering with the sender's ``torch_shm_manager`` (`manager`, unused):
-    torch's own opening (``_new_shared_filename_cpu``) registers the mapping with that process and
-    keeps a socket to it for the receiver's lifetime, so the manager outlived every sender whose
-    weights a long-lived engine had loaded, and once it was gone (killed with the sender's Ray
-    worker) the receiver's next unmap wrote to a dead socket: ``std::system_error: Broken pipe``,
-    abort, and vLLM's worker died mid-load ("collective_rpc ... cancelled"). Here the segment's
-    lifetime stays the sender's (its manager unlinks it when the sender frees it or dies) and an
-    open mapping keeps its pages until the receiver drops it."""
-    name = handle.decode() if isinstance(handle, bytes) else str(handle)
-    if not _SEGMENT.fullmatch(name):
-        raise ValueError(f"shared tensors: {name!r} is not a torch shared-memory segment name")
-    path = SHM_DIR + name
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError as exc:
-        raise RuntimeError(
-            f"shared tensors: segment {path} is gone (the sender released its buffers or exited)"
-        ) from exc
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes + _SEGMENT_HEADER:
-            raise RuntimeError(
-                f"shared tensors: segment {path} holds {size} bytes, the handle says {nbytes} "
-                f"after torch's {_SEGMENT_HEADER}-byte header"
-            )
-        mapped = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    if nbytes == 0:
-        return torch.UntypedStorage(0)
-    return torch.frombuffer(mapped, dtype=torch.uint8, offset=_SEGMENT_HEADER, count=nbytes).untyped_storage()
-
-
 def _check_room(nbytes: int) -> None:
     """Refuse, in one line, CPU buffers that /dev/shm cannot hold (a container's default is 64
     MB): writing past a full tmpfs kills the writer with SIGBUS instead of raising."""
@@ -167,22 +126,19 @@ def _check_room(nbytes: int) -> None:
         )
 
 
-def _new_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+def _new_buffer(
+    device: torch.device, dtype: torch.dtype, numel: int
+) -> tuple[torch.Tensor, Callable[..., Any], tuple[Any, ...]]:
+    """A flat buffer of `numel` elements on `device`, and how another process rebuilds it."""
     if device.type == "cpu":  # born in a /dev/shm file, so nothing is copied to share it
-        nbytes = max(numel, 1) * _element_size(dtype)
-        storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
-def _share(buf: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    if buf.device.type == "cpu":
-        manager, handle, nbytes = buf.untyped_storage()._share_filename_cpu_()
-        return _open_cpu_storage, (manager, handle, nbytes)
-    if buf.device.type != "cuda":
-        raise ValueError(f"share_tensors: tensors on {buf.device.type} cannot be shared by handle")
+        storage, name = create_segment(max(numel, 1) * _element_size(dtype))
+        buf = torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+        return buf, open_segment, (name, storage.nbytes())
+    if device.type != "cuda":
+        raise ValueError(f"share_tensors: tensors on {device.type} cannot be shared by handle")
+    buf = torch.empty(numel, dtype=dtype, device=device)
     rebuild, args = reduce_tensor(buf)
-    return rebuild, tuple(args)
+    return buf, rebuild, tuple(args)
 
 
 def tensor_slots(handle: SharedTensors) -> dict[str, tuple[torch.Tensor, TensorSpec]]:
@@ -244,8 +200,7 @@ def new_shared(
         for name, t in items:
             specs.append(TensorSpec(name, tuple(t.shape), offset, t.numel()))
             offset += t.numel()
-        buf = _new_buffer(where, dtype, offset)
-        rebuild, args = _share(buf)
+        buf, rebuild, args = _new_buffer(where, dtype, offset)
         uuid = (
             _gpu_uuid(where.index if where.index is not None else torch.cuda.current_device())
             if where.type == "cuda"
@@ -307,7 +262,7 @@ def open_shared(handle: SharedTensors) -> dict[str, torch.Tensor]:
 # ---- a JSON form of the handle (for HTTP): only these functions and classes are ever named ---------
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "open_cpu_storage": _open_cpu_storage,
+    "open_segment": open_segment,
     "rebuild_cuda_tensor": rebuild_cuda_tensor,
 }
 _CLASSES: dict[str, type] = {
