@@ -109,11 +109,14 @@ class EngineWeights:
 
 def sync_metrics(transport: str, pushed: dict[str, float]) -> dict[str, float]:
     """A push's figures as a step's metrics: the transport's own keys (`weight_sync/bytes`, ...),
-    its push time as `weight_sync/push_s` (the step's `timing/weight_sync_s` is the driver's, the
+    its push time as `timing/weight_sync_push_s` (the step's `timing/weight_sync_s` is the driver's, the
     whole sync) and `weight_sync/via/<transport>` = 1 (trackers take numbers). A push that loaded
     nothing (no engine left, or a transport that returned no figures) gives nothing."""
     if not pushed:
         return {}
-    out = {("weight_sync/push_s" if k == "timing/weight_sync_s" else k): float(v) for k, v in pushed.items()}
+    out = {
+        ("timing/weight_sync_push_s" if k == "timing/weight_sync_s" else k): float(v)
+        for k, v in pushed.items()
+    }
     out[f"weight_sync/via/{transport}"] = 1.0
     return out

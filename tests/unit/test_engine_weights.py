@@ -145,7 +145,7 @@ def test_the_driver_tells_the_pools_live_engines_to_receive(loop: asyncio.Abstra
     assert weights.version == 1
     # the push's figures, for the step's metrics (rank 0's bytes, the push's time, the transport)
     assert figures["weight_sync/bytes"] == 8.0 and figures["weight_sync/via/gloo"] == 1.0
-    assert figures["weight_sync/push_s"] >= 0 and "timing/weight_sync_s" not in figures
+    assert figures["timing/weight_sync_push_s"] >= 0 and "timing/weight_sync_s" not in figures
 
     # engine 1 dies: the broadcast fails, the pool's probe takes it out, the group is rebuilt over
     # engine 0 alone (its membership replaced) and the sync retried once

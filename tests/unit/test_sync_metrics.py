@@ -20,7 +20,7 @@ from skylift.tracking import Tracking
 def test_a_push_becomes_the_steps_figures() -> None:
     pushed = {"timing/weight_sync_s": 0.4, "weight_sync/bytes": 270e6, "weight_sync/streamed": 1.0}
     assert sync_metrics("ipc", pushed) == {
-        "weight_sync/push_s": 0.4,  # the transport's own time; timing/weight_sync_s is the driver's
+        "timing/weight_sync_push_s": 0.4,  # the transport's own time; timing/weight_sync_s is the driver's
         "weight_sync/bytes": 270e6,
         "weight_sync/streamed": 1.0,
         "weight_sync/via/ipc": 1.0,
@@ -41,7 +41,7 @@ def test_the_sync_figures_reach_the_trackers_and_the_step_line(tmp_path: Path) -
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and run.weights.syncs == [1, 2]
     for row in steps:
-        assert row["weight_sync/bytes"] == 2.5e6 and row["weight_sync/push_s"] == 0.25
+        assert row["weight_sync/bytes"] == 2.5e6 and row["timing/weight_sync_push_s"] == 0.25
         assert row["weight_sync/via/fake"] == 1.0
         assert row["timing/weight_sync_s"] > 0 and row["timing/weight_sync_s"] != 0.25  # the loop's own
     line = step_summary(2, 2, history[-1])
