@@ -400,7 +400,7 @@ class GeneratorConfig:
     gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use", gt=0, le=1)
     kv_cache_gb: float | None = _f(
         None,
-        "KV cache of each local engine in GiB (default: 1 on CPU, from gpu_memory_utilization on GPU)",
+        "KV cache of each local engine in GiB (CPU default: the model's need, 32 MiB-1 GiB; GPU: memory share)",
         gt=0,
     )
     max_num_seqs: int = _f(256, "most sequences a local engine batches at once", ge=1)
