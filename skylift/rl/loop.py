@@ -179,8 +179,7 @@ class RLTrainer:
         weights, version = self.parts.weights, self.state.policy_version
         tick = time.perf_counter()
         self.source.before_sync()
-        # a wrapped or older `sync` may return nothing: the step then logs the driver's time alone
-        pushed = (weights.sync(version) or {}) if self.source.needs_sync(version, weights.version) else {}
+        pushed = weights.sync(version) if self.source.needs_sync(version, weights.version) else {}
         self.source.after_sync(version)
         return {**pushed, "timing/weight_sync_s": time.perf_counter() - tick}
 

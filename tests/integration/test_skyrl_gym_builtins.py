@@ -67,9 +67,9 @@ def train_two_steps(keys: dict[str, Any]) -> tuple[list[dict[str, float]], list[
         trained.append(list(trajectories))
         return update(trajectories)
 
-    def recording_sync(version: int) -> None:
+    def recording_sync(version: int) -> dict[str, float]:
         synced.append(version)
-        sync(version)
+        return sync(version)
 
     trainer.update = recording_update  # type: ignore[method-assign]
     weights.sync = recording_sync  # type: ignore[method-assign]

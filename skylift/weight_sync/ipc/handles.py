@@ -15,7 +15,6 @@ can run it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from skylift.weight_sync.ipc.shm_segments import SHM_DIR, create_segment, open_segment
+from skylift.weight_sync.ipc.shm_segments import check_room, create_segment, open_segment
 
 __all__ = [
     "fits",
@@ -107,25 +106,6 @@ def _gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _check_room(nbytes: int) -> None:
-    """Refuse, in one line, CPU buffers that /dev/shm cannot hold (a container's default is 64
-    MB): writing past a full tmpfs kills the writer with SIGBUS instead of raising."""
-    if nbytes <= 0:
-        return
-    try:
-        stat = os.statvfs(SHM_DIR)
-    except OSError as exc:
-        raise RuntimeError(
-            f"shared tensors: {SHM_DIR} is not usable ({exc}); use a group backend (gloo)"
-        ) from exc
-    free = stat.f_bavail * stat.f_frsize
-    if nbytes > free:
-        raise RuntimeError(
-            f"shared tensors: {nbytes / 2**20:.0f} MiB do not fit in {SHM_DIR} ({free / 2**20:.0f} MiB free): "
-            "enlarge it (docker run --shm-size) or use generator.weight_sync_backend=gloo"
-        )
-
-
 def _new_buffer(
     device: torch.device, dtype: torch.dtype, numel: int
 ) -> tuple[torch.Tensor, Callable[..., Any], tuple[Any, ...]]:
@@ -185,7 +165,7 @@ def new_shared(
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, t in layout:
         groups.setdefault((device if device is not None else t.device, t.dtype), []).append((name, t))
-    _check_room(
+    check_room(
         sum(
             t.numel() * _element_size(dtype)
             for (where, dtype), items in groups.items()

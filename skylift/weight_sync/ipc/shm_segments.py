@@ -71,6 +71,25 @@ def _unlink(path: str) -> None:
         pass
 
 
+def check_room(nbytes: int) -> None:
+    """Refuse, in one line, CPU buffers that /dev/shm cannot hold (a container's default is 64
+    MB): writing past a full tmpfs kills the writer with SIGBUS instead of raising."""
+    if nbytes <= 0:
+        return
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise RuntimeError(
+            f"shared tensors: {SHM_DIR} is not usable ({exc}); use a group backend (gloo)"
+        ) from exc
+    free = stat.f_bavail * stat.f_frsize
+    if nbytes > free:
+        raise RuntimeError(
+            f"shared tensors: {nbytes / 2**20:.0f} MiB do not fit in {SHM_DIR} ({free / 2**20:.0f} MiB free): "
+            "enlarge it (docker run --shm-size) or use generator.weight_sync_backend=gloo"
+        )
+
+
 def create_segment(nbytes: int) -> tuple[torch.UntypedStorage, str]:
     """A new zero-filled segment of `nbytes` (pages touched only as written), mapped here: (its
     storage, its name for `open_segment`). Unlinked when the storage's last reference goes."""
@@ -112,4 +131,4 @@ def open_segment(name: str, nbytes: int) -> torch.UntypedStorage:
     return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).untyped_storage()
 
 
-__all__ = ["SEGMENT_NAME", "SHM_DIR", "create_segment", "open_segment", "sweep_stale"]
+__all__ = ["SEGMENT_NAME", "SHM_DIR", "check_room", "create_segment", "open_segment", "sweep_stale"]
