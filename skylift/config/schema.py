@@ -394,7 +394,7 @@ class GeneratorConfig:
     weight_sync_backend: str = _f(
         "auto",
         f"weight sync: {' | '.join(WEIGHT_SYNC_BACKENDS)} (auto: CUDA IPC on a shared GPU, nccl between "
-        "GPUs, else gloo; ipc: also shared memory on one CPU host; delta: through delta_weight_sync)",
+        "GPUs, shared memory on one CPU host where /dev/shm has room, else gloo; delta: delta_weight_sync)",
         choices=WEIGHT_SYNC_BACKENDS,
     )
     gpu_memory_utilization: float = _f(0.8, "fraction of device memory a local engine may use", gt=0, le=1)

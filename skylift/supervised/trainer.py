@@ -62,6 +62,7 @@ class SupervisedTrainer:
         self.eval_data = self.load_eval()
         self.total_steps = total_steps(cfg, self.batches.steps_per_epoch)
         self.group: WorkerGroup | None = None
+        self.rank_setups: list[dict[str, Any]] = []
         self.tracking: Any = None
         self._ray_started = False
         self.use_ray = False
@@ -99,8 +100,12 @@ class SupervisedTrainer:
             self._ray_started = init_ray(None, min_cpus=world)
         started = time.perf_counter()
         self.group = self.worker_group("sft", trainable=True)
-        self.group.call_all(self.worker_cls.setup)
+        # each rank's {"params": the model's, "local_params": its shard's} (FSDP2 over several ranks)
+        self.rank_setups = self.group.call_all(self.worker_cls.setup)
         where = f"{world} Ray rank(s)" if use_ray else "this process"
+        if world > 1:
+            shares = sorted({round(r["local_params"] / max(r["params"], 1), 2) for r in self.rank_setups})
+            where += f" (FSDP2: {'/'.join(f'{s:.0%}' for s in shares)} of the parameters each)"
         mode = f"LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.rank else "full fine-tuning"
         self.say(
             f"sft '{cfg.run_name}': {cfg.model.path} ({mode}) on {where}, {self.batches.total_rows} rows, "

@@ -68,7 +68,7 @@ def group_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> str | None:
     """The weight-update group's backend where the config alone decides (a LoRA policy's group,
     and full weights to engines that cannot say where they run): a forced one as given; ``auto``
     where the run's engines share the policy's GPU: gloo (NCCL refuses two ranks on one GPU);
-    else None (``auto``: gloo on CPU, NCCL on GPU, decided on the policy's rank 0)."""
+    else None (a group's ``auto``: gloo on CPU, NCCL on GPU, decided on the policy's rank 0)."""
     backend = cfg.generator.weight_sync_backend
     if backend not in ("auto", "delta"):
         return backend
@@ -125,7 +125,7 @@ def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say
         return BroadcastTransport(policy, engines, say, **{**group, "backend": backend})
 
     rule = "auto" if g.weight_sync_backend in ("auto", "delta") else g.weight_sync_backend
-    return PlacedTransport(rule, policy, engines, say, build)
+    return PlacedTransport(rule, policy, engines, say, build, dtype=dtype)
 
 
 #: The engine half of every transport, by the name `weight_call` addresses it with

@@ -4,8 +4,8 @@ At `open` (the engines are up) the policy's rank 0 and every engine worker say w
 (`ipc.place`: host, CPU or the physical GPU's UUID; the engines through the IPC engine side's
 ``places``), and `weight_sync.topology` picks the transport from those places:
 
-- ``auto``: every engine ``ipc`` (a worker on rank 0's GPU: CUDA IPC; CPU engines on rank 0's
-  host take gloo under ``auto``, shared memory only when ``ipc`` is forced) ->
+- ``auto``: every engine ``ipc`` (a worker on rank 0's GPU: CUDA IPC; on CPU, engines on rank
+  0's host: shared memory, where /dev/shm holds the weights, else gloo) ->
   `ipc.policy_transport.PolicySharedTransport`; every engine ``nccl`` or every
   engine ``gloo`` -> `broadcast.transport.BroadcastTransport` over that backend; a mix -> one gloo
   group for all (it carries every layout, NCCL would refuse a same-GPU pair);
@@ -25,7 +25,7 @@ from typing import Any
 from skylift.weight_sync.ipc.place import place_from_wire
 from skylift.weight_sync.ipc.policy_rank import SharedWeightsRank
 from skylift.weight_sync.process_group import WeightSyncError
-from skylift.weight_sync.topology import Place, Transport, check_forced, choose_transports
+from skylift.weight_sync.topology import Place, Transport, check_forced, choose_transports, shared_memory_fits
 from skylift.weight_sync.transport import EngineSet, Say, WeightTransport
 
 #: builds the transport for one choice: "ipc", or a group backend ("nccl", "gloo", None: the
@@ -56,8 +56,11 @@ def _describe(place: Place) -> str:
 class PlacedTransport(WeightTransport):
     """Delegates to the transport the ranks' places call for (chosen at `open`)."""
 
-    def __init__(self, backend: str, policy: Any, engines: EngineSet, say: Say, build: Build) -> None:
+    def __init__(
+        self, backend: str, policy: Any, engines: EngineSet, say: Say, build: Build, dtype: str | None = None
+    ) -> None:
         self.backend, self.policy, self.engines, self.say, self.build = backend, policy, engines, say, build
+        self.dtype = dtype  # what the engines get (None: as trained): sizes the shared-memory check
         self.chosen: str | None = None
         self.inner: WeightTransport | None = None
 
@@ -88,10 +91,20 @@ class PlacedTransport(WeightTransport):
             chosen, why = None, "the engines' places unknown: the config's backend"
         else:
             chosen, why = resolve(self.backend, *places)
+            if chosen == "ipc" and self.backend == "auto" and places[0].device == "cpu":
+                chosen, why = await self._shared_memory_or_gloo(why)
         self.chosen = chosen or "broadcast"
         self.inner = self.build(chosen)
         line = await self.inner.open()
         return f"{line} [{self.chosen}: {why}]"
+
+    async def _shared_memory_or_gloo(self, why: str) -> tuple[str, str]:
+        """`auto`'s CPU choice: shared memory where /dev/shm holds the weights, else gloo."""
+        room = await asyncio.to_thread(
+            self.policy.call_rank0, SharedWeightsRank.shared_memory_room, self.dtype
+        )
+        fits, because = shared_memory_fits(room.get("need"), room.get("free"))
+        return ("ipc", f"{why}; shared memory") if fits else ("gloo", f"{why}; {because}: gloo")
 
     def _require(self) -> WeightTransport:
         if self.inner is None:

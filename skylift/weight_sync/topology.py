@@ -8,7 +8,12 @@ each of the engine's workers (a `Place`: host, device kind, physical GPU):
   detected"), so a tensor-parallel engine with one worker there takes IPC as a whole;
 - every worker on another GPU: NCCL broadcast (``nccl``);
 - CPU (the trainer's rank or a worker): shared memory (``ipc``: the same handles, in /dev/shm)
-  where every worker shares the trainer's host, else gloo broadcast (``gloo``).
+  where every worker shares the trainer's host, else gloo broadcast (``gloo``). Under ``auto`` a
+  CPU trainer takes shared memory only where /dev/shm holds the weights with room to spare
+  (`shared_memory_fits`; a container's default /dev/shm is 64 MB), else gloo.
+
+A host is a kernel and a network namespace (`ipc.place.host_id`): containers with networks of
+their own, and the multihost tests' simulated hosts, count as hosts of their own.
 
 `check_forced` refuses, with one line saying why and what to use, a backend the user forced that
 cannot work for these places (NCCL with two ranks on one GPU; IPC to another host; NCCL on CPU).
@@ -58,16 +63,31 @@ def choose_transport(trainer: Place, workers: Sequence[Place]) -> Transport:
         return "ipc"
     if trainer.device == "cuda" and all(w.device == "cuda" for w in workers):
         return "nccl"
-    if trainer.device == "cpu" and all(w.device == "cpu" for w in workers):
-        # CPUs on one host could share memory (`weight_sync_backend=ipc`), but that path killed a
-        # remote server's load in CI (session 22): gloo until it is diagnosed
-        return "gloo"
     return "ipc" if same_host else "gloo"
 
 
 def choose_transports(trainer: Place, engines: Sequence[Sequence[Place]]) -> list[Transport]:
     """`choose_transport` for each engine (its workers' places)."""
     return [choose_transport(trainer, workers) for workers in engines]
+
+
+#: /dev/shm room `auto` leaves beside the weights (vLLM's own message queues live there too)
+SHM_SPARE_BYTES = 256 << 20
+
+
+def shared_memory_fits(need: int | None, free: int | None) -> tuple[bool, str]:
+    """Whether `auto` may put a CPU trainer's weights (`need` bytes; None: not known before
+    gathering) in /dev/shm with `free` bytes (None: not usable) free, and why not."""
+    if free is None:
+        return False, "/dev/shm is not usable"
+    if need is None:
+        return False, "the weights' size is not known before gathering"
+    if need + SHM_SPARE_BYTES > free:
+        return (
+            False,
+            f"/dev/shm has {free / 2**20:.0f} MiB free, the weights need {need / 2**20:.0f} MiB and room to spare",
+        )
+    return True, ""
 
 
 def check_forced(backend: str, trainer: Place, engines: Sequence[Sequence[Place]]) -> None:

@@ -175,8 +175,14 @@ class TrainingWorker:
             fused = {"fused": True} if not shard else {"foreach": False}
             self.optimizer = o.adamw(params, **fused)
             self.scheduler = make_lr_scheduler(self.optimizer, o)
-        n_params = sum(p.numel() for p in model.parameters())
-        return {"rank": self.rank, "params": n_params, "setup_s": time.perf_counter() - started}
+        n_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole's
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        return {
+            "rank": self.rank,
+            "params": n_params,
+            "local_params": local,
+            "setup_s": time.perf_counter() - started,
+        }
 
     # ---------------------------------------------------------------- forward
     def _response_outputs(

@@ -172,7 +172,7 @@ def test_fully_async_with_ray_engines(
         **{
             "trainer.placement.backend": "ray",
             "generator.num_inference_engines": 2,
-            "generator.weight_sync_backend": "ipc",  # shared memory: auto takes gloo on CPU
+            "generator.weight_sync_backend": "gloo",  # the group path (auto shares memory on one host)
             "trainer.fully_async.enabled": True,
             "trainer.fully_async.max_staleness_steps": BOUND,
             "trainer.fully_async.num_parallel_generation_workers": 4,
@@ -207,8 +207,8 @@ def test_fully_async_with_ray_engines(
     # at least 2 batches of 4 prompts x 4 samples, spread over both engines
     assert len(served) == 2 and sum(served) >= 32 and min(served) > 0, served
     assert trainer.parts.weights.version == trainer.state.policy_version == 2
-    # forced shared memory: the Ray policy rank and both Ray engines report this host's CPU
-    assert trainer.parts.weights.transport.chosen == "ipc"  # type: ignore[attr-defined]
+    # forced gloo: the group path, which auto no longer takes on one CPU host
+    assert trainer.parts.weights.transport.chosen == "gloo"  # type: ignore[attr-defined]
     changed = max(abs(a - b) for a, b in zip(before[0], expected, strict=True))
     assert changed > 10 * TOLERANCE, "training did not move the logprobs: the check below would be vacuous"
     for index, engine_lp in enumerate(after):

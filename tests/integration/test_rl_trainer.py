@@ -130,12 +130,12 @@ def test_two_steps_with_local_engines(arithmetic_data: Path, tiny_model_dir: Pat
         tmp_path,
         tiny_model_dir,
         **{"trainer.max_steps": 2, "trainer.ckpt_interval": 2},
-        **{"generator.weight_sync_backend": "ipc"},  # shared memory: auto takes gloo on CPU
         **profile,
     )
     trainer, history, exported = _run(overrides)
     _check_steps(history, [1, 2])
-    assert trainer.parts.weights.transport.chosen == "ipc"  # in-process rank 0, engine on this host
+    # auto: in-process rank 0, engine on this host, /dev/shm holds the weights: shared memory
+    assert trainer.parts.weights.transport.chosen == "ipc"
     _check_records_report_and_trace(tmp_path, history)
     evals = [h for h in history if "eval/accuracy" in h]
     assert [h["step"] for h in evals] == [0, 2]  # before training and at the last step

@@ -14,7 +14,7 @@ from skylift.supervised.trainer import SupervisedTrainer
 pytestmark = pytest.mark.integration
 
 
-def losses(model: Path, data: Path, runs: Path, *extra: str) -> list[float]:
+def losses(model: Path, data: Path, runs: Path, *extra: str, setups: list | None = None) -> list[float]:
     cfg = load_sft_config(
         [
             f"model.path={model}",
@@ -28,7 +28,10 @@ def losses(model: Path, data: Path, runs: Path, *extra: str) -> list[float]:
         ]
     )
     with SupervisedTrainer(cfg, say=lambda _: None) as trainer:
-        return trainer.run()
+        out = trainer.run()
+        if setups is not None:
+            setups += trainer.rank_setups
+        return out
 
 
 def test_two_ranks_over_gloo_equal_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -39,3 +42,29 @@ def test_two_ranks_over_gloo_equal_one_rank(tiny_model_dir: Path, tmp_path: Path
     )
     assert two == pytest.approx(one, abs=1e-5)
     assert one[-1] < one[0]
+
+
+def test_a_mixture_of_experts_on_two_ranks_shards_its_experts_and_equals_one_rank(tmp_path: Path) -> None:
+    """tiny-qwen3-moe (experts fused in one tensor per layer, as transformers 5 keeps them): FSDP2
+    shards every parameter, the experts' tensors included, along their first dimension (the
+    experts), so each rank holds half; the steps equal one rank's."""
+    from skylift.models import prepare_model
+
+    model = prepare_model("tiny-qwen3-moe")
+    data = write_jsonl(chat_rows(12), tmp_path / "chats.jsonl")
+    steps = ("num_steps=2", "batch_size=4")
+    one = losses(model, data, tmp_path / "one", "placement.backend=local", *steps)
+    setups: list = []
+    two = losses(
+        model,
+        data,
+        tmp_path / "two",
+        "placement.backend=ray",
+        "placement.num_gpus_per_node=2",
+        *steps,
+        setups=setups,
+    )
+    assert two == pytest.approx(one, abs=1e-5)
+    assert [s["rank"] for s in setups] == [0, 1]
+    assert sum(s["local_params"] for s in setups) == setups[0]["params"]  # a shard each, nothing twice
+    assert all(0.45 < s["local_params"] / s["params"] < 0.55 for s in setups), setups

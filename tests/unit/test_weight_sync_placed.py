@@ -26,7 +26,7 @@ GPU0, GPU1 = Place(A, "cuda", "GPU-0"), Place(A, "cuda", "GPU-1")
 
 
 def test_auto_picks_from_the_places() -> None:
-    assert resolve("auto", CPU_A, [[CPU_A], [CPU_A]])[0] == "gloo"  # shared memory only when forced
+    assert resolve("auto", CPU_A, [[CPU_A], [CPU_A]])[0] == "ipc"  # shared memory on one host
     assert resolve("ipc", CPU_A, [[CPU_A], [CPU_A]])[0] == "ipc"
     assert resolve("auto", CPU_A, [[CPU_B]])[0] == "gloo"
     assert resolve("auto", GPU0, [[GPU0]])[0] == "ipc"  # CUDA IPC: NCCL refuses the pair
@@ -198,7 +198,7 @@ def test_placed_transport_opens_what_the_places_call_for() -> None:
         built.append(choice)
         return PolicySharedTransport(Policy(ranks), engines, print)
 
-    placed = PlacedTransport("ipc", Policy(ranks), engines, print, build)  # CPU: auto takes gloo
+    placed = PlacedTransport("ipc", Policy(ranks), engines, print, build)
     line = asyncio.run(placed.open())
     assert built == ["ipc"] and "[ipc: forced by generator.weight_sync_backend]" in line
     with pytest.raises(
@@ -223,3 +223,43 @@ def test_a_workers_layout_is_what_its_gather_yields(tiny_model_dir: Any) -> None
         assert [(n, t.shape, t.dtype) for n, t in layout] == [(n, t.shape, t.dtype) for n, t in gathered]
     finally:
         group.shutdown()
+
+
+class Opened:
+    """A built transport that only says it opened."""
+
+    def __init__(self, choice: str | None) -> None:
+        self.choice = choice
+
+    async def open(self) -> str:
+        return f"opened {self.choice}"
+
+
+def test_auto_on_cpu_shares_memory_where_dev_shm_holds_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skylift.weight_sync.ipc import policy_rank
+
+    state = weights(1)
+    need = sum(t.numel() * 2 for t in state.values())  # sent as bf16
+    engines = Engines([Engine()])
+
+    def opened(free: int, rank: Rank) -> str:
+        monkeypatch.setattr(policy_rank, "free_bytes", lambda: free)
+        placed = PlacedTransport("auto", Policy([rank]), engines, print, Opened, dtype="bfloat16")
+        return asyncio.run(placed.open())
+
+    line = opened(need + (1 << 30), LaidOutRank(0, state))
+    assert line.startswith("opened ipc [ipc: policy rank 0 on") and line.endswith("; shared memory]"), line
+    line = opened(64 << 20, LaidOutRank(0, state))  # a container's default /dev/shm, mostly used
+    assert line.startswith("opened gloo [gloo:") and "; /dev/shm has 64 MiB free, the weights need" in line, (
+        line
+    )
+    line = opened(need + (1 << 30), Rank(0, state))  # layout unknown before gathering: the wire
+    assert "the weights' size is not known before gathering: gloo]" in line, line
+
+
+def test_a_forced_ipc_on_cpu_skips_the_room_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skylift.weight_sync.ipc import policy_rank
+
+    monkeypatch.setattr(policy_rank, "free_bytes", lambda: 0)  # the push itself refuses, in one line
+    placed = PlacedTransport("ipc", Policy([LaidOutRank(0, weights(1))]), Engines([Engine()]), print, Opened)
+    assert asyncio.run(placed.open()) == "opened ipc [ipc: forced by generator.weight_sync_backend]"

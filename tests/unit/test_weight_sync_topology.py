@@ -16,7 +16,7 @@ def test_each_layout_gets_its_transport() -> None:
     assert choose_transport(GPU0, [GPU0]) == "ipc"  # same GPU: CUDA IPC, never NCCL
     assert choose_transport(GPU0, [GPU1]) == "nccl"  # another GPU
     assert choose_transport(GPU0, [Place("h2", "cuda", "GPU-0")]) == "nccl"  # same index, other host
-    assert choose_transport(CPU_H1, [CPU_H1]) == "gloo"  # CPU, one host: shared memory only when forced
+    assert choose_transport(CPU_H1, [CPU_H1]) == "ipc"  # CPU, one host: shared memory
     assert choose_transport(CPU_H1, [CPU_H2]) == "gloo"  # CPU, another host
     assert choose_transport(GPU0, [CPU_H1]) == "ipc" and choose_transport(GPU0, [CPU_H2]) == "gloo"
     assert choose_transport(CPU_H1, [GPU1]) == "ipc"  # a CPU trainer's tensors in shared memory
@@ -26,7 +26,7 @@ def test_tensor_parallel_engines_and_several_engines() -> None:
     # TP=2 with one worker on the trainer's GPU: IPC for the whole engine (NCCL would refuse it)
     assert choose_transport(GPU0, [GPU0, GPU1]) == "ipc"
     assert choose_transport(GPU0, [GPU1, GPU2]) == "nccl"
-    assert choose_transport(CPU_H1, [CPU_H1, CPU_H1]) == "gloo"
+    assert choose_transport(CPU_H1, [CPU_H1, CPU_H1]) == "ipc"
     assert choose_transport(CPU_H1, [CPU_H1, CPU_H2]) == "gloo"  # one worker elsewhere: the wire
     # several engines: each its own
     assert choose_transports(GPU0, [[GPU0], [GPU1], [Place("h2", "cuda", "GPU-9")]]) == [
@@ -96,3 +96,26 @@ def test_auto_takes_gloo_where_the_runs_engines_share_the_policys_gpu() -> None:
     assert group_backend(load_config([]), cuda=True) is None  # engines on GPUs of their own: NCCL
     forced = ["generator.weight_sync_backend=gloo", *shared]
     assert group_backend(load_config(forced), cuda=True) == "gloo"
+
+
+def test_shared_memory_must_hold_the_weights_with_room_to_spare() -> None:
+    from skylift.weight_sync.topology import SHM_SPARE_BYTES, shared_memory_fits
+
+    mib = 1 << 20
+    assert shared_memory_fits(651 * mib, 24 << 30) == (True, "")
+    assert shared_memory_fits(651 * mib, 651 * mib + SHM_SPARE_BYTES) == (True, "")
+    fits, why = shared_memory_fits(651 * mib, 651 * mib + SHM_SPARE_BYTES - 1)
+    assert not fits and why.startswith("/dev/shm has 907 MiB free, the weights need 651 MiB"), why
+    assert shared_memory_fits(None, 24 << 30) == (False, "the weights' size is not known before gathering")
+    assert shared_memory_fits(mib, None) == (False, "/dev/shm is not usable")
+
+
+def test_network_namespaces_are_hosts_of_their_own() -> None:
+    """The multihost tests' simulated hosts (one kernel, a network namespace each) and containers
+    with networks of their own must not share memory: the host id names the namespace."""
+    import os
+
+    from skylift.weight_sync.ipc.place import host_id
+
+    here = host_id()
+    assert here.endswith(f"/{os.stat('/proc/self/ns/net').st_ino}"), here

@@ -10,6 +10,7 @@ library only.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -20,13 +21,17 @@ from skylift.weight_sync.topology import Place
 
 
 def host_id() -> str:
-    """This host as the rule compares hosts: its name, and (Linux) the first 8 characters of the
-    kernel's boot id, so that two machines that happen to share a host name (containers) differ."""
+    """This host as the rule compares hosts: its name, (Linux) the first 8 characters of the
+    kernel's boot id, so that two machines that happen to share a host name (containers) differ,
+    and the network namespace, so that containers with networks of their own and the multihost
+    tests' simulated hosts (one kernel, a namespace each) count as hosts of their own."""
+    host = socket.gethostname()
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{socket.gethostname()}/{f.read().strip()[:8]}"
+            host = f"{host}/{f.read().strip()[:8]}"
+        return f"{host}/{os.stat('/proc/self/ns/net').st_ino}"
     except OSError:
-        return socket.gethostname()
+        return host
 
 
 def place_of(device: torch.device | str | None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from skylift.weight_sync.ipc.handles import (
     tensor_slots,
 )
 from skylift.weight_sync.ipc.place import place_of
+from skylift.weight_sync.ipc.shm_segments import free_bytes
 from skylift.weight_sync.process_group import WeightSyncError
 
 
@@ -160,6 +161,23 @@ class SharedWeightsRank:
     def weight_sync_place(self) -> dict[str, Any]:
         """Where this rank's tensors live (`ipc.place.place_of`)."""
         return place_of(getattr(self, "device", None))
+
+    def shared_memory_room(self, dtype: str | None = None) -> dict[str, int | None]:
+        """Rank 0 on CPU: {"need": bytes of the engines' weights in `dtype` (None: not known before
+        gathering), "free": bytes free in /dev/shm (None: not usable)}, for `auto`'s choice of
+        shared memory over gloo (`weight_sync.placed`)."""
+        layout = self.engine_weight_layout()
+        cast = str_to_dtype(dtype) if dtype else None
+        need = (
+            None
+            if layout is None
+            else sum(t.numel() * t.element_size() for _, t in _cast(iter(layout), cast))
+        )
+        try:
+            free: int | None = free_bytes()
+        except OSError:
+            free = None
+        return {"need": need, "free": free}
 
     def engine_weight_layout(self) -> list[NamedTensor] | None:
         """What `engine_weights` yields, as meta tensors (None: not known before gathering; the

@@ -71,18 +71,23 @@ def _unlink(path: str) -> None:
         pass
 
 
+def free_bytes() -> int:
+    """Bytes free in /dev/shm (`OSError` when it is not usable)."""
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize
+
+
 def check_room(nbytes: int) -> None:
     """Refuse, in one line, CPU buffers that /dev/shm cannot hold (a container's default is 64
     MB): writing past a full tmpfs kills the writer with SIGBUS instead of raising."""
     if nbytes <= 0:
         return
     try:
-        stat = os.statvfs(SHM_DIR)
+        free = free_bytes()
     except OSError as exc:
         raise RuntimeError(
             f"shared tensors: {SHM_DIR} is not usable ({exc}); use a group backend (gloo)"
         ) from exc
-    free = stat.f_bavail * stat.f_frsize
     if nbytes > free:
         raise RuntimeError(
             f"shared tensors: {nbytes / 2**20:.0f} MiB do not fit in {SHM_DIR} ({free / 2**20:.0f} MiB free): "
@@ -131,4 +136,12 @@ def open_segment(name: str, nbytes: int) -> torch.UntypedStorage:
     return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).untyped_storage()
 
 
-__all__ = ["SEGMENT_NAME", "SHM_DIR", "check_room", "create_segment", "open_segment", "sweep_stale"]
+__all__ = [
+    "SEGMENT_NAME",
+    "SHM_DIR",
+    "check_room",
+    "create_segment",
+    "free_bytes",
+    "open_segment",
+    "sweep_stale",
+]
