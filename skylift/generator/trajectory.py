@@ -48,6 +48,10 @@ class Trajectory:
     #: a vision-language model's image inputs of this sample (``pixel_values``, ``image_grid_thw``:
     #: `skylift.generator.vision`), which the trainer's forward takes with its ids; None: text only
     vision_inputs: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    #: routing replay (`generator.enable_return_routed_experts`): the experts the engine routed each
+    #: token of prompt + response to, [tokens, layers, top_k] integers, -1 for a token it did not
+    #: route (the last sampled token, observations after the last turn); None: not asked
+    routed_experts: Any | None = field(default=None, compare=False, repr=False)
     #: while the rollout runs: its images (one image token each in its ids), until `vision_inputs`
     images: list[Any] = field(default_factory=list, compare=False, repr=False)
 

@@ -44,6 +44,7 @@ from skylift.rl.dynamic_sampling import zero_variance_uids
 from skylift.rl.staleness import StalenessPolicy
 from skylift.rl.step_wise import check_step_wise, is_step_wise, step_wise_advantages
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
+from skylift.worker.routing_replay import routing_row
 from skylift.worker.vision_inputs import row_inputs
 
 BatchFn = Callable[[SequenceBatch], Tensor]
@@ -271,8 +272,8 @@ class Experience:
 
 
 def trajectory_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> SequenceBatch:
-    """Padded prompt + response ids of the trajectories, with their rollout logprobs and (a
-    vision-language model's) each row's image inputs."""
+    """Padded prompt + response ids of the trajectories, with their rollout logprobs and each
+    row's image inputs (a vision-language model's) and routed experts (routing replay)."""
     batch = build_sequence_batch(
         [tr.prompt_ids for tr in trajectories],
         [tr.response_ids for tr in trajectories],
@@ -280,7 +281,7 @@ def trajectory_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> S
         pad_token_id=pad_token_id,
         per_token={"rollout_logprobs": [tr.rollout_logprobs for tr in trajectories]},
     )
-    batch.row_inputs = row_inputs([tr.vision_inputs for tr in trajectories])
+    batch.row_inputs = row_inputs([routing_row(tr.vision_inputs, tr.routed_experts) for tr in trajectories])
     return batch
 
 

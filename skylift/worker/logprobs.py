@@ -14,7 +14,7 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch
-from skylift.worker.vision_inputs import vision_kwargs, with_sampling_bias
+from skylift.worker.vision_inputs import has_images, vision_kwargs, with_sampling_bias
 
 
 def unique_prompts(batch: SequenceBatch) -> tuple[Tensor, Tensor]:
@@ -61,7 +61,7 @@ def response_logprobs(
 
 def _full_forward(model: torch.nn.Module, batch: SequenceBatch) -> Tensor:
     kwargs: dict[str, Tensor] = {"position_ids": batch.position_ids}
-    if batch.row_inputs is not None:
+    if has_images(batch):  # (a row's routed experts are replayed around the forward, not passed)
         kwargs = vision_kwargs(model, batch)
     out = model(
         input_ids=batch.input_ids,

@@ -10,7 +10,15 @@ transformers 5 routers (`Qwen3MoeTopKRouter`, `MixtralTopKRouter`, `OlmoeTopKRou
 `Qwen2MoeTopKRouter`, ...) all take `torch.topk` of their softmaxed logits over the experts. While
 a router runs under `replay_routing`, that one call answers with the given experts and their
 probabilities (gathered from the same tensor), so whatever the family does next (renormalising the
-top-k weights or not) is unchanged.
+top-k weights or not) is unchanged. A token whose given experts are -1 (the engine did not route it:
+the padding of a batch, a rollout's last sampled token, observations after its last turn) keeps the
+trainer's own top-k in that layer.
+
+In the trainer (`generator.enable_return_routed_experts`) each row of a `SequenceBatch` carries its
+tokens' routing in `row_inputs` (key `ROUTED_EXPERTS`: [the row's real tokens, layers, top_k], in
+the order of its prompt then response ids), like a vision-language model's per-row image tensors;
+`batch_routing` lays the rows' routing out on the batch's padded positions and `replayed` wraps a
+forward (and the backward that may recompute it: gradient checkpointing) of such a batch.
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from skylift.worker.batch import SequenceBatch
+
+#: `SequenceBatch.row_inputs` key of a row's routed experts (never passed to the model)
+ROUTED_EXPERTS = "routed_experts"
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -49,7 +62,8 @@ def replay_routing(model: torch.nn.Module, routed: Tensor) -> Iterator[None]:
 
     `routed`: integer [tokens, layers, top_k] (vLLM's `routed_experts` layout), one row per token
     in the order the routers see them (the forward's input ids flattened, row-major), one column
-    per decoder layer (a dense layer's column is ignored)."""
+    per decoder layer (a dense layer's column is ignored). A token whose experts in a layer hold a
+    -1 keeps the router's own pick there."""
     routers = moe_routers(model)
     if not routers:
         raise RoutingReplayError(f"routing replay: {type(model).__name__} has no mixture-of-experts router")
@@ -91,6 +105,10 @@ def _replayed_topk(original: Any, experts: Tensor, top_k: int) -> Any:
                 f"tokens' routing was given ({experts.shape[1]} experts each, the router picks {k})"
             )
         index = experts.to(values.device)
+        missing = (index < 0).any(-1)
+        if bool(missing.any()):  # tokens the engine did not route: the router's own top-k
+            own = original(values, k, dim=-1, largest=largest, sorted=sorted).indices
+            index = torch.where(missing[:, None], own, index)
         return torch.return_types.topk((values.gather(-1, index), index))
 
     return topk
@@ -120,4 +138,52 @@ def routing_of(model: torch.nn.Module, **inputs: Any) -> Tensor:
     return out
 
 
-__all__ = ["RoutingReplayError", "moe_routers", "replay_routing", "routing_of"]
+def batch_routing(batch: SequenceBatch) -> Tensor | None:
+    """The routing of `batch`'s rows on its padded positions, flattened row-major as the routers
+    see the tokens of a padded forward: [rows * width, layers, top_k], -1 at padding and in rows
+    without routing. None when no row carries any."""
+    rows = batch.row_inputs
+    given = [None if rows is None else rows[i].get(ROUTED_EXPERTS) for i in range(batch.batch_size)]
+    ref = next((g for g in given if g is not None), None)
+    if ref is None:
+        return None
+    b, width = batch.input_ids.shape
+    out = torch.full((b, width, *ref.shape[1:]), -1, dtype=torch.long, device=batch.input_ids.device)
+    for i, routed in enumerate(given):
+        if routed is None:
+            continue
+        positions = batch.attention_mask[i].nonzero().squeeze(-1)
+        if tuple(routed.shape) != (len(positions), *ref.shape[1:]):
+            raise RoutingReplayError(
+                f"routing replay: batch row {i} has {len(positions)} tokens but routed experts of shape "
+                f"{tuple(routed.shape)} (want [{len(positions)}, {', '.join(map(str, ref.shape[1:]))}])"
+            )
+        out[i, positions] = routed.to(out.device).long()
+    return out.reshape(b * width, *ref.shape[1:])
+
+
+def replayed(model: torch.nn.Module, batch: SequenceBatch) -> contextlib.AbstractContextManager[None]:
+    """The context a padded forward of `batch` replays its rows' routing in (`batch_routing`); a
+    no-op when no row carries routing."""
+    routed = batch_routing(batch)
+    return contextlib.nullcontext() if routed is None else replay_routing(model, routed)
+
+
+def routing_row(row: dict[str, Any] | None, routed: Any) -> dict[str, Any] | None:
+    """A row's `row_inputs` (`row`: its image inputs, or None) with its routed experts `routed`
+    (array-like [tokens, layers, top_k], -1 where not routed; None: none)."""
+    if routed is None:
+        return row
+    return {**(row or {}), ROUTED_EXPERTS: torch.as_tensor(routed).long()}
+
+
+__all__ = [
+    "ROUTED_EXPERTS",
+    "RoutingReplayError",
+    "batch_routing",
+    "moe_routers",
+    "replay_routing",
+    "replayed",
+    "routing_of",
+    "routing_row",
+]

@@ -33,7 +33,9 @@ def concat_batches(batches: list[SequenceBatch]) -> SequenceBatch:
     """One batch of the rows of `batches` in order: prompts left-padded to the widest prompt,
     responses (and per-token extras) right-padded to the widest response."""
     if any(b.row_inputs is not None for b in batches):
-        raise ValueError("sequence parallelism splits text rows only (this batch has image inputs)")
+        raise ValueError(
+            "sequence parallelism splits text rows only (this batch has image inputs or routed experts)"
+        )
     prompt = max(b.prompt_len for b in batches)
     response = max(b.response_len for b in batches)
     names = set(batches[0].extras)
@@ -74,7 +76,7 @@ class SequenceSplit:
         if micro.row_inputs is not None or "target_ids" in micro.extras:
             raise ValueError(
                 "sequence parallelism scores the response tokens of text rows only "
-                "(no image inputs, no target_ids)"
+                "(no image inputs or routed experts, no target_ids)"
             )
         self.micro, self.group = micro, group
         self.layout = pack(micro)

@@ -36,6 +36,7 @@ from skylift.worker.micro_batches import (
 from skylift.worker.optim import OptimizerSettings, make_lr_scheduler
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
 from skylift.worker.profiler import ProfilerSettings, StepProfiler, profiled
+from skylift.worker.routing_replay import replayed
 from skylift.worker.sequence_parallel import SequenceSplit, pool_rows
 from skylift.worker.sharding import full_tensor, hybrid_mesh, shard_model
 from skylift.worker.ulysses import sequence_parallel_groups
@@ -201,7 +202,7 @@ class TrainingWorker:
                 if self.settings.head == "value":
                     return split.values(model)
                 return split.logprobs(model, temperature, with_full)
-        # the packed and prefix-shared paths score the response tokens of text rows only
+        # packed and prefix-shared paths: rows without row_inputs (images, routed experts) only
         text = "target_ids" not in micro.extras and micro.row_inputs is None
         tree = text and self.settings.share_prefixes
         packed = text and self.settings.remove_microbatch_padding and not tree
@@ -220,9 +221,10 @@ class TrainingWorker:
         self, micro: SequenceBatch
     ) -> tuple[SequenceSplit | None, contextlib.AbstractContextManager[Any]]:
         """A micro-batch's split over the sequence-parallel group and the context its forward and
-        backward passes run in; (None, a no-op) without sequence parallelism."""
+        backward passes run in (a policy's rows' routed experts replayed: `routing_replay`)."""
         if self.sp_group is None:
-            return None, contextlib.nullcontext()
+            lm = self.settings.head == "lm"
+            return None, replayed(self._model(), micro) if lm else contextlib.nullcontext()
         split = SequenceSplit(micro, self.sp_group)
         return split, split.attention(self._model())
 

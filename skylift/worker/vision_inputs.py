@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.routing_replay import ROUTED_EXPERTS
 
 
 def is_vision_language(model_path: str) -> bool:
@@ -85,12 +86,17 @@ def check_rows(model: torch.nn.Module, batch: SequenceBatch) -> None:
             raise ValueError(f"batch row {i}: {found} image tokens but its images take {want}")
 
 
+def has_images(batch: SequenceBatch) -> bool:
+    """Whether a row of `batch` carries image inputs (its routed experts alone do not count)."""
+    return any(set(row) - {ROUTED_EXPERTS} for row in batch.row_inputs or [])
+
+
 def vision_kwargs(model: torch.nn.Module, batch: SequenceBatch) -> dict[str, Tensor]:
     """The forward's image inputs: the rows' tensors concatenated in row order, and which
     positions hold image placeholders (the model derives its multimodal positions from them)."""
     check_rows(model, batch)
     rows = batch.row_inputs or []
-    names = sorted({k for row in rows for k in row})
+    names = sorted({k for row in rows for k in row} - {ROUTED_EXPERTS})
     kwargs = {k: torch.cat([row[k] for row in rows if k in row]) for k in names}
     image_token_id = getattr(getattr(model, "config", None), "image_token_id", None)
     if kwargs and image_token_id is not None:
@@ -110,6 +116,7 @@ __all__ = [
     "banned_token_ids",
     "with_sampling_bias",
     "check_rows",
+    "has_images",
     "image_token_count",
     "is_vision_language",
     "load_vision_language",
