@@ -27,6 +27,7 @@ from skylift.cluster.engines import (
     start_local_engines,
 )
 from skylift.cluster.ray_start import start_ray_run
+from skylift.cluster.routing_run import check_routing_replay
 from skylift.cluster.run_paths import RunPaths
 from skylift.cluster.settings import (
     critic_worker_settings,
@@ -140,6 +141,7 @@ class Runtime:
             else None
         )
         self.vision = run_vision(cfg, str(self.model_path), [self.train_data, self.val_data])
+        check_routing_replay(cfg, str(self.model_path))
         self.tracking = Tracking(t.loggers(), self.paths.logs, t.project_name, t.run_name)
         self.say(
             f"run '{t.run_name}': model {t.policy.model.path}, "

@@ -59,6 +59,7 @@ def generator_settings(cfg: SkyliftConfig) -> GeneratorSettings:
         tool_timeout_s=cfg.environment.tool_timeout_s,
         max_concurrent_tool_calls=cfg.environment.max_concurrent_tool_calls,
         resubmit_aborted=t.fully_async.enabled and t.fully_async.pause_mode == "abort",
+        routed_experts=g.enable_return_routed_experts,
     )
 
 
@@ -205,6 +206,8 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(g.kv_cache_gb * (1 << 30))
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if g.enable_return_routed_experts:  # routing replay: vLLM captures each token's experts
+        kwargs["enable_return_routed_experts"] = True
     # a LoRA policy: engines serve the base model plus the synced adapter (skylift.weight_sync.lora.adapter)
     kwargs.update(lora_engine_args(t.policy.model.lora.rank))
     kwargs.update(g.engine_init_kwargs)  # vLLM engine args as given (generator.engine_init_kwargs)

@@ -20,6 +20,7 @@ from skylift.config.fields import _f, _group
 from skylift.config.fully_async import FullyAsyncConfig
 from skylift.config.inputs import DataConfig, EnvironmentConfig
 from skylift.config.records import RolloutRecordsConfig, TorchProfilerConfig
+from skylift.config.sampling import EvalSamplingConfig, SamplingConfig
 
 DEFAULT_POLICY_MODEL = "smollm2-135m-instruct"
 
@@ -332,34 +333,6 @@ class TrainerConfig:
 
 
 @dataclass
-class SamplingConfig:
-    """Sampling parameters passed to the inference engines."""
-
-    max_generate_length: int = _f(
-        256, "most new tokens per response (generator.max_generate_length wins if set)", ge=1
-    )
-    temperature: float = _f(1.0, "sampling temperature; 0 = greedy", ge=0)
-    top_p: float = _f(1.0, "nucleus sampling probability mass", gt=0, le=1)
-    top_k: int = _f(-1, "sample among the k most likely tokens; -1 = all")
-    min_p: float = _f(0.0, "drop tokens below min_p times the top token's probability", ge=0, le=1)
-    repetition_penalty: float = _f(1.0, "penalty on repeated tokens; 1 = none", gt=0)
-    logprobs: int | None = _f(  # accepted without effect: see skylift.config.inert
-        0, "accepted for compatibility, no effect in skylift (where it has one: top logprobs per token)", ge=0
-    )
-    stop: list[str] | None = _f(None, "extra stop strings; null = only the tokenizer's EOS")
-
-
-@dataclass
-class EvalSamplingConfig(SamplingConfig):
-    """Sampling parameters for evaluation: greedy by default, length defaults to training's."""
-
-    max_generate_length: int | None = _f(
-        None, "most new tokens per response; null = the training value", ge=1
-    )
-    temperature: float = _f(0.0, "sampling temperature; 0 = greedy", ge=0)
-
-
-@dataclass
 class GeneratorConfig:
     """Rollouts: inference engines (local or remote) and sampling."""
 
@@ -447,6 +420,11 @@ class GeneratorConfig:
     )
     on_template_mismatch: str = _f("error", "history change: error|step_wise", choices=("error", "step_wise"))
     vision_language_generator: bool = _f(False, "true: the policy must be a vision-language model")
+    enable_return_routed_experts: bool = _f(
+        False,
+        "routing replay (R3) of a mixture-of-experts policy: engines return each token's routed experts "
+        "and the trainer's forwards (old, new, reference logprobs) route every token to them; needs CUDA engines",
+    )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
         None, "shorthand for sampling_params.max_generate_length; when set it wins over it", ge=1

@@ -33,6 +33,7 @@ from skylift.generator.chat import ChatFormat
 from skylift.generator.llm import EngineChatClient
 from skylift.generator.multi_turn import TurnLoop
 from skylift.generator.rollout_end import RolloutTask
+from skylift.generator.routed import routed_tokens
 from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
@@ -83,6 +84,8 @@ def join_completions(first: Completion, rest: Completion) -> Completion:
         text=None,
         matched_stop=rest.matched_stop,
         token_versions=versions,
+        # the continuation's request held the first part: its routing covers it too
+        routed_experts=first.routed_experts if rest.routed_experts is None else rest.routed_experts,
     )
 
 
@@ -368,6 +371,9 @@ class Generator:
             data_source=row.data_source,
             policy_version=min(versions) if versions else policy_version,
             token_versions=versions,
+            routed_experts=routed_tokens(
+                completion, len(prompt_ids) + len(completion.token_ids), self.settings.routed_experts
+            ),
             env_metadata=dict(result.metadata),
             response_text=text,
             metrics={name: float(value) for name, value in (result.metrics or {}).items()},

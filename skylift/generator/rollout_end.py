@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from skylift.generator.routed import overlay, routed_tokens
 from skylift.generator.settings import TURN_SEED_STRIDE
 from skylift.generator.step_wise import Step, TurnRecord, step_trajectories, steps_of_turns
 from skylift.generator.trajectory import Trajectory
@@ -50,6 +51,8 @@ class RolloutRecord:
     turns: int = 0
     #: the rollout's images so far (a vision-language model's), one image token each in its ids
     images: list[Any] = field(default_factory=list)
+    #: routing replay: the engine's routed experts of the ids so far (`skylift.generator.routed`)
+    routed: Any = None
     #: after `replace_turn`, the response index of the turn's last token still trained
     _reward_at: int | None = None
 
@@ -78,11 +81,15 @@ class RolloutRecord:
             self.versions = None
         sampled_logprobs = list(completion.logprobs or [0.0] * len(sampled))
         self.stop_reason = completion.stop_reason
+        length = len(context) + len(sampled)
+        routed = routed_tokens(completion, length, getattr(s, "routed_experts", False))
         if s.step_wise:
             turn_versions = completion.token_versions if s.engine_versions else None
             self.steps.append(
-                Step(list(context), sampled, sampled_logprobs, turn_versions, self.stop_reason, text)
+                Step(list(context), sampled, sampled_logprobs, turn_versions, self.stop_reason, text, routed)
             )
+        else:  # `context` is the ids so far: the turn's routing covers them
+            self.routed = overlay(self.routed, routed, length)
         self.response_ids += sampled
         self.loss_mask += [1] * len(sampled)
         self.logprobs += sampled_logprobs
@@ -100,6 +107,8 @@ class RolloutRecord:
         cut = len(self.response_ids) - len(sampled) + keep
         self._reward_at = cut - 1 if keep else None
         del self.response_ids[cut:], self.loss_mask[cut:], self.logprobs[cut:]
+        if self.routed is not None:  # the rewritten ids were never routed
+            self.routed = self.routed[: len(self.prompt_ids) + cut]
         if self.versions is not None:
             del self.versions[cut:]
         self.add_untrained(new_ids[keep:])
@@ -164,6 +173,7 @@ class RolloutRecord:
             num_turns=self.turns,
             policy_version=min(versions) if versions else self.policy_version,
             token_versions=versions or None,
+            routed_experts=overlay(None, self.routed, len(self.prompt_ids) + len(self.response_ids)),
             env_metadata=self.metadata,
             response_text="\n".join(self.texts),
             turn_rewards=turn_rewards,

@@ -56,6 +56,9 @@ class GeneratorSettings:
     llm_timeout_s: float = 60.0  # per call of an environment's `llm`
     tool_timeout_s: float = 10.0  # per tool call
     max_concurrent_tool_calls: int = 8  # tool calls running at once (all trajectories)
+    #: routing replay (`generator.enable_return_routed_experts`): every sample must come with the
+    #: engine's routed experts, which the trajectory keeps aligned with its ids (`generator.routed`)
+    routed_experts: bool = False
 
 
 #: The most times one sample is resubmitted after an abort before it is kept as aborted.

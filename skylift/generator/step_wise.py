@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from skylift.generator.routed import overlay
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import Completion
 
@@ -35,6 +36,7 @@ class Step:
     versions: list[int] | None
     stop_reason: str
     text: str
+    routed: Any = None  # routing replay: the engine's routed experts of context + sampled
 
 
 def steps_of_turns(ids: list[int], turns: list[TurnRecord], engine_versions: bool) -> list[Step]:
@@ -49,6 +51,7 @@ def steps_of_turns(ids: list[int], turns: list[TurnRecord], engine_versions: boo
             completion.token_versions if engine_versions else None,
             completion.stop_reason,
             text,
+            overlay(None, completion.routed_experts, length + len(completion.token_ids)),
         )
         for length, completion, text in turns
     ]
@@ -85,6 +88,7 @@ def step_trajectories(
                 num_turns=len(steps),
                 policy_version=min(step.versions) if step.versions else policy_version,
                 token_versions=step.versions or None,
+                routed_experts=overlay(None, step.routed, len(step.context) + len(step.sampled)),
                 env_metadata=dict(metadata) if last else {},
                 response_text=step.text,
                 metrics=dict(metrics) if last else {},
@@ -117,6 +121,10 @@ def merge_steps(steps: list[Trajectory]) -> list[Trajectory]:
             rollout_logprobs=before.rollout_logprobs + [0.0] * len(between) + step.rollout_logprobs,
             policy_version=min(before.policy_version, step.policy_version),
             token_versions=versions,
+            # the step's request held the sample before it: its routing covers those ids too
+            routed_experts=overlay(
+                before.routed_experts, step.routed_experts, len(step.prompt_ids) + len(step.response_ids)
+            ),
             response_text=before.response_text + "\n" + step.response_text,
         )
     return merged

