@@ -22,7 +22,8 @@ from skylift.config.inert import NO_EFFECT_HELP, WITHOUT_EFFECT, keys_set_withou
 from skylift.config.schema import SkyliftConfig
 
 PACKAGE = Path(skylift.__file__).parent
-SCHEMA_SOURCE = (PACKAGE / "config" / "schema.py").read_text()
+# the modules declaring the schema's classes (sampling.py: generator.*sampling_params)
+SCHEMA_SOURCE = "\n".join((PACKAGE / "config" / name).read_text() for name in ("schema.py", "sampling.py"))
 
 # Keys whose implementation is landing from another part of issue 14 (Ray placement groups). The
 # test below fails as soon as the code reads one, so that it is taken off this list.
