@@ -209,6 +209,7 @@ class Gateway:
                 text=text,
                 tool_call_ids=[c["id"] for c in calls],
                 content=content,
+                routed_experts=completion.routed_experts,
                 messages=messages,
                 tools=request.tools,
             )

@@ -44,6 +44,8 @@ class CallRecord:
     text: str  # the sampled ids decoded (special tokens skipped), what a replayed turn renders as
     tool_call_ids: list[str] = field(default_factory=list)  # the ids of the calls parsed from it
     content: str | None = None  # the content the agent was answered with (tool calls taken out)
+    #: routing replay: the engine's routed experts of prompt + sampled ids (`Completion.routed_experts`)
+    routed_experts: Any = field(default=None, repr=False)
     #: the conversation as the chat template got it, and the tools: a later call that goes on from
     #: it (this call's reply as sampled, then more messages) starts with this call's ids
     messages: list[dict[str, Any]] | None = field(default=None, repr=False)

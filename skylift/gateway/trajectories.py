@@ -43,6 +43,7 @@ def session_trajectories(
             versions=call.token_versions,
             stop_reason="stop" if call.finish_reason == "stop" else "length",
             text=call.text,
+            routed=call.routed_experts,
         )
         for call in session.calls
     ]

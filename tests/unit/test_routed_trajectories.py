@@ -68,3 +68,16 @@ def test_a_rewritten_turn_drops_the_routing_of_ids_the_engine_never_ran() -> Non
     (tr,) = rollout.finish(_Row(), settings)
     assert tr.prompt_ids + tr.response_ids == [1, 2, 3, 9]
     assert np.array_equal(tr.routed_experts[:3], _routing(3)) and (tr.routed_experts[3] == -1).all()
+
+
+def test_a_gateway_calls_routing_reaches_its_step() -> None:
+    from skylift.gateway.session import Budget, CallRecord, Session
+    from skylift.gateway.trajectories import session_trajectories
+    from skylift.inference.types import SamplingParams
+
+    session = Session(SamplingParams(), 0, Budget())
+    session.calls.append(
+        CallRecord([1, 2], [3, 4], [0.0, 0.0], "stop", 0, None, "x", routed_experts=_routing(3))
+    )
+    (tr,) = session_trajectories(_Row(), session, 1.0, "r", stand_in_prompt=[1], stand_in_token=2)
+    assert np.array_equal(tr.routed_experts[:3], _routing(3)) and (tr.routed_experts[3] == -1).all()
