@@ -8,9 +8,9 @@ routing weights stay differentiable functions of the trainer's own router logits
 
 transformers 5 routers (`Qwen3MoeTopKRouter`, `MixtralTopKRouter`, `OlmoeTopKRouter`,
 `Qwen2MoeTopKRouter`, ...) all take `torch.topk` of their softmaxed logits over the experts. While
-a router runs under `replay_routing`, that one call answers with the given experts and their
-probabilities (gathered from the same tensor), so whatever the family does next (renormalising the
-top-k weights or not) is unchanged. A token whose given experts are -1 (the engine did not route it:
+a router runs under `replay_routing`, that one call (in the thread running the router) answers
+with the given experts and their probabilities (gathered from the same tensor), so whatever the
+family does next (renormalising the top-k weights or not) is unchanged. A token whose given experts are -1 (the engine did not route it:
 the padding of a batch, a rollout's last sampled token, observations after its last turn) keeps the
 trainer's own top-k in that layer.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,27 +73,47 @@ def replay_routing(model: torch.nn.Module, routed: Tensor) -> Iterator[None]:
             f"routing replay: routed experts of shape {tuple(routed.shape)} do not cover the "
             f"{max(routers) + 1} layers of {type(model).__name__} (want [tokens, layers, top_k])"
         )
-    original = torch.topk
     handles = []
 
     def arm(layer: int) -> Any:
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
-            torch.topk = _replayed_topk(original, routed[:, layer].long(), int(module.top_k))  # type: ignore[assignment]
+            _replay.topk = _replayed_topk(_TOPK, routed[:, layer].long(), int(module.top_k))
 
         return pre_hook
 
     def disarm(module: torch.nn.Module, args: Any, output: Any) -> None:
-        torch.topk = original  # type: ignore[assignment]
+        _replay.topk = None
 
+    _install(+1)
     try:
         for layer, router in routers.items():
             handles.append(router.register_forward_pre_hook(arm(layer)))
             handles.append(router.register_forward_hook(disarm))
         yield
     finally:
-        torch.topk = original  # type: ignore[assignment]
+        _replay.topk = None
+        _install(-1)
         for handle in handles:
             handle.remove()
+
+
+#: torch's own top-k. While a replay is open anywhere, `torch.topk` is `_dispatch`, which answers
+#: with the replayed top-k only in the thread whose router is running under one (a thread-local:
+#: another thread's forward, e.g. an engine or a model without replay, keeps torch's)
+_TOPK = torch.topk
+_replay = threading.local()
+_open = [0]
+_lock = threading.Lock()
+
+
+def _dispatch(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(_replay, "topk", None) or _TOPK)(*args, **kwargs)
+
+
+def _install(change: int) -> None:
+    with _lock:
+        _open[0] += change
+        torch.topk = _dispatch if _open[0] > 0 else _TOPK  # type: ignore[assignment]
 
 
 def _replayed_topk(original: Any, experts: Tensor, top_k: int) -> Any:

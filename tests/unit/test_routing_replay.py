@@ -114,3 +114,31 @@ def test_routing_that_does_not_fit_is_a_one_line_error() -> None:
     with pytest.raises(RoutingReplayError, match="has no mixture-of-experts router"):
         with replay_routing(dense, torch.zeros(1, 3, 2, dtype=torch.long)):
             pass
+
+
+def test_a_replay_does_not_reach_another_threads_routers() -> None:
+    """While one thread replays a routing, a forward of another model in another thread routes as
+    itself (the replayed top-k answers only in the thread whose router runs under the replay)."""
+    import threading
+
+    replayed_model, other = _model("qwen3_moe"), _model("mixtral")
+    own = routing_of(other, input_ids=IDS)
+    given = (routing_of(replayed_model, input_ids=IDS) + 1) % 6
+    seen: list[bool] = []
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            for _ in range(40):
+                seen.append(torch.equal(routing_of(other, input_ids=IDS), own))
+        except BaseException as exc:  # a routing meant for the other model's tokens
+            errors.append(exc)
+
+    thread = threading.Thread(target=other_thread)
+    with replay_routing(replayed_model, given):
+        thread.start()
+        while thread.is_alive():
+            with torch.no_grad():
+                replayed_model(input_ids=IDS)
+    thread.join()
+    assert not errors and seen and all(seen)

@@ -269,6 +269,8 @@ def test_the_key_starts_engines_with_vllms_capture_and_tells_the_generator() -> 
     cfg = load_config(["generator.enable_return_routed_experts=true"])
     assert local_engine_kwargs(cfg, sleep_mode=False)["enable_return_routed_experts"] is True
     assert generator_settings(cfg).routed_experts is True
+    skyrl = load_config(["generator.inference_engine.enable_return_routed_experts=true"])  # SkyRL's layout
+    assert skyrl.generator.enable_return_routed_experts is True
     off = load_config([])
     assert "enable_return_routed_experts" not in local_engine_kwargs(off, sleep_mode=False)
     assert generator_settings(off).routed_experts is False
