@@ -16,6 +16,12 @@ Measured: the well-behaved user's per-iteration latency (p50 / p99) alone and un
 its errors (the goal: none), the hostile requests' status codes (the goal: no 5xx), and
 whether the server still answers healthily afterwards.
 
+The attacked phase starts when the hostile client starts its attack (after its own model is
+created), and every hostile wait is bounded: a request or future still unanswered
+`HOSTILE_GRACE_S` after the attack is a hostile client error, and a hostile loop still running
+after that prints its stack to stderr. A run in which the hostile client got no answer during the
+attack is not a soak: its ratio is null and the exit status 1.
+
 Last line: JSON `{"ratio": p99 under attack / p99 alone, ...raw figures}` (goal: <= 3).
 
 Run (the server binds 127.0.0.1 only; inside a loopback-only namespace):
@@ -28,6 +34,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -50,6 +57,9 @@ WAIT_S = 300.0
 BASE_MODEL = "tiny-qwen2"
 GOOD, BAD = ("good", "tml-soak-good"), ("bad", "tml-soak-bad")
 FLOOD_SAMPLES = 8  # hostile samples kept in flight
+#: Seconds past the attack's end a hostile request may still wait for its answer (or its future
+#: stay pending) before the hostile client gives up on it and records a client error.
+HOSTILE_GRACE_S = 60.0
 API = "/api/v1"
 
 
@@ -190,22 +200,30 @@ class HostileClient:
         self.flood_done = 0
         self.failures: list[str] = []  # 5xx answers
         self.client_errors: list[str] = []  # the hostile client's own exceptions (timeouts, ...)
+        self.pending_polls = 0  # retrieve_future answers "not final yet" (408)
         self.seq = 1
+        self.timeline: dict[str, float] = {}  # seconds from the client's start to each phase
 
     async def _own_model(self, http: httpx.AsyncClient) -> str:
         sid = (await http.post(f"{API}/create_session", json={"tags": []})).json()["session_id"]
         body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4}}
         resp = (await http.post(f"{API}/create_model", json=body)).json()
-        await self._wait(http, resp["request_id"])
+        await self._wait(http, resp["request_id"], time.monotonic() + WAIT_S)
         return str(resp["model_id"])
 
-    async def _wait(self, http: httpx.AsyncClient, request_id: str) -> None:
-        """Until the future is final (results may be protobuf: never decoded here)."""
+    async def _wait(self, http: httpx.AsyncClient, request_id: str, stop: float) -> None:
+        """Until the future is final (results may be protobuf: never decoded here); a future
+        still pending `HOSTILE_GRACE_S` after `stop` raises (a client error, not a silent wait)."""
         while True:
             resp = await http.post(f"{API}/retrieve_future", json={"request_id": request_id})
             if resp.status_code != 408:
                 self.codes[resp.status_code] += 1
                 return
+            self.pending_polls += 1
+            if time.monotonic() > stop + HOSTILE_GRACE_S:
+                raise TimeoutError(
+                    f"future {request_id} still pending {HOSTILE_GRACE_S:.0f} s after the attack"
+                )
 
     async def _forever(self, loop: Any, stop: float, *args: Any) -> None:
         """`loop(*args, stop)` again until `stop`, an exception recorded and the loop restarted."""
@@ -224,7 +242,7 @@ class HostileClient:
                 if resp.status_code >= 500:
                     self.failures.append(f"{method} {path}: {resp.status_code} {resp.text[:200]}")
                 if resp.status_code == 200 and "request_id" in resp.text:
-                    await self._wait(http, resp.json()["request_id"])
+                    await self._wait(http, resp.json()["request_id"], stop)
 
     async def _sample_flood(self, http: httpx.AsyncClient, stop: float) -> None:
         body = {
@@ -237,7 +255,7 @@ class HostileClient:
             resp = await http.post(f"{API}/asample", json=body)
             self.codes[resp.status_code] += 1
             if resp.status_code == 200:
-                await self._wait(http, resp.json()["request_id"])
+                await self._wait(http, resp.json()["request_id"], stop)
                 self.flood_done += 1
 
     async def _train_flood(self, http: httpx.AsyncClient, model_id: str, stop: float) -> None:
@@ -247,31 +265,56 @@ class HostileClient:
             self.seq += 1
             self.codes[resp.status_code] += 1
             if resp.status_code == 200:
-                await self._wait(http, resp.json()["request_id"])
+                await self._wait(http, resp.json()["request_id"], stop)
                 self.flood_done += 1
 
-    async def run(self, seconds: float) -> None:
+    async def run(self, seconds: float, attacking: Any = None) -> None:
+        """`seconds` of attack, counted from when the attack starts (after the client's own model
+        and its bad requests are built; `attacking`, an Event, is set then); tasks still running `HOSTILE_GRACE_S` after it print
+        their stacks (to stderr) and are cancelled."""
+        began = time.monotonic()
         headers = {"X-API-Key": BAD[1]}
-        async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=120) as http:
+        # every wait bounded: a request's answer (the server long-polls futures for 20 s)
+        timeout = httpx.Timeout(120.0, connect=30.0)
+        async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout) as http:
             own = await self._own_model(http)
-            stop = time.monotonic() + seconds
+            self.timeline["own_model_s"] = time.monotonic() - began
             requests = _bad_requests(self.fifo, self.victim, own)
-            await asyncio.gather(
-                self._forever(self._bad_loop, stop, http, requests),
-                self._forever(self._train_flood, stop, http, own),
-                *(self._forever(self._sample_flood, stop, http) for _ in range(FLOOD_SAMPLES)),
-            )
+            stop = time.monotonic() + seconds
+            self.timeline["attack_start_s"] = time.monotonic() - began
+            if attacking is not None:
+                attacking.set()
+            tasks = [
+                asyncio.ensure_future(self._forever(self._bad_loop, stop, http, requests)),
+                asyncio.ensure_future(self._forever(self._train_flood, stop, http, own)),
+                *(
+                    asyncio.ensure_future(self._forever(self._sample_flood, stop, http))
+                    for _ in range(FLOOD_SAMPLES)
+                ),
+            ]
+            _done, stuck = await asyncio.wait(tasks, timeout=seconds + 2 * HOSTILE_GRACE_S)
+            for task in stuck:  # a bug of this client or the server: say where it waits
+                self.client_errors.append(
+                    f"a hostile loop still running {2 * HOSTILE_GRACE_S:.0f} s after the attack"
+                )
+                task.print_stack(file=sys.stderr)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.timeline["attack_end_s"] = time.monotonic() - began
 
 
-def _run_hostile(url: str, fifo: Path, victim: str, seconds: float, results: Any) -> None:
-    """The hostile user's process: runs it, then puts its tallies on `results`."""
+def _run_hostile(url: str, fifo: Path, victim: str, seconds: float, attacking: Any, results: Any) -> None:
+    """The hostile user's process: runs it (setting `attacking` when the attack starts), then puts
+    its tallies on `results`."""
     hostile = HostileClient(url, fifo, victim)
-    asyncio.run(hostile.run(seconds))
+    asyncio.run(hostile.run(seconds, attacking))
     tallies = {
         "codes": dict(hostile.codes),
         "flood_done": hostile.flood_done,
         "failures": hostile.failures,
         "client_errors": hostile.client_errors,
+        "pending_polls": hostile.pending_polls,
+        "timeline": {k: round(v, 1) for k, v in hostile.timeline.items()},
     }
     results.put(tallies)
 
@@ -301,12 +344,23 @@ def main() -> int:
         # latency would measure this process, not the server
         spawn = multiprocessing.get_context("spawn")
         results: Any = spawn.Queue()
+        attacking: Any = spawn.Event()
         victim = good.trainer.model_id
-        process = spawn.Process(target=_run_hostile, args=(url, fifo, victim, duration, results), daemon=True)
-        began = time.monotonic()
+        args = (url, fifo, victim, duration, attacking, results)
+        process = spawn.Process(target=_run_hostile, args=args, daemon=True)
         process.start()
+        # the attacked phase starts with the attack (not with the hostile process's start-up)
+        if not attacking.wait(timeout=WAIT_S):
+            raise SystemExit(f"the hostile client did not start its attack within {WAIT_S:.0f} s")
+        began = time.monotonic()
         attacked = good.run(duration)
-        tallies = results.get(timeout=300)
+        try:
+            tallies = results.get(timeout=3 * HOSTILE_GRACE_S)
+        except queue.Empty:
+            raise SystemExit(
+                f"the hostile client gave no tallies {3 * HOSTILE_GRACE_S:.0f} s after the attack "
+                "(its stuck tasks' stacks are on stderr)"
+            ) from None
         process.join(timeout=60)
         elapsed = time.monotonic() - began
         healthy = httpx.get(url + "/api/v1/healthz", timeout=30).json() == {"status": "ok"}
@@ -315,9 +369,17 @@ def main() -> int:
         stop_server(proc)
     a, b = _summary(alone), _summary(attacked)
     ratio = (b["total_p99_s"] / a["total_p99_s"]) if a["total_p99_s"] and b["total_p99_s"] else None
+    # the hostile client's answers during the attack (its own model's creation is one answer)
+    attack_answers = sum(tallies["codes"].values()) - 1
+    if attack_answers < 1:
+        ratio = None  # no attack ran: the well-behaved user's latency is not a soak's figure
+        print("NOT A SOAK: the hostile client got no answer during the attack")
     print(f"alone ({alone_s:.0f} s): {a}")
     print(f"beside the hostile client ({elapsed:.0f} s): {b}")
     print(f"hostile status codes: {tallies['codes']}; heavy requests done: {tallies['flood_done']}")
+    print(
+        f"hostile timeline (s from its start): {tallies['timeline']}; pending polls: {tallies['pending_polls']}"
+    )
     for failure in tallies["failures"][:10]:
         print("hostile failure:", failure)
     for error in tallies["client_errors"][:5]:
@@ -335,10 +397,12 @@ def main() -> int:
         "hostile_5xx": len(tallies["failures"]),
         "hostile_heavy_done": tallies["flood_done"],
         "hostile_client_errors": len(tallies["client_errors"]),
+        "hostile_attack_answers": attack_answers,
+        "hostile_timeline_s": tallies["timeline"],
         "healthy_after": healthy,
     }
     print(json.dumps(result))
-    return 0
+    return 0 if attack_answers >= 1 else 1
 
 
 if __name__ == "__main__":

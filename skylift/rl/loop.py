@@ -72,7 +72,7 @@ class RLTrainer:
         kl = t.algorithm.kl_ctrl  # the KL-in-reward coefficient, adapted per step or fixed
         self.kl_ctrl = make_kl_controller(kl.type, t.algorithm.kl_loss_coef, kl.kl_target, kl.horizon)
         self.experience_stages = ExperienceStages.from_config(cfg, parts.pad_id)
-        self.update_settings = UpdateSettings.from_config(cfg)
+        self.update_settings = UpdateSettings.from_config(cfg, source.sampler.params)
         self.objective = policy_objective(cfg)
         self.close_parts: Any = None  # set by `build_trainer`: takes down what it built
         self.records = RolloutRecorder.from_parts(  # for skylift view

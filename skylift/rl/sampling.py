@@ -3,9 +3,10 @@ policy's logprobs of the rollouts under, the per-prompt seeds, and the `Sampler`
 generator for rollouts with them.
 
 `generator.sampling_params` (and `eval_sampling_params`) are read here only: `sampling_params`
-builds the engines' request (`SamplingParams`), the `Sampler` hands that object to the generator,
-and `trainer_distribution` derives the trainer's distribution from the same request, so the
-sampler and the trainer cannot disagree on temperature or truncation.
+builds the engines' request (`SamplingParams`) once per `Sampler`, which hands that object to the
+generator; the trainer takes the training `Sampler`'s object (`UpdateSettings.from_config`) and
+`trainer_distribution` derives its distribution from it, so the sampler and the trainer cannot
+disagree on temperature or truncation.
 """
 
 from __future__ import annotations

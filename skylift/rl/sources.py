@@ -60,6 +60,9 @@ class Rollouts:
 
 
 class RolloutSource(Protocol):
+    sampler: Sampler
+    """How it asks for rollouts: its request (`sampler.params`) is the one the trainer takes the
+    policy's logprobs under."""
     overlapped: bool
     """Generation runs on a thread beside training (the GIL changes hands more often)."""
     may_run_out: bool

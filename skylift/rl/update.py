@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skylift.algorithms import mini_batch_totals
-from skylift.algorithms.sample_support import Sampling, TokenDistribution
+from skylift.algorithms.sample_support import Sampling
 from skylift.config.schema import SkyliftConfig
 from skylift.generator.settings import max_generate_length
+from skylift.inference.types import SamplingParams
 from skylift.rl.objective import PolicyObjective, ValueObjective, rows_with_policy_gradient
-from skylift.rl.sampling import sampling_params, trainer_distribution
+from skylift.rl.sampling import trainer_distribution
 from skylift.utils.plugins import import_user_modules
 from skylift.worker.batch import SequenceBatch
 
@@ -45,25 +46,19 @@ class UpdateSettings:
     value_clip: float = 0.2
 
     @classmethod
-    def from_config(cls, cfg: SkyliftConfig) -> UpdateSettings:
+    def from_config(cls, cfg: SkyliftConfig, request: SamplingParams) -> UpdateSettings:
+        """`request`: the training rollouts' request (the training `Sampler`'s own object); the
+        policy's logprobs are taken under its distribution (`skylift.rl.sampling.trainer_distribution`)."""
         t, alg, n = cfg.trainer, cfg.trainer.algorithm, cfg.generator.n_samples_per_prompt
         return cls(
             rows_per_mini_batch=t.policy_mini_batch_size * n,
             critic_rows_per_mini_batch=t.critic_mini_batch_size * n,
             epochs=t.update_epochs_per_batch,
             micro_batch_size=t.micro_train_batch_size_per_gpu,
-            temperature=training_distribution(cfg),
+            temperature=trainer_distribution(request, alg.enable_sample_support_replay),
             skip_zero_advantage_rows=t.skip_zero_advantage_rows and not alg.use_kl_loss,
             value_clip=alg.value_clip,
         )
-
-
-def training_distribution(cfg: SkyliftConfig) -> TokenDistribution:
-    """The distribution the policy's logprobs of rollout tokens are taken under: that of the
-    training rollouts' request (`skylift.rl.sampling.trainer_distribution`)."""
-    return trainer_distribution(
-        sampling_params(cfg, False), cfg.trainer.algorithm.enable_sample_support_replay
-    )
 
 
 def policy_objective(cfg: SkyliftConfig) -> PolicyObjective:

@@ -23,6 +23,8 @@ from skylift.utils.dtypes import dtype_to_str, str_to_dtype
 from skylift.weight_sync.protocol import WeightBucket
 
 NamedTensor = tuple[str, torch.Tensor]
+Piece = tuple[WeightBucket, list[NamedTensor]]
+"""A bucket's metadata (what `broadcast.direct_load` plans from) and its tensors, as a receiver loads it."""
 
 
 def load_unit(name: str) -> str:

@@ -25,7 +25,8 @@ from skylift.algorithms.sample_support import (
 from skylift.config import load_config
 from skylift.config.algorithm import AlgorithmConfig
 from skylift.rl.objective import PolicyObjective
-from skylift.rl.update import training_distribution
+from skylift.rl.sampling import sampling_params
+from skylift.rl.update import UpdateSettings
 from skylift.worker.batch import SequenceBatch, build_sequence_batch
 from skylift.worker.logprobs import response_logprobs
 from skylift.worker.micro_batches import packed_response_logprobs
@@ -122,7 +123,8 @@ def test_bad_distributions_are_refused_with_the_reason() -> None:
 
 def test_config_turns_replay_on_whenever_sampling_truncates() -> None:
     def dist(*overrides: str) -> TokenDistribution:
-        return training_distribution(load_config(list(overrides)))
+        cfg = load_config(list(overrides))
+        return UpdateSettings.from_config(cfg, sampling_params(cfg, False)).temperature
 
     sp = "generator.sampling_params"
     key = "trainer.algorithm.enable_sample_support_replay"

@@ -1,14 +1,24 @@
-"""`weight_sync.broadcast.direct_load`: its building blocks on plain torch modules (the loads into a real vLLM
+"""`weight_sync.broadcast.direct_load`: its building blocks on plain torch modules, and the receivers'
+one load path (`load_direct_then_reload`) over a recording worker (the loads into a real vLLM
 model, bit for bit against vLLM's reload, are in tests/integration/test_weight_sync_local.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 import pytest
 import torch
 
-from skylift.weight_sync.broadcast.direct_load import DirectLoader, _adjacent, _restore_kernel_tensors
+from skylift.weight_sync.broadcast.direct_load import (
+    DirectLoader,
+    _adjacent,
+    _restore_kernel_tensors,
+    load_direct_then_reload,
+)
 from skylift.weight_sync.broadcast.fused_staging import LoadUnits
-from skylift.weight_sync.buckets import BufferArena, bucket_of, unpack_bucket, wire_pieces
+from skylift.weight_sync.buckets import BufferArena, Piece, bucket_of, unpack_bucket, wire_pieces
 
 
 def loader(model: torch.nn.Module | None = None) -> DirectLoader:
@@ -89,3 +99,80 @@ def test_plain_torch_modules_and_unknown_names_are_left_to_vllms_reload() -> Non
     direct = loader(model)
     assert direct.plan(WeightBucket(["0.weight", "0.bias"], ["float32"] * 2, [[2, 3], [2]])) is None
     assert direct.plan(WeightBucket(["missing.weight"], ["float32"], [[2, 3]])) is None
+
+
+class PlanningLoader:
+    """Maps every bucket whose names all start with "direct." (what `DirectLoader.plan` does for
+    the modules it knows); records what it loads."""
+
+    def __init__(self, log: list[tuple]) -> None:
+        self.log = log
+
+    def plan(self, bucket: Any) -> list[str] | None:
+        return list(bucket.names) if all(n.startswith("direct.") for n in bucket.names) else None
+
+    def load(self, loads: list[str], tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.log.append(("direct", tuple(n for n, _ in tensors)))
+
+
+class LoadingWorker:
+    """The loading helpers of `broadcast.receiver.WeightSyncWorkerExtension`, recording calls."""
+
+    def __init__(self, direct: bool = True) -> None:
+        self.log: list[tuple] = []
+        self.loader = PlanningLoader(self.log) if direct else None
+
+    def _skylift_direct_loader(self) -> PlanningLoader | None:
+        return self.loader
+
+    @contextlib.contextmanager
+    def _skylift_loading(self) -> Iterator[None]:
+        self.log.append(("enter",))
+        yield
+        self.log.append(("exit",))
+
+    def _skylift_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, _ in weights:  # pulled one by one, as vLLM's reload does
+            self.log.append(("reload", name))
+
+    def _skylift_reset_runner_caches(self) -> None:
+        self.log.append(("reset",))
+
+
+def pieces(names: list[list[str]], log: list[tuple]) -> Iterator[Piece]:
+    """One piece per list of names; `log` records when each is produced (a receiver's waiting)."""
+    for group in names:
+        log.append(("arrived", group[0]))
+        named = [(n, torch.zeros(1)) for n in group]
+        yield bucket_of(named), named
+
+
+def test_direct_until_a_piece_is_refused_then_one_reload_pulls_the_rest_as_it_arrives() -> None:
+    worker = LoadingWorker()
+    names = [["direct.a"], ["direct.b"], ["other.c"], ["direct.d", "direct.e"]]
+    assert load_direct_then_reload(worker, pieces(names, worker.log)) == (2, True)
+    assert worker.log == [
+        ("enter",),
+        ("arrived", "direct.a"),
+        ("direct", ("direct.a",)),
+        ("arrived", "direct.b"),
+        ("direct", ("direct.b",)),
+        ("arrived", "other.c"),
+        ("reload", "other.c"),  # the refused piece and every later one: one reload ...
+        ("arrived", "direct.d"),  # ... that takes each piece only when it has arrived
+        ("reload", "direct.d"),
+        ("reload", "direct.e"),
+        ("exit",),
+    ]  # no cache reset: vLLM's reload does its own
+
+
+def test_an_all_direct_load_resets_the_caches_and_no_loader_means_one_reload() -> None:
+    worker = LoadingWorker()
+    assert load_direct_then_reload(worker, pieces([["direct.a"], ["direct.b"]], worker.log)) == (2, False)
+    assert worker.log[-2:] == [("reset",), ("exit",)]
+    plain = LoadingWorker(direct=False)
+    assert load_direct_then_reload(plain, pieces([["direct.a"], ["direct.b"]], plain.log)) == (0, True)
+    assert [e for e in plain.log if e[0] == "reload"] == [("reload", "direct.a"), ("reload", "direct.b")]
+    empty = LoadingWorker()
+    assert load_direct_then_reload(empty, iter([])) == (0, False)
+    assert ("reset",) not in empty.log

@@ -24,15 +24,17 @@ vLLM's reload.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from skylift.weight_sync.broadcast.fused_staging import LoadUnits
-from skylift.weight_sync.buckets import BufferArena, NamedTensor
+from skylift.weight_sync.buckets import BufferArena, NamedTensor, Piece
 from skylift.weight_sync.protocol import WeightBucket
 
 #: vLLM model classes whose `load_weights` maps Hugging Face tensors to modules as `plan` does
@@ -270,3 +272,40 @@ def _restore_kernel_tensors(module: torch.nn.Module, kernel: Mapping[str, torch.
             original.data.copy_(processed)
             delattr(module, name)
             module.register_parameter(name, original)
+
+
+class LoadingWorker(Protocol):
+    """The loading helpers of a vLLM worker (`broadcast.receiver.WeightSyncWorkerExtension`)."""
+
+    def _skylift_direct_loader(self) -> DirectLoader | None: ...
+
+    def _skylift_loading(self) -> AbstractContextManager[None]: ...
+
+    def _skylift_reload(self, weights: Iterable[NamedTensor]) -> None: ...
+
+    def _skylift_reset_runner_caches(self) -> None: ...
+
+
+def load_direct_then_reload(worker: LoadingWorker, pieces: Iterable[Piece]) -> tuple[int, bool]:
+    """Load `pieces` (a bucket's metadata and its tensors, in order) straight into the model's
+    modules while `worker`'s direct loader maps them; from the first one it does not, that piece
+    and every later one go to ONE vLLM reload that pulls them as it goes. Returns (pieces loaded
+    directly, whether the reload ran). A load that was direct only resets the runner's caches, as
+    vLLM's reload does. The one path of the broadcast stream, the IPC and the delta receivers;
+    each one's own waiting (the stream's receive, the sender's fill counter, the store's reads)
+    is in how its `pieces` yields."""
+    direct = worker._skylift_direct_loader()
+    pending = iter(pieces)
+    loaded = 0
+    with worker._skylift_loading():
+        for bucket, tensors in pending:
+            loads = direct.plan(bucket) if direct is not None else None
+            if loads is None:  # this piece and the rest: vLLM's reload
+                rest = itertools.chain.from_iterable(later for _, later in pending)  # pulled lazily
+                worker._skylift_reload(itertools.chain(tensors, rest))
+                return loaded, True
+            direct.load(loads, tensors)
+            loaded += 1
+        if loaded:
+            worker._skylift_reset_runner_caches()
+    return loaded, False

@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from skylift.weight_sync.broadcast.direct_load import DirectLoader
+from skylift.weight_sync.broadcast.direct_load import DirectLoader, load_direct_then_reload
 from skylift.weight_sync.broadcast.fused_staging import FusedStager, IncompleteModuleError, LoadUnits
 from skylift.weight_sync.broadcast.stream import STREAM_DEPTH, BucketStream
 from skylift.weight_sync.buckets import (
     BufferArena,
     NamedTensor,
+    Piece,
     unpack_bucket,
 )
 from skylift.weight_sync.process_group import (
@@ -42,7 +43,7 @@ from skylift.weight_sync.process_group import (
     create_weight_sync_group,
     receive_bucket,
 )
-from skylift.weight_sync.protocol import PER_TENSOR, WeightBucket
+from skylift.weight_sync.protocol import PER_TENSOR
 
 logger = logging.getLogger(__name__)
 
@@ -237,44 +238,20 @@ class WeightSyncWorkerExtension:
             self._skylift_arenas = [BufferArena(group.device) for _ in range(STREAM_DEPTH)]
         stream = BucketStream(group, self._skylift_arenas)
         refused: str | None = None
-        direct = self._skylift_direct_loader()
-        buckets = iter(stream)
-        loaded_directly = 0
 
-        def checked(bucket: WeightBucket) -> bool:
+        def pieces() -> Iterator[Piece]:
+            """The stream's buckets up to the first that covers a fused module in part."""
             nonlocal refused
-            try:
-                self._skylift_check_whole_units(bucket.names)
-            except WeightSyncError as exc:
-                refused = str(exc)
-                return False
-            return True
-
-        def rest(first: WeightBucket, first_buffers: list[torch.Tensor]) -> Iterator[NamedTensor]:
-            """The tensors of `first` and of every bucket after it, for vLLM's reload."""
-            yield from unpack_bucket(first, first_buffers)
-            del first_buffers
-            for later, buffers in buckets:
-                if not checked(later):
+            for bucket, buffers in stream:  # a bucket's arena is freed when the next is asked for
+                try:
+                    self._skylift_check_whole_units(bucket.names)
+                except WeightSyncError as exc:
+                    refused = str(exc)
                     return
-                yield from unpack_bucket(later, buffers)
+                yield bucket, unpack_bucket(bucket, buffers)
 
-        reloaded = False
         try:
-            with self._skylift_loading():
-                for bucket, buffers in buckets:
-                    if not checked(bucket):
-                        break
-                    loads = direct.plan(bucket) if direct is not None else None
-                    if loads is None:  # this bucket and the rest: vLLM's reload
-                        reloaded = True
-                        self._skylift_reload(rest(bucket, buffers))
-                        break
-                    direct.load(loads, unpack_bucket(bucket, buffers))
-                    loaded_directly += 1
-                    del buffers
-                if loaded_directly and not reloaded:
-                    self._skylift_reset_runner_caches()
+            loaded_directly, _reloaded = load_direct_then_reload(self, pieces())
         finally:
             stream.drain()  # the rest of a refused stream; raises when receiving failed
         seconds = time.perf_counter() - start

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from skylift.weight_sync.broadcast.direct_load import load_direct_then_reload
 from skylift.weight_sync.broadcast.receiver import WeightSyncWorkerExtension
 from skylift.weight_sync.buckets import NamedTensor, bucket_of
 from skylift.weight_sync.delta.apply import DeltaStore
@@ -73,25 +74,9 @@ class DeltaReceiverExtension(WeightSyncWorkerExtension):
             return chunk
 
         parts = map(count, chunks(store.tensors(ordered, run_id, version), units.unit_of))
-
-        def rest(first: list[NamedTensor]) -> Iterator[NamedTensor]:
-            yield from first
-            for later in parts:
-                yield from later
-
-        direct, loaded_directly, reloaded = self._skylift_direct_loader(), 0, False
-        if ordered:
-            with self._skylift_loading():
-                for chunk in parts:
-                    loads = direct.plan(bucket_of(chunk)) if direct is not None else None
-                    if loads is None:  # this chunk and the rest: one vLLM reload
-                        reloaded = True
-                        self._skylift_reload(rest(chunk))
-                        break
-                    direct.load(loads, chunk)
-                    loaded_directly += 1
-                if loaded_directly and not reloaded:
-                    self._skylift_reset_runner_caches()
+        loaded_directly, reloaded = load_direct_then_reload(
+            self, ((bucket_of(chunk), chunk) for chunk in parts)
+        )
         return {
             **counted,
             "seconds": time.perf_counter() - start if ordered else 0.0,

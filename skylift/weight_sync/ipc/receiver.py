@@ -10,9 +10,11 @@ returns, so the sender may release its buffers once every worker answered.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from skylift.weight_sync.buckets import bucket_of
+from skylift.weight_sync.broadcast.direct_load import load_direct_then_reload
+from skylift.weight_sync.buckets import Piece, bucket_of
 from skylift.weight_sync.ipc.handles import handle_from_wire, open_shared
 
 
@@ -71,35 +73,28 @@ class IpcWorkerReceiver:
         {"tensors", "bytes", "seconds", "direct"}. With `ready` (the handle of a one-element
         counter in shared memory) and `buckets` (the names in the order the sender fills them),
         bucket k is loaded once the counter reaches k + 1, while the sender still fills the next
-        ones (-1: the sender failed); a bucket the direct loader cannot take ends in one vLLM
-        reload of the rest."""
+        ones (-1: the sender failed); from a bucket the direct loader cannot take, the rest is one
+        vLLM reload that takes each bucket as the sender fills it."""
         start = time.perf_counter()
         views = self._views(wire)
         worker = self.worker
         worker._skylift_check_whole_units(list(views))
         counter = self._counter(ready) if ready is not None else None
         order = buckets if buckets is not None else [list(views)]
-        direct, loaded, reloaded, nbytes = worker._skylift_direct_loader(), 0, False, 0
-        with worker._skylift_loading():
+        nbytes = 0
+
+        def pieces() -> Iterator[Piece]:
+            """Each bucket once the sender has filled it."""
+            nonlocal nbytes
             for k, names in enumerate(order):
                 if counter is not None:
                     _wait_for(counter, k + 1, start)
                 named = [(n, views[n]) for n in names]
                 nbytes += sum(t.numel() * t.element_size() for _, t in named)
-                loads = direct.plan(bucket_of(named)) if direct is not None and named else None
-                if loads is None:
-                    if counter is not None:
-                        _wait_for(counter, len(order), start)
-                    rest = [(n, views[n]) for later in order[k:] for n in later]
-                    nbytes += sum(t.numel() * t.element_size() for _, t in rest[len(named) :])
-                    if rest:
-                        worker._skylift_reload(iter(rest))
-                    reloaded = True
-                    break
-                direct.load(loads, named)
-                loaded += 1
-            if loaded and not reloaded:
-                worker._skylift_reset_runner_caches()
+                if named:
+                    yield bucket_of(named), named
+
+        loaded, reloaded = load_direct_then_reload(worker, pieces())
         return {
             "tensors": len(wire["order"]),
             "bytes": nbytes,
