@@ -103,6 +103,7 @@ class HarnessRollouts:
                 max_input_length=s.max_input_length or s.max_prompt_length + s.max_generate_length,
                 max_generate_length=s.max_generate_length,
                 engine_versions=s.engine_versions,
+                routed_experts=s.routed_experts,
             ),
             tool_parser=settings.tool_parser,
             model_name=settings.model_name,

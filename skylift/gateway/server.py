@@ -44,6 +44,7 @@ from skylift.gateway.responses_format import (
 )
 from skylift.gateway.session import BudgetExceeded, CallRecord, Session
 from skylift.generator.chat import ChatFormat, TemplateMismatch
+from skylift.generator.routed import routed_tokens
 from skylift.generator.settings import TURN_SEED_STRIDE
 from skylift.inference.types import InferenceEngine
 
@@ -57,6 +58,7 @@ class GatewayLimits:
     max_input_length: int  # most prompt tokens of one call
     max_generate_length: int  # most sampled tokens of one call
     engine_versions: bool = False  # label calls with the engines' per-token versions
+    routed_experts: bool = False  # routing replay: every call must come with its routed experts
 
 
 class Gateway:
@@ -209,7 +211,9 @@ class Gateway:
                 text=text,
                 tool_call_ids=[c["id"] for c in calls],
                 content=content,
-                routed_experts=completion.routed_experts,
+                routed_experts=routed_tokens(
+                    completion, len(prompt_ids) + len(sampled), self.limits.routed_experts
+                ),
                 messages=messages,
                 tools=request.tools,
             )

@@ -311,3 +311,17 @@ def test_harness_settings_that_cannot_work_are_refused_naming_the_keys() -> None
             HarnessSettings(entrypoint="no_such_module_xyz:run"),
             "calculator",
         )
+
+
+def test_routing_replay_refuses_a_call_the_engine_did_not_route() -> None:
+    """With routing replay on, a gateway call whose sample comes without routed experts is the
+    agent's error naming why (its rows would otherwise train on the trainer's own routing)."""
+    tokenizer = chatml_tokenizer()
+    engine = ScriptedEngine([Reply(_ids(tokenizer, ANSWER) + [tokenizer.eos_token_id])])
+    settings = GeneratorSettings(max_generate_length=64, max_prompt_length=512, routed_experts=True)
+    generator = Generator(engine, tokenizer, settings)
+    harness = HarnessSettings(entrypoint="gateway_agents:tool_loop", verifier="env")
+    rollouts = HarnessRollouts(generator, harness, default_env_class="calculator")
+    (trajectory,) = _generate(rollouts, [_row()])
+    assert trajectory.reward == 0.0
+    assert "returned no routed experts" in trajectory.env_metadata["harness_error"], trajectory.env_metadata
