@@ -1,0 +1,84 @@
+"""A packed row's sequences attending one at a time (`skylift.worker.packed_attention`) give what the
+row's block-diagonal mask gives, and a packed pass that scores the target tokens only
+(`targets_only`) gives those tokens' logprobs and gradients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tolerances import assert_gradients_close, assert_sums_close
+
+from skylift.models.tiny_qwen2 import HIDDEN_SIZE, VOCAB_SIZE
+from skylift.worker import packed_attention
+from skylift.worker.batch import build_sequence_batch
+from skylift.worker.micro_batches import pack, packed_response_logprobs
+from skylift.worker.packed_attention import ATTENTION_NAME, sequence_attention
+
+
+def _model(model_dir: Path, attention: str = "sdpa") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attention
+    )
+    return model.eval()
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    lengths = [(5, 9), (2, 1), (7, 4), (1, 12)]  # (prompt, response); one 2-token sequence
+    prompts = [torch.randint(5, 500, (p,), generator=gen).tolist() for p, _ in lengths]
+    responses = [torch.randint(5, 500, (r,), generator=gen).tolist() for _, r in lengths]
+    masks = [[int(i % 3 != 1) for i in range(r)] for _, r in lengths]  # some response tokens untrained
+    return build_sequence_batch(prompts, responses, masks, pad_token_id=0)
+
+
+def test_sequence_attention_equals_the_block_diagonal_mask(tiny_model_dir: Path) -> None:
+    model = _model(tiny_model_dir)
+    layout = pack(_batch())
+    inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False}
+    with torch.no_grad():
+        masked = model(**inputs).logits  # transformers' block-diagonal mask from the position ids
+        with sequence_attention(model, layout.lengths):
+            assert model.config._attn_implementation == ATTENTION_NAME
+            per_sequence = model(**inputs).logits
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert_sums_close(per_sequence, masked, HIDDEN_SIZE)
+    # and not what attending across the row's sequences gives
+    with torch.no_grad():
+        model.config._attn_implementation = ATTENTION_NAME
+        try:
+            with sequence_attention(model, [sum(layout.lengths)]):
+                pass  # the model is not on SDPA now: the context leaves it alone
+            packed_attention._ACTIVE.append([sum(layout.lengths)])
+            across = model(**inputs).logits
+        finally:
+            packed_attention._ACTIVE.pop()
+            model.config._attn_implementation = "sdpa"
+    assert (across - masked).abs().max() > 1e-2
+
+
+def test_other_attention_implementations_are_left_alone(tiny_model_dir: Path) -> None:
+    model = _model(tiny_model_dir, attention="eager")
+    with sequence_attention(model, [3, 4]):
+        assert model.config._attn_implementation == "eager"
+    with pytest.raises(RuntimeError, match="only inside sequence_attention"):
+        packed_attention._attention(model, *(torch.zeros(1, 2, 3, 4) for _ in range(3)), None)
+
+
+def test_targets_only_scores_the_marked_tokens(tiny_model_dir: Path) -> None:
+    batch = _batch()
+    mask = batch.response_mask.bool()
+    results = []
+    for targets_only in (False, True):
+        model = _model(tiny_model_dir).train()
+        logp = packed_response_logprobs(model, batch, targets_only=targets_only)
+        (-(logp * mask).sum()).backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (every, every_grads), (targets, target_grads) = results
+    assert (targets[~mask] == 0).all() and (every[~mask] != 0).any()
+    assert_sums_close(targets[mask], every[mask], VOCAB_SIZE)
+    assert_gradients_close(target_grads, every_grads, int(batch.attention_mask.sum()))
