@@ -9,7 +9,8 @@ under ``is_causal`` instead (no mask built, the causal kernel skips the blocks a
 the result is the block-diagonal attention's, in one pass over the heads of every sequence.
 
 It applies to models whose attention implementation is "sdpa" (transformers' default); any other
-implementation (eager, flash attention, sequence parallelism's) is left as it is. The pass's
+implementation (eager, flash attention, sequence parallelism's) is left as it is. A sliding-window
+layer (Mistral) gets the window's mask on each sequence longer than the window. The pass's
 sequence lengths travel in a context, as in `skylift.worker.ulysses`.
 """
 
@@ -41,9 +42,9 @@ def _attention(
     `[1, T, H, d]`, each sequence attending causally to itself only."""
     if not _ACTIVE:
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside sequence_attention()")
-    for name in ("sliding_window", "s_aux"):  # masks and sinks this attention does not apply
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"packed attention does not support attention with {name}")
+    if kwargs.get("s_aux") is not None:  # attention sinks (which SDPA has no way to apply either)
+        raise NotImplementedError("packed attention does not support attention sinks")
+    window = kwargs.get("sliding_window")
     if attention_mask is not None or query.shape[0] != 1:
         raise RuntimeError(f"{ATTENTION_NAME} attention takes one packed row and no mask")
     heads = query.shape[1]
@@ -52,20 +53,30 @@ def _attention(
     start = 0
     for length in _ACTIVE[-1]:
         end = start + length
+        mask = _sliding_mask(length, window, query.device) if window and length > window else None
         parts.append(
             F.scaled_dot_product_attention(
                 query[:, :, start:end],
                 key[:, :, start:end],
                 value[:, :, start:end],
+                attn_mask=mask,
                 dropout_p=dropout,
                 scale=scaling,
-                is_causal=length > 1,
+                is_causal=mask is None and length > 1,
                 enable_gqa=gqa,
             )
         )
         start = end
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sliding_mask(length: int, window: int, device: torch.device) -> Tensor:
+    """`[length, length]` bool, True = attend: causal, and at most `window - 1` tokens back (the
+    sliding-window mask transformers builds)."""
+    pos = torch.arange(length, device=device)
+    back = pos[:, None] - pos[None, :]
+    return (back >= 0) & (back < window)
 
 
 def _register() -> None:

@@ -106,7 +106,7 @@ class TrainingWorker:
     """One rank of a (possibly sharded) model. Create, then call `setup()` on every rank."""
 
     #: packed passes score only the tokens `response_mask` marks (0 elsewhere): for losses that
-    #: read nothing else (the supervised ones); the RL losses' metrics read every response token
+    #: read nothing else (the supervised ones); the RL workers keep every response token's logprob
     targets_only = False
 
     def __init__(

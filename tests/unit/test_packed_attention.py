@@ -82,3 +82,27 @@ def test_targets_only_scores_the_marked_tokens(tiny_model_dir: Path) -> None:
     assert (targets[~mask] == 0).all() and (every[~mask] != 0).any()
     assert_sums_close(targets[mask], every[mask], VOCAB_SIZE)
     assert_gradients_close(target_grads, every_grads, int(batch.attention_mask.sum()))
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "sliding-window"])
+def test_attention_equals_sdpa_under_the_row_mask(window: int | None) -> None:
+    """The attention function itself against SDPA under the whole row's mask: block-diagonal,
+    causal, and with a sliding window at most `window - 1` tokens back (grouped-query: 4 query
+    heads on 2 key/value heads)."""
+    lengths = [5, 1, 7, 2]
+    total = sum(lengths)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, total, 8, generator=gen)
+    k, v = (torch.randn(1, 2, total, 8, generator=gen) for _ in range(2))
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(total)
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    if window:
+        mask &= pos[:, None] - pos[None, :] < window
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    packed_attention._ACTIVE.append(lengths)
+    try:
+        got, _ = packed_attention._attention(torch.nn.Module(), q, k, v, None, sliding_window=window)
+    finally:
+        packed_attention._ACTIVE.pop()
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
