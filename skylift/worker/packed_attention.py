@@ -9,7 +9,8 @@ under ``is_causal`` instead (no mask built, the causal kernel skips the blocks a
 the result is the block-diagonal attention's, in one pass over the heads of every sequence.
 
 It applies to models whose attention implementation is "sdpa" (transformers' default); any other
-implementation (eager, flash attention, sequence parallelism's) is left as it is. A sliding-window
+implementation (eager, flash attention, sequence parallelism's) is left as it is, and so is a row
+of one sequence or of fewer than `MIN_ROW_TOKENS` tokens. A sliding-window
 layer (Mistral) gets the window's mask on each sequence longer than the window. The pass's
 sequence lengths travel in a context, as in `skylift.worker.ulysses`.
 """
@@ -25,6 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ATTENTION_NAME = "skylift_packed_sdpa"
+#: a shorter row keeps the one masked SDPA call (transformers' own): its T^2 scores cost little
+#: there (SmolLM2-135M at 256 tokens: 8% of a layer's multiply-adds), and one call per sequence
+#: costs more calls
+MIN_ROW_TOKENS = 256
 _ACTIVE: list[list[int]] = []  # the lengths of the current pass's sequences, in row order
 
 
@@ -105,7 +110,7 @@ def sequence_attention(model: torch.nn.Module, lengths: list[int]) -> Iterator[N
     """Forward passes of `model` inside attend within each of the packed row's sequences (their
     `lengths`, in row order) and never across them (see the module docstring). The backward pass
     needs no context: the attention's autograd graph is recorded in the forward."""
-    configs = _sdpa_configs(model)
+    configs = _sdpa_configs(model) if sum(lengths) >= MIN_ROW_TOKENS and len(lengths) > 1 else None
     if configs is None:
         yield
         return

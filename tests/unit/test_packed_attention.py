@@ -36,9 +36,15 @@ def _batch():
     return build_sequence_batch(prompts, responses, masks, pad_token_id=0)
 
 
-def test_sequence_attention_equals_the_block_diagonal_mask(tiny_model_dir: Path) -> None:
+def test_sequence_attention_equals_the_block_diagonal_mask(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _model(tiny_model_dir)
     layout = pack(_batch())
+    assert sum(layout.lengths) < packed_attention.MIN_ROW_TOKENS
+    with sequence_attention(model, layout.lengths):  # a short row keeps the masked SDPA call
+        assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(packed_attention, "MIN_ROW_TOKENS", 0)
     inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False}
     with torch.no_grad():
         masked = model(**inputs).logits  # transformers' block-diagonal mask from the position ids
@@ -69,7 +75,8 @@ def test_other_attention_implementations_are_left_alone(tiny_model_dir: Path) ->
         packed_attention._attention(model, *(torch.zeros(1, 2, 3, 4) for _ in range(3)), None)
 
 
-def test_targets_only_scores_the_marked_tokens(tiny_model_dir: Path) -> None:
+def test_targets_only_scores_the_marked_tokens(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_attention, "MIN_ROW_TOKENS", 0)
     batch = _batch()
     mask = batch.response_mask.bool()
     results = []
