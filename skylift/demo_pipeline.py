@@ -2,8 +2,7 @@
 
 SmolLM2-135M-Instruct on the addition demo's task (`skylift.data.synthetic`, the prompts of
 `skylift demo`): first `skylift sft` on worked examples of the train problems (each train prompt
-with a worked answer as the assistant's turn: the sum digit by digit, `worked_answer`, then the
-task's ``#### C``;
+with a worked answer as the assistant's turn: the sum by place value, then the task's ``#### C``;
 the held-out problems are never trained on), then GRPO from the SFT model with the addition demo's settings. One command;
 the held-out greedy accuracy before, after SFT and after RL in one table, and one plot.
 """
@@ -42,22 +41,12 @@ RL_MAX_GENERATE_LENGTH = 64
 
 
 def worked_answer(a: int, b: int) -> str:
-    """A + B worked out digit by digit, then the task's ``#### C`` line, e.g. ``"07 + 45: units
-    7 + 5 = 12, write 2 carry 1; tens 0 + 4 + 1 = 5; 52\n#### 52"``.
-
-    Both operands are written with two digits (a one-digit operand's tens digit is a written 0,
-    not a guess), the units column first, its carry written out and added into the tens column
-    (every step, carry 0 included), and the sum read off as the tens column's result followed by
-    the units digit. The place-value format it replaces (``tens 0 + 40 = 40, units 7 + 5 = 12,
-    40 + 12 = 52``) left the tiny model two errors: a one-digit operand read as tens, and the
-    carry dropped in the last two-digit addition (benchmarks/RESULTS.md).
-    """
-    units = a % 10 + b % 10
-    carry, digit = divmod(units, 10)
-    tens = a // 10 + b // 10 + carry
+    """A + B worked out by place value, then the task's ``#### C`` line, e.g. ``"27 + 45: tens
+    20 + 40 = 60, units 7 + 5 = 12, 60 + 12 = 72\\n#### 72"``."""
+    tens, units = (a // 10 + b // 10) * 10, a % 10 + b % 10
     return (
-        f"{a:02d} + {b:02d}: units {a % 10} + {b % 10} = {units}, write {digit} carry {carry}; "
-        f"tens {a // 10} + {b // 10} + {carry} = {tens}; {a + b}\n#### {a + b}"
+        f"{a} + {b}: tens {a // 10 * 10} + {b // 10 * 10} = {tens}, units {a % 10} + {b % 10} = {units}, "
+        f"{tens} + {units} = {a + b}\n#### {a + b}"
     )
 
 

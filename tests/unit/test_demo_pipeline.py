@@ -34,25 +34,9 @@ def test_sft_rows_are_worked_train_problems_and_only_the_answer_trains(
     row = tokenize_example(tok, example, last_only=True)  # the demo's train_on_what
     trained = tok.decode([t for t, m in zip(row.ids, row.loss_mask, strict=True) if m])
     a, b = (int(x) for x in example.messages[-2]["content"].split("?")[0].split()[2::2])
-    assert trained.startswith(f"{a:02d} + {b:02d}: units ") and trained.endswith(
-        f"; {a + b}\n#### {a + b}<|im_end|>\n"
+    assert trained.startswith(f"{a} + {b}: tens ") and trained.endswith(
+        f" = {a + b}\n#### {a + b}<|im_end|>\n"
     )
-
-
-def test_worked_answers_write_every_digit_step() -> None:
-    """Zero-padded operands, the units column with its carry written, the tens column adding it."""
-    assert (
-        worked_answer(7, 45) == "07 + 45: units 7 + 5 = 12, write 2 carry 1; tens 0 + 4 + 1 = 5; 52\n#### 52"
-    )
-    assert worked_answer(3, 4) == "03 + 04: units 3 + 4 = 7, write 7 carry 0; tens 0 + 0 + 0 = 0; 7\n#### 7"
-    for a in range(100):
-        for b in range(100):
-            steps, final = worked_answer(a, b).split("\n#### ")
-            assert int(final) == a + b
-            units, tens, total = steps.split(": ", 1)[1].split("; ")
-            digit, carry = (int(x) for x in units.split("write ")[1].split(" carry "))
-            column = int(tens.rsplit(" = ", 1)[1])
-            assert column * 10 + digit == int(total) == a + b and carry == (a % 10 + b % 10) // 10
 
 
 def test_the_grpo_stage_has_room_for_every_worked_answer_sft_teaches() -> None:
