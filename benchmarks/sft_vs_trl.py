@@ -3,7 +3,9 @@
 Both sides train SmolLM2-135M-Instruct (fp32, `skylift.models`) on the same 64 chat rows of mixed
 lengths (a user question, an assistant answer of 8 to ~300 tokens), in the same order, 8 rows a
 step as 2 micro-batches of 4, AdamW at a constant 2e-5, the loss on the assistant's tokens. Each
-side first takes `--warmup-steps` (1) untimed steps; the timed steps follow (`--steps`, 4).
+side first takes `--warmup-steps` (1) untimed steps; the timed steps follow (`--steps`, 4). The
+two sides' steps alternate (skylift's step k runs, untimed by TRL, right after TRL's step k), so
+that a shared machine's varying load falls on both alike rather than on one side's whole run.
 
 - skylift: `SupervisedTrainer` in this process (one rank, no Ray), its defaults: padding-free
   micro-batches (`remove_microbatch_padding=true`); a step is `train_step`'s wall time.
@@ -27,6 +29,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 WORDS = "the model adds two numbers and writes each step of the sum before the final answer".split()
@@ -59,44 +62,54 @@ def chat_rows(n: int = 64, seed: int = 0) -> list[dict]:
     return rows
 
 
-def run_skylift(
-    model: str, data: Path, runs: Path, steps: int, warmup: int
-) -> tuple[list[float], list[float], int]:
-    from skylift.config.sft import load_sft_config
-    from skylift.supervised.trainer import SupervisedTrainer
+class SkyliftSteps:
+    """`SupervisedTrainer` in this process (its defaults), stepped from TRL's step callback."""
 
-    cfg = load_sft_config(
-        [
-            f"model.path={model}",
-            f"train_datasets=[{data}]",
-            "shuffle=false",
-            "batch_size=8",
-            "micro_train_batch_size_per_gpu=4",
-            f"num_steps={steps + warmup}",
-            "optimizer_config.lr=2e-5",
-            "optimizer_config.weight_decay=0.0",
-            "optimizer_config.scheduler=constant",
-            "placement.backend=local",
-            f"runs_dir={runs}",
-        ]
-    )
-    losses, times, cpu, tokens = [], [], [], 0
-    with SupervisedTrainer(cfg, say=lambda _: None) as trainer:
-        for step in range(steps + warmup):
-            rows = trainer.batches.rows(step)
-            started = time.process_time()
-            m = trainer.train_step(rows)
-            losses.append(m["loss"])
-            if step >= warmup:
-                times.append(m["step_s"])
-                cpu.append(time.process_time() - started)
-                tokens += sum(len(r.ids) for r in rows)
-    return losses, times, cpu, tokens
+    def __init__(self, model: str, data: Path, runs: Path, steps: int, warmup: int) -> None:
+        from skylift.config.sft import load_sft_config
+        from skylift.supervised.trainer import SupervisedTrainer
+
+        cfg = load_sft_config(
+            [
+                f"model.path={model}",
+                f"train_datasets=[{data}]",
+                "shuffle=false",
+                "batch_size=8",
+                "micro_train_batch_size_per_gpu=4",
+                f"num_steps={steps + warmup}",
+                "optimizer_config.lr=2e-5",
+                "optimizer_config.weight_decay=0.0",
+                "optimizer_config.scheduler=constant",
+                "placement.backend=local",
+                f"runs_dir={runs}",
+            ]
+        )
+        self.warmup = warmup
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.tokens = 0
+        self.trainer = SupervisedTrainer(cfg, say=lambda _: None)
+        self.trainer.start()
+
+    def step(self, step: int) -> None:
+        rows = self.trainer.batches.rows(step)
+        started = time.process_time()
+        m = self.trainer.train_step(rows)
+        self.losses.append(m["loss"])
+        if step >= self.warmup:
+            self.times.append(m["step_s"])
+            self.cpu.append(time.process_time() - started)
+            self.tokens += sum(len(r.ids) for r in rows)
+
+    def close(self) -> None:
+        self.trainer.close()
 
 
 def run_trl(
-    model: str, rows: list[dict], out: Path, steps: int, warmup: int
-) -> tuple[list[float], list[float]]:
+    model: str, rows: list[dict], out: Path, steps: int, warmup: int, between: Callable[[int], None]
+) -> tuple[list[float], list[float], list[float]]:
+    """TRL's losses, step times and CPU times; `between(step)` runs after each step, untimed."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -118,6 +131,7 @@ def run_trl(
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003
             times.append(time.perf_counter() - self.t)
             cpu.append(time.process_time() - self.c)
+            between(state.global_step - 1)
 
     class Recording(SFTTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
@@ -170,12 +184,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "chats.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        ours, our_times, our_cpu, tokens = run_skylift(
-            args.model, data, Path(tmp) / "runs", args.steps, args.warmup_steps
-        )
-        theirs, their_times, their_cpu = run_trl(
-            args.model, rows, Path(tmp) / "trl", args.steps, args.warmup_steps
-        )
+        sky = SkyliftSteps(args.model, data, Path(tmp) / "runs", args.steps, args.warmup_steps)
+        try:
+            theirs, their_times, their_cpu = run_trl(
+                args.model, rows, Path(tmp) / "trl", args.steps, args.warmup_steps, sky.step
+            )
+        finally:
+            sky.close()
+        ours, our_times, our_cpu, tokens = sky.losses, sky.times, sky.cpu, sky.tokens
     ours_s, theirs_s = sum(our_times), sum(their_times)
     ours_cpu, theirs_cpu = sum(our_cpu), sum(their_cpu)
     gap = abs(ours[-1] - theirs[-1]) / abs(theirs[-1])

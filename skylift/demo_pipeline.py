@@ -151,7 +151,7 @@ def run_pipeline_demo(overrides: Sequence[str] = (), verbose: bool = False) -> i
     print()
     print(
         f"training: SFT {sft_s:.0f} s ({len(losses)} steps) + GRPO {rl_s - rl_eval_s:.0f} s "
-        f"({RL_STEPS} steps, without its {len(evals)} evaluations) = {sft_s + rl_s - rl_eval_s:.0f} s; "
+        f"({rl_cfg.trainer.max_steps} steps, without its {len(evals)} evaluations) = {sft_s + rl_s - rl_eval_s:.0f} s; "
         f"whole command {time.perf_counter() - started:.0f} s"
     )
     print(f"peak memory of all processes: {memory.peak_pss / 2**30:.2f} GiB PSS")

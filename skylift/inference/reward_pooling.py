@@ -24,6 +24,7 @@ class VLLMPoolingScorer(RewardScorer):
     """A vLLM ``LLM`` (pooling runner) over the reward model, one call at a time."""
 
     def __init__(self, path: str, batch_size: int, max_model_len: int = 4096) -> None:
+        """`max_model_len`: the longest row scored, at most the model's own maximum."""
         from vllm import LLM
 
         from skylift.inference.engine_args import kv_cache_bytes
@@ -31,6 +32,7 @@ class VLLMPoolingScorer(RewardScorer):
 
         super().__init__(path)
         model = resolve_model_path(path)
+        max_model_len = min(max_model_len, _max_positions(model) or max_model_len)
         max_num_seqs = max(batch_size, 1)
         self.llm: Any = LLM(
             model=model,
@@ -66,6 +68,14 @@ class VLLMPoolingScorer(RewardScorer):
             llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         del llm
         gc.collect()  # the engine's finalisers now, not during interpreter teardown
+
+
+def _max_positions(model: str) -> int | None:
+    """The model's longest sequence (vLLM refuses a longer ``max_model_len``), if its config says."""
+    from transformers import AutoConfig
+
+    positions = getattr(AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings", None)
+    return int(positions) if positions else None
 
 
 def make_pooling_scorer(path: str, backend: str, batch_size: int) -> RewardModelScorer | None:

@@ -8,8 +8,9 @@ budget on its own still gets a micro-batch of its own (a sequence is never split
 
 A packed micro-batch is one row: every sequence's real tokens end to end, `position_ids`
 restarting at 0 at each sequence and no attention mask, from which transformers builds the
-block-diagonal causal mask (sdpa and eager; varlen kernels with flash attention). Only the
-positions that predict response tokens get logits (`logits_to_keep` as an index tensor).
+block-diagonal causal mask (eager; varlen kernels with flash attention; under SDPA the row's
+sequences attend one at a time instead, `skylift.worker.packed_attention`). Only the positions
+that predict response tokens get logits (`logits_to_keep` as an index tensor).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from skylift.algorithms.sample_support import Sampling, logprobs_with_full, token_logprobs
 from skylift.worker.batch import SequenceBatch, split_rows
 from skylift.worker.logprobs import unique_prompts
+from skylift.worker.packed_attention import sequence_attention
 from skylift.worker.vision_inputs import with_sampling_bias
 
 
@@ -76,16 +78,20 @@ class PackedLayout:
     rows: Tensor  # [K] the response token's row in the micro-batch
     cols: Tensor  # [K] its response column
     targets: Tensor  # [K] the response token
+    lengths: list[int]  # each sequence's length in the row, in row order
 
 
-def pack(micro: SequenceBatch) -> PackedLayout:
+def pack(micro: SequenceBatch, targets_only: bool = False) -> PackedLayout:
     """The packed row of `micro`. A row's real tokens are contiguous (prompt left-padded to P,
-    response right-padded), so masking keeps each sequence whole and in row order."""
+    response right-padded), so masking keeps each sequence whole and in row order. `targets_only`:
+    keep only the positions of the response tokens `response_mask` marks (the others score 0)."""
     real = micro.attention_mask.bool()
     lengths = real.sum(-1)
     offsets = torch.cumsum(lengths, 0) - lengths
     prompt_lens = real[:, : micro.prompt_len].sum(-1)
     response_real = real[:, micro.prompt_len :]
+    if targets_only:
+        response_real = response_real & micro.response_mask.bool()
     rows, cols = response_real.nonzero(as_tuple=True)
     # the logits at (offset + prompt length - 1 + t) predict response token t
     keep = offsets[rows] + prompt_lens[rows] - 1 + cols
@@ -96,6 +102,7 @@ def pack(micro: SequenceBatch) -> PackedLayout:
         rows=rows,
         cols=cols,
         targets=micro.response_ids[rows, cols],
+        lengths=[int(n) for n in lengths.tolist()],
     )
 
 
@@ -106,18 +113,25 @@ def _scatter(micro: SequenceBatch, layout: PackedLayout, flat: Tensor) -> Tensor
 
 
 def packed_response_logprobs(
-    model: torch.nn.Module, micro: SequenceBatch, temperature: Sampling = 1.0, with_full: bool = False
+    model: torch.nn.Module,
+    micro: SequenceBatch,
+    temperature: Sampling = 1.0,
+    with_full: bool = False,
+    targets_only: bool = False,
 ) -> Tensor:
     """Logprobs `[b, R]` of `micro.response_ids` (zeros at padding), from one packed forward
-    (`temperature` and `with_full` as in `skylift.worker.logprobs.response_logprobs`)."""
-    layout = pack(micro)
-    out = model(
-        input_ids=layout.input_ids,
-        position_ids=layout.position_ids,
-        attention_mask=None,
-        use_cache=False,
-        logits_to_keep=layout.keep,
-    )
+    (`temperature` and `with_full` as in `skylift.worker.logprobs.response_logprobs`).
+    `targets_only`: the unembedding and softmax run only where `response_mask` is set (zeros
+    elsewhere), for callers that use nothing else (the supervised losses)."""
+    layout = pack(micro, targets_only)
+    with sequence_attention(model, layout.lengths):
+        out = model(
+            input_ids=layout.input_ids,
+            position_ids=layout.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=layout.keep,
+        )
     score = logprobs_with_full if with_full else token_logprobs
     logits = with_sampling_bias(model, out.logits[0])  # a vision-language policy's banned tokens
     return _scatter(micro, layout, score(logits, layout.targets, temperature))
@@ -127,9 +141,10 @@ def packed_response_values(model: torch.nn.Module, micro: SequenceBatch) -> Tens
     """A value model's estimate per response token `[b, R]` (zeros at padding), read at the
     positions `packed_response_logprobs` scores, from one packed forward."""
     layout = pack(micro)
-    out = model(
-        input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None, use_cache=False
-    )
+    with sequence_attention(model, layout.lengths):
+        out = model(
+            input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None, use_cache=False
+        )
     return _scatter(micro, layout, out.logits[0, layout.keep, 0].float())
 
 

@@ -6,8 +6,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from skylift.config.schema import OptimizerConfig
+from skylift.worker.sharding import full_tensor
 
 
 @dataclass
@@ -37,6 +39,36 @@ class OptimizerSettings:
         return norm if norm > 0 else math.inf
 
 
+def clipped_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float
+) -> Tensor:
+    """Clip the gradients of `params` to the global norm `max_norm` and step `optimizer`, unless
+    the norm is not finite (the step is then skipped); returns the norm before clipping.
+
+    `torch.nn.utils.clip_grad_norm_` multiplies every gradient by the clip factor, a pass over all
+    of them (even by 1 when the norm is under `max_norm`). A fused AdamW takes the factor into its
+    own kernel instead (its ``grad_scale``, by which it divides each gradient as it reads it: the
+    hook `torch.amp.GradScaler` uses), so the step reads each gradient once.
+    """
+    if not optimizer.defaults.get("fused"):
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if math.isfinite(float(full_tensor(norm))):  # sharded (DTensor) gradients: the global norm
+            optimizer.step()
+        return norm
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    value = float(norm)
+    if not math.isfinite(value):
+        return norm
+    factor = max_norm / (value + 1e-6)  # clip_grad_norm_'s factor, applied when it is below 1
+    if factor < 1.0:
+        optimizer.grad_scale = torch.tensor(1.0 / factor, device=norm.device)  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.__dict__.pop("grad_scale", None)
+    return norm
+
+
 def make_lr_scheduler(
     optimizer: torch.optim.Optimizer, o: OptimizerSettings
 ) -> torch.optim.lr_scheduler.LRScheduler:
@@ -56,4 +88,4 @@ def make_lr_scheduler(
     raise ValueError(f"unknown scheduler {scheduler!r}; use constant, constant_with_warmup, linear or cosine")
 
 
-__all__ = ["OptimizerSettings", "make_lr_scheduler"]
+__all__ = ["OptimizerSettings", "clipped_step", "make_lr_scheduler"]

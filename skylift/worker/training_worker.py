@@ -9,7 +9,6 @@ per rank (as Ray actors) and drives them.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from skylift.worker.micro_batches import (
     packed_response_logprobs,
     packed_response_values,
 )
-from skylift.worker.optim import OptimizerSettings, make_lr_scheduler
+from skylift.worker.optim import OptimizerSettings, clipped_step, make_lr_scheduler
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
 from skylift.worker.profiler import ProfilerSettings, StepProfiler, profiled
 from skylift.worker.routing_replay import replayed
@@ -106,6 +105,10 @@ def load_pretrained(model_path: str, dtype: str = "float32", head: str = "lm") -
 
 class TrainingWorker:
     """One rank of a (possibly sharded) model. Create, then call `setup()` on every rank."""
+
+    #: packed passes score only the tokens `response_mask` marks (0 elsewhere): for losses that
+    #: read nothing else (the supervised ones); the RL workers keep every response token's logprob
+    targets_only = False
 
     def __init__(
         self, settings: WorkerSettings, rank: int = 0, world_size: int = 1, init_method: str | None = None
@@ -214,7 +217,7 @@ class TrainingWorker:
             if tree:
                 return prefix_tree_response_logprobs(model, micro, temperature, with_full)
             if packed:
-                return packed_response_logprobs(model, micro, temperature, with_full)
+                return packed_response_logprobs(model, micro, temperature, with_full, self.targets_only)
             return response_logprobs(model, micro, temperature, with_full=with_full)
 
     def _split(
@@ -367,10 +370,7 @@ class TrainingWorker:
             raise RuntimeError("this worker is not trainable (reference model)")
         max_norm = self.settings.optimizer.clip_norm(max_grad_norm)
         params = [p for p in model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        grad_norm_value = float(full_tensor(grad_norm))
-        if math.isfinite(grad_norm_value):
-            self.optimizer.step()
+        grad_norm_value = float(full_tensor(clipped_step(self.optimizer, params, max_norm)))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
