@@ -9,6 +9,7 @@ images reached both the same way, and step 2 samples from the weights the first 
 
 from __future__ import annotations
 
+import base64
 import io
 from pathlib import Path
 
@@ -75,10 +76,28 @@ def _train_file(out: Path, env_class: str) -> Path:
     return out / f"{env_class}.parquet"
 
 
-@pytest.mark.parametrize("env_class,turns", [(SINGLE, 1), (MULTI, 2)])
-def test_grpo_steps_with_images(tmp_path: Path, env_class: str, turns: int) -> None:
-    data = _train_file(tmp_path, env_class)
-    overrides: dict[str, object] = {
+def _geometry3k_file(out: Path) -> Path:
+    """Rows as SkyRL's geometry_3k_dataset.py writes them: the diagram as an ``image_url`` data URL
+    before the question, ``reward_spec.ground_truth``, no ``data_source``."""
+    rows = []
+    for i in range(4):
+        url = "data:image/png;base64," + base64.b64encode(_png((28 * (1 + i % 2), 28), (250, 0, 0))).decode()
+        question = f"Find x if the side is {i + 1}. Check with calc_score; answer as \\boxed{{}}."
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": content}],
+                "env_class": "geometry3k",
+                "reward_spec": {"method": "rule", "ground_truth": str(i + 1)},
+                "extra_info": {"split": "train", "index": i},
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(rows), out / "geometry3k.parquet")
+    return out / "geometry3k.parquet"
+
+
+def _overrides(tmp_path: Path, data: Path, turns: int) -> dict[str, object]:
+    return {
         "trainer.policy.model.path": "tiny-qwen2-vl",
         "data.train_data": f"['{data}']",
         "data.val_data": f"['{data}']",
@@ -102,15 +121,40 @@ def test_grpo_steps_with_images(tmp_path: Path, env_class: str, turns: int) -> N
         "trainer.resume_mode": "none",
         "trainer.log_dir": str(tmp_path / "logs"),
     }
+
+
+def _fit(overrides: dict[str, object]) -> list[dict]:
     trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
     try:
         trainer.setup()
-        history = trainer.fit()
+        return trainer.fit()
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.parametrize("env_class,turns", [(SINGLE, 1), (MULTI, 2)])
+def test_grpo_steps_with_images(tmp_path: Path, env_class: str, turns: int) -> None:
+    history = _fit(_overrides(tmp_path, _train_file(tmp_path, env_class), turns))
     rows = [h for h in history if "reward/mean" in h]
     assert [h["step"] for h in rows] == [1, 2]
     diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
     print(f"tiny-qwen2-vl, {turns} turn(s): |lp diff| per step {diffs}")
     assert all(d < TOLERANCE for d in diffs), diffs
     assert all(h["policy/grad_norm"] > 0 for h in rows)
+
+
+def test_skyrls_geometry3k_rows_train_with_its_environment(tmp_path: Path) -> None:
+    """SkyRL's geometry3k example as its script sets it up (environment.env_class=geometry3k, 3
+    turns, unbatched): the rows' images reach engine and trainer alike, the environment grades."""
+    overrides = _overrides(tmp_path, _geometry3k_file(tmp_path), 3)
+    overrides["environment.env_class"] = "geometry3k"
+    history = _fit(overrides)
+    rows = [h for h in history if "reward/mean" in h]
+    assert [h["step"] for h in rows] == [1, 2]
+    diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
+    turns = [h["environment/geometry3k/avg_turns"] for h in rows]
+    print(f"tiny-qwen2-vl, geometry3k: |lp diff| per step {diffs}, avg turns {turns}")
+    assert all(d < TOLERANCE for d in diffs), diffs
+    assert all(1 <= t <= 3 for t in turns) and all(
+        0 <= h["environment/geometry3k/avg_acc"] <= 1 for h in rows
+    )
