@@ -5,10 +5,14 @@ client encodes the server decodes to the same pixels; counts, sizes and formats 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import io
 import json
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -168,3 +172,76 @@ def test_a_server_on_a_vision_language_model_sets_itself_up_for_images(
     plain = argparse.Namespace(model=str(text), limit_mm_per_prompt={}, mm_device_do_normalize=None)
     assert not server.prepare_vision(plain) and plain.limit_mm_per_prompt == {} and len(enabled) == 2
     assert not server.prepare_vision(argparse.Namespace(model="org/hub-name"))
+
+
+class _RecordingVllm:
+    """What `LocalVLLMEngine.generate` uses of vLLM's AsyncLLM; keeps each prompt it is given."""
+
+    def __init__(self) -> None:
+        self.prompts: list[dict[str, Any]] = []
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **_: Any) -> Any:
+        self.prompts.append(prompt)
+        outputs = [
+            SimpleNamespace(
+                index=i, token_ids=[1], logprobs=None, finish_reason="length", stop_reason=None, text=""
+            )
+            for i in range(params.n)
+        ]
+        yield SimpleNamespace(finished=True, outputs=outputs, prompt_token_ids=prompt["prompt_token_ids"])
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+
+def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> None:
+    """`RemoteInferenceEngine.generate(images=...)` over real HTTP (uvicorn on 127.0.0.1) to the
+    routes and `LocalVLLMEngine` (vLLM's AsyncLLM a recorder): vLLM gets the same pixels."""
+    import uvicorn
+
+    from skylift.inference.local import LocalVLLMEngine
+    from skylift.inference.remote import RemoteInferenceEngine
+    from skylift.inference.types import SamplingParams
+
+    fake = _RecordingVllm()
+    engine = LocalVLLMEngine(fake, name="fake", tensor_parallel_size=1, sleep_mode_enabled=False)
+    app = FastAPI()
+    state = routes.SkyliftState(
+        engine=engine,
+        model_name="m",
+        model_path="m",
+        max_model_len=64,
+        vocab_size=100,
+        platform="cpu",
+        multimodal=True,
+        image_token_id=7,
+    )
+    routes.install_routes(app, state)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30.0
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    red, blue = _image((28, 28), (250, 0, 0)), _image((56, 28), (0, 0, 250))
+
+    async def go() -> list[Any]:
+        remote = RemoteInferenceEngine(url)
+        try:
+            params = SamplingParams(max_tokens=1, logprobs=False)
+            return await remote.generate([[7, 3, 7], [4]], params, images=[[red, blue], None])
+        finally:
+            await remote.close()
+
+    try:
+        outputs = asyncio.run(go())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10.0)
+    assert [o.prompt_token_ids for o in outputs] == [[7, 3, 7], [4]]
+    with_images = [p for p in fake.prompts if p.get("multi_modal_data")]
+    assert len(fake.prompts) == 2 and len(with_images) == 1
+    sent = with_images[0]["multi_modal_data"]["image"]
+    assert [im.tobytes() for im in sent] == [red.tobytes(), blue.tobytes()]
