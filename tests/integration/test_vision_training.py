@@ -186,7 +186,8 @@ def test_images_travel_to_a_remote_server_and_train(tmp_path: Path) -> None:
     try:
         wait_healthy(handle)
         image = base64.b64encode(_png((28, 28), (250, 0, 0))).decode()
-        body = {"prompt_token_ids": [[1, 2, 3]], "sampling_params": {"max_tokens": 2}}
+        image_token = json.loads((model / "config.json").read_text())["image_token_id"]
+        body = {"prompt_token_ids": [[1, image_token, 3]], "sampling_params": {"max_tokens": 2}}
         bad = {
             "not base64": ([["%%"]], "prompt 0 image 0: not base64"),
             "a header of 5000x5000": (
@@ -197,8 +198,11 @@ def test_images_travel_to_a_remote_server_and_train(tmp_path: Path) -> None:
         for name, (images, message) in bad.items():
             status, text = _post(handle.url + "/skylift/generate", {**body, "images": images})
             assert status == 400 and message in text, (name, status, text)
-        status, text = _post(handle.url + "/skylift/generate", {**body, "images": [[image]]})
+        text_prompt = {**body, "prompt_token_ids": [[1, 2, 3]], "images": [[image]]}
+        status, text = _post(handle.url + "/skylift/generate", text_prompt)
         assert status == 400 and "prompt 0 has 0 image tokens" in text, text
+        status, text = _post(handle.url + "/skylift/generate", {**body, "images": [[image]]})
+        assert status == 200 and len(json.loads(text)["outputs"][0]["prompt_token_ids"]) > 3, text
         overrides = _overrides(tmp_path, _train_file(tmp_path, SINGLE), 1)
         overrides.update(
             {
