@@ -185,7 +185,7 @@ def test_images_travel_to_a_remote_server_and_train(tmp_path: Path) -> None:
     handle = start_server(model, tmp_path / "server.log", [*args, "--max-num-seqs", "16"])
     try:
         wait_healthy(handle)
-        image = base64.b64encode(_png((28, 28), (250, 0, 0))).decode()
+        image = base64.b64encode(_png((56, 56), (250, 0, 0))).decode()  # 4x4 patches: 4 tokens
         image_token = json.loads((model / "config.json").read_text())["image_token_id"]
         body = {"prompt_token_ids": [[1, image_token, 3]], "sampling_params": {"max_tokens": 2}}
         bad = {
