@@ -199,6 +199,7 @@ def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> 
     routes and `LocalVLLMEngine` (vLLM's AsyncLLM a recorder): vLLM gets the same pixels."""
     import uvicorn
 
+    from skylift.inference.http_session import SessionPool
     from skylift.inference.local import LocalVLLMEngine
     from skylift.inference.remote import RemoteInferenceEngine
     from skylift.inference.types import SamplingParams
@@ -228,12 +229,14 @@ def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> 
     red, blue = _image((28, 28), (250, 0, 0)), _image((56, 28), (0, 0, 250))
 
     async def go() -> list[Any]:
-        remote = RemoteInferenceEngine(url)
+        pool = SessionPool()  # its own, closed on this loop
+        remote = RemoteInferenceEngine(url, session_pool=pool)
         try:
             params = SamplingParams(max_tokens=1, logprobs=False)
             return await remote.generate([[7, 3, 7], [4]], params, images=[[red, blue], None])
         finally:
             await remote.close()
+            await pool.close()
 
     try:
         outputs = asyncio.run(go())
