@@ -25,11 +25,10 @@ def _rows_with_images(datasets: Iterable[Any]) -> str | None:
 def run_vision(cfg: SkyliftConfig, model_path: str, datasets: Iterable[Any]) -> VisionInputs | None:
     """The policy's image processing (None: a text-only policy), after the checks:
     ``generator.vision_language_generator=true`` needs a vision-language policy, rows with images
-    need one too, and images reach local engines only (not ``remote_inference_engine_urls``)."""
+    need one too."""
     vision = VisionInputs.load(model_path)
-    g = cfg.generator
     if vision is None:
-        if g.vision_language_generator:
+        if cfg.generator.vision_language_generator:
             raise ConfigError(
                 f"generator.vision_language_generator=true but {cfg.trainer.policy.model.path} is not a "
                 "vision-language model (its config has no vision_config)"
@@ -41,12 +40,9 @@ def run_vision(cfg: SkyliftConfig, model_path: str, datasets: Iterable[Any]) -> 
                 "vision-language model"
             )
         return None
-    if not g.run_engines_locally:
-        raise ConfigError(
-            "a vision-language policy needs local engines (generator.run_engines_locally=true): "
-            "images do not travel over /skylift/generate to remote servers"
-        )
-    qwen2_vl_site.enable()  # before any engine starts: its processes inherit it
+    # before any local engine starts (its processes inherit it); remote servers (`skylift serve`)
+    # apply it themselves, and the images travel to them in /skylift/generate's body
+    qwen2_vl_site.enable()
     return vision
 
 

@@ -121,6 +121,7 @@ def load_prompt_file(
                 f"{where}: column {env_class_key!r} is empty and no default environment was given"
             )
         data_source = row.get("data_source")
+        data_source = "" if data_source is None else data_source  # the column is optional
         if not isinstance(data_source, str):
             raise DataFileError(f"{where}: column 'data_source' must be a string, got {data_source!r}")
         prompt = _parse_prompt(row.get(prompt_key), where, prompt_key)

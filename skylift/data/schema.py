@@ -2,7 +2,8 @@
 
 One row is one prompt, with the columns of the seed's prompt datasets (which load unchanged):
 
-- ``data_source`` (str): where the prompt comes from, e.g. ``"openai/gsm8k"``.
+- ``data_source`` (str, optional): where the prompt comes from, e.g. ``"openai/gsm8k"`` (empty when
+  absent, as in SkyRL's geometry3k and visgym datasets).
 - ``prompt`` (list of ``{role, content}``): the chat messages given to the policy.
 - ``env_class`` (str): the registered environment that scores the response (see `skylift.envs`).
 - ``reward_spec`` (struct ``{method, ground_truth}``, optional): ``method`` is ``"rule"`` for rule-based
@@ -21,10 +22,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REQUIRED_COLUMNS: tuple[str, ...] = ("data_source", "prompt", "env_class")
+REQUIRED_COLUMNS: tuple[str, ...] = ("prompt", "env_class")
 #: columns a row may leave out (empty when absent), as the seed's mini-SWE-agent rows do: their
-#: task is an ``instance`` column, which reaches the environment among the row's other columns
-OPTIONAL_COLUMNS: tuple[str, ...] = ("reward_spec", "extra_info")
+#: task is an ``instance`` column, which reaches the environment among the row's other columns;
+#: SkyRL's vision-language datasets (geometry3k, visgym) have no ``data_source``
+OPTIONAL_COLUMNS: tuple[str, ...] = ("data_source", "reward_spec", "extra_info")
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_SPEC_TYPE = pa.struct([("method", pa.string()), ("ground_truth", pa.string())])

@@ -47,6 +47,8 @@ _BUILTIN_MODULES = (
     "skylift.integrations.openenv.env",
     "skylift.integrations.tinker_cookbook.env",
     "skylift.compat.skyrl.gym",
+    "skylift.compat.skyrl.geometry3k",  # SkyRL's vision-language examples' environments
+    "skylift.compat.skyrl.visgym",
 )
 
 

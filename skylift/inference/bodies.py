@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from skylift.inference.image_wire import MAX_IMAGE_BASE64_CHARS, MAX_IMAGES_PER_PROMPT
 from skylift.inference.limits import MAX_N, MAX_NAME_CHARS, MAX_PROMPTS, SEED_MAX, SEED_MIN
 from skylift.weight_sync.protocol import DEFAULT_GROUP_NAME, PER_TENSOR, GroupProtocol
 
@@ -66,6 +67,17 @@ class GenerateBody(Body):
     session_id: Name | None = None
     #: the LoRA adapter to sample with (None: the server's default adapter, if any; "": the base model)
     lora_name: Name | None = None
+    #: a vision-language model's images, one list per prompt (base64 image files; see
+    #: `skylift.inference.image_wire`): each stands for one image token of its prompt, in order
+    images: (
+        list[
+            Annotated[
+                list[Annotated[str, Field(max_length=MAX_IMAGE_BASE64_CHARS)]],
+                Field(max_length=MAX_IMAGES_PER_PROMPT),
+            ]
+        ]
+        | None
+    ) = Field(None, json_schema_extra={"maxItems": MAX_PROMPTS})
 
 
 class InitGroupBody(Body):

@@ -1,7 +1,7 @@
 """The JSON of skylift's token-level generation route, both ways (server and client share it).
 
 A request: ``{"prompt_token_ids": [[...]], "sampling_params": {...}, "prompt_logprobs": bool,
-"session_id"?: str}``. An answer: ``{"model", "weight_version", "outputs": [output...]}`` with one
+"session_id"?: str, "images"?: [[base64 image file...]]}`` (images: `skylift.inference.image_wire`). An answer: ``{"model", "weight_version", "outputs": [output...]}`` with one
 output per prompt: ``{"prompt_token_ids", "prompt_logprobs", "completions": [{"token_ids",
 "logprobs", "stop_reason", "matched_stop", "text", "token_versions", "routed_experts"}]}``; routed
 experts (routing replay) travel as ``{"shape", "dtype", "base64"}`` of the array's bytes, or null.

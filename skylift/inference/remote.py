@@ -18,6 +18,7 @@ import aiohttp
 from skylift.inference.codec import generate_request, output_from_json
 from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.http_session import SessionPool, default_pool, error_text
+from skylift.inference.image_wire import encode_images
 from skylift.inference.types import (
     EngineCapabilityError,
     EngineError,
@@ -163,13 +164,11 @@ class RemoteInferenceEngine(EngineBase):
 
     async def _generate(self, call: GenerateCall) -> list[GenerateOutput]:
         """`generate` (`EngineBase`, which checked the request) as one POST /skylift/generate."""
-        if call.images is not None and any(call.images):
-            raise RemoteEngineCapabilityError(
-                self.url, "generate", "images travel through the server's chat routes, not /skylift/generate"
-            )
         body = generate_request(
             call.prompts, call.params, prompt_logprobs=call.prompt_logprobs, session_id=call.session_id
         )
+        if call.images is not None and any(call.images):  # base64 PNG files (`inference.image_wire`)
+            body["images"] = await asyncio.to_thread(encode_images, call.images)
         if call.lora_name is not None:
             body["lora_name"] = call.lora_name
         data = await self.request("POST", "/skylift/generate", "generate", json=body, retry=True)

@@ -26,6 +26,7 @@ would leave /invocations, /tokenize, /scale_elastic_ep open), except the probes 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from skylift.inference.codec import output_to_json
 from skylift.inference.disconnect import ClientDisconnected, unless_disconnected
 from skylift.inference.engine_http import engine_call, status_of
 from skylift.inference.generate_compat import GenerateTokenLabels
+from skylift.inference.image_wire import ImageWireError, check_counts, decode_images
 from skylift.inference.limits import (
     MAX_GENERATE_BODY_BYTES,
     MAX_N,
@@ -97,6 +99,8 @@ class SkyliftState:
     api_key_hashes: list[bytes] = field(default_factory=list)
     #: whether the model takes multimodal input (vLLM's /inference/v1/generate `features`)
     multimodal: bool = False
+    #: the token an image stands for in a prompt (a vision-language model's; checked per request)
+    image_token_id: int | None = None
     #: the dtype every tensor of the group must have (the body's `model_dtype_str`), if it says
     group_dtype: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -204,6 +208,33 @@ async def info(request: Request) -> dict[str, Any]:
     }
 
 
+def _check_image_tokens(state: SkyliftState, prompts: list[list[int]], images: list[list[str]]) -> None:
+    """Each prompt holds one image token per image it sends (else vLLM would fail the request)."""
+    if state.image_token_id is None:
+        return
+    for i, (prompt, prompt_images) in enumerate(zip(prompts, images, strict=True)):
+        tokens = sum(1 for t in prompt if t == state.image_token_id)
+        if tokens != len(prompt_images):
+            raise ImageWireError(
+                f"prompt {i} has {tokens} image tokens (id {state.image_token_id}) for {len(prompt_images)} images"
+            )
+
+
+async def _request_images(state: SkyliftState, body: GenerateBody) -> list[list[Any] | None] | None:
+    """The request's images decoded (off the event loop), or None; 400 for images this server
+    refuses (a text-only model, counts, sizes, formats: `skylift.inference.image_wire`)."""
+    if not body.images or not any(body.images):
+        return None
+    if not state.multimodal:
+        raise _error(HTTPStatus.BAD_REQUEST, f"images: the model {state.model_name} takes no images")
+    try:
+        check_counts(body.images, len(body.prompt_token_ids))  # before anything is decoded
+        _check_image_tokens(state, body.prompt_token_ids, body.images)
+        return await asyncio.to_thread(decode_images, body.images, len(body.prompt_token_ids))
+    except ImageWireError as exc:
+        raise _error(HTTPStatus.BAD_REQUEST, f"images: {exc}") from exc
+
+
 @router.post("/skylift/generate")
 async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
     """Token ids in, sampled token ids + per-token logprobs + stop reasons out. A client that
@@ -211,12 +242,14 @@ async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
     state = _state(request)
     _check_generate(state, body)
     params = SamplingParams(**body.sampling_params.model_dump())
+    images = await _request_images(state, body)
     work = state.engine.generate(
         body.prompt_token_ids,
         params,
         body.session_id,
         prompt_logprobs=body.prompt_logprobs,
         lora_name=body.lora_name,
+        images=images,
     )
     try:
         outputs = await engine_call(unless_disconnected(request, work))

@@ -150,6 +150,31 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def prepare_vision(args: argparse.Namespace) -> bool:
+    """For a vision-language model (its config has a ``vision_config``): the engine arguments
+    skylift's trainer uses for images (`VISION_ENGINE_ARGS`, where the flags left them unset) and
+    the Qwen2-VL shim where torchvision is missing (before the engine's processes start). True
+    for such a model."""
+    import json
+    from pathlib import Path
+
+    from skylift.inference.engine_args import VISION_ENGINE_ARGS
+    from skylift.inference.vllm_patches import qwen2_vl_site
+
+    config = Path(str(args.model)) / "config.json"
+    try:
+        vision = "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False  # a hub name or an unreadable config: vLLM's own defaults
+    if not vision:
+        return False
+    for name, value in VISION_ENGINE_ARGS.items():
+        if getattr(args, name, None) in (None, {}):
+            setattr(args, name, value)
+    qwen2_vl_site.enable()
+    return True
+
+
 def read_key_file(path: str) -> str:
     """The key on the first line of `path` (stripped); `ValueError` naming the file otherwise."""
     try:
@@ -209,6 +234,7 @@ async def build_skylift_app(
         max_model_len=int(model_config.max_model_len),
         vocab_size=int(model_config.get_vocab_size()),
         multimodal=bool(getattr(model_config, "is_multimodal_model", False)),
+        image_token_id=getattr(model_config.hf_config, "image_token_id", None),
         platform=_platform_name(),
         api_key_hashes=[hash_key(k) for k in settings.api_keys],
         delta_roots=AllowedRoots.from_flags(getattr(args, "delta_sync_root", None)),
@@ -313,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("VLLM_MAX_N_SEQUENCES", str(MAX_N))
     try:
         prepare_args(args)  # resolves the model, whose config sizes a CPU engine's KV cache
+        prepare_vision(args)
         args.kv_cache_memory_bytes = kv_cache_bytes(
             args.kv_cache_memory_bytes, args.model, args.max_model_len, args.max_num_seqs
         )

@@ -9,16 +9,22 @@ images reached both the same way, and step 2 samples from the weights the first 
 
 from __future__ import annotations
 
+import base64
 import io
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from server_helpers import require_loopback_namespace, start_server, stop_server, wait_healthy
 
 from skylift.config import load_config
 from skylift.envs import Environment, StepResult, register_env
+from skylift.models import prepare_model
 from skylift.rl.build import build_trainer
 
 pytestmark = pytest.mark.integration
@@ -75,10 +81,28 @@ def _train_file(out: Path, env_class: str) -> Path:
     return out / f"{env_class}.parquet"
 
 
-@pytest.mark.parametrize("env_class,turns", [(SINGLE, 1), (MULTI, 2)])
-def test_grpo_steps_with_images(tmp_path: Path, env_class: str, turns: int) -> None:
-    data = _train_file(tmp_path, env_class)
-    overrides: dict[str, object] = {
+def _geometry3k_file(out: Path) -> Path:
+    """Rows as SkyRL's geometry_3k_dataset.py writes them: the diagram as an ``image_url`` data URL
+    before the question, ``reward_spec.ground_truth``, no ``data_source``."""
+    rows = []
+    for i in range(4):
+        url = "data:image/png;base64," + base64.b64encode(_png((28 * (1 + i % 2), 28), (250, 0, 0))).decode()
+        question = f"Find x if the side is {i + 1}. Check with calc_score; answer as \\boxed{{}}."
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": content}],
+                "env_class": "geometry3k",
+                "reward_spec": {"method": "rule", "ground_truth": str(i + 1)},
+                "extra_info": {"split": "train", "index": i},
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(rows), out / "geometry3k.parquet")
+    return out / "geometry3k.parquet"
+
+
+def _overrides(tmp_path: Path, data: Path, turns: int) -> dict[str, object]:
+    return {
         "trainer.policy.model.path": "tiny-qwen2-vl",
         "data.train_data": f"['{data}']",
         "data.val_data": f"['{data}']",
@@ -102,15 +126,103 @@ def test_grpo_steps_with_images(tmp_path: Path, env_class: str, turns: int) -> N
         "trainer.resume_mode": "none",
         "trainer.log_dir": str(tmp_path / "logs"),
     }
+
+
+def _fit(overrides: dict[str, object]) -> list[dict]:
     trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
     try:
         trainer.setup()
-        history = trainer.fit()
+        return trainer.fit()
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.parametrize("env_class,turns", [(SINGLE, 1), (MULTI, 2)])
+def test_grpo_steps_with_images(tmp_path: Path, env_class: str, turns: int) -> None:
+    history = _fit(_overrides(tmp_path, _train_file(tmp_path, env_class), turns))
     rows = [h for h in history if "reward/mean" in h]
     assert [h["step"] for h in rows] == [1, 2]
     diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
     print(f"tiny-qwen2-vl, {turns} turn(s): |lp diff| per step {diffs}")
     assert all(d < TOLERANCE for d in diffs), diffs
     assert all(h["policy/grad_norm"] > 0 for h in rows)
+
+
+def test_skyrls_geometry3k_rows_train_with_its_environment(tmp_path: Path) -> None:
+    """SkyRL's geometry3k example as its script sets it up (environment.env_class=geometry3k, 3
+    turns, unbatched): the rows' images reach engine and trainer alike, the environment grades."""
+    overrides = _overrides(tmp_path, _geometry3k_file(tmp_path), 3)
+    overrides["environment.env_class"] = "geometry3k"
+    history = _fit(overrides)
+    rows = [h for h in history if "reward/mean" in h]
+    assert [h["step"] for h in rows] == [1, 2]
+    diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
+    turns = [h["environment/geometry3k/avg_turns"] for h in rows]
+    print(f"tiny-qwen2-vl, geometry3k: |lp diff| per step {diffs}, avg turns {turns}")
+    assert all(d < TOLERANCE for d in diffs), diffs
+    assert all(1 <= t <= 3 for t in turns) and all(
+        0 <= h["environment/geometry3k/avg_acc"] <= 1 for h in rows
+    )
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return int(answer.status), answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def test_images_travel_to_a_remote_server_and_train(tmp_path: Path) -> None:
+    """A `skylift serve` server on tiny-qwen2-vl: bad images get a 400 naming them and the server
+    goes on serving; 2 GRPO steps with generator.run_engines_locally=false sample with the images
+    sent in /skylift/generate's body (trainer and server logprobs equal), synced over HTTP + gloo."""
+    require_loopback_namespace()
+    model = prepare_model("tiny-qwen2-vl")
+    args = ["--max-model-len", "512", "--dtype", "float32", "--seed", "0", "--enforce-eager"]
+    handle = start_server(model, tmp_path / "server.log", [*args, "--max-num-seqs", "16"])
+    try:
+        wait_healthy(handle)
+        image = base64.b64encode(_png((56, 56), (250, 0, 0))).decode()  # 4x4 patches: 4 tokens
+        image_token = json.loads((model / "config.json").read_text())["image_token_id"]
+        body = {"prompt_token_ids": [[1, image_token, 3]], "sampling_params": {"max_tokens": 2}}
+        bad = {
+            "not base64": ([["%%"]], "prompt 0 image 0: not base64"),
+            "a header of 5000x5000": (
+                [[base64.b64encode(_png_header(5000, 5000)).decode()]],
+                "prompt 0 image 0",
+            ),
+        }
+        for name, (images, message) in bad.items():
+            status, text = _post(handle.url + "/skylift/generate", {**body, "images": images})
+            assert status == 400 and message in text, (name, status, text)
+        text_prompt = {**body, "prompt_token_ids": [[1, 2, 3]], "images": [[image]]}
+        status, text = _post(handle.url + "/skylift/generate", text_prompt)
+        assert status == 400 and "prompt 0 has 0 image tokens" in text, text
+        status, text = _post(handle.url + "/skylift/generate", {**body, "images": [[image]]})
+        assert status == 200 and len(json.loads(text)["outputs"][0]["prompt_token_ids"]) > 3, text
+        overrides = _overrides(tmp_path, _train_file(tmp_path, SINGLE), 1)
+        overrides.update(
+            {
+                "generator.run_engines_locally": False,
+                "generator.remote_inference_engine_urls": f"['{handle.url.removeprefix('http://')}']",
+                "generator.override_existing_update_group": True,
+            }
+        )
+        rows = [h for h in _fit(overrides) if "reward/mean" in h]
+        assert handle.process.poll() is None, handle.log_tail()
+    finally:
+        stop_server(handle)
+    assert [h["step"] for h in rows] == [1, 2]
+    diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
+    print(f"tiny-qwen2-vl over HTTP: |lp diff| per step {diffs}")
+    assert all(d < TOLERANCE for d in diffs), diffs
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` (1 bit per pixel: a small file)."""
+    out = io.BytesIO()
+    Image.new("1", (width, height)).save(out, format="PNG")
+    return out.getvalue()

@@ -20,6 +20,7 @@ from skylift.compat.skyrl.unused_keys import SKYRL_NOT_IMPLEMENTED, SKYRL_WITHOU
 from skylift.config import ConfigError, load_config
 from skylift.config.keys import key_table, mapping_leaf_of
 from skylift.config.loading import _canonical, parse_override
+from skylift.envs import UnknownEnvironmentError, get_env_factory
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = "skylift has no Megatron backend"
@@ -112,6 +113,31 @@ ENTRY_POINT_KEYS = {
 }
 
 
+# Accepted commands whose environment only their own example entry point registers (its Python is
+# SkyRL's example code, not a key skylift could give effect): the configuration runs, the
+# environment name does not resolve until the user registers one (environment.import_modules).
+UNREGISTERED_ENVS = {"llm_as_a_judge", "multiply"}
+# SkyRL's visgym entry point picks its environment variant with --env_variant, which is not an
+# override: here it is one key (without it, the instruct variant).
+VARIANT_KEYS = {"run_visgym_from_sft.sh:1": "environment.env_configs.visgym.variant=sft"}
+
+
+DEFAULT_ENV = "gsm8k"  # environment.env_class's default (checked below)
+
+
+def _env_class(overrides: list[str]) -> str:
+    value = next((o.split("=", 1)[1] for o in overrides if o.startswith("environment.env_class=")), None)
+    return value if value is not None else DEFAULT_ENV
+
+
+def _env_resolves(overrides: list[str]) -> bool:
+    try:
+        get_env_factory(_env_class(overrides))
+    except UnknownEnvironmentError:
+        return False
+    return True
+
+
 def _load(overrides: list[str]) -> str | None:
     """None when the command loads and validates, else the error message."""
     try:
@@ -127,10 +153,12 @@ def test_skyrls_example_commands_are_accepted_or_refused_clearly(fixture: str) -
     commands = [c for c in _commands(fixture) if _is_training(c[1])]
     assert len(commands) >= 60
     wrong: list[str] = []
-    accepted = megatron = 0
+    accepted = megatron = runnable = 0
     ported = 0
+    vlm: dict[str, bool] = {}
     for source, entry, overrides in commands:
         key = next((k for suffix, k in ENTRY_POINT_KEYS.items() if entry.endswith(suffix)), None)
+        key = key or next((k for suffix, k in VARIANT_KEYS.items() if source.endswith(suffix)), None)
         if key is not None:
             overrides = [*overrides, key]
             ported += 1
@@ -152,10 +180,24 @@ def test_skyrls_example_commands_are_accepted_or_refused_clearly(fixture: str) -
             if (late := _load(with_uri)) is not None:
                 wrong.append(f"{source}: with SYNC_DIR=s3://bucket/run, refused: {late}")
         accepted += error is None
+        if error is None:  # accepted: its environment must resolve too, or be a known exception
+            resolves = _env_resolves(overrides)
+            runnable += resolves
+            if resolves == (_env_class(overrides) in UNREGISTERED_ENVS):
+                wrong.append(f"{source}: environment {_env_class(overrides)!r} resolves: {resolves}")
+            if "generator.vision_language_generator=true" in overrides:
+                vlm[source] = resolves
     logging.getLogger("skylift.config").setLevel(logging.NOTSET)
     assert not wrong, "\n".join(wrong)
-    assert ported == 4
-    print(f"{fixture}: {accepted} of {len(commands) - megatron} non-Megatron training commands accepted")
+    assert load_config().environment.env_class == DEFAULT_ENV
+    assert ported == (5 if fixture == "skyrl_commands_head.txt" else 4)
+    # SkyRL's 4 vision-language scripts (geometry3k, its LoRA variant, visgym from instruct and
+    # from SFT) are at head only; all 4 load and name an environment skylift ships
+    assert (sum(vlm.values()), len(vlm)) == ((4, 4) if fixture == "skyrl_commands_head.txt" else (0, 0))
+    print(
+        f"{fixture}: {accepted} of {len(commands) - megatron} non-Megatron training commands accepted, "
+        f"{runnable} with their environment registered; vision-language: {sum(vlm.values())} of {len(vlm)}"
+    )
 
 
 def test_dapo_overlong_keys_both_spellings_and_dr_grpo_max_seq_len() -> None:

@@ -107,11 +107,14 @@ def test_missing_file_is_named(tmp_path: Path, two_files: list[Path]) -> None:
 
 
 def test_missing_column_names_file_and_column(tmp_path: Path) -> None:
-    path = tmp_path / "no_source.parquet"  # reward_spec and extra_info may be left out, not this
-    table = pa.Table.from_pylist(_rows(3, "x")).drop_columns(["data_source"])
+    path = tmp_path / "no_prompt.parquet"  # data_source, reward_spec and extra_info may be left out
+    table = pa.Table.from_pylist(_rows(3, "x")).drop_columns(["prompt"])
     pq.write_table(table, path)
-    with pytest.raises(DataFileError, match=rf"{path}.*missing column\(s\) data_source"):
+    with pytest.raises(DataFileError, match=rf"{path}.*missing column\(s\) prompt"):
         PromptDataset(path)
+    no_source = tmp_path / "no_source.parquet"  # SkyRL's geometry3k and visgym rows have none
+    pq.write_table(pa.Table.from_pylist(_rows(3, "x")).drop_columns(["data_source"]), no_source)
+    assert [s.data_source for s in PromptDataset(no_source)] == ["", "", ""]
 
 
 def test_default_env_class_and_bad_values(tmp_path: Path) -> None:

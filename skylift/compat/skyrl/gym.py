@@ -98,6 +98,16 @@ def configure(configs: Mapping[str, Any], max_turns: int, import_modules: Sequen
     _RUN["max_turns"] = int(max_turns)
 
 
+def run_env_config(env_id: str) -> dict[str, Any]:
+    """``environment.env_configs.<env_id>`` of the run (empty when unset)."""
+    return dict(_RUN["configs"].get(env_id, {}) or {})
+
+
+def run_max_turns() -> int:
+    """``generator.max_turns`` of the run (SkyRL hands it to environments as ``extras["max_turns"]``)."""
+    return int(_RUN["max_turns"])
+
+
 class SkyRLGymEnv(Environment):
     """One trajectory of a SkyRL-Gym environment behind skylift's `Environment` interface."""
 
