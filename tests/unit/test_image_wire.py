@@ -12,13 +12,13 @@ import json
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from PIL import Image
+from test_serve_limits import FakeVllm
 
 from skylift.inference import image_wire, routes
 from skylift.inference.image_wire import ImageWireError, decode_images, encode_images
@@ -174,24 +174,7 @@ def test_a_server_on_a_vision_language_model_sets_itself_up_for_images(
     assert not server.prepare_vision(argparse.Namespace(model="org/hub-name"))
 
 
-class _RecordingVllm:
-    """What `LocalVLLMEngine.generate` uses of vLLM's AsyncLLM; keeps each prompt it is given."""
-
-    def __init__(self) -> None:
-        self.prompts: list[dict[str, Any]] = []
-
-    async def generate(self, prompt: Any, params: Any, request_id: str, **_: Any) -> Any:
-        self.prompts.append(prompt)
-        outputs = [
-            SimpleNamespace(
-                index=i, token_ids=[1], logprobs=None, finish_reason="length", stop_reason=None, text=""
-            )
-            for i in range(params.n)
-        ]
-        yield SimpleNamespace(finished=True, outputs=outputs, prompt_token_ids=prompt["prompt_token_ids"])
-
-    async def abort(self, request_id: str) -> None:
-        return None
+_RecordingVllm = FakeVllm  # keeps each prompt it is given (`prompts`)
 
 
 def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> None:

@@ -37,9 +37,11 @@ class FakeVllm:
         self.step_s = step_s
         self.started: list[str] = []
         self.aborted: list[str] = []
+        self.prompts: list[dict[str, Any]] = []  # each prompt as vLLM got it
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **_: Any) -> AsyncIterator[Any]:
         self.started.append(request_id)
+        self.prompts.append(prompt)
         await asyncio.sleep(self.step_s)
         outputs = [
             SimpleNamespace(
