@@ -21,10 +21,27 @@ def test_sft_rows_are_worked_train_problems_and_only_the_answer_trains(
     from transformers import AutoTokenizer
 
     assert "sft-rl" in DEMO_TASKS
-    write_addition_demo(tmp_path, num_train=50, num_val=20, seed=0)
-    out = write_sft_examples(tmp_path / "train.parquet", tmp_path / "sft.jsonl", limit=30)
+    write_addition_demo(tmp_path, num_train=200, num_val=20, seed=0)
+    out = write_sft_examples(
+        tmp_path / "train.parquet", tmp_path / "sft.jsonl", limit=30, one_digit_share=0.4
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30
+    pairs = [tuple(int(x) for x in r["messages"][-2]["content"].split("?")[0].split()[2::2]) for r in rows]
+    one_digit = [p for p in pairs if min(p) < 10]
+    assert len(one_digit) == 12  # 40% of 30, against ~19% of all pairs
+    train = [
+        (int(r["extra_info"]["a"]), int(r["extra_info"]["b"]))
+        for r in pq.read_table(tmp_path / "train.parquet").to_pylist()
+    ]
+    assert one_digit == [p for p in train if min(p) < 10][:12]  # the first ones, in the file's order
+    assert [p for p in pairs if min(p) >= 10] == [p for p in train if min(p) >= 10][:18]
+    plain = write_sft_examples(
+        tmp_path / "train.parquet", tmp_path / "plain.jsonl", limit=30, one_digit_share=None
+    )
+    assert [json.loads(line)["messages"][-2] for line in plain.read_text().splitlines()] == [
+        r["prompt"][-1] for r in pq.read_table(tmp_path / "train.parquet").to_pylist()[:30]
+    ]
     heldout = {
         r["extra_info"]["question"] for r in pq.read_table(tmp_path / "validation.parquet").to_pylist()
     }
