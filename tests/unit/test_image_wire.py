@@ -174,9 +174,6 @@ def test_a_server_on_a_vision_language_model_sets_itself_up_for_images(
     assert not server.prepare_vision(argparse.Namespace(model="org/hub-name"))
 
 
-_RecordingVllm = FakeVllm  # keeps each prompt it is given (`prompts`)
-
-
 def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> None:
     """`RemoteInferenceEngine.generate(images=...)` over real HTTP (uvicorn on 127.0.0.1) to the
     routes and `LocalVLLMEngine` (vLLM's AsyncLLM a recorder): vLLM gets the same pixels."""
@@ -187,7 +184,7 @@ def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> 
     from skylift.inference.remote import RemoteInferenceEngine
     from skylift.inference.types import SamplingParams
 
-    fake = _RecordingVllm()
+    fake = FakeVllm()  # keeps each prompt it is given (`prompts`)
     engine = LocalVLLMEngine(fake, name="fake", tensor_parallel_size=1, sleep_mode_enabled=False)
     app = FastAPI()
     state = routes.SkyliftState(
