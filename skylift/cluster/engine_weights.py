@@ -29,10 +29,13 @@ class EngineWeights:
         engines: EnginePool,
         run: Callable,
         say: Callable[[str], None],
+        lora_adapter: bool = True,
     ) -> None:
+        """`lora_adapter`: a LoRA policy syncs its adapter (False: its merged weights;
+        `skylift.cluster.lora_run`)."""
         self.engines = engines
         self.run, self.say = run, say
-        self.transport: WeightTransport = make_transport(cfg, policy, engines, say)
+        self.transport: WeightTransport = make_transport(cfg, policy, engines, say, lora_adapter=lora_adapter)
         self.version = 0
         self.asleep = False
         fa = cfg.trainer.fully_async

@@ -26,6 +26,7 @@ from skylift.cluster.engines import (
     start_inprocess_engines,
     start_local_engines,
 )
+from skylift.cluster.lora_run import LoraSync, lora_sync
 from skylift.cluster.ray_start import start_ray_run
 from skylift.cluster.routing_run import check_routing_replay
 from skylift.cluster.run_paths import RunPaths
@@ -83,6 +84,7 @@ class Runtime:
         self.critic: WorkerGroup | None = None
         self.tracking: Any = None
         self.colocation = ColocationPlan(sleep_engines=False)
+        self.lora = LoraSync(adapter=False)  # what a LoRA policy syncs (skylift.cluster.lora_run)
         self.use_ray = False
         self._ray_started = False
         self.weights: EngineWeights | OffloadingEngineWeights | None = None
@@ -142,6 +144,7 @@ class Runtime:
         )
         self.vision = run_vision(cfg, str(self.model_path), [self.train_data, self.val_data])
         check_routing_replay(cfg, str(self.model_path))
+        self.lora = lora_sync(cfg, str(self.model_path))
         self.tracking = Tracking(t.loggers(), self.paths.logs, t.project_name, t.run_name)
         self.say(
             f"run '{t.run_name}': model {t.policy.model.path}, "
@@ -159,6 +162,8 @@ class Runtime:
         )
         if self.colocation.message:
             self.say(self.colocation.message)
+        if self.lora.line:
+            self.say(self.lora.line)
         if self.use_ray:  # join RAY_ADDRESS / trainer.ray_address or start one; reserve the placement
             ray_run = start_ray_run(cfg, training=not self.eval_only)
             self._ray_started, self.placement = ray_run.started, ray_run.placement
@@ -181,7 +186,9 @@ class Runtime:
             self.critic.setup()
         self._start_generator()
         assert self.engines is not None
-        self.weights = EngineWeights(cfg, self.policy, self.engines, self.run, self.say)
+        self.weights = EngineWeights(
+            cfg, self.policy, self.engines, self.run, self.say, lora_adapter=self.lora.adapter
+        )
         self.weights.open()
         if self.colocation.sleep_engines:  # the trainer's state in host memory while engines are awake
             self.weights = colocated_weights(cfg, self.weights, self.policy, self.ref, self.critic, self.say)
@@ -224,7 +231,10 @@ class Runtime:
         g = self.cfg.generator
         if g.run_engines_locally:
             kwargs = vision_engine_kwargs(
-                self.vision, local_engine_kwargs(self.cfg, sleep_mode=self.colocation.sleep_engines)
+                self.vision,
+                local_engine_kwargs(
+                    self.cfg, sleep_mode=self.colocation.sleep_engines, lora_adapter=self.lora.adapter
+                ),
             )
             if self.colocation.sleep_engines:  # what the trainer leaves of each GPU while they are awake
                 gpu_bytes = torch.cuda.get_device_properties(0).total_memory

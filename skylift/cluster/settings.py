@@ -177,8 +177,9 @@ def critic_worker_settings(cfg: SkyliftConfig, total_steps: int) -> WorkerSettin
 CPU_BLOCK_MULTIPLE = 32
 
 
-def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
-    """`LocalVLLMEngine.create` arguments of the run's local engines."""
+def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool, lora_adapter: bool = True) -> dict[str, Any]:
+    """`LocalVLLMEngine.create` arguments of the run's local engines; `lora_adapter`: a LoRA
+    policy syncs its adapter, so the engines serve LoRA (`skylift.cluster.lora_run`)."""
     g, t = cfg.generator, cfg.trainer
     kwargs: dict[str, Any] = {
         "max_model_len": t.max_prompt_length + max_generate_length(cfg) * max(1, g.max_turns),
@@ -208,7 +209,7 @@ def local_engine_kwargs(cfg: SkyliftConfig, sleep_mode: bool) -> dict[str, Any]:
         kwargs["enable_sleep_mode"] = True
     if g.enable_return_routed_experts:  # routing replay: vLLM captures each token's experts
         kwargs["enable_return_routed_experts"] = True
-    # a LoRA policy: engines serve the base model plus the synced adapter (skylift.weight_sync.lora.adapter)
-    kwargs.update(lora_engine_args(t.policy.model.lora.rank))
+    if lora_adapter:  # engines serve the base model plus the synced adapter (skylift.weight_sync.lora)
+        kwargs.update(lora_engine_args(t.policy.model.lora.rank))
     kwargs.update(g.engine_init_kwargs)  # vLLM engine args as given (generator.engine_init_kwargs)
     return kwargs

@@ -26,6 +26,7 @@ from skylift.weight_sync.ipc.policy_rank import SharedWeightsRank
 from skylift.weight_sync.process_group import WeightSyncError
 from skylift.weight_sync.protocol import DeltaPublishSpec, WeightBucket
 from skylift.worker.batch import SequenceBatch
+from skylift.worker.lora import base_name
 from skylift.worker.offload import OffloadingWorker
 from skylift.worker.training_worker import LossFn, TrainingWorker, WorkerSettings
 
@@ -127,10 +128,11 @@ class RLWorker(OffloadingWorker, TrainingWorker, SharedWeightsRank):
 
     def engine_weight_layout(self) -> list[tuple[str, Tensor]] | None:
         """What `engine_weights` yields on rank 0 as meta tensors, gathering nothing; None where it
-        cannot be known so (a LoRA policy merges its adapter, a conversion needs real values)."""
-        if self.settings.lora_rank > 0:
-            return None
+        cannot be known so (a conversion needs real values). A LoRA policy's are its base's, the
+        adapter merged in (`merged_lora_weights`)."""
         state = self._model().state_dict()  # a DTensor's shape is the full one
+        if self.settings.lora_rank > 0:
+            state = {base_name(n): t for n, t in state.items() if "lora_" not in n}
         meta = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in state.items())
         try:
             return list(self._names().convert(meta))

@@ -75,9 +75,12 @@ def group_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> str | None:
     return "gloo" if _engines_share_the_policys_gpu(cfg, cuda) else None
 
 
-def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say) -> WeightTransport:
-    """`weight_sync_backend=delta` (with a sync_dir): `DeltaTransport`; a LoRA policy:
-    `LoraTransport` (a group: ``auto`` gloo on CPU, NCCL on GPU); full weights: `PlacedTransport`,
+def make_transport(
+    cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say, *, lora_adapter: bool = True
+) -> WeightTransport:
+    """`weight_sync_backend=delta` (with a sync_dir): `DeltaTransport`; a LoRA policy syncing its
+    adapter (`lora_adapter`): `LoraTransport` (a group: ``auto`` gloo on CPU, NCCL on GPU); full
+    weights (a LoRA policy's merged in where its engines cannot serve the adapter): `PlacedTransport`,
     which picks at open, from where rank 0 and the engines' workers say they run
     (`weight_sync.topology`), `PolicySharedTransport` (``ipc``: CUDA IPC / shared memory on the
     policy's host) or `BroadcastTransport` (a gloo or NCCL group). A forced backend that cannot
@@ -110,7 +113,7 @@ def make_transport(cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say
         "master_address": g.weight_sync_master_address,
         "override_existing": overrides_update_group(g.override_existing_update_group),
     }
-    if cfg.trainer.policy.model.lora.rank > 0:
+    if cfg.trainer.policy.model.lora.rank > 0 and lora_adapter:
         if g.weight_sync_backend == "ipc":
             raise WeightSyncError(
                 "weight_sync_backend=ipc carries full weights, and a LoRA policy syncs its adapter over a "

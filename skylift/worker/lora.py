@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from skylift.worker.sharding import full_tensor
+from skylift.worker.sharding import full_tensor, unsharded
 
 #: Attribute names of the scalar head of transformers' *ForTokenClassification models.
 VALUE_HEADS = ("score", "classifier")
@@ -55,27 +55,45 @@ def add_lora(
 
 
 def merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Base-model names with LoRA deltas merged in (what an inference engine needs)."""
-    state = {k: full_tensor(v) for k, v in model.state_dict().items()}
-    scaling: dict[str, float] = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "scaling") and isinstance(module.scaling, dict):
-            scaling[name] = float(next(iter(module.scaling.values())))
-    for key, value in state.items():
+    """Base-model names with every LoRA layer's delta merged in (what an inference engine needs):
+    linear layers and the parameters PEFT adapts directly (a mixture-of-experts layer's fused
+    experts) alike, each delta PEFT's own (`get_delta_weight`). A collective under FSDP2: every
+    rank gathers the model and gets the same tensors."""
+    with unsharded(model):
+        deltas = lora_deltas(model)
+    for key, value in model.state_dict().items():
         if "lora_" in key:
             continue
-        clean = key.replace("base_model.model.", "", 1).replace(".base_layer", "")
-        if key.endswith(".base_layer.weight"):
-            prefix = key[: -len(".base_layer.weight")]
-            a = next(
-                (state[k] for k in state if k.startswith(prefix + ".lora_A.") and k.endswith("weight")), None
-            )
-            b = next(
-                (state[k] for k in state if k.startswith(prefix + ".lora_B.") and k.endswith("weight")), None
-            )
-            if a is not None and b is not None:
-                value = value + scaling.get(prefix, 1.0) * (b.float() @ a.float()).to(value.dtype)
-        yield clean, value
+        value = full_tensor(value)
+        if key in deltas:
+            value = (value.float() + deltas.pop(key)).to(value.dtype)
+        yield base_name(key), value
+    if deltas:
+        raise RuntimeError(f"LoRA deltas of parameters the state dict does not hold: {sorted(deltas)}")
 
 
-__all__ = ["VALUE_HEADS", "add_lora", "merged_lora_weights", "value_head_name"]
+def lora_deltas(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Each adapted parameter's LoRA delta (float32) by its state-dict name, summed over the active
+    adapters; the model's parameters must be whole (not sharded)."""
+    from peft.tuners.lora import LoraLayer
+
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    deltas: dict[str, Tensor] = {}
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue
+        # the adapted parameter (by its module's name: a tied weight has two)
+        key = f"{names[id(module.get_base_layer())]}.{getattr(module, 'parameter_name', 'weight')}"
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                delta = module.get_delta_weight(adapter).detach().float()
+                deltas[key] = deltas[key] + delta if key in deltas else delta
+    return deltas
+
+
+def base_name(key: str) -> str:
+    """A PEFT-wrapped model's tensor name as the base model names it."""
+    return key.replace("base_model.model.", "", 1).replace(".base_layer", "")
+
+
+__all__ = ["VALUE_HEADS", "add_lora", "base_name", "lora_deltas", "merged_lora_weights", "value_head_name"]

@@ -3,6 +3,8 @@ hybrid (shard groups replicated, `fsdp_config.fsdp_size`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -55,6 +57,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
             return list(layers)
     return []
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Within: every FSDP2-sharded module of `model` holds its whole parameters (a collective:
+    every rank all-gathers); resharded on leaving. A model without FSDP2 as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

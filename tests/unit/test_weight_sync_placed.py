@@ -207,13 +207,16 @@ def test_placed_transport_opens_what_the_places_call_for() -> None:
         asyncio.run(PlacedTransport("nccl", Policy(ranks), engines, print, build).open())
 
 
-def test_a_workers_layout_is_what_its_gather_yields(tiny_model_dir: Any) -> None:
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_workers_layout_is_what_its_gather_yields(tiny_model_dir: Any, lora_rank: int) -> None:
     """`RLWorker.engine_weight_layout` (meta tensors, nothing gathered) names, shapes and types
-    what `engine_weights` yields, in its order: the kept buffers a first push fills fit it."""
+    what `engine_weights` yields, in its order: the kept buffers a first push fills fit it. A LoRA
+    policy's: its base's, the adapter merged in."""
     from skylift.cluster.worker_group import WorkerGroup
     from skylift.worker.training_worker import WorkerSettings
 
-    group = WorkerGroup("policy", WorkerSettings(model_path=str(tiny_model_dir)), use_ray=False)
+    settings = WorkerSettings(model_path=str(tiny_model_dir), lora_rank=lora_rank)
+    group = WorkerGroup("policy", settings, use_ray=False)
     group.setup()
     try:
         worker: Any = group.workers[0]
@@ -221,6 +224,7 @@ def test_a_workers_layout_is_what_its_gather_yields(tiny_model_dir: Any) -> None
         gathered = list(worker.engine_weights())
         assert all(t.device.type == "meta" for _, t in layout)
         assert [(n, t.shape, t.dtype) for n, t in layout] == [(n, t.shape, t.dtype) for n, t in gathered]
+        assert not any("lora_" in n or "base_layer" in n for n, _ in layout)
     finally:
         group.shutdown()
 
