@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
 
@@ -33,17 +31,64 @@ def check_routing_replay(cfg: SkyliftConfig, model_path: str, cuda: bool | None 
     """`ConfigError` (one line) when the run asks for routing replay and cannot have it: a policy
     that is not a mixture of experts, local engines without CUDA, engines without prefix caching,
     sequence parallelism. `cuda`: whether local engines get a GPU (default: this process has one)."""
-    g, t = cfg.generator, cfg.trainer
-    if not g.enable_return_routed_experts:
+    if not cfg.generator.enable_return_routed_experts:
         return
     from transformers import AutoConfig
 
-    if not is_mixture_of_experts(AutoConfig.from_pretrained(model_path)):
+    _check_policy(cfg, AutoConfig.from_pretrained(model_path))
+    _check_run(cfg, cuda)
+
+
+def dry_run_routing_checks(cfg: SkyliftConfig, cuda: bool | None = None) -> list[str]:
+    """`check_routing_replay` for `--dry-run`, starting and downloading nothing: the policy's config
+    is read only where it is on this machine (a local directory, a prepared `skylift models` name,
+    the Hugging Face cache); the notes say what could not be checked (empty: everything was)."""
+    if not cfg.generator.enable_return_routed_experts:
+        return []
+    config, where = _local_config(cfg.trainer.policy.model.path)
+    notes = []
+    if config is None:
+        notes.append(f"{KEY}: whether the policy is a mixture of experts was not checked ({where})")
+    else:
+        _check_policy(cfg, config)
+    _check_run(cfg, cuda)
+    return notes
+
+
+def _local_config(path: str) -> tuple[Any, str]:
+    """The policy's transformers config read from this machine only, or None and why not."""
+    from transformers import AutoConfig
+
+    from skylift.models import is_missing_local_path, is_prepared, list_models
+    from skylift.models.cache import model_dir
+
+    if any(spec.name == path for spec in list_models()):
+        if not is_prepared(path):
+            return None, f"the built-in model {path} is not prepared here (skylift models prepare {path})"
+        path = str(model_dir(path))
+    elif is_missing_local_path(path):
+        return None, f"{path} names no directory on this machine"
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True), ""
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, f"its config could not be read here without a download: {reason}"
+
+
+def _check_policy(cfg: SkyliftConfig, config: Any) -> None:
+    if not is_mixture_of_experts(config):
         raise ConfigError(
-            f"{KEY}=true but the policy {t.policy.model.path} is not a mixture-of-experts model "
+            f"{KEY}=true but the policy {cfg.trainer.policy.model.path} is not a mixture-of-experts model "
             "(its config has no num_experts_per_tok): there is no routing to replay",
             key=KEY,
         )
+
+
+def _check_run(cfg: SkyliftConfig, cuda: bool | None) -> None:
+    """The checks that need no model: CUDA engines, prefix caching, no sequence parallelism."""
+    import torch
+
+    g, t = cfg.generator, cfg.trainer
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if g.run_engines_locally and not cuda:
         raise ConfigError(
@@ -59,4 +104,4 @@ def check_routing_replay(cfg: SkyliftConfig, model_path: str, cuda: bool | None 
         )
 
 
-__all__ = ["check_routing_replay", "is_mixture_of_experts"]
+__all__ = ["check_routing_replay", "dry_run_routing_checks", "is_mixture_of_experts"]

@@ -95,6 +95,7 @@ def prepare_run(
         cfg = load_config(list(run.overrides), run.config_file)
         if check is not None:
             check(cfg)
+        notes = _dry_run_checks(cfg) if run.dry_run else []
     except ConfigError as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -110,6 +111,8 @@ def prepare_run(
                 f"{prog}: note: trainer.policy.model.path={path} names no directory on this machine",
                 file=sys.stderr,
             )
+        for note in notes:
+            print(f"{prog}: note: {note}", file=sys.stderr)
         print(f"{prog}: dry run: the configuration is valid; nothing was started", file=sys.stderr)
         return 0
     if cfg.trainer.log_path:
@@ -118,6 +121,14 @@ def prepare_run(
 
     exit_cleanly_on_sigterm()  # `kill PID` still shuts the engines down
     return cfg
+
+
+def _dry_run_checks(cfg: SkyliftConfig) -> list[str]:
+    """The start-up checks a run makes before anything starts that a dry run can make too
+    (`ConfigError` as the run would stop); notes on what it could not check here."""
+    from skylift.cluster.routing_run import dry_run_routing_checks
+
+    return dry_run_routing_checks(cfg)
 
 
 def run_train(run: RunOptions) -> int:

@@ -251,7 +251,9 @@ class Generator:
             for env, completion in zip(envs, output.completions, strict=True):
                 timer = TrajectoryTimer(self.clock, start)
                 timer.add("llm", llm_s[i])
-                scoring.append(self._score(row, env, prompt_ids, completion, policy_version, params, timer))
+                scoring.append(
+                    self._score(row, env, prompt_ids, completion, policy_version, params, timer, images[i])
+                )
         scored = [[tr] for tr in await asyncio.gather(*scoring)]
         if with_images:
             assert self.vision is not None
@@ -312,15 +314,21 @@ class Generator:
         completion: Completion,
         params: SamplingParams,
         session_id: str | None = None,
+        images: Sequence[Any] = (),
     ) -> Completion:
-        """`completion`, continued while the engine aborted it (see `resubmit_aborted`)."""
+        """`completion`, continued while the engine aborted it (see `resubmit_aborted`); `images`:
+        those of `prompt_ids`' image tokens, sent again with it."""
         for _ in range(MAX_RESUBMITS):
             left = params.max_tokens - len(completion.token_ids)
             if not self.settings.resubmit_aborted or completion.stop_reason != "abort" or left <= 0:
                 break
             seed = None if params.seed is None else params.seed + len(completion.token_ids)
             again = replace(params, n=1, max_tokens=left, seed=seed)
-            out = await self.engine.generate([prompt_ids + list(completion.token_ids)], again, session_id)
+            context = [prompt_ids + list(completion.token_ids)]
+            if images:
+                out = await self.engine.generate(context, again, session_id, images=[list(images)])  # type: ignore[call-arg]
+            else:
+                out = await self.engine.generate(context, again, session_id)
             completion = join_completions(completion, out[0].completions[0])
         return completion
 
@@ -346,8 +354,9 @@ class Generator:
         policy_version: int,
         params: SamplingParams,
         timer: TrajectoryTimer,
+        images: Sequence[Any] = (),
     ) -> Trajectory:
-        completion = await timer.timed("llm", self._resubmitted(prompt_ids, completion, params))
+        completion = await timer.timed("llm", self._resubmitted(prompt_ids, completion, params, None, images))
         versions = completion.token_versions if self.settings.engine_versions else None
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await timer.timed("env", self._call_env(env.step, text))

@@ -35,7 +35,8 @@ from skylift.generator.vision import VisionError, VisionInputs, message_images
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
 EnvCall = Callable[..., Awaitable[Any]]
-Resubmit = Callable[[list[int], Completion, SamplingParams, str | None], Awaitable[Completion]]
+#: continues an aborted sample: (context, completion, params, session id, the context's images)
+Resubmit = Callable[[list[int], Completion, SamplingParams, str | None, list[Any]], Awaitable[Completion]]
 
 
 @dataclass
@@ -125,7 +126,8 @@ class TurnLoop:
             call = self.engine.generate([context], params, rollout.session_id)
         out = await timer.timed("llm", call)
         completion = await timer.timed(
-            "llm", self.resubmit(context, out[0].completions[0], params, rollout.session_id)
+            "llm",
+            self.resubmit(context, out[0].completions[0], params, rollout.session_id, list(rollout.images)),
         )
         text = self.chat.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         sampled = rollout.add_turn(s, context, completion, text)

@@ -7,14 +7,22 @@ header only and checks its format and size (`MAX_IMAGE_PIXELS`, and all of a req
 `MAX_REQUEST_IMAGE_PIXELS`) before its pixels are decoded. Only bytes travel: a path or URL is never
 opened on the server. Every refusal is an `ImageWireError` naming the prompt and the image (the
 route's 400).
+
+Each request is whole: the server keeps no images between requests, so a multi-turn rollout's
+request carries every image of the rollout so far (its prompt's and its observations'), and the
+limits above hold per request, i.e. for a rollout's images together at its last turn. The client
+encodes each image once (`EncodedImages`, by content); the bytes are sent again every turn.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +34,8 @@ MAX_IMAGES_PER_REQUEST = 256
 #: Largest image (width x height), and most pixels of one request's images together.
 MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_REQUEST_IMAGE_PIXELS = 1 << 26
+#: Most base64 characters a client keeps of images it sent (`EncodedImages`).
+DEFAULT_ENCODED_CHARS = 64 << 20
 #: Image file formats the server decodes.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
@@ -34,17 +44,53 @@ class ImageWireError(ValueError):
     """Images in a request that the server refuses (the message names which)."""
 
 
-def encode_images(images: Sequence[Sequence[Any] | None]) -> list[list[str]]:
-    """Per prompt, its PIL images as base64 PNG files (a prompt without images: an empty list)."""
-    out: list[list[str]] = []
-    for prompt_images in images:
-        encoded = []
-        for image in prompt_images or ():
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
-        out.append(encoded)
-    return out
+def _png_base64(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class EncodedImages:
+    """The base64 PNG files of images a client sent, by content (mode, size and a digest of the
+    pixels, so an image changed in place is encoded afresh): a multi-turn rollout sends all its
+    images again every turn and a prompt's samples each send the prompt's, so each image is
+    encoded once while it stays here (at most `max_chars` base64 characters; the least recently
+    used leave first). Thread-safe (encoding runs off the event loop)."""
+
+    def __init__(self, max_chars: int = DEFAULT_ENCODED_CHARS) -> None:
+        self.max_chars = max_chars
+        self.hits = self.misses = 0
+        self._files: OrderedDict[tuple[Any, ...], str] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def encode(self, image: Any) -> str:
+        """`image` as a base64 PNG file (from here when its pixels were encoded before)."""
+        key = (image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest())
+        with self._lock:
+            data = self._files.get(key)
+            if data is not None:
+                self._files.move_to_end(key)
+                self.hits += 1
+                return data
+        data = _png_base64(image)
+        with self._lock:
+            self.misses += 1
+            if key not in self._files and len(data) <= self.max_chars:
+                self._files[key] = data
+                self._chars += len(data)
+                while self._chars > self.max_chars:
+                    self._chars -= len(self._files.popitem(last=False)[1])
+        return data
+
+
+def encode_images(
+    images: Sequence[Sequence[Any] | None], cache: EncodedImages | None = None
+) -> list[list[str]]:
+    """Per prompt, its PIL images as base64 PNG files (a prompt without images: an empty list);
+    `cache`: files encoded before are taken from it."""
+    encode = _png_base64 if cache is None else cache.encode
+    return [[encode(image) for image in prompt_images or ()] for prompt_images in images]
 
 
 def check_counts(images: Sequence[Sequence[str]], prompts: int) -> None:
@@ -123,6 +169,7 @@ def decode_images(images: Sequence[Sequence[str]], prompts: int) -> list[list[An
 __all__ = [
     "MAX_IMAGE_BASE64_CHARS",
     "MAX_IMAGES_PER_PROMPT",
+    "EncodedImages",
     "ImageWireError",
     "check_counts",
     "decode_images",

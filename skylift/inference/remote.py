@@ -18,7 +18,7 @@ import aiohttp
 from skylift.inference.codec import generate_request, output_from_json
 from skylift.inference.engine_base import EngineBase, GenerateCall
 from skylift.inference.http_session import SessionPool, default_pool, error_text
-from skylift.inference.image_wire import encode_images
+from skylift.inference.image_wire import EncodedImages, encode_images
 from skylift.inference.types import (
     EngineCapabilityError,
     EngineError,
@@ -82,6 +82,7 @@ class RemoteInferenceEngine(EngineBase):
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         session_pool: SessionPool | None = None,
+        image_cache: EncodedImages | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -95,6 +96,8 @@ class RemoteInferenceEngine(EngineBase):
         self.max_backoff_s = max_backoff_s
         self._pool = session_pool or default_pool()
         self._info: dict[str, Any] | None = None
+        #: images sent before (a multi-turn rollout re-sends its images every turn): encoded once
+        self.image_cache = image_cache or EncodedImages()
 
     def __repr__(self) -> str:
         return f"RemoteInferenceEngine({self.url!r})"
@@ -168,7 +171,7 @@ class RemoteInferenceEngine(EngineBase):
             call.prompts, call.params, prompt_logprobs=call.prompt_logprobs, session_id=call.session_id
         )
         if call.images is not None and any(call.images):  # base64 PNG files (`inference.image_wire`)
-            body["images"] = await asyncio.to_thread(encode_images, call.images)
+            body["images"] = await asyncio.to_thread(encode_images, call.images, self.image_cache)
         if call.lora_name is not None:
             body["lora_name"] = call.lora_name
         data = await self.request("POST", "/skylift/generate", "generate", json=body, retry=True)

@@ -14,13 +14,14 @@ import io
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from server_helpers import require_loopback_namespace, start_server, stop_server, wait_healthy
+from server_helpers import ServerHandle, require_loopback_namespace, start_server, stop_server, wait_healthy
 
 from skylift.config import load_config
 from skylift.envs import Environment, StepResult, register_env
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.integration
 
 SINGLE = "test_vision_even_length"
 MULTI = "test_vision_look_again"
+LOOK_TWICE = "test_vision_look_twice"
 TOLERANCE = 1e-3  # the dense tiny model's bound in fp32 (tests/integration/test_rl_trainer.py)
 
 
@@ -60,6 +62,23 @@ class LookAgain(Environment):
             content = [
                 {"type": "image", "image": _png((56, 28), (0, 0, 250))},
                 {"type": "text", "text": "again?"},
+            ]
+            return StepResult(observations=[{"role": "user", "content": content}], reward=0.0, done=False)
+        self.done = True
+        return StepResult(observations=[], reward=float(len(action) % 2 == 0), done=True)
+
+
+@register_env(LOOK_TWICE, override=True)
+class LookTwice(Environment):
+    """Turns 1 and 2 are answered with another image each; turn 3 is scored like `EvenLength`."""
+
+    def step(self, action: str) -> StepResult:
+        self._begin_step()
+        if self.turns < 3:
+            colour = (0, 0, 250) if self.turns == 1 else (0, 250, 250)
+            content = [
+                {"type": "text", "text": f"look {self.turns}:"},
+                {"type": "image", "image": _png((28 * self.turns, 28), colour)},
             ]
             return StepResult(observations=[{"role": "user", "content": content}], reward=0.0, done=False)
         self.done = True
@@ -175,50 +194,79 @@ def _post(url: str, body: dict) -> tuple[int, str]:
         return int(exc.code), exc.read().decode()
 
 
-def test_images_travel_to_a_remote_server_and_train(tmp_path: Path) -> None:
-    """A `skylift serve` server on tiny-qwen2-vl: bad images get a 400 naming them and the server
-    goes on serving; 2 GRPO steps with generator.run_engines_locally=false sample with the images
-    sent in /skylift/generate's body (trainer and server logprobs equal), synced over HTTP + gloo."""
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """One `skylift serve` on tiny-qwen2-vl for this module's remote tests (each run syncs its own
+    weights into it at set-up)."""
     require_loopback_namespace()
     model = prepare_model("tiny-qwen2-vl")
     args = ["--max-model-len", "512", "--dtype", "float32", "--seed", "0", "--enforce-eager"]
-    handle = start_server(model, tmp_path / "server.log", [*args, "--max-num-seqs", "16"])
+    log = tmp_path_factory.mktemp("vl_server") / "server.log"
+    handle = start_server(model, log, [*args, "--max-num-seqs", "16"])
     try:
         wait_healthy(handle)
-        image = base64.b64encode(_png((56, 56), (250, 0, 0))).decode()  # 4x4 patches: 4 tokens
-        image_token = json.loads((model / "config.json").read_text())["image_token_id"]
-        body = {"prompt_token_ids": [[1, image_token, 3]], "sampling_params": {"max_tokens": 2}}
-        bad = {
-            "not base64": ([["%%"]], "prompt 0 image 0: not base64"),
-            "a header of 5000x5000": (
-                [[base64.b64encode(_png_header(5000, 5000)).decode()]],
-                "prompt 0 image 0",
-            ),
-        }
-        for name, (images, message) in bad.items():
-            status, text = _post(handle.url + "/skylift/generate", {**body, "images": images})
-            assert status == 400 and message in text, (name, status, text)
-        text_prompt = {**body, "prompt_token_ids": [[1, 2, 3]], "images": [[image]]}
-        status, text = _post(handle.url + "/skylift/generate", text_prompt)
-        assert status == 400 and "prompt 0 has 0 image tokens" in text, text
-        status, text = _post(handle.url + "/skylift/generate", {**body, "images": [[image]]})
-        assert status == 200 and len(json.loads(text)["outputs"][0]["prompt_token_ids"]) > 3, text
-        overrides = _overrides(tmp_path, _train_file(tmp_path, SINGLE), 1)
-        overrides.update(
-            {
-                "generator.run_engines_locally": False,
-                "generator.remote_inference_engine_urls": f"['{handle.url.removeprefix('http://')}']",
-                "generator.override_existing_update_group": True,
-            }
-        )
-        rows = [h for h in _fit(overrides) if "reward/mean" in h]
-        assert handle.process.poll() is None, handle.log_tail()
+        yield handle
     finally:
         stop_server(handle)
+
+
+def _remote(tmp_path: Path, handle: ServerHandle, env_class: str, turns: int) -> list[dict]:
+    """2 GRPO steps sampled on `handle`'s server, synced over HTTP + gloo: the steps' rows."""
+    overrides = _overrides(tmp_path, _train_file(tmp_path, env_class), turns)
+    overrides.update(
+        {
+            "generator.run_engines_locally": False,
+            "generator.remote_inference_engine_urls": f"['{handle.url.removeprefix('http://')}']",
+            "generator.override_existing_update_group": True,
+        }
+    )
+    rows = [h for h in _fit(overrides) if "reward/mean" in h]
+    assert handle.process.poll() is None, handle.log_tail()
     assert [h["step"] for h in rows] == [1, 2]
-    diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
+    return rows
+
+
+def test_images_travel_to_a_remote_server_and_train(tmp_path: Path, vl_server: ServerHandle) -> None:
+    """A `skylift serve` server on tiny-qwen2-vl: bad images get a 400 naming them and the server
+    goes on serving; 2 GRPO steps with generator.run_engines_locally=false sample with the images
+    sent in /skylift/generate's body (trainer and server logprobs equal), synced over HTTP + gloo."""
+    handle = vl_server
+    image = base64.b64encode(_png((56, 56), (250, 0, 0))).decode()  # 4x4 patches: 4 tokens
+    image_token = json.loads((prepare_model("tiny-qwen2-vl") / "config.json").read_text())["image_token_id"]
+    body = {"prompt_token_ids": [[1, image_token, 3]], "sampling_params": {"max_tokens": 2}}
+    bad = {
+        "not base64": ([["%%"]], "prompt 0 image 0: not base64"),
+        "a header of 5000x5000": (
+            [[base64.b64encode(_png_header(5000, 5000)).decode()]],
+            "prompt 0 image 0",
+        ),
+    }
+    for name, (images, message) in bad.items():
+        status, text = _post(handle.url + "/skylift/generate", {**body, "images": images})
+        assert status == 400 and message in text, (name, status, text)
+    text_prompt = {**body, "prompt_token_ids": [[1, 2, 3]], "images": [[image]]}
+    status, text = _post(handle.url + "/skylift/generate", text_prompt)
+    assert status == 400 and "prompt 0 has 0 image tokens" in text, text
+    status, text = _post(handle.url + "/skylift/generate", {**body, "images": [[image]]})
+    assert status == 200 and len(json.loads(text)["outputs"][0]["prompt_token_ids"]) > 3, text
+    diffs = [h["policy/logprob_diff_vs_rollout"] for h in _remote(tmp_path, handle, SINGLE, 1)]
     print(f"tiny-qwen2-vl over HTTP: |lp diff| per step {diffs}")
     assert all(d < TOLERANCE for d in diffs), diffs
+
+
+def test_observation_images_travel_to_a_remote_server_every_turn(
+    tmp_path: Path, vl_server: ServerHandle
+) -> None:
+    """Multi-turn on the same server: turns 1 and 2 are answered with an image each, so turn 2's
+    request carries 2 images and turn 3's 3 (each turn re-sends the rollout's images so far);
+    trainer and server logprobs of every sampled token equal."""
+    rows = _remote(tmp_path, vl_server, LOOK_TWICE, 3)
+    diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
+    turns = [h["rollout/turns_mean"] for h in rows]
+    print(f"tiny-qwen2-vl over HTTP, 3 turns: |lp diff| per step {diffs}, avg turns {turns}")
+    assert all(d < TOLERANCE for d in diffs), diffs
+    assert turns == [3.0, 3.0]
+    assert all(h["policy/grad_norm"] > 0 for h in rows)
 
 
 def _png_header(width: int, height: int) -> bytes:

@@ -21,7 +21,7 @@ from PIL import Image
 from test_serve_limits import FakeVllm
 
 from skylift.inference import image_wire, routes
-from skylift.inference.image_wire import ImageWireError, decode_images, encode_images
+from skylift.inference.image_wire import EncodedImages, ImageWireError, decode_images, encode_images
 from skylift.inference.types import Completion, GenerateOutput
 
 
@@ -207,13 +207,20 @@ def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> 
         time.sleep(0.05)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     red, blue = _image((28, 28), (250, 0, 0)), _image((56, 28), (0, 0, 250))
+    green = _image((28, 56), (0, 250, 0))
 
     async def go() -> list[Any]:
         pool = SessionPool()  # its own, closed on this loop
         remote = RemoteInferenceEngine(url, session_pool=pool)
         try:
             params = SamplingParams(max_tokens=1, logprobs=False)
-            return await remote.generate([[7, 3, 7], [4]], params, images=[[red, blue], None])
+            out = await remote.generate([[7, 3, 7], [4]], params, images=[[red, blue], None])
+            # a multi-turn rollout's next turn: its images so far (red's pixels in a new object) and
+            # the observation's; the client encodes only the new one
+            again = [[red.copy(), blue, green]]
+            out += await remote.generate([[7, 3, 7, 9, 7]], params, "rollout-1", images=again)
+            assert (remote.image_cache.misses, remote.image_cache.hits) == (3, 2)
+            return out
         finally:
             await remote.close()
             await pool.close()
@@ -223,8 +230,23 @@ def test_the_remote_client_sends_images_that_reach_vllm_through_the_server() -> 
     finally:
         server.should_exit = True
         thread.join(timeout=10.0)
-    assert [o.prompt_token_ids for o in outputs] == [[7, 3, 7], [4]]
+    assert [o.prompt_token_ids for o in outputs] == [[7, 3, 7], [4], [7, 3, 7, 9, 7]]
     with_images = [p for p in fake.prompts if p.get("multi_modal_data")]
-    assert len(fake.prompts) == 2 and len(with_images) == 1
-    sent = with_images[0]["multi_modal_data"]["image"]
-    assert [im.tobytes() for im in sent] == [red.tobytes(), blue.tobytes()]
+    assert len(fake.prompts) == 3 and len(with_images) == 2
+    sent = [[im.tobytes() for im in p["multi_modal_data"]["image"]] for p in with_images]
+    assert sent == [[red.tobytes(), blue.tobytes()], [red.tobytes(), blue.tobytes(), green.tobytes()]]
+
+
+def test_the_client_encodes_each_image_once_by_its_pixels() -> None:
+    cache = EncodedImages()
+    red = _image((28, 28), (250, 0, 0))
+    first = encode_images([[red, red.copy()], [red]], cache)
+    assert first == encode_images([[red, red], [red]])  # the same files as without the cache
+    assert (cache.misses, cache.hits) == (1, 2)
+    red.paste((0, 250, 0), (0, 0, 28, 28))  # changed in place: encoded afresh, with its new pixels
+    (changed,) = encode_images([[red]], cache)[0]
+    assert cache.misses == 2 and decode_images([[changed]], 1)[0][0].getpixel((0, 0)) == (0, 250, 0)  # type: ignore[index]
+    small = EncodedImages(max_chars=len(changed) + 1)  # room for one file: the older one leaves
+    blue = _image((28, 28), (0, 0, 250))
+    encode_images([[red, blue, blue, red]], small)
+    assert (small.misses, small.hits) == (3, 1)

@@ -267,6 +267,49 @@ def test_an_observation_image_joins_the_rollout_and_is_expanded_untrained(
     assert vision_kwargs(model, batch)["image_grid_thw"].tolist() == [[1, 4, 8], [1, 2, 4]] * 2
 
 
+class AbortingVisionEngine(FakeVisionEngine):
+    """Aborts every first request after one token (a weight update with pause mode "abort"); the
+    resubmitted rest (fewer `max_tokens`) completes. Like a server, refuses a request whose image
+    tokens and images differ in number."""
+
+    def __init__(self, vision: VisionInputs, reply: list[int], max_tokens: int) -> None:
+        super().__init__(vision, reply)
+        self.max_tokens = max_tokens
+        self.resubmits = 0
+
+    async def generate(self, prompts, params, session_id=None, *, images=None):  # type: ignore[no-untyped-def]
+        for i, prompt in enumerate(prompts):
+            sent = len(images[i]) if images is not None else 0
+            if prompt.count(self.vision.image_token_id) != sent:
+                raise ValueError(f"prompt {i} has image tokens for {sent} images")
+        outputs = await super().generate(prompts, params, session_id, images=images)
+        first = params.max_tokens == self.max_tokens
+        self.resubmits += not first
+        part = self.reply[:1] if first else self.reply[1:]
+        done = Completion(part, [-0.5] * len(part), "abort" if first else "stop")
+        return [GenerateOutput(out.prompt_token_ids, [done] * params.n) for out in outputs]
+
+
+@pytest.mark.parametrize("env_class,turns", [(SINGLE, 1), (MULTI, 2)])
+def test_an_aborted_sample_is_resubmitted_with_its_images(
+    tmp_path: Any, tokenizer: Any, vision: VisionInputs, env_class: str, turns: int
+) -> None:
+    data = _image_rows(tmp_path, env_class)
+    reply = tokenizer.encode("ok then", add_special_tokens=False)
+    engine = AbortingVisionEngine(vision, reply, max_tokens=4)
+    settings = GeneratorSettings(
+        default_env_class=env_class, max_turns=turns, batched=turns == 1, resubmit_aborted=True
+    )
+    generator = Generator(engine, tokenizer, settings, vision=vision)
+    out = asyncio.run(generator.generate([data[0]], 2, SamplingParams(max_tokens=4)))
+    assert engine.resubmits == 2 * turns and len(out) == 2  # each sample's each turn, once
+    # turn 2's resubmit (multi-turn) carried the prompt's image and the observation's
+    assert max(len(images) for _, images in engine.calls) == (2 if turns > 1 else 1)
+    for tr in out:
+        assert tr.num_turns == turns and tr.vision_inputs is not None
+        assert [t for t, m in zip(tr.response_ids, tr.loss_mask, strict=True) if m][: len(reply)] == reply
+
+
 def test_images_for_a_text_only_policy_are_refused(
     tmp_path: Any, tokenizer: Any, vision: VisionInputs
 ) -> None:
