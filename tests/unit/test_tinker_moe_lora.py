@@ -98,6 +98,13 @@ def test_a_trained_moe_adapter_samples_as_it_trains(
     assert (_scores(base, ROWS[0]) - trained).abs().max() > 0.1  # training moved the scores
     assert (swapped - trained).abs().max() < 1e-4
     assert (_scores(exported, ROWS[0]) - trained).abs().max() < 1e-4
+    model.save_state(tmp_path / "state")  # a training checkpoint: the experts' adapters come back
+    resumed = TrainedModel("r", model.config, pool=model.pool)
+    resumed.setup()
+    resumed.load_state(tmp_path / "state", optimizer=True)
+    assert resumed.worker is not None
+    torch.testing.assert_close(_scores(resumed.worker._model(), ROWS[0]), trained, rtol=0, atol=1e-6)
+    resumed.close()
     model.close()
 
 
