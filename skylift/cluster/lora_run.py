@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from skylift.cluster.routing_run import is_mixture_of_experts
 from skylift.config.schema import SkyliftConfig
+from skylift.models.moe import is_mixture_of_experts
 
 
 @dataclass(frozen=True)

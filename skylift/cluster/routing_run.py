@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
+from skylift.models.moe import is_mixture_of_experts
 
 KEY = "generator.enable_return_routed_experts"
-
-
-def is_mixture_of_experts(config: Any) -> bool:
-    """Whether a transformers config is a mixture of experts (it routes each token to top-k experts)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(getattr(text, "num_experts_per_tok", 0) or 0) > 0
 
 
 def check_routing_replay(cfg: SkyliftConfig, model_path: str, cuda: bool | None = None) -> None:
@@ -86,7 +83,6 @@ def _check_policy(cfg: SkyliftConfig, config: Any) -> None:
 
 def _check_run(cfg: SkyliftConfig, cuda: bool | None) -> None:
     """The checks that need no model: CUDA engines, prefix caching, no sequence parallelism."""
-    import torch
 
     g, t = cfg.generator, cfg.trainer
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -104,4 +100,4 @@ def _check_run(cfg: SkyliftConfig, cuda: bool | None) -> None:
         )
 
 
-__all__ = ["check_routing_replay", "dry_run_routing_checks", "is_mixture_of_experts"]
+__all__ = ["check_routing_replay", "dry_run_routing_checks"]

@@ -15,6 +15,7 @@ class BaseModelInfo:
     path: str
     max_model_len: int
     arch: str | None
+    moe: bool = False  # a mixture of experts (its LoRA samplers take weight swaps)
 
 
 def describe_base_model(name: str, max_model_len: int | None) -> BaseModelInfo:
@@ -22,13 +23,15 @@ def describe_base_model(name: str, max_model_len: int | None) -> BaseModelInfo:
     from transformers import AutoConfig
 
     from skylift.models import resolve_model_path
+    from skylift.models.moe import is_mixture_of_experts
 
     path = os.path.realpath(resolve_model_path(name))
     cfg = AutoConfig.from_pretrained(path)
     positions = getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048
     limit = max_model_len or min(int(positions), 4096)
     arch = (getattr(cfg, "architectures", None) or [None])[0]
-    return BaseModelInfo(name=name, path=path, max_model_len=limit, arch=arch)
+    moe = is_mixture_of_experts(cfg)
+    return BaseModelInfo(name=name, path=path, max_model_len=limit, arch=arch, moe=moe)
 
 
 class BaseModels:

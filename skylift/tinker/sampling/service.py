@@ -36,6 +36,7 @@ from skylift.tinker.core.wire import encode_sample_response
 from skylift.tinker.errors import UserError
 from skylift.tinker.sampling.bodies import CreateSamplingSessionBody, SampleBody, TargetTensor
 from skylift.tinker.sampling.engine_host import EngineHost, EngineSettings, PromptScores, to_engine_params
+from skylift.tinker.sampling.lora_mode import MOE_SWAP, fixed_swap
 from skylift.tinker.sampling.snapshots import SnapshotStore, Weights
 from skylift.tinker.sampling.weights import (
     SamplerSnapshot,
@@ -114,6 +115,9 @@ class SamplingService:
         self.media = ThreadPoolExecutor(max_workers=MEDIA_THREADS, thread_name_prefix="tinker-media")
         self.base_models = base_models
         self.engine_settings = engine_settings
+        for info in base_models:  # at start: refused, or said once (the engine starts later)
+            if info.moe and fixed_swap(info.name, True, False, engine_settings.lora_mode):
+                logger.info("sampling %s: %s", info.name, MOE_SWAP)
         self.snapshots = snapshots
         self.records = records
         self.render_hosts = render_hosts
@@ -145,7 +149,8 @@ class SamplingService:
             settings = dataclasses.replace(self.engine_settings, max_model_len=info.max_model_len)
             vision = is_vision_language(info.path)
             cpus = self._split_cores()
-            host = self.engines[info.path] = EngineHost(info.name, info.path, settings, vision, cpus)
+            swap = fixed_swap(info.name, info.moe, vision, settings.lora_mode)
+            host = self.engines[info.path] = EngineHost(info.name, info.path, settings, vision, cpus, swap)
             if vision:
                 render_host = self.render_hosts.get(info.path)
 

@@ -102,14 +102,22 @@ class TrainedModel:
     def setup(self) -> None:
         from transformers import AutoConfig
 
+        from skylift.models.moe import is_mixture_of_experts
+        from skylift.tinker.training import moe_lora
+
         c = self.config
         if c.lora_rank < 0:
             raise UserError(f"lora_config.rank must be >= 0 (0 = full fine-tuning), got {c.lora_rank}")
+        hf_config = AutoConfig.from_pretrained(c.model_path)
+        moe = is_mixture_of_experts(hf_config)
+        targets = c.target_modules() if c.is_lora else []
+        if moe and c.train_mlp:  # Mixtral's experts by their names before transformers 5 fused them
+            targets += moe_lora.MIXTRAL_EXPERT_MODULES
         settings = WorkerSettings(
             model_path=c.model_path,
             lora_rank=c.lora_rank,
             lora_alpha=LORA_ALPHA,
-            lora_target_modules=c.target_modules() if c.is_lora else "all-linear",
+            lora_target_modules=targets if c.is_lora else "all-linear",
             fsdp=False,
             seed=c.seed,
             # the Tinker API sends the hyper-parameters with every step (constant schedule)
@@ -132,7 +140,12 @@ class TrainedModel:
         else:
             worker.setup()
         self.worker = worker
-        hf_config = AutoConfig.from_pretrained(c.model_path)
+        if moe and c.is_lora:
+            try:  # one line: what the adapter covers (a refusal where PEFT left the experts out)
+                logger.info("%s", moe_lora.describe(c, worker._model(), self.model_id))
+            except UserError:
+                self.close()
+                raise
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         self.image_token_id = getattr(hf_config, "image_token_id", None)
 
@@ -293,12 +306,17 @@ class TrainedModel:
         """A copy of what an ephemeral sampler samples from: a LoRA client's adapter (merged into
         the base on demand), and the merged full weights too where `with_full`; a full fine-tune's
         weights."""
+        from skylift.weight_sync.lora.merge import merges_from_tensors
+
         adapter = None
         if self.config.is_lora:
             tensors, peft_config = self._worker().lora_adapter()
             copies = {name: t.detach().clone() for name, t in tensors}
             adapter = AdapterSource(rank=self.config.lora_rank, tensors=copies, config=peft_config)
-        full = self.snapshot_weights() if with_full or adapter is None else None
+        # an adapter of fused experts is merged here, on the model (the sampler's tensors-only
+        # merge does not know their layout); its weights are held merged, as a full fine-tune's
+        merge_here = adapter is None or not merges_from_tensors(adapter.config or {})
+        full = self.snapshot_weights() if with_full or merge_here else None
         return SamplerSnapshot(full, adapter)
 
 

@@ -18,6 +18,14 @@ PEFT_PREFIX = "base_model.model."
 UNEMBED_WEIGHT, EMBED_WEIGHT = "lm_head.weight", "model.embed_tokens.weight"
 
 
+def merges_from_tensors(config: Mapping[str, Any]) -> bool:
+    """Whether `merge_adapter` can merge an adapter of this ``adapter_config.json``: not one of
+    parameters (PEFT's ``target_parameters``: a mixture of experts' fused 3-d experts, held in
+    memory in another layout than the checkpoint's; merge those on the model instead,
+    `skylift.worker.lora.merged_lora_weights`)."""
+    return not config.get("target_parameters")
+
+
 def adapter_scaling(config: Mapping[str, Any]) -> float:
     """The factor PEFT multiplies ``B @ A`` by (patterns of per-module ranks are refused)."""
     if config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -31,6 +39,11 @@ def merge_adapter(
 ) -> dict[str, torch.Tensor]:
     """`base` (Hugging Face names) with `adapter` (``adapter_model.safetensors``' names and
     tensors) merged in; the base's tensors are not modified."""
+    if not merges_from_tensors(config):
+        raise ValueError(
+            f"the adapter adapts parameters ({', '.join(sorted(config['target_parameters']))}: fused "
+            "experts, in memory in another layout than the checkpoint's): merge it on the model"
+        )
     scaling = adapter_scaling(config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in adapter.items():
