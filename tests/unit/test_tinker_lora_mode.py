@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tinker_fakes import FakeTransport
@@ -76,6 +77,16 @@ def test_adapters_win_when_batching_them_beats_a_swap() -> None:
     assert choice.adapters_s is not None and choice.swap_s is not None and choice.push_s is not None
     assert choice.adapters_s < choice.swap_s and choice.push_s <= choice.swap_s
     assert choice.report()["calibration"]["full_weight_push_s"] == choice.push_s
+
+
+@pytest.mark.parametrize("unembed", [False, True])
+def test_the_measured_choice_says_whether_unembedding_adapters_go_in_the_batch(unembed: bool) -> None:
+    """An engine that takes adapters of the unembedding (Tinker's default `train_unembed`) and
+    chose the batch serves them there (`EngineHost.serves_adapter`), not by swaps."""
+    engine, sender = TimedEngine(adapter_s=0.02, base_s=0.01), FakeTransport(push_s=0.5)
+    choice = asyncio.run(calibrate(engine, sender, WEIGHTS, 8, unembed=unembed))
+    assert choice.mode == "adapters" and choice.unembed is unembed
+    assert choice.report()["adapts_unembedding"] is unembed
 
 
 def test_swaps_win_when_the_adapter_kernels_are_slower_than_a_push() -> None:

@@ -222,6 +222,7 @@ async def calibrate(
     return ModeChoice(
         mode,
         reason,
+        unembed,  # the adapters measured covered the unembedding: the batch serves such adapters
         adapters_s=round(adapters_s, 4),
         swap_s=round(swap_s, 4),
         push_s=round(push_s, 4),
