@@ -180,6 +180,9 @@ def item_moe(ctx: Context, refs: dict[str, Any], item: Item) -> None:
             cal_tag = CALIBRATED_BY.get(config)
             cal = refs[f"moe/{tag.replace(config, cal_tag)}"] if cal_tag else None
             compare(item, f"moe/{tag}", got, refs[f"moe/{tag}"], cal)
+            if cal is not None:  # the calibration itself: bf16 vs fp32, both on CPU
+                drift = max_abs(refs[f"moe/{tag}"]["lp0"], cal["lp0"])
+                item.figures[f"moe/{tag} vs float32 on CPU: logprobs max |diff|"] = round(drift, 6)
             item.figures[f"moe/{tag} {peak_label()}"] = got["peak_mb"]
             if rows.row_inputs is not None:
                 _check_worker_replay(item, tag, worker, rows)

@@ -23,7 +23,7 @@ import torch
 from gpucheck.device import Context, peak_label
 from gpucheck.models import SEED
 from gpucheck.policy import ADVANTAGES, compare, policy_step, settings_for, strip
-from gpucheck.report import Item
+from gpucheck.report import Item, max_abs
 
 MODEL = "tiny-qwen2-vl"
 CONFIGS = ("fp32", "bf16-mixed")  # item 1's float32 and trainer.bf16 (bf16 matmuls)
@@ -157,6 +157,10 @@ def item_vision(ctx: Context, refs: dict[str, Any], item: Item) -> None:
         cal = refs[f"vision/{CALIBRATED_BY[config]}"] if config in CALIBRATED_BY else None
         tag = f"vision/{config}"
         compare(item, tag, got, refs[tag], cal)
+        if cal is not None:  # the calibration itself: bf16 vs fp32, both on CPU
+            item.figures[f"{tag} vs float32 on CPU: logprobs max |diff|"] = round(
+                max_abs(refs[tag]["lp0"], cal["lp0"]), 6
+            )
         tower = [n for n in got["picked_grads"] if "visual." in n]
         item.holds(
             f"{tag}: the images' gradient reaches the vision tower",
