@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2_layers": args.smollm2_layers,
         "seconds": round(time.perf_counter() - started, 1),
         "reference_seconds": round(ref_s, 1),
+        "reference_seconds_by_item": refs.get("seconds", {}),
         "blocked": sorted(blocker.names),
         "blocked_import_attempts": blocker.attempts,
         "blocked_modules_loaded": loaded_blocked_modules(),
@@ -145,12 +146,15 @@ def reference_phase(ctx: Any, items: list[str]) -> int:
     for keys, fn in parts.items():
         if not set(keys.split(",")) & set(items):
             continue
+        started = time.perf_counter()
         try:
             refs.update(fn(ctx))
         except Exception:
             for key in keys.split(","):
                 refs["errors"][key] = "CPU reference failed:\n" + traceback.format_exc(limit=12)
             traceback.print_exc()
+        refs.setdefault("seconds", {})[keys] = round(time.perf_counter() - started, 1)
+        print(f"  cpu reference of item {keys}: {refs['seconds'][keys]:.1f} s", flush=True)
     torch.save(refs, ctx.work / "reference.pt")
     return 0
 
