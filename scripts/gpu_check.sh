@@ -17,7 +17,7 @@
 # The report says which of issue 50's items 1-5 the run verified (docs/gpu.md, "GPU check").
 #
 #   bash scripts/gpu_check.sh [--wheels DIR] [--out FILE] [--work DIR] [--items 1,2,...,moe,offload]
-#   bash scripts/gpu_check.sh --items moe,vision   # issue 53's alone (about a minute on a GPU machine)
+#   bash scripts/gpu_check.sh --items moe,vision   # issue 53's alone (under a minute)
 #   bash scripts/gpu_check.sh --items same-gpu-group,ipc,stream,offload,cuda-stack   # torch only
 #   on the lent GPU machine (first, here: bash scripts/gpu_check.sh --fetch-wheels .gpu-wheels, and
 #   carry .gpu-wheels): bash scripts/gpu_check.sh --wheels .gpu-wheels --out "$OUT/gpu_check.json"
@@ -28,9 +28,9 @@
 # with the reason for each is CARRIED_WHEELS in tests/gpu/gpucheck/env.py):
 WHEELS=("tinker==0.38.0" "protobuf==6.33.5")
 # Writes a JSON report (default: $TMPDIR/skylift-gpu-check-$UID/report.json) and prints a summary;
-# exits 1 if any check failed. Sized for under 7 minutes on one H100/H200, CPU reference phase
-# included (estimated: it has not run on a GPU yet; moe and vision add about 40 s of it, most in
-# their CPU reference: 5 + 2 steps of 4-layer models).
+# exits 1 if any check failed. Sized for under 6.5 minutes on one H100/H200, CPU reference phase
+# included (estimated: it has not run on a GPU yet). moe and vision add about 20 s (estimated: 7
+# policy steps and 4 forwards of 4-layer models per phase; in the --cpu run here they take 4 s).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
