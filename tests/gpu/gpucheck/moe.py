@@ -29,7 +29,14 @@ from gpucheck.policy import batch_for, compare, policy_step, settings_for, strip
 from gpucheck.report import Item, limit_for, max_abs
 from skylift.models.checkpoint_names import checkpoint_names_for, checkpoint_tensor_names
 from skylift.worker.batch import SequenceBatch
-from skylift.worker.routing_replay import ROUTED_EXPERTS, batch_routing, replay_routing, replayed, routing_of
+from skylift.worker.routing_replay import (
+    ROUTED_EXPERTS,
+    batch_routing,
+    moe_routers,
+    replay_routing,
+    replayed,
+    routing_of,
+)
 
 MODEL = "tiny-qwen3-moe"
 STEPS = ("fp32", "bf16-mixed", "bf16")  # item 1's configurations (policy.CONFIGS)
@@ -55,8 +62,6 @@ def _load(path: Path, dtype: torch.dtype, device: str, tied: bool = False) -> An
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if tied:  # every router scores every expert the same: each top-k is all ties
-        from skylift.worker.routing_replay import moe_routers
-
         for router in moe_routers(model).values():
             router.weight.data.zero_()
     return model
@@ -120,6 +125,13 @@ def reference(ctx: Context) -> dict[str, Any]:
     path = moe_dir()
     refs: dict[str, Any] = {}
     model = _load(path, torch.float32, "cpu")
+    if len(moe_routers(model)) != int(model.config.num_hidden_layers):
+        import transformers
+
+        raise RuntimeError(
+            f"routing replay patches transformers 5's MoE top-k routers; {type(model).__name__} under "
+            f"transformers {transformers.__version__} has {len(moe_routers(model))} of its layers' routers"
+        )
     experts = int(model.config.num_experts)
     batch = batch_for(int(model.config.vocab_size))
     routing = [
