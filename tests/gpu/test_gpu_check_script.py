@@ -1,7 +1,8 @@
 """`bash scripts/gpu_check.sh --cpu` end to end, so the GPU check cannot rot between GPU runs.
 
-It runs every item of the check on CPU (gloo instead of NCCL, SmolLM2's widths at 2 layers) with
-vLLM, Ray, FastAPI, uvicorn, pydantic, ... made unimportable, as they are on the GPU machine.
+It runs every item of the check on CPU (gloo instead of NCCL, SmolLM2's widths at 2 layers; the
+tiny Qwen3-MoE and Qwen2-VL of issue 53) with vLLM, Ray, FastAPI, uvicorn, pydantic, ... made
+unimportable, as they are on the GPU machine.
 """
 
 from __future__ import annotations
@@ -43,13 +44,21 @@ def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> N
     assert report["blocked_modules_loaded"] == []
     items = {i["key"]: i for i in report["items"]}
     colocated = ["same-gpu-group", "ipc", "stream", "offload", "cuda-stack"]  # issue 50's, torch alone
-    assert sorted(items) == sorted(["1", "2", "3", "4", "5", "imports", *colocated])
-    assert all(len(items[k]["checks"]) >= 5 for k in "12345" if not items[k]["skipped"])
+    issue_53 = ["moe", "vision"]  # mixture of experts, images: no vLLM
+    assert sorted(items) == sorted(["1", "2", "3", "4", "5", "imports", *colocated, *issue_53])
+    assert all(len(items[k]["checks"]) >= 5 for k in [*"12345", *issue_53] if not items[k]["skipped"])
     # only the Tinker path may be skipped, and then it names the import that is missing (the CUDA
     # stack is a GPU machine's)
     assert [k for k, i in items.items() if i["skipped"]] in (["cuda-stack"], ["5", "cuda-stack"])
     if items["5"]["skipped"]:
         assert " imports " in items["5"]["skipped"] and "lacks" in items["5"]["skipped"]
+    # the tiny MoE's fused experts converted to its checkpoint's tensors (4 layers x 8 experts x
+    # 3 matrices + the rest), the rows' routing replayed; the vision rows' 5 images (20 tokens)
+    moe = items["moe"]["figures"]
+    assert moe["checkpoint tensors (fused experts unfused)"] == 135
+    assert moe["moe/replay-fp32: replayed (token, layer) pairs"] > 100
+    assert items["vision"]["figures"]["batch images"] == 5
+    assert items["vision"]["figures"]["batch image tokens"] == 20
     # the weight sender cut SmolLM2 (2 layers) into several bf16 buckets
     assert len(items["3"]["figures"]["buckets"]) > 1
     assert "PASS" in done.stdout

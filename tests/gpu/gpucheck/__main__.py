@@ -29,11 +29,14 @@ ITEMS = {
     "3": "weight sender: bf16 buckets packed on the device, broadcast, unpacked on CPU",
     "4": "one GRPO update from saved CPU rollouts vs CPU",
     "5": "Tinker training path (forward_backward + optim_step) vs CPU",
+    # issue 53 (mixture-of-experts and vision-language models), no vLLM
+    "moe": "tiny Qwen3-MoE: policy steps, routing replay, expert checkpoint names vs CPU",
+    "vision": "tiny Qwen2-VL: a policy step on rows with images vs CPU",
     # issue 50 (a trainer and an engine on one GPU): torch alone, no model, no CPU reference
     **{key: title for key, (title, _) in COLOCATED_ITEMS.items()},
 }
-#: The items of issue 21 (models, a CPU reference phase, transformers and peft).
-MODEL_ITEMS = ("1", "2", "3", "4", "5")
+#: The items with models and a CPU reference phase (transformers and peft): issue 21's and 53's.
+MODEL_ITEMS = ("1", "2", "3", "4", "5", "moe", "vision")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2_layers": args.smollm2_layers,
         "seconds": round(time.perf_counter() - started, 1),
         "reference_seconds": round(ref_s, 1),
+        "reference_seconds_by_item": refs.get("seconds", {}),
         "blocked": sorted(blocker.names),
         "blocked_import_attempts": blocker.attempts,
         "blocked_modules_loaded": loaded_blocked_modules(),
@@ -129,19 +133,28 @@ def reference_phase(ctx: Any, items: list[str]) -> int:
 
     import torch
 
-    from gpucheck import grpo, policy, tinker_path
+    from gpucheck import grpo, moe, policy, tinker_path, vision
 
-    parts = {"1,2": policy.reference, "4": grpo.reference, "5": tinker_path.reference}
+    parts = {
+        "1,2": policy.reference,
+        "4": grpo.reference,
+        "5": tinker_path.reference,
+        "moe": moe.reference,
+        "vision": vision.reference,
+    }
     refs: dict[str, Any] = {"errors": {}}
     for keys, fn in parts.items():
         if not set(keys.split(",")) & set(items):
             continue
+        started = time.perf_counter()
         try:
             refs.update(fn(ctx))
         except Exception:
             for key in keys.split(","):
                 refs["errors"][key] = "CPU reference failed:\n" + traceback.format_exc(limit=12)
             traceback.print_exc()
+        refs.setdefault("seconds", {})[keys] = round(time.perf_counter() - started, 1)
+        print(f"  cpu reference of item {keys}: {refs['seconds'][keys]:.1f} s", flush=True)
     torch.save(refs, ctx.work / "reference.pt")
     return 0
 
@@ -200,6 +213,14 @@ def device_phase(ctx: Any, refs: dict[str, Any], items: list[str], say: Any) -> 
                 from gpucheck.tinker_path import item_tinker
 
                 item_tinker(ctx, refs, item)
+            elif key == "moe":
+                from gpucheck.moe import item_moe
+
+                item_moe(ctx, refs, item)
+            elif key == "vision":
+                from gpucheck.vision import item_vision
+
+                item_vision(ctx, refs, item)
             else:
                 COLOCATED_ITEMS[key][1](item)
         status = "SKIPPED" if item.skipped else "ok" if item.ok else "FAILED"

@@ -78,9 +78,19 @@ def _full(t: Tensor) -> Tensor:
 
 
 def _picked(names: list[str], layers: int) -> list[str]:
-    """The parameters whose whole gradients are compared: first attention, last MLP, final norm."""
-    wanted = ["layers.0.self_attn.q_proj", f"layers.{layers - 1}.mlp.down_proj", "model.norm.weight"]
+    """The parameters whose whole gradients are compared: first attention, last MLP (a mixture of
+    experts': its fused experts and router), final norm, a vision tower's patch embedding."""
+    last = f"layers.{layers - 1}.mlp"
+    wanted = ["layers.0.self_attn.q_proj", f"{last}.down_proj", f"{last}.experts.down_proj", f"{last}.gate."]
+    wanted += ["model.norm.weight", "language_model.norm.weight", "visual.patch_embed."]
     return [n for n in names if any(w in n for w in wanted)]
+
+
+def _layers(config: Any) -> int:
+    """Decoder layers of a model's config (a vision-language model's: its text config's)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    text = getattr(config, "text_config", None)
+    return int(layers or getattr(text, "num_hidden_layers", None) or 1)
 
 
 def policy_step(settings: WorkerSettings, batch: SequenceBatch, **worker_args: Any) -> dict[str, Any]:
@@ -91,7 +101,7 @@ def policy_step(settings: WorkerSettings, batch: SequenceBatch, **worker_args: A
         worker.setup()
         model = worker.model
         assert model is not None and worker.optimizer is not None
-        layers = int(getattr(model.config, "num_hidden_layers", 1))
+        layers = _layers(model.config)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         names = [n for n, _ in trainable]
