@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from skylift.cluster.lora_run import lora_sync
 from skylift.config.schema import SkyliftConfig
 
 
@@ -173,13 +174,16 @@ def checkpoint_parameter_count(model_path: str | Path) -> int | None:
     return total
 
 
-def sync_transfer_bytes(cfg: SkyliftConfig, params: int) -> int:
-    """What a push holds on the policy's GPU besides its parameters: three buckets for a broadcast,
-    or (full weights by CUDA IPC, the path ``auto`` takes where an engine shares the GPU) one whole
-    copy of the weights in the engines' dtype, on rank 0, until every engine loaded it."""
+def sync_transfer_bytes(cfg: SkyliftConfig, params: int, lora_adapter: bool = True) -> int:
+    """What a push holds on the policy's GPU besides its parameters: three buckets for a broadcast
+    or a LoRA adapter (`lora_adapter`: a LoRA policy syncs its adapter, not merged weights;
+    `cluster.lora_run`), or (full weights by CUDA IPC, the path ``auto`` takes where an engine
+    shares the GPU) one whole copy of the weights in the engines' dtype, on rank 0, until every
+    engine loaded it."""
     g = cfg.generator
     buckets = 3 * SYNC_TRANSFER_BYTES
-    if g.weight_sync_backend not in ("auto", "ipc") or cfg.trainer.policy.model.lora.rank > 0:
+    adapter = cfg.trainer.policy.model.lora.rank > 0 and lora_adapter
+    if g.weight_sync_backend not in ("auto", "ipc") or adapter:
         return buckets
     return max(buckets, params * (2 if g.model_dtype in ("bfloat16", "float16") else 4))
 
@@ -206,7 +210,7 @@ def colocated_engine_fraction(
         shards=t.placement.policy_num_nodes * t.placement.policy_num_gpus_per_node,
         offload_optimizer=t.policy.optimizer_config.offload_after_step,
         processes=processes,
-        transfer_bytes=sync_transfer_bytes(cfg, params),
+        transfer_bytes=sync_transfer_bytes(cfg, params, lora_sync(cfg, str(model_path)).adapter),
     )
     split = engine_memory_split(gpu_bytes, footprint.total_bytes, requested)
     say(split.describe())

@@ -171,3 +171,5 @@ def test_a_cuda_ipc_push_counts_a_whole_copy_of_the_weights_in_the_engines_dtype
     assert sync_transfer_bytes(gloo, 1_000_000_000) == buckets  # a broadcast streams buckets
     lora = load_config(["trainer.placement.colocate_all=true", "trainer.policy.model.lora.rank=8"])
     assert sync_transfer_bytes(lora, 1_000_000_000) == buckets  # an adapter, over a group
+    # a LoRA policy over a mixture of experts pushes merged weights: by CUDA IPC, a whole copy
+    assert sync_transfer_bytes(lora, 1_000_000_000, lora_adapter=False) == 4_000_000_000
