@@ -61,11 +61,15 @@ CPU_SLEEP_MESSAGE = (
 
 def _engine_failure(message: str, exc: Exception) -> Exception:
     """A failed call: `EngineUnavailableError` when vLLM's engine core process is gone (it never
-    comes back), else `EngineError`."""
+    comes back), `EngineRequestError` when vLLM refused a generate request (a ValueError), else
+    `EngineError`."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(exc, EngineDeadError):  # its text points at a stack trace the log has
         return EngineUnavailableError(f"{message}: the vLLM engine process died (EngineDeadError)")
+    if isinstance(exc, ValueError) and message.endswith(": generate failed"):  # vLLM's checks of the
+        # request (e.g. a prompt past max_model_len, more images than the engine takes)
+        return EngineRequestError(f"{message}: {exc}")
     return EngineError(f"{message}: {exc}")
 
 
