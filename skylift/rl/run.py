@@ -51,7 +51,7 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
     except Exception as exc:  # a rollout outside training's loop (`skylift eval`): nothing to save
         if (line := rollout_input(exc)) is None:
             raise  # not the user's input: a bug, its traceback kept
-        return _said(prog, f"rollout failed: {line}", exc, 4, verbose)
+        return _said(prog, f"rollout failed: {line} (--verbose shows the traceback)", exc, 4, verbose)
     finally:
         if trainer is not None:
             trainer.shutdown()
