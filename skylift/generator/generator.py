@@ -318,8 +318,8 @@ class Generator:
         if extra is None:
             return flat
         where = f"{type(envs[0]).__name__}.finish_group"
-        if not isinstance(extra, Sequence) or len(extra) != len(rollouts):
-            got = f"{len(extra)} rewards" if isinstance(extra, Sequence) else type(extra).__name__
+        if not hasattr(extra, "__len__") or len(extra) != len(rollouts):
+            got = f"{len(extra)} rewards" if hasattr(extra, "__len__") else type(extra).__name__
             raise EnvironmentFailed(f"{where} returned {got} for {len(rollouts)} trajectories")
         for rollout, item in zip(rollouts, extra, strict=True):
             reward, metrics = item if isinstance(item, tuple) else (item, {})

@@ -73,6 +73,16 @@ class NeedsKey(Yes):
         raise ValueError("environment.env_kwargs needs api_key")
 
 
+class GroupWords(Yes):
+    def finish_group(self, group: list[Environment], trajectories: list[Any]) -> Any:
+        return ["best", "worst"]
+
+
+class GroupMiscount(Yes):
+    def finish_group(self, group: list[Environment], trajectories: list[Any]) -> Any:
+        return [1.0]
+
+
 ENVS = {
     "divides": Divides,
     "bad_init": BadInit,
@@ -82,6 +92,8 @@ ENVS = {
     "asks_llm": AsksTheLLM,
     "yes": Yes,
     "needs_key": NeedsKey,
+    "group_words": GroupWords,
+    "group_miscount": GroupMiscount,
 }
 
 
@@ -152,6 +164,8 @@ def test_an_environment_that_raises_is_named_with_the_prompt(tokenizer: Any, mod
         ("word_reward", "WordReward.step returned the reward 'high' (str), not a finite number"),
         ("nan_metric", "NanMetric.step returned the metric 'score': nan (float), not a finite number"),
         ("plain_float", "PlainFloat.step returned float, not a StepResult"),
+        ("group_words", "GroupWords.finish_group returned the reward 'best' (str), not a finite number"),
+        ("group_miscount", "GroupMiscount.finish_group returned 1 rewards for 2 trajectories"),
     ],
 )
 def test_a_step_result_that_is_not_numbers_is_named(tokenizer: Any, mode: str, env: str, line: str) -> None:
