@@ -252,3 +252,28 @@ def test_a_prompt_past_max_prompt_length_names_both(tokenizer: Any, mode: str) -
             generator.generate([Row(PROMPT, "yes", uid="u9")], 1, SamplingParams(), seeds=MODES[mode][1])
         )
     assert rollout_input(info.value) == "prompt u9 has 13 tokens, more than generator.max_prompt_length=4"
+
+
+def test_vllms_refusal_of_a_generate_request_is_a_request_error() -> None:
+    """What vLLM raises for a prompt past `max_model_len` (seen from `skylift train` with
+    `generator.engine_init_kwargs.max_model_len=24`): the request's fault in `generate`, an engine
+    error anywhere else (e.g. a weight update)."""
+    pytest.importorskip("vllm")
+    from vllm.exceptions import VLLMValidationError
+
+    from skylift.inference.local import _engine_failure
+    from skylift.inference.types import EngineError
+
+    refused = VLLMValidationError(
+        "This model's maximum context length is 24 tokens. However, your prompt contains 80 input tokens",
+        parameter="input_tokens",
+        value=80,
+    )
+    failure = _engine_failure("engine-0: generate failed", refused)
+    assert isinstance(failure, EngineRequestError)
+    assert str(failure).endswith("contains 80 input tokens (parameter=input_tokens, value=80)")
+    assert isinstance(
+        _engine_failure("engine-0: generate failed", ValueError("bad prompt")), EngineRequestError
+    )
+    other = _engine_failure("engine-0: update_weights failed", refused)
+    assert isinstance(other, EngineError) and not isinstance(other, EngineRequestError)
