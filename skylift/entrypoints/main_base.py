@@ -142,7 +142,9 @@ def run_train(run: RunOptions) -> int:
         trainer.fit()
         print(f"[skylift] exported Hugging Face weights to {trainer.export()}")
 
-    return run_trainer(lambda: build_trainer(cfg, verbose=run.verbose), fit_and_export, "skylift")
+    return run_trainer(
+        lambda: build_trainer(cfg, verbose=run.verbose), fit_and_export, "skylift", run.verbose
+    )
 
 
 def parse_run_arguments(

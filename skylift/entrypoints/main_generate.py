@@ -54,7 +54,10 @@ def run_eval(run: RunOptions, checkpoint: str | None = None) -> int:
 
     say = Console(True).say
     return run_trainer(
-        lambda: EvalOnlyRun(cfg, say, run.verbose, checkpoint), EvalOnlyRun.evaluate, "skylift eval"
+        lambda: EvalOnlyRun(cfg, say, run.verbose, checkpoint),
+        EvalOnlyRun.evaluate,
+        "skylift eval",
+        run.verbose,
     )
 
 

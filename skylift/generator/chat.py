@@ -30,6 +30,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from jinja2 import TemplateError
+
 Messages = list[dict[str, Any]]
 
 #: runs of U+FFFD, the mark of bytes that are no character
@@ -60,15 +62,9 @@ class ChatFormat:
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: Messages, *, add_generation_prompt: bool, tools: Any = None) -> list[int]:
-        """Token ids of `messages` rendered by the template (a plain list of ints)."""
-        ids = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **self.template_kwargs,
-        )
+        """Token ids of `messages` rendered by the template (a plain list of ints);
+        `ChatTemplateError` when the template cannot render them (see `_applied`)."""
+        ids = self._applied(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True)
         if hasattr(ids, "keys"):  # some versions return a BatchEncoding regardless
             ids = ids["input_ids"]
         if ids and isinstance(ids[0], list):
@@ -77,14 +73,23 @@ class ChatFormat:
 
     def render_text(self, messages: Messages, *, add_generation_prompt: bool, tools: Any = None) -> str:
         return str(
-            self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **self.template_kwargs,
-            )
+            self._applied(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
         )
+
+    def _applied(self, messages: Messages, **kwargs: Any) -> Any:
+        """`apply_chat_template`; what the template raises on these messages (its
+        ``raise_exception``, a role it does not know, a field it lacks) is a `ChatTemplateError`
+        saying so on one line."""
+        extra = {"return_dict": False} if kwargs["tokenize"] else {}
+        try:
+            return self.tokenizer.apply_chat_template(messages, **kwargs, **extra, **self.template_kwargs)
+        except (TemplateError, TypeError, KeyError, ValueError, IndexError, AttributeError) as exc:
+            if isinstance(exc, ChatTemplateError):
+                raise
+            roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages]
+            raise ChatTemplateError(
+                f"the chat template cannot render the messages (roles {roles}): {type(exc).__name__}: {exc}"
+            ) from exc
 
     def prompt_ids(self, messages: Messages, tools: Any = None) -> list[int]:
         """The prompt: `messages` and the assistant header the policy continues."""

@@ -33,6 +33,14 @@ from skylift.generator.chat import ChatFormat
 from skylift.generator.llm import EngineChatClient
 from skylift.generator.multi_turn import TurnLoop
 from skylift.generator.rollout_end import RolloutTask
+from skylift.generator.rollout_errors import (
+    EnvironmentFailed,
+    PromptTooLongError,
+    checked_step,
+    env_raised,
+    number,
+    rollout_of,
+)
 from skylift.generator.routed import routed_tokens
 from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
 from skylift.generator.timing import Clock, TrajectoryTimer
@@ -147,7 +155,7 @@ class Generator:
         if self.vision is not None:  # the model's own logits stay untouched (see generator.vision)
             params = replace(params, logit_bias={**(params.logit_bias or {}), **self.vision.logit_bias()})
         try:
-            groups = [[self._make_env(row) for _ in range(n)] for row in rows]
+            groups = [self._envs_of(row, n) for row in rows]
             token_level = any(isinstance(envs[0], TokenEnvironment) for envs in groups if envs)
             if self.settings.max_turns > 1 or not self.settings.batched or token_level:
                 one = replace(params, n=1)
@@ -201,18 +209,19 @@ class Generator:
         prompts: list[list[int]] = []
         images: list[list[Any]] = []
         for row, envs in zip(rows, groups, strict=True):
-            await self._setup_group(row, envs)
-            inits = await asyncio.gather(
-                *(self._call_env(env.init, row.prompt, self._extras(row)) for env in envs)
-            )
-            ids = self.encode_prompt(inits[0], envs[0].tool_schemas())
-            if len(ids) > self.settings.max_prompt_length:
-                raise ValueError(
-                    f"prompt {row.uid} has {len(ids)} tokens, more than max_prompt_length="
-                    f"{self.settings.max_prompt_length}"
+            with rollout_of(row.uid):
+                await self._setup_group(row, envs)
+                inits = await asyncio.gather(
+                    *(self._call_env(env.init, row.prompt, self._extras(row)) for env in envs)
                 )
-            prompts.append(ids)
-            images.append(self.prompt_images(row.uid, inits[0]))
+                ids = self.encode_prompt(inits[0], envs[0].tool_schemas())
+                if len(ids) > self.settings.max_prompt_length:
+                    raise PromptTooLongError(
+                        f"prompt {row.uid} has {len(ids)} tokens, more than generator.max_prompt_length="
+                        f"{self.settings.max_prompt_length}"
+                    )
+                prompts.append(ids)
+                images.append(self.prompt_images(row.uid, inits[0]))
             envs_per_row.append(envs)
         params = replace(params, max_tokens=min(params.max_tokens, self.settings.max_generate_length))
         with_images = any(images)
@@ -223,19 +232,24 @@ class Generator:
                 if with_images
                 else self.engine.generate(prompts, params)
             )
-            outputs = await timer.timed("llm", call)
+            batch = rows[0].uid if len(rows) == 1 else f"{rows[0].uid} or another of its batch of {len(rows)}"
+            with rollout_of(batch):  # one request for the batch: the engine's error may name the index
+                outputs = await timer.timed("llm", call)
             llm_s = [timer.split["llm"]] * len(prompts)  # one call for the batch
         else:
             timers = [TrajectoryTimer(self.clock, start) for _ in prompts]
             answers = await asyncio.gather(
                 *(
-                    timer.timed(
-                        "llm",
-                        self.engine.generate([p], replace(params, seed=s), images=[imgs])  # type: ignore[call-arg]
-                        if imgs
-                        else self.engine.generate([p], replace(params, seed=s)),
+                    self._named(
+                        row.uid,
+                        timer.timed(
+                            "llm",
+                            self.engine.generate([p], replace(params, seed=s), images=[imgs])  # type: ignore[call-arg]
+                            if imgs
+                            else self.engine.generate([p], replace(params, seed=s)),
+                        ),
                     )
-                    for p, s, imgs, timer in zip(prompts, seeds, images, timers, strict=True)
+                    for row, p, s, imgs, timer in zip(rows, prompts, seeds, images, timers, strict=True)
                 )
             )
             outputs = [answer[0] for answer in answers]
@@ -261,7 +275,10 @@ class Generator:
                 for (tr,) in scored[i * n : (i + 1) * n]:
                     self.vision.attach(tr, images[i], output.prompt_token_ids)
         finished = await asyncio.gather(
-            *(self._finish_group(envs, scored[i * n : (i + 1) * n]) for i, envs in enumerate(envs_per_row))
+            *(
+                self._named(rows[i].uid, self._finish_group(envs, scored[i * n : (i + 1) * n]))
+                for i, envs in enumerate(envs_per_row)
+            )
         )
         return [tr for group in finished for tr in group]
 
@@ -270,16 +287,22 @@ class Generator:
         self, row: PromptRow, envs: list[Any], params: SamplingParams, policy_version: int, seed: int | None
     ) -> list[Trajectory]:
         """The agent loop for each of a prompt's environments, between the group's hooks."""
-        await self._setup_group(row, envs)
-        runs = [
-            self._turns.run(
-                RolloutTask(
-                    row, env, self._extras(row), params, policy_version, None if seed is None else seed + j
+        with rollout_of(row.uid):
+            await self._setup_group(row, envs)
+            runs = [
+                self._turns.run(
+                    RolloutTask(
+                        row,
+                        env,
+                        self._extras(row),
+                        params,
+                        policy_version,
+                        None if seed is None else seed + j,
+                    )
                 )
-            )
-            for j, env in enumerate(envs)
-        ]
-        return await self._finish_group(envs, list(await asyncio.gather(*runs)))
+                for j, env in enumerate(envs)
+            ]
+            return await self._finish_group(envs, list(await asyncio.gather(*runs)))
 
     async def _setup_group(self, row: PromptRow, envs: list[Any]) -> None:
         if envs and type(envs[0]).setup_group is not Environment.setup_group:
@@ -294,17 +317,18 @@ class Generator:
         extra = await self._call_env(envs[0].finish_group, envs, [rollout[-1] for rollout in rollouts])
         if extra is None:
             return flat
-        if len(extra) != len(rollouts):
-            raise ValueError(
-                f"{type(envs[0]).__name__}.finish_group returned {len(extra)} rewards for {len(rollouts)}"
-            )
+        where = f"{type(envs[0]).__name__}.finish_group"
+        if not hasattr(extra, "__len__") or len(extra) != len(rollouts):
+            got = f"{len(extra)} rewards" if hasattr(extra, "__len__") else type(extra).__name__
+            raise EnvironmentFailed(f"{where} returned {got} for {len(rollouts)} trajectories")
         for rollout, item in zip(rollouts, extra, strict=True):
             reward, metrics = item if isinstance(item, tuple) else (item, {})
+            reward = number(reward, f"{where} returned the reward")
             for tr in rollout:  # the steps of a step-wise rollout all carry its reward
-                tr.reward += float(reward)
+                tr.reward += reward
                 if tr.turn_rewards:
                     index, last = tr.turn_rewards[-1]
-                    tr.turn_rewards[-1] = (index, last + float(reward))
+                    tr.turn_rewards[-1] = (index, last + reward)
             rollout[-1].metrics.update({f"group/{k}": float(v) for k, v in (metrics or {}).items()})
         return flat
 
@@ -334,16 +358,29 @@ class Generator:
 
     async def _call_env(self, method: Callable[..., Any], *args: Any) -> Any:
         """An environment's `init`/`step`/`close`: awaited when async, else in the env thread pool
-        (inline without one)."""
-        if inspect.iscoroutinefunction(method):
-            return await method(*args)
-        if self._env_pool is None:
-            result = method(*args)
-        else:
-            result = await asyncio.get_running_loop().run_in_executor(self._env_pool, method, *args)
-        if inspect.isawaitable(result):  # a plain method that returned a coroutine
-            result = await result
-        return result
+        (inline without one). What it raises is marked with its class and method (`env_raised`); a
+        step result without a numeric reward is an `EnvironmentFailed` saying so."""
+        name = getattr(method, "__name__", "method")
+        env = getattr(method, "__self__", None)
+        try:
+            if inspect.iscoroutinefunction(method):
+                result = await method(*args)
+            elif self._env_pool is None:
+                result = method(*args)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(self._env_pool, method, *args)
+            if inspect.isawaitable(result):  # a plain method that returned a coroutine
+                result = await result
+        except Exception as exc:
+            env_raised(exc, f"{type(env).__name__}.{name}")
+            raise
+        return checked_step(env, name, result) if name in ("step", "step_tokens") else result
+
+    @staticmethod
+    async def _named(uid: str, awaitable: Any) -> Any:
+        """`awaitable`'s result; its failures on the user's input named as prompt `uid`'s."""
+        with rollout_of(uid):
+            return await awaitable
 
     async def _score(
         self,
@@ -356,11 +393,14 @@ class Generator:
         timer: TrajectoryTimer,
         images: Sequence[Any] = (),
     ) -> Trajectory:
-        completion = await timer.timed("llm", self._resubmitted(prompt_ids, completion, params, None, images))
+        with rollout_of(row.uid):
+            completion = await timer.timed(
+                "llm", self._resubmitted(prompt_ids, completion, params, None, images)
+            )
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            result = await timer.timed("env", self._call_env(env.step, text))
+            await self._call_env(env.close)
         versions = completion.token_versions if self.settings.engine_versions else None
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        result = await timer.timed("env", self._call_env(env.step, text))
-        await self._call_env(env.close)
         reward = float(result.reward)
         loss_mask = [1] * len(completion.token_ids)
         if completion.stop_reason != "stop":
@@ -390,8 +430,18 @@ class Generator:
         )
 
     # ------------------------------------------------------------------ helpers
+    def _envs_of(self, row: PromptRow, n: int) -> list[Any]:
+        """The `n` environments of `row`'s samples (a failure marked as the row's: `rollout_of`)."""
+        with rollout_of(row.uid):
+            return [self._make_env(row) for _ in range(n)]
+
     def _make_env(self, row: PromptRow) -> Any:
-        env = make_env(row.env_class or self.settings.default_env_class, **(self.settings.env_kwargs or {}))
+        name = row.env_class or self.settings.default_env_class
+        try:
+            env = make_env(name, **(self.settings.env_kwargs or {}))
+        except Exception as exc:
+            env_raised(exc, f"make_env({name!r})")
+            raise
         env.llm = self.llm
         env.tool_runner = self.tool_runner
         env.tokenizer = self.tokenizer

@@ -16,14 +16,13 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
 from skylift.generator.rollout_end import RolloutRecord, RolloutTask
+from skylift.generator.rollout_errors import HistoryRewriteError, PromptTooLongError
 from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
 
-
-class HistoryRewriteError(ValueError):
-    """A token-level environment's next context does not extend the previous one."""
+__all__ = ["HistoryRewriteError", "run_token_turns"]
 
 
 def _with_stop(params: SamplingParams, stop: Any) -> SamplingParams:
@@ -45,7 +44,7 @@ async def run_token_turns(loop: Any, timer: TrajectoryTimer, task: RolloutTask) 
     first: TokenPrompt = await loop.call_env(env.init_tokens, row.prompt, task.extras)
     prompt_ids = [int(t) for t in first.ids]
     if len(prompt_ids) > s.max_prompt_length:
-        raise ValueError(
+        raise PromptTooLongError(
             f"prompt {row.uid} has {len(prompt_ids)} tokens, more than max_prompt_length={s.max_prompt_length}"
         )
     stop = first.stop

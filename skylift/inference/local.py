@@ -61,12 +61,24 @@ CPU_SLEEP_MESSAGE = (
 
 def _engine_failure(message: str, exc: Exception) -> Exception:
     """A failed call: `EngineUnavailableError` when vLLM's engine core process is gone (it never
-    comes back), else `EngineError`."""
+    comes back), `EngineRequestError` when vLLM refused a generate request (its client errors,
+    e.g. a prompt past max_model_len, and the ValueErrors of its checks), else `EngineError`."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(exc, EngineDeadError):  # its text points at a stack trace the log has
         return EngineUnavailableError(f"{message}: the vLLM engine process died (EngineDeadError)")
+    if message.endswith(": generate failed") and isinstance(exc, _request_errors()):
+        return EngineRequestError(f"{message}: {exc}")
     return EngineError(f"{message}: {exc}")
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    """The exceptions vLLM raises for a request it refuses (`VLLMClientError` where this vLLM has it)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM: its checks raise ValueError
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def to_vllm_params(params: SamplingParams, *, prompt_logprobs: bool = False, prompt_top: int = 0) -> Any:

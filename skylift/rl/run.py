@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from skylift.config import ConfigError
+from skylift.generator.rollout_errors import rollout_input
 from skylift.models import ModelPathError
 from skylift.models.checkpoint_names import UnmappedWeightError
-from skylift.rl.loop import TrainingStoppedError
+from skylift.rl.loop import RolloutInputStoppedError, TrainingStoppedError
 from skylift.utils.messages import one_line
 
 
@@ -22,27 +24,43 @@ class Trainer(Protocol):
 T = TypeVar("T", bound=Trainer)
 
 
-def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str) -> int:
+def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, verbose: bool = False) -> int:
     """Build a trainer, set it up, run `work` on it and shut it down whatever happens. The exit code:
     0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device) or a
     model whose weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first
-    weight sync), 3 training stopped (`TrainingStoppedError`); each said on one line on stderr
-    after `prog`."""
+    weight sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
+    failed on the user's input (`rollout_input`: a dataset row the chat template cannot render
+    or longer than `generator.max_prompt_length`, an environment that raised or returned a reward
+    that is not a number, a request the engine refused with its limit, images for a text-only
+    policy; training saves its last completed step first: `RolloutInputStoppedError`); each said on
+    one line on stderr after `prog`, the traceback before it when `verbose`. Any other error keeps
+    its traceback (a bug, not the user's input)."""
     trainer = None
     try:
         trainer = build()
         trainer.setup()
         work(trainer)
     except (ConfigError, ModelPathError) as exc:
-        print(f"{prog}: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return _said(prog, f"configuration error: {exc}", exc, 2, verbose)
     except UnmappedWeightError as exc:  # from a Ray worker: the cause's text, without the traceback
-        print(f"{prog}: {one_line(str(getattr(exc, 'cause', None) or exc))}", file=sys.stderr)
-        return 2
+        return _said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
+    except RolloutInputStoppedError as exc:
+        return _said(prog, str(exc), exc, 4, verbose)
     except TrainingStoppedError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 3
+        return _said(prog, str(exc), exc, 3, verbose)
+    except Exception as exc:  # a rollout outside training's loop (`skylift eval`): nothing to save
+        if (line := rollout_input(exc)) is None:
+            raise  # not the user's input: a bug, its traceback kept
+        return _said(prog, f"rollout failed: {line} (--verbose shows the traceback)", exc, 4, verbose)
     finally:
         if trainer is not None:
             trainer.shutdown()
     return 0
+
+
+def _said(prog: str, line: str, exc: BaseException, code: int, verbose: bool) -> int:
+    """Print `line` after `prog` on stderr (the traceback of `exc` before it when `verbose`); `code`."""
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prog}: {line}", file=sys.stderr)
+    return code

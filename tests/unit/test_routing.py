@@ -10,6 +10,7 @@ from skylift.inference.http_session import SessionPool, connection_limit, keepal
 from skylift.inference.pool import EnginePool
 from skylift.inference.remote import RemoteEngineError, RemoteInferenceEngine, normalize_url
 from skylift.inference.routing import LoadRouter, NoServerLeftError
+from skylift.inference.types import EngineRequestError
 
 
 def test_pick_prefers_least_loaded_server():
@@ -225,6 +226,7 @@ def test_generation_retries_5xx_but_not_4xx():
             with pytest.raises(RemoteEngineError, match="HTTP 400.*max_tokens too large") as info:
                 await engine.generate([[1]], SamplingParams(max_tokens=999))
             assert info.value.status == 400
+            assert isinstance(info.value, EngineRequestError)  # the request's fault: a rollout names it
             assert calls["bad"] == 1  # not retried
         finally:
             await pool.close()

@@ -20,6 +20,7 @@ from PIL import Image
 from skylift.data import DataFileError, PromptDataset
 from skylift.envs import Environment, StepResult, register_env
 from skylift.generator import Generator, GeneratorSettings
+from skylift.generator.rollout_errors import rollout_input
 from skylift.generator.vision import VisionError, VisionInputs
 from skylift.inference.types import Completion, GenerateOutput, SamplingParams
 from skylift.models import tiny_qwen2_vl
@@ -316,8 +317,12 @@ def test_images_for_a_text_only_policy_are_refused(
     data = _image_rows(tmp_path, SINGLE)
     engine = FakeVisionEngine(vision, [1])
     generator = Generator(engine, tokenizer, GeneratorSettings(default_env_class=SINGLE))
-    with pytest.raises(VisionError, match="prompt 0:0 has 1 image"):
+    with pytest.raises(VisionError, match="prompt 0:0 has 1 image") as info:
         asyncio.run(generator.generate(list(data), 1, replace_bias(vision)))
+    # the run's stop line (skylift.generator.rollout_errors): the row's fault, named once
+    assert (
+        rollout_input(info.value) == "prompt 0:0 has 1 image(s) but the policy is not a vision-language model"
+    )
 
 
 def replace_bias(vision: VisionInputs) -> SamplingParams:
