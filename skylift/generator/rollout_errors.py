@@ -87,28 +87,31 @@ def rollout_input(exc: BaseException) -> str | None:
     return text if f"prompt {uid}" in text else f"prompt {uid}: {text}"
 
 
-def number(value: Any, what: str) -> float:
-    """`value` as a finite float; `EnvironmentFailed` saying `what` returned it otherwise."""
+def number(value: Any, what: str, finite: bool = True) -> float:
+    """`value` as a float (a finite one where `finite`); `EnvironmentFailed` saying `what`
+    returned it otherwise."""
     if not isinstance(value, str | bytes):
         try:
             out = float(value)
         except (TypeError, ValueError):
             pass
         else:
-            if math.isfinite(out):
+            if math.isfinite(out) or not finite:
                 return out
     shown = repr(value)
     shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
-    raise EnvironmentFailed(f"{what} {shown} ({type(value).__name__}), not a finite number")
+    kind = "a finite number" if finite else "a number"
+    raise EnvironmentFailed(f"{what} {shown} ({type(value).__name__}), not {kind}")
 
 
 def checked_step(env: Any, method: str, result: Any) -> Any:
-    """`result` of `env.<method>` (``step``/``step_tokens``) when its reward and metrics are
-    numbers; `EnvironmentFailed` naming what is wrong otherwise."""
+    """`result` of `env.<method>` (``step``/``step_tokens``) when its reward is a finite number
+    and its metrics numbers (a NaN metric is logged as such, not a reason to stop a run);
+    `EnvironmentFailed` naming what is wrong otherwise."""
     where = f"{type(env).__name__}.{method}"
     if not hasattr(result, "reward") or not hasattr(result, "done"):
         raise EnvironmentFailed(f"{where} returned {type(result).__name__}, not a StepResult")
     number(result.reward, f"{where} returned the reward")
     for name, value in (getattr(result, "metrics", None) or {}).items():
-        number(value, f"{where} returned the metric {name!r}:")
+        number(value, f"{where} returned the metric {name!r}:", finite=False)
     return result

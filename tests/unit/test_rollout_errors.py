@@ -47,9 +47,9 @@ class WordReward(Environment):
         return StepResult([], "high", True)  # type: ignore[arg-type]
 
 
-class NanMetric(Environment):
+class WordMetric(Environment):
     def step(self, action: str) -> StepResult:
-        return StepResult([], 1.0, True, metrics={"score": float("nan")})
+        return StepResult([], 1.0, True, metrics={"score": "good"})  # type: ignore[dict-item]
 
 
 class PlainFloat(Environment):
@@ -87,7 +87,7 @@ ENVS = {
     "divides": Divides,
     "bad_init": BadInit,
     "word_reward": WordReward,
-    "nan_metric": NanMetric,
+    "word_metric": WordMetric,
     "plain_float": PlainFloat,
     "asks_llm": AsksTheLLM,
     "yes": Yes,
@@ -162,7 +162,7 @@ def test_an_environment_that_raises_is_named_with_the_prompt(tokenizer: Any, mod
     ("env", "line"),
     [
         ("word_reward", "WordReward.step returned the reward 'high' (str), not a finite number"),
-        ("nan_metric", "NanMetric.step returned the metric 'score': nan (float), not a finite number"),
+        ("word_metric", "WordMetric.step returned the metric 'score': 'good' (str), not a number"),
         ("plain_float", "PlainFloat.step returned float, not a StepResult"),
         ("group_words", "GroupWords.finish_group returned the reward 'best' (str), not a finite number"),
         ("group_miscount", "GroupMiscount.finish_group returned 1 rewards for 2 trajectories"),
@@ -277,3 +277,12 @@ def test_vllms_refusal_of_a_generate_request_is_a_request_error() -> None:
     )
     other = _engine_failure("engine-0: update_weights failed", refused)
     assert isinstance(other, EngineError) and not isinstance(other, EngineRequestError)
+
+
+def test_a_nan_metric_is_logged_not_a_reason_to_stop() -> None:
+    from skylift.generator.rollout_errors import checked_step
+
+    result = StepResult([], 1.0, True, metrics={"score": float("nan")})
+    assert checked_step(WordMetric(), "step", result) is result
+    with pytest.raises(Exception, match="returned the reward nan"):
+        checked_step(WordMetric(), "step", StepResult([], float("nan"), True))
