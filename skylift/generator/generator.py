@@ -35,7 +35,7 @@ from skylift.generator.multi_turn import TurnLoop
 from skylift.generator.rollout_end import RolloutTask
 from skylift.generator.rollout_errors import (
     EnvironmentFailed,
-    PromptTooLongError,
+    check_prompt_length,
     checked_step,
     env_raised,
     number,
@@ -215,11 +215,7 @@ class Generator:
                     *(self._call_env(env.init, row.prompt, self._extras(row)) for env in envs)
                 )
                 ids = self.encode_prompt(inits[0], envs[0].tool_schemas())
-                if len(ids) > self.settings.max_prompt_length:
-                    raise PromptTooLongError(
-                        f"prompt {row.uid} has {len(ids)} tokens, more than generator.max_prompt_length="
-                        f"{self.settings.max_prompt_length}"
-                    )
+                check_prompt_length(row.uid, ids, self.settings.max_prompt_length)
                 prompts.append(ids)
                 images.append(self.prompt_images(row.uid, inits[0]))
             envs_per_row.append(envs)

@@ -26,6 +26,7 @@ from typing import Any
 from skylift.envs.token_env import TokenEnvironment
 from skylift.generator.chat import ChatFormat, ConversationIds, TemplateMismatch
 from skylift.generator.rollout_end import RolloutRecord, RolloutTask
+from skylift.generator.rollout_errors import check_prompt_length
 from skylift.generator.settings import GeneratorSettings
 from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import Clock, TrajectoryTimer
@@ -68,6 +69,7 @@ class TurnLoop:
         messages = await self.call_env(env.init, row.prompt, task.extras)
         tools = env.tool_schemas()
         track = ConversationIds(self.chat, messages, tools)  # what the template renders so far
+        check_prompt_length(row.uid, track.ids, s.max_prompt_length)
         rollout = RolloutRecord(list(track.ids), task.policy_version)
         rollout.images = self._images(row.uid, messages, s)
         conversation = [dict(m) for m in messages]  # step-wise: rendered afresh every turn

@@ -36,6 +36,15 @@ class PromptTooLongError(ValueError):
     """A prompt (as the chat template renders it) is longer than `generator.max_prompt_length`."""
 
 
+def check_prompt_length(uid: str, ids: list[int], limit: int) -> None:
+    """`PromptTooLongError` when prompt `uid`'s first context (`ids`, as the chat template or a
+    token-level environment renders it) is longer than `generator.max_prompt_length` (`limit`)."""
+    if len(ids) > limit:
+        raise PromptTooLongError(
+            f"prompt {uid} has {len(ids)} tokens, more than generator.max_prompt_length={limit}"
+        )
+
+
 #: the causes that are the user's input (anything else in a rollout is not)
 USER_INPUT: tuple[type[BaseException], ...] = (
     EngineRequestError,

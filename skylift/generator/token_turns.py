@@ -16,7 +16,7 @@ from typing import Any
 
 from skylift.envs.token_env import TokenEnvironment, TokenPrompt, stop_fields
 from skylift.generator.rollout_end import RolloutRecord, RolloutTask
-from skylift.generator.rollout_errors import HistoryRewriteError, PromptTooLongError
+from skylift.generator.rollout_errors import HistoryRewriteError, check_prompt_length
 from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
@@ -43,10 +43,7 @@ async def run_token_turns(loop: Any, timer: TrajectoryTimer, task: RolloutTask) 
     env: TokenEnvironment = task.env
     first: TokenPrompt = await loop.call_env(env.init_tokens, row.prompt, task.extras)
     prompt_ids = [int(t) for t in first.ids]
-    if len(prompt_ids) > s.max_prompt_length:
-        raise PromptTooLongError(
-            f"prompt {row.uid} has {len(prompt_ids)} tokens, more than max_prompt_length={s.max_prompt_length}"
-        )
+    check_prompt_length(row.uid, prompt_ids, s.max_prompt_length)
     stop = first.stop
     context = list(prompt_ids)
     rollout = RolloutRecord(prompt_ids, task.policy_version)

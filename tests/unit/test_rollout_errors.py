@@ -244,9 +244,10 @@ def test_a_row_the_chat_template_cannot_render_is_named(mode: str) -> None:
     )
 
 
-@pytest.mark.parametrize("mode", ["batched", "seeded"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_a_prompt_past_max_prompt_length_names_both(tokenizer: Any, mode: str) -> None:
-    generator = Generator(ScriptedEngine([]), tokenizer, GeneratorSettings(max_prompt_length=4))
+    settings = replace(MODES[mode][0], max_prompt_length=4)  # multi-turn too: its first context
+    generator = Generator(ScriptedEngine([]), tokenizer, settings)
     with pytest.raises(ValueError, match="more than") as info:
         asyncio.run(
             generator.generate([Row(PROMPT, "yes", uid="u9")], 1, SamplingParams(), seeds=MODES[mode][1])
