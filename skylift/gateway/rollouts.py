@@ -35,6 +35,7 @@ from skylift.gateway.server import Gateway, GatewayLimits
 from skylift.gateway.session import Budget, Session
 from skylift.gateway.trajectories import session_trajectories
 from skylift.generator.plugins import RolloutContext, register_rollout_plugin
+from skylift.generator.rollout_errors import rollout_of
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.types import SamplingParams
 
@@ -146,6 +147,16 @@ class HarnessRollouts:
 
     async def _rollout(
         self, row: Any, j: int, params: SamplingParams, policy_version: int, seed: int | None
+    ) -> list[Trajectory]:
+        """One rollout of `row`. The agent's and its verifier's failures are its error (`_run`:
+        reward 0, the run goes on); what fails after them on the row itself (its prompt, rendered
+        as the stand-in of an agent that made no call, that the chat template cannot render) is
+        marked as the row's (`rollout_of`), which stops training on one line."""
+        with rollout_of(row.uid):
+            return await self._play(row, params, policy_version, seed)
+
+    async def _play(
+        self, row: Any, params: SamplingParams, policy_version: int, seed: int | None
     ) -> list[Trajectory]:
         async with self._limit():
             self._rollouts += 1

@@ -61,13 +61,15 @@ _UID, _ENV = "skylift_prompt_uid", "skylift_env_method"
 
 
 @contextmanager
-def rollout_of(uid: str) -> Iterator[None]:
-    """Mark the failures on the user's input inside (`USER_INPUT`, or raised by an environment's
-    method) as prompt `uid`'s and let them go on, their type unchanged (`rollout_input` reads it)."""
+def rollout_of(uid: str, also: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Mark the failures on the user's input inside (`USER_INPUT`, the types in `also`: a wing's
+    own, e.g. a verifiers episode that failed, or raised by an environment's method) as prompt
+    `uid`'s and let them go on, their type unchanged (`rollout_input` reads it)."""
     try:
         yield
     except Exception as exc:
-        if (isinstance(exc, USER_INPUT) or hasattr(exc, _ENV)) and not hasattr(exc, _UID):
+        mine = isinstance(exc, USER_INPUT + also) or hasattr(exc, _ENV)
+        if mine and not hasattr(exc, _UID):
             with suppress(AttributeError):  # an exception without a __dict__ stays unmarked
                 setattr(exc, _UID, uid)
         raise

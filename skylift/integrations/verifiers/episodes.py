@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from skylift.generator.rollout_errors import PromptTooLongError
 from skylift.generator.trajectory import Trajectory
 from skylift.integrations.verifiers.wire import MalformedEpisode
 
@@ -193,7 +194,7 @@ def episode_trajectories(
             if start == 0:
                 raise MalformedEpisode(f"trace {trace_id}: a path starts with sampled tokens (no prompt)")
             if max_prompt_length is not None and start > max_prompt_length:
-                raise ValueError(
+                raise PromptTooLongError(
                     f"verifiers episode {episode_id} of prompt {uid}: the prompt has {start} tokens, more "
                     f"than trainer.max_prompt_length={max_prompt_length}"
                 )

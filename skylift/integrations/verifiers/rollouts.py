@@ -21,15 +21,25 @@ from typing import Any
 
 from skylift.generator.generator import PromptRow, seed_of_each_row
 from skylift.generator.plugins import RolloutContext, register_rollout_plugin
+from skylift.generator.rollout_errors import rollout_of
 from skylift.generator.trajectory import Trajectory
 from skylift.inference.remote import normalize_url
 from skylift.inference.types import SamplingParams
-from skylift.integrations.verifiers.episodes import episode_trajectories
-from skylift.integrations.verifiers.wire import VerifiersEnvClient
+from skylift.integrations.verifiers.episodes import EpisodeFailed, episode_trajectories
+from skylift.integrations.verifiers.wire import EnvServerRefused, MalformedEpisode, VerifiersEnvClient
 from skylift.utils.calls import call_with_timeout
 
 #: the environment name that sends a row to the env server
 ENV_CLASS = "verifiers"
+
+
+class TaskError(ValueError):
+    """A row's verifiers task (``extra_info[task_key]``) is not a mapping."""
+
+
+#: the failures of a verifiers row that are the user's side (its task, its environment on the env
+#: server, the episodes it sent back); an unreachable or silent env server is not among them
+USER_SIDE: tuple[type[BaseException], ...] = (TaskError, EpisodeFailed, EnvServerRefused, MalformedEpisode)
 
 
 @dataclass
@@ -177,12 +187,21 @@ class VerifiersRollouts:
     async def _row(
         self, row: PromptRow, n: int, params: SamplingParams, policy_version: int, seed: int | None
     ) -> list[Trajectory]:
+        """The trajectories of `row`'s `n` episodes; a failure on the user's side (`USER_SIDE`, a
+        prompt past the limit) is marked as the row's (`rollout_of`), which stops training on one
+        line; an env server that cannot be reached or times out is not."""
+        with rollout_of(row.uid, also=USER_SIDE):
+            return await self._episodes(row, n, params, policy_version, seed)
+
+    async def _episodes(
+        self, row: PromptRow, n: int, params: SamplingParams, policy_version: int, seed: int | None
+    ) -> list[Trajectory]:
         task = (row.extra_info or {}).get(self.settings.task_key)
         if task is None:
             task = {"prompt": list(row.prompt)}
         if not isinstance(task, dict):
-            raise ValueError(
-                f"row {row.uid}: extra_info[{self.settings.task_key!r}] must be a mapping of the "
+            raise TaskError(
+                f"prompt {row.uid}: extra_info[{self.settings.task_key!r}] must be a mapping of the "
                 f"taskset's task fields, got {type(task).__name__}"
             )
         model = await self.model()

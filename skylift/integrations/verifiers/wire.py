@@ -14,7 +14,8 @@ speaks that protocol without importing verifiers:
 - the episode is the reply's ``head`` joined with the traces assembled from the deltas.
 
 Every wait has a deadline (`EnvServerUnreachable` for an unanswered health probe,
-`EnvServerError` for a failed or timed-out run, which is then cancelled on the server);
+`EnvServerError` for a timed-out run, which is then cancelled on the server, `EnvServerRefused`
+for a run the server answered with its failure);
 `MalformedEpisode` names what in a frame or an episode was not as the protocol says.
 """
 
@@ -38,6 +39,11 @@ class EnvServerError(RuntimeError):
 
 class EnvServerUnreachable(EnvServerError):
     """No env server answered at the address."""
+
+
+class EnvServerRefused(EnvServerError):
+    """The env server answered a request with its failure (e.g. the taskset rejected the task or
+    the environment raised before an episode): the user's side, not the connection."""
 
 
 class MalformedEpisode(ValueError):
@@ -224,7 +230,7 @@ class VerifiersEnvClient:
                 f"{{success, error, ...}}: {_brief(reply)}"
             )
         if not reply["success"]:
-            raise EnvServerError(
+            raise EnvServerRefused(
                 f"verifiers env server at {self.address}: {method} failed: {reply.get('error') or 'no reason given'}"
             )
         return reply
