@@ -241,6 +241,20 @@ def private_data_dir(path: Path) -> Path:
     return path
 
 
+def refuse_sampler_lora(base_models: list[str], max_model_len: int | None, flag: str) -> None:
+    """`SystemExit` (one line) for ``--sampler-lora adapters`` with a mixture-of-experts base
+    (`skylift.tinker.sampling.lora_mode.fixed_swap`), before the data directory, the database or
+    anything else is created on disk; the bases' configs are read only under that flag."""
+    if flag != "adapters":
+        return
+    from skylift.tinker.core.base_models import describe_base_model
+    from skylift.tinker.sampling.lora_mode import fixed_swap
+
+    for name in base_models:
+        info = describe_base_model(name, max_model_len)
+        fixed_swap(info.name, info.moe, False, flag)
+
+
 def _media_root(raw: str) -> Path:
     path = Path(os.path.abspath(raw))
     if not path.is_dir():
@@ -281,6 +295,7 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if value <= 0:
             raise SystemExit(f"{flag} must be > 0, got {value}")
+    refuse_sampler_lora(args.base_models, args.max_model_len, args.sampler_lora)
     data_dir = private_data_dir(Path(args.data_dir))
     db = args.db or f"sqlite:///{data_dir / 'tinker.db'}"
     config = ServerConfig(

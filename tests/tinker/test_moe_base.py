@@ -4,7 +4,7 @@ fused experts too (PEFT's ``target_parameters``: one rank-r block per expert), i
 and its samplers, served by weight swaps (vLLM's LoRA on fused experts needs Triton), score a
 sequence as its training forward does: the adapter merged on the trainer, experts included, and
 pushed under the checkpoint's per-expert names. A full fine-tune (rank 0) does the same.
-``--sampler-lora adapters`` is refused at start in one line.
+``--sampler-lora adapters`` is refused at start in one line, before anything is on disk.
 
 One server of its own (the shared one serves the dense tiny model)."""
 
@@ -108,9 +108,10 @@ def test_lora_and_full_fine_tuning_over_an_moe_base(moe_server: TinkerServer) ->
 
 def test_adapters_in_the_batch_are_refused_at_start(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "skylift.tinker.commands", "serve", "--base-model", MODEL]
-    cmd += ["--sampler-lora", "adapters", "--port", str(free_port()), "--data-dir", str(tmp_path)]
+    data = tmp_path / "data"
+    cmd += ["--sampler-lora", "adapters", "--port", str(free_port()), "--data-dir", str(data)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
+    assert done.returncode == 1 and not data.exists()  # refused before the data dir and its database
     said = [line for line in done.stderr.splitlines() if "refused" in line]
     assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert said[0].startswith("refused: --sampler-lora adapters with tiny-qwen3-moe, a mixture-of-experts")

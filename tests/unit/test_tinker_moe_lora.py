@@ -137,3 +137,20 @@ def test_moe_samplers_take_weight_swaps_and_adapters_are_refused() -> None:
     ) as err:
         fixed_swap("m", moe=True, vision=False, flag="adapters")
     assert "\n" not in str(err.value) and "--sampler-lora swap or auto" in str(err.value)
+
+
+def test_adapters_on_an_moe_base_are_refused_before_anything_is_on_disk(
+    moe_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skylift.tinker.commands import main, refuse_sampler_lora
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "data"
+    base = str(moe_dirs["tiny-qwen3-moe"])
+    argv = ["serve", "--base-model", base, "--sampler-lora", "adapters", "--data-dir", str(data)]
+    with pytest.raises(SystemExit, match="refused: --sampler-lora adapters with .*mixture-of-experts") as err:
+        main([*argv, "--port", "1"])  # refused before the port is bound, too
+    assert "\n" not in str(err.value)
+    assert not data.exists() and list(tmp_path.iterdir()) == []  # no data dir, no database
+    refuse_sampler_lora([base], None, "swap")  # swaps and auto start (the server goes on)
+    refuse_sampler_lora(["no-such-model-is-read"], None, "auto")  # configs read only for adapters

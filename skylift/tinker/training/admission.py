@@ -8,7 +8,8 @@ safetensors headers (no weights are read), in the training dtype (float32):
 
 - a LoRA client: its base model once (shared by every LoRA client of that base:
   `skylift.tinker.training.base_pool`), counted while any client of it is admitted, plus its adapter
-  (rank x (in + out) per targeted linear layer) with its gradients and AdamW's two moments;
+  (rank x (in + out) per targeted linear layer; an MoE's experts as PEFT adapts them: `lora_params`)
+  with its gradients and AdamW's two moments;
 - a full fine-tune: a whole model of its own, its gradients and AdamW's two moments.
 
 Activations are not counted: one operation runs at a time (one training thread), so they come out
@@ -19,6 +20,7 @@ clients per user, and LoRA adapters per user, from the server's flags or the use
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -91,14 +93,41 @@ def weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+#: an expert's layers in a checkpoint, by role: gate and up (Mixtral's w1, w3), down (Mixtral's w2)
+EXPERT_GATE_UP = frozenset({"gate_proj", "up_proj", "w1", "w3"})
+EXPERT_DOWN = frozenset({"down_proj", "w2"})
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
 def lora_params(shapes: dict[str, tuple[int, ...]], targets: list[str], rank: int) -> int:
     """Parameters of rank-`rank` adapters on the linear layers named `targets` (PEFT matches a
-    module by its last name); a tied lm_head has the input embedding's shape."""
+    module by its last name); a tied lm_head has the input embedding's shape.
+
+    A mixture of experts' experts (checkpoint names ``experts.<i>.gate_proj`` ..., Mixtral's
+    ``w1``/``w3``/``w2``, or fused 3-d ``experts.gate_up_proj``/``down_proj``) are counted as PEFT
+    adapts transformers 5's fused experts (`skylift.tinker.training.moe_lora`) when the MLP is
+    targeted (either family's names): per expert a rank-2r block on gate and up fused
+    (2r x (hidden + 2 x intermediate)) and a rank-r block on down."""
+    wanted = set(targets)
+    gate_up, down = bool(wanted & EXPERT_GATE_UP), bool(wanted & EXPERT_DOWN)
     total = 0
+    experts: dict[tuple[str, str], list[tuple[int, ...]]] = {}  # (layer's experts, index) -> gate, up
     for name, shape in shapes.items():
         parts = name.split(".")
-        if len(shape) == 2 and parts[-1] == "weight" and len(parts) > 1 and parts[-2] in targets:
+        expert = _EXPERT.match(name)
+        leaf = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
+        if expert is not None and len(shape) == 2:
+            if expert.group(3) in EXPERT_GATE_UP and gate_up:
+                experts.setdefault((expert.group(1), expert.group(2)), []).append(shape)
+            elif expert.group(3) in EXPERT_DOWN and down:
+                total += rank * (shape[0] + shape[1])
+        elif len(shape) == 3 and ".experts." in name and leaf in ("gate_up_proj", "down_proj"):
+            if (gate_up, down)[leaf == "down_proj"]:  # experts x rank (2r for gate_up) x (in + out)
+                total += shape[0] * (1 if leaf == "down_proj" else 2) * rank * (shape[1] + shape[2])
+        elif len(shape) == 2 and parts[-1] == "weight" and len(parts) > 1 and parts[-2] in targets:
             total += rank * (shape[0] + shape[1])
+    for pair in experts.values():  # gate and up fused: out 2 x intermediate, in hidden, rank 2r
+        total += 2 * rank * (sum(s[0] for s in pair) + pair[0][1])
     if "lm_head" in targets and not any(n.split(".")[-2:] == ["lm_head", "weight"] for n in shapes):
         embed = next((s for n, s in shapes.items() if n.endswith("embed_tokens.weight")), None)
         if embed is not None:
