@@ -7,6 +7,7 @@ adapter and stays trainable.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +49,13 @@ def add_lora(
         lora_dropout=dropout,
         exclude_modules=[head] if head else None,
     )
-    wrapped = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # PEFT 0.21 maps an MoE's fused experts to `target_parameters` and warns that its own
+        # pattern for `gate_up_proj` (rank doubled) matched nothing, though it applied it
+        warnings.filterwarnings(
+            "ignore", message=r"The following (rank|alpha)_pattern keys", category=RuntimeWarning
+        )
+        wrapped = get_peft_model(model, config)
     if head:
         getattr(model, head).requires_grad_(True)
     return wrapped
