@@ -45,7 +45,7 @@ from skylift.generator.routed import routed_tokens
 from skylift.generator.settings import MAX_RESUBMITS, TURN_SEED_STRIDE, GeneratorSettings
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.trajectory import Trajectory
-from skylift.generator.vision import VisionError, VisionInputs, message_images
+from skylift.generator.vision import VisionError, VisionInputs, generate_with_images, message_images
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
 __all__ = [
@@ -223,11 +223,7 @@ class Generator:
         with_images = any(images)
         if seeds is None:
             timer = TrajectoryTimer(self.clock, start)
-            call = (
-                self.engine.generate(prompts, params, images=images)  # type: ignore[call-arg]
-                if with_images
-                else self.engine.generate(prompts, params)
-            )
+            call = generate_with_images(self.engine, prompts, params, images)
             batch = rows[0].uid if len(rows) == 1 else f"{rows[0].uid} or another of its batch of {len(rows)}"
             with rollout_of(batch):  # one request for the batch: the engine's error may name the index
                 outputs = await timer.timed("llm", call)
@@ -239,10 +235,7 @@ class Generator:
                     self._named(
                         row.uid,
                         timer.timed(
-                            "llm",
-                            self.engine.generate([p], replace(params, seed=s), images=[imgs])  # type: ignore[call-arg]
-                            if imgs
-                            else self.engine.generate([p], replace(params, seed=s)),
+                            "llm", generate_with_images(self.engine, [p], replace(params, seed=s), [imgs])
                         ),
                     )
                     for row, p, s, imgs, timer in zip(rows, prompts, seeds, images, timers, strict=True)
@@ -345,10 +338,7 @@ class Generator:
             seed = None if params.seed is None else params.seed + len(completion.token_ids)
             again = replace(params, n=1, max_tokens=left, seed=seed)
             context = [prompt_ids + list(completion.token_ids)]
-            if images:
-                out = await self.engine.generate(context, again, session_id, images=[list(images)])  # type: ignore[call-arg]
-            else:
-                out = await self.engine.generate(context, again, session_id)
+            out = await generate_with_images(self.engine, context, again, [images], session_id)
             completion = join_completions(completion, out[0].completions[0])
         return completion
 

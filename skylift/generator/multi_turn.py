@@ -32,7 +32,7 @@ from skylift.generator.step_wise import TurnRecord
 from skylift.generator.timing import Clock, TrajectoryTimer
 from skylift.generator.token_turns import run_token_turns
 from skylift.generator.trajectory import Trajectory
-from skylift.generator.vision import VisionError, VisionInputs, message_images
+from skylift.generator.vision import VisionError, VisionInputs, generate_with_images, message_images
 from skylift.inference.types import Completion, InferenceEngine, SamplingParams
 
 EnvCall = Callable[..., Awaitable[Any]]
@@ -122,10 +122,8 @@ class TurnLoop:
     ) -> tuple[Completion, str, list[int]]:
         """Sample one turn after `context` (an aborted sample continued: `resubmit`) and record it in
         `rollout` and `turns`: (its completion, its text, the ids `rollout` holds as sampled)."""
-        if rollout.images:  # every image so far, one image token each in `context`
-            call = self.engine.generate([context], params, rollout.session_id, images=[list(rollout.images)])  # type: ignore[call-arg]
-        else:
-            call = self.engine.generate([context], params, rollout.session_id)
+        # every image so far, one image token each in `context`
+        call = generate_with_images(self.engine, [context], params, [rollout.images], rollout.session_id)
         out = await timer.timed("llm", call)
         completion = await timer.timed(
             "llm",

@@ -47,6 +47,21 @@ def message_images(messages: Sequence[dict[str, Any]], where: str = "message") -
     return images
 
 
+def generate_with_images(
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    images: Sequence[Sequence[Any]],
+    session_id: str | None = None,
+) -> Any:
+    """`engine.generate` of `prompts`, with `images` (one list per prompt) where any prompt has
+    images; a text-only request otherwise (an engine without image support never sees the word)."""
+    args = (prompts, params) if session_id is None else (prompts, params, session_id)
+    if any(images):
+        return engine.generate(*args, images=[list(i) for i in images])
+    return engine.generate(*args)
+
+
 def has_images(messages: Sequence[dict[str, Any]]) -> bool:
     return any(
         isinstance(part, dict) and part.get("type") in ("image", "image_url")
@@ -180,4 +195,11 @@ def _expand_response(tr: Trajectory, image_token: int, repeat: Any) -> None:
     tr.turn_rewards = [(where[index], reward) for index, reward in tr.turn_rewards]
 
 
-__all__ = ["VisionError", "VisionInputs", "has_images", "message_images", "printable_messages"]
+__all__ = [
+    "VisionError",
+    "VisionInputs",
+    "generate_with_images",
+    "has_images",
+    "message_images",
+    "printable_messages",
+]

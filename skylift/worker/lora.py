@@ -79,21 +79,29 @@ def merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         raise RuntimeError(f"LoRA deltas of parameters the state dict does not hold: {sorted(deltas)}")
 
 
-def lora_deltas(model: torch.nn.Module) -> dict[str, Tensor]:
-    """Each adapted parameter's LoRA delta (float32) by its state-dict name, summed over the active
-    adapters; the model's parameters must be whole (not sharded)."""
+def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """Each PEFT LoRA layer of `model` (not merged) by the state-dict name of the parameter it
+    adapts: a linear layer's ``<base_layer>.weight``, or the parameter a ``ParamWrapper`` wraps
+    (an MoE's fused experts; nested wrappers each name their own). Named by module, as a tied
+    weight has two names."""
     from peft.tuners.lora import LoraLayer
 
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return {
+        f"{names[id(module.get_base_layer())]}.{getattr(module, 'parameter_name', 'weight')}": module
+        for module in model.modules()
+        if isinstance(module, LoraLayer) and not module.merged
+    }
+
+
+def lora_deltas(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Each adapted parameter's LoRA delta (float32) by its state-dict name, summed over the active
+    adapters; the model's parameters must be whole (not sharded)."""
     deltas: dict[str, Tensor] = {}
-    for module in model.modules():
-        if not isinstance(module, LoraLayer) or module.merged:
-            continue
-        # the adapted parameter (by its module's name: a tied weight has two)
-        key = f"{names[id(module.get_base_layer())]}.{getattr(module, 'parameter_name', 'weight')}"
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:
-                delta = module.get_delta_weight(adapter).detach().float()
+    for key, layer in lora_layers(model).items():
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                delta = layer.get_delta_weight(adapter).detach().float()
                 deltas[key] = deltas[key] + delta if key in deltas else delta
     return deltas
 
@@ -103,4 +111,12 @@ def base_name(key: str) -> str:
     return key.replace("base_model.model.", "", 1).replace(".base_layer", "")
 
 
-__all__ = ["VALUE_HEADS", "add_lora", "base_name", "lora_deltas", "merged_lora_weights", "value_head_name"]
+__all__ = [
+    "VALUE_HEADS",
+    "add_lora",
+    "base_name",
+    "lora_deltas",
+    "lora_layers",
+    "merged_lora_weights",
+    "value_head_name",
+]

@@ -98,8 +98,9 @@ class EngineHost:
         self.model_path = model_path
         self.settings = settings
         self.vision = vision
-        #: why LoRA samplers take weight swaps whatever the flag says (vision, mixture of experts)
-        self.fixed_swap = fixed_swap or ("a vision-language engine" if vision else None)
+        #: why LoRA samplers take weight swaps whatever the flag says (`lora_mode.fixed_swap`:
+        #: a vision-language or mixture-of-experts base); None: the flag decides
+        self.fixed_swap = fixed_swap
         self.cpus = cpus  # the cores the engine's compute threads bind to (None: every core)
         self.on_started: list[Callable[[EngineHost], Awaitable[None]]] = []
         self._renderer: Any = None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from skylift.tinker.errors import UserError
+from skylift.worker.lora import lora_layers
 
 #: Mixtral's expert names before transformers 5 fused them (what PEFT maps for that layout)
 MIXTRAL_EXPERT_MODULES = ["w1", "w2", "w3"]
@@ -26,15 +27,11 @@ MIXTRAL_EXPERT_MODULES = ["w1", "w2", "w3"]
 
 def _wrapped_parameters(model: torch.nn.Module) -> dict[str, int]:
     """State-dict name of each parameter a PEFT ``ParamWrapper`` adapts -> its rank per expert."""
-    names = {id(module): name for name, module in model.named_modules()}
-    wrapped: dict[str, int] = {}
-    for module in model.modules():
-        parameter = getattr(module, "parameter_name", None)
-        ranks = getattr(module, "r", None)
-        if parameter is None or not isinstance(ranks, dict) or not ranks:
-            continue
-        wrapped[f"{names[id(module.get_base_layer())]}.{parameter}"] = int(next(iter(ranks.values())))
-    return wrapped
+    return {
+        key: int(next(iter(layer.r.values())))
+        for key, layer in lora_layers(model).items()
+        if getattr(layer, "parameter_name", None) is not None and layer.r
+    }
 
 
 def _leaf(name: str) -> str:
