@@ -10,7 +10,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | patch | where it is installed | what it does |
 |---|---|---|
 | `cpu_seed_rewind` | every engine worker (`skylift.inference.vllm_worker`) | seeded requests on CPU survive the rewind of a discarded chunked-prefill sample |
-| `cpu_prompt_logprobs_lora` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, prompt logprobs in a LoRA engine add no unembedding delta instead of killing the engine |
+| `cpu_prompt_logprobs_lora` | every engine worker (`skylift.inference.vllm_worker`) | prompt logprobs in a LoRA engine add no unembedding delta (CPU and CUDA, V1 and V2 runners) instead of killing the engine (CPU) or adding other requests' adapters to some rows (CUDA) |
 | `cpu_lora_no_adapter` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, tokens without an adapter get no adapter's delta (vLLM's torch ops read index -1 as the last slot) |
 | `cpu_moe_reload` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, a weight update of a mixture-of-experts layer repacks the experts (vLLM copies them unpacked into the packed storage) |
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
