@@ -6,7 +6,7 @@ of the weight-sync protocol (`skylift.weight_sync.broadcast.receiver` for full w
 `skylift.weight_sync.lora.receiver` for LoRA adapters, `skylift.weight_sync.delta.receiver` for
 checkpoint-delta sync); importing this module (vLLM does, in
 every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind`,
-`cpu_lora_no_adapter`, `cpu_prompt_logprobs_lora` and `cpu_moe_reload` (a vLLM they were not written for fails the
+`cpu_lora_no_adapter`, `prompt_logprobs_lora_rows` and `cpu_moe_reload` (a vLLM they were not written for fails the
 worker's start-up, naming the patch).
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from skylift.inference.vllm_patches import (
     cpu_lora_no_adapter,
     cpu_moe_reload,
-    cpu_prompt_logprobs_lora,
     cpu_seed_rewind,
+    prompt_logprobs_lora_rows,
 )
 from skylift.weight_sync.delta.receiver import DeltaReceiverExtension
 from skylift.weight_sync.lora.receiver import LoraReceiverExtension
@@ -34,5 +34,5 @@ class WeightSyncWorkerExtension(DeltaReceiverExtension, LoraReceiverExtension, W
 
 cpu_seed_rewind.install()
 cpu_lora_no_adapter.install()
-cpu_prompt_logprobs_lora.install()
+prompt_logprobs_lora_rows.install()
 cpu_moe_reload.install()

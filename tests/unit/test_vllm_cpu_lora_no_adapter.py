@@ -75,14 +75,14 @@ def test_one_index_for_every_row_and_the_prefill_ops() -> None:
 
 
 def test_prompt_logprobs_add_no_unembedding_delta_on_cpu() -> None:
-    """`cpu_prompt_logprobs_lora`: while the runner computes prompt logprobs, the CPU wrapper's
+    """`prompt_logprobs_lora_rows`: while the runner computes prompt logprobs, the CPU wrapper's
     logits op adds nothing (its per-sequence indices do not map prompt rows); otherwise it runs."""
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from skylift.inference.vllm_patches import cpu_prompt_logprobs_lora
+    from skylift.inference.vllm_patches import prompt_logprobs_lora_rows
 
-    cpu_prompt_logprobs_lora.install()
-    cpu_prompt_logprobs_lora.install()  # idempotent
+    prompt_logprobs_lora_rows.install()
+    prompt_logprobs_lora_rows.install()  # idempotent
     a, b = _stacks()
 
     class Wrapper:  # what add_lora_logits reads of the wrapper
@@ -90,11 +90,11 @@ def test_prompt_logprobs_add_no_unembedding_delta_on_cpu() -> None:
 
     prompt_rows = torch.randn(10, HIDDEN)  # ten prompt tokens, two sequences' indices: vLLM's crash
     y = torch.zeros(10, OUT)
-    cpu_prompt_logprobs_lora._scoring_prompts = True
+    prompt_logprobs_lora_rows._scoring_prompts = True
     try:
         PunicaWrapperCPU.add_lora_logits(Wrapper(), y, prompt_rows, a, b, 1.0)
     finally:
-        cpu_prompt_logprobs_lora._scoring_prompts = False
+        prompt_logprobs_lora_rows._scoring_prompts = False
     assert not y.any()
     x = torch.randn(2, HIDDEN)  # sampling: one row per sequence, each its adapter
     y = torch.zeros(2, OUT)

@@ -10,7 +10,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | patch | where it is installed | what it does |
 |---|---|---|
 | `cpu_seed_rewind` | every engine worker (`skylift.inference.vllm_worker`) | seeded requests on CPU survive the rewind of a discarded chunked-prefill sample |
-| `cpu_prompt_logprobs_lora` | every engine worker (`skylift.inference.vllm_worker`) | prompt logprobs in a LoRA engine add no unembedding delta (CPU and CUDA, V1 and V2 runners) instead of killing the engine (CPU) or adding other requests' adapters to some rows (CUDA) |
+| `prompt_logprobs_lora_rows` | every engine worker (`skylift.inference.vllm_worker`) | prompt logprobs in a LoRA engine add no unembedding delta (CPU and CUDA, V1 and V2 runners) instead of killing the engine (CPU) or adding other requests' adapters to some rows (CUDA) |
 | `cpu_lora_no_adapter` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, tokens without an adapter get no adapter's delta (vLLM's torch ops read index -1 as the last slot) |
 | `cpu_moe_reload` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, a weight update of a mixture-of-experts layer repacks the experts (vLLM copies them unpacked into the packed storage) |
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
@@ -28,10 +28,10 @@ from __future__ import annotations
 from skylift.inference.vllm_patches import (
     cpu_lora_no_adapter,
     cpu_moe_reload,
-    cpu_prompt_logprobs_lora,
     cpu_seed_rewind,
     generate_guard,
     lora_prompt_logprobs,
+    prompt_logprobs_lora_rows,
     quiet_teardown,
     qwen2_vl_site,
     responses_input,
@@ -47,7 +47,7 @@ from skylift.inference.vllm_patches.versions import (
 MODULES = (
     cpu_seed_rewind,
     cpu_lora_no_adapter,
-    cpu_prompt_logprobs_lora,
+    prompt_logprobs_lora_rows,
     cpu_moe_reload,
     quiet_teardown,
     responses_input,

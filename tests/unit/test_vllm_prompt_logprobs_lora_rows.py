@@ -1,4 +1,4 @@
-"""`skylift.inference.vllm_patches.cpu_prompt_logprobs_lora` under Model Runner V2 and on CUDA's
+"""`skylift.inference.vllm_patches.prompt_logprobs_lora_rows` under Model Runner V2 and on CUDA's
 punica wrapper: while V2's prompt-logprobs worker computes logits for prompt rows, the
 unembedding's LoRA op of both wrappers adds nothing (vLLM maps those rows with one index per
 sequence: on CUDA request i's adapter lands on row i of whatever request, vllm-project/vllm#53842);
@@ -20,7 +20,7 @@ from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker  # noqa: E402
 
-from skylift.inference.vllm_patches import cpu_prompt_logprobs_lora  # noqa: E402
+from skylift.inference.vllm_patches import prompt_logprobs_lora_rows  # noqa: E402
 
 HIDDEN, OUT, RANK, SLOTS = 5, 7, 2, 2
 PROMPT = 6  # prompt tokens of the one request
@@ -53,15 +53,15 @@ def _token_id_batch() -> SimpleNamespace:
 
 
 def test_gpu_wrapper_runs_vllms_op_outside_prompt_scoring() -> None:
-    cpu_prompt_logprobs_lora.install()
+    prompt_logprobs_lora_rows.install()
     y, x, a, b = _logits_args(3)
     with pytest.raises(AssertionError, match="buffer should be created"):  # vLLM's op, its first check
         PunicaWrapperGPU.add_lora_logits(SimpleNamespace(), y, x, a, b, 1.0, buffer=torch.empty(1))
 
 
 def test_v2_prompt_rows_get_no_unembedding_delta_from_either_wrapper() -> None:
-    cpu_prompt_logprobs_lora.install()
-    cpu_prompt_logprobs_lora.install()  # idempotent
+    prompt_logprobs_lora_rows.install()
+    prompt_logprobs_lora_rows.install()  # idempotent
     worker = PromptLogprobsWorker(max_num_reqs=2, device=torch.device("cpu"))
     ids = np.arange(2 * (PROMPT - 1)).reshape(PROMPT - 1, 2)  # two ids scored per prompt row
     worker.add_request("r", 0, SamplingParams(prompt_logprob_token_ids=ids))
@@ -84,23 +84,23 @@ def test_v2_prompt_rows_get_no_unembedding_delta_from_either_wrapper() -> None:
     with pytest.raises(_Stop):
         worker.compute_prompt_token_id_logprobs(logits_fn, hidden, _token_id_batch(), np.array([PROMPT]))  # type: ignore[arg-type]
     assert seen == [None, None, False]  # neither op ran, nothing added
-    assert not cpu_prompt_logprobs_lora._scoring_prompts  # cleared on the way out
+    assert not prompt_logprobs_lora_rows._scoring_prompts  # cleared on the way out
 
 
 def test_v2_top_k_prompt_logprobs_are_scored_without_deltas() -> None:
     """`compute_prompt_logprobs` (top-k prompt logprobs) runs under the flag too: seen through the
     first field of the batch it reads (its logits come after a Triton kernel)."""
-    cpu_prompt_logprobs_lora.install()
+    prompt_logprobs_lora_rows.install()
     flags: list[bool] = []
 
     class Batch:
         @property
         def idx_mapping_np(self) -> np.ndarray:
-            flags.append(cpu_prompt_logprobs_lora._scoring_prompts)
+            flags.append(prompt_logprobs_lora_rows._scoring_prompts)
             raise _Stop
 
     worker = PromptLogprobsWorker(max_num_reqs=2, device=torch.device("cpu"))
     with pytest.raises(_Stop):
         worker.compute_prompt_logprobs(None, None, Batch(), None, None, np.array([PROMPT]))  # type: ignore[arg-type]
     assert flags == [True]
-    assert not cpu_prompt_logprobs_lora._scoring_prompts
+    assert not prompt_logprobs_lora_rows._scoring_prompts

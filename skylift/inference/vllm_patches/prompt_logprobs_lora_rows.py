@@ -34,7 +34,7 @@ from typing import Any
 
 from skylift.inference.vllm_patches.versions import guard, missing_target
 
-NAME = "cpu_prompt_logprobs_lora"
+NAME = "prompt_logprobs_lora_rows"
 WRITTEN_FOR = "==0.32.*"
 
 _scoring_prompts = False  # True while this worker computes prompt logprobs (one thread per worker)
