@@ -1,4 +1,5 @@
-"""`bash scripts/gpu_check.sh --cpu` end to end, so the GPU check cannot rot between GPU runs.
+"""`bash scripts/gpu_check.sh --cpu` end to end, so the GPU check cannot rot between GPU runs (issue
+50's torch-only items included: one run of the script covers every item).
 
 It runs every item of the check on CPU (gloo instead of NCCL, SmolLM2's widths at 2 layers; the
 tiny Qwen3-MoE and Qwen2-VL of issue 53) with vLLM, Ray, FastAPI, uvicorn, pydantic, ... made
@@ -70,3 +71,35 @@ def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> N
     assert stack["torch_matches_pin"] == (report["torch"].split("+")[0] == stack["pinned"]["torch"])
     assert any("vLLM's CUDA engine" in line for line in stack["not_checked"])
     assert "not checked here" in done.stdout
+    # issue 50's torch-only items (a trainer and an engine on one device): shared memory stands in
+    # for CUDA IPC, the receive arenas were reused, and the report says which items it verified
+    assert items["ipc"]["figures"]["path"] == "shared memory"
+    assert items["stream"]["figures"]["buckets"] > 2
+    status = {key: entry["status"] for key, entry in report["issue_50"].items()}
+    assert status == {
+        "1": "verified on cpu",
+        "2": "verified on cpu",
+        "3": "verified on cpu",
+        "4": "not verified by this run (skipped)",
+        "5": "this report",
+    }
+    assert "issue 50 item 3 (stream-safe receive" in done.stdout
+
+
+def test_items_option_runs_only_the_named_items(tmp_path: Path) -> None:
+    """`--items` selects: one cheap item, the import check beside it, nothing else."""
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("SKYLIFT_GPU_CHECK_BLOCK", None)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--items", "cuda-stack"]
+        + ["--work", str(tmp_path), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.is_file(), f"no report\nstdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    assert done.returncode == 0 and report["ok"], done.stdout[-3000:]
+    assert sorted(i["key"] for i in report["items"]) == ["cuda-stack", "imports"]
