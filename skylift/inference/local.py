@@ -28,6 +28,7 @@ from skylift.inference.types import (
     EngineCapabilityError,
     EngineError,
     EngineRequestError,
+    EngineStartError,
     EngineStateError,
     EngineUnavailableError,
     GenerateOutput,
@@ -36,7 +37,7 @@ from skylift.inference.types import (
     check_teacher_forcing,
 )
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output
-from skylift.inference.vllm_patches import quiet_teardown
+from skylift.inference.vllm_patches import quiet_teardown, start_cause
 from skylift.utils.calls import call_with_timeout
 from skylift.utils.watchdog import unless_failed
 from skylift.weight_sync.factory import make_engine_sides
@@ -70,6 +71,21 @@ def _engine_failure(message: str, exc: Exception) -> Exception:
     if message.endswith(": generate failed") and isinstance(exc, _request_errors()):
         return EngineRequestError(f"{message}: {exc}")
     return EngineError(f"{message}: {exc}")
+
+
+#: the engine arguments a start-up failure names: what sets how much memory the engine takes
+START_MEMORY_ARGS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "max_num_seqs")
+
+
+def start_failure(name: str, exc: Exception, cause: str | None, args: Any) -> EngineStartError:
+    """An engine that did not start, with its process's `cause` where one was logged (vLLM's own
+    error says only "Engine core initialization failed. See root cause above.") and the
+    arguments that size its memory."""
+    sizes = ", ".join(
+        f"{k} {getattr(args, k)}" for k in START_MEMORY_ARGS if getattr(args, k, None) is not None
+    )
+    why = cause or " ".join(str(exc).split())
+    return EngineStartError(f"{name} did not start: {why}" + (f" (this engine: {sizes})" if sizes else ""))
 
 
 def _request_errors() -> tuple[type[Exception], ...]:
@@ -168,10 +184,11 @@ class LocalVLLMEngine(EngineBase):
         apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)), cpus)
         args = build_engine_args(model, **engine_args)
         name = name or f"local-vllm-{next(_ENGINE_COUNTER)}({model})"
-        try:
-            engine = AsyncLLM.from_engine_args(args)
-        except Exception as exc:
-            raise EngineError(f"{name}: start-up failed: {exc}") from exc
+        with start_cause.recording() as cause_file:
+            try:
+                engine = AsyncLLM.from_engine_args(args)
+            except Exception as exc:
+                raise start_failure(name, exc, start_cause.read_cause(cause_file), args) from exc
         return cls(
             engine,
             name=name,

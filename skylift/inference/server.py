@@ -31,7 +31,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from skylift.config.services import InferenceServerSettings
@@ -246,9 +246,13 @@ async def build_skylift_app(
 
 
 async def run_server(
-    args: argparse.Namespace, settings: InferenceServerSettings, **uvicorn_kwargs: Any
+    args: argparse.Namespace,
+    settings: InferenceServerSettings,
+    on_started: Callable[[], None] | None = None,
+    **uvicorn_kwargs: Any,
 ) -> None:
-    """Start the engine, build the app and serve until SIGINT/SIGTERM."""
+    """Start the engine, build the app and serve until SIGINT/SIGTERM; `on_started` is called
+    once the engine is up."""
     from vllm import envs
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
@@ -263,6 +267,8 @@ async def run_server(
     listen_address, sock = setup_server(args, reuse_port=False)
     try:
         async with build_async_engine_client(args) as engine_client:
+            if on_started is not None:
+                on_started()
             app = await build_skylift_app(engine_client, args, settings)
             log_config = get_uvicorn_log_config(args)
             if log_config is not None:
@@ -346,10 +352,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     validate_parsed_serve_args(args)
-    try:
-        uvloop.run(run_server(args, server_settings(args)))
-    except KeyboardInterrupt:
-        logger.info("server stopped")
+    from skylift.inference.vllm_patches import start_cause
+
+    started: list[bool] = []
+    with start_cause.recording() as cause_file:  # the engine's processes inherit where to write
+        try:
+            uvloop.run(run_server(args, server_settings(args), on_started=lambda: started.append(True)))
+        except KeyboardInterrupt:
+            logger.info("server stopped")
+        except Exception:
+            if started or (cause := start_cause.read_cause(cause_file)) is None:
+                raise  # not a failed engine start: its traceback kept
+            print(f"skylift serve: the engine did not start: {cause}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -15,6 +15,7 @@ from skylift.utils.engine_errors import (
     EngineError,
     EngineNotFoundError,
     EngineRequestError,
+    EngineStartError,
     EngineStateError,
     EngineUnavailableError,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "Completion",
     "EngineCapabilityError",
     "EngineError",
+    "EngineStartError",
     "EngineNotFoundError",
     "EngineRequestError",
     "EngineStateError",

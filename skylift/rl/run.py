@@ -12,6 +12,7 @@ from skylift.generator.rollout_errors import rollout_input
 from skylift.models import ModelPathError
 from skylift.models.checkpoint_names import UnmappedWeightError
 from skylift.rl.loop import RolloutInputStoppedError, TrainingStoppedError
+from skylift.utils.engine_errors import EngineStartError
 from skylift.utils.messages import one_line
 
 
@@ -26,9 +27,10 @@ T = TypeVar("T", bound=Trainer)
 
 def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, verbose: bool = False) -> int:
     """Build a trainer, set it up, run `work` on it and shut it down whatever happens. The exit code:
-    0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device) or a
-    model whose weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first
-    weight sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
+    0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device), an
+    engine that did not start (`EngineStartError`: its cause, most often memory) or a model whose
+    weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first weight
+    sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
     failed on the user's input (`rollout_input`: a dataset row the chat template cannot render
     or longer than `generator.max_prompt_length`, an environment that raised or returned a reward
     that is not a number, a request the engine refused with its limit, images for a text-only
@@ -42,7 +44,7 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         work(trainer)
     except (ConfigError, ModelPathError) as exc:
         return _said(prog, f"configuration error: {exc}", exc, 2, verbose)
-    except UnmappedWeightError as exc:  # from a Ray worker: the cause's text, without the traceback
+    except (UnmappedWeightError, EngineStartError) as exc:  # perhaps from a Ray actor: the cause's text
         return _said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
     except RolloutInputStoppedError as exc:
         return _said(prog, str(exc), exc, 4, verbose)

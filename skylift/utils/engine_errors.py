@@ -12,6 +12,11 @@ class EngineError(RuntimeError):
     """An engine operation failed; the message names the engine and the operation."""
 
 
+class EngineStartError(EngineError):
+    """An engine did not start; the message names it and, where its process logged one, the cause
+    (`skylift.inference.vllm_patches.start_cause`)."""
+
+
 class EngineUnavailableError(EngineError):
     """The engine is gone or unresponsive (its process died, the connection failed, or it gave no
     answer in time). The request may be retried on another engine; this one should not be used."""

@@ -172,3 +172,22 @@ def test_reset_prefix_cache(engine: LocalVLLMEngine, loop: Any) -> None:
     loop.run(engine.reset_prefix_cache())
     after = loop.run(engine.generate(PROMPTS, params))
     assert [o.completions[0].token_ids for o in after] == [o.completions[0].token_ids for o in before]
+
+
+def test_an_engine_that_cannot_start_says_why(tiny_model_dir: Path, loop: Any) -> None:
+    """A KV cache too small for one block: vLLM's engine core fails in its child process, and the
+    error raised here carries that cause (vLLM's own: "See root cause above."), on one line."""
+    from skylift.inference.types import EngineStartError
+
+    with pytest.raises(EngineStartError) as info:
+        loop.run(
+            LocalVLLMEngine.create(
+                str(tiny_model_dir), name="starved", max_model_len=64, kv_cache_memory_bytes=1000
+            )
+        )
+    message = str(info.value)
+    assert message.startswith(
+        "starved did not start: ValueError: No available memory for the cache blocks"
+    ), message
+    assert "kv_cache_memory_bytes 1000" in message and "max_model_len 64" in message
+    assert "\n" not in message and "See root cause above" not in message

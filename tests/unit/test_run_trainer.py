@@ -7,6 +7,7 @@ import pytest
 from skylift.config import ConfigError
 from skylift.rl.loop import TrainingStoppedError
 from skylift.rl.run import run_trainer
+from skylift.utils.engine_errors import EngineStartError
 
 
 class FakeTrainer:
@@ -31,6 +32,11 @@ def test_the_work_runs_between_setup_and_shutdown() -> None:
     [
         (ConfigError("no GPU for the engine"), 2, "prog: configuration error: no GPU for the engine"),
         (TrainingStoppedError("every engine is gone"), 3, "prog: every engine is gone"),
+        (
+            EngineStartError("engine-0 did not start: ValueError: No available memory for the cache blocks."),
+            2,
+            "prog: engine-0 did not start: ValueError: No available memory for the cache blocks.",
+        ),
     ],
 )
 def test_an_error_in_the_work_is_an_exit_code_and_the_trainer_is_shut_down(

@@ -17,6 +17,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
 | `qwen2_vl_site` (+ `qwen2_vl_without_torchvision/`) | a vision-language run or the Tinker render server, before vLLM starts (`skylift.cluster.vision_run`, `skylift.tinker.vision.render_server`) | Qwen2-VL loads without torchvision (transformers' PIL image processor; no video processor) |
+| `start_cause` | every vLLM process, as a general plugin (pyproject's `vllm.general_plugins`); read by `skylift.inference.local` | an engine that fails to start says why in the starting process's error, not only in a child's log |
 | `lora_prompt_logprobs` | asked by the Tinker sampler (`skylift.tinker.sampling.engine_host`) | prompt scoring under an adapter of the unembedding runs on merged weights (vLLM drops or crashes on it) |
 
 `check` guards all of them at once: the engine and the server call it before vLLM starts, so the
@@ -35,6 +36,7 @@ from skylift.inference.vllm_patches import (
     quiet_teardown,
     qwen2_vl_site,
     responses_input,
+    start_cause,
 )
 from skylift.inference.vllm_patches.versions import (
     VllmPatchVersionError,
@@ -54,6 +56,7 @@ MODULES = (
     generate_guard,
     lora_prompt_logprobs,
     qwen2_vl_site,
+    start_cause,
 )
 #: (name, the vLLM versions it was written for) of every patch.
 PATCHES: tuple[tuple[str, str], ...] = tuple((module.NAME, module.WRITTEN_FOR) for module in MODULES)
