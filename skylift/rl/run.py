@@ -13,7 +13,18 @@ from skylift.models import ModelPathError
 from skylift.models.checkpoint_names import UnmappedWeightError
 from skylift.rl.loop import RolloutInputStoppedError, TrainingStoppedError
 from skylift.utils.engine_errors import EngineStartError
+from skylift.utils.memory_errors import out_of_memory
 from skylift.utils.messages import one_line
+
+#: what to change when a training worker runs out of memory (the keys of `skylift train`)
+OUT_OF_MEMORY_ADVICE = (
+    "To fit, lower trainer.micro_train_batch_size_per_gpu or trainer.micro_forward_batch_size_per_gpu "
+    "(or set trainer.max_tokens_per_microbatch), keep trainer.gradient_checkpointing=true, shorten "
+    "generator.max_generate_length, or move state to host memory "
+    "(trainer.policy.fsdp_config.cpu_offload=true); with colocate_all, lower "
+    "generator.gpu_memory_utilization (docs/gpu.md). Rerun with trainer.resume_mode=latest to continue "
+    "from the last checkpoint"
+)
 
 
 class Trainer(Protocol):
@@ -34,7 +45,9 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
     failed on the user's input (`rollout_input`: a dataset row the chat template cannot render
     or longer than `generator.max_prompt_length`, an environment that raised or returned a reward
     that is not a number, a request the engine refused with its limit, images for a text-only
-    policy; training saves its last completed step first: `RolloutInputStoppedError`); each said on
+    policy; training saves its last completed step first: `RolloutInputStoppedError`), 5 a device or
+    host allocation failed (`torch.OutOfMemoryError`, the CPU allocator's error; what to change
+    follows; nothing is saved: the step that failed may have changed part of the state); each said on
     one line on stderr after `prog`, the traceback before it when `verbose`. Any other error keeps
     its traceback (a bug, not the user's input)."""
     trainer = None
@@ -51,6 +64,10 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
     except TrainingStoppedError as exc:
         return _said(prog, str(exc), exc, 3, verbose)
     except Exception as exc:  # a rollout outside training's loop (`skylift eval`): nothing to save
+        if (memory := out_of_memory(exc)) is not None:
+            return _said(
+                prog, f"out of memory: {memory.rstrip('.')}. {OUT_OF_MEMORY_ADVICE}", exc, 5, verbose
+            )
         if (line := rollout_input(exc)) is None:
             raise  # not the user's input: a bug, its traceback kept
         return _said(prog, f"rollout failed: {line} (--verbose shows the traceback)", exc, 4, verbose)

@@ -93,3 +93,57 @@ def test_an_unmapped_weight_from_a_ray_worker_is_one_line(capsys: pytest.Capture
     err = capsys.readouterr().err
     assert err == f"prog: {cause}\n"
     assert trainer.calls == ["setup", "shutdown"]
+
+
+#: torch's message for a CUDA allocation that does not fit (torch 2.13's format)
+CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+    "1.06 GiB is free. Including non-PyTorch memory, this process has 78.04 GiB memory in use. Of the "
+    "allocated memory 75.10 GiB is allocated by PyTorch, and 2.30 GiB is reserved by PyTorch but "
+    "unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+    "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+def test_a_host_allocation_that_fails_is_exit_code_5_with_what_to_change(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A real allocation failure on this machine (a petabyte: the allocator refuses at once)."""
+    import torch
+
+    trainer = FakeTrainer()
+    assert run_trainer(lambda: trainer, lambda t: torch.empty(2**50, dtype=torch.uint8), "prog") == 5
+    err = capsys.readouterr().err
+    assert err.startswith("prog: out of memory: [enforce fail at alloc_cpu.cpp") and err.count("\n") == 1, err
+    assert "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes" in err
+    assert "trainer.micro_train_batch_size_per_gpu" in err and "trainer.resume_mode=latest" in err
+    assert trainer.calls == ["setup", "shutdown"]
+
+
+def test_a_cuda_out_of_memory_in_a_ray_worker_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's CUDA error, raised in a policy rank (a Ray actor): its figures, not the allocator's
+    advice or Ray's remote traceback (no GPU here: the error is made with torch's own text)."""
+    import torch
+    from ray.exceptions import RayTaskError
+
+    remote = RayTaskError(
+        "RLWorker.train_step",
+        "Traceback (most recent call last):\n  File 'x.py', line 1\n",
+        torch.OutOfMemoryError(CUDA_OOM),
+    ).as_instanceof_cause()
+
+    def work(t: FakeTrainer) -> None:
+        try:
+            raise remote
+        except RayTaskError as exc:
+            raise RuntimeError("policy update failed") from exc  # a wrapper on the way up
+
+    assert run_trainer(FakeTrainer, work, "prog") == 5
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "prog: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+        "79.11 GiB of which 1.06 GiB is free."
+    )
+    assert "2.30 GiB is reserved by PyTorch but unallocated. To fit, lower" in err
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in err and "Traceback" not in err and err.count("\n") == 1
