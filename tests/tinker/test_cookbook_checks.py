@@ -19,8 +19,8 @@ session's `tinker_server`, tiny model, offline):
   coverage at an acceptable cost (the guess_number test in `test_cookbook_recipes.py` runs
   multi-turn RL).
 - `recipes/rubric`: RL whose reward comes from a grader LLM reading a rubric. Its data comes from
-  its own `generate_data.generate_dataset` (written under tmp_path), `train.cli_main` trains, and
-  the grader is a sampler of the same tiny base model on the same server (`grader_llm_name`; the
+  its own `generate_data.generate_dataset` (written under tmp_path), `train.cli_main` trains and
+  evaluates on the test file before every step and at the end, and the grader is a sampler of the same tiny base model on the same server (`grader_llm_name`; the
   recipe builds the grader's `ServiceClient` with no base_url, so it reaches the server through
   `TINKER_BASE_URL`). One change: the recipe hard-codes the grader's `max_tokens=2048`, the tiny
   model's whole context, so every grader request (a ~280-token prompt + 2048) is refused as
@@ -195,7 +195,7 @@ def test_rubric_graded_rl(
     train_path, test_path = generate_data.generate_dataset(
         num_train=4, num_test=2, seed=0, write_dir=str(tmp_path)
     )
-    grader_calls: list[str] = []
+    grader_calls: list[tuple[str, str]] = []  # (prompt, reply)
 
     class Grader(TinkerMessageCompleter):
         """The recipe's grader completer, its max_tokens lowered to fit the tiny model's context."""
@@ -206,7 +206,7 @@ def test_rubric_graded_rl(
 
         async def __call__(self, messages: list[Any]) -> Any:
             reply = await super().__call__(messages)
-            grader_calls.append(messages[0]["content"])
+            grader_calls.append((messages[0]["content"], reply["content"]))
             return reply
 
     monkeypatch.setattr(rubric_env, "TinkerMessageCompleter", Grader)
@@ -228,7 +228,7 @@ def test_rubric_graded_rl(
                 train_jsonl_path=train_path,
                 test_jsonl_path=test_path,
                 log_path=str(log_path),
-                eval_every=0,
+                eval_every=1,
                 save_every=0,
                 base_url=tinker_server.url,
                 behavior_if_log_dir_exists="delete",
@@ -245,9 +245,19 @@ def test_rubric_graded_rl(
         # reward = rubric score - 0.1 when the policy's reply did not end at the stop sequence
         assert -0.1 <= row["env/all/reward/total"] <= 1
         assert math.isfinite(row["optim/kl_sample_train_v1"])
-    # one grader call per episode, each reading the rubric of its generated datapoint
-    assert len(grader_calls) == 8
-    assert all("<rubric>\nDoes the chatbot correctly get the answer" in c for c in grader_calls)
+    # the recipe's test set (2 datapoints, one sample each) is graded before each step and at the end
+    evals = [r for r in _metrics(log_path) if "test/env/all/rubric_score" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2], evals
+    for row in evals:
+        assert row["test/env/all/total_episodes"] == 2
+        assert 0 <= row["test/env/all/rubric_score"] <= 1
+        assert -0.1 <= row["test/env/all/reward/total"] <= 1
+    # one grader call per episode (training and evaluation), each reading the rubric of its
+    # generated datapoint, each answered with sampled text (the random grader's text holds no
+    # <score>, so the recipe scores 0)
+    assert len(grader_calls) == 2 * 4 + 3 * 2
+    assert all("<rubric>\nDoes the chatbot correctly get the answer" in p for p, _ in grader_calls)
+    assert any(reply.strip() for _, reply in grader_calls)
     # the recipe's own log of the first step shows the grader's verdicts
     html = (log_path / "iteration_000000" / "train.html").read_text()
     assert "Per-rubric scores" in html
