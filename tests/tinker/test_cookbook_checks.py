@@ -14,10 +14,10 @@ session's `tinker_server`, tiny model, offline):
   and step 1 usually samples weights step 0 moved. The renderer is `qwen3_instruct` (ChatML with
   Hermes tool calls; the tiny model speaks ChatML, `role_colon` has no tool calling). Episodes
   are single-turn: the tiny model never writes a `<tool_call>`; SmolLM2-135M-Instruct with the
-  same renderer and prompt did not either (0 of 8 samples), and 40 SFT steps towards tool calls
-  (~2 min here) left the tiny model far from calling reliably, so neither buys multi-turn
-  coverage at an acceptable cost (the guess_number test in `test_cookbook_recipes.py` runs
-  multi-turn RL).
+  same renderer and prompt did not either (0 of 8 samples), and 30 SFT steps towards a
+  `read_page` call (~12 s) left the tiny model at 1.4 nats per call token with no parseable call
+  in its samples, so neither buys multi-turn coverage at an acceptable cost (the guess_number
+  test in `test_cookbook_recipes.py` runs multi-turn RL).
 - `recipes/rubric`: RL whose reward comes from a grader LLM reading a rubric. Its data comes from
   its own `generate_data.generate_dataset` (written under tmp_path), `train.cli_main` trains and
   evaluates on the test file before every step and at the end, and the grader is a sampler of the same tiny base model on the same server (`grader_llm_name`; the
