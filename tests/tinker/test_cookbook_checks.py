@@ -9,7 +9,7 @@ session's `tinker_server`, tiny model, offline):
   `Salesforce/wikitext`), so that one function returns skylift's built-in English-like corpus
   (`skylift.models.tiny_corpus`) instead; (2) the config `build_config` returns gets
   `load_checkpoint_path` (an `rl.train.Config` field the recipe's CLI does not expose): a LoRA
-  state after 3 SFT steps on the recipe's prompts, so the logprobs compared are those of a
+  state after 6 SFT steps on the recipe's prompts, so the logprobs compared are those of a
   trained adapter (a fresh LoRA's B is zero: sampler and trainer would both be the base model)
   and step 1 usually samples weights step 0 moved. The renderer is `qwen3_instruct` (ChatML with
   Hermes tool calls; the tiny model speaks ChatML, `role_colon` has no tool calling). Episodes
@@ -43,14 +43,14 @@ pytestmark = pytest.mark.integration
 
 API_KEY = "tml-dummy"
 # The sampler's and the trainer's logprobs of the same tokens, fp32 tiny model on CPU: measured
-# |kl_sample_train_v1| 5e-9 to 2.6e-7 over 12 steps of 6 runs, kl_sample_train_v2 up to 1e-12
+# |kl_sample_train_v1| 4e-9 to 2.6e-7 over 20 steps of 10 runs, kl_sample_train_v2 up to 1e-12
 # (vLLM's CPU kernels and the trainer's PyTorch forward sum in different orders). 1e-5 leaves
 # ~40x margin and still catches a real mismatch (a wrong or stale adapter, a shifted token: the
 # adapter here moves logprobs by whole nats).
 KL_TOLERANCE = 1e-5
 GRADER_MAX_TOKENS = 64
 RENDERER = "qwen3_instruct"
-SFT_STEPS = 3
+SFT_STEPS = 6
 GROUPS, GROUP_SIZE, MAX_TOKENS = 2, 4, 8
 
 
@@ -85,7 +85,7 @@ def _task() -> Any:
 @pytest.fixture(scope="module")
 def answerer(cookbook: None, tinker_server: Any, tiny_model_dir: Path) -> str:
     """A LoRA training state of the tiny model after SFT_STEPS steps on the recipe's own prompts
-    answered with "Answer: <count>" (~2 s): the RL run starts from it (`load_checkpoint_path`),
+    answered with "Answer: <count>" (~3 s): the RL run starts from it (`load_checkpoint_path`),
     so the sampler and the trainer compare logprobs under a non-zero adapter. The adapter ends
     some replies within max_tokens (parsed, reward 0) and not others (cut, -0.1), so groups often
     have mixed rewards and step 1 samples weights step 0 moved (often, not always: sampling is
@@ -117,7 +117,7 @@ def answerer(cookbook: None, tinker_server: Any, tiny_model_dir: Path) -> str:
     tc = service.create_lora_training_client(base_model=model, rank=4).result()
     for _ in range(SFT_STEPS):
         tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        tc.optim_step(tinker.AdamParams(learning_rate=2e-2)).result()
     path = tc.save_state("answerer").result().path
     service.close("success").result(timeout=60)
     return path
@@ -172,7 +172,7 @@ def test_rl_numerics_check(
         assert 0 <= row["optim/kl_sample_train_v2"] < KL_TOLERANCE**2
         # the sampler serves the trained adapter: the base tiny model is near uniform over its
         # 1024 tokens (entropy ln 1024 = 6.93), the adapter's distribution is much narrower
-        assert 0 < row["optim/entropy"] < 5.5
+        assert 0 < row["optim/entropy"] < 5
         assert row["env/all/total_episodes"] == GROUPS * GROUP_SIZE
         # one turn each (the model never calls read_page), every turn sampled and scored
         assert row["env/all/turns_per_episode"] == 1
