@@ -29,6 +29,7 @@ SKYLIFT_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SKYLIFT_HTTP_CONNECTION_LIMIT": ("HTTP clients", "connections per client session, all hosts together (default 256)"),
     "SKYLIFT_HTTP_KEEPALIVE_S": ("HTTP clients", "idle keep-alive of pooled connections (default 4 s, below uvicorn's 5 s)"),
     "SKYLIFT_AUTO_CPU_THREADS_BIND": ("engines (set by skylift)", "marks a CPU thread binding skylift chose, so a child server rebinds per rank"),
+    "SKYLIFT_ENGINE_START_CAUSE": ("engines (set by skylift)", "the file a vLLM process that fails to start writes its cause to (vllm_patches.start_cause)"),
     "SKYLIFT_TINKER_API_KEY": ("skylift tinker serve", "the server's single X-API-Key when neither --api-key nor --api-keys-file is given (kept out of `ps`)"),
     "SKYLIFT_TINKER_FAIL_ENGINE_START": ("skylift tinker serve (tests)", "1: every sampling-engine start-up fails (tests that must never start vLLM)"),
     "SKYLIFT_TORCH_INDEX_URL": (
