@@ -29,6 +29,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from skylift.inference.vllm_patches.versions import guard
+
 NAME = "start_cause"
 WRITTEN_FOR = "==0.32.*"
 #: the file a failing engine child writes its cause to (set only while a start is awaited)
@@ -74,7 +76,10 @@ def write_cause(path: Path, cause: str) -> None:
 
 def install() -> None:
     """Add the cause handler to vLLM's logger (idempotent). vLLM calls this in each of its
-    processes (a general plugin); it writes only where `CAUSE_ENV` is set."""
+    processes (a general plugin); it writes only where `CAUSE_ENV` is set.
+    `VllmPatchVersionError` on a vLLM it was not written for (vLLM logs a plugin's failure and
+    goes on)."""
+    guard(NAME, WRITTEN_FOR)
     logger = logging.getLogger("vllm")
     if not any(getattr(h, "_skylift_start_cause", False) for h in logger.handlers):
         logger.addHandler(_CauseHandler())
