@@ -19,21 +19,37 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> None:
+def _run_check(
+    tmp_path: Path, *options: str, timeout_s: int
+) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """`gpu_check.sh --cpu OPTIONS` with its work and report under `tmp_path`: the run and the report."""
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("SKYLIFT_GPU_CHECK_BLOCK", None)  # the script's own list
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--work", str(tmp_path), "--out", str(out)],
+        [
+            "bash",
+            str(ROOT / "scripts" / "gpu_check.sh"),
+            "--cpu",
+            *options,
+            "--work",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
         env=env,
         capture_output=True,
         text=True,
-        timeout=1700,
+        timeout=timeout_s,
     )
     assert out.is_file(), f"no report\nstdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    report = json.loads(out.read_text())
+    return done, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> None:
+    done, report = _run_check(tmp_path, timeout_s=1700)
     failed = {
         i["key"]: (i["error"], [c for c in i["checks"] if not c["ok"]])
         for i in report["items"]
@@ -88,18 +104,6 @@ def test_gpu_check_cpu_mode_passes_without_vllm_ray_fastapi(tmp_path: Path) -> N
 
 def test_items_option_runs_only_the_named_items(tmp_path: Path) -> None:
     """`--items` selects: one cheap item, the import check beside it, nothing else."""
-    out = tmp_path / "report.json"
-    env = dict(os.environ, PYTHON=sys.executable)
-    env.pop("SKYLIFT_GPU_CHECK_BLOCK", None)
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--items", "cuda-stack"]
-        + ["--work", str(tmp_path), "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.is_file(), f"no report\nstdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    report = json.loads(out.read_text())
+    done, report = _run_check(tmp_path, "--items", "cuda-stack", timeout_s=300)
     assert done.returncode == 0 and report["ok"], done.stdout[-3000:]
     assert sorted(i["key"] for i in report["items"]) == ["cuda-stack", "imports"]
