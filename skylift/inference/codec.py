@@ -69,4 +69,5 @@ def output_from_json(data: dict[str, Any]) -> GenerateOutput:
             for c in data["completions"]
         ],
         prompt_logprobs=None if plp is None else list(plp),
+        prompt_cached_tokens=int(data.get("prompt_cached_tokens") or 0),
     )

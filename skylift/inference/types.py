@@ -103,6 +103,9 @@ class GenerateOutput:
     completions: list[Completion] = field(default_factory=list)
     #: log p(token_i | tokens before it) for every prompt token (None for the first), when asked
     prompt_logprobs: list[float | None] | None = None
+    #: prompt tokens the engine read from its prefix cache instead of computing (vLLM's
+    #: `RequestOutput.num_cached_tokens`; counted once per prompt, not per sample; 0 when unknown)
+    prompt_cached_tokens: int = 0
 
 
 @runtime_checkable

@@ -101,4 +101,5 @@ def to_generate_output(
             for out in sorted(final.outputs, key=lambda o: o.index)
         ],
         prompt_logprobs=_prompt_logprobs(prompt, final.prompt_logprobs) if prompt_logprobs else None,
+        prompt_cached_tokens=int(final.num_cached_tokens or 0),  # None before vLLM counted it
     )

@@ -183,3 +183,16 @@ def test_ephemeral_samplers_stay_usable_while_their_session_lives(trained) -> No
         tc.save_weights_and_get_sampling_client().result().sample(prompt, 1, params).result()
     again = reference.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0].tokens
     assert again == first
+
+
+def test_a_repeated_prompt_reports_prefix_cache_hits(trained) -> None:
+    """`SampleResponse.prompt_cache_hit_tokens` is vLLM's count: the second request for a prompt
+    reads its whole blocks (128 tokens on CPU) from the prefix cache; never more than the prompt."""
+    service, _ = trained
+    sampler = service.create_sampling_client(base_model="tiny-qwen2").result()
+    prompt = types.ModelInput.from_ints([3 + (7 * i) % 500 for i in range(150)])
+    params = types.SamplingParams(max_tokens=2, stop=[], temperature=1.0, seed=5)
+    sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+    again = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+    assert len(again.sequences) == 2
+    assert 0 < again.prompt_cache_hit_tokens <= prompt.length  # the prompt's, not doubled per sample

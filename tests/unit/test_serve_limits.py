@@ -49,7 +49,8 @@ class FakeVllm:
             )
             for i in range(params.n)
         ]
-        yield SimpleNamespace(finished=True, outputs=outputs, prompt_token_ids=prompt["prompt_token_ids"])
+        ids = prompt["prompt_token_ids"]
+        yield SimpleNamespace(finished=True, outputs=outputs, prompt_token_ids=ids, num_cached_tokens=None)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

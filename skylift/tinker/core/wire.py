@@ -237,10 +237,12 @@ def encode_sample_response(
     target_prompt: np.ndarray | None = None,
     prompt_k: int = 0,
     sample_k: int = 0,
+    prompt_cache_hit_tokens: int = 0,
 ) -> bytes:
     """`SampleResponse` bytes (prompt logprobs float32 with NaN where unscored; top-k matrices
-    filled with the SDK's sentinel; target prompt logprobs a dense float32 tensor)."""
-    msg = pb.SampleResponse()
+    filled with the SDK's sentinel; target prompt logprobs a dense float32 tensor;
+    `prompt_cache_hit_tokens` the prompt's prefix-cache hits, counted once however many samples)."""
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for seq in sequences:
         out = msg.sequences.add()
         out.stop_reason = pb.STOP_REASON_LENGTH if seq.stop_reason == "length" else pb.STOP_REASON_STOP

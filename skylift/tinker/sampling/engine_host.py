@@ -71,6 +71,7 @@ class SampleResult:
     prompt_logprobs: list[float] | None
     topk_prompt: list[list[tuple[int, float]] | None] | None = None
     target_prompt: np.ndarray | None = None
+    prompt_cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (once per prompt)
 
 
 async def _none() -> None:
@@ -349,7 +350,8 @@ class EngineHost:
             target = np.zeros(scores.targets.shape, dtype=np.float32)  # 0.0 where nothing was asked
             for (i, j, _), values in zip(targets, results[3] or [], strict=True):
                 target[i, j] = values[-1]
-        return SampleResult(sequences=sequences, prompt_logprobs=plp, topk_prompt=topk, target_prompt=target)
+        cached = results[0][0].prompt_cached_tokens
+        return SampleResult(sequences, plp, topk, target, prompt_cached_tokens=cached)
 
     async def _sample_images(
         self, weights: SamplerWeights, parts: Sequence[list[int] | ImageInput], params: SamplingParams
@@ -371,7 +373,9 @@ class EngineHost:
             )
             for c in output.completions
         ]
-        return SampleResult(sequences=sequences, prompt_logprobs=None)
+        return SampleResult(
+            sequences=sequences, prompt_logprobs=None, prompt_cached_tokens=output.prompt_cached_tokens
+        )
 
     async def _render(self, payload: dict[str, Any]) -> dict[str, Any]:
         if self._renderer is None:

@@ -374,7 +374,13 @@ class SamplingService:
             for i, seq in enumerate(result.sequences):
                 self.records.add(f"{request_id}:{i}", record_session, seq.tokens, seq.logprobs, sampling)
         return encode_sample_response(
-            result.sequences, plp, topk_prompt, result.target_prompt, prompt_k=prompt_k, sample_k=sample_k
+            result.sequences,
+            plp,
+            topk_prompt,
+            result.target_prompt,
+            prompt_k=prompt_k,
+            sample_k=sample_k,
+            prompt_cache_hit_tokens=result.prompt_cached_tokens,
         )
 
     def _record_session(self, body: SampleBody) -> str | None:
