@@ -157,6 +157,15 @@ def strip(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if not k.startswith("_")}
 
 
+def reference_step(path: Path, config: str, batch: SequenceBatch, label: str) -> dict[str, Any]:
+    """One CPU reference step of `config` (the worker shut down, its time printed as `label`)."""
+    started = time.perf_counter()
+    result = policy_step(settings_for(path, config), batch)
+    result.pop("_worker").shutdown()
+    print(f"  cpu reference {label}: {time.perf_counter() - started:.1f} s", flush=True)
+    return strip(result)
+
+
 def grad_norms_rel(a: Tensor, b: Tensor) -> float:
     """Largest per-parameter gradient-norm difference, relative to max(own norm, 1e-3 x largest)."""
     if a.shape != b.shape:
@@ -237,11 +246,7 @@ def reference(ctx: Context) -> dict[str, Any]:
     for model, path in ctx.models.items():
         batch = batch_for(ctx.vocab_size(model))
         for config in CONFIGS:
-            started = time.perf_counter()
-            result = policy_step(settings_for(path, config), batch)
-            result.pop("_worker").shutdown()
-            refs[f"policy/{model}/{config}"] = strip(result)
-            print(f"  cpu reference {model}/{config}: {time.perf_counter() - started:.1f} s", flush=True)
+            refs[f"policy/{model}/{config}"] = reference_step(path, config, batch, f"{model}/{config}")
     return refs
 
 

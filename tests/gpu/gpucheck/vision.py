@@ -22,7 +22,7 @@ import torch
 
 from gpucheck.device import Context, peak_label
 from gpucheck.models import SEED
-from gpucheck.policy import ADVANTAGES, compare, policy_step, settings_for, strip
+from gpucheck.policy import ADVANTAGES, compare, policy_step, reference_step, settings_for
 from gpucheck.report import Item, max_abs
 
 MODEL = "tiny-qwen2-vl"
@@ -124,11 +124,7 @@ def reference(ctx: Context) -> dict[str, Any]:
     batch, counts = rows(path)
     refs: dict[str, Any] = {"vision/batch": batch, "vision/counts": counts}
     for config in CONFIGS:
-        started = time.perf_counter()
-        result = policy_step(settings_for(path, config), batch)
-        result.pop("_worker").shutdown()
-        refs[f"vision/{config}"] = strip(result)
-        print(f"  cpu reference vision/{config}: {time.perf_counter() - started:.1f} s", flush=True)
+        refs[f"vision/{config}"] = reference_step(path, config, batch, f"vision/{config}")
     return refs
 
 
