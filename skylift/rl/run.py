@@ -13,7 +13,7 @@ from skylift.models import ModelPathError
 from skylift.models.checkpoint_names import UnmappedWeightError
 from skylift.rl.loop import RolloutInputStoppedError, TrainingStoppedError
 from skylift.utils.engine_errors import EngineStartError
-from skylift.utils.memory_errors import out_of_memory
+from skylift.utils.memory_errors import out_of_memory_line
 from skylift.utils.messages import one_line
 
 #: what to change when a training worker runs out of memory (the keys of `skylift train`)
@@ -64,10 +64,8 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
     except TrainingStoppedError as exc:
         return _said(prog, str(exc), exc, 3, verbose)
     except Exception as exc:  # a rollout outside training's loop (`skylift eval`): nothing to save
-        if (memory := out_of_memory(exc)) is not None:
-            return _said(
-                prog, f"out of memory: {memory.rstrip('.')}. {OUT_OF_MEMORY_ADVICE}", exc, 5, verbose
-            )
+        if (memory := out_of_memory_line(exc, OUT_OF_MEMORY_ADVICE)) is not None:
+            return _said(prog, memory, exc, 5, verbose)
         if (line := rollout_input(exc)) is None:
             raise  # not the user's input: a bug, its traceback kept
         return _said(prog, f"rollout failed: {line} (--verbose shows the traceback)", exc, 4, verbose)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 SFT_EPILOG = """\
 examples:
@@ -14,6 +15,17 @@ examples:
   skylift sft --dry-run <overrides>   # check a command line (SkyRL's main_sft keys too) without running it
 keys: `skylift sft --show-config` prints every key with its default and help (docs/sft.md).
 """
+
+#: what to change when a rank runs out of memory (every objective: sft, dpo, reward); the keys of
+#: `SFTConfig` (tests/unit/test_sft_out_of_memory.py checks that each exists)
+OUT_OF_MEMORY_ADVICE = (
+    "To fit, lower micro_train_batch_size_per_gpu (objective sft or dpo: or set "
+    "max_tokens_per_microbatch), set gradient_checkpointing=true and bf16=true, shorten max_length, "
+    "train LoRA adapters (model.lora.rank=16) instead of every weight, or spread the model over more "
+    "ranks (placement.num_gpus_per_node: FSDP2 shards weights and optimizer state; with several ranks "
+    "fsdp_config.cpu_offload=true keeps them in host memory). With ckpt_interval set, rerun with "
+    "resume_from=latest to continue from the last checkpoint"
+)
 
 
 def add_sft_command(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +66,7 @@ def run_sft_command(args: argparse.Namespace) -> int:
     from skylift.data.chat import ChatDataError
     from skylift.supervised.tokens import TokenizeError
     from skylift.supervised.trainer import SupervisedTrainer
+    from skylift.utils.memory_errors import out_of_memory_line
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(args.verbose)
@@ -71,8 +84,18 @@ def run_sft_command(args: argparse.Namespace) -> int:
     except (ChatDataError, TokenizeError, ValueError) as exc:  # PreferenceDataError too
         print(f"skylift sft: {exc}", file=sys.stderr)
         return 2
-    with trainer:
+    try:
+        trainer.start()
         losses = trainer.run()
+    except Exception as exc:  # a rank's allocation failure, perhaps behind a Ray error: one line
+        if (line := out_of_memory_line(exc, OUT_OF_MEMORY_ADVICE)) is None:
+            raise  # not the machine's memory: a bug, its traceback kept
+        if args.verbose:
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"skylift sft: {line}", file=sys.stderr)
+        return 5  # nothing is saved: the step that failed may have changed part of the state
+    finally:
+        trainer.close()  # also after a failed start (the ranks it made, Ray)
     if losses:
         print(
             f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; outputs in {trainer.paths.root}"
@@ -80,4 +103,4 @@ def run_sft_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_sft_command", "run_sft_command"]
+__all__ = ["OUT_OF_MEMORY_ADVICE", "add_sft_command", "run_sft_command"]

@@ -26,6 +26,14 @@ def out_of_memory(exc: BaseException) -> str | None:
     return None
 
 
+def out_of_memory_line(exc: BaseException, advice: str) -> str | None:
+    """What a command says when `exc` is an allocation failure (`out_of_memory`): torch's figures,
+    then `advice` (the command's own keys that lower memory); None when it is not one."""
+    if (memory := out_of_memory(exc)) is None:
+        return None
+    return f"out of memory: {memory.rstrip('.')}. {advice}"
+
+
 def _first_sentences(text: str) -> str:
     """torch's message up to its advice on the allocator's settings (which follows the figures)."""
     for line in text.splitlines():
