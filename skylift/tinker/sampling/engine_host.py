@@ -10,6 +10,7 @@ memory on one host) and proceeds. LoRA samplers of the
 base model are served as adapters in the batch instead where the engine's mode says so
 (`skylift.tinker.sampling.lora_mode`): every request carries its adapter, loaded into one of the engine's
 slots (`skylift.tinker.sampling.adapter_slots`), and nothing waits for other users' generations.
+A request's engine parameters and its result: `skylift.tinker.sampling.sample_io`.
 
 Set ``SKYLIFT_TINKER_FAIL_ENGINE_START=1`` to make every start-up attempt raise (tests use it to
 show that training never needs an engine).
@@ -20,23 +21,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import math
 import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
-
-import numpy as np
 
 from skylift.config.services import EngineSettings
 from skylift.inference.types import EngineError, SamplingParams
 from skylift.inference.vllm_patches.lora_prompt_logprobs import adapter_may_score_prompts
 from skylift.tinker.core.images import ImageInput
-from skylift.tinker.core.wire import SampledSequenceData
 from skylift.tinker.sampling.adapter_slots import AdapterSlots
 from skylift.tinker.sampling.lora_mode import ModeChoice, accepts_unembed, calibrate
+from skylift.tinker.sampling.sample_io import PromptScores, SampleResult, image_result, text_result
 from skylift.tinker.sampling.weights import SamplerWeights, load_safetensors_dir, merged_folder_into_base
 from skylift.utils.affinity import bind_this_thread
 from skylift.utils.loop_thread import LoopThread
@@ -45,33 +42,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FAIL_START_ENV = "SKYLIFT_TINKER_FAIL_ENGINE_START"
-
-
-@dataclass
-class PromptScores:
-    """What a sample request asks about its prompt: logprobs, the top-k tokens per position, and
-    the logprobs of given tokens (``targets[i, j]`` scored at position ``i + 1``; -1: none)."""
-
-    logprobs: bool = False
-    topk: int = 0
-    targets: np.ndarray | None = None
-
-    def target_sequences(self, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
-        """(row, column, prompt[: row + 1] + [token]) of every requested cell: the engine scores
-        the last token of each sequence (shared prefixes hit its prefix cache)."""
-        if self.targets is None:
-            return []
-        cells = np.argwhere(self.targets >= 0)
-        return [(int(i), int(j), [*prompt[: i + 1], int(self.targets[i, j])]) for i, j in cells]
-
-
-@dataclass
-class SampleResult:
-    sequences: list[SampledSequenceData]
-    prompt_logprobs: list[float] | None
-    topk_prompt: list[list[tuple[int, float]] | None] | None = None
-    target_prompt: np.ndarray | None = None
-    prompt_cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (once per prompt)
 
 
 async def _none() -> None:
@@ -327,31 +297,7 @@ class EngineHost:
             )
         finally:
             await self._release(lora)
-        sequences = []
-        for completion in results[0][0].completions:
-            if completion.stop_reason not in ("stop", "length"):
-                raise EngineError(f"generation ended with {completion.stop_reason!r}")
-            sequences.append(
-                SampledSequenceData(
-                    tokens=list(completion.token_ids),
-                    logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
-                    stop_reason=completion.stop_reason,
-                    top_logprobs=completion.top_logprobs,
-                )
-            )
-        plp = None
-        if scores.logprobs:
-            plp = [math.nan] + (list(results[1][0]) if results[1] is not None else [])
-        topk = None
-        if scores.topk:
-            topk = [None, *results[2]] if results[2] is not None else [None]
-        target = None
-        if scores.targets is not None:
-            target = np.zeros(scores.targets.shape, dtype=np.float32)  # 0.0 where nothing was asked
-            for (i, j, _), values in zip(targets, results[3] or [], strict=True):
-                target[i, j] = values[-1]
-        cached = results[0][0].prompt_cached_tokens
-        return SampleResult(sequences, plp, topk, target, prompt_cached_tokens=cached)
+        return text_result(results, scores, targets)
 
     async def _sample_images(
         self, weights: SamplerWeights, parts: Sequence[list[int] | ImageInput], params: SamplingParams
@@ -365,17 +311,7 @@ class EngineHost:
             output = await generate_multimodal(self._engine, prompt, images, params)
         finally:
             await self._release(lora)
-        sequences = [
-            SampledSequenceData(
-                tokens=list(c.token_ids),
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                stop_reason=c.stop_reason,
-            )
-            for c in output.completions
-        ]
-        return SampleResult(
-            sequences=sequences, prompt_logprobs=None, prompt_cached_tokens=output.prompt_cached_tokens
-        )
+        return image_result(output)
 
     async def _render(self, payload: dict[str, Any]) -> dict[str, Any]:
         if self._renderer is None:
@@ -443,55 +379,3 @@ class EngineHost:
             loop_thread.stop(timeout_s=10)
         except RuntimeError as exc:
             logger.warning("%s", exc)
-
-
-def to_engine_params(
-    raw: dict[str, Any], prompt_len: int, max_model_len: int, num_samples: int
-) -> SamplingParams:
-    """Tinker `sampling_params` JSON as engine `SamplingParams` (stop: None = EOS, [] = never)."""
-    from skylift.tinker.errors import UserError
-
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise UserError(f"prompt of {prompt_len} tokens leaves no room in the context of {max_model_len}")
-    max_tokens = raw.get("max_tokens")
-    max_tokens = room if max_tokens is None else int(max_tokens)
-    if max_tokens < 1:
-        raise UserError(f"sampling_params.max_tokens must be >= 1, got {max_tokens}")
-    if max_tokens > room:
-        raise UserError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {max_model_len}"
-        )
-    stop = raw.get("stop")
-    stop_strs: list[str] | None = None
-    stop_ids: list[int] | None = None
-    ignore_eos = False
-    if isinstance(stop, str):
-        stop_strs = [stop]
-    elif isinstance(stop, list):
-        if not stop:
-            ignore_eos = True
-        elif all(isinstance(s, str) for s in stop):
-            stop_strs = list(stop)
-        elif all(isinstance(s, int) for s in stop):
-            stop_ids = list(stop)
-        else:
-            raise UserError(f"sampling_params.stop must be strings or token ids, not a mix: {stop!r}")
-    elif stop is not None:
-        raise UserError(f"sampling_params.stop must be a string, a list or null, got {stop!r}")
-    temperature = float(raw.get("temperature", 1.0))
-    if temperature < 0:
-        raise UserError(f"sampling_params.temperature must be >= 0, got {temperature}")
-    seed = raw.get("seed")
-    return SamplingParams(
-        temperature=temperature,
-        top_p=float(raw.get("top_p", 1.0)),
-        top_k=int(raw.get("top_k", -1)),
-        max_tokens=max_tokens,
-        stop=stop_strs,
-        stop_token_ids=stop_ids,
-        seed=None if seed is None else int(seed) % (2**63 - 1),
-        n=num_samples,
-        logprobs=True,
-        ignore_eos=ignore_eos,
-    )

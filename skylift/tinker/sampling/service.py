@@ -35,8 +35,9 @@ from skylift.tinker.core.requests import Requests
 from skylift.tinker.core.wire import encode_sample_response
 from skylift.tinker.errors import UserError
 from skylift.tinker.sampling.bodies import CreateSamplingSessionBody, SampleBody, TargetTensor
-from skylift.tinker.sampling.engine_host import EngineHost, EngineSettings, PromptScores, to_engine_params
+from skylift.tinker.sampling.engine_host import EngineHost, EngineSettings
 from skylift.tinker.sampling.lora_mode import MOE_SWAP, fixed_swap
+from skylift.tinker.sampling.sample_io import PromptScores, to_engine_params
 from skylift.tinker.sampling.snapshots import SnapshotStore, Weights
 from skylift.tinker.sampling.weights import (
     SamplerSnapshot,
