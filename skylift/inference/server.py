@@ -299,6 +299,7 @@ async def run_server(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse vLLM server flags (plus skylift's defaults) and serve. Returns an exit code."""
+    import pydantic
     import uvloop
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.distributed_executor_backend, int(args.tensor_parallel_size or 1)
         )
         if getattr(args, "enable_return_routed_experts", False):  # routing replay's engines
-            prepare_routed_experts()
+            args.additional_config = prepare_routed_experts(getattr(args, "additional_config", None))
     except ValueError as exc:
         parser.error(str(exc))
     from skylift.inference.limits import MAX_N
@@ -353,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     validate_parsed_serve_args(args)
     from skylift.inference.vllm_patches import start_cause
+    from skylift.utils.engine_errors import config_error
 
     started: list[bool] = []
     with start_cause.recording() as cause_file:  # the engine's processes inherit where to write
@@ -360,6 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             uvloop.run(run_server(args, server_settings(args), on_started=lambda: started.append(True)))
         except KeyboardInterrupt:
             logger.info("server stopped")
+        except pydantic.ValidationError as exc:  # vLLM's own checks of the engine's configuration
+            print(
+                f"skylift serve: vLLM refused the engine's configuration: {config_error(exc)}",
+                file=sys.stderr,
+            )
+            return 2
         except Exception:
             if started or (cause := start_cause.read_cause(cause_file)) is None:
                 raise  # not a failed engine start: its traceback kept

@@ -6,7 +6,7 @@ of the weight-sync protocol (`skylift.weight_sync.broadcast.receiver` for full w
 `skylift.weight_sync.lora.receiver` for LoRA adapters, `skylift.weight_sync.delta.receiver` for
 checkpoint-delta sync); importing this module (vLLM does, in
 every worker) also installs `skylift.inference.vllm_patches.cpu_seed_rewind`,
-`cpu_lora_no_adapter`, `prompt_logprobs_lora_rows` and `cpu_moe_reload` (a vLLM they were not written for fails the
+`cpu_lora_no_adapter`, `prompt_logprobs_lora_rows`, `cpu_moe_reload` and `cpu_routed_experts` (a vLLM they were not written for fails the
 worker's start-up, naming the patch).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from skylift.inference.vllm_patches import (
     cpu_lora_no_adapter,
     cpu_moe_reload,
+    cpu_routed_experts,
     cpu_seed_rewind,
     prompt_logprobs_lora_rows,
 )
@@ -36,3 +37,4 @@ cpu_seed_rewind.install()
 cpu_lora_no_adapter.install()
 prompt_logprobs_lora_rows.install()
 cpu_moe_reload.install()
+cpu_routed_experts.install()

