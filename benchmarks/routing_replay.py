@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from skylift.models import prepare_model
-from skylift.worker.routing_replay import moe_routers, replay_routing, routing_of
+from skylift.worker.routing_replay import RoutingTally, moe_routers, replay_routing, routing_of
 
 PROMPTS = 16
 PROMPT_LEN = 24
@@ -154,8 +154,8 @@ def step_times(model: Any, samples: list[dict[str, Any]]) -> tuple[float, float]
 
     def step(replay: bool) -> float:
         started = time.perf_counter()
-        if replay:
-            with replay_routing(model, routed):
+        if replay:  # as the trainer's update does: with the tally of what replay overrode
+            with replay_routing(model, routed, RoutingTally()):
                 loss = model(input_ids=ids).logits.logsumexp(-1).mean()
         else:
             loss = model(input_ids=ids).logits.logsumexp(-1).mean()

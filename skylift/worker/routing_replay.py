@@ -27,6 +27,7 @@ import contextlib
 import re
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,14 +58,37 @@ def moe_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return routers
 
 
+@dataclass
+class RoutingTally:
+    """Of the (token, MoE layer) pairs forwards replayed the engine's routing for, how many the
+    trainer's own router would have sent to another set of experts (device counters; read once)."""
+
+    routed: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    differ: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+
+    def add(self, own: Tensor, given: Tensor, replayed: Tensor) -> None:
+        changed = (own.sort(-1).values != given.sort(-1).values).any(-1) & replayed
+        self.routed = self.routed.to(own.device) + replayed.sum()
+        self.differ = self.differ.to(own.device) + changed.sum()
+
+    def metrics(self) -> dict[str, float]:
+        """``routing_differs``: the share of replayed pairs the trainer would have routed
+        otherwise (what replay changed); empty when nothing was replayed."""
+        routed = int(self.routed)
+        return {"routing_differs": int(self.differ) / routed} if routed else {}
+
+
 @contextlib.contextmanager
-def replay_routing(model: torch.nn.Module, routed: Tensor) -> Iterator[None]:
+def replay_routing(
+    model: torch.nn.Module, routed: Tensor, tally: RoutingTally | None = None
+) -> Iterator[None]:
     """Within the block, each MoE router of `model` picks the experts of `routed`.
 
     `routed`: integer [tokens, layers, top_k] (vLLM's `routed_experts` layout), one row per token
     in the order the routers see them (the forward's input ids flattened, row-major), one column
     per decoder layer (a dense layer's column is ignored). A token whose experts in a layer hold a
-    -1 keeps the router's own pick there."""
+    -1 keeps the router's own pick there. `tally`: counts, over the block's router calls, the
+    replayed pairs whose own pick differs (a backward's recomputed forward counts again)."""
     routers = moe_routers(model)
     if not routers:
         raise RoutingReplayError(f"routing replay: {type(model).__name__} has no mixture-of-experts router")
@@ -77,7 +101,7 @@ def replay_routing(model: torch.nn.Module, routed: Tensor) -> Iterator[None]:
 
     def arm(layer: int) -> Any:
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
-            _replay.topk = _replayed_topk(_TOPK, routed[:, layer].long(), int(module.top_k))
+            _replay.topk = _replayed_topk(_TOPK, routed[:, layer].long(), int(module.top_k), tally)
 
         return pre_hook
 
@@ -116,7 +140,7 @@ def _install(change: int) -> None:
         torch.topk = _dispatch if _open[0] > 0 else _TOPK  # type: ignore[assignment]
 
 
-def _replayed_topk(original: Any, experts: Tensor, top_k: int) -> Any:
+def _replayed_topk(original: Any, experts: Tensor, top_k: int, tally: RoutingTally | None = None) -> Any:
     def topk(values: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
         if k != top_k or values.dim() != 2 or dim not in (-1, 1):  # another top-k inside the router
             return original(values, k, dim=dim, largest=largest, sorted=sorted)
@@ -127,8 +151,10 @@ def _replayed_topk(original: Any, experts: Tensor, top_k: int) -> Any:
             )
         index = experts.to(values.device)
         missing = (index < 0).any(-1)
-        if bool(missing.any()):  # tokens the engine did not route: the router's own top-k
+        if tally is not None or bool(missing.any()):  # tokens the engine did not route: own top-k
             own = original(values, k, dim=-1, largest=largest, sorted=sorted).indices
+            if tally is not None:
+                tally.add(own, index, ~missing)
             index = torch.where(missing[:, None], own, index)
         return torch.return_types.topk((values.gather(-1, index), index))
 
@@ -183,11 +209,13 @@ def batch_routing(batch: SequenceBatch) -> Tensor | None:
     return out.reshape(b * width, *ref.shape[1:])
 
 
-def replayed(model: torch.nn.Module, batch: SequenceBatch) -> contextlib.AbstractContextManager[None]:
-    """The context a padded forward of `batch` replays its rows' routing in (`batch_routing`); a
-    no-op when no row carries routing."""
+def replayed(
+    model: torch.nn.Module, batch: SequenceBatch, tally: RoutingTally | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """The context a padded forward of `batch` replays its rows' routing in (`batch_routing`),
+    counting into `tally`; a no-op when no row carries routing."""
     routed = batch_routing(batch)
-    return contextlib.nullcontext() if routed is None else replay_routing(model, routed)
+    return contextlib.nullcontext() if routed is None else replay_routing(model, routed, tally)
 
 
 def routing_row(row: dict[str, Any] | None, routed: Any) -> dict[str, Any] | None:

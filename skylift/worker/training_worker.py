@@ -35,7 +35,7 @@ from skylift.worker.micro_batches import (
 from skylift.worker.optim import OptimizerSettings, clipped_step, make_lr_scheduler
 from skylift.worker.prefix_tree import prefix_tree_response_logprobs, prefix_tree_response_values
 from skylift.worker.profiler import ProfilerSettings, StepProfiler, profiled
-from skylift.worker.routing_replay import replayed
+from skylift.worker.routing_replay import RoutingTally, replayed
 from skylift.worker.sequence_parallel import SequenceSplit, pool_rows
 from skylift.worker.sharding import full_tensor, hybrid_mesh, shard_model
 from skylift.worker.ulysses import sequence_parallel_groups
@@ -221,13 +221,13 @@ class TrainingWorker:
             return response_logprobs(model, micro, temperature, with_full=with_full)
 
     def _split(
-        self, micro: SequenceBatch
+        self, micro: SequenceBatch, tally: RoutingTally | None = None
     ) -> tuple[SequenceSplit | None, contextlib.AbstractContextManager[Any]]:
         """A micro-batch's split over the sequence-parallel group and the context its forward and
-        backward passes run in (a policy's rows' routed experts replayed: `routing_replay`)."""
+        backward passes run in (a policy's rows' routed experts replayed, counted in `tally`)."""
         if self.sp_group is None:
             lm = self.settings.head == "lm"
-            return None, replayed(self._model(), micro) if lm else contextlib.nullcontext()
+            return None, replayed(self._model(), micro, tally) if lm else contextlib.nullcontext()
         split = SequenceSplit(micro, self.sp_group)
         return split, split.attention(self._model())
 
@@ -339,9 +339,10 @@ class TrainingWorker:
         counts: dict[str, int] = {}
         with_full = getattr(loss_fn, "needs_full_logprobs", False) and as_distribution(temperature).truncates
         batch, _ = self._pooled(batch)  # sequence parallelism: every rank of a group, the same rows
+        tally = RoutingTally()  # routing replay: how often it overrode the trainer's own routers
         for rows in self._micro_batches(batch, micro_batch_size):
             micro = batch.select(rows).to(self.device)
-            split, context = self._split(micro)
+            split, context = self._split(micro, tally)
             with context:  # backward too: checkpointed layers recompute their forward in it
                 logp = self._response_outputs(model, micro, temperature, with_full, split)
                 if with_full:
@@ -356,7 +357,7 @@ class TrainingWorker:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0) + 1
-        return {k: sums[k] / counts[k] for k in sums}
+        return {k: sums[k] / counts[k] for k in sums} | tally.metrics()
 
     def optimizer_step(self, max_grad_norm: float | None = None) -> dict[str, float]:
         """Clip the accumulated gradients, step the optimizer and its schedule, then clear them.

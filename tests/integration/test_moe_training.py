@@ -141,9 +141,9 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
     replays: list[tuple[int, ...]] = []
     replay = routing_replay.replay_routing
 
-    def counted(model: torch.nn.Module, routed: torch.Tensor) -> object:
+    def counted(model: torch.nn.Module, routed: torch.Tensor, tally: object = None) -> object:
         replays.append(tuple(routed.shape))
-        return replay(model, routed)
+        return replay(model, routed, tally)  # type: ignore[arg-type]
 
     monkeypatch.setattr(routing_replay, "replay_routing", counted)
     prompts = [*SEQUENCES, [int(t) for t in np.random.default_rng(0).integers(10, 1000, 300)]]
@@ -173,8 +173,12 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
         rows = [h for h in history if "reward/mean" in h]
         assert [h["step"] for h in rows] == [1, 2]
         diffs = [h["policy/logprob_diff_vs_rollout"] for h in rows]
-        print(f"routing replay: |lp diff| per step {diffs}; replayed forwards {len(replays)}")
+        differs = [h["policy/routing_differs"] for h in rows]  # what replay overrode (fp32 both sides)
+        print(
+            f"routing replay: |lp diff| per step {diffs}; routing differs {differs}; forwards {len(replays)}"
+        )
         assert all(d < TOLERANCE for d in diffs), diffs
+        assert all(0 <= d < 0.01 for d in differs), differs
         # per step: the old logprobs' forward and the update's, each over the 16 rollouts
         assert len(replays) >= 4 and all(shape[1:] == (4, 2) for shape in replays), replays
         assert trainer.parts.weights.transport.chosen == CHOSEN["auto"]  # type: ignore[attr-defined]

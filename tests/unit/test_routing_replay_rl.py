@@ -139,8 +139,11 @@ class RoutingSpy:
             handle.remove()
 
 
-def _trainer_routing(moe_dir: Path, tmp_path: Path, batch: SequenceBatch) -> tuple[RoutingSpy, Any]:
-    """The routing of the trainer's forwards: old logprobs (no grad) and one training step."""
+def _trainer_routing(
+    moe_dir: Path, tmp_path: Path, batch: SequenceBatch
+) -> tuple[RoutingSpy, Any, dict[str, float]]:
+    """The routing of the trainer's forwards: old logprobs (no grad) and one training step (whose
+    metrics come back too)."""
     worker = TrainingWorker(
         WorkerSettings(model_path=str(moe_dir)), init_method=f"file://{tmp_path / 'rdzv'}"
     )
@@ -148,10 +151,12 @@ def _trainer_routing(moe_dir: Path, tmp_path: Path, batch: SequenceBatch) -> tup
     spy = RoutingSpy(worker.model)
     try:
         worker.compute_logprobs(batch, micro_batch_size=3)
-        worker.accumulate_gradients(batch, lambda logp, micro: ((logp * micro.response_mask).sum(), {}), 3)
+        metrics = worker.accumulate_gradients(
+            batch, lambda logp, micro: ((logp * micro.response_mask).sum(), {}), 3
+        )
     finally:
         spy.close()
-    return spy, worker
+    return spy, worker, metrics
 
 
 def _differing(spy: RoutingSpy, trajectories: list[Any], layers: list[int]) -> tuple[int, int]:
@@ -182,15 +187,23 @@ def test_trainer_routes_as_the_engine_with_replay_and_as_itself_without(
         assert tr.num_turns == (2 if multi else 1)
     layers = sorted(moe_routers(AutoModelForCausalLM.from_pretrained(moe_dir)))
 
-    with_replay, worker = _trainer_routing(moe_dir, tmp_path / "with", trajectory_batch(trajectories, 0))
+    with_replay, worker, metrics = _trainer_routing(
+        moe_dir, tmp_path / "with", trajectory_batch(trajectories, 0)
+    )
     differ, total = _differing(with_replay, trajectories, layers)
     assert total > 0 and differ == 0  # 0 differing (token, layer) routings
+    # what replay overrode: the trainer's own routers would have picked otherwise (bf16 engine)
+    print(f"routing_differs with replay: {metrics['routing_differs']:.4f} ({differ} of {total} as given)")
+    assert 0 < metrics["routing_differs"] < 0.1, metrics
 
     for tr in trajectories:
         tr.routed_experts = None
-    without, worker = _trainer_routing(moe_dir, tmp_path / "without", trajectory_batch(trajectories, 0))
+    without, worker, metrics = _trainer_routing(
+        moe_dir, tmp_path / "without", trajectory_batch(trajectories, 0)
+    )
     differ, total = _differing(without, trajectories, layers)
     assert differ > 0, (differ, total)  # bfloat16 engine, float32 trainer: some routers disagree
+    assert "routing_differs" not in metrics  # nothing replayed, nothing to say
     model = worker.model
     for ids, picks, forward in without.rows():  # the trainer's own routing, exactly
         inputs = {
