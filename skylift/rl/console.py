@@ -59,6 +59,8 @@ def step_summary(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"kl {m['policy/kl_loss']:.4f}")
     if "policy/logprob_diff_vs_rollout" in m:
         parts.append(f"|lp diff| {m['policy/logprob_diff_vs_rollout']:.1e}")
+    if "policy/routing_differs" in m:  # routing replay: the share of routings it overrode
+        parts.append(f"replayed routing differs {m['policy/routing_differs']:.2%}")
     if "engines/live" in m:
         parts.append(f"engines live {m['engines/live']:.0f}")
     if m.get("async/staleness_max", 0.0) > 0:

@@ -136,3 +136,11 @@ def test_a_lone_ranks_checkpoint_note_follows_the_quiet_default() -> None:
     assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
     assert "torch.distributed is disabled" in loud.stderr
     assert "Warning" not in quiet.stderr, quiet.stderr
+
+
+def test_a_routing_replay_step_says_how_much_routing_it_overrode() -> None:
+    line = step_summary(
+        2, 3, {**STEP, "policy/logprob_diff_vs_rollout": 1.7e-3, "policy/routing_differs": 0.0026}
+    )
+    assert "| |lp diff| 1.7e-03 | replayed routing differs 0.26% | gen 1.0s" in line
+    assert "routing" not in step_summary(2, 3, dict(STEP))
