@@ -90,7 +90,11 @@ class EngineGroup:
         group_name: str = DEFAULT_GROUP_NAME,
     ) -> str:
         """Build the group: the engines' sizes give the world size, rank 0 hosts the store
-        (`host`), then rank 0 (`join()`) and every engine meet. Returns the address dialled."""
+        (`host`), then rank 0 (`join()`) and every engine meet. Returns the address dialled.
+
+        The first side to fail fails the rendezvous at once, a `WeightSyncError` naming the group's
+        address and the side; rank 0's `join` may still be waiting then: the caller closes rank
+        0's side (`WeightBroadcaster.close`), which ends it."""
         tp_sizes = await gather_all(
             [
                 self._call(i, "tensor_parallel_size", e.tensor_parallel_size(), self.timeout_s)
@@ -113,21 +117,27 @@ class EngineGroup:
                 timeout_s=self.timeout_s,
             )
 
-        await gather_all(
-            [
-                self._rank_zero("group rendezvous", join(), self.timeout_s + 10.0),
-                *[
-                    self._call(
-                        i,
-                        "init_weight_update_communicator",
-                        e.weight_call("broadcast", "join", spec(i).to_dict()),
-                        self.timeout_s + 30.0,
-                    )
-                    for i, e in enumerate(self.engines)
+        try:
+            await gather_all(
+                [
+                    self._rank_zero("group rendezvous", join(), self.timeout_s + 10.0),
+                    *[
+                        self._call(
+                            i,
+                            "init_weight_update_communicator",
+                            e.weight_call("broadcast", "join", spec(i).to_dict()),
+                            self.timeout_s + 30.0,
+                        )
+                        for i, e in enumerate(self.engines)
+                    ],
                 ],
-            ],
-            fail_fast=True,
-        )
+                fail_fast=True,
+            )
+        except WeightSyncError as exc:  # both ends: where rank 0 waited, and who failed
+            raise WeightSyncError(
+                f"weight-update group {group_name!r} did not form between rank 0 (hosting it at "
+                f"{address}:{port}) and {len(self.engines)} engine(s) (world size {world_size}): {exc}"
+            ) from exc
         self.address = address
         return address
 

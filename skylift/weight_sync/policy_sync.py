@@ -83,7 +83,7 @@ class PolicySync:
                 lambda: asyncio.to_thread(self.policy.join_weight_group),
                 override_existing=override_existing,
             )
-        except BaseException:
+        except BaseException:  # rank 0 may still wait in the rendezvous: closing its side ends it
             await asyncio.to_thread(self.policy.close_weight_group)
             raise
         self.group = group

@@ -10,6 +10,7 @@ or in a thread of the sender's process.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
@@ -45,6 +46,12 @@ class WeightBroadcaster:
         self.update_timeout_s = update_timeout_s
         self._group: WeightSyncGroup | None = None
         self._pending: dict | None = None  # what `host` prepared for `join`
+        #: the hosted store's server, held here alone: `close` drops it, which ends a `join` still
+        #: waiting for ranks that will never come (its client connection, `_pending["store"]`,
+        #: sees the server gone) instead of leaving it blocked until `timeout_s`
+        self._server: dist.TCPStore | None = None
+        self._hosting: object | None = None  # a token of the hosted group: `join` sees a `close`
+        self._lock = threading.Lock()
         #: pack memory of the weight stream, kept from sync to sync (dropped by `close`)
         self._arenas: list[BufferArena] = []
 
@@ -66,8 +73,9 @@ class WeightBroadcaster:
         if self._group is not None or self._pending is not None:
             raise WeightSyncError("this sender already has a group: call close() first")
         backend = backend or default_backend()
+        where = f"{master_address}:{master_port or 0}"
         try:
-            store = dist.TCPStore(
+            server = dist.TCPStore(
                 master_address,
                 master_port or 0,
                 world_size,
@@ -75,12 +83,21 @@ class WeightBroadcaster:
                 timeout=timedelta(seconds=self.timeout_s),
                 wait_for_workers=False,
             )
+            announce_ranks(server, group_name, 1)  # rank 0 is on its way: the engines may join
+            port = int(server.port)
+            where = f"{master_address}:{port}"
+            # rank 0's own connection, which the group uses: a client of `server`, so that
+            # dropping the server (`close`) ends whatever this connection still waits for
+            store = dist.TCPStore(
+                master_address,
+                port,
+                world_size,
+                is_master=False,
+                timeout=timedelta(seconds=self.timeout_s),
+                wait_for_workers=False,
+            )
         except Exception as exc:
-            raise WeightSyncError(
-                f"sender: cannot host the group's store on {master_address}:{master_port}: {exc}"
-            ) from exc
-        announce_ranks(store, group_name, 1)  # rank 0 is on its way: the engines may join
-        port = int(store.port)
+            raise WeightSyncError(f"sender: cannot host the group's store on {where}: {exc}") from exc
         logger.info(
             "weight-sync group %r: world size %d at %s:%d (%s)",
             group_name,
@@ -89,17 +106,19 @@ class WeightBroadcaster:
             port,
             backend,
         )
-        self._pending = dict(
-            master_address=master_address,
-            master_port=port,
-            rank=0,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-            timeout_s=self.timeout_s,
-            device=group_device(backend, None),
-            store=store,
-        )
+        with self._lock:
+            self._server, self._hosting = server, object()
+            self._pending = dict(
+                master_address=master_address,
+                master_port=port,
+                rank=0,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=self.timeout_s,
+                device=group_device(backend, None),
+                store=store,
+            )
         return port
 
     @property
@@ -112,11 +131,32 @@ class WeightBroadcaster:
         return self._pending["backend"]  # type: ignore[no-any-return]
 
     def join(self) -> None:
-        """The rendezvous of the hosted group (blocks until every engine worker joined)."""
-        if self._pending is None:
-            raise WeightSyncError("no hosted weight-update group: call host() first")
-        pending, self._pending = self._pending, None
-        self._group = create_weight_sync_group(**pending)
+        """The rendezvous of the hosted group (blocks until every engine worker joined, at most
+        `timeout_s`; a `close` from another thread meanwhile ends it at once with a
+        `WeightSyncError`)."""
+        with self._lock:
+            pending, self._pending, hosting = self._pending, None, self._hosting
+        if pending is None:
+            raise WeightSyncError("no hosted weight-update group: call host() first (or it was closed)")
+        where = f"{pending['master_address']}:{pending['master_port']}"
+        try:
+            group = create_weight_sync_group(**pending)
+        except WeightSyncError as exc:
+            if self._hosting is not hosting:
+                raise self._closed_while_waiting(where) from exc
+            raise
+        with self._lock:
+            if self._hosting is hosting:
+                self._group = group
+                return
+        group.destroy()  # closed just as the rendezvous completed
+        raise self._closed_while_waiting(where)
+
+    def _closed_while_waiting(self, where: str) -> WeightSyncError:
+        return WeightSyncError(
+            f"rank 0 stopped waiting for the weight-update group at {where}: the group was closed "
+            "before every rank joined (an engine failed to join)"
+        )
 
     def broadcast_stream(self, named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> StreamStats:
         """Broadcast `named_tensors` as one weight stream (`weight_sync.broadcast.stream`): bucket k+1 is
@@ -140,10 +180,16 @@ class WeightBroadcaster:
         return sum(b.numel() * b.element_size() for b in buffers)
 
     def close(self) -> None:
-        """Destroy this side of the group (the engines leave theirs first; idempotent)."""
-        group, self._group, self._pending, self._arenas = self._group, None, None, []
+        """Destroy this side of the group (the engines leave theirs first; idempotent) and stop
+        hosting its store. Callable from another thread while `join` waits: that ends the
+        rendezvous (its connection sees the store gone), so nothing is left waiting for engines
+        that failed to join."""
+        with self._lock:
+            group, self._group, self._pending, self._arenas = self._group, None, None, []
+            server, self._server, self._hosting = self._server, None, None
         if group is not None:
             group.destroy()
+        del server  # the last reference: the store's server stops, its connections close
 
     def require_group(self) -> WeightSyncGroup:
         if self._group is None:

@@ -140,7 +140,7 @@ class WeightSender:
 
         try:
             await group.open(host, join, override_existing=override_existing, group_name=group_name)
-        except BaseException:
+        except BaseException:  # also ends rank 0's rendezvous if it still waits
             self.rank_zero.close()
             raise
         self._engines = group
