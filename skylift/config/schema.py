@@ -423,7 +423,7 @@ class GeneratorConfig:
     enable_return_routed_experts: bool = _f(
         False,
         "routing replay (R3) of a mixture-of-experts policy: engines return each token's routed experts "
-        "and the trainer's forwards (old, new, reference logprobs) route every token to them; needs CUDA engines",
+        "and the trainer's forwards (old, new, reference logprobs) route every token to them; needs prefix caching",
     )
     n_samples_per_prompt: int = _f(4, "responses sampled per training prompt (the GRPO group size)", ge=1)
     max_generate_length: int | None = _f(
