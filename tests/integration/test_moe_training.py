@@ -8,6 +8,7 @@ engine (transformers' fused experts sent under the checkpoint's names and layout
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -83,6 +84,31 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
+def _trainer(model: str, data: Path, tmp_path: Path, extra: dict[str, object]) -> Any:
+    """Two GRPO steps of 4 prompts x 4 samples on `data`, in this process, with `extra` on top."""
+    overrides: dict[str, object] = {
+        "trainer.policy.model.path": model,
+        "data.train_data": f"['{data}']",
+        "data.val_data": f"['{data}']",
+        "trainer.placement.backend": "local",
+        "trainer.train_batch_size": 4,
+        "trainer.policy_mini_batch_size": 4,
+        "generator.n_samples_per_prompt": 4,
+        "generator.max_generate_length": 16,
+        "trainer.max_prompt_length": 128,
+        "trainer.max_steps": 2,
+        "trainer.eval_interval": -1,
+        "trainer.eval_before_train": False,
+        "trainer.policy.optimizer_config.lr": 1e-2,
+        "trainer.ckpt_interval": -1,
+        "trainer.export_path": str(tmp_path / "exports"),
+        "trainer.log_dir": str(tmp_path / "logs"),
+        "trainer.ckpt_path": str(tmp_path / "ckpts"),  # not a resumable run of the default name
+        **extra,
+    }
+    return build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+
+
 TRANSPORTS = {
     "auto": {},  # shared memory: the policy and the engine share this CPU host
     "broadcast": {"generator.weight_sync_backend": "gloo"},
@@ -103,29 +129,10 @@ CHOSEN = {"auto": "ipc", "broadcast": "gloo", "lora": "ipc"}
     ],
 )
 def test_grpo_steps_sync_moe_weights(train_file: Path, tmp_path: Path, model: str, transport: str) -> None:
-    overrides: dict[str, object] = {
-        "trainer.policy.model.path": model,
-        "data.train_data": f"['{train_file}']",
-        "data.val_data": f"['{train_file}']",
-        "trainer.placement.backend": "local",
-        "trainer.train_batch_size": 4,
-        "trainer.policy_mini_batch_size": 4,
-        "generator.n_samples_per_prompt": 4,
-        "generator.max_generate_length": 16,
-        "trainer.max_prompt_length": 128,
-        "trainer.max_steps": 2,
-        "trainer.eval_interval": -1,
-        "trainer.eval_before_train": False,
-        "trainer.policy.optimizer_config.lr": 1e-2,
-        "trainer.ckpt_interval": -1,
-        "trainer.export_path": str(tmp_path / "exports"),
-        "trainer.log_dir": str(tmp_path / "logs"),
-        "trainer.ckpt_path": str(tmp_path / "ckpts"),  # not a resumable run of the default name
-        **TRANSPORTS[transport],
-    }
+    extra: dict[str, object] = dict(TRANSPORTS[transport])
     if transport == "delta":
-        overrides["generator.delta_weight_sync.sync_dir"] = str(tmp_path / "sync")
-    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+        extra["generator.delta_weight_sync.sync_dir"] = str(tmp_path / "sync")
+    trainer = _trainer(model, train_file, tmp_path, extra)
     try:
         trainer.setup()
         history = trainer.fit()
@@ -175,29 +182,13 @@ def test_grpo_steps_replay_the_routing_vllm_captured(
         for i, text in enumerate(("Count the apples. ", "Why is the sky blue? "))
     ]
     prompts = [*SEQUENCES, [int(t) for t in np.random.default_rng(0).integers(10, 1000, 300)]]
-    overrides: dict[str, object] = {
-        "trainer.policy.model.path": "tiny-qwen3-moe",
-        "data.train_data": f"['{two_turns}']",
-        "data.val_data": f"['{two_turns}']",
+    extra = {
         "generator.max_turns": 2,
         "generator.batched": False,
-        "trainer.placement.backend": "local",
-        "trainer.train_batch_size": 4,
-        "trainer.policy_mini_batch_size": 4,
-        "generator.n_samples_per_prompt": 4,
-        "generator.max_generate_length": 16,
         "trainer.max_prompt_length": 320,  # room for the long prompts below
-        "trainer.max_steps": 2,
-        "trainer.eval_interval": -1,
-        "trainer.eval_before_train": False,
-        "trainer.policy.optimizer_config.lr": 1e-2,
-        "trainer.ckpt_interval": -1,
-        "trainer.export_path": str(tmp_path / "exports"),
-        "trainer.log_dir": str(tmp_path / "logs"),
-        "trainer.ckpt_path": str(tmp_path / "ckpts"),  # not a resumable run of the default name
         "generator.enable_return_routed_experts": True,
     }
-    trainer = build_trainer(load_config([f"{k}={v}" for k, v in overrides.items()]), console=False)
+    trainer = _trainer("tiny-qwen3-moe", two_turns, tmp_path, extra)
     try:
         trainer.setup()
         history = trainer.fit()
