@@ -41,7 +41,10 @@ def test_a_rank_that_cannot_allocate_is_one_line_and_exit_code_5(
             f"runs_dir={tmp_path}",
         ]
     )
-    err = capsys.readouterr().err
+    # a progress bar another test in this process switched back on (transformers' own state) may
+    # come first; from a shell the command prints the line alone
+    raw = capsys.readouterr().err
+    err = "".join(f"{line}\n" for line in raw.split("\n")[:-1] if "\r" not in line) + raw.split("\n")[-1]
     assert code == 5, err
     assert (
         err.startswith("skylift sft: out of memory: [enforce fail at alloc_cpu.cpp") and err.count("\n") == 1
