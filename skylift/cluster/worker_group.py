@@ -8,8 +8,6 @@ broadcasting its weights for the inference engines (the driver tells the engines
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -19,6 +17,13 @@ from torch import Tensor
 
 from skylift.algorithms.sample_support import Sampling
 from skylift.cluster.placement import PlacedGroups
+from skylift.cluster.ray_ranks import (
+    WEIGHT_CONTROL,
+    file_rendezvous,
+    rank_actor_class,
+    rendezvous,
+    wait_for_ranks,
+)
 from skylift.models.checkpoint_names import CheckpointNames, checkpoint_names_for
 from skylift.weight_sync.broadcast.broadcaster import WeightBroadcaster
 from skylift.weight_sync.buckets import str_to_dtype
@@ -228,75 +233,6 @@ def _cast_floating(weights: Iterator[tuple[str, Tensor]], dtype: torch.dtype) ->
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-class WorkerError(RuntimeError):
-    """A training worker died or did not answer in time; names the worker, its rank and the call."""
-
-
-def wait_for_ranks(refs: Sequence[Any], who: str, method: str, timeout_s: float) -> list[Any]:
-    """Results of one Ray call per rank, in rank order, within `timeout_s` seconds.
-
-    The first rank to fail fails the call at once (its peers may be blocked in a collective with
-    it): a rank whose process died, or that does not finish in time, is a `WorkerError` naming
-    it; an exception raised by the call itself propagates as it is.
-    """
-    import ray
-    from ray.exceptions import RayActorError
-
-    rank_of = {ref: rank for rank, ref in enumerate(refs)}
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            for ref in pending:
-                ray.cancel(ref, force=False)
-            raise WorkerError(
-                f"{who} rank(s) {sorted(rank_of[r] for r in pending)}: {method} did not finish within "
-                f"{timeout_s:.0f} s (raise trainer.worker_timeout_s if the work is legitimately this slow)"
-            )
-        try:
-            ray.get(ready[0])
-        except RayActorError as exc:
-            raise WorkerError(
-                f"{who} rank {rank_of[ready[0]]}: its process died during {method}: {exc}"
-            ) from exc
-    return ray.get(list(refs))
-
-
-def _file_rendezvous(name: str) -> str:
-    return "file://" + os.path.join(tempfile.mkdtemp(prefix=f"skylift-{name}-"), "rendezvous")
-
-
-def _free_port_on_node() -> tuple[str, int]:
-    """(node IP, a TCP port free on it a moment ago), run on the node that will host rank 0."""
-    import socket
-
-    import ray
-
-    ip = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((ip, 0))
-        return ip, int(sock.getsockname()[1])
-
-
-def _rendezvous(name: str, placement: PlacedGroups, role: str, node_ips: Sequence[str]) -> str:
-    """file:// when every rank is on the driver's node, else tcp://<rank 0's node IP>:<free port>."""
-    import ray
-
-    from skylift.worker.distributed import tcp_init_method
-
-    here = ray.util.get_node_ip_address()
-    if all(ip == here for ip in node_ips):
-        return _file_rendezvous(name)
-    options = placement.options(role, 0)
-    options.update(num_cpus=0, num_gpus=0)
-    options.pop("resources", None)
-    probe = ray.remote(_free_port_on_node).options(**options).remote()
-    ip, port = ray.get(probe, timeout=60)
-    logger.info("%s: %d ranks on %s meet at %s:%d", name, len(node_ips), sorted(set(node_ips)), ip, port)
-    return tcp_init_method(ip, port)
-
-
 class WorkerGroup:
     """`world_size` ranks of one model; Ray actors when `use_ray`, else one in-process rank."""
 
@@ -328,13 +264,11 @@ class WorkerGroup:
         self.timeout_s = timeout_s
         self.node_ips: list[str] = []
         if use_ray:
-            import ray
-
-            cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
+            cls = rank_actor_class(worker_cls, num_cpus_per_worker, num_gpus_per_worker)
             if placement is not None:
                 role = role or name
                 self.node_ips = [placement.node_ip(role, r) for r in range(world_size)]
-                init_method = _rendezvous(name, placement, role, self.node_ips)
+                init_method = rendezvous(name, placement, role, self.node_ips)
                 self.workers: list[Any] = [
                     cls.options(**placement.options(role, rank)).remote(
                         settings, rank, world_size, init_method, node_ip=self.node_ips[rank]
@@ -342,12 +276,12 @@ class WorkerGroup:
                     for rank in range(world_size)
                 ]
             else:
-                init_method = _file_rendezvous(name)
+                init_method = file_rendezvous(name)
                 self.workers = [
                     cls.remote(settings, rank, world_size, init_method) for rank in range(world_size)
                 ]
         else:
-            init_method = _file_rendezvous(name)
+            init_method = file_rendezvous(name)
             if world_size != 1:
                 raise ValueError(f"{name}: more than one worker needs Ray (world_size={world_size})")
             self.workers = [worker_cls(settings, 0, 1, init_method)]
@@ -358,16 +292,21 @@ class WorkerGroup:
         per_rank_args: Sequence[tuple] | None = None,
         *args: Any,
         ranks: int | None = None,
+        concurrency_group: str | None = None,
         **kwargs: Any,
     ) -> list[R]:
         """`method` (an `RLWorker` method) on the first `ranks` ranks (None: all), with
-        `per_rank_args[r]` or `args`; results in rank order."""
+        `per_rank_args[r]` or `args`; results in rank order. `concurrency_group`: the actors' group
+        that runs it (`ray_ranks.WEIGHT_CONTROL`; None: the default, one call at a time)."""
         name = method.__name__
         workers = self.workers[:ranks]
         if self.use_ray:
+            calls = [getattr(w, name) for w in workers]
+            if concurrency_group is not None:
+                calls = [c.options(concurrency_group=concurrency_group) for c in calls]
             refs = [
-                getattr(w, name).remote(*(per_rank_args[r] if per_rank_args else args), **kwargs)
-                for r, w in enumerate(workers)
+                c.remote(*(per_rank_args[r] if per_rank_args else args), **kwargs)
+                for r, c in enumerate(calls)
             ]
             return wait_for_ranks(refs, f"{self.name} worker", name, self.timeout_s)
         return [method(workers[0], *(per_rank_args[0] if per_rank_args else args), **kwargs)]
@@ -435,7 +374,9 @@ class WorkerGroup:
         return written
 
     def close_weight_group(self) -> None:
-        self.call_rank0(RLWorker.close_weight_group)
+        """Rank 0 leaves the group; it runs beside a `join_weight_group` still waiting (which it
+        ends), not behind it (`ray_ranks.WEIGHT_CONTROL`)."""
+        self._call(RLWorker.close_weight_group, None, ranks=1, concurrency_group=WEIGHT_CONTROL)
 
     # ---- checkpoints
     def save_checkpoint(self, path: str) -> None:

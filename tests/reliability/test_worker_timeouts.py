@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from server_helpers import require_loopback_namespace
 
-from skylift.cluster.worker_group import WorkerError, wait_for_ranks
+from skylift.cluster.ray_ranks import WorkerError, wait_for_ranks
 
 
 class Rank:
