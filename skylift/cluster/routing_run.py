@@ -78,7 +78,6 @@ def _check_policy(cfg: SkyliftConfig, config: Any) -> None:
 
 def _check_run(cfg: SkyliftConfig) -> None:
     """The checks that need no model: prefix caching, no sequence parallelism."""
-
     g, t = cfg.generator, cfg.trainer
     if not g.enable_prefix_caching:
         raise ConfigError(f"{KEY}=true needs generator.enable_prefix_caching=true (vLLM's capture)", key=KEY)

@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     validate_parsed_serve_args(args)
     from skylift.inference.vllm_patches import start_cause
-    from skylift.utils.engine_errors import config_error
+    from skylift.utils.messages import config_error
 
     started: list[bool] = []
     with start_cause.recording() as cause_file:  # the engine's processes inherit where to write

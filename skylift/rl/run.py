@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -14,7 +12,7 @@ from skylift.models.checkpoint_names import UnmappedWeightError
 from skylift.rl.loop import RolloutInputStoppedError, TrainingStoppedError
 from skylift.utils.engine_errors import EngineStartError
 from skylift.utils.memory_errors import out_of_memory_line
-from skylift.utils.messages import one_line
+from skylift.utils.messages import one_line, said
 
 #: what to change when a training worker runs out of memory (the keys of `skylift train`)
 OUT_OF_MEMORY_ADVICE = (
@@ -56,28 +54,20 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         trainer.setup()
         work(trainer)
     except (ConfigError, ModelPathError) as exc:
-        return _said(prog, f"configuration error: {exc}", exc, 2, verbose)
+        return said(prog, f"configuration error: {exc}", exc, 2, verbose)
     except (UnmappedWeightError, EngineStartError) as exc:  # perhaps from a Ray actor: the cause's text
-        return _said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
+        return said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
     except RolloutInputStoppedError as exc:
-        return _said(prog, str(exc), exc, 4, verbose)
+        return said(prog, str(exc), exc, 4, verbose)
     except TrainingStoppedError as exc:
-        return _said(prog, str(exc), exc, 3, verbose)
+        return said(prog, str(exc), exc, 3, verbose)
     except Exception as exc:  # a rollout outside training's loop (`skylift eval`): nothing to save
         if (memory := out_of_memory_line(exc, OUT_OF_MEMORY_ADVICE)) is not None:
-            return _said(prog, memory, exc, 5, verbose)
+            return said(prog, memory, exc, 5, verbose)
         if (line := rollout_input(exc)) is None:
             raise  # not the user's input: a bug, its traceback kept
-        return _said(prog, f"rollout failed: {line} (--verbose shows the traceback)", exc, 4, verbose)
+        return said(prog, f"rollout failed: {line} (--verbose shows the traceback)", exc, 4, verbose)
     finally:
         if trainer is not None:
             trainer.shutdown()
     return 0
-
-
-def _said(prog: str, line: str, exc: BaseException, code: int, verbose: bool) -> int:
-    """Print `line` after `prog` on stderr (the traceback of `exc` before it when `verbose`); `code`."""
-    if verbose:
-        traceback.print_exception(exc, file=sys.stderr)
-    print(f"{prog}: {line}", file=sys.stderr)
-    return code

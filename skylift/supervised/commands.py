@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 SFT_EPILOG = """\
 examples:
@@ -67,6 +66,7 @@ def run_sft_command(args: argparse.Namespace) -> int:
     from skylift.supervised.tokens import TokenizeError
     from skylift.supervised.trainer import SupervisedTrainer
     from skylift.utils.memory_errors import out_of_memory_line
+    from skylift.utils.messages import said
     from skylift.utils.quiet import quiet_libraries
 
     quiet_libraries(args.verbose)
@@ -90,10 +90,8 @@ def run_sft_command(args: argparse.Namespace) -> int:
     except Exception as exc:  # a rank's allocation failure, perhaps behind a Ray error: one line
         if (line := out_of_memory_line(exc, OUT_OF_MEMORY_ADVICE)) is None:
             raise  # not the machine's memory: a bug, its traceback kept
-        if args.verbose:
-            traceback.print_exception(exc, file=sys.stderr)
-        print(f"skylift sft: {line}", file=sys.stderr)
-        return 5  # nothing is saved: the step that failed may have changed part of the state
+        # nothing is saved: the step that failed may have changed part of the state
+        return said("skylift sft", line, exc, 5, args.verbose)
     finally:
         trainer.close()  # also after a failed start (the ranks it made, Ray)
     if losses:

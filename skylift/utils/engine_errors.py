@@ -7,8 +7,6 @@ of the weight transports (`skylift.weight_sync`, below `inference`) raise the sa
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class EngineError(RuntimeError):
     """An engine operation failed; the message names the engine and the operation."""
@@ -39,11 +37,3 @@ class EngineNotFoundError(EngineRequestError):
 class EngineStateError(EngineError):
     """The engine's state or settings forbid the request now (e.g. a weight-update group already
     exists, or none does yet; sleep on an engine started without sleep mode)."""
-
-
-def config_error(exc: Any) -> str:
-    """One line of a `pydantic.ValidationError` that vLLM's config classes raise on settings they
-    refuse: the messages of its errors, without pydantic's input dump and links."""
-    errors = exc.errors() if hasattr(exc, "errors") else []
-    messages = [str(e.get("msg", "")).removeprefix("Value error, ") for e in errors] or [str(exc)]
-    return "; ".join(m.strip().rstrip(".") for m in messages if m.strip()) or type(exc).__name__

@@ -9,6 +9,9 @@ the log.
 from __future__ import annotations
 
 import re
+import sys
+import traceback
+from typing import Any
 
 #: Terminal escape sequences (colours, cursor moves): CSI ``ESC [ ... letter`` and two-byte ones.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -34,3 +37,20 @@ def one_line(text: str) -> str:
             continue
         kept.append(line.strip())
     return " ".join(kept) if kept else plain(text).strip()
+
+
+def said(prog: str, line: str, exc: BaseException, code: int, verbose: bool) -> int:
+    """Print `line` after `prog` on stderr (the traceback of `exc` before it when `verbose`); `code`,
+    the exit code a command returns with it."""
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prog}: {line}", file=sys.stderr)
+    return code
+
+
+def config_error(exc: Any) -> str:
+    """One line of a `pydantic.ValidationError` that vLLM's config classes raise on settings they
+    refuse: the messages of its errors, without pydantic's input dump and links."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    messages = [str(e.get("msg", "")).removeprefix("Value error, ") for e in errors] or [str(exc)]
+    return "; ".join(m.strip().rstrip(".") for m in messages if m.strip()) or type(exc).__name__

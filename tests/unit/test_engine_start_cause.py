@@ -95,7 +95,7 @@ def test_a_config_vllm_refuses_reads_as_one_line() -> None:
     """`skylift serve` prints vLLM's config refusals (pydantic errors of some 60 lines) this way."""
     import pydantic
 
-    from skylift.utils.engine_errors import config_error
+    from skylift.utils.messages import config_error
 
     class Config(pydantic.BaseModel):
         size: int
