@@ -21,6 +21,7 @@ from pathlib import Path
 
 from skylift.cluster.lora_run import lora_sync
 from skylift.config.schema import SkyliftConfig
+from skylift.generator.settings import max_generate_length
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class TrainerFootprint:
     """The weight sync's buffers (buckets in flight, a gathered tensor)."""
     processes: int = 1
     """Training processes on the GPU (policy, reference, critic ranks): a CUDA context each."""
+    training_bytes: int = 0
+    """What a training step adds beside engines that never sleep: gradients, the reference's and
+    critic's state, one micro-batch's logits (`awake_trainer_footprint`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -89,6 +93,7 @@ class TrainerFootprint:
             self.param_bytes
             + self.optimizer_bytes
             + self.transfer_bytes
+            + self.training_bytes
             + self.processes * PROCESS_OVERHEAD_BYTES
         )
 
@@ -137,14 +142,30 @@ class MemorySplit:
         )
 
 
+COLOCATED_ADVICE = (
+    "keep trainer.policy.optimizer_config.offload_after_step=true, shard the policy over more GPUs, "
+    "or run the engines on GPUs of their own (colocate_all=false)"
+)
+AWAKE_ADVICE = (
+    "set trainer.placement.colocate_all=true (the engines sleep while the policy trains and its state "
+    "waits in host memory), or run the engines on GPUs of their own (trainer.placement.backend=ray "
+    "on a machine with more GPUs)"
+)
+
+
 def engine_memory_split(
-    gpu_bytes: int, trainer_bytes: int, requested: float, engines_per_gpu: int = 1
+    gpu_bytes: int,
+    trainer_bytes: int,
+    requested: float,
+    engines_per_gpu: int = 1,
+    advice: str = COLOCATED_ADVICE,
 ) -> MemorySplit:
     """The engines' share of a GPU that keeps `trainer_bytes` for the trainer: at most
     `requested` (vLLM's `gpu_memory_utilization`, a fraction of the whole GPU per engine), at most
     what the trainer leaves split between the engines, rounded down to a hundredth.
 
-    Raises `ColocationError` when what is left is below `MIN_ENGINE_FRACTION` per engine."""
+    Raises `ColocationError` (ending with `advice`) when what is left is below
+    `MIN_ENGINE_FRACTION` per engine."""
     if gpu_bytes <= 0:
         raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes}")
     left = (gpu_bytes - trainer_bytes) / gpu_bytes / max(1, engines_per_gpu)
@@ -153,8 +174,7 @@ def engine_memory_split(
         raise ColocationError(
             f"the trainer keeps about {trainer_bytes / GIB:.1f} GiB of each {gpu_bytes / GIB:.1f} GiB GPU "
             f"while the engines are awake, which leaves {max(left, 0):.2f} of it per engine (at least "
-            f"{MIN_ENGINE_FRACTION} needed): keep trainer.policy.optimizer_config.offload_after_step=true, "
-            "shard the policy over more GPUs, or run the engines on GPUs of their own (colocate_all=false)"
+            f"{MIN_ENGINE_FRACTION} needed): {advice}"
         )
     return MemorySplit(fraction, trainer_bytes, gpu_bytes, requested)
 
@@ -214,4 +234,74 @@ def colocated_engine_fraction(
     )
     split = engine_memory_split(gpu_bytes, footprint.total_bytes, requested)
     say(split.describe())
+    return split.engine_fraction
+
+
+# ------------------------------------------- engines awake beside the trainer (no sleep mode)
+
+
+def vocabulary_size(model_path: str | Path) -> int | None:
+    """`vocab_size` of a checkpoint directory's config.json (a vision-language model's text
+    config's); None where there is none."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+
+
+def awake_trainer_footprint(
+    cfg: SkyliftConfig, params: int, vocab: int, lora_adapter: bool
+) -> TrainerFootprint:
+    """The training ranks on the engines' GPU at their peak, for engines that never sleep (local
+    placement on one GPU, `skylift demo` there): the policy's parameters, gradients and AdamW
+    state (a LoRA policy's adapter state is left out: small), the reference's parameters, the
+    critic's whole state (counted at the policy's size), the weight sync's copy, and the float32
+    logits of the largest micro-batch (a training pass's twice: their gradient). Activations inside the model are not
+    counted: `PROCESS_OVERHEAD_BYTES` per process is the slack for them."""
+    t = cfg.trainer
+    shards = t.placement.policy_num_nodes * t.placement.policy_num_gpus_per_node
+    param_bytes = -(-params * 4 // max(1, shards))  # float32 training weights
+    full_finetune = t.policy.model.lora.rank == 0
+    gradients = param_bytes if full_finetune else 0
+    optimizer = ADAMW_STATE_PER_PARAM * param_bytes if full_finetune else 0
+    ref = param_bytes if (t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward) else 0
+    critic = 4 * param_bytes if t.algorithm.advantage_estimator == "gae" else 0
+    max_len = t.max_prompt_length + max_generate_length(cfg) * max(1, cfg.generator.max_turns)
+    budget = t.max_tokens_per_microbatch  # -1: micro-batches by row counts
+    train_tokens = budget if budget > 0 else t.micro_train_batch_size_per_gpu * max_len
+    forward_tokens = budget if budget > 0 else t.micro_forward_batch_size_per_gpu * max_len
+    logits = max(2 * train_tokens, forward_tokens) * vocab * 4  # float32; training: their gradient too
+    processes = 1 + int(bool(ref)) + int(bool(critic))
+    return TrainerFootprint(
+        param_bytes=param_bytes,
+        optimizer_bytes=optimizer,
+        transfer_bytes=sync_transfer_bytes(cfg, params, lora_adapter),
+        processes=processes,
+        training_bytes=gradients + ref + critic + logits,
+    )
+
+
+def awake_engine_fraction(
+    cfg: SkyliftConfig, model_path: str | Path, gpu_bytes: int, say: Callable[[str], None]
+) -> float:
+    """`generator.gpu_memory_utilization` of engines that share a `gpu_bytes` GPU with training
+    ranks and never sleep, lowered to what the trainer's peak (`awake_trainer_footprint`) leaves;
+    says the split. The engines start first, so without this vLLM's default share (0.8) would
+    leave a 1.5B policy's AdamW step without room on an 80 GiB GPU."""
+    requested = cfg.generator.gpu_memory_utilization
+    params, vocab = checkpoint_parameter_count(model_path), vocabulary_size(model_path)
+    if params is None or vocab is None:
+        say(
+            f"the engines share the policy's GPU: {model_path} has no safetensors headers and config.json "
+            f"to size the trainer from: engines keep generator.gpu_memory_utilization={requested}"
+        )
+        return requested
+    footprint = awake_trainer_footprint(cfg, params, vocab, lora_sync(cfg, str(model_path)).adapter)
+    engines = cfg.generator.num_inference_engines  # in-process engines all start on the first GPU
+    split = engine_memory_split(gpu_bytes, footprint.total_bytes, requested, engines, AWAKE_ADVICE)
+    say(f"the engines share the policy's GPU and stay awake while it trains: {split.describe()}")
     return split.engine_fraction

@@ -18,7 +18,12 @@ from typing import Any, TypeVar
 import torch
 
 from skylift.cluster.colocated_weights import OffloadingEngineWeights, colocated_weights
-from skylift.cluster.colocation import ColocationPlan, colocated_engine_fraction, colocation_plan
+from skylift.cluster.colocation import (
+    ColocationPlan,
+    awake_engine_fraction,
+    colocated_engine_fraction,
+    colocation_plan,
+)
 from skylift.cluster.engine_weights import EngineWeights
 from skylift.cluster.engines import (
     EngineRef,
@@ -239,6 +244,12 @@ class Runtime:
             if self.colocation.sleep_engines:  # what the trainer leaves of each GPU while they are awake
                 gpu_bytes = torch.cuda.get_device_properties(0).total_memory
                 kwargs["gpu_memory_utilization"] = colocated_engine_fraction(
+                    self.cfg, self.model_path, gpu_bytes, self.say
+                )
+            elif torch.cuda.is_available() and not self.use_ray and not self.eval_only:
+                # in-process engines on cuda:0 beside the training ranks' rank 0, awake throughout
+                gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+                kwargs["gpu_memory_utilization"] = awake_engine_fraction(
                     self.cfg, self.model_path, gpu_bytes, self.say
                 )
             kwargs.setdefault("use_tqdm_on_load", self.verbose)  # vLLM's checkpoint-shard bar

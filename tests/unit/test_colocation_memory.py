@@ -173,3 +173,41 @@ def test_a_cuda_ipc_push_counts_a_whole_copy_of_the_weights_in_the_engines_dtype
     assert sync_transfer_bytes(lora, 1_000_000_000) == buckets  # an adapter, over a group
     # a LoRA policy over a mixture of experts pushes merged weights: by CUDA IPC, a whole copy
     assert sync_transfer_bytes(lora, 1_000_000_000, lora_adapter=False) == 4_000_000_000
+
+
+def test_engines_awake_beside_the_trainer_leave_room_for_its_peak(tiny_model_dir: Path) -> None:
+    """Local placement on one GPU (`skylift demo` there): the engines start first and never sleep,
+    so their share leaves the trainer's peak: a 1.5B policy's weights, gradients and AdamW state
+    (24 GB in float32) did not fit beside vLLM's 0.8 of an 80 GiB GPU."""
+    from skylift.cluster.colocation import AWAKE_ADVICE, awake_engine_fraction, awake_trainer_footprint
+
+    cfg = load_config(["generator.model_dtype=bfloat16", "trainer.micro_train_batch_size_per_gpu=4"])
+    peak = awake_trainer_footprint(cfg, 1_500_000_000, 151_936, lora_adapter=False)
+    assert peak.param_bytes == 6_000_000_000 and peak.optimizer_bytes == 12_000_000_000
+    max_len = cfg.trainer.max_prompt_length + cfg.generator.sampling_params.max_generate_length
+    logits = 2 * 4 * max_len * 151_936 * 4
+    assert peak.training_bytes == 6_000_000_000 + logits  # gradients and a micro-batch's logits
+    assert peak.transfer_bytes == 3_000_000_000  # the CUDA IPC copy in bfloat16
+    split = engine_memory_split(H100, peak.total_bytes, requested=0.8, advice=AWAKE_ADVICE)
+    assert split.lowered and 0.55 < split.engine_fraction < 0.7
+    # a LoRA policy trains its adapter only: no gradients or AdamW state of the base weights
+    lora = load_config(["trainer.policy.model.lora.rank=8"])
+    adapter = awake_trainer_footprint(lora, 1_500_000_000, 151_936, lora_adapter=True)
+    assert adapter.optimizer_bytes == 0 and adapter.training_bytes == logits
+    # with the reference (KL) and a critic (GAE) their ranks share the GPU too
+    both = load_config(["trainer.algorithm.use_kl_loss=true", "trainer.algorithm.advantage_estimator=gae"])
+    assert awake_trainer_footprint(both, 10**9, 1000, lora_adapter=False).processes == 3
+
+    lines: list[str] = []
+    assert awake_engine_fraction(load_config([]), tiny_model_dir, H100, lines.append) == 0.8
+    assert lines[-1].startswith("the engines share the policy's GPU and stay awake while it trains: ")
+    assert 0.5 < awake_engine_fraction(load_config([]), tiny_model_dir, 4 * GIB, lines.append) < 0.7
+    assert "(asked 0.80)" in lines[-1]
+    two = load_config(["generator.num_inference_engines=2"])  # both engines on the first GPU
+    assert awake_engine_fraction(two, tiny_model_dir, 4 * GIB, lines.append) < 0.35
+    with pytest.raises(
+        ColocationError, match=r"leaves 0.00 of it per engine .*placement.colocate_all=true \(the engines sleep"
+    ):
+        awake_engine_fraction(load_config([]), tiny_model_dir, int(1.05 * GIB), lines.append)
+    assert awake_engine_fraction(load_config([]), tiny_model_dir / "missing", H100, lines.append) == 0.8
+    assert "no safetensors headers and config.json" in lines[-1]
