@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from skylift.cluster.colocation import ColocationError
 from skylift.config import ConfigError
 from skylift.generator.rollout_errors import rollout_input
 from skylift.models import ModelPathError
@@ -19,8 +20,8 @@ OUT_OF_MEMORY_ADVICE = (
     "To fit, lower trainer.micro_train_batch_size_per_gpu or trainer.micro_forward_batch_size_per_gpu "
     "(or set trainer.max_tokens_per_microbatch), keep trainer.gradient_checkpointing=true, shorten "
     "generator.max_generate_length, or move state to host memory "
-    "(trainer.policy.fsdp_config.cpu_offload=true); with colocate_all, lower "
-    "generator.gpu_memory_utilization (docs/gpu.md). Rerun with trainer.resume_mode=latest to continue "
+    "(trainer.policy.fsdp_config.cpu_offload=true); where engines share the trainer's GPU "
+    "(colocate_all, local placement), lower generator.gpu_memory_utilization (docs/gpu.md). Rerun with trainer.resume_mode=latest to continue "
     "from the last checkpoint"
 )
 
@@ -36,7 +37,8 @@ T = TypeVar("T", bound=Trainer)
 
 def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, verbose: bool = False) -> int:
     """Build a trainer, set it up, run `work` on it and shut it down whatever happens. The exit code:
-    0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device), an
+    0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device, a
+    GPU too small for the engines beside the trainer: `ColocationError`), an
     engine that did not start (`EngineStartError`: its cause, most often memory) or a model whose
     weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first weight
     sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
@@ -55,6 +57,8 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         work(trainer)
     except (ConfigError, ModelPathError) as exc:
         return said(prog, f"configuration error: {exc}", exc, 2, verbose)
+    except ColocationError as exc:  # the engines' share of a GPU the trainer also holds
+        return said(prog, f"the engines and the trainer do not fit on one GPU: {exc}", exc, 2, verbose)
     except (UnmappedWeightError, EngineStartError) as exc:  # perhaps from a Ray actor: the cause's text
         return said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
     except RolloutInputStoppedError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from skylift.cluster.colocation import ColocationError
 from skylift.config import ConfigError
 from skylift.rl.loop import TrainingStoppedError
 from skylift.rl.run import run_trainer
@@ -32,6 +33,11 @@ def test_the_work_runs_between_setup_and_shutdown() -> None:
     [
         (ConfigError("no GPU for the engine"), 2, "prog: configuration error: no GPU for the engine"),
         (TrainingStoppedError("every engine is gone"), 3, "prog: every engine is gone"),
+        (
+            ColocationError("the trainer keeps about 70.0 GiB of each 80.0 GiB GPU ..."),
+            2,
+            "prog: the engines and the trainer do not fit on one GPU: the trainer keeps about 70.0 GiB",
+        ),
         (
             EngineStartError("engine-0 did not start: ValueError: No available memory for the cache blocks."),
             2,
