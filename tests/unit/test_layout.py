@@ -41,7 +41,8 @@ def test_import_graph_reports_an_upward_arrow(tmp_path: Path) -> None:
 
 def test_no_module_over_500_lines() -> None:
     long = {}
-    for path in sorted((ROOT / "skylift").rglob("*.py")):
+    folders = ("skylift", "tests", "benchmarks", "scripts", "examples")  # tests are modules too
+    for path in sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py")):
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
             long[str(path.relative_to(ROOT))] = lines
