@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from skylift.cluster.colocation import ColocationError
+from skylift.cluster.placement import PlacementError
 from skylift.config import ConfigError
 from skylift.generator.rollout_errors import rollout_input
 from skylift.models import ModelPathError
@@ -38,7 +39,8 @@ T = TypeVar("T", bound=Trainer)
 def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, verbose: bool = False) -> int:
     """Build a trainer, set it up, run `work` on it and shut it down whatever happens. The exit code:
     0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device, a
-    GPU too small for the engines beside the trainer: `ColocationError`), an
+    GPU too small for the engines beside the trainer: `ColocationError`; a placement the cluster
+    cannot hold: `PlacementError`), an
     engine that did not start (`EngineStartError`: its cause, most often memory) or a model whose
     weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first weight
     sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
@@ -59,6 +61,8 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         return said(prog, f"configuration error: {exc}", exc, 2, verbose)
     except ColocationError as exc:  # the engines' share of a GPU the trainer also holds
         return said(prog, f"the engines and the trainer do not fit on one GPU: {exc}", exc, 2, verbose)
+    except PlacementError as exc:  # what the placement asks and what the cluster has
+        return said(prog, f"placement: {exc}", exc, 2, verbose)
     except (UnmappedWeightError, EngineStartError) as exc:  # perhaps from a Ray actor: the cause's text
         return said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
     except RolloutInputStoppedError as exc:

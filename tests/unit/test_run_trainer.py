@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skylift.cluster.colocation import ColocationError
+from skylift.cluster.placement import PlacementError
 from skylift.config import ConfigError
 from skylift.rl.loop import TrainingStoppedError
 from skylift.rl.run import run_trainer
@@ -33,6 +34,11 @@ def test_the_work_runs_between_setup_and_shutdown() -> None:
     [
         (ConfigError("no GPU for the engine"), 2, "prog: configuration error: no GPU for the engine"),
         (TrainingStoppedError("every engine is gone"), 3, "prog: every engine is gone"),
+        (
+            PlacementError("the cluster cannot hold the requested placement (policy: 2 x {GPU: 1} ...)"),
+            2,
+            "prog: placement: the cluster cannot hold the requested placement (policy: 2 x {GPU: 1} ...)",
+        ),
         (
             ColocationError("the trainer keeps about 70.0 GiB of each 80.0 GiB GPU ..."),
             2,
