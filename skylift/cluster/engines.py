@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skylift.cluster.placement import PlacedGroups, PlacementPlan, engine_role
+from skylift.cluster.ray_ranks import check_ranks_on_distinct_gpus
 from skylift.inference.ray_engine import EngineActor, RayEngineClient
 from skylift.inference.types import EngineUnavailableError
 
@@ -60,6 +61,11 @@ def start_local_engines(
     if placement is None:
         actors = [actor_cls.options(name=None).remote() for _ in range(count)]
     else:
+        for i in range(count):  # vLLM's tensor-parallel workers form an NCCL group
+            who = f"{engine_role(i)}'s tensor-parallel"
+            check_ranks_on_distinct_gpus(
+                placement, engine_role(i), tp, who, "generator.inference_engine_tensor_parallel_size"
+            )
         actors = [actor_cls.options(**_engine_options(placement, i, tp)).remote() for i in range(count)]
         if tp > 1 and placement.plan.groups and "GPU" in placement.plan.groups[0].bundles[0]:
             engine_kwargs = {**engine_kwargs, "distributed_executor_backend": "ray"}

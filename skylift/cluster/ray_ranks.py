@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from skylift.cluster.placement import PlacedGroups
+from skylift.cluster.placement import PlacedGroups, PlacementError
 
 logger = logging.getLogger("skylift.cluster.worker_group")
 
@@ -102,3 +102,68 @@ def rendezvous(name: str, placement: PlacedGroups, role: str, node_ips: Sequence
     ip, port = ray.get(probe, timeout=60)
     logger.info("%s: %d ranks on %s meet at %s:%d", name, len(node_ips), sorted(set(node_ips)), ip, port)
     return tcp_init_method(ip, port)
+
+
+# ------------------------------------------------ ranks of one NCCL group on GPUs of their own
+
+
+def _node_and_gpus() -> tuple[str, list[str]]:
+    """(node IP, the GPU ids Ray gave this task), run in a rank's slot."""
+    import ray
+
+    return ray.util.get_node_ip_address(), [str(i) for i in ray.get_gpu_ids()]
+
+
+def slot_gpus(
+    placement: PlacedGroups, role: str, world: int, timeout_s: float = 60.0
+) -> list[tuple[str, list[str]]]:
+    """(node IP, GPU ids) of each of `role`'s `world` slots, from a task in each slot holding what
+    the rank's actor will hold (before the actors take it): which GPU a bundle got is Ray's choice."""
+    import ray
+
+    probe = ray.remote(_node_and_gpus)
+    refs = [probe.options(**placement.options(role, rank)).remote() for rank in range(world)]
+    return [(str(ip), list(ids)) for ip, ids in ray.get(refs, timeout=timeout_s)]
+
+
+def shared_gpu(gpus: Sequence[tuple[str, Sequence[str]]]) -> tuple[int, int, str, str] | None:
+    """(first rank, second rank, GPU id, node IP) of two ranks given one GPU, or None."""
+    holder: dict[tuple[str, str], int] = {}
+    for rank, (ip, ids) in enumerate(gpus):
+        for gpu in ids:
+            if (ip, gpu) in holder:
+                return holder[(ip, gpu)], rank, gpu, ip
+            holder[(ip, gpu)] = rank
+    return None
+
+
+def fractional_gpu_bundles(placement: PlacedGroups, role: str, world: int) -> bool:
+    """Whether any of `role`'s ranks sits on a bundle of less than one GPU (and more than none):
+    only then can Ray give two of its bundles one GPU (`gpu_sharing`: fewer GPUs than bundles)."""
+    plan = placement.plan
+    for rank in range(world):
+        slot = plan.slot(role, rank)
+        if 0 < plan.groups[slot.group].bundles[slot.bundle].get("GPU", 0.0) < 1:
+            return True
+    return False
+
+
+def check_ranks_on_distinct_gpus(
+    placement: PlacedGroups, role: str, world: int, who: str, fewer: str
+) -> None:
+    """Refuse (`PlacementError`, one line) a placement that gives two ranks of one NCCL group
+    (the ranks of a worker group, an engine's tensor-parallel workers) one GPU: NCCL 2.29.7, the
+    one torch 2.13.0 pins, refuses them ("Duplicate GPU detected") at the group's first
+    collective. Only bundles of a fraction of a GPU can do this; `fewer` names the key to lower."""
+    if world < 2 or not fractional_gpu_bundles(placement, role, world):
+        return
+    found = shared_gpu(slot_gpus(placement, role, world))
+    if found is None:
+        return
+    first, second, gpu, ip = found
+    raise PlacementError(
+        f"{who} ranks {first} and {second} would share GPU {gpu} on {ip}: this machine has fewer GPUs than "
+        "the placement's GPU bundles, so each bundle got a share of one, and NCCL refuses two ranks of one "
+        "process group on one GPU. Set trainer.placement.colocate_all=true (each GPU then holds one rank of "
+        f"every model and one engine, which sleep while the policy trains), or lower {fewer}"
+    )

@@ -19,6 +19,7 @@ from skylift.algorithms.sample_support import Sampling
 from skylift.cluster.placement import PlacedGroups
 from skylift.cluster.ray_ranks import (
     WEIGHT_CONTROL,
+    check_ranks_on_distinct_gpus,
     file_rendezvous,
     rank_actor_class,
     rendezvous,
@@ -267,6 +268,8 @@ class WorkerGroup:
             cls = rank_actor_class(worker_cls, num_cpus_per_worker, num_gpus_per_worker)
             if placement is not None:
                 role = role or name
+                key = f"trainer.placement.{role}_num_gpus_per_node"
+                check_ranks_on_distinct_gpus(placement, role, world_size, name, key)  # NCCL's rule
                 self.node_ips = [placement.node_ip(role, r) for r in range(world_size)]
                 init_method = rendezvous(name, placement, role, self.node_ips)
                 self.workers: list[Any] = [
