@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from skylift.cluster.colocation import ColocationError
+from skylift.cluster.placement import PlacementError
 from skylift.config import ConfigError
 from skylift.generator.rollout_errors import rollout_input
 from skylift.models import ModelPathError
@@ -36,8 +38,9 @@ T = TypeVar("T", bound=Trainer)
 
 def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, verbose: bool = False) -> int:
     """Build a trainer, set it up, run `work` on it and shut it down whatever happens. The exit code:
-    0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device), an
-    engine that did not start (`EngineStartError`: its cause, most often memory) or a model whose
+    0 done, 2 a configuration error only the run's machine can judge (e.g. the engine's device), a
+    placement the cluster cannot hold or a colocation that leaves the engines too little (`PlacementError`,
+    `ColocationError`: the line `skylift train --dry-run --gpus` gives), an engine that did not start (`EngineStartError`: its cause, most often memory) or a model whose
     weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first weight
     sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
     failed on the user's input (`rollout_input`: a dataset row the chat template cannot render
@@ -55,6 +58,8 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         work(trainer)
     except (ConfigError, ModelPathError) as exc:
         return said(prog, f"configuration error: {exc}", exc, 2, verbose)
+    except (PlacementError, ColocationError) as exc:  # the cluster cannot hold the run as asked
+        return said(prog, str(exc), exc, 2, verbose)
     except (UnmappedWeightError, EngineStartError) as exc:  # perhaps from a Ray actor: the cause's text
         return said(prog, one_line(str(getattr(exc, "cause", None) or exc)), exc, 2, verbose)
     except RolloutInputStoppedError as exc:
