@@ -151,6 +151,11 @@ def _placement(
         f"fits on {cluster.describe()}: {bundles} bundle(s), {plan.total().get('GPU', 0.0):g} GPU(s) in all"
         + ("" if not joined else "; CPUs not checked (each node taken to have the CPUs asked for)")
     )
+    if joined:  # `ray_start.start_ray_run` and the GPU defaults read the starting machine's CUDA
+        out.lines.append(
+            "note: the run plans GPU bundles and takes the GPU defaults only where the machine it starts "
+            "on sees CUDA: start it on a GPU node (a CPU-only head node gets a CPU placement)"
+        )
     return plan, shared
 
 

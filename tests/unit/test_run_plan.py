@@ -131,6 +131,10 @@ def test_a_plan_the_cluster_cannot_hold_stops_with_the_runs_line(
         "trainer.placement.policy_num_nodes=2", "trainer.placement.policy_num_gpus_per_node=4",
     )  # fmt: skip
     assert rc == 2 and "must be on 2 different nodes, and 1 node(s) can hold one" in err[-1]
+    rc, out, _ = plan(capsys, "--gpus", "4", "--nodes", "2", f"trainer.policy.model.path={tiny_model_dir}")
+    assert rc == 0 and line(out, "note:").startswith(
+        "note: the run plans GPU bundles and takes the GPU defaults only"
+    )
 
 
 def test_one_machine_short_of_gpus_shares_them_and_leaves_the_transport_to_run_time(
