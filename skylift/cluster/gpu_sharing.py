@@ -11,9 +11,13 @@ placement fails with what was asked and what it has (`cluster.placement.PlacedGr
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from skylift.cluster.placement import PlacementPlan, PlacementRequest, plan_placement
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,9 @@ def gpu_share(needed: float, nodes: Sequence[Mapping[str, Any]], joined: bool) -
     have = sum(gpus.values())
     if joined or not 0 < have < needed:
         return None
-    share = have / needed
+    # Ray gives a bundle's fraction of a GPU from one GPU: a share must divide 1 (3 bundles of 2/3
+    # on 2 GPUs never become ready, ray 2.60; of 1/2 they do)
+    share = 1 / math.ceil(needed / have - 1e-9)
     where = ", ".join(f"{ip} has {n:g} GPU(s)" for ip, n in gpus.items() if n > 0)
     line = (
         f"fewer GPUs than GPU bundles: the placement asks for {needed:g} GPU bundle(s), and {where}; "
@@ -40,3 +46,15 @@ def gpu_share(needed: float, nodes: Sequence[Mapping[str, Any]], joined: bool) -
         "takes CUDA IPC where the policy's rank 0 and an engine do (NCCL refuses two ranks on one GPU)"
     )
     return GpuShare(share, line)
+
+
+def shared_placement(
+    request: PlacementRequest, nodes: Sequence[Mapping[str, Any]], joined: bool
+) -> tuple[PlacementPlan, GpuShare | None]:
+    """The placement plan of `request` on the cluster's `nodes`: its GPU bundles each take a share
+    of a GPU where `gpu_share` says they share a local Ray's GPUs (the share, else None)."""
+    plan = plan_placement(request)
+    shared = gpu_share(plan.total().get("GPU", 0.0), nodes, joined)
+    if shared is not None:
+        plan = plan_placement(dataclasses.replace(request, gpus_per_bundle=shared.share))
+    return plan, shared

@@ -260,6 +260,18 @@ def request_from_config(cfg: SkyliftConfig, gpu: bool) -> PlacementRequest:
     )
 
 
+def uses_ray(cfg: SkyliftConfig, eval_only: bool = False) -> bool:
+    """Whether a run places its parts with Ray: `trainer.placement.backend=ray`, or ``auto`` with
+    local engines or more than one policy worker (an eval-only run: only with local engines)."""
+    t, g = cfg.trainer, cfg.generator
+    world = 0 if eval_only else t.policy_world_size()
+    backend = t.placement.backend
+    use = backend == "ray" or (backend == "auto" and (g.run_engines_locally or world > 1))
+    if eval_only and not g.run_engines_locally:
+        return False  # nothing to place: the remote engines are the whole run
+    return use
+
+
 # ------------------------------------------------------------------------------------ Ray part
 
 
@@ -286,6 +298,19 @@ def describe_cluster(nodes: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+def infeasible_message(plan: PlacementPlan, nodes: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the cluster's `nodes` (`cluster_nodes()`: "ip", "resources") cannot hold `plan`, in the
+    line a run stops with; None when they might."""
+    problems = check_feasible(plan, [n["resources"] for n in nodes])
+    if not problems:
+        return None
+    return (
+        f"the cluster cannot hold the requested placement ({plan.describe()}): "
+        + "; ".join(problems)
+        + f". The cluster has {describe_cluster(nodes)}"
+    )
+
+
 class PlacedGroups:
     """The plan's Ray placement groups, created and ready; `options(role, rank)` for each actor."""
 
@@ -295,13 +320,9 @@ class PlacedGroups:
 
         self.plan = plan
         nodes = cluster_nodes()
-        problems = check_feasible(plan, [n["resources"] for n in nodes])
-        if problems:
-            raise PlacementError(
-                f"the cluster cannot hold the requested placement ({plan.describe()}): "
-                + "; ".join(problems)
-                + f". The cluster has {describe_cluster(nodes)}"
-            )
+        refusal = infeasible_message(plan, nodes)
+        if refusal is not None:
+            raise PlacementError(refusal)
         self.groups = [
             placement_group([dict(b) for b in g.bundles], strategy=g.strategy, name="") for g in plan.groups
         ]

@@ -118,7 +118,7 @@ def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
 
     import ray
 
-    from skylift.cluster.gpu_sharing import gpu_share
+    from skylift.cluster.gpu_sharing import shared_placement
     from skylift.cluster.placement import PlacedGroups, cluster_nodes, plan_placement, request_from_config
 
     started_at = time.perf_counter()
@@ -132,9 +132,9 @@ def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
         address, min_cpus=plan.total().get("CPU", 0.0), object_store_gb=cfg.trainer.ray_object_store_gb
     )
     lines = [ray_cluster_line(joined=bool(address))]
-    shared = gpu_share(plan.total().get("GPU", 0.0), cluster_nodes(), joined=bool(address))
-    if shared is not None:  # one machine with fewer GPUs than bundles: they share its GPUs
-        plan = plan_placement(dataclasses.replace(request, gpus_per_bundle=shared.share))
+    # one machine with fewer GPUs than bundles: they share its GPUs
+    plan, shared = shared_placement(request, cluster_nodes(), joined=bool(address))
+    if shared is not None:
         lines.append(shared.line)
     try:
         placement = PlacedGroups(plan, cfg.trainer.placement.timeout_s)

@@ -32,6 +32,7 @@ from skylift.cluster.engines import (
     start_local_engines,
 )
 from skylift.cluster.lora_run import LoraSync, lora_sync
+from skylift.cluster.placement import uses_ray
 from skylift.cluster.ray_start import start_ray_run
 from skylift.cluster.routing_run import check_routing_replay
 from skylift.cluster.run_paths import RunPaths
@@ -158,10 +159,7 @@ class Runtime:
         )
 
         world = 0 if self.eval_only else t.policy_world_size()
-        backend = t.placement.backend
-        self.use_ray = backend == "ray" or (backend == "auto" and (g.run_engines_locally or world > 1))
-        if self.eval_only and not g.run_engines_locally:
-            self.use_ray = False  # nothing to place: the remote engines are the whole run
+        self.use_ray = uses_ray(cfg, self.eval_only)
         self.colocation = colocation_plan(
             t.placement.colocate_all and not self.eval_only, torch.cuda.is_available(), g.run_engines_locally
         )

@@ -28,7 +28,17 @@ _HYDRA_KEYS = ("defaults", "hydra")  # a Hydra config file's own entries, not se
 
 
 def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> SkyliftConfig:
-    """Defaults, then ``config_file`` (YAML), then ``overrides`` (``key.sub=value``), validated.
+    """Defaults, then ``config_file`` (YAML), then ``overrides`` (``key.sub=value``), validated,
+    with the device defaults of this process's devices (see `load_config_for`)."""
+    return load_config_for(overrides, config_file, cuda_available())[0]
+
+
+def load_config_for(
+    overrides: Sequence[str], config_file: str | Path | None, cuda: bool
+) -> tuple[SkyliftConfig, list[str]]:
+    """Defaults, then ``config_file`` (YAML), then ``overrides`` (``key.sub=value``), validated,
+    for a run that sees CUDA (`cuda`) or not: the config and the GPU-default keys it took
+    (`device_defaults.apply_device_defaults`; `skylift train --dry-run --gpus` plans a GPU run).
 
     Returns real dataclass instances with derived defaults filled in (see
     ``skylift.config.validation.finalize``); a key of ``skylift.config.inert.WITHOUT_EFFECT`` set to
@@ -62,14 +72,14 @@ def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = 
             f"cannot resolve {key or 'the configuration'}: {_first_line(exc)}", key=key
         ) from exc
     assert isinstance(obj, SkyliftConfig)
-    apply_device_defaults(obj, given, cuda_available())  # bf16 and CUDA graphs on GPUs
+    applied = apply_device_defaults(obj, given, cuda)  # bf16 and CUDA graphs on GPUs
     derived = finalize(obj)
     validate_config(obj)
     set_derived_keys(obj, derived)
     warn_without_effect(obj)
     for dialect in dialects:
         dialect.warn()
-    return obj
+    return obj, applied
 
 
 def default_config() -> SkyliftConfig:

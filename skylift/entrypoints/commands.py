@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from skylift.entrypoints.main_base import TRAIN_EPILOG, RunOptions, add_train_arguments, run_train
+from skylift.entrypoints.main_base import (
+    TRAIN_EPILOG,
+    RunOptions,
+    add_plan_arguments,
+    add_train_arguments,
+    run_train,
+)
 from skylift.entrypoints.main_generate import add_eval_command
 
 
@@ -32,6 +38,7 @@ def add_trainer_commands(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(train)
+    add_plan_arguments(train)
     train.set_defaults(func=_train)
     add_eval_command(sub)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from skylift.cluster.run_plan import GpuCluster
     from skylift.config import SkyliftConfig
     from skylift.rl.loop import RLTrainer
 
@@ -27,6 +28,7 @@ examples:
       generator.remote_inference_engine_urls="['127.0.0.1:8001']"
   skylift train --cfg job            # print every key with its value and meaning
   skylift train --dry-run trainer.strategy=fsdp ...   # validate a command line, start nothing
+  skylift train --dry-run --gpus 8 ...   # what the run would do on one node of 8 80-GiB GPUs
 """
 
 
@@ -41,13 +43,78 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate the configuration, print the resolved values and exit without starting anything",
+        help="validate the configuration, print the resolved values (with --gpus: the plan for those GPUs) "
+        "and exit without starting anything",
     )
     parser.add_argument(
         "--verbose",
         action="store_true",
         help="also print the libraries' own messages (vLLM, PyTorch, Ray, transformers)",
     )
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--gpus`, `--gpu-memory-gib`, `--nodes`: plan the run for GPUs this machine lacks (`--dry-run`)."""
+    plan = parser.add_argument_group(
+        "planning a GPU run (with --dry-run)",
+        "print what the run would do on the GPUs stated, instead of the resolved values: the GPU "
+        "defaults it takes, its placement and whether it fits, GPU sharing, colocate_all's memory "
+        "split, each engine's weight-sync transport (skylift.cluster.run_plan); exit 2 where the run "
+        "would stop",
+    )
+    plan.add_argument("--gpus", metavar="N", default=None, help="GPUs on each node (a whole number >= 1)")
+    plan.add_argument(
+        "--gpu-memory-gib", metavar="G", default=None, help="memory of each GPU in GiB (default 80)"
+    )
+    plan.add_argument("--nodes", metavar="M", default=None, help="nodes (default 1: one machine)")
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """`--gpus`, `--gpu-memory-gib` and `--nodes` as given (checked by `gpu_cluster`)."""
+
+    gpus: str | None = None
+    gpu_memory_gib: str | None = None
+    nodes: str | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> PlanFlags:
+        return cls(
+            getattr(args, "gpus", None), getattr(args, "gpu_memory_gib", None), getattr(args, "nodes", None)
+        )
+
+    def given(self) -> bool:
+        return any(v is not None for v in (self.gpus, self.gpu_memory_gib, self.nodes))
+
+
+def gpu_cluster(flags: PlanFlags, dry_run: bool) -> GpuCluster | str:
+    """The cluster the flags state, or the one line saying what is wrong with them."""
+    from skylift.cluster.run_plan import DEFAULT_GPU_MEMORY_GIB, GpuCluster
+
+    if flags.gpus is None:
+        return "--gpu-memory-gib and --nodes describe the GPUs of --gpus N: give --gpus too"
+    if not dry_run:
+        return "--gpus plans a run without starting it: add --dry-run (a run uses the devices it sees)"
+
+    def number(flag: str, text: str | None, default: float, whole: bool) -> float | str:
+        if text is None:
+            return default
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            value = 0
+        if not value > 0 or value != value or value == float("inf"):
+            kind = "a whole number >= 1" if whole else "a number of GiB > 0"
+            return f"{flag} must be {kind}, got {text!r}"
+        return value
+
+    gpus = number("--gpus", flags.gpus, 1, True)
+    nodes = number("--nodes", flags.nodes, 1, True)
+    memory = number("--gpu-memory-gib", flags.gpu_memory_gib, DEFAULT_GPU_MEMORY_GIB, False)
+    for value in (gpus, nodes, memory):
+        if isinstance(value, str):
+            return value
+    return GpuCluster(gpus_per_node=int(gpus), nodes=int(nodes), gpu_memory_gib=float(memory))
 
 
 def log_to_file(log_path: str) -> Path:
@@ -73,10 +140,18 @@ class RunOptions:
     print_cfg: bool = False  # --cfg job
     verbose: bool = False
     dry_run: bool = False
+    plan: PlanFlags = PlanFlags()  # --gpus ...: plan the run for these GPUs (with --dry-run)
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> RunOptions:
-        return cls(args.overrides, args.config_file, args.cfg == "job", args.verbose, args.dry_run)
+        return cls(
+            args.overrides,
+            args.config_file,
+            args.cfg == "job",
+            args.verbose,
+            args.dry_run,
+            PlanFlags.of(args),
+        )
 
 
 def prepare_run(
@@ -90,9 +165,18 @@ def prepare_run(
 
     quiet_libraries(run.verbose)  # before vLLM and torch's C++ core print anything
     from skylift.config import ConfigError, format_config, load_config
+    from skylift.config.loading import load_config_for
 
+    cluster = gpu_cluster(run.plan, run.dry_run) if run.plan.given() else None
+    if isinstance(cluster, str):
+        print(f"{prog}: {cluster}", file=sys.stderr)
+        return 2
+    gpu_defaults: list[str] = []
     try:
-        cfg = load_config(list(run.overrides), run.config_file)
+        if cluster is not None:  # the run those GPUs would get: their device defaults
+            cfg, gpu_defaults = load_config_for(list(run.overrides), run.config_file, cuda=True)
+        else:
+            cfg = load_config(list(run.overrides), run.config_file)
         if check is not None:
             check(cfg)
         notes = _dry_run_checks(cfg) if run.dry_run else []
@@ -103,7 +187,8 @@ def prepare_run(
         print(format_config(cfg, with_help=True))
         return 0
     if run.dry_run:
-        print(format_config(cfg))
+        if cluster is None:
+            print(format_config(cfg))
         from skylift.models import is_missing_local_path
 
         if is_missing_local_path(path := cfg.trainer.policy.model.path):
@@ -113,6 +198,14 @@ def prepare_run(
             )
         for note in notes:
             print(f"{prog}: note: {note}", file=sys.stderr)
+        if cluster is not None:
+            from skylift.cluster.run_plan import plan_run
+
+            planned = plan_run(cfg, gpu_defaults, cluster)
+            print("\n".join(planned.lines))
+            if planned.refusal is not None:
+                print(f"{prog}: {planned.refusal}", file=sys.stderr)
+                return 2
         print(f"{prog}: dry run: the configuration is valid; nothing was started", file=sys.stderr)
         return 0
     if cfg.trainer.log_path:
@@ -158,6 +251,7 @@ def parse_run_arguments(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(parser)
+    add_plan_arguments(parser)
     return RunOptions.of(parser.parse_args(argv))
 
 

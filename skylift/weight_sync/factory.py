@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from skylift.config.schema import SkyliftConfig
 from skylift.config.validation import overrides_update_group
@@ -75,6 +75,30 @@ def group_backend(cfg: SkyliftConfig, cuda: bool | None = None) -> str | None:
     return "gloo" if _engines_share_the_policys_gpu(cfg, cuda) else None
 
 
+def transport_kind(cfg: SkyliftConfig, lora_adapter: bool = True) -> Literal["delta", "lora", "placed"]:
+    """Which transport `make_transport` builds: ``delta`` (`weight_sync_backend=delta` with a
+    sync_dir), ``lora`` (a LoRA policy syncing its adapter, `lora_adapter`, over a group:
+    `group_backend`) or ``placed`` (full weights, the transport picked from the ranks' places under
+    `placed_rule`). A forced ``ipc`` for a LoRA adapter is refused (`WeightSyncError`, one line)."""
+    g = cfg.generator
+    if g.weight_sync_backend == "delta" and g.delta_weight_sync.sync_dir:
+        return "delta"
+    if cfg.trainer.policy.model.lora.rank > 0 and lora_adapter:
+        if g.weight_sync_backend == "ipc":
+            raise WeightSyncError(
+                "weight_sync_backend=ipc carries full weights, and a LoRA policy syncs its adapter over a "
+                "group or a directory: use weight_sync_backend=auto (or gloo/nccl)"
+            )
+        return "lora"
+    return "placed"
+
+
+def placed_rule(cfg: SkyliftConfig) -> str:
+    """The rule `PlacedTransport` applies at open: ``auto``, or the forced backend."""
+    backend = cfg.generator.weight_sync_backend
+    return "auto" if backend in ("auto", "delta") else backend
+
+
 def make_transport(
     cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say, *, lora_adapter: bool = True
 ) -> WeightTransport:
@@ -86,10 +110,11 @@ def make_transport(
     policy's host) or `BroadcastTransport` (a gloo or NCCL group). A forced backend that cannot
     work is refused: from the config alone here (`check_backend`), from the places at open."""
     check_backend(cfg)
+    kind = transport_kind(cfg, lora_adapter)
     g = cfg.generator
     dtype = None if g.model_dtype == "auto" else g.model_dtype  # None: sent as trained
     d = g.delta_weight_sync
-    if g.weight_sync_backend == "delta" and d.sync_dir:
+    if kind == "delta":
         spec = DeltaPublishSpec(
             d.sync_dir,
             int(d.max_file_size_in_gb * (1 << 30)),
@@ -113,12 +138,7 @@ def make_transport(
         "master_address": g.weight_sync_master_address,
         "override_existing": overrides_update_group(g.override_existing_update_group),
     }
-    if cfg.trainer.policy.model.lora.rank > 0 and lora_adapter:
-        if g.weight_sync_backend == "ipc":
-            raise WeightSyncError(
-                "weight_sync_backend=ipc carries full weights, and a LoRA policy syncs its adapter over a "
-                "group or a directory: use weight_sync_backend=auto (or gloo/nccl)"
-            )
+    if kind == "lora":
         return LoraTransport(policy, engines, say, sync_path=lora_sync_path(cfg), **group)
 
     def build(choice: str | None) -> WeightTransport:
@@ -127,8 +147,7 @@ def make_transport(
         backend = choice if choice is not None else group["backend"]
         return BroadcastTransport(policy, engines, say, **{**group, "backend": backend})
 
-    rule = "auto" if g.weight_sync_backend in ("auto", "delta") else g.weight_sync_backend
-    return PlacedTransport(rule, policy, engines, say, build, dtype=dtype)
+    return PlacedTransport(placed_rule(cfg), policy, engines, say, build, dtype=dtype)
 
 
 #: The engine half of every transport, by the name `weight_call` addresses it with
