@@ -44,3 +44,18 @@ def test_every_gpu_node_of_a_local_view_is_named() -> None:
     shared = gpu_share(4, [node("10.0.0.5", 1), node("10.0.0.6", 0), node("10.0.0.7", 1)], joined=False)
     assert shared is not None and shared.share == 0.5
     assert "10.0.0.5 has 1 GPU(s), 10.0.0.7 has 1 GPU(s)" in shared.line and "10.0.0.6" not in shared.line
+
+
+def test_two_ranks_given_one_gpu_are_found() -> None:
+    """`shared_gpu` over what Ray gave each rank's slot: (first, second, GPU, node) or None."""
+    from skylift.cluster.ray_ranks import shared_gpu
+
+    assert shared_gpu([("10.0.0.1", ["0"]), ("10.0.0.1", ["1"])]) is None
+    assert shared_gpu([("10.0.0.1", ["0"]), ("10.0.0.2", ["0"])]) is None  # GPU 0 of two nodes
+    assert shared_gpu([("10.0.0.1", []), ("10.0.0.1", [])]) is None  # CPU ranks
+    assert shared_gpu([("10.0.0.1", ["0"]), ("10.0.0.1", ["1"]), ("10.0.0.1", ["1"])]) == (
+        1,
+        2,
+        "1",
+        "10.0.0.1",
+    )
