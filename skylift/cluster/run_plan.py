@@ -143,6 +143,14 @@ def _placement(
         out.lines.append(f"placement: {_describe_group(plan, group.name)}")
     if shared is not None:
         out.lines.append(shared.line)
+        crowded = [r for r in request.roles() if request.world(r) > 1]
+        crowded += ["an engine's tensor-parallel"] if request.engine_tp > 1 else []
+        if crowded:  # Ray packs a group's bundles onto the first GPU with room (`ray_ranks`)
+            out.lines.append(
+                f"note: Ray packs a group's shared bundles onto one GPU, so {', '.join(crowded)} ranks would "
+                "share one, which NCCL refuses: the run stops there in one line; set "
+                "trainer.placement.colocate_all=true (one rank of every model and one engine per GPU)"
+            )
     refusal = infeasible_message(plan, nodes)
     if refusal is not None:
         raise PlacementError(refusal)

@@ -153,6 +153,18 @@ def test_one_machine_short_of_gpus_shares_them_and_leaves_the_transport_to_run_t
     assert line(out, "weight sync").startswith(
         "weight sync (auto): decided at run time: which ranks share a GPU"
     )
+    assert "note: Ray packs" not in out  # one policy rank: nothing for NCCL to refuse
+    rc, out, _ = plan(
+        capsys,
+        "--gpus",
+        "2",
+        "trainer.placement.policy_num_gpus_per_node=2",
+        f"trainer.policy.model.path={tiny_model_dir}",
+        "generator.num_inference_engines=2",
+    )
+    assert rc == 0 and line(out, "note: Ray packs").startswith(
+        "note: Ray packs a group's shared bundles onto one GPU, so policy ranks would share one"
+    )
 
 
 def test_colocate_all_where_the_trainer_leaves_under_5_percent_is_refused(
