@@ -179,11 +179,35 @@ def engine_memory_split(
     return MemorySplit(fraction, trainer_bytes, gpu_bytes, requested)
 
 
-def checkpoint_parameter_count(model_path: str | Path) -> int | None:
-    """Parameters in a checkpoint directory's safetensors files (headers only; None without any)."""
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
+def checkpoint_dir(model: str | Path) -> Path | None:
+    """A local directory of `model`'s checkpoint: the directory itself, or a Hub id's snapshot in
+    the local Hugging Face cache (None where neither is on this machine)."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a Hub id, or not in the cache
         return None
+
+
+def checkpoint_parameter_count(model: str | Path) -> int | None:
+    """Parameters of `model`'s safetensors files, from their headers: a checkpoint directory, a
+    Hub id's cached snapshot, else the Hub's own count of the repository's safetensors (headers
+    read remotely: the weights of a first run are not downloaded yet when the split is made).
+    None where none of these answers (offline, no safetensors)."""
+    directory = checkpoint_dir(model)
+    files = sorted(directory.glob("*.safetensors")) if directory is not None else []
+    if not files:
+        if Path(model).is_dir():
+            return None  # a local checkpoint without safetensors
+        try:
+            from huggingface_hub import get_safetensors_metadata
+
+            return int(sum(get_safetensors_metadata(str(model)).parameter_count.values())) or None
+        except Exception:  # noqa: BLE001 - offline, no such repository, or no safetensors
+            return None
     from safetensors import safe_open
 
     total = 0
@@ -218,7 +242,8 @@ def colocated_engine_fraction(
     params = checkpoint_parameter_count(model_path)
     if params is None:
         say(
-            f"colocation: {model_path} has no safetensors headers to size the trainer from: engines keep "
+            f"colocation: {model_path} has no safetensors headers here or on the Hub to size the trainer "
+            "from: engines keep "
             f"generator.gpu_memory_utilization={requested}"
         )
         return requested
@@ -240,13 +265,22 @@ def colocated_engine_fraction(
 # ------------------------------------------- engines awake beside the trainer (no sleep mode)
 
 
-def vocabulary_size(model_path: str | Path) -> int | None:
-    """`vocab_size` of a checkpoint directory's config.json (a vision-language model's text
-    config's); None where there is none."""
+def vocabulary_size(model: str | Path) -> int | None:
+    """`vocab_size` of `model`'s config.json (a vision-language model's text config's), from its
+    directory, a Hub id's cached snapshot or the Hub; None where there is none."""
     import json
 
+    directory = checkpoint_dir(model)
+    config_file = directory / "config.json" if directory is not None else None
+    if (config_file is None or not config_file.is_file()) and not Path(model).is_dir():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config_file = Path(hf_hub_download(str(model), "config.json"))
+        except Exception:  # noqa: BLE001 - offline or no such repository
+            return None
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = json.loads(config_file.read_text()) if config_file is not None else {}
     except (OSError, ValueError):
         return None
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")

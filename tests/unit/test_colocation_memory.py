@@ -206,8 +206,30 @@ def test_engines_awake_beside_the_trainer_leave_room_for_its_peak(tiny_model_dir
     two = load_config(["generator.num_inference_engines=2"])  # both engines on the first GPU
     assert awake_engine_fraction(two, tiny_model_dir, 4 * GIB, lines.append) < 0.35
     with pytest.raises(
-        ColocationError, match=r"leaves 0.00 of it per engine .*placement.colocate_all=true \(the engines sleep"
+        ColocationError,
+        match=r"leaves 0.00 of it per engine .*placement.colocate_all=true \(the engines sleep",
     ):
         awake_engine_fraction(load_config([]), tiny_model_dir, int(1.05 * GIB), lines.append)
     assert awake_engine_fraction(load_config([]), tiny_model_dir / "missing", H100, lines.append) == 0.8
     assert "no safetensors headers and config.json" in lines[-1]
+
+
+def test_a_hub_id_is_sized_from_its_cached_snapshot(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run names its model by Hub id: the split reads the headers of the snapshot in the local
+    Hugging Face cache (offline here: the Hub's own count is not asked)."""
+    import huggingface_hub.constants
+
+    from skylift.cluster.colocation import vocabulary_size
+
+    snapshot = tmp_path / "models--acme--tiny" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (snapshot / name).write_bytes((tiny_model_dir / name).read_bytes())
+    (tmp_path / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert checkpoint_parameter_count("acme/tiny") == checkpoint_parameter_count(tiny_model_dir)
+    assert vocabulary_size("acme/tiny") == vocabulary_size(tiny_model_dir) > 0
+    assert checkpoint_parameter_count("acme/not-cached") is None  # offline: nothing to read

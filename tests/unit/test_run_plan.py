@@ -242,8 +242,8 @@ def test_a_model_without_safetensors_or_not_here_gets_a_note(
     rc, out, _ = plan(capsys, "--gpus", "1", f"trainer.policy.model.path={bare}", COLOCATE)
     assert rc == 0
     assert line(out, "colocation:") == (
-        f"colocation: {bare} has no safetensors headers to size the trainer from: engines keep "
-        "generator.gpu_memory_utilization=0.8"
+        f"colocation: {bare} has no safetensors headers here or on the Hub to size the trainer "
+        "from: engines keep generator.gpu_memory_utilization=0.8"
     )
     rc, out, _ = plan(capsys, "--gpus", "1", "trainer.policy.model.path=Qwen/Qwen2.5-7B-Instruct", COLOCATE)
     assert rc == 0
