@@ -103,7 +103,8 @@ def make_transport(
     cfg: SkyliftConfig, policy: Any, engines: EngineSet, say: Say, *, lora_adapter: bool = True
 ) -> WeightTransport:
     """`weight_sync_backend=delta` (with a sync_dir): `DeltaTransport`; a LoRA policy syncing its
-    adapter (`lora_adapter`): `LoraTransport` (a group: ``auto`` gloo on CPU, NCCL on GPU); full
+    adapter (`lora_adapter`): `LoraTransport`, its group chosen at open as below (gloo where an
+    engine shares rank 0's GPU or host); full
     weights (a LoRA policy's merged in where its engines cannot serve the adapter): `PlacedTransport`,
     which picks at open, from where rank 0 and the engines' workers say they run
     (`weight_sync.topology`), `PolicySharedTransport` (``ipc``: CUDA IPC / shared memory on the
@@ -138,8 +139,17 @@ def make_transport(
         "master_address": g.weight_sync_master_address,
         "override_existing": overrides_update_group(g.override_existing_update_group),
     }
-    if kind == "lora":
-        return LoraTransport(policy, engines, say, sync_path=lora_sync_path(cfg), **group)
+    if kind == "lora":  # the adapter's group: by where the ranks are, as full weights (`placed`)
+
+        def build_adapter(choice: str | None) -> WeightTransport:
+            backend = choice if choice is not None else group["backend"]
+            return LoraTransport(
+                policy, engines, say, sync_path=lora_sync_path(cfg), **{**group, "backend": backend}
+            )
+
+        return PlacedTransport(
+            placed_rule(cfg), policy, engines, say, build_adapter, dtype=dtype, adapter=True
+        )
 
     def build(choice: str | None) -> WeightTransport:
         if choice == "ipc":

@@ -12,6 +12,9 @@ At `open` (the engines are up) the policy's rank 0 and every engine worker say w
 - a forced backend (``nccl``, ``gloo``, ``ipc``) is checked against the places
   (`topology.check_forced`: one line saying why it cannot work and what to use) and used.
 
+A LoRA policy's adapter (`adapter=True`) goes over a group chosen the same way: NCCL where every
+engine is on GPUs other than rank 0's, else gloo (an engine on rank 0's GPU or host, CPU, a mix).
+
 Engines that cannot say where they run (an older server) get the broadcast path with the
 backend the config alone gives (`factory.group_backend`), said in the open line.
 """
@@ -57,10 +60,20 @@ class PlacedTransport(WeightTransport):
     """Delegates to the transport the ranks' places call for (chosen at `open`)."""
 
     def __init__(
-        self, backend: str, policy: Any, engines: EngineSet, say: Say, build: Build, dtype: str | None = None
+        self,
+        backend: str,
+        policy: Any,
+        engines: EngineSet,
+        say: Say,
+        build: Build,
+        dtype: str | None = None,
+        adapter: bool = False,
     ) -> None:
         self.backend, self.policy, self.engines, self.say, self.build = backend, policy, engines, say, build
         self.dtype = dtype  # what the engines get (None: as trained): sizes the shared-memory check
+        #: a LoRA adapter over a group (`lora.LoraTransport`): where an engine shares rank 0's GPU
+        #: or host ("ipc" for full weights) the group is gloo, which carries a same-GPU pair
+        self.adapter = adapter
         self.chosen: str | None = None
         self.inner: WeightTransport | None = None
 
@@ -91,7 +104,9 @@ class PlacedTransport(WeightTransport):
             chosen, why = None, "the engines' places unknown: the config's backend"
         else:
             chosen, why = resolve(self.backend, *places)
-            if chosen == "ipc" and self.backend == "auto" and places[0].device == "cpu":
+            if chosen == "ipc" and self.adapter:
+                chosen, why = "gloo", f"{why}: a LoRA adapter goes over a gloo group there"
+            elif chosen == "ipc" and self.backend == "auto" and places[0].device == "cpu":
                 chosen, why = await self._shared_memory_or_gloo(why)
         self.chosen = chosen or "broadcast"
         self.inner = self.build(chosen)

@@ -56,7 +56,9 @@ def test_engines_start_with_lora_only_for_an_adapter_sync() -> None:
 def test_the_transport_follows_the_plan() -> None:
     cfg = _cfg()
     say: list[str] = []
-    assert isinstance(make_transport(cfg, object(), [], say.append), LoraTransport)
+    adapter = make_transport(cfg, object(), [], say.append)  # its group chosen at open, by places
+    assert isinstance(adapter, PlacedTransport) and adapter.adapter
+    assert isinstance(adapter.build("nccl"), LoraTransport)
     merged = make_transport(cfg, object(), [], say.append, lora_adapter=False)
     assert isinstance(merged, PlacedTransport)
     # shared memory carries full weights: allowed for merged weights, refused for an adapter

@@ -267,3 +267,52 @@ def test_a_forced_ipc_on_cpu_skips_the_room_check(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(policy_rank, "free_bytes", lambda: 0)  # the push itself refuses, in one line
     placed = PlacedTransport("ipc", Policy([LaidOutRank(0, weights(1))]), Engines([Engine()]), print, Opened)
     assert asyncio.run(placed.open()) == "opened ipc [ipc: forced by generator.weight_sync_backend]"
+
+
+class RankZeroAt:
+    """A policy whose rank 0 says it runs at `place` (a GPU here: saying so needs no CUDA)."""
+
+    def __init__(self, place: Place) -> None:
+        self.place = place
+
+    def call_rank0(self, method: Any, *args: Any) -> dict[str, Any]:
+        assert method is SharedWeightsRank.weight_sync_place
+        return {"host": self.place.host, "device": self.place.device, "gpu": self.place.gpu}
+
+
+class PlacedEngines(Engines):
+    """Engines whose workers say they run at the given places."""
+
+    def __init__(self, places: list[list[Place]]) -> None:
+        super().__init__([Engine() for _ in places])
+        self.places = places
+
+    async def weight_call(
+        self, transport: str, operation: str, payload: Any = None, *, strict: bool = True
+    ) -> list[Any]:
+        assert operation == "places"
+        return [
+            [{"host": p.host, "device": p.device, "gpu": p.gpu} for p in workers] for workers in self.places
+        ]
+
+
+def test_a_lora_adapters_group_is_gloo_where_an_engine_shares_rank_0s_gpu_else_nccl() -> None:
+    """A LoRA adapter goes over a group, and NCCL refuses a same-GPU pair: one GPU whose bundles Ray
+    shares between the policy and the engine (a one-GPU LoRA run) gets gloo, engines on GPUs of
+    their own get NCCL; a forced nccl onto rank 0's GPU is refused in one line."""
+
+    def opened(backend: str, engines: list[list[Place]]) -> str:
+        placed = PlacedTransport(
+            backend, RankZeroAt(GPU0), PlacedEngines(engines), print, Opened, adapter=True
+        )
+        return asyncio.run(placed.open())
+
+    line = opened("auto", [[GPU0]])
+    assert line.startswith("opened gloo [gloo: policy rank 0 on node-a cuda GPU GPU-0") and line.endswith(
+        ": a LoRA adapter goes over a gloo group there]"
+    ), line
+    assert opened("auto", [[GPU1]]).startswith("opened nccl [nccl: ")
+    assert opened("auto", [[GPU0], [GPU1]]).startswith("opened gloo [gloo: ")  # a mix: one gloo group
+    assert opened("gloo", [[GPU1]]) == "opened gloo [gloo: forced by generator.weight_sync_backend]"
+    with pytest.raises(WeightSyncError, match="weight_sync_backend=nccl cannot work: .* share GPU GPU-0"):
+        opened("nccl", [[GPU0]])
