@@ -229,7 +229,7 @@ def _weight_sync(
 ) -> None:
     """Which transport each engine gets and why, where the layout decides it."""
     from skylift.cluster.lora_run import lora_sync
-    from skylift.weight_sync.factory import check_backend, group_backend, placed_rule, transport_kind
+    from skylift.weight_sync.factory import check_backend, placed_rule, transport_kind
     from skylift.weight_sync.placed import resolve
 
     g = cfg.generator
@@ -248,14 +248,18 @@ def _weight_sync(
     if kind == "delta":
         out.lines.append(f"weight sync: checkpoint deltas through {g.delta_weight_sync.sync_dir}")
         return
-    if kind == "lora":
-        backend = group_backend(cfg, cuda=True)
-        out.lines.append(
-            f"weight sync: the LoRA adapter over a {backend or 'NCCL (a group’s auto on GPUs)'} group"
-            + ("" if shared is None else "; NCCL fails where Ray puts rank 0 and an engine on one GPU")
-        )
-        return
     rule = placed_rule(cfg)
+    if kind == "lora":  # the adapter's group, chosen from the places as full weights are (`placed`)
+        if not g.run_engines_locally or shared is not None:
+            out.lines.append(
+                "weight sync: the LoRA adapter over a group chosen at run time from where the ranks are "
+                "(gloo where an engine shares rank 0's GPU, NCCL where every engine has GPUs of its own)"
+            )
+            return
+        transport, why = resolve(rule, *_places(cfg, cluster, plan))
+        backend = "gloo" if transport == "ipc" else transport
+        out.lines.append(f"weight sync: the LoRA adapter over a {backend} group ({why})")
+        return
     if not g.run_engines_locally:
         out.lines.append(
             f"weight sync ({rule}): decided at run time from the places the remote engines report"

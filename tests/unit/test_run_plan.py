@@ -354,3 +354,19 @@ def test_the_docs_example_is_the_commands_real_output(
     assert main(args[1:]) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() + err.splitlines() == shown.strip("\n").splitlines()
+
+
+def test_a_lora_adapters_group_follows_the_planned_places(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    lora = [f"trainer.policy.model.path={tiny_model_dir}", "trainer.policy.model.lora.rank=8"]
+    rc, out, _ = plan(capsys, "--gpus", "2", *lora)
+    assert rc == 0 and line(out, "weight sync").startswith(
+        "weight sync: the LoRA adapter over a nccl group ("
+    )
+    rc, out, _ = plan(capsys, "--gpus", "1", *lora, "trainer.placement.colocate_all=true")
+    assert rc == 0 and line(out, "weight sync").startswith(
+        "weight sync: the LoRA adapter over a gloo group ("
+    )
+    rc, out, _ = plan(capsys, "--gpus", "1", *lora)  # two bundles on one GPU: Ray's choice
+    assert rc == 0 and "chosen at run time" in line(out, "weight sync")
