@@ -62,6 +62,7 @@ def run_sft_command(args: argparse.Namespace) -> int:
                 print(f"note: model.path={cfg.model.path} names no directory on this machine")
             print("configuration OK (dry run: nothing trained; Hub datasets are read when the run starts)")
         return 0
+    from skylift.cluster.placement import PlacementError
     from skylift.data.chat import ChatDataError
     from skylift.supervised.tokens import TokenizeError
     from skylift.supervised.trainer import SupervisedTrainer
@@ -87,6 +88,8 @@ def run_sft_command(args: argparse.Namespace) -> int:
     try:
         trainer.start()
         losses = trainer.run()
+    except PlacementError as exc:  # more ranks than the cluster can place
+        return said("skylift sft", f"placement: {exc}", exc, 2, args.verbose)
     except Exception as exc:  # a rank's allocation failure, perhaps behind a Ray error: one line
         if (line := out_of_memory_line(exc, OUT_OF_MEMORY_ADVICE)) is None:
             raise  # not the machine's memory: a bug, its traceback kept

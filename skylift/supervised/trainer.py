@@ -39,6 +39,19 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def check_enough_gpus(world: int, gpus: float) -> None:
+    """Refuse (`PlacementError`, one line) more GPU ranks than the Ray cluster has GPUs: each rank's
+    actor takes one, and Ray would keep the others waiting until `worker_timeout_s` ran out."""
+    from skylift.cluster.placement import PlacementError
+
+    if gpus < world:
+        raise PlacementError(
+            f"{world} training rank(s) (placement.num_nodes x placement.num_gpus_per_node) need a GPU each, "
+            f"and the Ray cluster has {gpus:g}: lower placement.num_gpus_per_node (or join a cluster with more "
+            "GPUs: RAY_ADDRESS)"
+        )
+
+
 class SupervisedTrainer:
     """One supervised run (see the module docstring). `run()` returns the per-step losses."""
 
@@ -98,6 +111,10 @@ class SupervisedTrainer:
             from skylift.cluster.ray_start import init_ray
 
             self._ray_started = init_ray(None, min_cpus=world)
+            if torch.cuda.is_available():  # a rank's actor asks for a GPU: Ray would queue the rest
+                import ray
+
+                check_enough_gpus(world, float(ray.cluster_resources().get("GPU", 0.0)))
         started = time.perf_counter()
         self.group = self.worker_group("sft", trainable=True)
         # each rank's {"params": the model's, "local_params": its shard's} (FSDP2 over several ranks)
