@@ -120,9 +120,11 @@ def test_a_ray_run_whose_engine_dies_before_a_sync_ends_at_once_with_one_line(
     require_loopback_namespace()
     data = tmp_path / "data"
     write_arithmetic_dataset(data, num_train=32, num_val=8, seed=0)
+    started = time.monotonic()
     server = start_server(tiny_model_dir, tmp_path / "server.log", tiny_server_args())
     try:
         wait_healthy(server)
+        serving = time.monotonic()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
         run = subprocess.Popen(
             [
@@ -160,7 +162,10 @@ def test_a_ray_run_whose_engine_dies_before_a_sync_ends_at_once_with_one_line(
     lines = [line for line in output.splitlines() if line.strip()]
     tail = "\n".join(lines[-15:])
     assert killed, f"the server was never killed (fewer generate requests than expected):\n{tail}"
-    print(f"kill to exit: {ended - killed[0]:.1f} s; exit code {run.returncode}; last line: {lines[-1]}")
+    print(
+        f"server up in {serving - started:.1f} s, the run {ended - serving:.1f} s; kill to exit "
+        f"{ended - killed[0]:.1f} s; exit code {run.returncode}; last line: {lines[-1]}"
+    )
     assert ended - killed[0] < KILL_TO_EXIT_S, tail
     assert run.returncode == 3, tail
     assert "weights of version 2 published, loaded by no engine" in output, tail  # the sync met it
