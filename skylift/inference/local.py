@@ -37,7 +37,7 @@ from skylift.inference.types import (
     check_teacher_forcing,
 )
 from skylift.inference.vllm_io import prompt_top_logprobs, to_generate_output
-from skylift.inference.vllm_patches import quiet_teardown, start_cause
+from skylift.inference.vllm_patches import quiet_dead_core, quiet_teardown, start_cause
 from skylift.utils.calls import call_with_timeout
 from skylift.utils.watchdog import unless_failed
 from skylift.weight_sync.factory import make_engine_sides
@@ -179,6 +179,7 @@ class LocalVLLMEngine(EngineBase):
         """
         vllm_patches.check()  # a vLLM the patches were not written for fails here, naming them
         quiet_teardown.install()
+        quiet_dead_core.install()
         from vllm.v1.engine.async_llm import AsyncLLM
 
         apply_cpu_env_defaults(int(engine_args.get("tensor_parallel_size", 1)), cpus)

@@ -12,9 +12,10 @@ from skylift.generator.rollout_errors import rollout_input
 from skylift.models import ModelPathError
 from skylift.models.checkpoint_names import UnmappedWeightError
 from skylift.rl.loop import RolloutInputStoppedError, TrainingStoppedError
-from skylift.utils.engine_errors import EngineStartError
+from skylift.utils.engine_errors import EngineStartError, EngineUnavailableError
 from skylift.utils.memory_errors import out_of_memory_line
 from skylift.utils.messages import one_line, said
+from skylift.weight_sync.process_group import WeightSyncError
 
 #: what to change when a training worker runs out of memory (the keys of `skylift train`)
 OUT_OF_MEMORY_ADVICE = (
@@ -43,7 +44,9 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
     cannot hold: `PlacementError`), an
     engine that did not start (`EngineStartError`: its cause, most often memory) or a model whose
     weights do not map to its checkpoint's names (`UnmappedWeightError`, at the first weight
-    sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost), 4 a rollout
+    sync), 3 training stopped (`TrainingStoppedError`, e.g. every engine lost; or an engine lost
+    or a weight-update group that failed outside training's loop, e.g. while the run set up:
+    `EngineUnavailableError`, `WeightSyncError`, with nothing saved), 4 a rollout
     failed on the user's input (`rollout_input`: a dataset row the chat template cannot render
     or longer than `generator.max_prompt_length`, an environment that raised or returned a reward
     that is not a number, a request the engine refused with its limit, images for a text-only
@@ -52,10 +55,11 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
     follows; nothing is saved: the step that failed may have changed part of the state); each said on
     one line on stderr after `prog`, the traceback before it when `verbose`. Any other error keeps
     its traceback (a bug, not the user's input)."""
-    trainer = None
+    trainer, phase = None, "setting up"
     try:
         trainer = build()
         trainer.setup()
+        phase = "running"
         work(trainer)
     except (ConfigError, ModelPathError) as exc:
         return said(prog, f"configuration error: {exc}", exc, 2, verbose)
@@ -69,6 +73,8 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         return said(prog, str(exc), exc, 4, verbose)
     except TrainingStoppedError as exc:
         return said(prog, str(exc), exc, 3, verbose)
+    except (EngineUnavailableError, WeightSyncError) as exc:  # training's loop says TrainingStoppedError
+        return said(prog, engine_lost(exc, phase), exc, 3, verbose)
     except Exception as exc:  # a rollout outside training's loop (`skylift eval`): nothing to save
         if (memory := out_of_memory_line(exc, OUT_OF_MEMORY_ADVICE)) is not None:
             return said(prog, memory, exc, 5, verbose)
@@ -79,3 +85,12 @@ def run_trainer(build: Callable[[], T], work: Callable[[T], None], prog: str, ve
         if trainer is not None:
             trainer.shutdown()
     return 0
+
+
+def engine_lost(exc: BaseException, phase: str) -> str:
+    """The line of an engine (or the weight-update group with it) that failed outside training's
+    loop, e.g. while the run set up its weight sync: nothing was saved."""
+    return (
+        f"stopped while {phase}: {one_line(str(exc))}. Nothing was saved; rerun the same command once "
+        "the engines are back (--verbose shows the traceback)"
+    )

@@ -139,3 +139,31 @@ def test_unless_failed_passes_results_and_errors_and_cancels_on_failure_or_cance
 
     asyncio.run(scenario())
     assert cancelled == ["failed", "outer"]
+
+
+def test_vllms_log_of_a_dead_core_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's output handler logs the core's death with a traceback of its own wait: with the
+    `quiet_dead_core` patch installed (as every in-process engine's start does) that record is one
+    line; any other error it logs keeps its traceback."""
+    import logging
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from skylift.inference.vllm_patches import quiet_dead_core
+
+    quiet_dead_core.install()
+    quiet_dead_core.install()  # idempotent: one filter
+    log = logging.getLogger(quiet_dead_core.LOGGER)
+    assert log.filters.count(quiet_dead_core.FILTER) == 1
+    for exc in (EngineDeadError(), ValueError("a bug in a step")):
+        try:
+            raise exc
+        except Exception:
+            with caplog.at_level(logging.ERROR, logger=quiet_dead_core.LOGGER):
+                log.exception("AsyncLLM output_handler failed.")
+    dead, other = caplog.records
+    assert dead.exc_info is None and dead.getMessage() == (
+        "AsyncLLM output_handler failed. The engine core process died (EngineDeadError)"
+    )
+    assert caplog.text.count("Traceback") == 1  # the other error's
+    assert other.exc_info is not None and isinstance(other.exc_info[1], ValueError)

@@ -9,7 +9,8 @@ from skylift.cluster.placement import PlacementError
 from skylift.config import ConfigError
 from skylift.rl.loop import TrainingStoppedError
 from skylift.rl.run import run_trainer
-from skylift.utils.engine_errors import EngineStartError
+from skylift.utils.engine_errors import EngineStartError, EngineUnavailableError
+from skylift.weight_sync.process_group import WeightSyncError
 
 
 class FakeTrainer:
@@ -62,6 +63,37 @@ def test_an_error_in_the_work_is_an_exit_code_and_the_trainer_is_shut_down(
     assert run_trainer(lambda: trainer, work, "prog") == code
     assert trainer.calls == ["setup", "shutdown"]
     assert said in capsys.readouterr().err
+
+
+def test_an_engine_lost_outside_trainings_loop_is_one_line_and_code_3(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An engine (or the weight-update group with it) failing while the run sets up its weight sync
+    (the runtime's build) or in work that is not training's loop (`skylift eval`): one line, no
+    traceback; training's own loop stops with `TrainingStoppedError` instead."""
+
+    def build() -> FakeTrainer:
+        raise WeightSyncError("weight-update group 'g' did not form between rank 0 (hosting it at a:1) and e")
+
+    assert run_trainer(build, lambda t: None, "prog") == 3
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "prog: stopped while setting up: weight-update group 'g' did not form between rank 0 "
+    )
+    assert "Nothing was saved" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+    trainer = FakeTrainer()
+
+    def work(t: FakeTrainer) -> None:
+        raise EngineUnavailableError("engine-0: generate failed:\nthe vLLM engine process died")
+
+    assert run_trainer(lambda: trainer, work, "prog") == 3
+    assert trainer.calls == ["setup", "shutdown"]
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "prog: stopped while running: engine-0: generate failed: the vLLM engine process died."
+    )
+    assert len(err.splitlines()) == 1
 
 
 def test_a_failed_build_has_nothing_to_shut_down(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ workaround that changes no vLLM code (`lora_prompt_logprobs`: a bug skylift rout
 | `cpu_moe_reload` | every engine worker (`skylift.inference.vllm_worker`) | on CPU, a weight update of a mixture-of-experts layer repacks the experts (vLLM copies them unpacked into the packed storage) |
 | `cpu_routed_experts` | every engine worker (`skylift.inference.vllm_worker`), and its config half where a routing-replay engine's config is built (`skylift.inference.engine_args.prepare_routed_experts`) | on CPU, the V1 model runner returns each token's routed experts with vLLM's own capture (vLLM wires it to its V2 runner only, which needs Triton) |
 | `quiet_teardown` | the driver, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | no spurious TypeError from `AsyncLLM.__del__` at exit |
+| `quiet_dead_core` | the driver or engine actor, before an in-process `AsyncLLM` starts (`skylift.inference.local`) | a dead engine core is one log line, not the output handler's traceback |
 | `responses_input` | `skylift serve` (`skylift.inference.server`) | Responses inputs vLLM's parser crashes on get a 400 |
 | `generate_guard` (+ `generate_body`) | `skylift serve --enable-scale-out` (`skylift.inference.routes`) | ``/inference/v1/generate`` bodies checked before vLLM reads them |
 | `qwen2_vl_site` (+ `qwen2_vl_without_torchvision/`) | a vision-language run or the Tinker render server, before vLLM starts (`skylift.cluster.vision_run`, `skylift.tinker.vision.render_server`) | Qwen2-VL loads without torchvision (transformers' PIL image processor; no video processor) |
@@ -35,6 +36,7 @@ from skylift.inference.vllm_patches import (
     generate_guard,
     lora_prompt_logprobs,
     prompt_logprobs_lora_rows,
+    quiet_dead_core,
     quiet_teardown,
     qwen2_vl_site,
     responses_input,
@@ -55,6 +57,7 @@ MODULES = (
     cpu_moe_reload,
     cpu_routed_experts,
     quiet_teardown,
+    quiet_dead_core,
     responses_input,
     generate_guard,
     lora_prompt_logprobs,

@@ -105,7 +105,10 @@ class PolicySharedTransport(WeightTransport):
 
 async def release_engines(engines: EngineSet, say: Say) -> None:
     """Tell every live engine to drop the views its workers keep of the sender's buffers; an
-    engine that cannot (gone, or an older server) is said, not raised: its mapping goes with it."""
+    engine that cannot (gone, or an older server) is said, not raised: its mapping goes with it.
+    With no engine left (each failed, said when it was taken out) there is nothing to tell."""
+    if not engines.live_indices:
+        return
     try:
         await engines.weight_call("ipc", "release", {}, strict=False)
     except Exception as exc:  # noqa: BLE001 - closing goes on
