@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skylift.cluster.colocation import GIB, ColocationError, colocated_engine_fraction, colocation_plan
+from skylift.cluster.colocation import (
+    GIB,
+    ColocationError,
+    awake_engine_fraction,
+    colocated_engine_fraction,
+    colocation_plan,
+)
 from skylift.cluster.gpu_sharing import GpuShare, shared_placement
 from skylift.cluster.placement import (
     PlacementError,
@@ -109,11 +115,15 @@ def _plan(cfg: SkyliftConfig, cluster: GpuCluster, out: RunPlan) -> None:
             f"placement: no Ray (trainer.placement.backend={t.placement.backend}): the policy's rank 0 "
             f"{engines}, on its first GPU"
         )
-        if g.run_engines_locally and not t.placement.colocate_all:
-            out.lines.append(
-                f"memory: the engines take generator.gpu_memory_utilization={g.gpu_memory_utilization} of "
-                "that GPU and keep it while the policy trains (no sleep without colocate_all)"
-            )
+        if g.run_engines_locally and not t.placement.colocate_all:  # the run's `awake_engine_fraction`
+            sizing = _sizing_reference(t.policy.model.path, model)
+            if sizing is None:
+                out.lines.append(
+                    f"memory: {t.policy.model.path} is a registry name not prepared here: the engines' share "
+                    f"of the GPU beside the trainer is not planned (the run sizes it from the checkpoint)"
+                )
+            else:
+                awake_engine_fraction(cfg, sizing, int(cluster.gpu_memory_gib * GIB), out.lines.append)
     colocation = colocation_plan(t.placement.colocate_all, cuda=True, local_engines=g.run_engines_locally)
     if colocation.message:
         out.lines.append(colocation.message)
@@ -198,20 +208,31 @@ def _local_model(path: str) -> str | None:
     return str(local) if local.is_dir() else None
 
 
+def _sizing_reference(path: str, model: str | None) -> str | None:
+    """What the memory split sizes the trainer from: the local directory, or a Hub id (its cached
+    snapshot, else the Hub's safetensors count: `colocation.checkpoint_parameter_count`); None
+    for a registry name not prepared here."""
+    from skylift.models import list_models
+
+    if model is not None:
+        return model
+    return None if any(spec.name == path for spec in list_models()) else path
+
+
 def _memory_split(
     cfg: SkyliftConfig, cluster: GpuCluster, model: str | None, shared: GpuShare | None, out: RunPlan
 ) -> None:
     """colocate_all's split of each GPU between the trainer and the engines (the run's function)."""
     path = cfg.trainer.policy.model.path
-    if model is None:
+    sizing = _sizing_reference(path, model)
+    if sizing is None:
         out.lines.append(
-            f"colocation: {path} is not a local directory here (a Hub id, or a registry name not "
-            "prepared), so its parameter count is unknown and the memory split is not planned (the run "
-            "sizes the trainer from a local checkpoint directory's safetensors headers)"
+            f"colocation: {path} is a registry name not prepared here, so its parameter count is unknown "
+            "and the memory split is not planned (the run sizes the trainer from the checkpoint)"
         )
         return
     gpu_bytes = int(cluster.gpu_memory_gib * GIB)
-    colocated_engine_fraction(cfg, model, gpu_bytes, out.lines.append)
+    colocated_engine_fraction(cfg, sizing, gpu_bytes, out.lines.append)
     if shared is not None:
         out.lines.append(
             "colocation: the bundles share GPUs, and the split above is for one bundle per GPU: "
