@@ -58,3 +58,20 @@ def shared_placement(
     if shared is not None:
         plan = plan_placement(dataclasses.replace(request, gpus_per_bundle=shared.share))
     return plan, shared
+
+
+def driver_without_gpus(
+    address: str | None, driver_cuda: bool, nodes: Sequence[Mapping[str, Any]]
+) -> str | None:
+    """The line refusing a run that starts on a machine without CUDA and joins a cluster with GPUs
+    (a CPU-only head node): the run's bundles, GPU defaults and engines follow the devices of the
+    machine it starts on, so it would train on CPU beside idle GPUs. None where that is not so."""
+    gpus = sum(float(n["resources"].get("GPU", 0.0)) for n in nodes)
+    if not address or driver_cuda or gpus <= 0:
+        return None
+    return (
+        f"the Ray cluster at {address} has {gpus:g} GPU(s), and this machine, where the run starts, sees no "
+        "CUDA device: the run's placement, GPU defaults and engines follow the machine it starts on, so it "
+        "would train on CPU. Start it on a GPU node of the cluster (e.g. ray job submit "
+        "--entrypoint-num-gpus 1 -- skylift train ...)"
+    )

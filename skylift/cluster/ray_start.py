@@ -118,8 +118,14 @@ def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
 
     import ray
 
-    from skylift.cluster.gpu_sharing import shared_placement
-    from skylift.cluster.placement import PlacedGroups, cluster_nodes, plan_placement, request_from_config
+    from skylift.cluster.gpu_sharing import driver_without_gpus, shared_placement
+    from skylift.cluster.placement import (
+        PlacedGroups,
+        PlacementError,
+        cluster_nodes,
+        plan_placement,
+        request_from_config,
+    )
 
     started_at = time.perf_counter()
     address = ray_address(cfg.trainer.ray_address)
@@ -132,8 +138,13 @@ def start_ray_run(cfg: SkyliftConfig, training: bool = True) -> RayRun:
         address, min_cpus=plan.total().get("CPU", 0.0), object_store_gb=cfg.trainer.ray_object_store_gb
     )
     lines = [ray_cluster_line(joined=bool(address))]
+    nodes = cluster_nodes()
+    if (refusal := driver_without_gpus(address, gpu, nodes)) is not None:
+        if started:
+            ray.shutdown()
+        raise PlacementError(refusal)
     # one machine with fewer GPUs than bundles: they share its GPUs
-    plan, shared = shared_placement(request, cluster_nodes(), joined=bool(address))
+    plan, shared = shared_placement(request, nodes, joined=bool(address))
     if shared is not None:
         lines.append(shared.line)
     try:

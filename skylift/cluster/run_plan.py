@@ -172,7 +172,7 @@ def _placement(
     if joined:  # `ray_start.start_ray_run` and the GPU defaults read the starting machine's CUDA
         out.lines.append(
             "note: the run plans GPU bundles and takes the GPU defaults only where the machine it starts "
-            "on sees CUDA: start it on a GPU node (a CPU-only head node gets a CPU placement)"
+            "on sees CUDA: start it on a GPU node (on a CPU-only head node it stops at start, saying so)"
         )
     return plan, shared
 

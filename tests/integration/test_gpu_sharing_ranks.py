@@ -113,3 +113,18 @@ def test_an_engines_tensor_parallel_workers_on_one_gpu_are_refused_before_vllm_s
             )
     finally:
         placed.remove()
+
+
+def test_a_run_started_without_cuda_on_a_gpu_cluster_stops_naming_the_fix(ray_with_gpus: None) -> None:
+    """Joining a cluster with GPUs from a machine without CUDA (a CPU-only head node) would plan
+    CPU bundles and train on CPU beside the GPUs: `start_ray_run` refuses it in one line."""
+    import ray
+
+    from skylift.cluster.ray_start import start_ray_run
+
+    address = ray.get_runtime_context().gcs_address
+    cfg = load_config([f"trainer.ray_address={address}"])
+    with pytest.raises(PlacementError) as caught:
+        start_ray_run(cfg)
+    assert str(caught.value).startswith(f"the Ray cluster at {address} has 2 GPU(s), and this machine")
+    assert ray.is_initialized()  # the run joined a cluster it did not start: it leaves it running

@@ -59,3 +59,17 @@ def test_two_ranks_given_one_gpu_are_found() -> None:
         "1",
         "10.0.0.1",
     )
+
+
+def test_a_driver_without_cuda_joining_a_gpu_cluster_is_refused() -> None:
+    from skylift.cluster.gpu_sharing import driver_without_gpus
+
+    gpu_nodes = [{"ip": "10.0.0.1", "resources": {"CPU": 8}}, {"ip": "10.0.0.2", "resources": {"GPU": 8}}]
+    line = driver_without_gpus("10.0.0.1:6379", False, gpu_nodes)
+    assert line is not None and line.startswith(
+        "the Ray cluster at 10.0.0.1:6379 has 8 GPU(s), and this machine"
+    )
+    assert "--entrypoint-num-gpus 1" in line
+    assert driver_without_gpus("10.0.0.1:6379", True, gpu_nodes) is None  # a driver on a GPU node
+    assert driver_without_gpus(None, False, gpu_nodes) is None  # a local Ray: its own devices
+    assert driver_without_gpus("10.0.0.1:6379", False, [{"ip": "10.0.0.1", "resources": {"CPU": 8}}]) is None
