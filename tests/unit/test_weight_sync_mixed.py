@@ -15,7 +15,7 @@ import pytest
 import torch
 from server_helpers import require_loopback_namespace
 from test_ipc_transport import Worker, weights
-from test_weight_sync_placed import LaidOutRank
+from test_weight_sync_placed import GPU0, GPU1, LaidOutRank, Opened, PlacedEngines, RankZeroAt
 
 from skylift.cluster.worker_group import RLWorker
 from skylift.config import load_config
@@ -24,6 +24,7 @@ from skylift.inference.types import EngineUnavailableError
 from skylift.weight_sync.broadcast.receiver import WeightSyncWorkerExtension
 from skylift.weight_sync.factory import make_engine_sides, make_transport
 from skylift.weight_sync.ipc.receiver import IpcWorkerReceiver
+from skylift.weight_sync.placed import PlacedTransport
 from skylift.weight_sync.protocol import RPC_WORKER_CALL
 
 
@@ -227,3 +228,49 @@ def test_a_subset_calls_only_its_engines_and_marks_failures_in_the_pool() -> Non
     assert pool.live_indices == [1] and not engines[1].calls
     with pytest.raises(ValueError, match="not all in a pool of 3"):
         pool.subset([3])
+
+
+class AtGpu(Engine):
+    """An engine whose one worker says it runs on `gpu` of node-a (saying so needs no CUDA)."""
+
+    def __init__(self, name: str, gpu: str) -> None:
+        super().__init__(name)
+        self.gpu = gpu
+
+    async def weight_call(self, transport: str, operation: str, payload: dict[str, Any] | None = None) -> Any:
+        assert (transport, operation) == ("ipc", "places")
+        return [{"host": "node-a", "device": "cuda", "gpu": self.gpu}]
+
+
+def test_colocate_all_on_several_gpus_takes_cuda_ipc_and_one_nccl_group() -> None:
+    """The GPU layout of ``colocate_all`` (engine 0 on rank 0's GPU, engines 1 and 2 on GPUs of
+    their own) opens IPC for engine 0 and one NCCL group for the others, each over its engines;
+    a forced backend and an engine set that cannot be split keep one transport for all."""
+    engines = [AtGpu("e0", "GPU-0"), AtGpu("e1", "GPU-1"), AtGpu("e2", "GPU-2")]
+    pool = EnginePool(engines)  # type: ignore[list-item]
+    built: list[tuple[str | None, list[Any]]] = []
+
+    def build(choice: str | None, served: Any) -> Opened:
+        built.append((choice, list(served.engines)))
+        return Opened(choice, served)
+
+    placed = PlacedTransport("auto", RankZeroAt(GPU0), pool, print, build)
+    line = asyncio.run(placed.open())
+    assert built == [("ipc", [engines[0]]), ("nccl", engines[1:])]
+    assert line.startswith(
+        "weight sync, each engine its own way: engine(s) [0]: opened ipc; engine(s) [1, 2]: opened nccl "
+    )
+    assert line.endswith(
+        ": engines need ipc and nccl: ipc for engine(s) [0], one nccl group for engine(s) [1, 2]]"
+    )
+    assert placed.name == "ipc+nccl"
+    built.clear()
+    assert asyncio.run(PlacedTransport("gloo", RankZeroAt(GPU0), pool, print, build).open()).startswith(
+        "opened gloo [gloo: forced"
+    )
+    assert built == [("gloo", engines)]
+    unsplittable = PlacedEngines([[GPU0], [GPU1]])  # an engine set without `subset`
+    line = asyncio.run(PlacedTransport("auto", RankZeroAt(GPU0), unsplittable, print, Opened).open())
+    assert line.startswith("opened gloo [gloo: ") and line.endswith(
+        "this engine set cannot be split, one gloo group carries both]"
+    )
