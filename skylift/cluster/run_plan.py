@@ -251,7 +251,7 @@ def _weight_sync(
     """Which transport each engine gets and why, where the layout decides it."""
     from skylift.cluster.lora_run import lora_sync
     from skylift.weight_sync.factory import check_backend, placed_rule, transport_kind
-    from skylift.weight_sync.placed import resolve
+    from skylift.weight_sync.placed import resolve, split
 
     g = cfg.generator
     check_backend(cfg, cuda=True)  # the run's refusal from the config alone, at the sync's start
@@ -289,7 +289,7 @@ def _weight_sync(
     if shared is not None:
         out.lines.append(
             f"weight sync ({rule}): decided at run time: which ranks share a GPU is Ray's choice (CUDA IPC "
-            "for an engine on rank 0's GPU, NCCL for engines on GPUs of their own, gloo for a mix)"
+            "for an engine on rank 0's GPU, NCCL for engines on GPUs of their own, both for a mix)"
         )
         return
     if plan is not None and cluster.nodes > 1 and not cfg.trainer.placement.colocate_all and rule == "ipc":
@@ -308,6 +308,9 @@ def _weight_sync(
         for kind in sorted(set(choices))
     )
     mixed = "" if len(set(choices)) == 1 else f"; all engines take {transport} (one group carries both)"
+    if (parts := split(choices)) is not None:  # `PlacedTransport`: each engine its own way
+        ipc, backend, rest = parts
+        mixed = f"; each its own way: ipc for engine(s) {_span(ipc)}, one {backend} group for engine(s) {_span(rest)}"
     out.lines.append(f"weight sync (auto): {per}{mixed}")
 
 

@@ -12,13 +12,20 @@ live engine too, as one `WeightSyncTarget` whose workers are those of all engine
 the ranks after servers 0..i-1); they are never retried, since a broadcast cannot be replayed.
 The trainer instead hands the sender the live engines themselves (`live_indices`), so that a dead
 one can be left out of a new group.
+
+`EngineSubset` (`EnginePool.subset`) is some of a pool's engines as an engine set of their own: a
+weight transport that serves only those (`weight_sync.mixed`: shared memory / CUDA IPC for the
+engines on the policy's host or GPU, a group for the others). Its `engines` are its own only, so a
+transport that addresses engines directly (a group's clients) reaches no other; its calls go
+through the pool restricted to its indices (`only`), with the pool's failure handling: an engine
+that fails is taken out of the pool itself, and every view of the pool sees it gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from skylift.inference.routing import LoadRouter, NoServerLeftError
@@ -88,13 +95,25 @@ class EnginePool:
             left,
         )
 
-    def _no_engine_left(self) -> NoHealthyEngineError:
-        detail = "; ".join(
-            f"engine {i} ({self.engines[i]!r}): {why}" for i, why in sorted(self.failures.items())
-        )
+    def _no_engine_left(self, only: Collection[int] | None = None) -> NoHealthyEngineError:
+        among = range(len(self.engines)) if only is None else sorted(only)
+        detail = "; ".join(f"engine {i} ({self.engines[i]!r}): {self.failures.get(i)}" for i in among)
+        if only is None:
+            return NoHealthyEngineError(
+                f"no healthy inference engine left ({len(self.engines)} failed): {detail}"
+            )
         return NoHealthyEngineError(
-            f"no healthy inference engine left ({len(self.engines)} failed): {detail}"
+            f"no healthy inference engine left among engines {list(among)} of the pool ({len(self.live_indices)} "
+            f"live elsewhere): {detail}"
         )
+
+    def _live(self, only: Collection[int] | None) -> list[int]:
+        return [i for i in self.live_indices if only is None or i in only]
+
+    def subset(self, indices: Sequence[int]) -> EngineSubset:
+        """A view of engines `indices` only (a transport that serves some of the engines): its calls
+        reach those engines alone, and an engine that fails in it is taken out of this pool."""
+        return EngineSubset(self, indices)
 
     def _pick(self, session_id: str | None) -> int:
         try:
@@ -185,14 +204,17 @@ class EnginePool:
 
     # ---- calls on every engine --------------------------------------------------------------
 
-    async def _every(self, method: str, *args: Any, strict: bool = False) -> list[Any]:
-        """`method(*args)` on every live engine concurrently, results in engine order.
+    async def _every(
+        self, method: str, *args: Any, strict: bool = False, only: Collection[int] | None = None
+    ) -> list[Any]:
+        """`method(*args)` on every live engine concurrently (`only`: of those indices), results in
+        engine order.
 
         An unavailable engine is taken out; unless `strict` (weight sync: every engine must take
-        part) the call succeeds while one engine is left. Any other failure is raised."""
-        live = self.live_indices
+        part) the call succeeds while one engine (of `only`) is left. Any other failure is raised."""
+        live = self._live(only)
         if not live:
-            raise self._no_engine_left()
+            raise self._no_engine_left(only)
         results = await gather_all([getattr(self.engines[i], method)(*args) for i in live])
         for i, result in zip(live, results, strict=True):
             if isinstance(result, EngineUnavailableError):
@@ -201,13 +223,13 @@ class EnginePool:
         other = [e for e in errors if not isinstance(e, EngineUnavailableError)]
         if other or (strict and errors):
             raise (other or errors)[0]
-        if not self.live_indices:
-            raise self._no_engine_left()
+        if not self._live(only):
+            raise self._no_engine_left(only)
         return [r for r in results if not isinstance(r, BaseException)]
 
-    async def probe(self, timeout_s: float = 10.0) -> list[int]:
-        """Ask every live engine for its health; engines that fail or do not answer are taken out.
-        Returns the indices still live."""
+    async def probe(self, timeout_s: float = 10.0, *, only: Collection[int] | None = None) -> list[int]:
+        """Ask every live engine (`only`: of those indices) for its health; engines that fail or do
+        not answer are taken out. Returns the indices still live (of `only`)."""
 
         async def one(i: int) -> None:
             try:
@@ -220,8 +242,8 @@ class EnginePool:
             if not healthy:
                 self.mark_failed(i, "health check answered unhealthy")
 
-        await asyncio.gather(*(one(i) for i in self.live_indices))
-        return self.live_indices
+        await asyncio.gather(*(one(i) for i in self._live(only)))
+        return self._live(only)
 
     async def sleep(self, level: int = 1) -> None:
         await self._every("sleep", level)
@@ -250,18 +272,25 @@ class EnginePool:
         return sum(await self._every("tensor_parallel_size", strict=True))
 
     async def weight_call(
-        self, transport: str, operation: str, payload: dict[str, Any] | None = None, *, strict: bool = True
+        self,
+        transport: str,
+        operation: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        strict: bool = True,
+        only: Collection[int] | None = None,
     ) -> list[Any]:
-        """One weight-sync operation (`weight_sync.engine_side`) on every live engine concurrently;
-        their answers in engine order. `strict` (a weight-update group's calls: every engine takes
-        part in each broadcast): an unavailable engine fails the call; else it is taken out and the
-        others go on (delta sync). A payload with a ``rank_offset`` (a group's join) is spread over
-        the engines: engine i takes the ranks after engines 0..i-1."""
+        """One weight-sync operation (`weight_sync.engine_side`) on every live engine concurrently
+        (`only`: of those indices, the others never called); their answers in engine order.
+        `strict` (a weight-update group's calls: every engine takes part in each broadcast): an
+        unavailable engine fails the call; else it is taken out and the others go on (delta sync).
+        A payload with a ``rank_offset`` (a group's join) is spread over the engines: engine i
+        takes the ranks after engines 0..i-1 (of `only`)."""
         payload = payload or {}
         if "rank_offset" not in payload:
-            return await self._every("weight_call", transport, operation, payload, strict=strict)
-        sizes = await self._every("tensor_parallel_size", strict=True)
-        live = self.live_indices
+            return await self._every("weight_call", transport, operation, payload, strict=strict, only=only)
+        sizes = await self._every("tensor_parallel_size", strict=True, only=only)
+        live = self._live(only)
         if payload["rank_offset"] + sum(sizes) > payload.get("world_size", 0):
             raise ValueError(
                 f"world_size={payload.get('world_size')} too small for {sum(sizes)} engine ranks from rank "
@@ -285,3 +314,34 @@ class EnginePool:
         for i, result in enumerate(results):
             if isinstance(result, BaseException) and i not in self.failures:
                 raise result
+
+
+class EngineSubset:
+    """Engines `indices` of `pool` (pool indices; in this view they are 0.. in that order)."""
+
+    def __init__(self, pool: EnginePool, indices: Sequence[int]) -> None:
+        if not indices or len(set(indices)) != len(indices):
+            raise ValueError(f"an engine subset names distinct engines, at least one: {list(indices)}")
+        if not all(0 <= i < len(pool.engines) for i in indices):
+            raise ValueError(f"engine indices {list(indices)} are not all in a pool of {len(pool.engines)}")
+        self.pool, self.indices = pool, list(indices)
+        self.engines = [pool.engines[i] for i in self.indices]
+
+    def __repr__(self) -> str:
+        return f"EngineSubset({self.indices} of {self.pool!r})"
+
+    @property
+    def live_indices(self) -> list[int]:
+        """This view's indices (0..) of its engines still in the pool's service."""
+        live = set(self.pool.live_indices)
+        return [k for k, i in enumerate(self.indices) if i in live]
+
+    async def probe(self, timeout_s: float = 10.0) -> list[int]:
+        await self.pool.probe(timeout_s, only=self.indices)
+        return self.live_indices
+
+    async def weight_call(
+        self, transport: str, operation: str, payload: dict[str, Any] | None = None, *, strict: bool = True
+    ) -> list[Any]:
+        """`EnginePool.weight_call` on this view's live engines only (a group's join spread over them)."""
+        return await self.pool.weight_call(transport, operation, payload, strict=strict, only=self.indices)

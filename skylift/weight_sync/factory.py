@@ -108,7 +108,8 @@ def make_transport(
     weights (a LoRA policy's merged in where its engines cannot serve the adapter): `PlacedTransport`,
     which picks at open, from where rank 0 and the engines' workers say they run
     (`weight_sync.topology`), `PolicySharedTransport` (``ipc``: CUDA IPC / shared memory on the
-    policy's host) or `BroadcastTransport` (a gloo or NCCL group). A forced backend that cannot
+    policy's host) or `BroadcastTransport` (a gloo or NCCL group), or both for a mix (each over
+    its engines: `weight_sync.mixed`). A forced backend that cannot
     work is refused: from the config alone here (`check_backend`), from the places at open."""
     check_backend(cfg)
     kind = transport_kind(cfg, lora_adapter)
@@ -141,21 +142,22 @@ def make_transport(
     }
     if kind == "lora":  # the adapter's group: by where the ranks are, as full weights (`placed`)
 
-        def build_adapter(choice: str | None) -> WeightTransport:
+        def build_adapter(choice: str | None, served: EngineSet) -> WeightTransport:
             backend = choice if choice is not None else group["backend"]
             return LoraTransport(
-                policy, engines, say, sync_path=lora_sync_path(cfg), **{**group, "backend": backend}
+                policy, served, say, sync_path=lora_sync_path(cfg), **{**group, "backend": backend}
             )
 
         return PlacedTransport(
             placed_rule(cfg), policy, engines, say, build_adapter, dtype=dtype, adapter=True
         )
 
-    def build(choice: str | None) -> WeightTransport:
+    def build(choice: str | None, served: EngineSet) -> WeightTransport:
+        """The transport for `choice` over `served` (every engine, or one part of a mix)."""
         if choice == "ipc":
-            return PolicySharedTransport(policy, engines, say, dtype=dtype, keep_buffers=KEEP_SHARED_BUFFERS)
+            return PolicySharedTransport(policy, served, say, dtype=dtype, keep_buffers=KEEP_SHARED_BUFFERS)
         backend = choice if choice is not None else group["backend"]
-        return BroadcastTransport(policy, engines, say, **{**group, "backend": backend})
+        return BroadcastTransport(policy, served, say, **{**group, "backend": backend})
 
     return PlacedTransport(placed_rule(cfg), policy, engines, say, build, dtype=dtype)
 

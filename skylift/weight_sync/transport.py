@@ -57,7 +57,8 @@ class WeightTransport(ABC):
     needs_prefix_reset: bool = True
 
     #: what carries the weights, in the run's metrics (`weight_sync/via/<name>`): "ipc", "gloo",
-    #: "nccl", "lora", "delta", ... (a transport that learns it at `open` overrides the property)
+    #: "nccl", "lora", "delta", "ipc+nccl" (a mix), ... (a transport that learns it at `open`
+    #: overrides the property)
     kind: str = "broadcast"
 
     @property

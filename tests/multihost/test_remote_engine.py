@@ -225,3 +225,63 @@ def test_link_cut_during_a_step_stops_with_checkpoint_then_resumes(
     steps = [m["step"] for m in _metrics(tmp_path) if "reward/mean" in m]
     assert steps[-(3 - resumed_from) :] == list(range(resumed_from + 1, 4)), steps
     _assert_nothing_left(two_hosts)
+
+
+@pytest.fixture
+def server_a(two_hosts: TwoHosts, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    """A second server, on host A beside the trainer (its workers share the trainer's host)."""
+    a = two_hosts.a
+    log = tmp_path / "server-a.log"
+    cmd = [sys.executable, "-m", "skylift.inference.server", "--model", str(tiny_model_dir)]
+    cmd += ["--host", a.ip, "--port", str(PORT), "--api-key", API_KEY, *tiny_server_args()]
+    process = a.popen(cmd, log, two_hosts.env_for(a))
+    server = Server(url=f"{a.ip}:{PORT}", process=process, log=log)
+    try:
+        deadline = time.monotonic() + 420
+        while not two_hosts.a.call(_healthy, server.url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server on host A did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(1.0)
+        two_hosts.a.call(_warm_up, server.url)
+        yield server
+    finally:
+        a.kill_all(grace_s=20.0)
+
+
+def test_an_engine_beside_the_trainer_takes_shared_memory_and_a_remote_one_gloo(
+    two_hosts: TwoHosts, server_b: Server, server_a: Server, data: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two engines, one on the trainer's host and one on host B: a mix. Each is served its own way
+    (`weight_sync.mixed`): shared memory for A's, a gloo group over the link for B's; after each
+    sync both sample with the trainer's weights."""
+    overrides = _overrides(
+        data,
+        tmp_path,
+        tiny_model_dir,
+        server_b,
+        **{
+            "generator.remote_inference_engine_urls": f"['{server_a.url}','{server_b.url}']",
+            "trainer.max_steps": 2,
+            "trainer.eval_interval": -1,
+            "generator.http_timeout_s": CALM_TIMEOUT_S,
+            "generator.weight_sync_timeout_s": CALM_TIMEOUT_S,
+        },
+    )
+    log = tmp_path / "train.log"
+    process = _train(two_hosts, overrides, log)
+    try:
+        code = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            two_hosts.a.kill_all()
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    assert "ipc for engine(s) [0], one gloo group for engine(s) [1]]" in text, text[-4000:]
+    assert f"engine(s) [1]: weight sync: 1 engine(s) dial {two_hosts.a.ip}" in text, text[-4000:]
+    steps = [m for m in _metrics(tmp_path) if "reward/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:  # both engines sample with the trainer's weights after each sync
+        assert m["policy/logprob_diff_vs_rollout"] < 1e-3, m
+        assert m["weight_sync/via/ipc+gloo"] == 1.0 and m["weight_sync/ipc/bytes"] > 0, m
+        assert m["weight_sync/gloo/bytes"] > 0, m
+    print("mixed weight sync (s):", [round(m["timing/weight_sync_s"], 3) for m in steps])

@@ -58,7 +58,7 @@ def test_the_transport_follows_the_plan() -> None:
     say: list[str] = []
     adapter = make_transport(cfg, object(), [], say.append)  # its group chosen at open, by places
     assert isinstance(adapter, PlacedTransport) and adapter.adapter
-    assert isinstance(adapter.build("nccl"), LoraTransport)
+    assert isinstance(adapter.build("nccl", []), LoraTransport)
     merged = make_transport(cfg, object(), [], say.append, lora_adapter=False)
     assert isinstance(merged, PlacedTransport)
     # shared memory carries full weights: allowed for merged weights, refused for an adapter

@@ -218,7 +218,7 @@ def test_tensor_parallel_engines_get_their_bundle_indices(
         for e in range(2)
     ]
     # colocated: one group, engine i on bundles 2i, 2i+1, half a GPU each (a policy rank shares it);
-    # engine 0 shares rank 0's GPU (IPC), engine 1 not (NCCL): one gloo group carries both
+    # engine 0 shares rank 0's GPU (IPC), engine 1 not (NCCL): each served its own way
     rc, out, _ = plan(capsys, "--gpus", "4", f"trainer.policy.model.path={tiny_model_dir}", *tp, COLOCATE,
                       "trainer.placement.policy_num_gpus_per_node=4")  # fmt: skip
     assert rc == 0
@@ -228,7 +228,7 @@ def test_tensor_parallel_engines_get_their_bundle_indices(
     ]
     assert line(out, "weight sync") == (
         "weight sync (auto): engine(s) 0: ipc (a worker on policy rank 0's GPU: CUDA IPC), engine(s) 1: nccl "
-        "(on GPUs of its own: NCCL broadcast); all engines take gloo (one group carries both)"
+        "(on GPUs of its own: NCCL broadcast); each its own way: ipc for engine(s) 0, one nccl group for engine(s) 1"
     )
 
 

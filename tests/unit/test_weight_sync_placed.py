@@ -194,7 +194,8 @@ def test_placed_transport_opens_what_the_places_call_for() -> None:
     engines = Engines([Engine()])
     built: list[str | None] = []
 
-    def build(choice: str | None) -> Any:
+    def build(choice: str | None, served: Any) -> Any:
+        assert served is engines
         built.append(choice)
         return PolicySharedTransport(Policy(ranks), engines, print)
 
@@ -232,7 +233,7 @@ def test_a_workers_layout_is_what_its_gather_yields(tiny_model_dir: Any, lora_ra
 class Opened:
     """A built transport that only says it opened."""
 
-    def __init__(self, choice: str | None) -> None:
+    def __init__(self, choice: str | None, engines: Any) -> None:
         self.choice = choice
 
     async def open(self) -> str:
