@@ -126,6 +126,19 @@ def _train(two_hosts: TwoHosts, overrides: list[str], log: Path) -> subprocess.P
     return two_hosts.a.popen(cmd, log, two_hosts.env_for(two_hosts.a, SKYLIFT_API_KEY=API_KEY))
 
 
+def _train_to_the_end(two_hosts: TwoHosts, overrides: list[str], log: Path) -> str:
+    """A run that must end well within 300 s, exit 0; its log."""
+    process = _train(two_hosts, overrides, log)
+    try:
+        code = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            two_hosts.a.kill_all()
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    return text
+
+
 def _metrics(run: Path) -> list[dict]:
     path = run / "logs" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -151,15 +164,7 @@ def test_two_steps_across_hosts_sync_and_evaluate(
             "generator.weight_sync_timeout_s": CALM_TIMEOUT_S,
         },
     )
-    log = tmp_path / "train.log"
-    process = _train(two_hosts, overrides, log)
-    try:
-        code = process.wait(timeout=300)
-    finally:
-        if process.poll() is None:
-            two_hosts.a.kill_all()
-    text = log.read_text(errors="replace")
-    assert code == 0, text[-4000:]
+    text = _train_to_the_end(two_hosts, overrides, tmp_path / "train.log")
     # the store listens on A's address on the link, which B can reach
     assert f"engine(s) dial {two_hosts.a.ip}" in text, text[-4000:]
     steps = [m for m in _metrics(tmp_path) if "reward/mean" in m]
@@ -267,15 +272,7 @@ def test_an_engine_beside_the_trainer_takes_shared_memory_and_a_remote_one_gloo(
             "generator.weight_sync_timeout_s": CALM_TIMEOUT_S,
         },
     )
-    log = tmp_path / "train.log"
-    process = _train(two_hosts, overrides, log)
-    try:
-        code = process.wait(timeout=300)
-    finally:
-        if process.poll() is None:
-            two_hosts.a.kill_all()
-    text = log.read_text(errors="replace")
-    assert code == 0, text[-4000:]
+    text = _train_to_the_end(two_hosts, overrides, tmp_path / "train.log")
     assert "ipc for engine(s) [0], one gloo group for engine(s) [1]]" in text, text[-4000:]
     assert f"engine(s) [1]: weight sync: 1 engine(s) dial {two_hosts.a.ip}" in text, text[-4000:]
     steps = [m for m in _metrics(tmp_path) if "reward/mean" in m]
