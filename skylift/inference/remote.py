@@ -128,8 +128,9 @@ class RemoteInferenceEngine(EngineBase):
     ) -> Any:
         """Send one request; returns the decoded JSON body (None if empty).
 
-        With `retry`, connection errors and 5xx answers are retried up to `max_retries` times
-        with exponential backoff and jitter. 4xx answers raise at once.
+        With `retry`, connection errors (an answer that broke off included) and 5xx answers are
+        retried up to `max_retries` times with exponential backoff and jitter. 4xx answers raise at
+        once. A server that cannot be reached is `RemoteEngineUnavailableError`.
         """
         attempts = 1 + (self.max_retries if retry else 0)
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
@@ -166,6 +167,8 @@ class RemoteInferenceEngine(EngineBase):
                 ) from e
             except aiohttp.ClientConnectionError as e:
                 last = RemoteEngineUnavailableError(self.url, operation, f"connection error: {e!r}")
+            except aiohttp.ClientPayloadError as e:  # the server died while it sent its answer
+                last = RemoteEngineUnavailableError(self.url, operation, f"the answer broke off: {e!r}")
             if attempt + 1 < attempts:
                 logger.warning("%s (attempt %d/%d), retrying", last, attempt + 1, attempts)
         assert last is not None

@@ -38,6 +38,8 @@ pytestmark = pytest.mark.integration
 
 #: the kill to the command's exit (shutting Ray down included); the sync's timeout is 300 s
 KILL_TO_EXIT_S = 60.0
+#: from the access log's line of the last generate to the kill: its 3 KB answer has been sent
+ANSWER_SENT_S = 1.0
 #: prompts per step: each is one generate request on the server (n samples each)
 PROMPTS_PER_STEP = 4
 
@@ -70,12 +72,18 @@ def _overrides(data: Path, run_dir: Path, model: Path, url: str) -> list[str]:
 
 
 def _kill_after_generations(log: Path, count: int, pgid: int, killed: list[float]) -> threading.Thread:
-    """SIGKILL the server's process group once its log shows `count` generate requests answered."""
+    """SIGKILL the server's process group once its log shows `count` generate requests answered.
+
+    The access log's line comes as the answer starts: the kill waits `ANSWER_SENT_S` more, so the
+    last answer's body has reached the run (killed mid-answer, the run loses the engine during
+    step 2's generation instead, which `test_remote_answer_broken_off.py` covers) and step 2's
+    training still runs (seconds), so its sync meets the dead engine."""
 
     def run() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if log.read_text(errors="replace").count('"POST /skylift/generate HTTP') >= count:
+                time.sleep(ANSWER_SENT_S)
                 os.killpg(pgid, signal.SIGKILL)
                 killed.append(time.monotonic())
                 return
