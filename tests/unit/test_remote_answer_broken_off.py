@@ -1,7 +1,7 @@
 """A `skylift serve` killed while it sends an answer: the client's request fails as the engine's
 unavailability (`RemoteEngineUnavailableError`), which the pool and the training loop handle (the
 engine taken out, the run stopped in one line), not as aiohttp's `ClientPayloadError` (a
-traceback, exit 1: found by tests/reliability/test_engine_death_ray_run.py under load)."""
+traceback, exit 1: found by a whole Ray run whose engine was killed under the suite's load)."""
 
 from __future__ import annotations
 
