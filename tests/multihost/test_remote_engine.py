@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hosts import TwoHosts, wait_until
+from hosts import Host, TwoHosts, wait_until
 from server_helpers import tiny_server_args
 
 from skylift.data import write_arithmetic_dataset
@@ -62,24 +62,31 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _serving(two_hosts: TwoHosts, host: Host, name: str, model: Path, log: Path) -> Iterator[Server]:
+    """A `skylift serve` on `host`, healthy and warmed up as seen from host A (across the link for
+    B); the caller ends it."""
+    cmd = [sys.executable, "-m", "skylift.inference.server", "--model", str(model)]
+    cmd += ["--host", host.ip, "--port", str(PORT), "--api-key", API_KEY, *tiny_server_args()]
+    process = host.popen(cmd, log, two_hosts.env_for(host))
+    server = Server(url=f"{host.ip}:{PORT}", process=process, log=log)
+    deadline = time.monotonic() + 420
+    while not two_hosts.a.call(_healthy, server.url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"server on host {name} did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(1.0)
+    two_hosts.a.call(_warm_up, server.url)
+    yield server
+
+
 @pytest.fixture(scope="module")
 def server_b(
     two_hosts: TwoHosts, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     b = two_hosts.b
-    log = tmp_path_factory.mktemp("server-b") / "server.log"
-    cmd = [sys.executable, "-m", "skylift.inference.server", "--model", str(tiny_model_dir)]
-    cmd += ["--host", b.ip, "--port", str(PORT), "--api-key", API_KEY, *tiny_server_args()]
-    process = b.popen(cmd, log, two_hosts.env_for(b))
-    server = Server(url=f"{b.ip}:{PORT}", process=process, log=log)
     try:
-        deadline = time.monotonic() + 420
-        while not two_hosts.a.call(_healthy, server.url):  # checked from host A, across the link
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server on host B did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(1.0)
-        two_hosts.a.call(_warm_up, server.url)
-        yield server
+        yield from _serving(
+            two_hosts, b, "B", tiny_model_dir, tmp_path_factory.mktemp("server-b") / "server.log"
+        )
     finally:
         b.kill_all(grace_s=20.0)
         leftover = b.pids()
@@ -236,19 +243,8 @@ def test_link_cut_during_a_step_stops_with_checkpoint_then_resumes(
 def server_a(two_hosts: TwoHosts, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
     """A second server, on host A beside the trainer (its workers share the trainer's host)."""
     a = two_hosts.a
-    log = tmp_path / "server-a.log"
-    cmd = [sys.executable, "-m", "skylift.inference.server", "--model", str(tiny_model_dir)]
-    cmd += ["--host", a.ip, "--port", str(PORT), "--api-key", API_KEY, *tiny_server_args()]
-    process = a.popen(cmd, log, two_hosts.env_for(a))
-    server = Server(url=f"{a.ip}:{PORT}", process=process, log=log)
     try:
-        deadline = time.monotonic() + 420
-        while not two_hosts.a.call(_healthy, server.url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server on host A did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(1.0)
-        two_hosts.a.call(_warm_up, server.url)
-        yield server
+        yield from _serving(two_hosts, a, "A", tiny_model_dir, tmp_path / "server-a.log")
     finally:
         a.kill_all(grace_s=20.0)
 
