@@ -232,6 +232,25 @@ def sync_transfer_bytes(cfg: SkyliftConfig, params: int, lora_adapter: bool = Tr
     return max(buckets, params * (2 if g.model_dtype in ("bfloat16", "float16") else 4))
 
 
+def _policy_shards(cfg: SkyliftConfig) -> int:
+    """The policy's ranks: its weights are sharded over this many GPUs."""
+    return cfg.trainer.placement.policy_num_nodes * cfg.trainer.placement.policy_num_gpus_per_node
+
+
+def _has_ref(cfg: SkyliftConfig) -> bool:
+    return cfg.trainer.algorithm.use_kl_loss or cfg.trainer.algorithm.use_kl_in_reward
+
+
+def _has_critic(cfg: SkyliftConfig) -> bool:
+    return cfg.trainer.algorithm.advantage_estimator == "gae"
+
+
+def _training_processes(cfg: SkyliftConfig) -> int:
+    """Training processes on each GPU: a policy rank, and a reference's and a critic's where the
+    algorithm has them."""
+    return 1 + int(_has_ref(cfg)) + int(_has_critic(cfg))
+
+
 def colocated_engine_fraction(
     cfg: SkyliftConfig, model_path: str | Path, gpu_bytes: int, say: Callable[[str], None]
 ) -> float:
@@ -247,14 +266,12 @@ def colocated_engine_fraction(
             f"generator.gpu_memory_utilization={requested}"
         )
         return requested
-    processes = 1 + int(t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward)
-    processes += int(t.algorithm.advantage_estimator == "gae")
     footprint = trainer_footprint(
         params,
         param_dtype_bytes=4,  # float32 training weights
-        shards=t.placement.policy_num_nodes * t.placement.policy_num_gpus_per_node,
+        shards=_policy_shards(cfg),
         offload_optimizer=t.policy.optimizer_config.offload_after_step,
-        processes=processes,
+        processes=_training_processes(cfg),
         transfer_bytes=sync_transfer_bytes(cfg, params, lora_sync(cfg, str(model_path)).adapter),
     )
     split = engine_memory_split(gpu_bytes, footprint.total_bytes, requested)
@@ -297,24 +314,22 @@ def awake_trainer_footprint(
     logits of the largest micro-batch (a training pass's twice: their gradient). Activations inside the model are not
     counted: `PROCESS_OVERHEAD_BYTES` per process is the slack for them."""
     t = cfg.trainer
-    shards = t.placement.policy_num_nodes * t.placement.policy_num_gpus_per_node
-    param_bytes = -(-params * 4 // max(1, shards))  # float32 training weights
+    param_bytes = -(-params * 4 // max(1, _policy_shards(cfg)))  # float32 training weights
     full_finetune = t.policy.model.lora.rank == 0
     gradients = param_bytes if full_finetune else 0
     optimizer = ADAMW_STATE_PER_PARAM * param_bytes if full_finetune else 0
-    ref = param_bytes if (t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward) else 0
-    critic = 4 * param_bytes if t.algorithm.advantage_estimator == "gae" else 0
+    ref = param_bytes if _has_ref(cfg) else 0
+    critic = 4 * param_bytes if _has_critic(cfg) else 0
     max_len = t.max_prompt_length + max_generate_length(cfg) * max(1, cfg.generator.max_turns)
     budget = t.max_tokens_per_microbatch  # -1: micro-batches by row counts
     train_tokens = budget if budget > 0 else t.micro_train_batch_size_per_gpu * max_len
     forward_tokens = budget if budget > 0 else t.micro_forward_batch_size_per_gpu * max_len
     logits = max(2 * train_tokens, forward_tokens) * vocab * 4  # float32; training: their gradient too
-    processes = 1 + int(bool(ref)) + int(bool(critic))
     return TrainerFootprint(
         param_bytes=param_bytes,
         optimizer_bytes=optimizer,
         transfer_bytes=sync_transfer_bytes(cfg, params, lora_adapter),
-        processes=processes,
+        processes=_training_processes(cfg),
         training_bytes=gradients + ref + critic + logits,
     )
 

@@ -198,11 +198,10 @@ def _span(ranks: list[int]) -> str:
 
 def _local_model(path: str) -> str | None:
     """The model's directory on this machine (a registry name already prepared counts), or None."""
-    from skylift.models import list_models
     from skylift.models.cache import model_dir
     from skylift.models.registry import is_prepared
 
-    if any(spec.name == path for spec in list_models()):
+    if _is_registry_name(path):
         return str(model_dir(path)) if is_prepared(path) else None
     local = Path(path).expanduser()
     return str(local) if local.is_dir() else None
@@ -212,11 +211,16 @@ def _sizing_reference(path: str, model: str | None) -> str | None:
     """What the memory split sizes the trainer from: the local directory, or a Hub id (its cached
     snapshot, else the Hub's safetensors count: `colocation.checkpoint_parameter_count`); None
     for a registry name not prepared here."""
-    from skylift.models import list_models
-
     if model is not None:
         return model
-    return None if any(spec.name == path for spec in list_models()) else path
+    return None if _is_registry_name(path) else path
+
+
+def _is_registry_name(path: str) -> bool:
+    """Whether `path` names one of skylift's built-in models (`skylift models list`)."""
+    from skylift.models import list_models
+
+    return any(spec.name == path for spec in list_models())
 
 
 def _memory_split(

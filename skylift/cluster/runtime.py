@@ -239,17 +239,14 @@ class Runtime:
                     self.cfg, sleep_mode=self.colocation.sleep_engines, lora_adapter=self.lora.adapter
                 ),
             )
-            if self.colocation.sleep_engines:  # what the trainer leaves of each GPU while they are awake
+            # the engines' share of a GPU the trainer holds too: colocated (asleep while it trains),
+            # or in-process on cuda:0 beside the training ranks' rank 0 (awake throughout)
+            share = colocated_engine_fraction if self.colocation.sleep_engines else None
+            if share is None and torch.cuda.is_available() and not self.use_ray and not self.eval_only:
+                share = awake_engine_fraction
+            if share is not None:
                 gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-                kwargs["gpu_memory_utilization"] = colocated_engine_fraction(
-                    self.cfg, self.model_path, gpu_bytes, self.say
-                )
-            elif torch.cuda.is_available() and not self.use_ray and not self.eval_only:
-                # in-process engines on cuda:0 beside the training ranks' rank 0, awake throughout
-                gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-                kwargs["gpu_memory_utilization"] = awake_engine_fraction(
-                    self.cfg, self.model_path, gpu_bytes, self.say
-                )
+                kwargs["gpu_memory_utilization"] = share(self.cfg, self.model_path, gpu_bytes, self.say)
             kwargs.setdefault("use_tqdm_on_load", self.verbose)  # vLLM's checkpoint-shard bar
             started = time.perf_counter()
             where = "as Ray actors" if self.use_ray else "in this process"
